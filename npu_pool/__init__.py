@@ -1,0 +1,30 @@
+"""npu_pool: a fragmentation-aware device memory pool for large-model training.
+
+The compiled core is loaded on first use of a name that needs it, so that the pure
+Python tools (trace import, reports) work even where the core is not built.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Pool": "npu_pool.pool",
+    "PoolError": "npu_pool.pool",
+    "set_fraction": "npu_pool.pool",
+    "POLICIES": "npu_pool.pool",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'npu_pool' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

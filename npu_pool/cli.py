@@ -1,0 +1,52 @@
+"""The ``npu-pool`` command: one entry point, one module per sub-command.
+
+Each sub-command lives in ``npu_pool/commands/<name>.py`` and defines
+``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when
+their command runs, so ``npu-pool --help`` stays fast and a missing optional
+dependency of one command never breaks another.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> one-line help. The module is npu_pool.commands.<name with - replaced by _>.
+COMMANDS: dict[str, str] = {
+    "demo": "capture a small model on CPU and replay it (and ../shared/traces) through every policy",
+    "import": "convert PyTorch memory snapshots (.pickle) into npu_pool traces",
+    "capture": "run real training steps of a small model on CPU and record its allocation trace",
+    "replay": "replay traces through allocator policies on the simulated device",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"npu_pool.commands.{name.replace('-', '_')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="npu-pool", description="fragmentation-aware device memory pool tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Build only the requested sub-parser fully; others get their help line.
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_ in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == wanted:
+            _module(name).add_arguments(p)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return int(_module(args.command).run(args) or 0)
+    except KeyboardInterrupt:
+        print("npu-pool: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as e:  # TraceError, PoolError and bad files land here
+        print(f"npu-pool {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

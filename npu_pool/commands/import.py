@@ -1,0 +1,50 @@
+"""``npu-pool import SNAPSHOT... --out DIR``: PyTorch memory snapshots to npu_pool traces.
+
+Writes ``<stem>.dev<N>.npt`` for each device with recorded events and prints one line
+per trace. Bad input raises TraceError, which the CLI reports as a one-line error.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from npu_pool.trace import Trace, TraceError
+from npu_pool.trace.snapshot import load_snapshot
+from npu_pool.trace.stats import initial_live_bytes, live_profile, op_counts
+
+_GIB = float(1 << 30)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the command's arguments."""
+    parser.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", type=Path,
+                        help="pickle written by torch.cuda.memory._dump_snapshot()")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="folder for the .npt traces (created if missing)")
+
+
+def _summary(path: Path, t: Trace) -> str:
+    counts = op_counts(t)
+    prof = live_profile(t)
+    line = (f"{path.name}: {len(t)} events, {counts.get('alloc', 0)} allocs, "
+            f"initial live {initial_live_bytes(t) / _GIB:.2f} GiB, peak live {prof.peak_bytes / _GIB:.2f} GiB, "
+            f"recorded reserved {t.meta['recorded']['peak_reserved_bytes'] / _GIB:.2f} GiB")
+    n_warn = len(t.meta.get("warnings", []))
+    return line + (f" ({n_warn} warnings in meta)" if n_warn else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Import every snapshot; stop at the first one that cannot be read."""
+    out: Path = args.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceError(f"{out}: cannot create output folder ({e.strerror or e})") from None
+    for snap in args.snapshots:
+        traces = load_snapshot(snap)
+        for t in traces:
+            t.validate()
+            dest = out / f"{snap.stem}.dev{t.meta['device']}.npt"
+            t.save(dest)
+            print(_summary(dest, t))
+    return 0

@@ -1,0 +1,177 @@
+/* api.c -- the public entry points: validate, lock, call the internals. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "context.h"
+
+static const np_policy *const policies[NP_POLICY_COUNT] = {
+    [NP_POLICY_TORCH] = &np_policy_torch,
+    [NP_POLICY_NPU_POOL] = &np_policy_npu_pool,
+    [NP_POLICY_EXPANDABLE] = &np_policy_expandable,
+};
+
+const char *np_policy_name(int policy) {
+  return policy >= 0 && policy < NP_POLICY_COUNT ? policies[policy]->name : "unknown";
+}
+
+void np_config_init(np_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->policy = NP_POLICY_NPU_POOL;
+  cfg->backend = NP_BACKEND_SIM;
+  cfg->capacity = 64 * NP_GIB;
+  cfg->vmm = 1;
+  cfg->fraction = 1.0;
+}
+
+static int check_fraction(double f) {
+  if (!(f > 0.0 && f <= 1.0)) /* also rejects NaN */
+    return np_error(NP_ERR_INVALID, "memory fraction must be in (0, 1], got %g", f);
+  return NP_OK;
+}
+
+np_backend *np_backend_create(const np_config *cfg) {
+  switch (cfg->backend) {
+    case NP_BACKEND_SIM: return np_backend_sim_create(cfg);
+    case NP_BACKEND_ACL: return np_backend_acl_create(cfg);
+    case NP_BACKEND_CUDA: return np_backend_cuda_create(cfg);
+    default: np_error(NP_ERR_INVALID, "unknown backend %d (sim=0, acl=1, cuda=2)", cfg->backend); return NULL;
+  }
+}
+
+int np_create(const np_config *cfg, np_ctx **out) {
+  *out = NULL;
+  if (!cfg) return np_error(NP_ERR_INVALID, "np_create: config is NULL");
+  if (cfg->policy < 0 || cfg->policy >= NP_POLICY_COUNT)
+    return np_error(NP_ERR_INVALID, "unknown policy %d (torch=0, npu_pool=1, expandable=2)", cfg->policy);
+  int rc = check_fraction(cfg->fraction);
+  if (rc != NP_OK) return rc;
+  np_ctx *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return np_error(NP_ERR_HOST, "host out of memory creating a context");
+  ctx->cfg = *cfg;
+  ctx->cfg.lib_path = NULL; /* not owned; only used while creating the backend */
+  ctx->policy = policies[cfg->policy];
+  ctx->default_life = ctx->base_life = NP_LIFE_LONG;
+  pthread_mutex_init(&ctx->lock, NULL);
+  if (!np_ptrmap_init(&ctx->live) || !np_lifetime_init(&ctx->life)) {
+    rc = np_error(NP_ERR_HOST, "host out of memory creating a context");
+    goto fail;
+  }
+  ctx->be = np_backend_create(cfg);
+  if (!ctx->be) {
+    rc = NP_ERR_BACKEND;
+    goto fail;
+  }
+  ctx->limit = (uint64_t)floor(cfg->fraction * (double)ctx->be->total);
+  rc = ctx->policy->init(ctx);
+  if (rc != NP_OK) goto fail;
+  *out = ctx;
+  return NP_OK;
+fail:
+  if (ctx->be) ctx->be->destroy(ctx->be);
+  np_lifetime_destroy(&ctx->life);
+  np_ptrmap_destroy(&ctx->live);
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+  return rc;
+}
+
+void np_destroy(np_ctx *ctx) {
+  if (!ctx) return;
+  ctx->policy->destroy(ctx); /* returns every segment to the backend */
+  ctx->be->destroy(ctx->be);
+  np_block_cache_destroy(&ctx->blocks);
+  np_lifetime_destroy(&ctx->life);
+  np_ptrmap_destroy(&ctx->live);
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+}
+
+int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out) {
+  return np_malloc_ex(ctx, size, stream, NP_LIFE_AUTO, -1, out);
+}
+
+int np_malloc_ex(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_malloc(ctx, size, stream, lifetime, site, out);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
+int np_free(np_ctx *ctx, void *ptr) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_free(ctx, ptr);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
+int np_empty_cache(np_ctx *ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_empty_cache(ctx);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
+int np_set_fraction(np_ctx *ctx, double fraction) {
+  int rc = check_fraction(fraction);
+  if (rc != NP_OK) return rc;
+  pthread_mutex_lock(&ctx->lock);
+  uint64_t limit = (uint64_t)floor(fraction * (double)ctx->be->total);
+  rc = ctx->policy->set_limit ? ctx->policy->set_limit(ctx, limit) : NP_OK;
+  if (rc == NP_OK) {
+    ctx->limit = limit;
+    ctx->cfg.fraction = fraction;
+  }
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
+void np_get_stats(np_ctx *ctx, np_stats *out) {
+  pthread_mutex_lock(&ctx->lock);
+  np_get_stats_locked(ctx, out);
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+void np_reset_peak(np_ctx *ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  np_pool_stats *ps[3] = {&ctx->st.total, &ctx->st.pool[0], &ctx->st.pool[1]};
+  for (int i = 0; i < 3; i++) {
+    np_counter *c[6] = {&ps[i]->allocated, &ps[i]->requested, &ps[i]->active,
+                        &ps[i]->reserved, &ps[i]->blocks, &ps[i]->segments};
+    for (int j = 0; j < 6; j++) c[j]->peak = c[j]->current;
+  }
+  ctx->st.arena_hwm.peak = ctx->st.arena_hwm.current;
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime) {
+  if (default_lifetime < NP_LIFE_AUTO || default_lifetime > NP_LIFE_SHORT)
+    return np_error(NP_ERR_INVALID, "default lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d",
+                    default_lifetime);
+  pthread_mutex_lock(&ctx->lock);
+  np_ctx_set_phase(ctx, phase, default_lifetime == NP_LIFE_AUTO ? NP_LIFE_LONG : default_lifetime);
+  pthread_mutex_unlock(&ctx->lock);
+  return NP_OK;
+}
+
+int np_mark(np_ctx *ctx, int code, int64_t arg) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_mark(ctx, code, arg);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
+int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
+  pthread_mutex_lock(&ctx->lock);
+  np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
+  *size = b ? b->size : 0;
+  pthread_mutex_unlock(&ctx->lock);
+  return b ? NP_OK : np_error(NP_ERR_UNKNOWN_PTR, "%p is not an allocated block of this pool", ptr);
+}
+
+int np_check(np_ctx *ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_check(ctx);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}

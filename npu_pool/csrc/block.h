@@ -1,0 +1,47 @@
+/* block.h -- a block is a contiguous byte range inside a segment.
+ *
+ * Invariants:
+ *  - the blocks of a segment tile it exactly, linked by prev/next in address order;
+ *  - two free neighbours of the same stream tag are never left unmerged (the
+ *    torch policy merges always; npu_pool keeps different-stream holes apart);
+ *  - a free block is in exactly one free tree (in_tree), an allocated one in the
+ *    pointer map; size is a multiple of NP_MIN_BLOCK.
+ */
+#ifndef NP_BLOCK_H
+#define NP_BLOCK_H
+
+#include "common.h"
+
+struct np_segment;
+
+typedef struct np_block {
+  uintptr_t addr;
+  uint64_t size;
+  uint64_t requested;            /* bytes asked for, when allocated */
+  intptr_t stream;               /* owner stream; for free blocks, who may reuse it */
+  struct np_block *prev, *next;  /* address-order neighbours in the segment */
+  struct np_segment *seg;
+  struct np_block *left, *right; /* free tree links */
+  struct np_block *hnext;        /* pointer-map chain */
+  uint32_t prio;                 /* treap priority */
+  uint32_t phase;                /* phase counter when allocated */
+  uint64_t born;                 /* allocation clock when allocated */
+  int32_t site;                  /* allocation site, -1 if unknown */
+  uint8_t allocated;
+  uint8_t pool;                  /* index into the context's pool stats */
+  uint8_t in_tree;
+  uint8_t mapped;                /* expandable: backed by physical pages */
+} np_block;
+
+/* Block structs come from a slab list owned by the context; never from the device. */
+typedef struct np_block_cache {
+  np_block *free_list;
+  void **slabs;
+  size_t n_slabs, cap_slabs;
+} np_block_cache;
+
+np_block *np_block_new(np_block_cache *bc);
+void np_block_delete(np_block_cache *bc, np_block *b);
+void np_block_cache_destroy(np_block_cache *bc);
+
+#endif

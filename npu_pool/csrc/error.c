@@ -1,0 +1,24 @@
+/* error.c -- per-thread error messages (like errno: each caller sees its own). */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "common.h"
+
+static _Thread_local char np_errbuf[1024];
+
+int np_error(int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(np_errbuf, sizeof np_errbuf, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+const char *np_last_error(void) { return np_errbuf; }
+
+const char *np_fmt_bytes(uint64_t bytes, char *buf) {
+  if (bytes >= NP_GIB) snprintf(buf, 32, "%.2f GiB", (double)bytes / (double)NP_GIB);
+  else if (bytes >= NP_MIB) snprintf(buf, 32, "%.2f MiB", (double)bytes / (double)NP_MIB);
+  else snprintf(buf, 32, "%llu bytes", (unsigned long long)bytes);
+  return buf;
+}

@@ -1,0 +1,156 @@
+/* replay.c -- serve a recorded alloc/free sequence through a context, in C.
+ *
+ * The loop holds the context's lock once and calls the internal entry points,
+ * so a replay measures the policy, not Python. Ids index a dense table of
+ * live pointers; an event that breaks the trace's rules is an NP_ERR_INVALID
+ * naming its index, a request the device cannot serve ends the replay with
+ * ok = 0 and fail_index set.
+ */
+#include <stdlib.h>
+#include <time.h>
+
+#include "context.h"
+#include "replay.h"
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* What the profiler's tensor category says about lifetime (oracle hints). */
+static int category_lifetime(uint8_t cat) {
+  switch (cat) {
+    case NP_CAT_PARAMETER:
+    case NP_CAT_GRADIENT:
+    case NP_CAT_OPTIMIZER_STATE:
+    case NP_CAT_ACTIVATION:
+    case NP_CAT_INPUT: return NP_LIFE_LONG;
+    case NP_CAT_TEMPORARY:
+    case NP_CAT_AUTOGRAD_DETAIL: return NP_LIFE_SHORT;
+    default: return NP_LIFE_AUTO;
+  }
+}
+
+typedef struct replay {
+  np_ctx *ctx;
+  const np_replay_in *in;
+  np_replay_out *out;
+  void **ptrs;       /* id -> live pointer */
+  uint64_t *sizes;   /* id -> requested size */
+  uint64_t live;
+} replay;
+
+static int bad_id(uint64_t i, int64_t id, const char *what) {
+  return np_error(NP_ERR_INVALID, "trace event %llu: %s id %lld", (unsigned long long)i, what, (long long)id);
+}
+
+static void placed(replay *r, uint64_t i, void *p, int64_t id) {
+  const np_replay_in *in = r->in;
+  r->ptrs[id] = p;
+  r->sizes[id] = in->size[i];
+  r->live += in->size[i];
+  if (r->live > r->out->peak_live) r->out->peak_live = r->live;
+  r->out->ops++;
+  if (in->addr[i]) {
+    r->out->compared++;
+    r->out->same_addr += (uintptr_t)p == in->addr[i];
+  }
+}
+
+/* Fidelity: place a run of initial allocations at their recorded addresses, highest first. */
+static int place_initial_run(replay *r, uint64_t first, uint64_t end) {
+  const np_replay_in *in = r->in;
+  for (uint64_t k = end; k-- > first;) {
+    int64_t id = in->id[k];
+    if (id < 0 || (uint64_t)id >= in->n_ids || r->ptrs[id]) return bad_id(k, id, "initial alloc of bad or live");
+    void *p;
+    int rc = np_ctx_alloc_at(r->ctx, in->addr[k], in->size[k], in->stream[k], &p);
+    if (rc != NP_OK) return rc;
+    placed(r, k, p, id);
+  }
+  return NP_OK;
+}
+
+static int run(replay *r) {
+  const np_replay_in *in = r->in;
+  np_ctx *ctx = r->ctx;
+  bool fidelity = in->fidelity && ctx->policy->alloc_at;
+  for (uint64_t i = 0; i < in->n; i++) {
+    uint8_t op = in->op[i];
+    int64_t id = in->id[i];
+    int rc = NP_OK;
+    switch (op) {
+      case NP_OP_INIT_ALLOC:
+        if (fidelity) {
+          uint64_t end = i;
+          while (end < in->n && in->op[end] == NP_OP_INIT_ALLOC) end++;
+          rc = place_initial_run(r, i, end);
+          if (rc != NP_OK) return rc;
+          i = end - 1;
+          break;
+        }
+        /* allocate fresh, as a long-lived request */
+        __attribute__((fallthrough));
+      case NP_OP_ALLOC: {
+        if (id < 0 || (uint64_t)id >= in->n_ids || r->ptrs[id]) return bad_id(i, id, "alloc of bad or live");
+        int life = op == NP_OP_INIT_ALLOC ? NP_LIFE_LONG : in->hints == 2 ? category_lifetime(in->cat[i]) : NP_LIFE_AUTO;
+        int32_t site = in->hints >= 1 ? in->site[i] : -1;
+        void *p;
+        rc = np_ctx_malloc(ctx, in->size[i], in->stream[i], life, site, &p);
+        if (rc == NP_ERR_OOM) {
+          r->out->fail_index = i;
+          return NP_OK; /* ok stays 0 */
+        }
+        if (rc != NP_OK) return rc;
+        placed(r, i, p, id);
+        break;
+      }
+      case NP_OP_FREE:
+        if (id < 0 || (uint64_t)id >= in->n_ids || !r->ptrs[id]) return bad_id(i, id, "free of bad or dead");
+        rc = np_ctx_free(ctx, r->ptrs[id]);
+        if (rc != NP_OK) return rc;
+        r->ptrs[id] = NULL;
+        r->live -= r->sizes[id];
+        r->out->ops++;
+        break;
+      case NP_OP_MARK:
+        if (in->hints >= 1) rc = np_ctx_mark(ctx, in->cat[i], id);
+        break;
+      case NP_OP_EMPTY_CACHE: rc = np_ctx_empty_cache(ctx); break;
+      case NP_OP_SEG_HINT:
+        if (fidelity && ctx->be->hint_addr) ctx->be->hint_addr(ctx->be, in->addr[i]);
+        break;
+      case NP_OP_INIT_SEGMENT:
+        if (fidelity) rc = ctx->policy->prime_segment(ctx, in->addr[i], in->size[i], in->stream[i], in->cat[i]);
+        break;
+      case NP_OP_SEG_FREE: break;
+      default: return np_error(NP_ERR_INVALID, "trace event %llu: unknown op %u", (unsigned long long)i, op);
+    }
+    if (rc != NP_OK) return rc;
+  }
+  r->out->ok = 1;
+  return NP_OK;
+}
+
+int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
+  *out = (np_replay_out){0};
+  if (!in || !in->op || !in->cat || !in->site || !in->id || !in->size || !in->stream || !in->addr)
+    return np_error(NP_ERR_INVALID, "replay: a trace column is missing");
+  if (in->hints < 0 || in->hints > 2) return np_error(NP_ERR_INVALID, "replay: hints must be 0, 1 or 2");
+  replay r = {ctx, in, out, calloc(in->n_ids ? in->n_ids : 1, sizeof(void *)),
+              calloc(in->n_ids ? in->n_ids : 1, sizeof(uint64_t)), 0};
+  if (!r.ptrs || !r.sizes) {
+    free(r.ptrs);
+    free(r.sizes);
+    return np_error(NP_ERR_HOST, "replay: host out of memory for %llu ids", (unsigned long long)in->n_ids);
+  }
+  pthread_mutex_lock(&ctx->lock);
+  uint64_t t0 = now_ns();
+  int rc = run(&r);
+  out->ns = now_ns() - t0;
+  pthread_mutex_unlock(&ctx->lock);
+  free(r.ptrs);
+  free(r.sizes);
+  return rc;
+}

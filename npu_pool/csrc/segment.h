@@ -1,0 +1,31 @@
+/* segment.h -- a segment is one range of device memory (one device malloc, or
+ * an address reservation whose pages are mapped on demand), tiled by blocks.
+ *
+ * Invariants: head is the lowest block; blocks are contiguous from addr to
+ * addr + size; every block's seg points back here; a segment is on its
+ * context's list from creation until its memory is returned to the device.
+ */
+#ifndef NP_SEGMENT_H
+#define NP_SEGMENT_H
+
+#include "block.h"
+
+typedef struct np_segment {
+  uintptr_t addr;
+  uint64_t size;
+  intptr_t stream;
+  uint8_t pool;
+  uint8_t reserved_only;    /* address reservation (pages mapped separately) */
+  np_block *head;
+  struct np_segment *prev, *next;
+  uint64_t mapped;          /* expandable: bytes mapped from addr */
+} np_segment;
+
+/* Split b into [b.addr, b.addr+size) and the rest; returns the piece of `size` bytes,
+ * taken from the high end when take_high. Both pieces keep b's stream and pool.
+ * NULL if the host is out of memory (b is then unchanged). */
+np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool take_high);
+/* Merge next into b (b->next == next, both free); next is deleted. */
+void np_block_merge_next(np_block_cache *bc, np_block *b);
+
+#endif

@@ -1,0 +1,149 @@
+/* tree.c -- treap of free blocks (see tree.h for the invariants). */
+#include "tree.h"
+
+static int key_cmp(const np_block *a, const np_block *b) {
+  if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;
+  if (a->size != b->size) return a->size < b->size ? -1 : 1;
+  if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
+  return 0;
+}
+
+static uint32_t next_prio(np_tree *t) {
+  /* xorshift64*: cheap, deterministic per tree */
+  uint64_t x = t->rng ? t->rng : 0x9E3779B97F4A7C15ull;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  t->rng = x;
+  return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+static np_block *rot_right(np_block *n) {
+  np_block *l = n->left;
+  n->left = l->right;
+  l->right = n;
+  return l;
+}
+
+static np_block *rot_left(np_block *n) {
+  np_block *r = n->right;
+  n->right = r->left;
+  r->left = n;
+  return r;
+}
+
+static np_block *insert(np_block *n, np_block *b) {
+  if (!n) return b;
+  if (key_cmp(b, n) < 0) {
+    n->left = insert(n->left, b);
+    if (n->left->prio > n->prio) n = rot_right(n);
+  } else {
+    n->right = insert(n->right, b);
+    if (n->right->prio > n->prio) n = rot_left(n);
+  }
+  return n;
+}
+
+static np_block *join(np_block *a, np_block *b) {
+  if (!a) return b;
+  if (!b) return a;
+  if (a->prio > b->prio) {
+    a->right = join(a->right, b);
+    return a;
+  }
+  b->left = join(a, b->left);
+  return b;
+}
+
+static np_block *remove_node(np_block *n, np_block *b) {
+  if (!n) return NULL;
+  if (n == b) return join(n->left, n->right);
+  if (key_cmp(b, n) < 0) n->left = remove_node(n->left, b);
+  else n->right = remove_node(n->right, b);
+  return n;
+}
+
+void np_tree_insert(np_tree *t, np_block *b) {
+  NP_ASSERT(!b->in_tree);
+  b->left = b->right = NULL;
+  b->prio = next_prio(t);
+  t->root = insert(t->root, b);
+  b->in_tree = 1;
+  t->count++;
+  t->bytes += b->size;
+}
+
+void np_tree_remove(np_tree *t, np_block *b) {
+  NP_ASSERT(b->in_tree);
+  t->root = remove_node(t->root, b);
+  b->in_tree = 0;
+  b->left = b->right = NULL;
+  t->count--;
+  t->bytes -= b->size;
+}
+
+np_block *np_tree_lower_bound(const np_tree *t, intptr_t stream, uint64_t size) {
+  np_block *best = NULL;
+  for (np_block *n = t->root; n;) {
+    bool ge = n->stream != stream ? n->stream > stream : n->size >= size;
+    if (ge) {
+      best = n;
+      n = n->left;
+    } else {
+      n = n->right;
+    }
+  }
+  return best;
+}
+
+np_block *np_tree_best_fit(const np_tree *t, intptr_t stream, uint64_t size) {
+  np_block *b = np_tree_lower_bound(t, stream, size);
+  return b && b->stream == stream ? b : NULL;
+}
+
+np_block *np_tree_next(const np_tree *t, const np_block *b) {
+  np_block *best = NULL;
+  for (np_block *n = t->root; n;) {
+    if (key_cmp(n, b) > 0) {
+      best = n;
+      n = n->left;
+    } else {
+      n = n->right;
+    }
+  }
+  return best;
+}
+
+static np_block *max_node(np_block *n) {
+  if (!n) return NULL;
+  np_block *best = n, *l = max_node(n->left), *r = max_node(n->right);
+  if (l && l->size > best->size) best = l;
+  if (r && r->size > best->size) best = r;
+  return best;
+}
+
+/* Keys order by stream first, so the largest block needs a full walk; stats-time only. */
+np_block *np_tree_max(const np_tree *t) { return max_node(t->root); }
+
+static bool walk(np_block *n, bool (*fn)(np_block *, void *), void *arg) {
+  if (!n) return true;
+  return walk(n->left, fn, arg) && fn(n, arg) && walk(n->right, fn, arg);
+}
+
+void np_tree_walk(const np_tree *t, bool (*fn)(np_block *b, void *arg), void *arg) { walk(t->root, fn, arg); }
+
+static bool check(const np_block *n, const np_block *lo, const np_block *hi, size_t *count, uint64_t *bytes) {
+  if (!n) return true;
+  if (!n->in_tree || n->allocated) return false;
+  if ((lo && key_cmp(lo, n) >= 0) || (hi && key_cmp(n, hi) >= 0)) return false;
+  if ((n->left && n->left->prio > n->prio) || (n->right && n->right->prio > n->prio)) return false;
+  (*count)++;
+  *bytes += n->size;
+  return check(n->left, lo, n, count, bytes) && check(n->right, n, hi, count, bytes);
+}
+
+bool np_tree_check(const np_tree *t) {
+  size_t count = 0;
+  uint64_t bytes = 0;
+  return check(t->root, NULL, NULL, &count, &bytes) && count == t->count && bytes == t->bytes;
+}

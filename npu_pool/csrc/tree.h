@@ -1,0 +1,35 @@
+/* tree.h -- ordered set of free blocks keyed by (stream, size, address).
+ *
+ * A treap: expected O(log n) insert, remove and lower_bound. The key order is
+ * PyTorch's BlockComparatorSize, so "smallest block of this stream that fits,
+ * lowest address first" is one lower_bound. Invariants: keys unique (addresses
+ * are), BST order on keys, heap order on prio; count = number of nodes.
+ */
+#ifndef NP_TREE_H
+#define NP_TREE_H
+
+#include "block.h"
+
+typedef struct np_tree {
+  np_block *root;
+  size_t count;
+  uint64_t bytes;     /* sum of sizes */
+  uint64_t rng;       /* priority generator state */
+} np_tree;
+
+void np_tree_insert(np_tree *t, np_block *b);
+void np_tree_remove(np_tree *t, np_block *b);
+/* Smallest block with key >= (stream, size, 0); NULL if none. May be of another stream. */
+np_block *np_tree_lower_bound(const np_tree *t, intptr_t stream, uint64_t size);
+/* Smallest-fitting block of exactly this stream, or NULL. */
+np_block *np_tree_best_fit(const np_tree *t, intptr_t stream, uint64_t size);
+/* The block after b in key order, or NULL. */
+np_block *np_tree_next(const np_tree *t, const np_block *b);
+/* Largest block of any stream, or NULL. */
+np_block *np_tree_max(const np_tree *t);
+/* In-order walk; stops early when fn returns false. */
+void np_tree_walk(const np_tree *t, bool (*fn)(np_block *b, void *arg), void *arg);
+/* Verify order, heap and count invariants; returns false on violation. */
+bool np_tree_check(const np_tree *t);
+
+#endif

@@ -1,0 +1,403 @@
+"""Import PyTorch CUDA memory snapshots (``torch.cuda.memory._dump_snapshot``) as traces.
+
+A snapshot holds ``device_traces`` (per device, the events recorded since
+``_record_memory_history`` was switched on) and ``segments`` (the allocator's state
+when it was dumped). Recording usually starts mid-run, so the state at the start of
+the window is rebuilt from frees without allocs, the end-state blocks and a backward
+walk over segment events; see docs/trace_format.md.
+
+The pickle is read with an unpickler that refuses every global: a snapshot is plain
+dicts, lists, tuples, strings and numbers, so anything else is rejected unexecuted.
+Sites come from each alloc's innermost Python frames, skipping torch's and the
+stdlib's own files where a user frame exists.
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from .format import (CAT_UNKNOWN, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT,
+                     OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE, POOL_SMALL, Trace, TraceError)
+
+__all__ = ["load_snapshot", "snapshot_to_traces"]
+
+_SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
+_SITE_FRAMES = 4  # innermost user frames kept per site
+_MAX_WARNINGS = 50
+_ACTIVE = ("active_allocated", "active_pending_free")
+_SEG_NEW = ("segment_alloc", "segment_map")
+_SEG_GONE = ("segment_free", "segment_unmap")
+_IGNORED = ("snapshot", "oom", "free_requested")
+# A library frame: torch's own (site-packages/torch/..., a source checkout's torch/) or the stdlib's.
+_LIB_FRAME = re.compile(r"(?:^|[\\/])torch[\\/]|[\\/]python3(?:\.\d+)?[\\/](?!site-packages|dist-packages)[^\\/]+\.py$")
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """The pickle referenced a global; raised before anything is imported or called."""
+
+
+class _NoGlobals(pickle.Unpickler):
+    """Unpickler for plain data: every global (class, function) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _RefusedGlobal(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def _unpickle(data: bytes, name: str) -> Any:
+    try:
+        return _NoGlobals(io.BytesIO(data)).load()
+    except _RefusedGlobal as e:
+        raise TraceError(f"{name}: not a PyTorch memory snapshot: the pickle needs the global {e} "
+                         "(refused, nothing was executed)") from None
+    except RecursionError:
+        raise TraceError(f"{name}: pickle nests too deeply; not a memory snapshot") from None
+    except Exception as e:  # truncated/corrupt pickles raise many different types
+        raise TraceError(f"{name}: not a valid pickle; corrupt or truncated ({type(e).__name__}: {e})") from None
+
+
+def load_snapshot(path: str | Path) -> list[Trace]:
+    """Read a snapshot pickle; one Trace per device with recorded events."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
+    return snapshot_to_traces(_unpickle(data, str(path)), path.name)
+
+
+def snapshot_to_traces(obj: Any, name: str = "<snapshot>") -> list[Trace]:
+    """Convert an already-unpickled snapshot dict; ``name`` goes into messages and meta["origin"]."""
+    if not isinstance(obj, dict):
+        raise TraceError(f"{name}: not a PyTorch memory snapshot (top level is {type(obj).__name__}, not dict)")
+    segments = obj.get("segments", [])
+    _expect(isinstance(segments, list), name, "segments", "a list", segments)
+    traces = obj.get("device_traces")
+    if traces is None or (isinstance(traces, list) and all(t == [] for t in traces)):
+        if "segments" in obj:
+            raise TraceError(f"{name}: snapshot has segments but no device_traces events; it was recorded "
+                             "without torch.cuda.memory._record_memory_history()")
+        raise TraceError(f"{name}: not a PyTorch memory snapshot (no 'device_traces' key)")
+    _expect(isinstance(traces, list), name, "device_traces", "a list", traces)
+    settings = obj.get("allocator_settings")
+    if settings is not None:
+        _expect(isinstance(settings, dict), name, "allocator_settings", "a dict", settings)
+    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    out = []
+    for dev, events in enumerate(traces):
+        where = f"device_traces[{dev}]"
+        _expect(isinstance(events, list), name, where, "a list", events)
+        if not events:
+            continue
+        evs = [_event(e, name, f"{where}[{i}]") for i, e in enumerate(events)]
+        dev_segs = [s for s in segs if s["device"] == dev]
+        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs)).build()
+        t.meta["origin"] = name
+        t.meta["device"] = dev
+        expandable = any(s["is_expandable"] for s in segs)
+        if settings is not None:
+            t.meta["allocator_settings"] = json.loads(json.dumps(settings, default=str, skipkeys=True))
+            expandable = expandable or bool(settings.get("expandable_segments", False))
+        t.meta["expandable_segments"] = expandable
+        out.append(t)
+    return out
+
+
+# -- validation of the untrusted dicts -----------------------------------------------------
+
+
+def _expect(ok: bool, name: str, where: str, what: str, value: Any) -> None:
+    if not ok:
+        raise TraceError(f"{name}: {where} should be {what}, got {type(value).__name__}")
+
+
+def _int(d: dict, key: str, name: str, where: str, default: int | None = None, signed: bool = False) -> int:
+    v = d.get(key, default)
+    if v is None:
+        raise TraceError(f"{name}: {where} has no {key!r}")
+    lo, hi = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
+    if not isinstance(v, int) or not lo <= v < hi:
+        raise TraceError(f"{name}: {where}.{key} should be a{'n' if signed else ' non-negative'} "
+                         f"64-bit integer, got {v!r:.60}")
+    return v
+
+
+def _frames(d: dict, name: str, where: str) -> list:
+    frames = d.get("frames", [])
+    _expect(isinstance(frames, list), name, f"{where}.frames", "a list", frames)
+    return frames
+
+
+def _event(e: Any, name: str, where: str) -> tuple:
+    """Check one trace entry; return (action, addr, size, stream, frames)."""
+    _expect(isinstance(e, dict), name, where, "a dict", e)
+    action = e.get("action")
+    _expect(isinstance(action, str), name, f"{where}.action", "a string", action)
+    return (action, _int(e, "addr", name, where), _int(e, "size", name, where),
+            _int(e, "stream", name, where, 0, signed=True), _frames(e, name, where))
+
+
+def _segment(s: Any, name: str, where: str) -> dict:
+    """Check one end-state segment; return the fields the importer uses."""
+    _expect(isinstance(s, dict), name, where, "a dict", s)
+    blocks = s.get("blocks", [])
+    _expect(isinstance(blocks, list), name, f"{where}.blocks", "a list", blocks)
+    out_blocks = []
+    for j, b in enumerate(blocks):
+        bw = f"{where}.blocks[{j}]"
+        _expect(isinstance(b, dict), name, bw, "a dict", b)
+        state = b.get("state")
+        _expect(isinstance(state, str), name, f"{bw}.state", "a string", state)
+        size = _int(b, "size", name, bw)
+        out_blocks.append({"addr": _int(b, "address", name, bw), "size": size, "state": state,
+                           "requested": _int(b, "requested_size", name, bw, size),
+                           "frames": _frames(b, name, bw)})
+    kind = s.get("segment_type")
+    return {"device": _int(s, "device", name, where, 0), "addr": _int(s, "address", name, where),
+            "size": _int(s, "total_size", name, where), "stream": _int(s, "stream", name, where, 0, signed=True),
+            "pool": {"small": POOL_SMALL, "large": POOL_LARGE}.get(kind) if isinstance(kind, str) else None,
+            "is_expandable": bool(s.get("is_expandable", False)), "blocks": out_blocks}
+
+
+def _pool(size: int) -> int:
+    return POOL_SMALL if size == _SMALL_SEGMENT else POOL_LARGE
+
+
+# -- sites ---------------------------------------------------------------------------------
+
+
+class _Sites:
+    """Interns call-site strings built from an event's Python frames."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.strings: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def site(self, frames: list, where: str) -> int:
+        """Index of the site for ``frames`` (innermost first), -1 when there is no Python frame."""
+        user, lib = [], []
+        for f in frames:
+            if not isinstance(f, dict):
+                raise TraceError(f"{self.name}: {where}.frames should hold dicts, got {type(f).__name__}")
+            fn = f.get("filename", "")
+            if not isinstance(fn, str) or not fn.endswith(".py"):
+                continue
+            (lib if _LIB_FRAME.search(fn) else user).append(f)
+            if len(user) == _SITE_FRAMES:
+                break
+        chosen = user or lib[:_SITE_FRAMES]
+        if not chosen:
+            return -1
+        key = " < ".join(f"{_short(f['filename'])}:{f.get('line', 0)}:{f.get('name', '?')}" for f in chosen)
+        idx = self._index.get(key)
+        if idx is None:
+            idx = self._index[key] = len(self.strings)
+            self.strings.append(key)
+        return idx
+
+
+def _short(filename: str) -> str:
+    """The last two components of a path: enough to tell files apart, no home directories."""
+    parts = re.split(r"[\\/]", filename)
+    return "/".join(parts[-2:])
+
+
+# -- the conversion ------------------------------------------------------------------------
+
+
+class _Builder:
+    """Builds one device's Trace: window events, then the rebuilt initial state in front."""
+
+    def __init__(self, name: str, dev: int, events: list[tuple], segments: list[dict], check_segments: bool):
+        self.name, self.dev, self.events, self.segments = name, dev, events, segments
+        self.check_segments = check_segments
+        self.sites = _Sites(name)
+        self.warnings: list[str] = []
+        self.n_warnings = 0
+        self.ignored: dict[str, int] = {}
+        # window events as rows [op, cat, site, id, size, stream, addr]; ids < 0 name initial allocs
+        self.rows: list[list[int]] = []
+        self.init_allocs: list[list[int]] = []  # rows with op OP_INIT_ALLOC, provisional ids -1, -2, ...
+        self.n_window_ids = 0
+
+    def warn(self, msg: str) -> None:
+        self.n_warnings += 1
+        if len(self.warnings) < _MAX_WARNINGS:
+            self.warnings.append(msg)
+
+    def build(self) -> Trace:
+        live = self._window()
+        self._end_state(live)
+        init_segs = self._initial_segments()
+        self._check_inside(init_segs)
+        return self._assemble(init_segs)
+
+    def _free_points(self) -> set[int]:
+        """Indices of free_requested events that are a block's free point (no free_completed follows)."""
+        pending: dict[int, int] = {}
+        use: set[int] = set()
+        for i, (action, addr, _, _, _) in enumerate(self.events):
+            if action == "free_requested":
+                if addr in pending:
+                    use.add(pending[addr])
+                pending[addr] = i
+            elif action == "free_completed":
+                pending.pop(addr, None)
+            elif action == "alloc" and addr in pending:
+                use.add(pending.pop(addr))
+        use.update(pending.values())
+        return use
+
+    def _window(self) -> dict[int, list[int]]:
+        """Translate the window's events; return the allocations live at its end (addr -> row)."""
+        use_requested = self._free_points()
+        live: dict[int, list[int]] = {}
+        self.seen: set[int] = set()  # addresses allocated or freed in the window
+        rows, prev = self.rows, None
+        for i, (action, addr, size, stream, frames) in enumerate(self.events):
+            if action == "alloc":
+                if addr in live:
+                    self.warn(f"event {i}: alloc at {addr:#x} which is still live; freeing the old block first")
+                    self._free(live.pop(addr))
+                row = [OP_ALLOC, CAT_UNKNOWN, self.sites.site(frames, f"device_traces[{self.dev}][{i}]"),
+                       self.n_window_ids, size, stream, addr]
+                self.n_window_ids += 1
+                rows.append(row)
+                live[addr] = row
+                self.seen.add(addr)
+            elif action == "free_completed" or (action == "free_requested" and i in use_requested):
+                row = live.pop(addr, None)
+                if row is None and addr in self.seen:
+                    self.warn(f"event {i}: {action} at {addr:#x} which was already freed; ignored")
+                else:
+                    if row is None:  # allocated before the window began
+                        row = [OP_INIT_ALLOC, CAT_UNKNOWN, -1, -1 - len(self.init_allocs), size, stream, addr]
+                        self.init_allocs.append(row)
+                    elif row[4] != size:
+                        self.warn(f"event {i}: {action} size {size} differs from the alloc's {row[4]}")
+                    self.seen.add(addr)
+                    self._free(row)
+            elif action in _SEG_NEW:
+                rows.append([OP_SEG_HINT, _pool(size), -1, -1, size, stream, addr])
+            elif action in _SEG_GONE:
+                if prev not in _SEG_GONE:
+                    rows.append([OP_EMPTY_CACHE, 0, -1, -1, 0, stream, 0])
+                rows.append([OP_SEG_FREE, _pool(size), -1, -1, size, stream, addr])
+            else:
+                if action not in _IGNORED:
+                    self.warn(f"event {i}: unknown action {action!r:.40}; ignored")
+                self.ignored[action] = self.ignored.get(action, 0) + 1
+            prev = action
+        return live
+
+    def _free(self, alloc_row: list[int]) -> None:
+        self.rows.append([OP_FREE, *alloc_row[1:]])
+
+    def _end_state(self, live: dict[int, list[int]]) -> None:
+        """Add end-state allocated blocks with no event in the window as initial allocations."""
+        active = set()
+        for seg in self.segments:
+            for b in seg["blocks"]:
+                if b["state"] not in _ACTIVE:
+                    continue
+                active.add(b["addr"])
+                row = live.get(b["addr"])
+                if row is not None:
+                    if row[4] != b["requested"]:
+                        self.warn(f"block {b['addr']:#x}: end-state requested size {b['requested']} "
+                                  f"differs from its alloc's {row[4]}")
+                elif b["addr"] not in self.seen:
+                    site = self.sites.site(b["frames"], f"block {b['addr']:#x}")
+                    self.init_allocs.append([OP_INIT_ALLOC, CAT_UNKNOWN, site, -1 - len(self.init_allocs),
+                                             b["requested"], seg["stream"], b["addr"]])
+                elif b["state"] == "active_allocated":
+                    self.warn(f"block {b['addr']:#x} is allocated at the end but was freed in the window")
+        if self.check_segments:
+            missing = [a for a in live if a not in active]
+            if missing:
+                self.warn(f"{len(missing)} allocations live at the window's end are not active blocks of the "
+                          f"end-state segments (first at {missing[0]:#x})")
+
+    def _initial_segments(self) -> dict[int, tuple[int, int, int]]:
+        """Segments reserved when the window began: end state, undone backwards (addr -> size, stream, pool)."""
+        segs = {s["addr"]: (s["size"], s["stream"], s["pool"] if s["pool"] is not None else _pool(s["size"]))
+                for s in self.segments}
+        for i in range(len(self.events) - 1, -1, -1):
+            action, addr, size, stream, _ = self.events[i]
+            if action in _SEG_GONE:
+                if addr in segs:
+                    self.warn(f"event {i}: {action} at {addr:#x}, but a segment is there again later "
+                              "without a segment_alloc")
+                segs[addr] = (size, stream, _pool(size))
+            elif action in _SEG_NEW:
+                if segs.pop(addr, None) is None:
+                    self.warn(f"event {i}: {action} at {addr:#x} made a segment that is neither in the end "
+                              "state nor freed later in the window")
+        return segs
+
+    def _check_inside(self, segs: dict[int, tuple[int, int, int]]) -> None:
+        if not self.check_segments or not self.init_allocs:
+            return
+        starts = sorted(segs)
+        outside = 0
+        for row in self.init_allocs:
+            addr, size = row[6], row[4]
+            k = bisect.bisect_right(starts, addr) - 1
+            if k < 0 or addr + size > starts[k] + segs[starts[k]][0]:
+                outside += 1
+                if outside == 1:
+                    self.warn(f"initial allocation at {addr:#x} ({size} bytes) lies in no initial segment")
+        if outside > 1:
+            self.warn(f"{outside} initial allocations lie in no initial segment")
+
+    def _assemble(self, init_segs: dict[int, tuple[int, int, int]]) -> Trace:
+        # Initial allocs get ids 0..k-1 in address order, window allocs k.. in event order.
+        self.init_allocs.sort(key=lambda r: r[6])
+        k = len(self.init_allocs)
+        remap = {row[3]: j for j, row in enumerate(self.init_allocs)}
+        t = Trace()
+        cols = (t.op, t.cat, t.site, t.id, t.size, t.stream, t.addr)
+        for addr in sorted(init_segs):
+            size, stream, pool = init_segs[addr]
+            _put(cols, (OP_INIT_SEGMENT, pool, -1, -1, size, stream, addr))
+        for row in self.init_allocs:
+            row[3] = remap[row[3]]
+            _put(cols, row)
+        for row in self.rows:
+            if row[0] in (OP_ALLOC, OP_FREE):
+                row = list(row)
+                row[3] = remap[row[3]] if row[3] < 0 else row[3] + k
+            _put(cols, row)
+        if self.n_warnings > len(self.warnings):
+            self.warnings.append(f"... and {self.n_warnings - len(self.warnings)} more warnings")
+        t.meta.update(sites=self.sites.strings, n_ids=k + self.n_window_ids, ignored_events=self.ignored,
+                      warnings=self.warnings, recorded=self._recorded(init_segs))
+        return t
+
+    def _recorded(self, init_segs: dict[int, tuple[int, int, int]]) -> dict[str, int]:
+        """What the stock allocator reserved: at the window's start and at its peak."""
+        sizes = {a: v[0] for a, v in init_segs.items()}
+        reserved = initial = sum(sizes.values())
+        peak, n_new = reserved, 0
+        for action, addr, size, _, _ in self.events:
+            if action in _SEG_NEW:
+                n_new += action == "segment_alloc"
+                reserved += size
+                sizes[addr] = size
+                peak = max(peak, reserved)
+            elif action in _SEG_GONE:
+                reserved -= size if size else sizes.get(addr, 0)
+        return {"peak_reserved_bytes": peak, "segment_allocs": n_new, "initial_reserved_bytes": initial}
+
+
+def _put(cols: Iterable, row: Iterable[int]) -> None:
+    for col, v in zip(cols, row):
+        col.append(v)

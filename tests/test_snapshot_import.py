@@ -1,0 +1,280 @@
+"""Importing PyTorch memory snapshots: window rebuild, hostile input, the real traces."""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from npu_pool.cli import main
+from npu_pool.trace import Trace, TraceError
+from npu_pool.trace.format import (OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT,
+                                   OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE, POOL_SMALL)
+from npu_pool.trace.snapshot import load_snapshot, snapshot_to_traces
+from npu_pool.trace.stats import initial_live_bytes, live_profile, op_counts
+
+_SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+M = 1 << 20
+
+_C_FRAME = {"filename": "??", "line": 0, "name": "c10::alloc"}
+_USER = [_C_FRAME,
+         {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
+         {"filename": "/home/u/proj/model.py", "line": 10, "name": "forward"},
+         {"filename": "/usr/lib/python3.11/runpy.py", "line": 86, "name": "_run_code"},
+         {"filename": "/home/u/proj/train.py", "line": 20, "name": "main"}]
+_BLOCK_FRAMES = [{"filename": "/home/u/proj/setup.py", "line": 5, "name": "build"}]
+_TORCH_ONLY = [{"filename": "/x/site-packages/torch/optim/adamw.py", "line": 7, "name": "step"}]
+
+
+def _ev(action: str, addr: int = 0, size: int = 0, frames: list | None = None, stream: int = 0) -> dict:
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "frames": frames or [], "time_us": 1}
+
+
+def _block(addr: int, size: int, state: str, requested: int | None = None, frames: list | None = None) -> dict:
+    return {"address": addr, "size": size, "requested_size": size if requested is None else requested,
+            "state": state, "frames": frames or []}
+
+
+def _windowed() -> dict:
+    """A window that starts mid-run; comments give what the importer must rebuild."""
+    events = [
+        _ev("free_completed", 400 * M, 1 * M),                  # 0 pre-window alloc, its segment freed later
+        _ev("free_requested", 112 * M, 3 * M),                  # 1 pre-window alloc
+        _ev("free_completed", 112 * M, 3 * M),                  # 2
+        _ev("alloc", 104 * M, 8 * M, _USER),                    # 3 live at the end
+        _ev("segment_alloc", 300 * M, 10 * M),                  # 4 not an initial segment
+        _ev("alloc", 300 * M, 1 * M, _TORCH_ONLY),              # 5
+        _ev("free_requested", 300 * M, 1 * M),                  # 6
+        _ev("free_completed", 300 * M, 1 * M),                  # 7
+        _ev("snapshot"),                                        # 8 ignored
+        _ev("segment_free", 400 * M, 2 * M),                    # 9  run 1: one empty_cache
+        _ev("segment_free", 500 * M, 30 * M),                   # 10
+        _ev("alloc", 116 * M, 4 * M, _USER),                    # 11
+        _ev("free_requested", 116 * M, 4 * M),                  # 12 never completed: the free point
+        _ev("segment_alloc", 700 * M, 2 * M),                   # 13 made and released in the window
+        _ev("segment_free", 700 * M, 2 * M),                    # 14 run 2
+    ]
+    segments = [
+        {"device": 0, "address": 100 * M, "total_size": 20 * M, "stream": 0, "segment_type": "large",
+         "is_expandable": False, "blocks": [
+             _block(100 * M, 4 * M, "active_allocated", 4 * M - 100, _BLOCK_FRAMES),  # pre-window, never touched
+             _block(104 * M, 8 * M, "active_allocated"),
+             _block(112 * M, 4 * M, "inactive"),
+             _block(116 * M, 4 * M, "active_pending_free")]},
+        {"device": 0, "address": 200 * M, "total_size": 2 * M, "stream": 0, "segment_type": "small",
+         "blocks": [_block(200 * M, 2 * M, "inactive")]},
+        {"device": 0, "address": 300 * M, "total_size": 10 * M, "stream": 0, "segment_type": "large",
+         "blocks": [_block(300 * M, 10 * M, "inactive")]},
+    ]
+    return {"segments": segments, "device_traces": [events]}
+
+
+def _rows(t: Trace) -> list[tuple]:
+    return [(e.op, e.id, e.addr // M, e.size) for e in t.events()]
+
+
+def test_windowed_rebuild_and_order() -> None:
+    (t,) = snapshot_to_traces(_windowed(), "win.pickle")
+    t.validate()
+    assert _rows(t) == [
+        (OP_INIT_SEGMENT, -1, 100, 20 * M), (OP_INIT_SEGMENT, -1, 200, 2 * M),
+        (OP_INIT_SEGMENT, -1, 400, 2 * M), (OP_INIT_SEGMENT, -1, 500, 30 * M),
+        (OP_INIT_ALLOC, 0, 100, 4 * M - 100), (OP_INIT_ALLOC, 1, 112, 3 * M), (OP_INIT_ALLOC, 2, 400, 1 * M),
+        (OP_FREE, 2, 400, 1 * M), (OP_FREE, 1, 112, 3 * M),
+        (OP_ALLOC, 3, 104, 8 * M),
+        (OP_SEG_HINT, -1, 300, 10 * M),
+        (OP_ALLOC, 4, 300, 1 * M), (OP_FREE, 4, 300, 1 * M),
+        (OP_EMPTY_CACHE, -1, 0, 0), (OP_SEG_FREE, -1, 400, 2 * M), (OP_SEG_FREE, -1, 500, 30 * M),
+        (OP_ALLOC, 5, 116, 4 * M), (OP_FREE, 5, 116, 4 * M),
+        (OP_SEG_HINT, -1, 700, 2 * M), (OP_EMPTY_CACHE, -1, 0, 0), (OP_SEG_FREE, -1, 700, 2 * M),
+    ]
+    # pools: end-state segment_type where known, else the 2 MiB rule
+    assert list(t.cat[:4]) == [POOL_LARGE, POOL_SMALL, POOL_SMALL, POOL_LARGE]
+    assert t.meta["n_ids"] == 6
+    assert t.meta["device"] == 0 and t.meta["origin"] == "win.pickle"
+    assert t.meta["ignored_events"] == {"free_requested": 2, "snapshot": 1}
+    assert t.meta["warnings"] == []
+    assert t.meta["recorded"] == {"initial_reserved_bytes": 54 * M, "peak_reserved_bytes": 64 * M,
+                                  "segment_allocs": 2}
+    assert t.meta["expandable_segments"] is False and "allocator_settings" not in t.meta
+    assert initial_live_bytes(t) == 8 * M - 100
+    assert live_profile(t) == (4 * M - 100 + 8 * M + 4 * M, 16)  # init block at 100 MiB + 104 + 116
+
+
+def test_sites() -> None:
+    (t,) = snapshot_to_traces(_windowed(), "win.pickle")
+    sites = t.meta["sites"]
+    by_addr = {(e.op, e.addr // M): e.site for e in t.events() if e.op in (OP_ALLOC, OP_INIT_ALLOC)}
+    # user frames only, innermost first, torch's and the stdlib's own frames skipped
+    assert sites[by_addr[OP_ALLOC, 104]] == "proj/model.py:10:forward < proj/train.py:20:main"
+    assert by_addr[OP_ALLOC, 116] == by_addr[OP_ALLOC, 104]
+    assert sites[by_addr[OP_ALLOC, 300]] == "optim/adamw.py:7:step"  # torch frames when nothing else
+    assert sites[by_addr[OP_INIT_ALLOC, 100]] == "proj/setup.py:5:build"  # from the end-state block
+    assert by_addr[OP_INIT_ALLOC, 112] == -1  # a free's frames are not an allocation site
+    assert len(sites) == len(set(sites)) == 3
+
+
+def test_site_keeps_four_innermost_user_frames() -> None:
+    frames = [{"filename": f"/p/m{i}.py", "line": i, "name": f"f{i}"} for i in range(6)]
+    snap = {"device_traces": [[_ev("alloc", 0, 8, frames), _ev("alloc", 64, 8, [_C_FRAME])]]}
+    (t,) = snapshot_to_traces(snap, "s")
+    assert t.meta["sites"] == [" < ".join(f"p/m{i}.py:{i}:f{i}" for i in range(4))]
+    assert list(t.site) == [0, -1]
+
+
+def test_anomalies_become_warnings() -> None:
+    snap = _windowed()
+    snap["device_traces"][0] += [_ev("free_completed", 900 * M, 1 * M),   # outside every segment
+                                 _ev("free_completed", 900 * M, 1 * M),   # freed twice
+                                 _ev("weird_action", 1, 1)]
+    (t,) = snapshot_to_traces(snap, "win.pickle")
+    t.validate()
+    text = "\n".join(t.meta["warnings"])
+    assert "lies in no initial segment" in text
+    assert "already freed" in text
+    assert "unknown action 'weird_action'" in text
+    assert t.meta["ignored_events"]["weird_action"] == 1
+
+
+def test_per_device_and_settings() -> None:
+    dev1 = [_ev("alloc", 8 * M, 100), _ev("free_completed", 8 * M, 100), _ev("free_completed", 10 * M, 50)]
+    snap = {"device_traces": [[], dev1],
+            "segments": [{"device": 0, "address": 0, "total_size": 2 * M, "stream": 0, "blocks": []},
+                         {"device": 1, "address": 8 * M, "total_size": 4 * M, "stream": 0,
+                          "is_expandable": True, "blocks": []}],
+            "allocator_settings": {"expandable_segments": False}}
+    (t,) = snapshot_to_traces(snap, "multi")
+    assert t.meta["device"] == 1
+    assert t.meta["expandable_segments"] is True  # a segment says so, whatever the settings
+    assert t.meta["allocator_settings"] == {"expandable_segments": False}
+    snap["allocator_settings"] = {"expandable_segments": True, "odd": (1, b"x")}
+    snap["segments"][1]["is_expandable"] = False
+    (t,) = snapshot_to_traces(snap, "multi")
+    assert t.meta["expandable_segments"] is True  # from the settings
+    assert t.meta["allocator_settings"]["odd"] == [1, "b'x'"]  # kept JSON-serialisable
+    assert [(e.op, e.addr // M) for e in t.events() if e.op == OP_INIT_SEGMENT] == [(OP_INIT_SEGMENT, 8)]
+    assert t.meta["warnings"] == []
+
+
+# -- hostile and broken input ----------------------------------------------------------------
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_refuses_global_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[]], "x": _Evil(marker)}))
+    with pytest.raises(TraceError, match=r"evil\.pickle.*global .*system"):
+        load_snapshot(path)
+    assert not marker.exists()
+
+
+def test_refuses_ordered_dict(tmp_path: Path) -> None:
+    path = tmp_path / "od.pickle"
+    path.write_bytes(pickle.dumps(collections.OrderedDict(device_traces=[[]])))
+    with pytest.raises(TraceError, match=r"od\.pickle.*collections\.OrderedDict"):
+        load_snapshot(path)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 10, -1, -5])
+def test_truncated_pickle(tmp_path: Path, keep: int) -> None:
+    data = pickle.dumps(_windowed())
+    path = tmp_path / "cut.pickle"
+    path.write_bytes(data[:keep])
+    with pytest.raises(TraceError, match=r"cut\.pickle.*(corrupt|truncated)"):
+        load_snapshot(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="nope.pickle: cannot read"):
+        load_snapshot(tmp_path / "nope.pickle")
+
+
+@pytest.mark.parametrize("obj, msg", [
+    ([1, 2], "top level is list"),
+    ({"segments": []}, "recorded without torch.cuda.memory._record_memory_history"),
+    ({"segments": [], "device_traces": [[], []]}, "_record_memory_history"),
+    ({"foo": 1}, "no 'device_traces' key"),
+    ({"device_traces": "abc"}, "device_traces should be a list"),
+    ({"device_traces": [{"a": 1}]}, r"device_traces\[0\] should be a list"),
+    ({"device_traces": [0]}, r"device_traces\[0\] should be a list"),
+    ({"device_traces": [[1]]}, r"device_traces\[0\]\[0\] should be a dict"),
+    ({"device_traces": [[{"action": 3}]]}, r"action should be a string"),
+    ({"device_traces": [[{**_ev("alloc"), "size": "big"}]]}, r"\[0\]\[0\]\.size should be a non-negative"),
+    ({"device_traces": [[{**_ev("alloc"), "addr": -5}]]}, r"addr should be a non-negative"),
+    ({"device_traces": [[{"action": "alloc", "size": 1}]]}, r"has no 'addr'"),
+    ({"device_traces": [[{**_ev("alloc"), "frames": "x"}]]}, r"frames should be a list"),
+    ({"device_traces": [[{**_ev("alloc"), "frames": [1]}]]}, r"frames should hold dicts"),
+    ({"device_traces": [[_ev("alloc")]], "segments": {}}, "segments should be a list"),
+    ({"device_traces": [[_ev("alloc")]], "segments": [{"address": 1}]}, r"segments\[0\] has no 'total_size'"),
+    ({"device_traces": [[_ev("alloc")]], "segments": [{"address": 1, "total_size": 2, "blocks": [{}]}]},
+     r"blocks\[0\]\.state should be a string"),
+    ({"device_traces": [[_ev("alloc")]], "allocator_settings": [1]}, "allocator_settings should be a dict"),
+])
+def test_foreign_input(obj: object, msg: str) -> None:
+    with pytest.raises(TraceError, match=msg) as info:
+        snapshot_to_traces(obj, "foreign.pickle")
+    assert str(info.value).startswith("foreign.pickle: ")
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def test_cli_import(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = tmp_path / "win.pickle"
+    src.write_bytes(pickle.dumps(_windowed()))
+    assert main(["import", str(src), "--out", str(tmp_path / "out")]) == 0
+    t = Trace.load(tmp_path / "out" / "win.dev0.npt")
+    t.validate()
+    assert op_counts(t)["alloc"] == 3
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("win.dev0.npt: 21 events, 3 allocs, initial live ") and "peak live" in line
+
+
+def test_cli_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"\x80\x04garbage")
+    assert main(["import", str(bad), "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "npu-pool import: error:" in err and "bad.pickle" in err
+
+
+# -- the real traces (skipped without ../shared/traces) -------------------------------------------
+
+
+def _readme_rows() -> list[dict[str, str]]:
+    """The README's table as dicts keyed by its header."""
+    lines = [ln for ln in (_SHARED / "README.md").read_text().splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    header = cells[0]
+    return [dict(zip(header, row)) for row in cells[2:] if row[0].endswith(".pickle")]
+
+
+_REAL = _readme_rows() if (_SHARED / "README.md").is_file() else []
+_NO_SHARED = [pytest.param(None, marks=pytest.mark.skip(reason=f"{_SHARED} is absent"))]
+
+
+@pytest.mark.parametrize("row", _REAL or _NO_SHARED, ids=lambda r: r["file"] if r else "absent")
+def test_real_trace(row: dict[str, str]) -> None:
+    traces = load_snapshot(_SHARED / row["file"])
+    assert len(traces) == 1
+    (t,) = traces
+    t.validate()
+    assert t.meta["warnings"] == []
+    assert op_counts(t)["alloc"] == int(row["allocs"])
+    # README values are rounded to 0.01 GiB
+    gib = float(1 << 30)
+    assert live_profile(t).peak_bytes / gib == pytest.approx(float(row["peak live GiB"]), abs=0.01)
+    assert t.meta["recorded"]["peak_reserved_bytes"] / gib == pytest.approx(
+        float(row["recorded reserved GiB"]), abs=0.01)
+    # every initial allocation inside an initial segment, ids dense
+    assert t.n_ids == sum(1 for op in t.op if op in (OP_ALLOC, OP_INIT_ALLOC))
