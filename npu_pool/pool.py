@@ -26,6 +26,10 @@ class OutOfMemoryError(PoolError, MemoryError):
     """The device, or the fraction cap, has no room for the request."""
 
 
+class InvalidArgumentError(PoolError, ValueError):
+    """A bad argument: size 0, absurd size, bad fraction, unknown name."""
+
+
 class DoubleFreeError(PoolError):
     """The pointer was allocated by this pool and already freed."""
 
@@ -35,13 +39,12 @@ class UnknownPointerError(PoolError):
 
 
 _ERRORS: dict[int, type[PoolError]] = {lib.NP_ERR_OOM: OutOfMemoryError, lib.NP_ERR_DOUBLE_FREE: DoubleFreeError,
-                                       lib.NP_ERR_UNKNOWN_PTR: UnknownPointerError}
+                                       lib.NP_ERR_UNKNOWN_PTR: UnknownPointerError,
+                                       lib.NP_ERR_INVALID: InvalidArgumentError}
 
 
 def _raise(code: int) -> None:
     message = ffi.string(lib.np_last_error()).decode(errors="replace")
-    if code == lib.NP_ERR_INVALID:
-        raise ValueError(message)
     raise _ERRORS.get(code, PoolError)(code, message)
 
 
@@ -54,7 +57,8 @@ def _lookup(table: dict[str, int], value: str, what: str) -> int:
     try:
         return table[value]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(table)}") from None
+        raise InvalidArgumentError(lib.NP_ERR_INVALID,
+                                   f"unknown {what} {value!r}; choose one of {', '.join(table)}") from None
 
 
 def _as_dict(obj: Any) -> Any:
@@ -86,7 +90,7 @@ class Pool:
         cfg.policy = _lookup(POLICIES, policy, "policy")
         cfg.backend = _lookup(BACKENDS, backend, "backend")
         if not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
+            raise InvalidArgumentError(lib.NP_ERR_INVALID, f"capacity must be a positive number of bytes, got {capacity!r}")
         cfg.capacity = capacity
         cfg.host_backed = bool(host_backed)
         cfg.vmm = bool(vmm)
@@ -127,7 +131,7 @@ class Pool:
     def malloc(self, size: int, stream: int = 0, lifetime: str = "auto", site: int = -1) -> int:
         """Allocate ``size`` bytes on ``stream``; returns the device address."""
         if not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be a non-negative int, got {size!r}")
+            raise InvalidArgumentError(lib.NP_ERR_INVALID, f"size must be a non-negative int, got {size!r}")
         out = ffi.new("void **")
         life = _lookup(LIFETIMES, lifetime, "lifetime")
         _check(lib.np_malloc_ex(self.ctx, size, stream, life, site, out))
@@ -176,6 +180,17 @@ class Pool:
         d["policy"] = self.policy
         d["vmm"] = bool(d["vmm"])
         return d
+
+    def blocks(self) -> list[dict[str, Any]]:
+        """Every block of every segment, in address order (segment map for reports)."""
+        n = ffi.new("size_t *")
+        _check(lib.np_blocks(self.ctx, ffi.NULL, 0, n))
+        while True:
+            cap = n[0]
+            buf = ffi.new("np_block_info[]", max(cap, 1))
+            _check(lib.np_blocks(self.ctx, buf, cap, n))
+            if n[0] <= cap:
+                return [_as_dict(buf[i]) for i in range(n[0])]
 
     def reset_peak(self) -> None:
         """Reset every peak to the current value."""

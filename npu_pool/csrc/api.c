@@ -175,3 +175,35 @@ int np_check(np_ctx *ctx) {
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
+
+static int seg_cmp(const void *a, const void *b) {
+  uintptr_t x = (*(np_segment *const *)a)->addr, y = (*(np_segment *const *)b)->addr;
+  return x < y ? -1 : x > y;
+}
+
+int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
+  pthread_mutex_lock(&ctx->lock);
+  size_t nseg = 0, k = 0;
+  for (np_segment *s = ctx->segments; s; s = s->next) nseg++;
+  np_segment **segs = malloc((nseg ? nseg : 1) * sizeof *segs);
+  if (!segs) {
+    pthread_mutex_unlock(&ctx->lock);
+    return np_error(NP_ERR_HOST, "host out of memory listing blocks");
+  }
+  nseg = 0;
+  for (np_segment *s = ctx->segments; s; s = s->next) segs[nseg++] = s;
+  qsort(segs, nseg, sizeof *segs, seg_cmp);
+  for (size_t i = 0; i < nseg; i++) {
+    for (np_block *b = segs[i]->head; b; b = b->next, k++) {
+      if (k >= cap) continue;
+      out[k] = (np_block_info){.segment = segs[i]->addr, .segment_size = segs[i]->size, .addr = b->addr,
+                               .size = b->size, .requested = b->allocated ? b->requested : 0,
+                               .stream = b->stream, .site = b->allocated ? b->site : -1, .pool = b->pool,
+                               .allocated = b->allocated, .mapped = b->mapped};
+    }
+  }
+  *n = k;
+  free(segs);
+  pthread_mutex_unlock(&ctx->lock);
+  return NP_OK;
+}

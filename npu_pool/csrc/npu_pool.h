@@ -94,6 +94,7 @@ typedef struct np_replay_in {
   uint64_t n_ids;           /* ids are 0..n_ids-1 */
   int fidelity;             /* prime recorded segments, take recorded segment addresses */
   int hints;                /* 0: none, 1: sites and markers (what a device sees), 2: categories (oracle) */
+  uint64_t *placed;         /* optional (NULL): per event, the address an allocation got */
 } np_replay_in;
 
 typedef struct np_replay_out {
@@ -102,9 +103,23 @@ typedef struct np_replay_out {
   uint64_t ops;             /* alloc + free calls made */
   uint64_t ns;              /* wall time of the loop */
   uint64_t peak_live;       /* peak of requested live bytes */
-  uint64_t same_addr;       /* allocations placed at their recorded address */
-  uint64_t compared;        /* allocations with a recorded address */
+  uint64_t same_addr;       /* window allocations placed at their recorded address */
+  uint64_t compared;        /* window allocations with a recorded address */
 } np_replay_out;
+
+/* One block of the segment map (np_blocks). */
+typedef struct np_block_info {
+  uint64_t segment;         /* segment base address */
+  uint64_t segment_size;
+  uint64_t addr;
+  uint64_t size;
+  uint64_t requested;       /* 0 for free blocks */
+  int64_t stream;           /* free npu_pool blocks: INT64_MIN when usable by every stream */
+  int32_t site;
+  uint8_t pool;
+  uint8_t allocated;
+  uint8_t mapped;           /* backed by physical memory */
+} np_block_info;
 
 void np_config_init(np_config *cfg);
 int np_create(const np_config *cfg, np_ctx **out);
@@ -127,7 +142,10 @@ int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime);
 int np_mark(np_ctx *ctx, int code, int64_t arg);
 
 int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size);
-int np_check(np_ctx *ctx);               /* verify every invariant; NP_OK or an error naming it */
+int np_check(np_ctx *ctx);
+/* Copy up to cap blocks of every segment into out, segments in address order; *n gets the
+ * total number of blocks (call with cap 0 to size the buffer). */
+int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n);               /* verify every invariant; NP_OK or an error naming it */
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
 
 const char *np_last_error(void);

@@ -42,6 +42,7 @@ typedef struct arena_state {
   uint8_t *mapped;      /* one byte per page: 1 if mapped */
   uint64_t n_pages;
   uint64_t mapped_bytes;
+  uint64_t page_hwm;    /* pages at or above this index have never been mapped */
 } arena_state;
 
 static arena_state *state(np_ctx *ctx) { return (arena_state *)ctx->pstate; }
@@ -59,11 +60,12 @@ static int arena_init(np_ctx *ctx) {
   return NP_OK;
 }
 
-/* Create the arena: reserve the whole device's address space (VMM) or allocate the cap. */
+/* Create the arena: reserve address space for twice the device (VMM: unmapped holes
+ * left by empty_cache must not stop the top from growing) or allocate the cap. */
 static int ensure_arena(np_ctx *ctx) {
   arena_state *as = state(ctx);
   if (as->seg) return NP_OK;
-  uint64_t size = as->vmm ? np_round_up(ctx->be->total, as->page) : np_round_down(ctx->limit, NP_MIN_BLOCK);
+  uint64_t size = as->vmm ? 2 * np_round_up(ctx->be->total, as->page) : np_round_down(ctx->limit, NP_MIN_BLOCK);
   if (size == 0) return np_error(NP_ERR_OOM, "the memory fraction cap leaves no room for an arena");
   np_segment *seg;
   int rc = np_segment_create(ctx, size, NP_STREAM_ANY, LONG_POOL, as->vmm, &seg);
@@ -85,6 +87,7 @@ static int ensure_arena(np_ctx *ctx) {
 /* Unmap the mapped pages among pages [first, end). */
 static void unmap_pages(np_ctx *ctx, uint64_t first, uint64_t end) {
   arena_state *as = state(ctx);
+  if (end > as->page_hwm) end = as->page_hwm;
   for (uint64_t p = first; p < end;) {
     if (!as->mapped[p]) {
       p++;
@@ -118,6 +121,7 @@ static void drop_arena(np_ctx *ctx) {
   as->top = NULL;
   as->mapped = NULL;
   as->mapped_bytes = 0;
+  as->page_hwm = 0;
 }
 
 static void arena_destroy(np_ctx *ctx) {
@@ -148,6 +152,7 @@ static int map_range(np_ctx *ctx, uintptr_t addr, uint64_t size) {
     int rc = ctx->be->map(ctx->be, as->seg->addr + p * as->page, (q - p) * as->page);
     if (rc != NP_OK) return rc; /* pages mapped so far stay mapped and accounted */
     memset(as->mapped + p, 1, q - p);
+    if (q > as->page_hwm) as->page_hwm = q;
     as->mapped_bytes += (q - p) * as->page;
     np_counter_add(&ctx->st.total.reserved, (q - p) * as->page);
     ctx->st.device_mallocs++;
@@ -337,7 +342,7 @@ static void arena_fill_stats(np_ctx *ctx, np_stats *st) {
     uint64_t room = as->top->size;
     if (as->vmm) {
       uint64_t mapped_in_top = 0, first = np_round_up(as->top->addr - as->seg->addr, as->page) / as->page;
-      for (uint64_t p = first; p < as->n_pages; p++) mapped_in_top += as->mapped[p] ? as->page : 0;
+      for (uint64_t p = first; p < as->page_hwm; p++) mapped_in_top += as->mapped[p] ? as->page : 0;
       uint64_t free_cap = ctx->limit > as->mapped_bytes ? ctx->limit - as->mapped_bytes : 0;
       room = np_min_u64(room, free_cap + mapped_in_top);
     }

@@ -52,7 +52,8 @@ static void placed(replay *r, uint64_t i, void *p, int64_t id) {
   r->live += in->size[i];
   if (r->live > r->out->peak_live) r->out->peak_live = r->live;
   r->out->ops++;
-  if (in->addr[i]) {
+  if (in->placed) in->placed[i] = (uintptr_t)p;
+  if (in->addr[i] && in->op[i] == NP_OP_ALLOC) { /* placements inside the window */
     r->out->compared++;
     r->out->same_addr += (uintptr_t)p == in->addr[i];
   }

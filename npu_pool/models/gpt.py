@@ -169,11 +169,27 @@ class MoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            tok, slot = torch.nonzero(chosen == e, as_tuple=True)
+            tok, slot = _balanced_route(x, e, len(self.experts), self.top_k) if _is_fake(x) else \
+                torch.nonzero(chosen == e, as_tuple=True)
             if tok.numel():
                 y = expert(x[tok]) * weights[tok, slot, None]
                 out = out.index_add(0, tok, y.to(out.dtype))
         return out.view(shape)
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    """Shape-only tensor (FakeTensorMode or meta): data-dependent routing is impossible."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return x.is_meta or is_fake(x)
+
+
+def _balanced_route(x: torch.Tensor, e: int, n_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and slot indices of expert ``e`` under perfectly balanced routing (fake capture)."""
+    total = x.shape[0] * top_k
+    count = total // n_experts + (1 if e < total % n_experts else 0)
+    idx = torch.arange(count, device=x.device)
+    return idx % x.shape[0], idx % top_k
 
 
 class Block(nn.Module):
@@ -244,7 +260,7 @@ def make_config(flavour: str, shape: str | None = None, **overrides: Any) -> GPT
     if shape is not None:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-        cfg = replace(cfg, n_kv_heads=None, **SHAPES[shape])
+        cfg = replace(cfg, **{"n_kv_heads": None, **SHAPES[shape]})
         if flavour == "moe":
             cfg = replace(cfg, n_experts=8, top_k=2)  # Mixtral-style 8 experts, top-2
     return replace(cfg, **{k: v for k, v in overrides.items() if v is not None}).local()

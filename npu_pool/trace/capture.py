@@ -94,10 +94,12 @@ class _Loop:
     progress: bool = True
     before_opt: Callable[[int], None] = lambda step: None
     generator: torch.Generator | None = None
+    on_batch: Callable[[torch.Tensor], None] = lambda tokens: None
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         kw = {"generator": self.generator} if self.generator is not None else {}
         tokens = torch.randint(self.vocab, (self.batch, self.seq + 1), **kw)
+        self.on_batch(tokens)
         return tokens[:, :-1], tokens[:, 1:]
 
     def run(self) -> None:

@@ -1,0 +1,87 @@
+"""``npu-pool capture``: record the allocation trace of real (or fake) training steps."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..trace.capture import DEFAULTS
+
+_FAKE_SEQ = 2048
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..models import MODEL_NAMES, SHAPES
+
+    p.add_argument("--model", default=DEFAULTS["model"], choices=MODEL_NAMES,
+                   help="model to train (hf-* need the optional transformers package)")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training iterations")
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per micro-batch")
+    p.add_argument("--seq", type=int, default=None,
+                   help=f"tokens per sequence (default {DEFAULTS['seq']}, {_FAKE_SEQ} with --fake)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: small model's, or shape's / pp)")
+    p.add_argument("--dim", type=int, default=None, help=f"hidden size of the small model (default {DEFAULTS['dim']})")
+    p.add_argument("--heads", type=int, default=None, help=f"attention heads (default {DEFAULTS['heads']})")
+    p.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {DEFAULTS['vocab']})")
+    p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast forwards (mixed precision)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="published layer shape (implies --fake)")
+    p.add_argument("--fake", action="store_true", help="FakeTensorMode: shapes only, no memory used")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to slice the shape by (fake)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages to divide the layers by (fake)")
+    p.add_argument("--keep-host-scalars", action="store_true",
+                   help="keep 0-dim host scalars (wrapped Python numbers) in real captures")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", "-o", help="write the trace here (.npt)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..trace.capture import CaptureError, capture, summarize
+
+    fake = args.fake or args.shape is not None
+    if fake and args.shape is None:
+        print("npu-pool capture: error: --fake needs --shape (one of 7b, 13b, 70b)", file=sys.stderr)
+        return 2
+    if fake and args.model.startswith("hf-"):
+        print("npu-pool capture: error: --fake supports the own models gpt, llama, moe", file=sys.stderr)
+        return 2
+    mp = "bf16" if args.bf16 else None
+    progress = not args.no_progress
+    try:
+        if fake:
+            from ..trace.fake_capture import fake_capture
+
+            trace = fake_capture(args.model, args.shape, args.steps, args.batch, args.seq or _FAKE_SEQ,
+                                 layers=args.layers, tp=args.tp, pp=args.pp, recompute=args.recompute,
+                                 grad_accum=args.grad_accum, mixed_precision=mp, progress=progress)
+        else:
+            trace = capture(args.model, args.steps, args.batch, args.seq or DEFAULTS["seq"],
+                            layers=args.layers or DEFAULTS["layers"], dim=args.dim or DEFAULTS["dim"],
+                            heads=args.heads or DEFAULTS["heads"], vocab=args.vocab or DEFAULTS["vocab"],
+                            recompute=args.recompute, grad_accum=args.grad_accum, mixed_precision=mp,
+                            seed=args.seed, keep_host_scalars=args.keep_host_scalars, progress=progress)
+    except CaptureError as e:
+        print(f"npu-pool capture: error: {e}", file=sys.stderr)
+        return 1
+    trace.validate()
+    s = summarize(trace)
+    c = trace.meta["capture"]
+    what = f"{c['model']}-{c['shape']} (fake, tp {c['tp']}, {c['layers']} layers)" if fake else c["model"]
+    print(f"captured {what}: {c['steps']} steps x {c['grad_accum']} micro-batches of {c['batch']}x{c['seq']} tokens,"
+          f" recompute {'on' if c['recompute'] else 'off'}, {c['mixed_precision'] or 'fp32'},"
+          f" {c['total_s']:.1f} s")
+    print(f"events {s['events']}  allocs {s['allocs']}  frees {s['frees']}  marks {s['marks']}"
+          f"  sites {len(trace.meta.get('sites', []))}  host scalars left out {trace.meta.get('host_scalars_dropped', 0)}")
+    print(f"peak live {_mib(s['peak_bytes'])} at event {s['peak_event']}; live at end {_mib(s['end_bytes'])}")
+    print("bytes by category at the peak:")
+    for name, b in sorted(s["peak_by_category"].items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<16} {_mib(b):>14}  {100 * b / max(1, s['peak_bytes']):5.1f}%")
+    if args.out:
+        trace.save(args.out)
+        print(f"wrote {args.out}")
+    return 0

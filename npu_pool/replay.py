@@ -1,0 +1,195 @@
+"""Replay traces through allocator policies on the simulated device.
+
+Every policy serves the same recorded alloc/free sequence; the C loop does the
+work (no Python per event). Two figures per policy:
+
+- peak reserved with room to spare (a 1 TiB simulated device);
+- minimum capacity: the smallest device (at 2 MiB resolution) on which the
+  whole trace completes, found by bisection, with the release-and-retry events
+  the policy needed there.
+"""
+from __future__ import annotations
+
+import array
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from ._core import ffi, lib
+from .pool import POLICIES, Pool, _check
+from .trace.format import COLUMNS, OP_ALLOC, OP_INIT_SEGMENT, Trace
+from .trace.stats import live_profile
+
+UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
+CAPACITY_STEP = 2 << 20       # resolution of the minimum-capacity search
+HINTS = {"none": 0, "sites": 1, "oracle": 2}
+
+
+@dataclass
+class RunResult:
+    """One replay of one trace through one policy on one device size."""
+
+    ok: bool
+    fail_index: int
+    ops: int
+    ns: int
+    peak_live_bytes: int
+    peak_reserved_bytes: int
+    device_mallocs: int
+    retries: int
+    same_addr: int
+    compared: int
+    stats: dict[str, Any]
+
+
+@dataclass
+class PolicyResult:
+    """The figures `npu-pool replay --json` writes (exactly these keys)."""
+
+    trace: str
+    policy: str
+    peak_live_bytes: int
+    peak_reserved_bytes: int
+    utilization: float
+    min_capacity_bytes: int | None
+    retries_at_min_capacity: int | None
+    device_mallocs: int
+    ops: int
+    ns_per_op: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "sites",
+        placed: "array.array | None" = None, **pool_kwargs: Any) -> RunResult:
+    """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
+
+    ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
+    address each allocation event got (0 for other events)."""
+    if hints not in HINTS:
+        raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
+    n_ids = trace.n_ids
+    with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
+        inp = ffi.new("np_replay_in *")
+        keep = []  # the buffers must outlive the call
+        for name, code in COLUMNS:
+            col = getattr(trace, name)
+            ctype = {"B": "uint8_t[]", "i": "int32_t[]", "q": "int64_t[]", "Q": "uint64_t[]"}[code]
+            buf = ffi.from_buffer(ctype, col) if len(col) else ffi.new(ctype, 1)
+            keep.append(buf)
+            setattr(inp, name, buf)
+        inp.n = len(trace)
+        inp.n_ids = n_ids
+        inp.fidelity = int(fidelity)
+        inp.hints = HINTS[hints]
+        if placed is not None:
+            if len(placed) != len(trace) or placed.typecode != "Q":
+                raise ValueError("placed must be an array('Q') with one entry per event")
+            keep.append(ffi.from_buffer("uint64_t[]", placed))
+            inp.placed = keep[-1]
+        out = ffi.new("np_replay_out *")
+        _check(lib.np_replay(pool.ctx, inp, out))
+        st = pool.stats()
+    return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
+                     peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
+                     device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
+                     compared=int(out.compared), stats=st)
+
+
+def min_capacity(trace: Trace, policy: str, *, hints: str = "sites", lo: int | None = None,
+                 hi: int | None = None) -> tuple[int, RunResult]:
+    """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run."""
+    lo = live_profile(trace).peak_bytes if lo is None else lo
+    if hi is None:
+        hi = run(trace, policy, hints=hints).peak_reserved_bytes
+    step = CAPACITY_STEP
+    k_lo, k_hi = max(1, -(-lo // step)), max(1, -(-hi // step))
+    best = run(trace, policy, k_hi * step, hints=hints)
+    while not best.ok:  # the unlimited run's reserve may not suffice on a capped device (retries differ)
+        k_lo, k_hi = k_hi + 1, k_hi * 2
+        best = run(trace, policy, k_hi * step, hints=hints)
+    while k_lo < k_hi:
+        mid = (k_lo + k_hi) // 2
+        r = run(trace, policy, mid * step, hints=hints)
+        if r.ok:
+            k_hi, best = mid, r
+        else:
+            k_lo = mid + 1
+    return k_hi * step, best
+
+
+def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "sites", with_min_capacity: bool = True) -> PolicyResult:
+    """All figures of one trace under one policy."""
+    free_run = run(trace, policy, hints=hints)
+    if not free_run.ok:
+        raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
+    cap = retries = None
+    if with_min_capacity:
+        cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
+                                   hi=free_run.peak_reserved_bytes)
+        retries = at_cap.retries
+    reserved = free_run.peak_reserved_bytes
+    return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,
+                        peak_reserved_bytes=reserved,
+                        utilization=free_run.peak_live_bytes / reserved if reserved else 1.0,
+                        min_capacity_bytes=cap, retries_at_min_capacity=retries,
+                        device_mallocs=free_run.device_mallocs, ops=free_run.ops,
+                        ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0)
+
+
+@dataclass
+class Fidelity:
+    """How closely the torch model reproduces a recorded run."""
+
+    trace: str
+    recorded_peak_reserved: int
+    simulated_peak_reserved: int
+    recorded_segment_allocs: int
+    simulated_segment_allocs: int
+    same_place: float          # share of window allocations at their recorded address
+    compared: int
+
+    @property
+    def reserved_error(self) -> float:
+        r = self.recorded_peak_reserved
+        return abs(self.simulated_peak_reserved - r) / r if r else 0.0
+
+    @property
+    def segments_error(self) -> float:
+        r = self.recorded_segment_allocs
+        return abs(self.simulated_segment_allocs - r) / r if r else float(self.simulated_segment_allocs != 0)
+
+    @property
+    def passed(self) -> bool:
+        return self.reserved_error <= 0.01 and self.segments_error <= 0.02
+
+
+def validate(trace: Trace, name: str) -> Fidelity:
+    """Replay with the torch model from the recorded state and compare with what was recorded."""
+    if trace.meta.get("expandable_segments"):
+        raise ValueError(f"{name}: recorded with expandable segments; --validate models the classic allocator only")
+    rec = trace.meta.get("recorded")
+    if not rec:
+        raise ValueError(f"{name}: the trace carries no recorded figures (import it from a PyTorch snapshot)")
+    r = run(trace, "torch", fidelity=True, hints="none")
+    if not r.ok:
+        raise RuntimeError(f"{name}: the torch model failed at event {r.fail_index}")
+    primed = sum(1 for op in trace.op if op == OP_INIT_SEGMENT)
+    return Fidelity(trace=name, recorded_peak_reserved=int(rec["peak_reserved_bytes"]),
+                    simulated_peak_reserved=r.peak_reserved_bytes,
+                    recorded_segment_allocs=int(rec["segment_allocs"]),
+                    simulated_segment_allocs=r.device_mallocs - primed,
+                    same_place=r.same_addr / r.compared if r.compared else 1.0, compared=r.compared)
+
+
+def policies_from(spec: str | Iterable[str]) -> list[str]:
+    """Parse "torch,npu_pool" (or a list) into known policy names."""
+    names = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
+    return names
+
+
+__all__ = ["run", "min_capacity", "evaluate", "validate", "policies_from", "RunResult", "PolicyResult", "Fidelity",
+           "OP_ALLOC"]

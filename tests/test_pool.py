@@ -1,0 +1,278 @@
+"""The allocator core through its Python API: rules of each policy, errors, stats, fraction."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from npu_pool import Pool
+from npu_pool.pool import DoubleFreeError, OutOfMemoryError, PoolError, UnknownPointerError
+
+MiB = 1 << 20
+GiB = 1 << 30
+POLICIES = ["torch", "npu_pool", "expandable"]
+
+
+@pytest.fixture(params=POLICIES)
+def pool(request):
+    with Pool(request.param, capacity=4 * GiB) as p:
+        yield p
+
+
+def test_addresses_are_aligned_and_blocks_rounded(pool):
+    for size in (1, 511, 512, 513, 4097, 3 * MiB + 1):
+        ptr = pool.malloc(size)
+        assert ptr % 512 == 0
+        assert pool.block_size(ptr) >= size
+        assert pool.block_size(ptr) % 512 == 0
+    pool.check()
+
+
+@pytest.mark.parametrize("size", [0])
+def test_zero_size_is_rejected(pool, size):
+    with pytest.raises(ValueError, match="0 bytes"):
+        pool.malloc(size)
+
+
+def test_absurd_size_is_rejected(pool):
+    with pytest.raises(ValueError, match="absurd"):
+        pool.malloc(1 << 60)
+    with pytest.raises(ValueError):
+        pool.malloc(-5)
+
+
+def test_double_free_and_foreign_pointer(pool):
+    p = pool.malloc(4096)
+    pool.free(p)
+    with pytest.raises(DoubleFreeError, match="double free"):
+        pool.free(p)
+    with pytest.raises(UnknownPointerError, match="never allocated"):
+        pool.free(0xDEAD000)
+    with pytest.raises(PoolError):
+        pool.free(0)
+    pool.check()  # nothing was corrupted
+    q = pool.malloc(4096)
+    pool.free(q)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, math.nan, math.inf])
+def test_bad_fraction_is_rejected(bad):
+    with pytest.raises(ValueError, match="fraction"):
+        Pool("torch", capacity=GiB, fraction=bad)
+    with Pool("npu_pool", capacity=GiB) as p:
+        with pytest.raises(ValueError, match="fraction"):
+            p.set_fraction(bad)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="unknown policy"):
+        Pool("bogus")
+    with pytest.raises(ValueError, match="unknown backend"):
+        Pool("torch", backend="tpu")
+    with pytest.raises(ValueError, match="capacity"):
+        Pool("torch", capacity=0)
+    with pytest.raises(ValueError, match="lifetime"):
+        Pool("torch").malloc(10, lifetime="forever")
+    with pytest.raises(ValueError, match="max_split_size"):
+        Pool("torch", max_split_size=10 * MiB)
+
+
+def test_oom_is_clean_and_the_pool_survives(pool):
+    held = pool.malloc(3 * GiB)
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.malloc(2 * GiB)
+    msg = str(e.value)
+    assert "out of memory" in msg and pool.policy in msg and "2.00 GiB" in msg
+    assert pool.stats()["ooms"] == 1
+    pool.free(held)
+    pool.free(pool.malloc(2 * GiB))
+    pool.check()
+
+
+def test_fraction_caps_reserved(pool):
+    pool.set_fraction(0.25)
+    ptrs = []
+    with pytest.raises(OutOfMemoryError, match="cap"):
+        for _ in range(10_000):
+            ptrs.append(pool.malloc(10 * MiB))
+    st = pool.stats()
+    assert st["limit"] == GiB
+    assert st["total"]["reserved"]["peak"] <= GiB
+    assert len(ptrs) * 10 * MiB > 0.9 * GiB  # the cap, not fragmentation, stopped it
+    for p in ptrs:
+        pool.free(p)
+    pool.empty_cache()
+    assert pool.stats()["total"]["reserved"]["current"] == 0
+
+
+def test_empty_cache_returns_everything(pool):
+    ptrs = [pool.malloc(s) for s in (100, 2 * MiB, 30 * MiB, 700)]
+    assert pool.stats()["total"]["reserved"]["current"] > 0
+    for p in ptrs:
+        pool.free(p)
+    pool.empty_cache()
+    st = pool.stats()
+    assert st["total"]["reserved"]["current"] == 0
+    assert st["total"]["allocated"]["current"] == 0
+    assert st["device_frees"] > 0
+    pool.check()
+
+
+def test_reset_peak(pool):
+    p = pool.malloc(10 * MiB)
+    pool.free(p)
+    assert pool.stats()["total"]["allocated"]["peak"] >= 10 * MiB
+    pool.reset_peak()
+    st = pool.stats()
+    assert st["total"]["allocated"]["peak"] == st["total"]["allocated"]["current"] == 0
+
+
+def test_stream_aware_reuse(pool):
+    """A block freed on one stream is not handed to another stream before a synchronisation."""
+    a = pool.malloc(MiB, stream=1)
+    pool.free(a)
+    b = pool.malloc(MiB, stream=2)
+    assert b != a
+    c = pool.malloc(MiB, stream=1)
+    assert c == a  # its own stream reuses it at once
+
+
+# -- torch policy: the rules of PyTorch's caching allocator ------------------------------------
+def test_torch_segment_sizes():
+    with Pool("torch", capacity=4 * GiB) as p:
+        p.malloc(1000)
+        assert p.stats()["total"]["reserved"]["current"] == 2 * MiB  # small pool segment
+        p.malloc(5 * MiB)
+        assert p.stats()["total"]["reserved"]["current"] == 22 * MiB  # 20 MiB large segment
+        p.malloc(11 * MiB)  # fits the 15 MiB left in that segment
+        assert p.stats()["total"]["reserved"]["current"] == 22 * MiB
+        p.malloc(21 * MiB + 1)
+        assert p.stats()["total"]["reserved"]["current"] == 22 * MiB + 22 * MiB  # rounded up to 2 MiB
+        assert p.stats()["device_mallocs"] == 3
+
+
+def test_torch_split_rules():
+    with Pool("torch", capacity=4 * GiB) as p:
+        big = p.malloc(19 * MiB + MiB // 2)  # 20 MiB segment; 0.5 MiB would remain: not split
+        assert p.block_size(big) == 20 * MiB
+        small = p.malloc(1000)  # small pool always splits
+        assert p.block_size(small) == 1024
+        other = p.malloc(1000)
+        assert other == small + 1024
+        mid = p.malloc(8 * MiB)  # large pool splits when more than 1 MiB remains
+        assert p.block_size(mid) == 8 * MiB
+        nxt = p.malloc(8 * MiB)
+        assert nxt == mid + 8 * MiB  # best fit: the remainder of the same segment
+        p.check()
+
+
+def test_torch_release_and_retry_counts():
+    with Pool("torch", capacity=64 * MiB) as p:
+        a = p.malloc(30 * MiB)
+        p.free(a)  # 30 MiB segment cached
+        b = p.malloc(50 * MiB)  # needs the cache released first
+        st = p.stats()
+        assert st["retries"] == 1 and st["device_frees"] == 1
+        p.free(b)
+
+
+def test_torch_max_split_size():
+    with Pool("torch", capacity=4 * GiB, max_split_size=40 * MiB) as p:
+        a = p.malloc(100 * MiB)
+        p.free(a)
+        b = p.malloc(30 * MiB)  # must not take the cached 100 MiB oversize block
+        assert b != a
+        assert p.block_size(b) == 30 * MiB
+        p.check()
+
+
+# -- npu_pool policy: one arena, exact blocks, lifetime placement ------------------------------
+def test_npu_pool_blocks_are_exact_and_packed():
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        ptrs = [p.malloc(s) for s in (3 * MiB + 5, 700, 25 * MiB)]
+        assert [p.block_size(x) for x in ptrs] == [3 * MiB + 512, 1024, 25 * MiB]
+        assert ptrs[1] == ptrs[0] + 3 * MiB + 512 and ptrs[2] == ptrs[1] + 1024
+        st = p.stats()
+        assert st["vmm"] and st["arena_hwm"]["peak"] == 28 * MiB + 1536
+        assert st["total"]["reserved"]["current"] == 30 * MiB  # 2 MiB pages mapped
+
+
+def test_npu_pool_lifetime_placement_in_holes():
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        a = p.malloc(10 * MiB)
+        guard = p.malloc(MiB)
+        p.free(a)  # a 10 MiB hole at the bottom
+        long_ = p.malloc(MiB, lifetime="long")
+        short = p.malloc(MiB, lifetime="short")
+        assert long_ == a  # long-lived at the hole's low end
+        assert short == a + 9 * MiB  # short-lived at its high end
+        st = p.stats()
+        assert st["pools"]["long"]["allocated"]["current"] == 2 * MiB  # guard + long
+        assert st["pools"]["short"]["allocated"]["current"] == MiB
+        p.free(guard)
+        p.check()
+
+
+def test_npu_pool_fixed_arena_without_vmm():
+    with Pool("npu_pool", capacity=GiB, vmm=False, fraction=0.5) as p:
+        x = p.malloc(MiB)
+        st = p.stats()
+        assert not st["vmm"]
+        assert st["total"]["reserved"]["current"] == GiB // 2  # one device allocation of the cap
+        with pytest.raises(PoolError, match="before the first allocation"):
+            p.set_fraction(0.75)
+        p.free(x)
+        p.set_fraction(0.75)
+        p.malloc(MiB)
+        assert p.stats()["total"]["reserved"]["current"] == 3 * GiB // 4
+
+
+def test_npu_pool_site_learning_routes_short_lived_sites():
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        # site 7's blocks die at once: after a few, the core classes it short-lived
+        for _ in range(8):
+            p.free(p.malloc(MiB, site=7))
+        for _ in range(3):  # site 9's blocks live through 70 other allocations
+            k = p.malloc(MiB, site=9)
+            for _ in range(70):
+                p.free(p.malloc(MiB, site=7))
+            p.free(k)
+        p.malloc(MiB, site=7)
+        p.malloc(MiB, site=9)
+        st = p.stats()["pools"]
+        assert st["short"]["allocated"]["current"] == MiB
+        assert st["long"]["allocated"]["current"] == MiB
+
+
+# -- expandable policy ---------------------------------------------------------------------------
+def test_expandable_maps_pages():
+    with Pool("expandable", capacity=4 * GiB) as p:
+        p.malloc(1000)
+        assert p.stats()["total"]["reserved"]["current"] == 2 * MiB
+        a = p.malloc(5 * MiB)
+        assert p.stats()["total"]["reserved"]["current"] == 22 * MiB
+        b = p.malloc(30 * MiB)  # grows the same large range by two 20 MiB pages
+        assert b == a + 5 * MiB
+        assert p.stats()["total"]["reserved"]["current"] == 2 * MiB + 40 * MiB
+        p.free(b)
+        p.empty_cache()  # unmaps the whole pages inside free blocks
+        assert p.stats()["total"]["reserved"]["current"] == 2 * MiB + 20 * MiB
+        p.check()
+
+
+def test_blocks_map_covers_segments(pool):
+    ptrs = [pool.malloc(s) for s in (100, 3 * MiB, 21 * MiB)]
+    blocks = pool.blocks()
+    live = {b["addr"] for b in blocks if b["allocated"]}
+    assert live == set(ptrs)
+    by_seg: dict[int, int] = {}
+    for b in blocks:
+        by_seg[b["segment"]] = by_seg.get(b["segment"], 0) + b["size"]
+    assert all(total == next(b["segment_size"] for b in blocks if b["segment"] == s) for s, total in by_seg.items())
+
+
+def test_closed_pool_raises():
+    p = Pool("torch")
+    p.close()
+    with pytest.raises(PoolError, match="closed"):
+        p.malloc(10)
