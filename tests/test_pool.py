@@ -127,14 +127,33 @@ def test_reset_peak(pool):
     assert st["total"]["allocated"]["peak"] == st["total"]["allocated"]["current"] == 0
 
 
-def test_stream_aware_reuse(pool):
-    """A block freed on one stream is not handed to another stream before a synchronisation."""
-    a = pool.malloc(MiB, stream=1)
-    pool.free(a)
-    b = pool.malloc(MiB, stream=2)
-    assert b != a
-    c = pool.malloc(MiB, stream=1)
-    assert c == a  # its own stream reuses it at once
+@pytest.mark.parametrize("policy", ["torch", "expandable"])
+def test_stream_aware_reuse(policy):
+    """PyTorch's rule: a block freed on one stream is not handed to another stream."""
+    with Pool(policy, capacity=4 * GiB) as pool:
+        a = pool.malloc(MiB, stream=1)
+        pool.free(a)
+        b = pool.malloc(MiB, stream=2)
+        assert b != a
+        c = pool.malloc(MiB, stream=1)
+        assert c == a  # its own stream reuses it at once
+
+
+def test_npu_pool_cross_stream_reuse_is_ordered():
+    """npu_pool prefers a stream's own holes; another stream's hole is reused only behind a stream wait."""
+    with Pool("npu_pool", capacity=4 * GiB) as pool:
+        a = pool.malloc(MiB, stream=1)
+        guard = pool.malloc(MiB, stream=1)
+        pool.free(a)
+        c = pool.malloc(MiB, stream=1)
+        assert c == a and pool.stats()["stream_waits"] == 0  # own stream: no wait
+        pool.free(c)
+        b = pool.malloc(MiB, stream=2)
+        assert b == a  # the hole is reused across streams ...
+        assert pool.stats()["stream_waits"] == 1  # ... after ordering stream 2 behind stream 1
+        pool.free(b)
+        pool.free(guard)
+        pool.check()
 
 
 # -- torch policy: the rules of PyTorch's caching allocator ------------------------------------

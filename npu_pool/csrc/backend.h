@@ -26,6 +26,9 @@ struct np_backend {
   int (*unmap)(np_backend *be, uintptr_t addr, uint64_t size);
   int (*synchronize)(np_backend *be, intptr_t stream); /* NP_STREAM_ANY: whole device */
   void (*hint_addr)(np_backend *be, uintptr_t addr);  /* optional: next malloc's address */
+  /* optional: make `waiter` wait (on the device, no host sync) for work queued so far on `on`;
+   * lets memory freed on one stream be reused on another, as cudaMallocAsync pools do */
+  int (*stream_wait)(np_backend *be, intptr_t waiter, intptr_t on);
   void (*destroy)(np_backend *be);
 };
 

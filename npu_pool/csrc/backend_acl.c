@@ -1,8 +1,390 @@
-/* backend_acl.c -- placeholder until the vendor backend lands. */
+/* backend_acl.c -- Ascend NPUs through the ACL runtime (libascendcl.so),
+ * dlopen'ed at run time: nothing here is linked against CANN. ACL itself is
+ * initialised by torch_npu (aclInit); this backend never calls aclInit.
+ *
+ * Plain allocation is aclrtMalloc with the huge-page-first policy. Virtual
+ * memory (aclrtReserveMemAddress, aclrtMallocPhysical, aclrtMapMem,
+ * aclrtUnmapMem, aclrtFreePhysical, aclrtReleaseMemAddress) is used when the
+ * library exports all of it and a one-page reservation succeeds; otherwise
+ * granularity is 0 and the arena makes one aclrtMalloc. Each granularity page
+ * gets its own physical allocation (aclrtUnmapMem unmaps whole mappings only),
+ * so any page-aligned sub-range can be unmapped (see np_vmm in dl.h).
+ *
+ * Invariant: every vendor call runs with this backend's device current (the
+ * caller's device is restored after, when it had one); memory handed back to
+ * the vendor is idle (free and unmap synchronise the device first).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "backend.h"
+#include "dl.h"
+
+typedef int acl_err; /* aclError; 0 is ACL_SUCCESS */
+
+/* Layouts of aclrtMemLocation and aclrtPhysicalMemProp in acl_rt.h. */
+typedef struct acl_location { uint32_t id; int type; } acl_location;
+typedef struct acl_phys_prop {
+  int handle_type;      /* ACL_MEM_HANDLE_TYPE_NONE */
+  int allocation_type;  /* ACL_MEM_ALLOCATION_TYPE_PINNED */
+  int mem_attr;         /* aclrtMemAttr */
+  acl_location location;
+  uint64_t reserve;
+} acl_phys_prop;
+
+enum {
+  ACL_MEM_MALLOC_HUGE_FIRST = 0,
+  ACL_HBM_MEM = 1,
+  ACL_HBM_MEM_HUGE = 4,
+  ACL_MEM_LOCATION_TYPE_DEVICE = 1,
+  ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+  ACL_RESERVE_HUGE_PAGES = 1, /* aclrtReserveMemAddress flags: huge pages, like the physical memory */
+};
+
+/* Error codes that get a name in messages; the allocation failures are OOM. */
+static const struct { acl_err code; const char *name; } acl_errors[] = {
+    {100000, "ACL_ERROR_INVALID_PARAM"},         {107000, "ACL_ERROR_RT_PARAM_INVALID"},
+    {107001, "ACL_ERROR_RT_INVALID_DEVICEID"},   {107002, "ACL_ERROR_RT_CONTEXT_NULL"},
+    {107017, "ACL_ERROR_RT_INVALID_HANDLE"},     {200000, "ACL_ERROR_BAD_ALLOC"},
+    {207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT"}, {207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"},
+    {207002, "ACL_ERROR_RT_MEMORY_FREE"},        {207004, "ACL_ERROR_RT_NO_DEVICE"},
+    {507000, "ACL_ERROR_RT_INTERNAL_ERROR"},     {507899, "ACL_ERROR_RT_DRV_INTERNAL_ERROR"},
+};
+static bool is_oom(acl_err e) { return e == 207001 || e == 200000; }
+static bool is_bad_param(acl_err e) { return e == 100000 || e == 107000; }
+
+/* Function table; field names are the vendor symbols (see NP_DL_SYM). */
+typedef struct acl_api {
+  acl_err (*aclrtMalloc)(void **ptr, size_t size, int policy);
+  acl_err (*aclrtFree)(void *ptr);
+  acl_err (*aclrtGetMemInfo)(int attr, size_t *free_bytes, size_t *total);
+  acl_err (*aclrtGetDevice)(int32_t *device);
+  acl_err (*aclrtSetDevice)(int32_t device);
+  acl_err (*aclrtSynchronizeDevice)(void);
+  acl_err (*aclrtSynchronizeStream)(void *stream);
+  const char *(*aclGetRecentErrMsg)(void);
+  acl_err (*aclrtReserveMemAddress)(void **ptr, size_t size, size_t alignment, void *expect, uint64_t flags);
+  acl_err (*aclrtReleaseMemAddress)(void *ptr);
+  acl_err (*aclrtMallocPhysical)(void **handle, size_t size, const acl_phys_prop *prop, uint64_t flags);
+  acl_err (*aclrtFreePhysical)(void *handle);
+  acl_err (*aclrtMapMem)(void *ptr, size_t size, size_t offset, void *handle, uint64_t flags);
+  acl_err (*aclrtUnmapMem)(void *ptr);
+  acl_err (*aclrtMemGetAllocationGranularity)(acl_phys_prop *prop, int option, size_t *granularity);
+} acl_api;
+
+#define SYM(fn, group) NP_DL_SYM(acl_api, fn, group)
+static const np_dl_sym acl_syms[] = {
+    SYM(aclrtMalloc, NP_DL_REQUIRED),
+    SYM(aclrtFree, NP_DL_REQUIRED),
+    SYM(aclrtGetMemInfo, NP_DL_REQUIRED),
+    SYM(aclrtGetDevice, NP_DL_REQUIRED),
+    SYM(aclrtSetDevice, NP_DL_REQUIRED),
+    SYM(aclrtSynchronizeDevice, NP_DL_REQUIRED),
+    SYM(aclrtSynchronizeStream, NP_DL_REQUIRED),
+    SYM(aclGetRecentErrMsg, NP_DL_OPTIONAL),
+    SYM(aclrtReserveMemAddress, NP_DL_VMM),
+    SYM(aclrtReleaseMemAddress, NP_DL_VMM),
+    SYM(aclrtMallocPhysical, NP_DL_VMM),
+    SYM(aclrtFreePhysical, NP_DL_VMM),
+    SYM(aclrtMapMem, NP_DL_VMM),
+    SYM(aclrtUnmapMem, NP_DL_VMM),
+    SYM(aclrtMemGetAllocationGranularity, NP_DL_OPTIONAL), /* 2 MiB when absent */
+};
+#undef SYM
+
+static const char *const acl_names[] = {"libascendcl.so", NULL};
+
+typedef struct acl_backend {
+  np_backend base;
+  acl_api api;
+  void *lib;
+  int device;
+  uint64_t reserve_flags; /* ACL_RESERVE_HUGE_PAGES, or 0 where the runtime wants the reserved 0 */
+  acl_phys_prop prop;     /* physical pages: huge-page HBM of `device` */
+  np_vmm vmm;
+  char name[192];         /* "acl", or "acl (no VMM: why)" */
+} acl_backend;
+
+/* ---- errors --------------------------------------------------------------- */
+
+/* "acl: aclrtMapMem(0x...) on device 0 failed: error 207001 (ACL_ERROR_RT_MEMORY_ALLOCATION): <runtime's message>". */
+static int acl_fail(acl_backend *a, const char *call, const char *args, acl_err e) {
+  const char *name = "unknown aclError";
+  for (size_t i = 0; i < sizeof acl_errors / sizeof *acl_errors; i++)
+    if (acl_errors[i].code == e) name = acl_errors[i].name;
+  char recent[512] = "";
+  const char *msg = a->api.aclGetRecentErrMsg ? a->api.aclGetRecentErrMsg() : NULL;
+  if (msg) {
+    snprintf(recent, sizeof recent, ": %s", msg);
+    for (char *p = recent; *p; p++)
+      if (*p == '\n' || *p == '\r') *p = ' ';
+  }
+  return np_error(is_oom(e) ? NP_ERR_OOM : NP_ERR_BACKEND, "acl: %s(%s) on device %d failed: error %d (%s)%s", call,
+                  args, a->device, e, name, recent);
+}
+
+static const char *addr_arg(uintptr_t addr, char *buf) {
+  snprintf(buf, 32, "%#lx", (unsigned long)addr);
+  return buf;
+}
+
+/* ---- device guard ---------------------------------------------------------- */
+
+/* Make the backend's device current; *prev is the device to restore, or -1
+ * when the thread had none (it then keeps ours, as torch_npu's threads do). */
+static int enter(acl_backend *a, int *prev) {
+  int32_t cur = -1;
+  *prev = -1;
+  bool has = a->api.aclrtGetDevice(&cur) == 0;
+  if (has && cur == a->device) return NP_OK;
+  acl_err e = a->api.aclrtSetDevice(a->device);
+  if (e) {
+    char s[16];
+    snprintf(s, sizeof s, "%d", a->device);
+    return acl_fail(a, "aclrtSetDevice", s, e);
+  }
+  if (has) *prev = cur;
+  return NP_OK;
+}
+
+static void leave(acl_backend *a, int prev) {
+  if (prev >= 0) a->api.aclrtSetDevice(prev);
+}
+
+static int sync_device(acl_backend *a) {
+  acl_err e = a->api.aclrtSynchronizeDevice();
+  return e ? acl_fail(a, "aclrtSynchronizeDevice", "", e) : NP_OK;
+}
+
+/* ---- plain allocation ------------------------------------------------------ */
+
+static int acl_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  void *p = NULL;
+  acl_err e = a->api.aclrtMalloc(&p, size, ACL_MEM_MALLOC_HUGE_FIRST);
+  if (e) {
+    char s[32];
+    rc = acl_fail(a, "aclrtMalloc", np_fmt_bytes(size, s), e);
+  } else {
+    *out = (uintptr_t)p;
+  }
+  leave(a, prev);
+  return rc;
+}
+
+static int acl_free(np_backend *be, uintptr_t addr, uint64_t size) {
+  acl_backend *a = (acl_backend *)be;
+  (void)size;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  rc = sync_device(a);
+  if (rc == NP_OK) {
+    acl_err e = a->api.aclrtFree((void *)addr);
+    char s[32];
+    if (e) rc = acl_fail(a, "aclrtFree", addr_arg(addr, s), e);
+  }
+  leave(a, prev);
+  return rc;
+}
+
+static int acl_synchronize(np_backend *be, intptr_t stream) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  if (stream == NP_STREAM_ANY) {
+    rc = sync_device(a);
+  } else {
+    acl_err e = a->api.aclrtSynchronizeStream((void *)stream);
+    char s[32];
+    if (e) rc = acl_fail(a, "aclrtSynchronizeStream", addr_arg((uintptr_t)stream, s), e);
+  }
+  leave(a, prev);
+  return rc;
+}
+
+/* ---- virtual memory: one page per vendor call ------------------------------ */
+
+static int page_create(void *be, uint64_t *handle) {
+  acl_backend *a = be;
+  void *h = NULL;
+  acl_err e = a->api.aclrtMallocPhysical(&h, a->base.granularity, &a->prop, 0);
+  char s[32];
+  if (e) return acl_fail(a, "aclrtMallocPhysical", np_fmt_bytes(a->base.granularity, s), e);
+  *handle = (uint64_t)(uintptr_t)h;
+  return NP_OK;
+}
+
+static int page_release(void *be, uint64_t handle) {
+  acl_backend *a = be;
+  acl_err e = a->api.aclrtFreePhysical((void *)(uintptr_t)handle);
+  return e ? acl_fail(a, "aclrtFreePhysical", "handle", e) : NP_OK;
+}
+
+static int page_map(void *be, uintptr_t va, uint64_t handle) {
+  acl_backend *a = be;
+  acl_err e = a->api.aclrtMapMem((void *)va, a->base.granularity, 0, (void *)(uintptr_t)handle, 0);
+  char s[32];
+  return e ? acl_fail(a, "aclrtMapMem", addr_arg(va, s), e) : NP_OK;
+}
+
+static int page_unmap(void *be, uintptr_t va) {
+  acl_backend *a = be;
+  acl_err e = a->api.aclrtUnmapMem((void *)va);
+  char s[32];
+  return e ? acl_fail(a, "aclrtUnmapMem", addr_arg(va, s), e) : NP_OK;
+}
+
+static const np_vmm_ops acl_pages = {page_create, page_release, page_map, page_unmap, NULL};
+
+static int acl_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
+  acl_backend *a = (acl_backend *)be;
+  if (size == 0 || size % be->granularity)
+    return np_error(NP_ERR_INVALID, "acl: reserve size %llu is not a multiple of the %llu-byte granularity",
+                    (unsigned long long)size, (unsigned long long)be->granularity);
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  void *p = NULL;
+  acl_err e = a->api.aclrtReserveMemAddress(&p, size, 0, NULL, a->reserve_flags);
+  if (e) {
+    char s[32];
+    rc = acl_fail(a, "aclrtReserveMemAddress", np_fmt_bytes(size, s), e);
+  } else if ((rc = np_vmm_add(&a->vmm, (uintptr_t)p, size)) != NP_OK) {
+    a->api.aclrtReleaseMemAddress(p);
+  } else {
+    *out = (uintptr_t)p;
+  }
+  leave(a, prev);
+  return rc;
+}
+
+static int acl_release(np_backend *be, uintptr_t addr, uint64_t size) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  rc = np_vmm_remove(&a->vmm, addr, size);
+  if (rc == NP_OK) {
+    acl_err e = a->api.aclrtReleaseMemAddress((void *)addr);
+    char s[32];
+    if (e) rc = acl_fail(a, "aclrtReleaseMemAddress", addr_arg(addr, s), e);
+  }
+  leave(a, prev);
+  return rc;
+}
+
+static int acl_map(np_backend *be, uintptr_t addr, uint64_t size) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  rc = np_vmm_map(&a->vmm, addr, size);
+  leave(a, prev);
+  return rc;
+}
+
+static int acl_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  rc = sync_device(a); /* kernels may still use the pages */
+  if (rc == NP_OK) rc = np_vmm_unmap(&a->vmm, addr, size);
+  leave(a, prev);
+  return rc;
+}
+
+/* ---- life cycle ------------------------------------------------------------ */
+
+static void acl_destroy(np_backend *be) {
+  acl_backend *a = (acl_backend *)be;
+  if (be->granularity) {
+    int prev;
+    bool entered = enter(a, &prev) == NP_OK;
+    while (a->vmm.n) {
+      np_vrange r = a->vmm.ranges[0];
+      np_vmm_remove(&a->vmm, r.addr, r.size);
+      a->api.aclrtReleaseMemAddress((void *)r.addr);
+    }
+    if (entered) leave(a, prev);
+  }
+  np_vmm_destroy(&a->vmm);
+  np_dl_close(a->lib);
+  free(a);
+}
+
+/* Decide whether the virtual-memory API works here; sets the granularity. */
+static void probe_vmm(acl_backend *a, const np_config *cfg, const char *missing) {
+  char why[128] = "";
+  size_t gran = 2 * NP_MIB;
+  acl_err e = 0;
+  void *p = NULL;
+  a->prop = (acl_phys_prop){.mem_attr = ACL_HBM_MEM_HUGE,
+                            .location = {.id = (uint32_t)a->device, .type = ACL_MEM_LOCATION_TYPE_DEVICE}};
+  a->reserve_flags = ACL_RESERVE_HUGE_PAGES;
+  if (!cfg->vmm) snprintf(why, sizeof why, "disabled by the configuration");
+  else if (missing[0]) snprintf(why, sizeof why, "the library has no %s", missing);
+  else if (a->api.aclrtMemGetAllocationGranularity &&
+           ((e = a->api.aclrtMemGetAllocationGranularity(&a->prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &gran)) ||
+            gran == 0))
+    snprintf(why, sizeof why, "aclrtMemGetAllocationGranularity failed with error %d", e);
+  if (!why[0]) {
+    e = a->api.aclrtReserveMemAddress(&p, gran, 0, NULL, a->reserve_flags);
+    if (is_bad_param(e)) { /* runtimes where flags is reserved and must be 0 */
+      a->reserve_flags = 0;
+      e = a->api.aclrtReserveMemAddress(&p, gran, 0, NULL, 0);
+    }
+    if (e) snprintf(why, sizeof why, "the probe aclrtReserveMemAddress failed with error %d", e);
+    else a->api.aclrtReleaseMemAddress(p);
+  }
+  if (a->api.aclGetRecentErrMsg && why[0]) a->api.aclGetRecentErrMsg(); /* drop the probe's message */
+  if (why[0]) {
+    snprintf(a->name, sizeof a->name, "acl (no VMM: %s)", why);
+    return;
+  }
+  a->base.granularity = gran;
+  a->base.reserve = acl_reserve;
+  a->base.release = acl_release;
+  a->base.map = acl_map;
+  a->base.unmap = acl_unmap;
+  np_vmm_init(&a->vmm, gran, &acl_pages, a);
+}
 
 np_backend *np_backend_acl_create(const np_config *cfg) {
-  (void)cfg;
-  np_error(NP_ERR_BACKEND, "the acl backend is not available in this build");
+  if (cfg->device < 0) {
+    np_error(NP_ERR_INVALID, "acl: device index must be >= 0, got %d", cfg->device);
+    return NULL;
+  }
+  acl_backend *a = calloc(1, sizeof *a);
+  if (!a) {
+    np_error(NP_ERR_HOST, "acl: host out of memory");
+    return NULL;
+  }
+  a->device = cfg->device;
+  snprintf(a->name, sizeof a->name, "acl");
+  a->base = (np_backend){.name = a->name, .malloc = acl_malloc, .free = acl_free,
+                         .synchronize = acl_synchronize, .destroy = acl_destroy};
+  char where[1024], missing[64] = "";
+  a->lib = np_dl_open(cfg->lib_path, acl_names, "the Ascend runtime (libascendcl.so; source CANN's set_env.sh)");
+  if (!a->lib) goto fail;
+  if (np_dl_bind(a->lib, np_dl_path(a->lib, where, sizeof where), acl_syms, sizeof acl_syms / sizeof *acl_syms,
+                 &a->api, missing, sizeof missing) != NP_OK)
+    goto fail;
+  int prev;
+  if (enter(a, &prev) != NP_OK) goto fail;
+  size_t free_bytes = 0, total = 0;
+  acl_err e = a->api.aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
+  if (e || total == 0) {
+    if (e) acl_fail(a, "aclrtGetMemInfo", "ACL_HBM_MEM", e);
+    else np_error(NP_ERR_BACKEND, "acl: aclrtGetMemInfo reports 0 bytes of HBM on device %d", a->device);
+    leave(a, prev);
+    goto fail;
+  }
+  a->base.total = total;
+  probe_vmm(a, cfg, missing);
+  leave(a, prev);
+  return &a->base;
+fail:
+  np_dl_close(a->lib);
+  free(a);
   return NULL;
 }

@@ -1,8 +1,440 @@
-/* backend_cuda.c -- placeholder until the vendor backend lands. */
+/* backend_cuda.c -- NVIDIA GPUs through the CUDA runtime (libcudart) for plain
+ * allocation and the driver (libcuda) for virtual memory, both dlopen'ed at run
+ * time: nothing here is linked against CUDA.
+ *
+ * np_config.lib_path is "RUNTIME[:DRIVER]": one path serves both (the test
+ * fakes export both APIs); "RUNTIME:" loads the default driver.
+ *
+ * Virtual memory (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess,
+ * cuMemUnmap, cuMemRelease, cuMemAddressFree) is used when the driver exports
+ * all of it and a probe succeeds (device attribute, granularity, a one-page
+ * reservation); otherwise granularity is 0 and the arena makes one cudaMalloc.
+ * Each granularity page gets its own physical allocation (see np_vmm in dl.h).
+ *
+ * Invariant: every vendor call runs with this backend's device current and the
+ * caller's device is restored after; memory handed back to the vendor is idle
+ * (cudaFree synchronises by itself, unmap synchronises the device first).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "backend.h"
+#include "dl.h"
+
+typedef int cu_err;                    /* cudaError_t and CUresult; 0 is success in both */
+typedef unsigned long long cu_ptr;     /* CUdeviceptr */
+typedef unsigned long long cu_handle;  /* CUmemGenericAllocationHandle */
+
+/* Layouts of CUmemLocation, CUmemAllocationProp (v1) and CUmemAccessDesc in cuda.h. */
+typedef struct cu_location { int type; int id; } cu_location;
+typedef struct cu_alloc_prop {
+  int type;
+  int requested_handle_types;
+  cu_location location;
+  void *win32_handle_meta_data;
+  struct {
+    unsigned char compression_type;
+    unsigned char gpu_direct_rdma_capable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } alloc_flags;
+} cu_alloc_prop;
+typedef struct cu_access_desc { cu_location location; int flags; } cu_access_desc;
+
+enum {
+  CUDA_ERR_OOM = 2, /* cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY */
+  CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+  CU_MEM_LOCATION_TYPE_DEVICE = 1,
+  CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+  CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+};
+
+/* Function table; field names are the vendor symbols (see NP_DL_SYM). */
+typedef struct cuda_api {
+  cu_err (*cudaMalloc)(void **ptr, size_t size);
+  cu_err (*cudaFree)(void *ptr);
+  cu_err (*cudaMemGetInfo)(size_t *free_bytes, size_t *total);
+  cu_err (*cudaGetDevice)(int *device);
+  cu_err (*cudaSetDevice)(int device);
+  cu_err (*cudaDeviceSynchronize)(void);
+  cu_err (*cudaStreamSynchronize)(void *stream);
+  const char *(*cudaGetErrorName)(cu_err e);
+  const char *(*cudaGetErrorString)(cu_err e);
+  cu_err (*cudaGetLastError)(void);
+  cu_err (*cuInit)(unsigned flags);
+  cu_err (*cuDeviceGet)(int *dev, int ordinal);
+  cu_err (*cuDeviceGetAttribute)(int *value, int attribute, int dev);
+  cu_err (*cuMemGetAllocationGranularity)(size_t *granularity, const cu_alloc_prop *prop, int option);
+  cu_err (*cuMemAddressReserve)(cu_ptr *ptr, size_t size, size_t alignment, cu_ptr addr, unsigned long long flags);
+  cu_err (*cuMemAddressFree)(cu_ptr ptr, size_t size);
+  cu_err (*cuMemCreate)(cu_handle *handle, size_t size, const cu_alloc_prop *prop, unsigned long long flags);
+  cu_err (*cuMemRelease)(cu_handle handle);
+  cu_err (*cuMemMap)(cu_ptr ptr, size_t size, size_t offset, cu_handle handle, unsigned long long flags);
+  cu_err (*cuMemUnmap)(cu_ptr ptr, size_t size);
+  cu_err (*cuMemSetAccess)(cu_ptr ptr, size_t size, const cu_access_desc *desc, size_t count);
+  cu_err (*cuGetErrorName)(cu_err e, const char **name);
+  cu_err (*cuGetErrorString)(cu_err e, const char **text);
+} cuda_api;
+
+#define RT(fn, group) NP_DL_SYM(cuda_api, fn, group)
+static const np_dl_sym runtime_syms[] = {
+    RT(cudaMalloc, NP_DL_REQUIRED),         RT(cudaFree, NP_DL_REQUIRED),
+    RT(cudaMemGetInfo, NP_DL_REQUIRED),     RT(cudaGetDevice, NP_DL_REQUIRED),
+    RT(cudaSetDevice, NP_DL_REQUIRED),      RT(cudaDeviceSynchronize, NP_DL_REQUIRED),
+    RT(cudaStreamSynchronize, NP_DL_REQUIRED), RT(cudaGetErrorName, NP_DL_OPTIONAL),
+    RT(cudaGetErrorString, NP_DL_OPTIONAL), RT(cudaGetLastError, NP_DL_OPTIONAL),
+};
+static const np_dl_sym driver_syms[] = {
+    RT(cuInit, NP_DL_VMM),
+    RT(cuDeviceGet, NP_DL_VMM),
+    RT(cuMemGetAllocationGranularity, NP_DL_VMM),
+    RT(cuMemAddressReserve, NP_DL_VMM),
+    RT(cuMemAddressFree, NP_DL_VMM),
+    RT(cuMemCreate, NP_DL_VMM),
+    RT(cuMemRelease, NP_DL_VMM),
+    RT(cuMemMap, NP_DL_VMM),
+    RT(cuMemUnmap, NP_DL_VMM),
+    RT(cuMemSetAccess, NP_DL_VMM),
+    RT(cuDeviceGetAttribute, NP_DL_OPTIONAL),
+    RT(cuGetErrorName, NP_DL_OPTIONAL),
+    RT(cuGetErrorString, NP_DL_OPTIONAL),
+};
+#undef RT
+
+static const char *const runtime_names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", NULL};
+static const char *const driver_names[] = {"libcuda.so.1", "libcuda.so", NULL};
+
+typedef struct cuda_backend {
+  np_backend base;
+  cuda_api api;
+  void *runtime, *driver;
+  int device;
+  cu_alloc_prop prop;   /* physical pages: pinned device memory of `device` */
+  np_vmm vmm;
+  char name[192];       /* "cuda", or "cuda (no VMM: why)" */
+} cuda_backend;
+
+/* ---- errors --------------------------------------------------------------- */
+
+/* Runtime failure: "cuda: cudaMalloc(2.00 GiB) on device 0 failed: error 2 (cudaErrorMemoryAllocation: out of memory)". */
+static int rt_fail(cuda_backend *c, const char *call, const char *args, cu_err e) {
+  const char *name = c->api.cudaGetErrorName ? c->api.cudaGetErrorName(e) : NULL;
+  const char *text = c->api.cudaGetErrorString ? c->api.cudaGetErrorString(e) : NULL;
+  if (e == CUDA_ERR_OOM && c->api.cudaGetLastError) c->api.cudaGetLastError(); /* clear it: OOM is recoverable */
+  return np_error(e == CUDA_ERR_OOM ? NP_ERR_OOM : NP_ERR_BACKEND, "cuda: %s(%s) on device %d failed: error %d (%s: %s)",
+                  call, args, c->device, e, name ? name : "?", text ? text : "no description");
+}
+
+/* Driver failure, same shape with the CUresult's name and description. */
+static int cu_fail(cuda_backend *c, const char *call, const char *args, cu_err e) {
+  const char *name = NULL, *text = NULL;
+  if (c->api.cuGetErrorName) c->api.cuGetErrorName(e, &name);
+  if (c->api.cuGetErrorString) c->api.cuGetErrorString(e, &text);
+  return np_error(e == CUDA_ERR_OOM ? NP_ERR_OOM : NP_ERR_BACKEND, "cuda: %s(%s) on device %d failed: error %d (%s: %s)",
+                  call, args, c->device, e, name ? name : "?", text ? text : "no description");
+}
+
+static const char *bytes_arg(uint64_t size, char *buf) { return np_fmt_bytes(size, buf); }
+
+/* ---- device guard ---------------------------------------------------------- */
+
+/* Make the backend's device current; *prev is the device to restore, or -1. */
+static int enter(cuda_backend *c, int *prev) {
+  int cur = -1;
+  *prev = -1;
+  if (c->api.cudaGetDevice(&cur) == 0 && cur == c->device) return NP_OK;
+  cu_err e = c->api.cudaSetDevice(c->device);
+  if (e) {
+    char a[16];
+    snprintf(a, sizeof a, "%d", c->device);
+    return rt_fail(c, "cudaSetDevice", a, e);
+  }
+  *prev = cur;
+  return NP_OK;
+}
+
+static void leave(cuda_backend *c, int prev) {
+  if (prev >= 0) c->api.cudaSetDevice(prev);
+}
+
+/* ---- plain allocation ------------------------------------------------------ */
+
+static int cuda_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  void *p = NULL;
+  cu_err e = c->api.cudaMalloc(&p, size);
+  if (e) {
+    char a[32];
+    rc = rt_fail(c, "cudaMalloc", bytes_arg(size, a), e);
+  } else {
+    *out = (uintptr_t)p;
+  }
+  leave(c, prev);
+  return rc;
+}
+
+static int cuda_free(np_backend *be, uintptr_t addr, uint64_t size) {
+  cuda_backend *c = (cuda_backend *)be;
+  (void)size;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  cu_err e = c->api.cudaFree((void *)addr); /* synchronises the device first */
+  if (e) {
+    char a[32];
+    snprintf(a, sizeof a, "%#lx", (unsigned long)addr);
+    rc = rt_fail(c, "cudaFree", a, e);
+  }
+  leave(c, prev);
+  return rc;
+}
+
+static int cuda_synchronize(np_backend *be, intptr_t stream) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  if (stream == NP_STREAM_ANY) {
+    cu_err e = c->api.cudaDeviceSynchronize();
+    if (e) rc = rt_fail(c, "cudaDeviceSynchronize", "", e);
+  } else {
+    cu_err e = c->api.cudaStreamSynchronize((void *)stream);
+    char a[32];
+    snprintf(a, sizeof a, "%#lx", (unsigned long)stream);
+    if (e) rc = rt_fail(c, "cudaStreamSynchronize", a, e);
+  }
+  leave(c, prev);
+  return rc;
+}
+
+/* ---- virtual memory: one page per vendor call ------------------------------ */
+
+static int page_create(void *be, uint64_t *handle) {
+  cuda_backend *c = be;
+  cu_handle h = 0;
+  cu_err e = c->api.cuMemCreate(&h, c->base.granularity, &c->prop, 0);
+  char a[32];
+  if (e) return cu_fail(c, "cuMemCreate", bytes_arg(c->base.granularity, a), e);
+  *handle = h;
+  return NP_OK;
+}
+
+static int page_release(void *be, uint64_t handle) {
+  cuda_backend *c = be;
+  cu_err e = c->api.cuMemRelease(handle);
+  return e ? cu_fail(c, "cuMemRelease", "handle", e) : NP_OK;
+}
+
+static int page_map(void *be, uintptr_t va, uint64_t handle) {
+  cuda_backend *c = be;
+  cu_err e = c->api.cuMemMap(va, c->base.granularity, 0, handle, 0);
+  char a[32];
+  snprintf(a, sizeof a, "%#lx", (unsigned long)va);
+  return e ? cu_fail(c, "cuMemMap", a, e) : NP_OK;
+}
+
+static int page_unmap(void *be, uintptr_t va) {
+  cuda_backend *c = be;
+  cu_err e = c->api.cuMemUnmap(va, c->base.granularity);
+  char a[32];
+  snprintf(a, sizeof a, "%#lx", (unsigned long)va);
+  return e ? cu_fail(c, "cuMemUnmap", a, e) : NP_OK;
+}
+
+static int run_access(void *be, uintptr_t va, uint64_t size) {
+  cuda_backend *c = be;
+  cu_access_desc d = {.location = c->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  cu_err e = c->api.cuMemSetAccess(va, size, &d, 1);
+  char a[64], b[32];
+  snprintf(a, sizeof a, "%#lx, %s", (unsigned long)va, np_fmt_bytes(size, b));
+  return e ? cu_fail(c, "cuMemSetAccess", a, e) : NP_OK;
+}
+
+static const np_vmm_ops cuda_pages = {page_create, page_release, page_map, page_unmap, run_access};
+
+static int cuda_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
+  cuda_backend *c = (cuda_backend *)be;
+  if (size == 0 || size % be->granularity)
+    return np_error(NP_ERR_INVALID, "cuda: reserve size %llu is not a multiple of the %llu-byte granularity",
+                    (unsigned long long)size, (unsigned long long)be->granularity);
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  cu_ptr p = 0;
+  cu_err e = c->api.cuMemAddressReserve(&p, size, 0, 0, 0);
+  if (e) {
+    char a[32];
+    rc = cu_fail(c, "cuMemAddressReserve", bytes_arg(size, a), e);
+  } else if ((rc = np_vmm_add(&c->vmm, p, size)) != NP_OK) {
+    c->api.cuMemAddressFree(p, size);
+  } else {
+    *out = p;
+  }
+  leave(c, prev);
+  return rc;
+}
+
+static int cuda_release(np_backend *be, uintptr_t addr, uint64_t size) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  rc = np_vmm_remove(&c->vmm, addr, size);
+  if (rc == NP_OK) {
+    cu_err e = c->api.cuMemAddressFree(addr, size);
+    char a[32];
+    if (e) rc = cu_fail(c, "cuMemAddressFree", bytes_arg(size, a), e);
+  }
+  leave(c, prev);
+  return rc;
+}
+
+static int cuda_map(np_backend *be, uintptr_t addr, uint64_t size) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  rc = np_vmm_map(&c->vmm, addr, size);
+  leave(c, prev);
+  return rc;
+}
+
+static int cuda_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  cu_err e = c->api.cudaDeviceSynchronize(); /* kernels may still use the pages */
+  if (e) rc = rt_fail(c, "cudaDeviceSynchronize", "", e);
+  else rc = np_vmm_unmap(&c->vmm, addr, size);
+  leave(c, prev);
+  return rc;
+}
+
+/* ---- life cycle ------------------------------------------------------------ */
+
+static void cuda_destroy(np_backend *be) {
+  cuda_backend *c = (cuda_backend *)be;
+  if (be->granularity) {
+    int prev;
+    bool entered = enter(c, &prev) == NP_OK;
+    while (c->vmm.n) {
+      np_vrange r = c->vmm.ranges[0];
+      np_vmm_remove(&c->vmm, r.addr, r.size);
+      c->api.cuMemAddressFree(r.addr, r.size);
+    }
+    if (entered) leave(c, prev);
+  }
+  np_vmm_destroy(&c->vmm);
+  np_dl_close(c->driver);
+  np_dl_close(c->runtime);
+  free(c);
+}
+
+/* Decide whether the driver's virtual-memory API works here; sets the granularity. */
+static void probe_vmm(cuda_backend *c, const np_config *cfg, const char *missing) {
+  char why[128] = "";
+  int dev = 0, supported = 1;
+  size_t gran = 0;
+  cu_ptr p = 0;
+  cu_err e;
+  if (!cfg->vmm) snprintf(why, sizeof why, "disabled by the configuration");
+  else if (!c->driver) snprintf(why, sizeof why, "the driver library (libcuda) could not be loaded");
+  else if (missing[0]) snprintf(why, sizeof why, "the driver library has no %s", missing);
+  else if ((e = c->api.cuInit(0))) snprintf(why, sizeof why, "cuInit failed with error %d", e);
+  else if ((e = c->api.cuDeviceGet(&dev, c->device))) snprintf(why, sizeof why, "cuDeviceGet failed with error %d", e);
+  else if (c->api.cuDeviceGetAttribute &&
+           c->api.cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) == 0 &&
+           !supported)
+    snprintf(why, sizeof why, "the device does not support virtual memory management");
+  if (!why[0]) {
+    c->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    c->prop.location.id = dev;
+    if ((e = c->api.cuMemGetAllocationGranularity(&gran, &c->prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) || gran == 0)
+      snprintf(why, sizeof why, "cuMemGetAllocationGranularity failed with error %d", e);
+    else if ((e = c->api.cuMemAddressReserve(&p, gran, 0, 0, 0)))
+      snprintf(why, sizeof why, "the probe cuMemAddressReserve failed with error %d", e);
+    else
+      c->api.cuMemAddressFree(p, gran);
+  }
+  if (why[0]) {
+    snprintf(c->name, sizeof c->name, "cuda (no VMM: %s)", why);
+    return;
+  }
+  c->base.granularity = gran;
+  c->base.reserve = cuda_reserve;
+  c->base.release = cuda_release;
+  c->base.map = cuda_map;
+  c->base.unmap = cuda_unmap;
+  np_vmm_init(&c->vmm, gran, &cuda_pages, c);
+}
+
+/* Split "RUNTIME[:DRIVER]"; the driver is NULL for the default, "" for the runtime's own file. */
+static void split_paths(const char *lib_path, char *runtime, char *driver, size_t len, const char **rt, const char **drv) {
+  *rt = *drv = NULL;
+  if (!lib_path || !*lib_path) return;
+  const char *colon = strchr(lib_path, ':');
+  size_t n = colon ? (size_t)(colon - lib_path) : strlen(lib_path);
+  snprintf(runtime, len, "%.*s", (int)n, lib_path);
+  *rt = runtime;
+  if (!colon) {
+    snprintf(driver, len, "%s", runtime);
+    *drv = driver;
+  } else if (colon[1]) {
+    snprintf(driver, len, "%s", colon + 1);
+    *drv = driver;
+  }
+}
 
 np_backend *np_backend_cuda_create(const np_config *cfg) {
-  (void)cfg;
-  np_error(NP_ERR_BACKEND, "the cuda backend is not available in this build");
+  if (cfg->device < 0) {
+    np_error(NP_ERR_INVALID, "cuda: device index must be >= 0, got %d", cfg->device);
+    return NULL;
+  }
+  cuda_backend *c = calloc(1, sizeof *c);
+  if (!c) {
+    np_error(NP_ERR_HOST, "cuda: host out of memory");
+    return NULL;
+  }
+  c->device = cfg->device;
+  snprintf(c->name, sizeof c->name, "cuda");
+  c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free,
+                         .synchronize = cuda_synchronize, .destroy = cuda_destroy};
+  char rt_buf[1024], drv_buf[1024], where[1024], missing[64] = "";
+  const char *rt_path, *drv_path;
+  split_paths(cfg->lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
+  c->runtime = np_dl_open(rt_path, runtime_names, "the CUDA runtime (libcudart)");
+  if (!c->runtime) goto fail;
+  if (np_dl_bind(c->runtime, np_dl_path(c->runtime, where, sizeof where), runtime_syms,
+                 sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0) != NP_OK)
+    goto fail;
+  if (drv_path) c->driver = np_dl_open(drv_path, driver_names, "the CUDA driver (libcuda)");
+  else c->driver = np_dl_open(NULL, driver_names, "the CUDA driver (libcuda)");
+  if (c->driver)
+    np_dl_bind(c->driver, "libcuda", driver_syms, sizeof driver_syms / sizeof *driver_syms, &c->api, missing,
+               sizeof missing);
+
+  int prev;
+  if (enter(c, &prev) != NP_OK) goto fail;
+  size_t free_bytes = 0, total = 0;
+  cu_err e = c->api.cudaFree(NULL); /* creates the device's primary context if needed */
+  if (!e) e = c->api.cudaMemGetInfo(&free_bytes, &total);
+  if (e) {
+    rt_fail(c, "cudaMemGetInfo", "", e);
+    leave(c, prev);
+    goto fail;
+  }
+  if (total == 0) {
+    np_error(NP_ERR_BACKEND, "cuda: cudaMemGetInfo reports 0 bytes of memory on device %d", c->device);
+    leave(c, prev);
+    goto fail;
+  }
+  c->base.total = total;
+  probe_vmm(c, cfg, missing);
+  leave(c, prev);
+  return &c->base;
+fail:
+  np_dl_close(c->driver);
+  np_dl_close(c->runtime);
+  free(c);
   return NULL;
 }

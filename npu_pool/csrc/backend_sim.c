@@ -165,6 +165,13 @@ static int sim_synchronize(np_backend *be, intptr_t stream) {
   return NP_OK; /* the simulated device runs nothing asynchronously */
 }
 
+static int sim_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
+  (void)be;
+  (void)waiter;
+  (void)on;
+  return NP_OK; /* nothing runs asynchronously: the order already holds */
+}
+
 static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint = addr; }
 
 static void sim_destroy(np_backend *be) {
@@ -197,6 +204,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .unmap = cfg->vmm ? sim_unmap : NULL,
       .synchronize = sim_synchronize,
       .hint_addr = sim_hint,
+      .stream_wait = sim_stream_wait,
       .destroy = sim_destroy,
   };
   s->host = cfg->host_backed != 0;

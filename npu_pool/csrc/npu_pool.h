@@ -76,6 +76,7 @@ typedef struct np_stats {
   uint64_t device_frees;    /* backend free/unmap calls */
   uint64_t ooms;            /* requests that failed for lack of memory */
   uint64_t retries;         /* release-cache-and-retry events */
+  uint64_t stream_waits;    /* npu_pool: reuses across streams ordered by an event wait */
   uint64_t allocs;          /* successful mallocs */
   uint64_t frees;           /* successful frees */
   int vmm;                  /* 1 if the arena grows through the virtual-memory API */

@@ -1,10 +1,12 @@
-/* policy_npu_pool.c -- the npu_pool policy: one arena per device.
+/* policy_npu_pool.c -- the npu_pool policy: one arena per device, lifetime-aware placement.
  *
  * Long-lived and short-lived requests are placement classes inside one arena,
  * not separately cached segment sets (two caches hoard memory the other could
- * use). The arena is an address reservation whose pages are mapped as the
- * high-water mark grows (virtual-memory API), or one device allocation of the
- * fraction cap where the vendor has none.
+ * use). With a virtual-memory API the arena is an address reservation whose
+ * pages are mapped as its high-water mark grows; without one it is a single
+ * device allocation of the fraction cap. (A separate arena for small requests
+ * was measured: it helps inference traces and hurts training ones about as much,
+ * see docs/policies.md, so there is one.)
  *
  *  - blocks are exact (512-byte rounded): no segment rounding, no boundaries;
  *  - a request takes the smallest hole that fits (O(log n) tree by stream,
@@ -12,18 +14,23 @@
  *    end, so short-lived churn stays away from long-lived neighbours and the
  *    hole that remains is contiguous with other free memory;
  *  - when no hole fits it extends the top (the free memory above the highest
- *    allocation), first merging a hole of its stream that touches the top;
- *  - freed memory keeps the tag of the stream that used it: only that stream
- *    may reuse it until a device synchronisation (empty_cache, or the retry
- *    after a failure) clears the tags; untagged memory (never used, or
- *    synchronised) serves every stream;
- *  - empty_cache unmaps every whole page inside free memory.
+ *    allocation), first taking a hole of its stream that touches the top;
+ *  - freed memory keeps the tag of the stream that used it (or "mixed" once
+ *    memory of two streams merges). A request prefers holes of its own stream or
+ *    untagged ones (never used, or synchronised); failing that, where the backend
+ *    can order streams on the device (an event wait, as cudaMallocAsync pools do)
+ *    it takes another stream's hole and makes its stream wait for that stream's
+ *    queued work: memory serves every stream without a host synchronisation.
+ *    Without that hook, holes stay with their stream until a synchronisation
+ *    (empty_cache, or the retry after a failure) clears the tags;
+ *  - empty_cache (and the retry after a failure) unmaps every whole page inside
+ *    free memory.
  *
- * Invariants: the arena segment is tiled by its blocks; `top` is the last block
- * when that block is free and untagged, else NULL; every other free block is
- * in `holes`; no two neighbouring free blocks with compatible tags are left
- * unmerged except a tagged hole below the top; with VMM every page touched by
- * an allocated block is mapped and mapped_bytes == reserved.
+ * Invariants: the arena's segment is tiled by its blocks; `top` is the last
+ * block when that block is free and untagged, else NULL; every other free block
+ * is in `holes`; no two neighbouring free blocks with compatible tags are left
+ * unmerged except a tagged hole below the top; with VMM every page touched by an
+ * allocated block is mapped, and mapped bytes equal reserved bytes.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -33,240 +40,277 @@
 
 enum { LONG_POOL = 0, SHORT_POOL = 1 };
 
-typedef struct arena_state {
+typedef struct arena {
   np_tree holes;
   np_segment *seg;      /* NULL until the first request */
   np_block *top;
-  bool vmm;
-  uint64_t page;        /* mapping granularity */
-  uint8_t *mapped;      /* one byte per page: 1 if mapped */
+  uint8_t *mapped;      /* VMM: one byte per page, 1 if mapped */
   uint64_t n_pages;
-  uint64_t mapped_bytes;
   uint64_t page_hwm;    /* pages at or above this index have never been mapped */
-} arena_state;
+  uint64_t mapped_bytes;
+} arena;
 
-static arena_state *state(np_ctx *ctx) { return (arena_state *)ctx->pstate; }
+#define MIXED (INTPTR_MIN + 1) /* tag of free memory last used by more than one stream */
+#define MAX_STREAMS 64
 
-static bool compatible(intptr_t a, intptr_t b) { return a == b || a == NP_STREAM_ANY || b == NP_STREAM_ANY; }
-static intptr_t merged_tag(intptr_t a, intptr_t b) { return a == NP_STREAM_ANY ? b : a; }
+typedef struct npu_pool_state {
+  arena arena;
+  bool vmm;
+  bool cross;           /* the backend can order streams: holes serve every stream */
+  uint64_t page;        /* mapping granularity */
+  intptr_t streams[MAX_STREAMS]; /* streams that allocated, for waits on mixed memory */
+  int n_streams;
+} npu_pool_state;
 
-static int arena_init(np_ctx *ctx) {
-  arena_state *as = calloc(1, sizeof *as);
-  if (!as) return np_error(NP_ERR_HOST, "host out of memory");
-  as->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
-  as->page = as->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
-  ctx->pstate = as;
-  ctx->st.vmm = as->vmm;
+static npu_pool_state *state(np_ctx *ctx) { return (npu_pool_state *)ctx->pstate; }
+
+static bool compatible(const npu_pool_state *ps, intptr_t a, intptr_t b) {
+  return ps->cross || a == b || a == NP_STREAM_ANY || b == NP_STREAM_ANY;
+}
+static intptr_t merged_tag(intptr_t a, intptr_t b) {
+  return a == b || b == NP_STREAM_ANY ? a : a == NP_STREAM_ANY ? b : MIXED;
+}
+
+/* Order `stream` after the work queued on the streams that used memory tagged `tag`. */
+static int order_after(np_ctx *ctx, intptr_t stream, intptr_t tag) {
+  npu_pool_state *ps = state(ctx);
+  if (tag == NP_STREAM_ANY || tag == stream) return NP_OK;
+  ctx->st.stream_waits++;
+  if (tag != MIXED) return ctx->be->stream_wait(ctx->be, stream, tag);
+  for (int i = 0; i < ps->n_streams; i++) {
+    if (ps->streams[i] == stream) continue;
+    int rc = ctx->be->stream_wait(ctx->be, stream, ps->streams[i]);
+    if (rc != NP_OK) return rc;
+  }
   return NP_OK;
 }
 
-/* Create the arena: reserve address space for twice the device (VMM: unmapped holes
+static void note_stream(npu_pool_state *ps, intptr_t stream) {
+  for (int i = 0; i < ps->n_streams; i++)
+    if (ps->streams[i] == stream) return;
+  if (ps->n_streams < MAX_STREAMS) ps->streams[ps->n_streams++] = stream;
+  else ps->cross = false; /* too many streams to order mixed memory after: keep holes per stream */
+}
+
+static int npu_pool_init(np_ctx *ctx) {
+  npu_pool_state *ps = calloc(1, sizeof *ps);
+  if (!ps) return np_error(NP_ERR_HOST, "host out of memory");
+  ps->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
+  ps->page = ps->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
+  ps->cross = ctx->be->stream_wait != NULL;
+  ctx->pstate = ps;
+  ctx->st.vmm = ps->vmm;
+  return NP_OK;
+}
+
+/* Create an arena: reserve address space for twice the device (VMM: unmapped holes
  * left by empty_cache must not stop the top from growing) or allocate the cap. */
-static int ensure_arena(np_ctx *ctx) {
-  arena_state *as = state(ctx);
-  if (as->seg) return NP_OK;
-  uint64_t size = as->vmm ? 2 * np_round_up(ctx->be->total, as->page) : np_round_down(ctx->limit, NP_MIN_BLOCK);
+static int ensure_arena(np_ctx *ctx, arena *a) {
+  npu_pool_state *ps = state(ctx);
+  if (a->seg) return NP_OK;
+  uint64_t size = ps->vmm ? 2 * np_round_up(ctx->be->total, ps->page) : np_round_down(ctx->limit, NP_MIN_BLOCK);
   if (size == 0) return np_error(NP_ERR_OOM, "the memory fraction cap leaves no room for an arena");
   np_segment *seg;
-  int rc = np_segment_create(ctx, size, NP_STREAM_ANY, LONG_POOL, as->vmm, &seg);
+  int rc = np_segment_create(ctx, size, NP_STREAM_ANY, LONG_POOL, ps->vmm, &seg);
   if (rc != NP_OK) return rc;
-  if (as->vmm) {
-    as->n_pages = size / as->page;
-    as->mapped = calloc(as->n_pages, 1);
-    if (!as->mapped) {
+  if (ps->vmm) {
+    a->n_pages = size / ps->page;
+    a->mapped = calloc(a->n_pages, 1);
+    if (!a->mapped) {
       np_segment_destroy(ctx, seg);
       return np_error(NP_ERR_HOST, "host out of memory for the page map");
     }
   }
-  as->seg = seg;
-  as->top = seg->head;
+  a->seg = seg;
+  a->top = seg->head;
   seg->head->stream = NP_STREAM_ANY;
   return NP_OK;
 }
 
-/* Unmap the mapped pages among pages [first, end). */
-static void unmap_pages(np_ctx *ctx, uint64_t first, uint64_t end) {
-  arena_state *as = state(ctx);
-  if (end > as->page_hwm) end = as->page_hwm;
+/* Unmap the mapped pages among pages [first, end) of arena a. */
+static void unmap_pages(np_ctx *ctx, arena *a, uint64_t first, uint64_t end) {
+  uint64_t page = state(ctx)->page;
+  if (end > a->page_hwm) end = a->page_hwm;
   for (uint64_t p = first; p < end;) {
-    if (!as->mapped[p]) {
+    if (!a->mapped[p]) {
       p++;
       continue;
     }
     uint64_t q = p;
-    while (q < end && as->mapped[q]) q++;
-    if (ctx->be->unmap(ctx->be, as->seg->addr + p * as->page, (q - p) * as->page) == NP_OK) {
-      memset(as->mapped + p, 0, q - p);
-      as->mapped_bytes -= (q - p) * as->page;
-      np_counter_sub(&ctx->st.total.reserved, (q - p) * as->page);
+    while (q < end && a->mapped[q]) q++;
+    if (ctx->be->unmap(ctx->be, a->seg->addr + p * page, (q - p) * page) == NP_OK) {
+      memset(a->mapped + p, 0, q - p);
+      a->mapped_bytes -= (q - p) * page;
+      np_counter_sub(&ctx->st.total.reserved, (q - p) * page);
       ctx->st.device_frees++;
     }
     p = q;
   }
 }
 
-static void drop_arena(np_ctx *ctx) {
-  arena_state *as = state(ctx);
-  if (!as->seg) return;
-  for (np_block *b = as->seg->head; b; b = b->next) {
+static void drop_arena(np_ctx *ctx, arena *a) {
+  if (!a->seg) return;
+  for (np_block *b = a->seg->head; b; b = b->next) {
     if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
     b->allocated = 0;
     b->in_tree = 0;
   }
-  if (as->vmm) unmap_pages(ctx, 0, as->n_pages);
-  np_segment_destroy(ctx, as->seg);
-  free(as->mapped);
-  memset(&as->holes, 0, sizeof as->holes);
-  as->seg = NULL;
-  as->top = NULL;
-  as->mapped = NULL;
-  as->mapped_bytes = 0;
-  as->page_hwm = 0;
+  if (a->mapped) unmap_pages(ctx, a, 0, a->n_pages);
+  np_segment_destroy(ctx, a->seg);
+  free(a->mapped);
+  memset(a, 0, sizeof *a);
 }
 
-static void arena_destroy(np_ctx *ctx) {
-  drop_arena(ctx);
-  free(ctx->pstate);
+static void npu_pool_destroy(np_ctx *ctx) {
+  npu_pool_state *ps = state(ctx);
+  drop_arena(ctx, &ps->arena);
+  free(ps);
 }
 
 /* Map every unmapped page under [addr, addr+size); fails whole if the cap would be exceeded. */
-static int map_range(np_ctx *ctx, uintptr_t addr, uint64_t size) {
-  arena_state *as = state(ctx);
-  if (!as->vmm) return NP_OK;
-  uint64_t first = (addr - as->seg->addr) / as->page, last = (addr + size - 1 - as->seg->addr) / as->page;
+static int map_range(np_ctx *ctx, arena *a, uintptr_t addr, uint64_t size) {
+  npu_pool_state *ps = state(ctx);
+  if (!ps->vmm) return NP_OK;
+  uint64_t page = ps->page;
+  uint64_t first = (addr - a->seg->addr) / page, last = (addr + size - 1 - a->seg->addr) / page;
   uint64_t need = 0;
-  for (uint64_t p = first; p <= last; p++) need += !as->mapped[p];
+  for (uint64_t p = first; p <= last; p++) need += !a->mapped[p];
   if (!need) return NP_OK;
-  if (as->mapped_bytes + need * as->page > ctx->limit) {
-    char a[32], b[32];
+  if (ctx->st.total.reserved.current + need * page > ctx->limit) {
+    char x[32], y[32];
     return np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s",
-                    np_fmt_bytes(need * as->page, a), np_fmt_bytes(ctx->limit, b));
+                    np_fmt_bytes(need * page, x), np_fmt_bytes(ctx->limit, y));
   }
   for (uint64_t p = first; p <= last;) {
-    if (as->mapped[p]) {
+    if (a->mapped[p]) {
       p++;
       continue;
     }
     uint64_t q = p;
-    while (q <= last && !as->mapped[q]) q++;
-    int rc = ctx->be->map(ctx->be, as->seg->addr + p * as->page, (q - p) * as->page);
+    while (q <= last && !a->mapped[q]) q++;
+    int rc = ctx->be->map(ctx->be, a->seg->addr + p * page, (q - p) * page);
     if (rc != NP_OK) return rc; /* pages mapped so far stay mapped and accounted */
-    memset(as->mapped + p, 1, q - p);
-    if (q > as->page_hwm) as->page_hwm = q;
-    as->mapped_bytes += (q - p) * as->page;
-    np_counter_add(&ctx->st.total.reserved, (q - p) * as->page);
+    memset(a->mapped + p, 1, q - p);
+    if (q > a->page_hwm) a->page_hwm = q;
+    a->mapped_bytes += (q - p) * page;
+    np_counter_add(&ctx->st.total.reserved, (q - p) * page);
     ctx->st.device_mallocs++;
     p = q;
   }
   return NP_OK;
 }
 
-/* Unmap every mapped page lying wholly inside the free block b. */
-static void unmap_free(np_ctx *ctx, const np_block *b) {
-  arena_state *as = state(ctx);
-  uint64_t off = b->addr - as->seg->addr;
-  unmap_pages(ctx, np_round_up(off, as->page) / as->page, (off + b->size) / as->page);
+static np_block *better(np_block *x, np_block *y) {
+  if (!x) return y;
+  if (!y) return x;
+  return y->size < x->size || (y->size == x->size && y->addr < x->addr) ? y : x;
 }
 
-/* Best-fitting hole usable by `stream`: its own tagged holes or untagged ones. */
-static np_block *best_hole(arena_state *as, intptr_t stream, uint64_t size) {
-  np_block *own = np_tree_best_fit(&as->holes, stream, size);
-  np_block *any = stream == NP_STREAM_ANY ? NULL : np_tree_best_fit(&as->holes, NP_STREAM_ANY, size);
-  if (!own) return any;
-  if (!any) return own;
-  return any->size < own->size || (any->size == own->size && any->addr < own->addr) ? any : own;
+/* Best-fitting hole for `stream`: of its own or untagged; failing that (cross-stream
+ * reuse), of any other stream or mixed. */
+static np_block *best_hole(const npu_pool_state *ps, arena *a, intptr_t stream, uint64_t size) {
+  np_block *h = better(np_tree_best_fit(&a->holes, stream, size), np_tree_best_fit(&a->holes, NP_STREAM_ANY, size));
+  if (h || !ps->cross) return h;
+  h = np_tree_best_fit(&a->holes, MIXED, size);
+  for (int i = 0; i < ps->n_streams; i++)
+    if (ps->streams[i] != stream) h = better(h, np_tree_best_fit(&a->holes, ps->streams[i], size));
+  return h;
 }
 
-/* Free block b (not in any tree): merge with compatible free neighbours, then file it. */
-static void put_free(np_ctx *ctx, np_block *b) {
-  arena_state *as = state(ctx);
+/* Free block b (in no tree): merge with compatible free neighbours, then file it. */
+static void put_free(np_ctx *ctx, arena *a, np_block *b) {
+  const npu_pool_state *ps = state(ctx);
   np_block *p = b->prev;
-  if (p && !p->allocated && compatible(p->stream, b->stream)) {
-    np_tree_remove(&as->holes, p);
+  if (p && !p->allocated && compatible(ps, p->stream, b->stream)) {
+    np_tree_remove(&a->holes, p);
     p->stream = merged_tag(p->stream, b->stream);
     np_block_merge_next(&ctx->blocks, p);
     b = p;
   }
   np_block *n = b->next;
-  if (n && !n->allocated && n != as->top && compatible(n->stream, b->stream)) {
-    np_tree_remove(&as->holes, n);
+  if (n && !n->allocated && n != a->top && compatible(ps, n->stream, b->stream)) {
+    np_tree_remove(&a->holes, n);
     b->stream = merged_tag(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
   }
   n = b->next;
-  if (n && n == as->top && b->stream == NP_STREAM_ANY) {
+  if (n && n == a->top && b->stream == NP_STREAM_ANY) {
     np_block_merge_next(&ctx->blocks, b);
-    as->top = b;
+    a->top = b;
   } else if (!n && b->stream == NP_STREAM_ANY) {
-    as->top = b;
+    a->top = b;
   } else {
-    np_tree_insert(&as->holes, b);
+    np_tree_insert(&a->holes, b);
   }
 }
 
 /* Carve `size` bytes out of free block h (in no tree); the rest goes back as free memory. */
-static int carve(np_ctx *ctx, np_block *h, uint64_t size, bool high, np_block **out) {
+static int carve(np_ctx *ctx, arena *a, np_block *h, uint64_t size, bool high, np_block **out) {
   if (h->size > size) {
     np_block *piece = np_block_split(&ctx->blocks, h, size, high);
     if (!piece) return np_error(NP_ERR_HOST, "host out of memory splitting a block");
     np_block *rest = high ? piece->prev : piece->next; /* keeps the hole's tag */
     h = piece;
-    if (rest == h->next && !rest->next && rest->stream == NP_STREAM_ANY) state(ctx)->top = rest;
-    else np_tree_insert(&state(ctx)->holes, rest);
+    if (rest == h->next && !rest->next && rest->stream == NP_STREAM_ANY) a->top = rest;
+    else np_tree_insert(&a->holes, rest);
   }
   *out = h;
   return NP_OK;
 }
 
-static int try_place(np_ctx *ctx, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
-  arena_state *as = state(ctx);
-  np_block *h = best_hole(as, stream, size);
+static int try_place(np_ctx *ctx, arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
+  npu_pool_state *ps = state(ctx);
+  np_block *h = best_hole(ps, a, stream, size);
+  intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
-    np_tree_remove(&as->holes, h);
+    np_tree_remove(&a->holes, h);
+    used_by = h->stream;
   } else {
-    np_block *t = as->top;
+    np_block *t = a->top;
     if (!t) return np_error(NP_ERR_OOM, "the arena's address range is full");
     np_block *below = t->prev;
     /* No hole fits, so a usable hole under the top is smaller than the request:
      * start the request there; it covers the whole hole, the rest is untagged. */
-    bool absorb = below && !below->allocated && compatible(below->stream, stream) && below->size + t->size >= size;
+    bool absorb = below && !below->allocated && compatible(ps, below->stream, stream) && below->size + t->size >= size;
     if (!absorb && t->size < size) return np_error(NP_ERR_OOM, "the arena's address range is full");
+    used_by = NP_STREAM_ANY;
     if (absorb) {
-      np_tree_remove(&as->holes, below);
+      np_tree_remove(&a->holes, below);
+      used_by = below->stream;
       np_block_merge_next(&ctx->blocks, below);
       t = below;
       t->stream = NP_STREAM_ANY;
     }
-    as->top = NULL;
+    a->top = NULL;
     h = t;
     long_lived = true; /* take the top's low end: the high-water mark grows only by `size` */
   }
-  intptr_t tag = h->stream;
   np_block *b = NULL;
-  int rc = carve(ctx, h, size, !long_lived, &b);
+  int rc = carve(ctx, a, h, size, !long_lived, &b);
   if (rc != NP_OK) {
-    put_free(ctx, h);
+    h->stream = merged_tag(h->stream, used_by);
+    put_free(ctx, a, h);
     return rc;
   }
-  rc = map_range(ctx, b->addr, b->size);
+  rc = map_range(ctx, a, b->addr, b->size);
+  if (rc == NP_OK) rc = order_after(ctx, stream, used_by);
   if (rc != NP_OK) {
-    b->stream = tag;
-    put_free(ctx, b);
+    b->stream = merged_tag(b->stream, used_by);
+    put_free(ctx, a, b);
     return rc;
   }
   b->stream = stream;
-  uint64_t end = b->addr + b->size - as->seg->addr;
+  uint64_t end = b->addr + b->size - a->seg->addr;
   if (end > ctx->st.arena_hwm.peak) ctx->st.arena_hwm.peak = end;
   *out = b;
   return NP_OK;
 }
 
 /* Device synchronisation: clear every stream tag, merge free neighbours, rebuild the tree. */
-static void synchronize(np_ctx *ctx) {
-  arena_state *as = state(ctx);
-  memset(&as->holes, 0, sizeof as->holes);
-  as->top = NULL;
-  for (np_block *b = as->seg->head; b; b = b->next) {
+static void synchronize(np_ctx *ctx, arena *a) {
+  memset(&a->holes, 0, sizeof a->holes);
+  a->top = NULL;
+  for (np_block *b = a->seg->head; b; b = b->next) {
     if (b->allocated) continue;
     b->in_tree = 0;
     b->stream = NP_STREAM_ANY;
@@ -274,129 +318,144 @@ static void synchronize(np_ctx *ctx) {
       b->next->in_tree = 0;
       np_block_merge_next(&ctx->blocks, b);
     }
-    if (b->next) np_tree_insert(&as->holes, b);
-    else as->top = b;
+    if (b->next) np_tree_insert(&a->holes, b);
+    else a->top = b;
   }
 }
 
-static void release_pages(np_ctx *ctx) {
-  arena_state *as = state(ctx);
-  if (!as->vmm) return;
-  for (np_block *b = as->seg->head; b; b = b->next)
-    if (!b->allocated) unmap_free(ctx, b);
+/* Synchronise the arena and unmap the whole pages inside its free memory. */
+static void release(np_ctx *ctx) {
+  npu_pool_state *ps = state(ctx);
+  arena *a = &ps->arena;
+  if (!a->seg) return;
+  synchronize(ctx, a);
+  if (!ps->vmm) return;
+  for (np_block *b = a->seg->head; b; b = b->next) {
+    if (b->allocated) continue;
+    uint64_t off = b->addr - a->seg->addr;
+    unmap_pages(ctx, a, np_round_up(off, ps->page) / ps->page, (off + b->size) / ps->page);
+  }
 }
 
-static int arena_empty_cache(np_ctx *ctx) {
-  arena_state *as = state(ctx);
-  if (!as->seg) return NP_OK;
-  if (ctx->live.count == 0 && !as->vmm) {
-    drop_arena(ctx); /* nothing allocated: return the whole fixed arena */
+static int npu_pool_empty_cache(np_ctx *ctx) {
+  npu_pool_state *ps = state(ctx);
+  if (!ps->vmm && ctx->live.count == 0) {
+    drop_arena(ctx, &ps->arena); /* nothing allocated: return the whole fixed arena */
     return NP_OK;
   }
-  synchronize(ctx);
-  release_pages(ctx);
+  release(ctx);
   return NP_OK;
 }
 
-static int arena_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
+static int npu_pool_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
+  npu_pool_state *ps = state(ctx);
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
-  int rc = ensure_arena(ctx);
+  arena *a = &ps->arena;
+  int rc = ensure_arena(ctx, a);
   if (rc != NP_OK) return rc;
+  note_stream(ps, stream);
   bool long_lived = lifetime != NP_LIFE_SHORT;
-  rc = try_place(ctx, size, stream, long_lived, out);
+  rc = try_place(ctx, a, size, stream, long_lived, out);
   if (rc == NP_ERR_OOM) {
     /* what PyTorch does on failure, at arena scale: synchronise, release free pages, retry once */
     ctx->st.retries++;
     rc = ctx->be->synchronize(ctx->be, NP_STREAM_ANY);
     if (rc != NP_OK) return rc;
-    synchronize(ctx);
-    release_pages(ctx);
-    rc = try_place(ctx, size, stream, long_lived, out);
+    release(ctx);
+    rc = try_place(ctx, a, size, stream, long_lived, out);
   }
   if (rc == NP_OK) (*out)->pool = lifetime == NP_LIFE_SHORT ? SHORT_POOL : LONG_POOL;
   return rc;
 }
 
-static void arena_free(np_ctx *ctx, np_block *b) { put_free(ctx, b); }
+static void npu_pool_free(np_ctx *ctx, np_block *b) {
+  put_free(ctx, &state(ctx)->arena, b);
+}
 
-static int arena_set_limit(np_ctx *ctx, uint64_t limit) {
-  arena_state *as = state(ctx);
-  if (as->vmm || !as->seg) return NP_OK;
-  if (ctx->live.count) {
-    char a[32];
-    return np_error(NP_ERR_STATE, "the arena is already allocated at %s without a virtual-memory API; "
-                    "set the fraction before the first allocation", np_fmt_bytes(as->seg->size, a));
-  }
+static int npu_pool_set_limit(np_ctx *ctx, uint64_t limit) {
+  npu_pool_state *ps = state(ctx);
+  arena *a = &ps->arena;
   (void)limit;
-  drop_arena(ctx); /* empty: the next request reserves the new size */
+  if (ps->vmm || !a->seg) return NP_OK;
+  if (ctx->live.count) {
+    char x[32];
+    return np_error(NP_ERR_STATE, "the arena is already allocated at %s without a virtual-memory API; "
+                    "set the fraction before the first allocation", np_fmt_bytes(a->seg->size, x));
+  }
+  drop_arena(ctx, a); /* empty: the next request reserves the new size */
   return NP_OK;
 }
 
-static void arena_fill_stats(np_ctx *ctx, np_stats *st) {
-  arena_state *as = state(ctx);
-  if (!as->seg) return;
-  np_block *m = np_tree_max(&as->holes);
+static void npu_pool_fill_stats(np_ctx *ctx, np_stats *st) {
+  npu_pool_state *ps = state(ctx);
+  arena *a = &ps->arena;
+  if (!a->seg) return;
+  np_block *m = np_tree_max(&a->holes);
   st->largest_free = m ? m->size : 0;
-  st->arena_hwm.current = (as->top ? as->top->addr : as->seg->addr + as->seg->size) - as->seg->addr;
-  if (as->top) {
-    uint64_t room = as->top->size;
-    if (as->vmm) {
-      uint64_t mapped_in_top = 0, first = np_round_up(as->top->addr - as->seg->addr, as->page) / as->page;
-      for (uint64_t p = first; p < as->page_hwm; p++) mapped_in_top += as->mapped[p] ? as->page : 0;
-      uint64_t free_cap = ctx->limit > as->mapped_bytes ? ctx->limit - as->mapped_bytes : 0;
-      room = np_min_u64(room, free_cap + mapped_in_top);
-    }
-    if (room > st->largest_free) st->largest_free = room;
+  st->arena_hwm.current = (a->top ? a->top->addr : a->seg->addr + a->seg->size) - a->seg->addr;
+  if (!a->top) return;
+  uint64_t room = a->top->size;
+  if (ps->vmm) { /* the top can grow by the cap's free pages plus pages it already has mapped */
+    uint64_t mapped_in_top = 0, first = np_round_up(a->top->addr - a->seg->addr, ps->page) / ps->page;
+    for (uint64_t p = first; p < a->page_hwm; p++) mapped_in_top += a->mapped[p] ? ps->page : 0;
+    uint64_t reserved = ctx->st.total.reserved.current;
+    room = np_min_u64(room, (ctx->limit > reserved ? ctx->limit - reserved : 0) + mapped_in_top);
   }
+  if (room > st->largest_free) st->largest_free = room;
 }
 
-static int arena_check(np_ctx *ctx) {
-  arena_state *as = state(ctx);
-  if (!np_tree_check(&as->holes)) return np_error(NP_ERR_STATE, "check: arena hole tree is corrupt");
-  if (!as->seg) return as->holes.count ? np_error(NP_ERR_STATE, "check: holes without an arena") : NP_OK;
+static int check_arena(np_ctx *ctx, arena *a) {
+  npu_pool_state *ps = state(ctx);
+  if (!np_tree_check(&a->holes)) return np_error(NP_ERR_STATE, "check: arena hole tree is corrupt");
+  if (!a->seg) return a->holes.count ? np_error(NP_ERR_STATE, "check: holes without an arena") : NP_OK;
   size_t holes = 0;
-  for (np_block *b = as->seg->head; b; b = b->next) {
+  np_block *last = NULL;
+  for (np_block *b = a->seg->head; b; last = b, b = b->next) {
     if (b->allocated) {
-      if (as->vmm) {
-        uint64_t first = (b->addr - as->seg->addr) / as->page, last = (b->addr + b->size - 1 - as->seg->addr) / as->page;
-        for (uint64_t p = first; p <= last; p++)
-          if (!as->mapped[p]) return np_error(NP_ERR_STATE, "check: allocated block %#lx on an unmapped page", (unsigned long)b->addr);
+      if (ps->vmm) {
+        uint64_t first = (b->addr - a->seg->addr) / ps->page, end = (b->addr + b->size - 1 - a->seg->addr) / ps->page;
+        for (uint64_t p = first; p <= end; p++)
+          if (!a->mapped[p]) return np_error(NP_ERR_STATE, "check: allocated block %#lx on an unmapped page", (unsigned long)b->addr);
       }
       continue;
     }
-    if (b == as->top) {
+    if (b == a->top) {
       if (b->next || b->stream != NP_STREAM_ANY) return np_error(NP_ERR_STATE, "check: the top is not the last untagged block");
       continue;
     }
     if (!b->in_tree) return np_error(NP_ERR_STATE, "check: free block %#lx is not a hole", (unsigned long)b->addr);
-    if (b->next && !b->next->allocated && b->next != as->top && compatible(b->stream, b->next->stream))
+    if (b->next && !b->next->allocated && b->next != a->top && compatible(ps, b->stream, b->next->stream))
       return np_error(NP_ERR_STATE, "check: compatible holes not merged at %#lx", (unsigned long)b->addr);
     holes++;
   }
-  if (holes != as->holes.count) return np_error(NP_ERR_STATE, "check: the hole tree holds stray blocks");
-  if (!as->top && as->seg->head && !(as->seg->head->next == NULL && as->seg->head->allocated)) {
-    np_block *last = as->seg->head;
-    while (last->next) last = last->next;
-    if (!last->allocated && last->stream == NP_STREAM_ANY) return np_error(NP_ERR_STATE, "check: free untagged last block is not the top");
-  }
-  if (as->vmm) {
+  if (holes != a->holes.count) return np_error(NP_ERR_STATE, "check: the hole tree holds stray blocks");
+  if (!a->top && last && !last->allocated && last->stream == NP_STREAM_ANY)
+    return np_error(NP_ERR_STATE, "check: free untagged last block is not the top");
+  if (ps->vmm) {
     uint64_t n = 0;
-    for (uint64_t p = 0; p < as->n_pages; p++) n += as->mapped[p];
-    if (n * as->page != as->mapped_bytes || as->mapped_bytes != ctx->st.total.reserved.current)
-      return np_error(NP_ERR_STATE, "check: mapped pages (%llu bytes) disagree with reserved (%llu)",
-                      (unsigned long long)(n * as->page), (unsigned long long)ctx->st.total.reserved.current);
+    for (uint64_t p = 0; p < a->n_pages; p++) n += a->mapped[p];
+    if (n * ps->page != a->mapped_bytes) return np_error(NP_ERR_STATE, "check: page map disagrees with mapped bytes");
   }
   return NP_OK;
 }
 
+static int npu_pool_check(np_ctx *ctx) {
+  npu_pool_state *ps = state(ctx);
+  int rc = check_arena(ctx, &ps->arena);
+  if (rc == NP_OK && ps->vmm && ps->arena.mapped_bytes != ctx->st.total.reserved.current)
+    return np_error(NP_ERR_STATE, "check: mapped pages (%llu bytes) disagree with reserved (%llu)",
+                    (unsigned long long)ps->arena.mapped_bytes, (unsigned long long)ctx->st.total.reserved.current);
+  return rc;
+}
+
 const np_policy np_policy_npu_pool = {
     .name = "npu_pool",
-    .init = arena_init,
-    .destroy = arena_destroy,
-    .malloc = arena_malloc,
-    .free = arena_free,
-    .empty_cache = arena_empty_cache,
-    .set_limit = arena_set_limit,
-    .fill_stats = arena_fill_stats,
-    .check = arena_check,
+    .init = npu_pool_init,
+    .destroy = npu_pool_destroy,
+    .malloc = npu_pool_malloc,
+    .free = npu_pool_free,
+    .empty_cache = npu_pool_empty_cache,
+    .set_limit = npu_pool_set_limit,
+    .fill_stats = npu_pool_fill_stats,
+    .check = npu_pool_check,
 };

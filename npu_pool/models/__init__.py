@@ -11,7 +11,7 @@ from torch import nn
 from .gpt import FLAVOURS, GPT, SHAPES, GPTConfig, make_config, param_count
 
 __all__ = ["GPT", "GPTConfig", "FLAVOURS", "SHAPES", "MODEL_NAMES", "build_model", "make_config",
-           "param_count", "repeated_blocks", "set_recompute", "have_transformers"]
+           "param_count", "prepare", "repeated_blocks", "set_recompute", "have_transformers"]
 
 HF_MODELS = ("hf-gpt2", "hf-llama", "hf-mixtral")
 MODEL_NAMES: tuple[str, ...] = (*FLAVOURS, *HF_MODELS)
@@ -63,6 +63,19 @@ class _HFWrapper(nn.Module):
         return out.logits if targets is None else out.loss
 
 
+def prepare(name: str) -> None:
+    """Import what building ``name`` needs, so that a profiled set-up times the build,
+    not Python imports (transformers loads model modules lazily)."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    if name in HF_MODELS and have_transformers():
+        import transformers as tf
+
+        cls = {"hf-gpt2": "GPT2LMHeadModel", "hf-llama": "LlamaForCausalLM", "hf-mixtral": "MixtralForCausalLM"}
+        getattr(tf, cls[name])
+        _hf_config(name, 64, 16, 1, 2, 64)
+
+
 def build_model(name: str, **overrides: Any) -> nn.Module:
     """Build model ``name`` (see MODEL_NAMES) with GPTConfig field ``overrides``."""
     if name in HF_MODELS:
@@ -95,10 +108,13 @@ def _depth_ok(m: nn.ModuleList, best: nn.ModuleList) -> bool:
 def set_recompute(model: nn.Module, on: bool) -> None:
     """Turn per-block activation checkpointing (non-reentrant) on or off."""
     if isinstance(model, _HFWrapper):
-        if on:
-            model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not on:
+            return  # Hugging Face models start with checkpointing off
+        hf = model.hf
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.hf.gradient_checkpointing_disable()
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif hasattr(model, "recompute"):
         model.recompute = on
     elif on:

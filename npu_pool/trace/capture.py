@@ -334,7 +334,7 @@ def _to_trace(recs: list[_Rec], ident: _Identity, meta: dict[str, Any], keep_hos
 # -- public API ----------------------------------------------------------------------------
 def _model_overrides(layers: int | None, dim: int | None, heads: int | None, vocab: int | None,
                      seq: int) -> dict[str, Any]:
-    return dict(n_layers=layers, dim=dim, n_heads=heads, vocab=vocab, max_seq=max(seq, 1024))
+    return dict(n_layers=layers, dim=dim, n_heads=heads, vocab=vocab, max_seq=seq)
 
 
 def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"], batch: int = DEFAULTS["batch"],
@@ -351,11 +351,12 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     ``mixed_precision="bf16"`` runs forwards under CPU bf16 autocast. 0-dim host
     scalars (see ``_host_scalar``) are left out unless ``keep_host_scalars``.
     """
-    from ..models import build_model, set_recompute
+    from ..models import build_model, prepare, set_recompute
 
     if steps < 1 or grad_accum < 1 or batch < 1 or seq < 1:
         raise ValueError("steps, grad_accum, batch and seq must be >= 1")
     _autocast(mixed_precision)  # validate early
+    prepare(model_name)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     ident = _Identity()

@@ -1,0 +1,212 @@
+/* pluggable.c -- torch's pluggable-allocator entry points over a per-device
+ * context table. The table is the core's only global state. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common.h"
+#include "pluggable.h"
+
+#define ACL_PAD 32 /* Ascend kernels may touch 32 bytes past a tensor (aclrtMalloc's own rule) */
+
+/* Invariants: ctx[d] is NULL or a context built from `cfg` for device d, and
+ * stays valid until npu_pool_shutdown(); `cfg` and `lib_path` change only while
+ * every ctx[d] is NULL; fraction[d] (0 = none) is the cap pending for a device
+ * whose context does not exist yet. `lock` guards everything but the ctx reads
+ * of the allocation fast path. */
+static struct {
+  pthread_mutex_t lock;
+  bool configured;
+  np_config cfg;
+  char lib_path[1024];
+  int device_count;
+  double fraction[NP_MAX_DEVICES];
+  _Atomic(np_ctx *) ctx[NP_MAX_DEVICES];
+  char error[NP_MAX_DEVICES][512];
+} table = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static bool valid_device(int device) { return device >= 0 && device < NP_MAX_DEVICES; }
+
+/* Keep the calling thread's np_last_error() for `device` and print it. */
+static void report(int device, const char *what) {
+  const char *msg = np_last_error();
+  fprintf(stderr, "npu_pool: %s failed on device %d: %s\n", what, device, msg);
+  if (!valid_device(device)) return;
+  pthread_mutex_lock(&table.lock);
+  snprintf(table.error[device], sizeof table.error[device], "%s", msg);
+  pthread_mutex_unlock(&table.lock);
+}
+
+static int check_fraction(double f) {
+  if (!(f > 0.0 && f <= 1.0)) return np_error(NP_ERR_INVALID, "memory fraction must be in (0, 1], got %g", f);
+  return NP_OK;
+}
+
+static bool any_ctx_locked(void) {
+  for (int d = 0; d < NP_MAX_DEVICES; d++)
+    if (atomic_load(&table.ctx[d])) return true;
+  return false;
+}
+
+int npu_pool_configure(int policy, int backend, double fraction, int vmm, const char *lib_path) {
+  if (policy < 0 || policy >= NP_POLICY_COUNT)
+    return np_error(NP_ERR_INVALID, "unknown policy %d (torch=0, npu_pool=1, expandable=2)", policy);
+  if (backend < NP_BACKEND_SIM || backend > NP_BACKEND_CUDA)
+    return np_error(NP_ERR_INVALID, "unknown backend %d (sim=0, acl=1, cuda=2)", backend);
+  int rc = check_fraction(fraction);
+  if (rc != NP_OK) return rc;
+  if (lib_path && strlen(lib_path) >= sizeof table.lib_path)
+    return np_error(NP_ERR_INVALID, "library path longer than %zu bytes", sizeof table.lib_path - 1);
+  pthread_mutex_lock(&table.lock);
+  np_config cfg;
+  np_config_init(&cfg);
+  cfg.policy = policy;
+  cfg.backend = backend;
+  cfg.fraction = fraction;
+  cfg.vmm = vmm != 0;
+  const char *path = lib_path ? lib_path : "";
+  if (any_ctx_locked()) {
+    bool same = table.configured && table.cfg.policy == policy && table.cfg.backend == backend &&
+                table.cfg.fraction == fraction && table.cfg.vmm == cfg.vmm && strcmp(table.lib_path, path) == 0;
+    pthread_mutex_unlock(&table.lock);
+    return same ? NP_OK
+                : np_error(NP_ERR_STATE, "the allocator already serves a device with another configuration; "
+                           "configure it before the first allocation (call npu_pool.install() before any tensor "
+                           "is moved to the device)");
+  }
+  table.cfg = cfg;
+  snprintf(table.lib_path, sizeof table.lib_path, "%s", path);
+  memset(table.fraction, 0, sizeof table.fraction);
+  table.configured = true;
+  pthread_mutex_unlock(&table.lock);
+  return NP_OK;
+}
+
+/* Create device's context (table lock held). */
+static np_ctx *create_locked(int device) {
+  np_ctx *ctx = atomic_load(&table.ctx[device]);
+  if (ctx) return ctx;
+  if (!table.configured) {
+    np_error(NP_ERR_STATE, "npu_pool is not configured: call npu_pool.install() (or npu_pool_configure()) "
+             "before torch allocates device memory");
+    return NULL;
+  }
+  np_config cfg = table.cfg;
+  cfg.device = device;
+  if (table.fraction[device] > 0) cfg.fraction = table.fraction[device];
+  cfg.lib_path = table.lib_path[0] ? table.lib_path : NULL;
+  if (np_create(&cfg, &ctx) != NP_OK) return NULL;
+  atomic_store_explicit(&table.ctx[device], ctx, memory_order_release);
+  return ctx;
+}
+
+np_ctx *npu_pool_device_ctx(int device) {
+  if (!valid_device(device)) {
+    np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
+    return NULL;
+  }
+  np_ctx *ctx = atomic_load_explicit(&table.ctx[device], memory_order_acquire);
+  if (ctx) return ctx;
+  pthread_mutex_lock(&table.lock);
+  ctx = create_locked(device);
+  pthread_mutex_unlock(&table.lock);
+  return ctx;
+}
+
+int npu_pool_set_fraction(int device, double fraction) {
+  if (!valid_device(device))
+    return np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
+  int rc = check_fraction(fraction);
+  if (rc != NP_OK) return rc;
+  pthread_mutex_lock(&table.lock);
+  np_ctx *ctx = atomic_load(&table.ctx[device]);
+  if (!ctx) table.fraction[device] = fraction;
+  pthread_mutex_unlock(&table.lock);
+  return ctx ? np_set_fraction(ctx, fraction) : NP_OK;
+}
+
+size_t npu_pool_last_error(int device, char *buf, size_t len) {
+  if (!buf || !len) return 0;
+  if (!valid_device(device)) {
+    snprintf(buf, len, "%s", np_last_error());
+  } else {
+    pthread_mutex_lock(&table.lock);
+    snprintf(buf, len, "%s", table.error[device]);
+    pthread_mutex_unlock(&table.lock);
+  }
+  return strlen(buf);
+}
+
+void npu_pool_shutdown(void) {
+  pthread_mutex_lock(&table.lock);
+  for (int d = 0; d < NP_MAX_DEVICES; d++) {
+    np_ctx *ctx = atomic_exchange(&table.ctx[d], NULL);
+    if (ctx) np_destroy(ctx);
+    table.error[d][0] = '\0';
+    table.fraction[d] = 0;
+  }
+  table.configured = false;
+  table.lib_path[0] = '\0';
+  table.device_count = 0;
+  pthread_mutex_unlock(&table.lock);
+}
+
+/* ---- torch hooks ----------------------------------------------------------- */
+
+void *npu_pool_malloc(size_t size, int device, void *stream) {
+  if (size == 0) return NULL; /* torch keeps a null pointer for empty storage */
+  np_ctx *ctx = npu_pool_device_ctx(device);
+  if (!ctx) {
+    report(device, "creating the allocator");
+    return NULL;
+  }
+  uint64_t bytes = size;
+  if (table.cfg.backend == NP_BACKEND_ACL) bytes = np_round_up(bytes, ACL_PAD) + ACL_PAD;
+  void *p = NULL;
+  if (np_malloc(ctx, bytes, (intptr_t)stream, &p) != NP_OK) {
+    report(device, "malloc");
+    return NULL; /* torch's pluggable allocators pass NULL on; the message is on stderr */
+  }
+  return p;
+}
+
+void npu_pool_free(void *ptr, size_t size, int device, void *stream) {
+  (void)size;
+  (void)stream; /* the block remembers the stream it was allocated on */
+  if (!ptr) return;
+  np_ctx *ctx = valid_device(device) ? atomic_load_explicit(&table.ctx[device], memory_order_acquire) : NULL;
+  if (!ctx) {
+    np_error(NP_ERR_UNKNOWN_PTR, "free of %p: no allocator exists on this device", ptr);
+    report(device, "free");
+    return;
+  }
+  if (np_free(ctx, ptr) != NP_OK) report(device, "free");
+}
+
+void npu_pool_init(int device_count) {
+  pthread_mutex_lock(&table.lock);
+  table.device_count = device_count;
+  pthread_mutex_unlock(&table.lock);
+}
+
+void npu_pool_empty_cache(void) {
+  for (int d = 0; d < NP_MAX_DEVICES; d++) {
+    np_ctx *ctx = atomic_load_explicit(&table.ctx[d], memory_order_acquire);
+    if (ctx && np_empty_cache(ctx) != NP_OK) report(d, "empty_cache");
+  }
+}
+
+void npu_pool_empty_cache_checked(bool check_error) {
+  (void)check_error; /* failures are reported either way, never raised */
+  npu_pool_empty_cache();
+}
+
+void npu_pool_memory_fraction(double fraction, int device) {
+  if (npu_pool_set_fraction(device, fraction) != NP_OK) report(device, "set_memory_fraction");
+}
+
+void npu_pool_reset_peak(int device) {
+  np_ctx *ctx = valid_device(device) ? atomic_load_explicit(&table.ctx[device], memory_order_acquire) : NULL;
+  if (ctx) np_reset_peak(ctx);
+}
