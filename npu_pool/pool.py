@@ -192,6 +192,14 @@ class Pool:
             if n[0] <= cap:
                 return [_as_dict(buf[i]) for i in range(n[0])]
 
+    def recent_events(self, limit: int = 4096) -> list[dict[str, Any]]:
+        """The most recent allocator events (alloc, free, empty_cache, oom), oldest first."""
+        buf = ffi.new("np_event_info[]", max(limit, 1))
+        n = ffi.new("size_t *")
+        _check(lib.np_recent_events(self.ctx, buf, limit, n))
+        kinds = ("alloc", "free", "empty_cache", "oom")
+        return [dict(_as_dict(buf[i]), kind=kinds[buf[i].kind]) for i in range(n[0])]
+
     def reset_peak(self) -> None:
         """Reset every peak to the current value."""
         lib.np_reset_peak(self.ctx)

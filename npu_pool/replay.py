@@ -97,21 +97,27 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
 
 
 def min_capacity(trace: Trace, policy: str, *, hints: str = "sites", lo: int | None = None,
-                 hi: int | None = None) -> tuple[int, RunResult]:
-    """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run."""
+                 hi: int | None = None, no_retries: bool = False) -> tuple[int, RunResult]:
+    """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run.
+
+    With ``no_retries`` the run must also need no release-and-retry event."""
     lo = live_profile(trace).peak_bytes if lo is None else lo
     if hi is None:
         hi = run(trace, policy, hints=hints).peak_reserved_bytes
+
+    def fits(r: RunResult) -> bool:
+        return r.ok and (r.retries == 0 or not no_retries)
+
     step = CAPACITY_STEP
     k_lo, k_hi = max(1, -(-lo // step)), max(1, -(-hi // step))
     best = run(trace, policy, k_hi * step, hints=hints)
-    while not best.ok:  # the unlimited run's reserve may not suffice on a capped device (retries differ)
+    while not fits(best):  # a capped device may behave differently from the unlimited one
         k_lo, k_hi = k_hi + 1, k_hi * 2
         best = run(trace, policy, k_hi * step, hints=hints)
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
         r = run(trace, policy, mid * step, hints=hints)
-        if r.ok:
+        if fits(r):
             k_hi, best = mid, r
         else:
             k_lo = mid + 1

@@ -207,3 +207,13 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   pthread_mutex_unlock(&ctx->lock);
   return NP_OK;
 }
+
+int np_recent_events(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
+  pthread_mutex_lock(&ctx->lock);
+  uint64_t kept = ctx->n_events < NP_RECENT_EVENTS ? ctx->n_events : NP_RECENT_EVENTS;
+  if (cap > kept) cap = kept;
+  for (size_t i = 0; i < cap; i++) out[i] = ctx->recent[(ctx->n_events - cap + i) % NP_RECENT_EVENTS];
+  *n = cap;
+  pthread_mutex_unlock(&ctx->lock);
+  return NP_OK;
+}

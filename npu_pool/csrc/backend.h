@@ -29,6 +29,8 @@ struct np_backend {
   /* optional: make `waiter` wait (on the device, no host sync) for work queued so far on `on`;
    * lets memory freed on one stream be reused on another, as cudaMallocAsync pools do */
   int (*stream_wait)(np_backend *be, intptr_t waiter, intptr_t on);
+  /* optional: 1 if every piece of work queued on `stream` so far has finished, else 0 */
+  int (*stream_idle)(np_backend *be, intptr_t stream);
   void (*destroy)(np_backend *be);
 };
 

@@ -172,6 +172,12 @@ static int sim_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   return NP_OK; /* nothing runs asynchronously: the order already holds */
 }
 
+static int sim_stream_idle(np_backend *be, intptr_t stream) {
+  (void)be;
+  (void)stream;
+  return 1; /* simulated work finishes as it is queued */
+}
+
 static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint = addr; }
 
 static void sim_destroy(np_backend *be) {
@@ -205,6 +211,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .synchronize = sim_synchronize,
       .hint_addr = sim_hint,
       .stream_wait = sim_stream_wait,
+      .stream_idle = sim_stream_idle,
       .destroy = sim_destroy,
   };
   s->host = cfg->host_backed != 0;

@@ -136,9 +136,14 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   if (lifetime == NP_LIFE_AUTO) lifetime = ctx->default_life;
   np_block *b = NULL;
   int rc = ctx->policy->malloc(ctx, size, stream, lifetime, &b);
-  if (rc == NP_ERR_OOM) return oom(ctx, size);
+  if (rc == NP_ERR_OOM) {
+    np_ctx_record(ctx, NP_EV_OOM, 0, size, stream, site, lifetime);
+    return oom(ctx, size);
+  }
   if (rc != NP_OK) return rc;
-  return adopt(ctx, b, size, site, out);
+  rc = adopt(ctx, b, size, site, out);
+  if (rc == NP_OK) np_ctx_record(ctx, NP_EV_ALLOC, b->addr, size, stream, site, lifetime);
+  return rc;
 }
 
 int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, void **out) {
@@ -181,6 +186,7 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
     return np_error(NP_ERR_UNKNOWN_PTR, "free of %p: this pool never allocated it (foreign pointer)", ptr);
   }
   account(ctx, b, false);
+  np_ctx_record(ctx, NP_EV_FREE, b->addr, b->requested, b->stream, b->site, b->pool == 1 ? NP_LIFE_SHORT : NP_LIFE_LONG);
   bool lived_long = ctx->phase != b->phase || ctx->clock - b->born > NP_LONG_OPS;
   np_lifetime_learn(&ctx->life, b->site, lived_long);
   b->allocated = 0;
@@ -190,7 +196,14 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
   return NP_OK;
 }
 
+void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
+  np_event_info *e = &ctx->recent[ctx->n_events % NP_RECENT_EVENTS];
+  *e = (np_event_info){.seq = ctx->n_events++, .addr = addr, .size = size, .stream = stream, .site = site,
+                       .kind = (uint8_t)kind, .lifetime = (uint8_t)lifetime};
+}
+
 int np_ctx_empty_cache(np_ctx *ctx) {
+  np_ctx_record(ctx, NP_EV_EMPTY_CACHE, 0, 0, 0, -1, 0);
   int rc = ctx->be->synchronize(ctx->be, NP_STREAM_ANY);
   if (rc != NP_OK) return rc;
   return ctx->policy->empty_cache(ctx);

@@ -20,6 +20,8 @@
 
 typedef struct np_policy np_policy;
 
+#define NP_RECENT_EVENTS 4096 /* ring of recent events kept for OOM snapshots */
+
 struct np_ctx {
   pthread_mutex_t lock;
   np_config cfg;
@@ -37,6 +39,8 @@ struct np_ctx {
   int base_life;             /* default_life outside set-up and the first optimizer step */
   uint32_t optimizer_steps;  /* optimizer phases seen */
   uint64_t clock;            /* allocations so far */
+  np_event_info recent[NP_RECENT_EVENTS]; /* ring: entry seq % size */
+  uint64_t n_events;         /* events recorded so far */
 };
 
 /* A policy places requests. malloc returns an allocated block with size, pool and
@@ -71,6 +75,7 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg);
 int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, void **out);
 void np_get_stats_locked(np_ctx *ctx, np_stats *out);
 int np_ctx_check(np_ctx *ctx);
+void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int lifetime);
 
 /* Segments: a device malloc (or address reservation) and its first block. */
 int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, bool reserve_only, np_segment **out);

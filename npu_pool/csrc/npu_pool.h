@@ -77,6 +77,7 @@ typedef struct np_stats {
   uint64_t ooms;            /* requests that failed for lack of memory */
   uint64_t retries;         /* release-cache-and-retry events */
   uint64_t stream_waits;    /* npu_pool: reuses across streams ordered by an event wait */
+  uint64_t trims;           /* npu_pool: free pages unmapped under cap pressure without a synchronisation */
   uint64_t allocs;          /* successful mallocs */
   uint64_t frees;           /* successful frees */
   int vmm;                  /* 1 if the arena grows through the virtual-memory API */
@@ -122,6 +123,18 @@ typedef struct np_block_info {
   uint8_t mapped;           /* backed by physical memory */
 } np_block_info;
 
+/* One entry of the recent-events ring (np_recent_events), for OOM snapshots. */
+enum { NP_EV_ALLOC = 0, NP_EV_FREE = 1, NP_EV_EMPTY_CACHE = 2, NP_EV_OOM = 3 };
+typedef struct np_event_info {
+  uint64_t seq;             /* position in the context's history (0 = first event) */
+  uint64_t addr;            /* 0 for a failed request */
+  uint64_t size;            /* requested bytes */
+  int64_t stream;
+  int32_t site;
+  uint8_t kind;             /* NP_EV_* */
+  uint8_t lifetime;         /* NP_LIFE_* the request was placed as */
+} np_event_info;
+
 void np_config_init(np_config *cfg);
 int np_create(const np_config *cfg, np_ctx **out);
 void np_destroy(np_ctx *ctx);
@@ -146,7 +159,9 @@ int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size);
 int np_check(np_ctx *ctx);
 /* Copy up to cap blocks of every segment into out, segments in address order; *n gets the
  * total number of blocks (call with cap 0 to size the buffer). */
-int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n);               /* verify every invariant; NP_OK or an error naming it */
+int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n);
+/* Copy the most recent events (up to cap, at most NP_RECENT_EVENTS kept), oldest first. */
+int np_recent_events(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);               /* verify every invariant; NP_OK or an error naming it */
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
 
 const char *np_last_error(void);

@@ -23,8 +23,10 @@
  *    queued work: memory serves every stream without a host synchronisation.
  *    Without that hook, holes stay with their stream until a synchronisation
  *    (empty_cache, or the retry after a failure) clears the tags;
- *  - empty_cache (and the retry after a failure) unmaps every whole page inside
- *    free memory.
+ *  - when mapping would pass the cap, it first trims: unmaps whole free pages
+ *    whose streams have finished all queued work (no synchronisation needed);
+ *    only if that is not enough does the request fail into the retry, which
+ *    synchronises the device and unmaps every whole free page, as empty_cache.
  *
  * Invariants: the arena's segment is tiled by its blocks; `top` is the last
  * block when that block is free and untagged, else NULL; every other free block
@@ -167,8 +169,37 @@ static void npu_pool_destroy(np_ctx *ctx) {
   free(ps);
 }
 
-/* Map every unmapped page under [addr, addr+size); fails whole if the cap would be exceeded. */
-static int map_range(np_ctx *ctx, arena *a, uintptr_t addr, uint64_t size) {
+/* True if every stream that used memory tagged `tag` has finished its queued work. */
+static bool settled(np_ctx *ctx, intptr_t tag) {
+  npu_pool_state *ps = state(ctx);
+  if (tag == NP_STREAM_ANY) return true;
+  if (!ctx->be->stream_idle) return false;
+  if (tag != MIXED) return ctx->be->stream_idle(ctx->be, tag) == 1;
+  for (int i = 0; i < ps->n_streams; i++)
+    if (ctx->be->stream_idle(ctx->be, ps->streams[i]) != 1) return false;
+  return true;
+}
+
+/* Under cap pressure: unmap whole free pages of settled free blocks (not `skip`),
+ * highest first, until `need` bytes are back. Returns the bytes unmapped. */
+static uint64_t trim(np_ctx *ctx, arena *a, const np_block *skip, uint64_t need) {
+  uint64_t page = state(ctx)->page, before = a->mapped_bytes;
+  np_block *last = a->seg->head;
+  while (last->next) last = last->next;
+  for (np_block *b = last; b && before - a->mapped_bytes < need; b = b->prev) {
+    if (b->allocated || b == skip || !settled(ctx, b->stream)) continue;
+    uint64_t off = b->addr - a->seg->addr;
+    unmap_pages(ctx, a, np_round_up(off, page) / page, (off + b->size) / page);
+  }
+  if (a->mapped_bytes < before) ctx->st.trims++;
+  return before - a->mapped_bytes;
+}
+
+/* Map every unmapped page under [addr, addr+size) of block b; trims settled free pages
+ * when the cap would be exceeded, and fails whole if that is not enough. */
+static int map_range(np_ctx *ctx, arena *a, const np_block *b) {
+  uintptr_t addr = b->addr;
+  uint64_t size = b->size;
   npu_pool_state *ps = state(ctx);
   if (!ps->vmm) return NP_OK;
   uint64_t page = ps->page;
@@ -176,6 +207,8 @@ static int map_range(np_ctx *ctx, arena *a, uintptr_t addr, uint64_t size) {
   uint64_t need = 0;
   for (uint64_t p = first; p <= last; p++) need += !a->mapped[p];
   if (!need) return NP_OK;
+  if (ctx->st.total.reserved.current + need * page > ctx->limit)
+    trim(ctx, a, b, ctx->st.total.reserved.current + need * page - ctx->limit);
   if (ctx->st.total.reserved.current + need * page > ctx->limit) {
     char x[32], y[32];
     return np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s",
@@ -292,7 +325,7 @@ static int try_place(np_ctx *ctx, arena *a, uint64_t size, intptr_t stream, bool
     put_free(ctx, a, h);
     return rc;
   }
-  rc = map_range(ctx, a, b->addr, b->size);
+  rc = map_range(ctx, a, b);
   if (rc == NP_OK) rc = order_after(ctx, stream, used_by);
   if (rc != NP_OK) {
     b->stream = merged_tag(b->stream, used_by);
