@@ -248,19 +248,23 @@ def test_npu_pool_fixed_arena_without_vmm():
 
 def test_npu_pool_site_learning_routes_short_lived_sites():
     with Pool("npu_pool", capacity=4 * GiB) as p:
-        # site 7's blocks die at once: after a few, the core classes it short-lived
-        for _ in range(8):
-            p.free(p.malloc(MiB, site=7))
-        for _ in range(3):  # site 9's blocks live through 70 other allocations
-            k = p.malloc(MiB, site=9)
-            for _ in range(70):
-                p.free(p.malloc(MiB, site=7))
+        guard = p.malloc(MiB)  # before any phase: every "auto" request is long-lived
+        assert p.stats()["pools"]["long"]["allocated"]["current"] == MiB
+        phase = 0
+        for _ in range(4):
+            phase += 1
+            p.set_phase(phase)
+            k = p.malloc(MiB, site=9)  # site 9's blocks outlive their phase
+            p.free(p.malloc(MiB, site=7))  # site 7's blocks die inside it
+            p.set_phase(phase + 100)
             p.free(k)
-        p.malloc(MiB, site=7)
-        p.malloc(MiB, site=9)
+        x = p.malloc(MiB, site=7)
+        y = p.malloc(MiB, site=9)
         st = p.stats()["pools"]
         assert st["short"]["allocated"]["current"] == MiB
-        assert st["long"]["allocated"]["current"] == MiB
+        assert st["long"]["allocated"]["current"] == 2 * MiB
+        for ptr in (x, y, guard):
+            p.free(ptr)
 
 
 # -- expandable policy ---------------------------------------------------------------------------

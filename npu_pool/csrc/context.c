@@ -4,10 +4,6 @@
 
 #include "context.h"
 
-/* A block that lives through this many later allocations counts as long-lived
- * even without phase markers: temporaries die within their operator or layer. */
-#define NP_LONG_OPS 64
-
 int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, bool reserve_only, np_segment **out) {
   uintptr_t addr = 0;
   int rc;
@@ -132,7 +128,7 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   }
   if (lifetime < NP_LIFE_AUTO || lifetime > NP_LIFE_SHORT)
     return np_error(NP_ERR_INVALID, "lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d", lifetime);
-  if (lifetime == NP_LIFE_AUTO) lifetime = np_lifetime_predict(&ctx->life, site);
+  if (lifetime == NP_LIFE_AUTO && ctx->phased) lifetime = np_lifetime_predict(&ctx->life, site);
   if (lifetime == NP_LIFE_AUTO) lifetime = ctx->default_life;
   np_block *b = NULL;
   int rc = ctx->policy->malloc(ctx, size, stream, lifetime, &b);
@@ -187,8 +183,7 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
   }
   account(ctx, b, false);
   np_ctx_record(ctx, NP_EV_FREE, b->addr, b->requested, b->stream, b->site, b->pool == 1 ? NP_LIFE_SHORT : NP_LIFE_LONG);
-  bool lived_long = ctx->phase != b->phase || ctx->clock - b->born > NP_LONG_OPS;
-  np_lifetime_learn(&ctx->life, b->site, lived_long);
+  if (ctx->phased) np_lifetime_learn(&ctx->life, b->site, ctx->phase != b->phase); /* outlived its phase? */
   b->allocated = 0;
   b->requested = 0;
   ctx->policy->free(ctx, b);
@@ -210,6 +205,7 @@ int np_ctx_empty_cache(np_ctx *ctx) {
 }
 
 void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life) {
+  ctx->phased = true;
   ctx->phase = phase;
   ctx->default_life = default_life;
   ctx->base_life = default_life;
@@ -218,6 +214,7 @@ void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life) {
 int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
   (void)arg;
   if (code < 0 || code >= NP_MARK_COUNT) return np_error(NP_ERR_INVALID, "unknown marker code %d", code);
+  ctx->phased = true;
   ctx->phase++;
   switch (code) {
     case NP_MARK_SETUP_BEGIN: ctx->default_life = NP_LIFE_LONG; break;

@@ -34,7 +34,8 @@ struct np_ctx {
   uint64_t limit;            /* fraction * device total */
   np_stats st;
   np_lifetime life;          /* per-site lifetime history */
-  uint32_t phase;            /* advanced by np_set_phase */
+  uint32_t phase;            /* advanced by np_set_phase and np_mark */
+  bool phased;               /* phases are in use: learn and predict lifetimes per site */
   int default_life;          /* class of NP_LIFE_AUTO requests with no site history */
   int base_life;             /* default_life outside set-up and the first optimizer step */
   uint32_t optimizer_steps;  /* optimizer phases seen */

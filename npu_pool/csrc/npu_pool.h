@@ -147,9 +147,11 @@ int np_set_fraction(np_ctx *ctx, double fraction);
 void np_get_stats(np_ctx *ctx, np_stats *out);
 void np_reset_peak(np_ctx *ctx);
 
-/* Lifetime hints: the phase counter advances at phase boundaries; a block that
- * outlives the phase it was born in teaches its site to be long-lived. The
- * default class applies to NP_LIFE_AUTO requests (NP_LIFE_AUTO = learn per site). */
+/* Lifetime hints: the phase counter advances at phase boundaries; once phases are in
+ * use, a block that outlives the phase it was born in teaches its site to be
+ * long-lived, one that dies inside it short-lived, and NP_LIFE_AUTO requests follow
+ * their site's history. The default class applies to sites with no history (and to
+ * every NP_LIFE_AUTO request while no phase was ever set). */
 int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime);
 /* A phase marker (npu_pool.trace.format MARK_* codes): advances the phase and sets
  * the default class (set-up and the first optimizer step are long-lived). */
