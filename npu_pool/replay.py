@@ -61,11 +61,13 @@ class PolicyResult:
 
 
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "sites",
-        placed: "array.array | None" = None, **pool_kwargs: Any) -> RunResult:
+        placed: "array.array | None" = None, classes: "array.array | None" = None,
+        **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
-    address each allocation event got (0 for other events)."""
+    address each allocation event got (0 for other events); ``classes``, an
+    ``array("B")``, the lifetime class (1 long, 2 short) each allocation was placed as."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     n_ids = trace.n_ids
@@ -87,6 +89,11 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
                 raise ValueError("placed must be an array('Q') with one entry per event")
             keep.append(ffi.from_buffer("uint64_t[]", placed))
             inp.placed = keep[-1]
+        if classes is not None:
+            if len(classes) != len(trace) or classes.typecode != "B":
+                raise ValueError("classes must be an array('B') with one entry per event")
+            keep.append(ffi.from_buffer("uint8_t[]", classes))
+            inp.classes = keep[-1]
         out = ffi.new("np_replay_out *")
         _check(lib.np_replay(pool.ctx, inp, out))
         st = pool.stats()

@@ -118,6 +118,15 @@ static int oom(np_ctx *ctx, uint64_t size) {
 
 static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **out);
 
+/* A site id for (marker, position, size), disjoint from callers' ids (bit 30 set). */
+static int32_t derived_site(int mark, uint32_t pos, uint64_t size) {
+  uint64_t x = ((uint64_t)(uint32_t)mark << 56) ^ ((uint64_t)pos << 36) ^ (size >> 9);
+  x ^= x >> 31;
+  x *= 0x9E3779B97F4A7C15ull;
+  x ^= x >> 29;
+  return (int32_t)(0x40000000u | (uint32_t)(x & 0x3FFFFFFFu));
+}
+
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out) {
   *out = NULL;
   if (size == 0) return np_error(NP_ERR_INVALID, "malloc of 0 bytes: a size of at least 1 byte is required");
@@ -128,7 +137,14 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   }
   if (lifetime < NP_LIFE_AUTO || lifetime > NP_LIFE_SHORT)
     return np_error(NP_ERR_INVALID, "lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d", lifetime);
-  if (lifetime == NP_LIFE_AUTO && ctx->phased) lifetime = np_lifetime_predict(&ctx->life, site);
+  if (ctx->phased) {
+    /* Without a caller's site, a request is known by where it comes in its phase: the
+     * k-th allocation of this size after a layer-enter marker is the same tensor in
+     * every layer and every step, so what one layer teaches applies to the next. */
+    if (site < 0) site = derived_site(ctx->last_mark, ctx->mark_pos, size);
+    ctx->mark_pos++;
+    if (lifetime == NP_LIFE_AUTO) lifetime = np_lifetime_predict(&ctx->life, site);
+  }
   if (lifetime == NP_LIFE_AUTO) lifetime = ctx->default_life;
   np_block *b = NULL;
   int rc = ctx->policy->malloc(ctx, size, stream, lifetime, &b);
@@ -138,7 +154,10 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   }
   if (rc != NP_OK) return rc;
   rc = adopt(ctx, b, size, site, out);
-  if (rc == NP_OK) np_ctx_record(ctx, NP_EV_ALLOC, b->addr, size, stream, site, lifetime);
+  if (rc == NP_OK) {
+    np_ctx_record(ctx, NP_EV_ALLOC, b->addr, size, stream, site, lifetime);
+    ctx->last_life = lifetime;
+  }
   return rc;
 }
 
@@ -149,6 +168,7 @@ int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream,
   np_block *b = NULL;
   int rc = ctx->policy->alloc_at(ctx, addr, size, stream, &b);
   if (rc != NP_OK) return rc;
+  ctx->last_life = NP_LIFE_LONG;
   return adopt(ctx, b, size, -1, out);
 }
 
@@ -216,6 +236,8 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
   if (code < 0 || code >= NP_MARK_COUNT) return np_error(NP_ERR_INVALID, "unknown marker code %d", code);
   ctx->phased = true;
   ctx->phase++;
+  ctx->last_mark = code;
+  ctx->mark_pos = 0;
   switch (code) {
     case NP_MARK_SETUP_BEGIN: ctx->default_life = NP_LIFE_LONG; break;
     case NP_MARK_OPTIMIZER_BEGIN:

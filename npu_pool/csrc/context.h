@@ -36,6 +36,9 @@ struct np_ctx {
   np_lifetime life;          /* per-site lifetime history */
   uint32_t phase;            /* advanced by np_set_phase and np_mark */
   bool phased;               /* phases are in use: learn and predict lifetimes per site */
+  int last_mark;             /* code of the latest marker */
+  uint32_t mark_pos;         /* allocations since the latest marker */
+  int last_life;             /* class the latest successful malloc was placed as */
   int default_life;          /* class of NP_LIFE_AUTO requests with no site history */
   int base_life;             /* default_life outside set-up and the first optimizer step */
   uint32_t optimizer_steps;  /* optimizer phases seen */

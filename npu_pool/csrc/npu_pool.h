@@ -97,6 +97,7 @@ typedef struct np_replay_in {
   int fidelity;             /* prime recorded segments, take recorded segment addresses */
   int hints;                /* 0: none, 1: sites and markers (what a device sees), 2: categories (oracle) */
   uint64_t *placed;         /* optional (NULL): per event, the address an allocation got */
+  uint8_t *classes;         /* optional (NULL): per event, NP_LIFE_LONG/SHORT an allocation was placed as */
 } np_replay_in;
 
 typedef struct np_replay_out {

@@ -53,6 +53,7 @@ static void placed(replay *r, uint64_t i, void *p, int64_t id) {
   if (r->live > r->out->peak_live) r->out->peak_live = r->live;
   r->out->ops++;
   if (in->placed) in->placed[i] = (uintptr_t)p;
+  if (in->classes) in->classes[i] = (uint8_t)r->ctx->last_life;
   if (in->addr[i] && in->op[i] == NP_OP_ALLOC) { /* placements inside the window */
     r->out->compared++;
     r->out->same_addr += (uintptr_t)p == in->addr[i];
