@@ -63,8 +63,9 @@ class GPTConfig:
                         ("vocab", self.vocab)):
             if v % self.tp:
                 raise ValueError(f"{name}={v} is not divisible by tp={self.tp}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.dim % self.n_heads or self.n_heads % self.kv_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}, "
+                             f"and n_heads by the kv heads ({self.kv_heads})")
         return self
 
 
@@ -98,12 +99,17 @@ def _norm(cfg: GPTConfig) -> nn.Module:
     return RMSNorm(cfg.dim) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.dim, bias=cfg.bias)
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over (batch, heads, seq, head_dim), tables built on the fly."""
-    seq, hd = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    ang = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+def _rope_tables(seq: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of rotary embedding, (seq, head_dim / 2)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, head_dim) pairs by the first ``seq`` rows of the tables."""
+    seq = x.shape[-2]
+    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -118,6 +124,10 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.qkv = nn.Linear(cfg.dim, (self.h + 2 * self.kv) * hd, bias=cfg.bias)
         self.proj = nn.Linear(self.h * hd, cfg.dim, bias=cfg.bias)
+        if cfg.rope:  # per-layer copies, built once (like GPT-NeoX); not parameters
+            cos, sin = _rope_tables(cfg.max_seq, hd)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -127,7 +137,7 @@ class Attention(nn.Module):
         k = k.view(b, s, self.kv, hd).transpose(1, 2)
         v = v.view(b, s, self.kv, hd).transpose(1, 2)
         if self.cfg.rope:
-            q, k = _rope(q), _rope(k)
+            q, k = _rope(q, self.rope_cos, self.rope_sin), _rope(k, self.rope_cos, self.rope_sin)
         if self.kv != self.h:
             k = k.repeat_interleave(self.h // self.kv, dim=1)
             v = v.repeat_interleave(self.h // self.kv, dim=1)

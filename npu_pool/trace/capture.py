@@ -28,12 +28,12 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from .format import (CAT_GRADIENT, CAT_INPUT, CAT_NAMES, CAT_OPTIMIZER_STATE, CAT_PARAMETER, CAT_TEMPORARY,
+from .format import (CAT_GRADIENT, CAT_NAMES, CAT_OPTIMIZER_STATE, CAT_PARAMETER, CAT_TEMPORARY,
                      CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_FORWARD_BEGIN, MARK_FORWARD_END,
                      MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_NAMES,
                      MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_FREE,
@@ -55,15 +55,15 @@ Mark = Callable[[int, int], None]
 
 
 # -- the training loop (shared with fake_capture) ------------------------------------
-def _progress(steps: int, on: bool, desc: str) -> Iterator[int]:
-    """``range(steps)`` with a tqdm bar when ``on`` and stderr is a tty."""
+def _progress(steps: int, on: bool, desc: str) -> Iterable[int]:
+    """``range(steps)``, wrapped in a tqdm bar when ``on`` and stderr is a tty."""
     if on and sys.stderr.isatty():
         try:
             from tqdm import tqdm
         except ImportError:
-            return iter(range(steps))
-        return iter(tqdm(range(steps), desc=desc, unit="step", leave=False))
-    return iter(range(steps))
+            return range(steps)
+        return tqdm(range(steps), desc=desc, unit="step", leave=False)
+    return range(steps)
 
 
 def _layer_hooks(model: nn.Module, mark: Mark) -> list[Any]:
@@ -108,15 +108,16 @@ class _Loop:
             self.mark(MARK_ITER_BEGIN, step)
             for micro in range(self.grad_accum):
                 x, y = self._batch()
-                self.mark(MARK_FORWARD_BEGIN, micro)
-                with amp():
-                    loss = self.model(x, y) / self.grad_accum
-                self.mark(MARK_FORWARD_END, micro)
-                self.mark(MARK_BACKWARD_BEGIN, micro)
-                # Recompute must run blocks to the end so layer exit markers stay balanced.
+                # Recompute runs whole blocks (no early stop, which checkpoint reads at forward
+                # time) so that recomputed blocks' layer exit markers fire too.
                 with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    self.mark(MARK_FORWARD_BEGIN, micro)
+                    with amp():
+                        loss = self.model(x, y) / self.grad_accum
+                    self.mark(MARK_FORWARD_END, micro)
+                    self.mark(MARK_BACKWARD_BEGIN, micro)
                     loss.backward()
-                self.mark(MARK_BACKWARD_END, micro)
+                    self.mark(MARK_BACKWARD_END, micro)
                 del loss, x, y
             self.mark(MARK_OPTIMIZER_BEGIN, step)
             self.before_opt(step)
@@ -160,23 +161,27 @@ class _Rec:
 
 def _profiler_records(prof: Any) -> list[_Rec]:
     """Allocation and marker events of a finished profile, with the memory profiler's
-    categories. The only place that touches torch's private profiler API."""
+    categories; CaptureError naming the torch version if its private API changed."""
     try:
-        from torch._C._profiler import _EventType
-        from torch.profiler._memory_profiler import Action, Category, MemoryProfile, TensorKey
+        return _read_profile(prof)
+    except (ImportError, AttributeError, TypeError, KeyError, ValueError, AssertionError) as e:
+        raise CaptureError(f"torch {torch.__version__}: reading torch.profiler._memory_profiler.MemoryProfile "
+                           f"failed ({e!r}); npu_pool's capture was written against torch 2.13") from e
 
-        mp = MemoryProfile(prof.profiler.kineto_results)
-        cat_code = {getattr(Category, n.upper()): i for i, n in enumerate(CAT_NAMES) if n != "unknown"}
-        max_version: dict[Any, int] = {}
-        for _t, action, (key, version), _n in mp.timeline:
-            if action == Action.INCREMENT_VERSION:
-                max_version[key] = max(max_version.get(key, 0), version + 1)
-        categories = mp._categories
-        nodes = mp._op_tree.sorted_nodes
-        alloc_tag, op_tag, py_tag = _EventType.Allocation, _EventType.TorchOp, _EventType.PyCall
-    except (ImportError, AttributeError, TypeError, KeyError) as e:
-        raise CaptureError(f"torch {torch.__version__}: torch.profiler._memory_profiler changed ({e!r}); "
-                           "capture was written against torch 2.13's MemoryProfile") from e
+
+def _read_profile(prof: Any) -> list[_Rec]:
+    """The only place that touches torch's private profiler API."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import Action, Category, MemoryProfile, TensorKey
+
+    mp = MemoryProfile(prof.profiler.kineto_results)
+    cat_code = {getattr(Category, n.upper()): i for i, n in enumerate(CAT_NAMES) if n != "unknown"}
+    max_version: dict[Any, int] = {}
+    for _t, action, (key, version), _n in mp.timeline:
+        if action == Action.INCREMENT_VERSION:
+            max_version[key] = max(max_version.get(key, 0), version + 1)
+    categories = mp._categories
+    alloc_tag, op_tag, py_tag = _EventType.Allocation, _EventType.TorchOp, _EventType.PyCall
 
     def category(key: Any) -> int | None:
         if key is None:
@@ -200,7 +205,7 @@ def _profiler_records(prof: Any) -> list[_Rec]:
         return tuple(ops), ""
 
     out: list[_Rec] = []
-    for ev in nodes:
+    for ev in mp._op_tree.sorted_nodes:
         tag = ev.tag
         if tag == alloc_tag:
             a = ev.typed[1]

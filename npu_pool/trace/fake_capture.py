@@ -10,7 +10,8 @@ each output storage not seen before is an ``OP_ALLOC`` of ``storage.nbytes()``, 
 StorageImpl) emits its ``OP_FREE``.
 
 Categories come from context: parameters, gradients (live ``p.grad`` at each
-optimizer step) and optimizer state by identity; the token batch is INPUT; a forward
+optimizer step) and optimizer state by identity; the token batch and module buffers
+are INPUT (as torch's memory profiler files them); a forward
 allocation still live when its backward begins is ACTIVATION, else TEMPORARY;
 other backward allocations are AUTOGRAD_DETAIL; other optimizer allocations are
 TEMPORARY (0-dim ones, the step counters, are host scalars and are left out).
@@ -178,6 +179,7 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
             hooks += _layer_hooks(model, rec.mark)
             rec.tag(model.parameters(), CAT_PARAMETER)
+            rec.tag(model.buffers(), CAT_INPUT)  # as torch's memory profiler files buffers (RoPE tables)
             rec.mark(MARK_SETUP_END, -1)
             params = list(model.parameters())
 
