@@ -72,14 +72,17 @@ def main(argv: list[str] | None = None) -> int:
            "",
            "- **peak live**: the lower bound; **peak rsvd**: peak reserved on a 1 TiB device; **util** = live/reserved;",
            "- **min cap**: smallest device (2 MiB steps) on which the trace completes; **over** = min cap - peak live;",
-           "  **retries**: release-and-retry events at min cap; **no-retry cap**: smallest device needing no retry.",
+           "  **retries**: release-and-retry events at min cap (each synchronises the device); **trims**: npu_pool's",
+           "  page moves at min cap (free pages of streams with no queued work unmapped and mapped where needed, no",
+           "  synchronisation; in this simulation every stream is idle when asked, on a device only drained ones are);",
+           "  **no-retry cap**: smallest device needing no retry.",
            "",
-           "| trace | policy | peak live | peak rsvd | util | min cap | over | retries | no-retry cap | no-retry over |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| trace | policy | peak live | peak rsvd | util | min cap | over | retries | trims | no-retry cap | no-retry over |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, policy, r, cap0 in rows:
         out.append(f"| {name} | {policy} | {_g(r.peak_live_bytes)} | {_g(r.peak_reserved_bytes)} | {r.utilization:.2%} | "
                    f"{_g(r.min_capacity_bytes)} | {_g(r.min_capacity_bytes - r.peak_live_bytes)} | "
-                   f"{r.retries_at_min_capacity} | {_g(cap0)} | {_g(cap0 - r.peak_live_bytes)} |")
+                   f"{r.retries_at_min_capacity} | {r.trims_at_min_capacity} | {_g(cap0)} | {_g(cap0 - r.peak_live_bytes)} |")
     out += ["", "## Totals over all traces", "",
             "| policy | min-cap waste (GiB) | x torch | retries at min cap | no-retry waste (GiB) | x torch | "
             "peak-reserved waste (GiB) | mean utilization | replay ops/s |",

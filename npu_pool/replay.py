@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 from typing import Any, Iterable
 
 from ._core import ffi, lib
@@ -55,9 +56,14 @@ class PolicyResult:
     device_mallocs: int
     ops: int
     ns_per_op: float
+    trims_at_min_capacity: int | None = None  # npu_pool: pages moved without a synchronisation (not in JSON)
+
+    JSON_KEYS: ClassVar[tuple[str, ...]] = ("trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
+                 "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op")
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        return {k: d[k] for k in self.JSON_KEYS}
 
 
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "sites",
@@ -136,18 +142,19 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "sites", with
     free_run = run(trace, policy, hints=hints)
     if not free_run.ok:
         raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
-    cap = retries = None
+    cap = retries = trims = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
                                    hi=free_run.peak_reserved_bytes)
-        retries = at_cap.retries
+        retries, trims = at_cap.retries, at_cap.stats["trims"]
     reserved = free_run.peak_reserved_bytes
     return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,
                         peak_reserved_bytes=reserved,
                         utilization=free_run.peak_live_bytes / reserved if reserved else 1.0,
                         min_capacity_bytes=cap, retries_at_min_capacity=retries,
                         device_mallocs=free_run.device_mallocs, ops=free_run.ops,
-                        ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0)
+                        ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0,
+                        trims_at_min_capacity=trims)
 
 
 @dataclass
