@@ -14,6 +14,7 @@ _LAZY = {
     "PoolError": "npu_pool.pool",
     "set_fraction": "npu_pool.pool",
     "POLICIES": "npu_pool.pool",
+    "install": "npu_pool.install",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -11,8 +11,10 @@
  * so any page-aligned sub-range can be unmapped (see np_vmm in dl.h).
  *
  * Invariant: every vendor call runs with this backend's device current (the
- * caller's device is restored after, when it had one); memory handed back to
- * the vendor is idle (free and unmap synchronise the device first).
+ * caller's device is restored after, when it had one). free synchronises the
+ * device first, as cudaFree does by itself; unmap does not: the policy unmaps
+ * only pages no queued work can still use (after a synchronisation, or on
+ * streams stream_idle reports finished).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +42,7 @@ enum {
   ACL_MEM_LOCATION_TYPE_DEVICE = 1,
   ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
   ACL_RESERVE_HUGE_PAGES = 1, /* aclrtReserveMemAddress flags: huge pages, like the physical memory */
+  ACL_STREAM_STATUS_COMPLETE = 0,
 };
 
 /* Error codes that get a name in messages; the allocation failures are OOM. */
@@ -64,6 +67,11 @@ typedef struct acl_api {
   acl_err (*aclrtSynchronizeDevice)(void);
   acl_err (*aclrtSynchronizeStream)(void *stream);
   const char *(*aclGetRecentErrMsg)(void);
+  acl_err (*aclrtCreateEvent)(void **event);
+  acl_err (*aclrtRecordEvent)(void *event, void *stream);
+  acl_err (*aclrtStreamWaitEvent)(void *stream, void *event);
+  acl_err (*aclrtDestroyEvent)(void *event);
+  acl_err (*aclrtStreamQuery)(void *stream, int *status);
   acl_err (*aclrtReserveMemAddress)(void **ptr, size_t size, size_t alignment, void *expect, uint64_t flags);
   acl_err (*aclrtReleaseMemAddress)(void *ptr);
   acl_err (*aclrtMallocPhysical)(void **handle, size_t size, const acl_phys_prop *prop, uint64_t flags);
@@ -83,6 +91,11 @@ static const np_dl_sym acl_syms[] = {
     SYM(aclrtSynchronizeDevice, NP_DL_REQUIRED),
     SYM(aclrtSynchronizeStream, NP_DL_REQUIRED),
     SYM(aclGetRecentErrMsg, NP_DL_OPTIONAL),
+    SYM(aclrtCreateEvent, NP_DL_OPTIONAL), /* stream ordering: all five, or no cross-stream reuse */
+    SYM(aclrtRecordEvent, NP_DL_OPTIONAL),
+    SYM(aclrtStreamWaitEvent, NP_DL_OPTIONAL),
+    SYM(aclrtDestroyEvent, NP_DL_OPTIONAL),
+    SYM(aclrtStreamQuery, NP_DL_OPTIONAL),
     SYM(aclrtReserveMemAddress, NP_DL_VMM),
     SYM(aclrtReleaseMemAddress, NP_DL_VMM),
     SYM(aclrtMallocPhysical, NP_DL_VMM),
@@ -205,6 +218,39 @@ static int acl_synchronize(np_backend *be, intptr_t stream) {
   return rc;
 }
 
+/* Make `waiter` wait on the device for the work queued so far on `on`. The event
+ * is destroyed at once: ACL frees it when the wait has consumed it. */
+static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  void *ev = NULL;
+  const char *call = "aclrtCreateEvent";
+  acl_err e = a->api.aclrtCreateEvent(&ev);
+  if (e) ev = NULL;
+  else if ((e = a->api.aclrtRecordEvent(ev, (void *)on))) call = "aclrtRecordEvent";
+  else if ((e = a->api.aclrtStreamWaitEvent((void *)waiter, ev))) call = "aclrtStreamWaitEvent";
+  if (e) {
+    char s[64];
+    snprintf(s, sizeof s, "waiter %#lx, on %#lx", (unsigned long)waiter, (unsigned long)on);
+    rc = acl_fail(a, call, s, e);
+  }
+  if (ev) a->api.aclrtDestroyEvent(ev);
+  leave(a, prev);
+  return rc;
+}
+
+/* 1 if `stream` has finished everything queued on it; 0 if not, or on any error. */
+static int acl_stream_idle(np_backend *be, intptr_t stream) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, status = -1;
+  if (enter(a, &prev) != NP_OK) return 0;
+  acl_err e = a->api.aclrtStreamQuery((void *)stream, &status);
+  if (e && a->api.aclGetRecentErrMsg) a->api.aclGetRecentErrMsg(); /* drop the message */
+  leave(a, prev);
+  return !e && status == ACL_STREAM_STATUS_COMPLETE;
+}
+
 /* ---- virtual memory: one page per vendor call ------------------------------ */
 
 static int page_create(void *be, uint64_t *handle) {
@@ -287,8 +333,7 @@ static int acl_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
   acl_backend *a = (acl_backend *)be;
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
-  rc = sync_device(a); /* kernels may still use the pages */
-  if (rc == NP_OK) rc = np_vmm_unmap(&a->vmm, addr, size);
+  rc = np_vmm_unmap(&a->vmm, addr, size); /* the policy made sure no queued work uses the pages */
   leave(a, prev);
   return rc;
 }
@@ -363,10 +408,11 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
   snprintf(a->name, sizeof a->name, "acl");
   a->base = (np_backend){.name = a->name, .malloc = acl_malloc, .free = acl_free,
                          .synchronize = acl_synchronize, .destroy = acl_destroy};
-  char where[1024], missing[64] = "";
+  char where[1024], libname[1100], missing[64] = "";
   a->lib = np_dl_open(cfg->lib_path, acl_names, "the Ascend runtime (libascendcl.so; source CANN's set_env.sh)");
   if (!a->lib) goto fail;
-  if (np_dl_bind(a->lib, np_dl_path(a->lib, where, sizeof where), acl_syms, sizeof acl_syms / sizeof *acl_syms,
+  snprintf(libname, sizeof libname, "acl: %s", np_dl_path(a->lib, where, sizeof where));
+  if (np_dl_bind(a->lib, libname, acl_syms, sizeof acl_syms / sizeof *acl_syms,
                  &a->api, missing, sizeof missing) != NP_OK)
     goto fail;
   int prev;
@@ -380,6 +426,11 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
     goto fail;
   }
   a->base.total = total;
+  if (a->api.aclrtCreateEvent && a->api.aclrtRecordEvent && a->api.aclrtStreamWaitEvent && a->api.aclrtDestroyEvent &&
+      a->api.aclrtStreamQuery) {
+    a->base.stream_wait = acl_stream_wait;
+    a->base.stream_idle = acl_stream_idle;
+  }
   probe_vmm(a, cfg, missing);
   leave(a, prev);
   return &a->base;

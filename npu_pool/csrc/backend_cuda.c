@@ -12,8 +12,9 @@
  * Each granularity page gets its own physical allocation (see np_vmm in dl.h).
  *
  * Invariant: every vendor call runs with this backend's device current and the
- * caller's device is restored after; memory handed back to the vendor is idle
- * (cudaFree synchronises by itself, unmap synchronises the device first).
+ * caller's device is restored after. cudaFree synchronises the device by itself;
+ * unmap does not: the policy unmaps only pages no queued work can still use
+ * (after a synchronisation, or on streams stream_idle reports finished).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +45,7 @@ typedef struct cu_access_desc { cu_location location; int flags; } cu_access_des
 
 enum {
   CUDA_ERR_OOM = 2, /* cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY */
+  CUDA_EVENT_DISABLE_TIMING = 2,
   CU_MEM_ALLOCATION_TYPE_PINNED = 1,
   CU_MEM_LOCATION_TYPE_DEVICE = 1,
   CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
@@ -63,6 +65,11 @@ typedef struct cuda_api {
   const char *(*cudaGetErrorName)(cu_err e);
   const char *(*cudaGetErrorString)(cu_err e);
   cu_err (*cudaGetLastError)(void);
+  cu_err (*cudaEventCreateWithFlags)(void **event, unsigned flags);
+  cu_err (*cudaEventRecord)(void *event, void *stream);
+  cu_err (*cudaStreamWaitEvent)(void *stream, void *event, unsigned flags);
+  cu_err (*cudaEventDestroy)(void *event);
+  cu_err (*cudaStreamQuery)(void *stream);
   cu_err (*cuInit)(unsigned flags);
   cu_err (*cuDeviceGet)(int *dev, int ordinal);
   cu_err (*cuDeviceGetAttribute)(int *value, int attribute, int dev);
@@ -85,6 +92,10 @@ static const np_dl_sym runtime_syms[] = {
     RT(cudaSetDevice, NP_DL_REQUIRED),      RT(cudaDeviceSynchronize, NP_DL_REQUIRED),
     RT(cudaStreamSynchronize, NP_DL_REQUIRED), RT(cudaGetErrorName, NP_DL_OPTIONAL),
     RT(cudaGetErrorString, NP_DL_OPTIONAL), RT(cudaGetLastError, NP_DL_OPTIONAL),
+    /* stream ordering (all five, or no cross-stream reuse) */
+    RT(cudaEventCreateWithFlags, NP_DL_OPTIONAL), RT(cudaEventRecord, NP_DL_OPTIONAL),
+    RT(cudaStreamWaitEvent, NP_DL_OPTIONAL), RT(cudaEventDestroy, NP_DL_OPTIONAL),
+    RT(cudaStreamQuery, NP_DL_OPTIONAL),
 };
 static const np_dl_sym driver_syms[] = {
     RT(cuInit, NP_DL_VMM),
@@ -103,7 +114,8 @@ static const np_dl_sym driver_syms[] = {
 };
 #undef RT
 
-static const char *const runtime_names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", NULL};
+static const char *const runtime_names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12",
+                                            "libcudart.so.11.0", NULL};
 static const char *const driver_names[] = {"libcuda.so.1", "libcuda.so", NULL};
 
 typedef struct cuda_backend {
@@ -111,6 +123,7 @@ typedef struct cuda_backend {
   cuda_api api;
   void *runtime, *driver;
   int device;
+  void *event;          /* cudaEvent_t for stream_wait, created on first use (re-recording is safe) */
   cu_alloc_prop prop;   /* physical pages: pinned device memory of `device` */
   np_vmm vmm;
   char name[192];       /* "cuda", or "cuda (no VMM: why)" */
@@ -118,13 +131,15 @@ typedef struct cuda_backend {
 
 /* ---- errors --------------------------------------------------------------- */
 
-/* Runtime failure: "cuda: cudaMalloc(2.00 GiB) on device 0 failed: error 2 (cudaErrorMemoryAllocation: out of memory)". */
+/* Runtime failure, e.g. "cuda: cudaMalloc(2.00 GiB) on device 0 failed: error 2
+ * (cudaErrorMemoryAllocation: out of memory)". */
 static int rt_fail(cuda_backend *c, const char *call, const char *args, cu_err e) {
   const char *name = c->api.cudaGetErrorName ? c->api.cudaGetErrorName(e) : NULL;
   const char *text = c->api.cudaGetErrorString ? c->api.cudaGetErrorString(e) : NULL;
   if (e == CUDA_ERR_OOM && c->api.cudaGetLastError) c->api.cudaGetLastError(); /* clear it: OOM is recoverable */
-  return np_error(e == CUDA_ERR_OOM ? NP_ERR_OOM : NP_ERR_BACKEND, "cuda: %s(%s) on device %d failed: error %d (%s: %s)",
-                  call, args, c->device, e, name ? name : "?", text ? text : "no description");
+  return np_error(e == CUDA_ERR_OOM ? NP_ERR_OOM : NP_ERR_BACKEND,
+                  "cuda: %s(%s) on device %d failed: error %d (%s: %s)", call, args, c->device, e,
+                  name ? name : "?", text ? text : "no description");
 }
 
 /* Driver failure, same shape with the CUresult's name and description. */
@@ -132,11 +147,17 @@ static int cu_fail(cuda_backend *c, const char *call, const char *args, cu_err e
   const char *name = NULL, *text = NULL;
   if (c->api.cuGetErrorName) c->api.cuGetErrorName(e, &name);
   if (c->api.cuGetErrorString) c->api.cuGetErrorString(e, &text);
-  return np_error(e == CUDA_ERR_OOM ? NP_ERR_OOM : NP_ERR_BACKEND, "cuda: %s(%s) on device %d failed: error %d (%s: %s)",
-                  call, args, c->device, e, name ? name : "?", text ? text : "no description");
+  return np_error(e == CUDA_ERR_OOM ? NP_ERR_OOM : NP_ERR_BACKEND,
+                  "cuda: %s(%s) on device %d failed: error %d (%s: %s)", call, args, c->device, e,
+                  name ? name : "?", text ? text : "no description");
 }
 
 static const char *bytes_arg(uint64_t size, char *buf) { return np_fmt_bytes(size, buf); }
+
+static const char *addr_arg(uintptr_t addr, char *buf) {
+  snprintf(buf, 32, "%#lx", (unsigned long)addr);
+  return buf;
+}
 
 /* ---- device guard ---------------------------------------------------------- */
 
@@ -183,11 +204,8 @@ static int cuda_free(np_backend *be, uintptr_t addr, uint64_t size) {
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
   cu_err e = c->api.cudaFree((void *)addr); /* synchronises the device first */
-  if (e) {
-    char a[32];
-    snprintf(a, sizeof a, "%#lx", (unsigned long)addr);
-    rc = rt_fail(c, "cudaFree", a, e);
-  }
+  char a[32];
+  if (e) rc = rt_fail(c, "cudaFree", addr_arg(addr, a), e);
   leave(c, prev);
   return rc;
 }
@@ -202,11 +220,40 @@ static int cuda_synchronize(np_backend *be, intptr_t stream) {
   } else {
     cu_err e = c->api.cudaStreamSynchronize((void *)stream);
     char a[32];
-    snprintf(a, sizeof a, "%#lx", (unsigned long)stream);
-    if (e) rc = rt_fail(c, "cudaStreamSynchronize", a, e);
+    if (e) rc = rt_fail(c, "cudaStreamSynchronize", addr_arg((uintptr_t)stream, a), e);
   }
   leave(c, prev);
   return rc;
+}
+
+/* Make `waiter` wait on the device for the work queued so far on `on`. */
+static int cuda_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  const char *call = "cudaEventCreateWithFlags";
+  cu_err e = 0;
+  if (!c->event && (e = c->api.cudaEventCreateWithFlags(&c->event, CUDA_EVENT_DISABLE_TIMING))) c->event = NULL;
+  if (!e && (e = c->api.cudaEventRecord(c->event, (void *)on))) call = "cudaEventRecord";
+  else if (!e && (e = c->api.cudaStreamWaitEvent((void *)waiter, c->event, 0))) call = "cudaStreamWaitEvent";
+  if (e) {
+    char a[64];
+    snprintf(a, sizeof a, "waiter %#lx, on %#lx", (unsigned long)waiter, (unsigned long)on);
+    rc = rt_fail(c, call, a, e);
+  }
+  leave(c, prev);
+  return rc;
+}
+
+/* 1 if `stream` has finished everything queued on it; 0 if not, or on any error. */
+static int cuda_stream_idle(np_backend *be, intptr_t stream) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev;
+  if (enter(c, &prev) != NP_OK) return 0;
+  cu_err e = c->api.cudaStreamQuery((void *)stream);
+  if (e && c->api.cudaGetLastError) c->api.cudaGetLastError(); /* cudaErrorNotReady is no failure */
+  leave(c, prev);
+  return e == 0;
 }
 
 /* ---- virtual memory: one page per vendor call ------------------------------ */
@@ -231,25 +278,24 @@ static int page_map(void *be, uintptr_t va, uint64_t handle) {
   cuda_backend *c = be;
   cu_err e = c->api.cuMemMap(va, c->base.granularity, 0, handle, 0);
   char a[32];
-  snprintf(a, sizeof a, "%#lx", (unsigned long)va);
-  return e ? cu_fail(c, "cuMemMap", a, e) : NP_OK;
+  return e ? cu_fail(c, "cuMemMap", addr_arg(va, a), e) : NP_OK;
 }
 
 static int page_unmap(void *be, uintptr_t va) {
   cuda_backend *c = be;
   cu_err e = c->api.cuMemUnmap(va, c->base.granularity);
   char a[32];
-  snprintf(a, sizeof a, "%#lx", (unsigned long)va);
-  return e ? cu_fail(c, "cuMemUnmap", a, e) : NP_OK;
+  return e ? cu_fail(c, "cuMemUnmap", addr_arg(va, a), e) : NP_OK;
 }
 
 static int run_access(void *be, uintptr_t va, uint64_t size) {
   cuda_backend *c = be;
   cu_access_desc d = {.location = c->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   cu_err e = c->api.cuMemSetAccess(va, size, &d, 1);
+  if (!e) return NP_OK;
   char a[64], b[32];
   snprintf(a, sizeof a, "%#lx, %s", (unsigned long)va, np_fmt_bytes(size, b));
-  return e ? cu_fail(c, "cuMemSetAccess", a, e) : NP_OK;
+  return cu_fail(c, "cuMemSetAccess", a, e);
 }
 
 static const np_vmm_ops cuda_pages = {page_create, page_release, page_map, page_unmap, run_access};
@@ -302,9 +348,7 @@ static int cuda_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
   cuda_backend *c = (cuda_backend *)be;
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
-  cu_err e = c->api.cudaDeviceSynchronize(); /* kernels may still use the pages */
-  if (e) rc = rt_fail(c, "cudaDeviceSynchronize", "", e);
-  else rc = np_vmm_unmap(&c->vmm, addr, size);
+  rc = np_vmm_unmap(&c->vmm, addr, size); /* the policy made sure no queued work uses the pages */
   leave(c, prev);
   return rc;
 }
@@ -323,6 +367,7 @@ static void cuda_destroy(np_backend *be) {
     }
     if (entered) leave(c, prev);
   }
+  if (c->event) c->api.cudaEventDestroy(c->event);
   np_vmm_destroy(&c->vmm);
   np_dl_close(c->driver);
   np_dl_close(c->runtime);
@@ -369,7 +414,8 @@ static void probe_vmm(cuda_backend *c, const np_config *cfg, const char *missing
 }
 
 /* Split "RUNTIME[:DRIVER]"; the driver is NULL for the default, "" for the runtime's own file. */
-static void split_paths(const char *lib_path, char *runtime, char *driver, size_t len, const char **rt, const char **drv) {
+static void split_paths(const char *lib_path, char *runtime, char *driver, size_t len, const char **rt,
+                        const char **drv) {
   *rt = *drv = NULL;
   if (!lib_path || !*lib_path) return;
   const char *colon = strchr(lib_path, ':');
@@ -399,12 +445,13 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   snprintf(c->name, sizeof c->name, "cuda");
   c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free,
                          .synchronize = cuda_synchronize, .destroy = cuda_destroy};
-  char rt_buf[1024], drv_buf[1024], where[1024], missing[64] = "";
+  char rt_buf[1024], drv_buf[1024], where[1024], libname[1100], missing[64] = "";
   const char *rt_path, *drv_path;
   split_paths(cfg->lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
   c->runtime = np_dl_open(rt_path, runtime_names, "the CUDA runtime (libcudart)");
   if (!c->runtime) goto fail;
-  if (np_dl_bind(c->runtime, np_dl_path(c->runtime, where, sizeof where), runtime_syms,
+  snprintf(libname, sizeof libname, "cuda: %s", np_dl_path(c->runtime, where, sizeof where));
+  if (np_dl_bind(c->runtime, libname, runtime_syms,
                  sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0) != NP_OK)
     goto fail;
   if (drv_path) c->driver = np_dl_open(drv_path, driver_names, "the CUDA driver (libcuda)");
@@ -429,6 +476,11 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
     goto fail;
   }
   c->base.total = total;
+  if (c->api.cudaEventCreateWithFlags && c->api.cudaEventRecord && c->api.cudaStreamWaitEvent &&
+      c->api.cudaEventDestroy && c->api.cudaStreamQuery) {
+    c->base.stream_wait = cuda_stream_wait;
+    c->base.stream_idle = cuda_stream_idle;
+  }
   probe_vmm(c, cfg, missing);
   leave(c, prev);
   return &c->base;

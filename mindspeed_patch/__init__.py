@@ -1,0 +1,31 @@
+"""Patches for MindSpeed / Megatron training scripts: import this module first.
+
+With ``MEMORY_FRAGMENTATION=1`` importing it installs npu_pool as the device allocator
+(settings: ``NPU_POOL_POLICY``, ``NPU_POOL_FRACTION``, ``NPU_POOL_CONFIG``; see
+``npu_pool.config``). The import must come before the model is built and before any
+tensor is moved to the device. Without an NPU or GPU it warns and leaves torch alone;
+bad settings, or an import that comes too late, raise.
+"""
+from __future__ import annotations
+
+import warnings
+
+
+def install_memory_pool() -> bool:
+    """Install npu_pool when ``MEMORY_FRAGMENTATION=1``; returns whether it is installed."""
+    from npu_pool.config import load
+
+    settings = load()
+    if not settings.enabled:
+        return False
+    from npu_pool.install import DeviceUnavailableError, install
+
+    try:
+        install(policy=settings.policy, fraction=settings.fraction)
+    except DeviceUnavailableError as e:
+        warnings.warn(f"MEMORY_FRAGMENTATION=1, but npu_pool was not installed: {e}", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+install_memory_pool()

@@ -1,0 +1,329 @@
+"""The acl and cuda backends, driven through Pool(backend=..., lib_path=fake) over the
+host-memory fakes in tests/fake_vendor (built here with the system C compiler)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from npu_pool.pool import OutOfMemoryError, Pool, PoolError
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+FAKES = Path(__file__).parent / "fake_vendor"
+NP_ERR_BACKEND = 5
+
+# vendor symbol for each operation, and the error codes the tests inject
+NAMES = {
+    "acl": {"malloc": "aclrtMalloc", "free": "aclrtFree", "create": "aclrtMallocPhysical",
+            "map": "aclrtMapMem", "unmap": "aclrtUnmapMem", "sync": "aclrtSynchronizeDevice",
+            "reserve": "aclrtReserveMemAddress",
+            "wait": "aclrtStreamWaitEvent", "internal": 507899,
+            "internal_name": "ACL_ERROR_RT_DRV_INTERNAL_ERROR", "oom_name": "207001"},
+    "cuda": {"malloc": "cudaMalloc", "free": "cudaFree", "create": "cuMemCreate", "map": "cuMemMap",
+             "unmap": "cuMemUnmap", "sync": "cudaDeviceSynchronize", "reserve": "cuMemAddressReserve",
+             "wait": "cudaStreamWaitEvent", "internal": 999,
+             "internal_name": "CUDA_ERROR_UNKNOWN", "oom_name": "CUDA_ERROR_OUT_OF_MEMORY"},
+}
+
+
+def _compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
+    """{(vendor, variant): path} for variants full, novmm (no VMM symbols), nofree (no free symbol)."""
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the fake vendor libraries")
+    out = tmp_path_factory.mktemp("fakes")
+    flags = {"full": [], "novmm": ["-DFAKE_NO_VMM"], "nofree": ["-DFAKE_OMIT_FREE"]}
+    paths = {}
+    for vendor in ("acl", "cuda"):
+        for variant, extra in flags.items():
+            so = out / f"libfake_{vendor}_{variant}.so"
+            subprocess.run([cc, "-shared", "-fPIC", "-O1", *extra, "-o", str(so), str(FAKES / f"fake_{vendor}.c"),
+                            "-lpthread"], check=True, capture_output=True)
+            paths[(vendor, variant)] = str(so)
+    return paths
+
+
+@dataclass
+class Vendor:
+    """One fake vendor library: its backend name, path and control functions."""
+
+    backend: str
+    path: str
+    lib: ctypes.CDLL
+
+    def __post_init__(self) -> None:
+        lib = self.lib
+        lib.fake_set_capacity.argtypes = lib.fake_set_used.argtypes = [ctypes.c_ulonglong]
+        lib.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        lib.fake_calls.argtypes = [ctypes.c_char_p]
+        lib.fake_calls.restype = ctypes.c_long
+        lib.fake_used.restype = lib.fake_mapped.restype = ctypes.c_ulonglong
+        lib.fake_live.restype = ctypes.c_long
+        lib.fake_set_busy.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.fake_reset()
+
+    def name(self, op: str) -> str:
+        return NAMES[self.backend][op]
+
+    def fail(self, op: str, skip: int = 0, count: int = 1, code: int | None = None) -> None:
+        code = NAMES[self.backend]["internal"] if code is None else code
+        self.lib.fake_fail(self.name(op).encode(), skip, count, code)
+
+    def calls(self, op: str) -> int:
+        return self.lib.fake_calls(self.name(op).encode())
+
+    def pool(self, policy: str = "npu_pool", **kw: object) -> Pool:
+        return Pool(policy, backend=self.backend, lib_path=self.path, **kw)
+
+
+def _vendor(builds: dict, backend: str, variant: str = "full", capacity: int = 256 * MiB) -> Vendor:
+    v = Vendor(backend, builds[(backend, variant)], ctypes.CDLL(builds[(backend, variant)]))
+    v.lib.fake_set_capacity(capacity)
+    return v
+
+
+@pytest.fixture(params=["acl", "cuda"])
+def vendor(request: pytest.FixtureRequest, builds: dict) -> Vendor:
+    return _vendor(builds, request.param)
+
+
+def _fill(addr: int, size: int, byte: int) -> None:
+    ctypes.memset(addr, byte, size)
+
+
+def _holds(addr: int, size: int, byte: int) -> bool:
+    return ctypes.string_at(addr, size) == bytes([byte]) * size
+
+
+def test_load_reports_device_memory_and_vmm(vendor: Vendor) -> None:
+    with vendor.pool(fraction=0.5) as p:
+        st = p.stats()
+        assert st["device_total"] == 256 * MiB
+        assert st["limit"] == 128 * MiB
+        assert st["vmm"] is True
+
+
+def test_malloc_free_patterns_on_device_memory(vendor: Vendor) -> None:
+    with vendor.pool() as p:
+        sizes = [100, 4096, 3 * MiB + 7, 513, 9 * MiB, 64]
+        ptrs = [p.malloc(s) for s in sizes]
+        for i, (a, s) in enumerate(zip(ptrs, sizes)):
+            _fill(a, s, i + 1)
+        for i, (a, s) in enumerate(zip(ptrs, sizes)):
+            assert _holds(a, s, i + 1)
+        for a in ptrs[::2]:
+            p.free(a)
+        more = p.malloc(2 * MiB)
+        _fill(more, 2 * MiB, 0xEE)
+        for i, (a, s) in list(enumerate(zip(ptrs, sizes)))[1::2]:
+            assert _holds(a, s, i + 1)
+        p.check()
+        assert vendor.lib.fake_mapped() == p.stats()["total"]["reserved"]["current"]
+    assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
+
+
+def test_empty_cache_unmaps_a_sub_range_of_one_mapping(vendor: Vendor) -> None:
+    with vendor.pool() as p:
+        a = p.malloc(5 * MiB)  # one map call: pages 0..2
+        b = p.malloc(3 * MiB)  # pages 2..3 (page 2 shared with a)
+        _fill(b, 3 * MiB, 0x5A)
+        assert vendor.lib.fake_mapped() == 4 * PAGE
+        p.free(a)
+        unmaps = vendor.calls("unmap")
+        p.empty_cache()
+        # pages 0 and 1 lie wholly in freed memory: unmapped page by page; page 2 still holds b
+        assert vendor.calls("unmap") - unmaps == 2
+        assert vendor.lib.fake_mapped() == 2 * PAGE == p.stats()["total"]["reserved"]["current"]
+        assert _holds(b, 3 * MiB, 0x5A)
+        p.free(b)
+        p.empty_cache()
+        assert vendor.lib.fake_mapped() == 0 and p.stats()["total"]["reserved"]["current"] == 0
+        assert vendor.calls("sync") > 0  # memory goes back only after a device synchronisation
+        p.check()
+
+
+def test_device_oom_is_a_clean_out_of_memory_error(vendor: Vendor) -> None:
+    with vendor.pool() as p:
+        keep = p.malloc(8 * MiB)
+        vendor.lib.fake_set_used(240 * MiB)  # another process holds most of the device
+        with pytest.raises(OutOfMemoryError) as e:
+            p.malloc(32 * MiB)
+        msg = str(e.value)
+        assert "out of memory on device 0" in msg and NAMES[vendor.backend]["oom_name"] in msg
+        assert p.stats()["ooms"] == 1
+        p.check()
+        vendor.lib.fake_set_used(0)
+        p.free(p.malloc(32 * MiB))  # the pool recovers once the device has room
+        p.free(keep)
+
+
+def test_fraction_caps_what_is_mapped(vendor: Vendor) -> None:
+    with vendor.pool(fraction=0.25) as p:
+        a = p.malloc(60 * MiB)
+        with pytest.raises(OutOfMemoryError, match="cap"):
+            p.malloc(10 * MiB)
+        assert vendor.lib.fake_used() <= 64 * MiB
+        p.free(a)
+
+
+def test_missing_library_names_it(vendor: Vendor) -> None:
+    with pytest.raises(PoolError) as e:
+        Pool(backend=vendor.backend, lib_path="/nonexistent/libvendor.so")
+    assert e.value.code == NP_ERR_BACKEND and "/nonexistent/libvendor.so" in str(e.value)
+
+
+def test_missing_default_library_says_what_was_tried() -> None:
+    for backend, name in (("acl", "libascendcl.so"), ("cuda", "libcudart")):
+        try:
+            ctypes.CDLL(f"{name}.so" if backend == "cuda" else name)
+        except OSError:
+            pass
+        else:
+            continue  # the real runtime is installed here
+        with pytest.raises(PoolError, match=name):
+            Pool(backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_missing_symbol_names_it(builds: dict, backend: str) -> None:
+    v = _vendor(builds, backend, "nofree")
+    with pytest.raises(PoolError) as e:
+        v.pool()
+    assert e.value.code == NP_ERR_BACKEND
+    assert NAMES[backend]["free"] in str(e.value) and v.path in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_without_vmm_symbols_the_arena_is_one_fixed_allocation(builds: dict, backend: str) -> None:
+    v = _vendor(builds, backend, "novmm")
+    with v.pool(fraction=0.5) as p:
+        ptrs = [p.malloc(s) for s in (MiB, 7 * MiB, 300)]
+        for a in ptrs:
+            _fill(a, 300, 0x11)
+        st = p.stats()
+        assert st["vmm"] is False and st["device_mallocs"] == 1
+        assert st["total"]["reserved"]["current"] == 128 * MiB == v.lib.fake_used()
+        if backend == "acl":
+            assert v.lib.fake_last_policy() == 0  # ACL_MEM_MALLOC_HUGE_FIRST
+        for a in ptrs:
+            p.free(a)
+        p.empty_cache()  # nothing allocated: the fixed arena goes back
+        assert v.lib.fake_used() == 0
+
+
+def test_vmm_probe_failure_falls_back_to_a_fixed_arena(vendor: Vendor) -> None:
+    vendor.lib.fake_set_vmm(0)
+    with vendor.pool(fraction=0.5) as p:
+        p.free(p.malloc(MiB))
+        assert p.stats()["vmm"] is False and p.stats()["device_mallocs"] == 1
+    with vendor.pool(fraction=0.5, vmm=False) as p:
+        assert p.stats()["vmm"] is False
+    with pytest.raises(ValueError, match="no VMM"):
+        vendor.pool("expandable")  # needs virtual memory; the backend name says why there is none
+
+
+def test_vendor_error_is_readable_and_map_is_rolled_back(vendor: Vendor) -> None:
+    with vendor.pool() as p:
+        vendor.fail("map", skip=2)  # the third page of a 4-page request fails
+        with pytest.raises(PoolError) as e:
+            p.malloc(7 * MiB)
+        msg = str(e.value)
+        assert vendor.name("map") in msg and NAMES[vendor.backend]["internal_name"] in msg
+        assert str(NAMES[vendor.backend]["internal"]) in msg
+        if vendor.backend == "acl":
+            assert "[fake ACL] aclrtMapMem failed" in msg  # aclGetRecentErrMsg's text
+        assert vendor.lib.fake_mapped() == 0 and vendor.lib.fake_used() == 0  # nothing leaked
+        a = p.malloc(7 * MiB)
+        _fill(a, 7 * MiB, 1)
+        p.check()
+        p.free(a)
+
+
+def test_unmap_failure_keeps_the_range_mapped(vendor: Vendor) -> None:
+    with vendor.pool() as p:
+        a = p.malloc(8 * MiB)
+        b = p.malloc(MiB)
+        _fill(b, MiB, 0x77)
+        p.free(a)
+        vendor.fail("unmap", skip=1)  # the second page of the 4-page run fails
+        p.empty_cache()
+        assert vendor.lib.fake_mapped() == 5 * PAGE == p.stats()["total"]["reserved"]["current"]
+        c = p.malloc(8 * MiB)  # the pages re-mapped after the failure are usable
+        _fill(c, 8 * MiB, 0x33)
+        assert _holds(b, MiB, 0x77)
+        p.free(c)
+        p.empty_cache()
+        assert vendor.lib.fake_mapped() == PAGE
+        p.check()
+        p.free(b)
+
+
+def test_calls_run_on_the_pool_device_and_restore_the_callers(builds: dict, vendor: Vendor) -> None:
+    vendor.lib.fake_set_current_device(1)
+    with vendor.pool(device=0) as p:
+        p.free(p.malloc(3 * MiB))
+        p.empty_cache()
+        assert vendor.lib.fake_last_device() == 0
+        assert vendor.lib.fake_current_device() == 1
+    with pytest.raises(PoolError, match="device 7"):
+        vendor.pool(device=7)
+
+
+def test_cross_stream_reuse_waits_on_the_device(vendor: Vendor) -> None:
+    with vendor.pool() as p:
+        a = p.malloc(4 * MiB, stream=1)
+        keep = p.malloc(MiB, stream=1)
+        p.free(a)
+        b = p.malloc(4 * MiB, stream=2)  # stream 2 reuses stream 1's memory after an event wait
+        assert b == a and vendor.calls("wait") == 1 and p.stats()["stream_waits"] == 1
+        assert vendor.calls("sync") == 0  # no host synchronisation
+        p.free(b)
+        p.free(keep)
+    assert vendor.lib.fake_live() == 0  # events destroyed too
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_trim_unmaps_only_pages_of_finished_streams(vendor: Vendor, busy: bool) -> None:
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
+        a = p.malloc(16 * MiB, stream=1)
+        b = p.malloc(8 * MiB, stream=1)
+        p.free(a)
+        vendor.lib.fake_set_busy(1, int(busy))  # stream 1 still runs work that may use a's pages
+        c = p.malloc(20 * MiB, stream=2)  # needs a's pages back under the cap
+        st = p.stats()
+        assert (st["trims"], st["retries"]) == ((0, 1) if busy else (1, 0))
+        assert (vendor.calls("sync") > 0) == busy  # only a busy stream forces a device synchronisation
+        p.free(c)
+        p.free(b)
+        p.check()
+
+
+@pytest.mark.parametrize("policy", ["torch", "expandable"])
+def test_other_policies_run_on_vendor_backends(vendor: Vendor, policy: str) -> None:
+    with vendor.pool(policy) as p:
+        ptrs = [p.malloc(s) for s in (512, MiB, 12 * MiB, 30 * MiB)]
+        for i, a in enumerate(ptrs):
+            _fill(a, 512, i)
+        for a in ptrs:
+            p.free(a)
+        p.empty_cache()
+        p.check()
+    assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
+
+
+def test_acl_reserve_flags_fall_back_to_zero(builds: dict) -> None:
+    v = _vendor(builds, "acl")
+    v.lib.fake_set_flags_reserved(1)  # a runtime where flags is reserved and must be 0
+    with v.pool() as p:
+        assert p.stats()["vmm"] is True
+        p.free(p.malloc(MiB))

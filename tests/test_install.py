@@ -1,0 +1,390 @@
+"""Settings, the pluggable-allocator entry points of the core's shared object, npu_pool.install()
+(against stand-ins for torch.cuda / torch_npu, since this machine has neither) and
+``import mindspeed_patch``."""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import npu_pool
+from npu_pool import config
+from npu_pool.config import ConfigError
+from npu_pool.pool import POLICIES
+
+from test_backends import MiB, Vendor, _compiler, FAKES
+
+ROOT = Path(__file__).resolve().parent.parent
+inst = importlib.import_module("npu_pool.install")  # the module; the package attribute may be the function
+c = ctypes
+
+
+# ---- settings ------------------------------------------------------------------------------
+
+def test_defaults_and_environment() -> None:
+    assert config.load({}) == config.Config(enabled=False, fraction=None, policy="npu_pool")
+    env = {"MEMORY_FRAGMENTATION": "1", "NPU_POOL_FRACTION": " 0.8 ", "NPU_POOL_POLICY": "torch"}
+    assert config.load(env) == config.Config(enabled=True, fraction=0.8, policy="torch")
+    assert config.POLICY_NAMES == tuple(POLICIES)
+
+
+@pytest.mark.parametrize("var, value, accepted", [
+    ("MEMORY_FRAGMENTATION", "yes", "0 (off) or 1 (on)"),
+    ("MEMORY_FRAGMENTATION", "2", "0 (off) or 1 (on)"),
+    ("NPU_POOL_FRACTION", "0", "(0, 1]"),
+    ("NPU_POOL_FRACTION", "1.5", "(0, 1]"),
+    ("NPU_POOL_FRACTION", "nan", "(0, 1]"),
+    ("NPU_POOL_FRACTION", "most", "(0, 1]"),
+    ("NPU_POOL_POLICY", "caching", "torch, npu_pool, expandable"),
+])
+def test_bad_values_name_the_variable_and_the_choices(var: str, value: str, accepted: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config.load({var: value})
+    assert var in str(e.value) and repr(value) in str(e.value) and accepted in str(e.value)
+
+
+def test_yaml_file_with_environment_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "pool.yaml"
+    f.write_text("memory_fragmentation: true\nnpu_pool_fraction: 0.5\nnpu_pool_policy: expandable\n")
+    assert config.load({"NPU_POOL_CONFIG": str(f)}) == config.Config(True, 0.5, "expandable")
+    env = {"NPU_POOL_CONFIG": str(f), "NPU_POOL_FRACTION": "0.9", "MEMORY_FRAGMENTATION": "0"}
+    assert config.load(env) == config.Config(False, 0.9, "expandable")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("npu_pool_fraction: 2\n", "npu_pool_fraction in"),
+    ("fraction: 0.5\n", "unknown key 'fraction'; accepted keys: memory_fragmentation, npu_pool_fraction"),
+    ("- 1\n- 2\n", "expected a mapping"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_bad_yaml_files(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "pool.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        config.load({"NPU_POOL_CONFIG": str(f)})
+    with pytest.raises(ConfigError, match="NPU_POOL_CONFIG='/nonexistent.yaml': cannot read"):
+        config.load({"NPU_POOL_CONFIG": "/nonexistent.yaml"})
+
+
+# ---- the C entry points -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the fake vendor libraries")
+    out = tmp_path_factory.mktemp("fakes")
+    paths = {}
+    for vendor in ("acl", "cuda"):
+        so = out / f"libfake_{vendor}.so"
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(so), str(FAKES / f"fake_{vendor}.c"), "-lpthread"],
+                       check=True, capture_output=True)
+        paths[vendor] = str(so)
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def clean_install() -> Any:
+    inst._reset()
+    yield
+    inst._reset()
+
+
+def _vendor(fakes: dict[str, str], backend: str) -> Vendor:
+    v = Vendor(backend, fakes[backend], ctypes.CDLL(fakes[backend]))
+    v.lib.fake_set_capacity(256 * MiB)
+    return v
+
+
+def _configure(v: Vendor, policy: str = "npu_pool", fraction: float = 1.0) -> None:
+    from npu_pool.pool import BACKENDS
+
+    rc = inst._lib().npu_pool_configure(POLICIES[policy], BACKENDS[v.backend], fraction, 1, v.path.encode())
+    assert rc == 0, inst.last_error()
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_hooks_allocate_free_and_empty_cache(fakes: dict, backend: str) -> None:
+    v = _vendor(fakes, backend)
+    _configure(v)
+    so = inst._lib()
+    ptrs = [so.npu_pool_malloc(n, 0, 0x1234) for n in (1000, 3 * MiB, 5 * MiB)]
+    assert all(ptrs)
+    for i, p in enumerate(ptrs):
+        ctypes.memset(p, i + 1, 1000)
+    assert ctypes.string_at(ptrs[2], 1000) == b"\x03" * 1000
+    pool = inst._DevicePool(0, "npu_pool", backend)
+    for p in ptrs:
+        so.npu_pool_free(p, 0, 0, 0x1234)
+    st = pool.stats()
+    assert st["allocs"] == 3 and st["frees"] == 3 and v.lib.fake_mapped() > 0
+    so.npu_pool_empty_cache() if backend == "cuda" else so.npu_pool_empty_cache_checked(True)
+    assert v.lib.fake_mapped() == 0
+    assert so.npu_pool_malloc(0, 0, None) is None  # empty storage: no memory, no error
+
+
+def test_acl_requests_get_32_bytes_of_padding(fakes: dict) -> None:
+    sizes = {}
+    for backend in ("acl", "cuda"):
+        inst._reset()
+        _configure(_vendor(fakes, backend))
+        p = inst._lib().npu_pool_malloc(481, 0, None)
+        sizes[backend] = inst._DevicePool(0, "npu_pool", backend).block_size(p)
+    assert sizes == {"acl": 1024, "cuda": 512}  # 481 -> 512 + 32 on Ascend
+
+
+def test_fraction_hook_before_and_after_the_context_exists(fakes: dict, capfd: pytest.CaptureFixture) -> None:
+    _configure(_vendor(fakes, "cuda"))
+    so = inst._lib()
+    so.npu_pool_memory_fraction(0.5, 1)  # device 1 has no context yet: pending
+    pool = inst._DevicePool(1, "npu_pool", "cuda")
+    assert pool.stats()["limit"] == 128 * MiB
+    so.npu_pool_memory_fraction(0.25, 1)
+    assert pool.stats()["limit"] == 64 * MiB
+    so.npu_pool_memory_fraction(0.0, 1)  # torch allows 0; the core does not: reported, not raised
+    assert "memory fraction must be in (0, 1]" in capfd.readouterr().err
+    assert "memory fraction" in inst.last_error(1) and pool.stats()["limit"] == 64 * MiB
+
+
+def test_reset_peak_hook(fakes: dict) -> None:
+    _configure(_vendor(fakes, "acl"))
+    so = inst._lib()
+    so.npu_pool_free(so.npu_pool_malloc(4 * MiB, 0, None), 0, 0, None)
+    pool = inst._DevicePool(0, "npu_pool", "acl")
+    assert pool.stats()["total"]["allocated"]["peak"] > 0
+    so.npu_pool_reset_peak(0)
+    assert pool.stats()["total"]["allocated"]["peak"] == 0
+
+
+def test_failures_return_null_and_keep_the_message(fakes: dict, capfd: pytest.CaptureFixture) -> None:
+    so = inst._lib()
+    assert so.npu_pool_malloc(100, 0, None) is None  # nothing configured yet
+    assert "not configured" in inst.last_error(0)
+    v = _vendor(fakes, "cuda")
+    _configure(v)
+    keep = so.npu_pool_malloc(MiB, 0, None)
+    assert so.npu_pool_malloc(1 << 40, 0, None) is None
+    assert "out of memory on device 0" in inst.last_error(0)
+    assert "npu_pool: malloc failed on device 0: out of memory" in capfd.readouterr().err
+    so.npu_pool_free(keep + 512, 0, 0, None)  # a pointer the pool never returned: reported, not fatal
+    assert "not an allocated block" in inst.last_error(0) or "double free" in inst.last_error(0)
+    assert so.npu_pool_malloc(100, 99, None) is None and "out of range" in inst.last_error(-1)
+    so.npu_pool_free(keep, 0, 0, None)
+    inst._DevicePool(0, "npu_pool", "cuda").check()
+
+
+def test_configuration_is_fixed_once_a_device_is_served(fakes: dict) -> None:
+    v = _vendor(fakes, "cuda")
+    _configure(v)
+    assert inst._lib().npu_pool_malloc(100, 0, None)
+    _configure(v)  # the same configuration again is fine
+    from npu_pool.pool import BACKENDS
+
+    rc = inst._lib().npu_pool_configure(POLICIES["torch"], BACKENDS["cuda"], 1.0, 1, v.path.encode())
+    assert rc == 7 and "before the first allocation" in inst.last_error()  # NP_ERR_STATE
+
+
+def test_hooks_are_thread_safe(fakes: dict) -> None:
+    _configure(_vendor(fakes, "cuda"))
+    so, errors = inst._lib(), []
+
+    def work(seed: int) -> None:
+        live = []
+        for i in range(300):
+            p = so.npu_pool_malloc(512 * (1 + (seed * 7 + i) % 97), 0, seed)
+            if not p:
+                errors.append(inst.last_error(0))
+                return
+            ctypes.memset(p, seed, 64)
+            live.append(p)
+            if len(live) > 8:
+                q = live.pop(0)
+                if ctypes.string_at(q, 64) != bytes([seed]) * 64:
+                    errors.append("corrupted")
+                so.npu_pool_free(q, 0, 0, seed)
+        for q in live:
+            so.npu_pool_free(q, 0, 0, seed)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    pool = inst._DevicePool(0, "npu_pool", "cuda")
+    pool.check()
+    assert pool.stats()["allocs"] == pool.stats()["frees"] == 1200
+
+
+# ---- npu_pool.install() ------------------------------------------------------------------------
+
+def test_install_without_a_device_says_what_is_missing() -> None:
+    with pytest.raises(inst.DeviceUnavailableError) as e:
+        npu_pool.install()
+    assert "torch_npu is not installed" in str(e.value) and "CPU-only build" in str(e.value)
+    with pytest.raises(inst.DeviceUnavailableError, match="device_type='cuda'.*CPU-only"):
+        npu_pool.install(device_type="cuda")
+    with pytest.raises(inst.DeviceUnavailableError, match="device_type='npu'.*torch_npu"):
+        npu_pool.install(device_type="npu")
+    with pytest.raises(ValueError, match="device_type"):
+        npu_pool.install(device_type="tpu")
+    with pytest.raises(ConfigError, match="policy='best'"):
+        npu_pool.install(policy="best")
+
+
+class _Handle:
+    """Stands in for torch's allocator object: records what each setter received."""
+
+    def __init__(self, setters: tuple[str, ...]):
+        self.got: dict[str, int] = {}
+        for name in setters:
+            setattr(self, name, lambda ptr, name=name: self.got.__setitem__(name, ptr))
+
+
+class _Pluggable:
+    """Stands in for CUDAPluggableAllocator / NPUPluggableAllocator."""
+
+    setters: tuple[str, ...] = ()
+
+    def __init__(self, path: str, alloc: str, free: str):
+        self.path, self.names = path, (alloc, free)
+        self.handle = _Handle(self.setters)
+
+    def allocator(self) -> _Handle:
+        return self.handle
+
+
+class _CudaPluggable(_Pluggable):
+    setters = ("set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_base_alloc_fn", "set_record_stream_fn")
+
+
+class _NpuPluggable(_Pluggable):
+    setters = ("set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_reset_peak_status_fn",
+               "set_get_device_stats_fn")
+
+
+@pytest.fixture
+def fake_cuda_torch(monkeypatch: pytest.MonkeyPatch) -> list:
+    """torch as a CUDA build with two GPUs and a swappable allocator; returns the swaps made."""
+    swaps: list = []
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", _CudaPluggable)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", swaps.append)
+    return swaps
+
+
+def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cuda_torch: list) -> None:
+    v = _vendor(fakes, "cuda")
+    pools = npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)
+    (alloc,) = fake_cuda_torch
+    assert alloc.path == inst.core_path() and alloc.names == ("npu_pool_malloc", "npu_pool_free")
+    got = alloc.handle.got
+    assert sorted(got) == ["set_init_fn", "set_memory_fraction_fn", "set_reset_fn"]
+    so = inst._lib()
+    assert got["set_reset_fn"] == ctypes.cast(so.npu_pool_empty_cache, ctypes.c_void_p).value
+    assert sorted(pools) == [0, 1] and npu_pool.pool._installed[1] is pools[1]
+    # torch calls the functions by address with these signatures
+    loaded = ctypes.CDLL(alloc.path)
+    addr = [ctypes.cast(loaded[name], ctypes.c_void_p).value for name in alloc.names]
+    malloc = ctypes.CFUNCTYPE(c.c_void_p, c.c_size_t, c.c_int, c.c_void_p)(addr[0])
+    free = ctypes.CFUNCTYPE(None, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p)(addr[1])
+    p = malloc(3 * MiB, 0, None)
+    assert p, inst.last_error(0)
+    ctypes.memset(p, 7, 3 * MiB)
+    assert pools[0].stats()["limit"] == 128 * MiB  # fraction 0.5 of the fake's 256 MiB
+    ctypes.CFUNCTYPE(None, c.c_double, c.c_int)(got["set_memory_fraction_fn"])(0.25, 0)
+    assert pools[0].stats()["limit"] == 64 * MiB
+    npu_pool.set_fraction(0.75)
+    assert pools[0].stats()["limit"] == 192 * MiB
+    free(p, 3 * MiB, 0, None)
+    ctypes.CFUNCTYPE(None)(got["set_reset_fn"])()
+    assert v.lib.fake_mapped() == 0
+    ctypes.CFUNCTYPE(None, c.c_int)(got["set_init_fn"])(2)
+    assert npu_pool.install(device_type="cuda", lib_path=v.path) == pools  # again: the same pools
+    npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)  # a new cap applies to them
+    assert pools[0].stats()["limit"] == 128 * MiB
+    with pytest.raises(inst.InstallError, match="already installed"):
+        npu_pool.install(device_type="cuda", policy="torch", lib_path=v.path)
+
+
+def test_install_too_late_says_what_to_move(fakes: dict, fake_cuda_torch: list,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(inst.TooLateError, match="before the model is built and before any tensor"):
+        npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
+
+    def refuse(allocator: Any) -> None:
+        raise RuntimeError("Can't swap an already initialized allocator")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", refuse)
+    with pytest.raises(inst.TooLateError, match="Import mindspeed_patch"):
+        npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
+    assert not inst._state
+
+
+def test_install_on_npu_through_torch_npu(fakes: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    swaps: list = []
+    memory = types.SimpleNamespace(NPUPluggableAllocator=_NpuPluggable, change_current_allocator=swaps.append)
+    npu = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False, device_count=lambda: 1,
+                                memory=memory)
+    fake = types.ModuleType("torch_npu")
+    fake.npu = npu  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    v = _vendor(fakes, "acl")
+    pools = npu_pool.install(lib_path=v.path)  # auto picks the NPU
+    (alloc,) = swaps
+    got = alloc.handle.got
+    assert sorted(got) == ["set_init_fn", "set_memory_fraction_fn", "set_reset_fn", "set_reset_peak_status_fn"]
+    so = inst._lib()
+    assert got["set_reset_fn"] == ctypes.cast(so.npu_pool_empty_cache_checked, ctypes.c_void_p).value
+    p = so.npu_pool_malloc(5 * MiB, 0, None)
+    so.npu_pool_free(p, 0, 0, None)
+    ctypes.CFUNCTYPE(None, c.c_bool)(got["set_reset_fn"])(False)
+    assert v.lib.fake_mapped() == 0
+    ctypes.CFUNCTYPE(None, c.c_int)(got["set_reset_peak_status_fn"])(0)
+    assert pools[0].stats()["total"]["allocated"]["peak"] == 0 and pools[0].backend == "acl"
+
+
+def test_install_is_callable_as_the_package_attribute() -> None:
+    import npu_pool.install as module  # binds the submodule over the lazily exported function
+
+    assert callable(npu_pool.install) and callable(module)
+    with pytest.raises(inst.DeviceUnavailableError):
+        npu_pool.install()
+
+
+# ---- import mindspeed_patch ----------------------------------------------------------------------
+
+def _import_patch(**env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("MEMORY_FRAGMENTATION", "NPU_POOL_"))}
+    full.update(env, PYTHONPATH=str(ROOT))
+    code = "import sys, mindspeed_patch; print('torch' in sys.modules)"
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=60)
+
+
+def test_mindspeed_patch_warns_without_a_device() -> None:
+    r = _import_patch(MEMORY_FRAGMENTATION="1")
+    assert r.returncode == 0, r.stderr
+    assert "RuntimeWarning: MEMORY_FRAGMENTATION=1, but npu_pool was not installed" in r.stderr
+    assert "torch_npu is not installed" in r.stderr and "CPU-only" in r.stderr
+
+
+def test_mindspeed_patch_is_quiet_when_off_and_rejects_bad_values() -> None:
+    r = _import_patch(MEMORY_FRAGMENTATION="0")
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.strip() == "False"  # torch not even imported
+    r = _import_patch(MEMORY_FRAGMENTATION="1", NPU_POOL_POLICY="fast")
+    assert r.returncode != 0
+    assert "NPU_POOL_POLICY='fast' is not valid: use one of torch, npu_pool, expandable" in r.stderr
