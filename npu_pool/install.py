@@ -29,12 +29,14 @@ __all__ = ["install", "InstallError", "DeviceUnavailableError", "TooLateError", 
 #   set_reset_fn             void(bool check_error)             torch_npu (torch.npu.empty_cache)
 #   set_memory_fraction_fn   void(double fraction, int device)  both
 #   set_reset_peak_status_fn void(int device)                   torch_npu only
-# Not registered: set_record_stream_fn (the core does not defer frees yet), set_base_alloc_fn
+#   set_record_stream_fn     void(void* ptr, cudaStream_t)       CUDA
+# Not registered: set_base_alloc_fn
 # (IPC; virtual-memory pages cannot be shared that way), set_get_device_stats_fn (returns a C++
 # DeviceStats by value), and the graph-pool hooks (take std::function / MempoolId_t).
 _HOOKS: dict[str, tuple[tuple[str, str], ...]] = {
     "cuda": (("set_init_fn", "npu_pool_init"), ("set_reset_fn", "npu_pool_empty_cache"),
-             ("set_memory_fraction_fn", "npu_pool_memory_fraction")),
+             ("set_memory_fraction_fn", "npu_pool_memory_fraction"),
+             ("set_record_stream_fn", "npu_pool_record_stream")),
     "npu": (("set_init_fn", "npu_pool_init"), ("set_reset_fn", "npu_pool_empty_cache_checked"),
             ("set_memory_fraction_fn", "npu_pool_memory_fraction"),
             ("set_reset_peak_status_fn", "npu_pool_reset_peak")),

@@ -141,6 +141,11 @@ class Pool:
         """Free an address returned by :meth:`malloc`."""
         _check(lib.np_free(self.ctx, ffi.cast("void *", ptr)))
 
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """torch's ``record_stream``: the block is also used on ``stream``; its memory is not
+        reused before that use ends."""
+        _check(lib.np_record_stream(self.ctx, ffi.cast("void *", ptr), stream))
+
     def block_size(self, ptr: int) -> int:
         """Bytes of the block behind an allocated address (requested size rounded)."""
         out = ffi.new("uint64_t *")

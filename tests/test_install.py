@@ -291,7 +291,7 @@ def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cu
     (alloc,) = fake_cuda_torch
     assert alloc.path == inst.core_path() and alloc.names == ("npu_pool_malloc", "npu_pool_free")
     got = alloc.handle.got
-    assert sorted(got) == ["set_init_fn", "set_memory_fraction_fn", "set_reset_fn"]
+    assert sorted(got) == ["set_init_fn", "set_memory_fraction_fn", "set_record_stream_fn", "set_reset_fn"]
     so = inst._lib()
     assert got["set_reset_fn"] == ctypes.cast(so.npu_pool_empty_cache, ctypes.c_void_p).value
     assert sorted(pools) == [0, 1] and npu_pool.pool._installed[1] is pools[1]
@@ -308,7 +308,11 @@ def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cu
     assert pools[0].stats()["limit"] == 64 * MiB
     npu_pool.set_fraction(0.75)
     assert pools[0].stats()["limit"] == 192 * MiB
+    ctypes.CFUNCTYPE(None, c.c_void_p, c.c_void_p)(got["set_record_stream_fn"])(p, 0x55)  # used on a 2nd stream
     free(p, 3 * MiB, 0, None)
+    q = malloc(3 * MiB, 0, None)
+    assert pools[0].stats()["stream_waits"] == 1  # its reuse waited for the recorded stream
+    free(q, 3 * MiB, 0, None)
     ctypes.CFUNCTYPE(None)(got["set_reset_fn"])()
     assert v.lib.fake_mapped() == 0
     ctypes.CFUNCTYPE(None, c.c_int)(got["set_init_fn"])(2)

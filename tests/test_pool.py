@@ -156,6 +156,22 @@ def test_npu_pool_cross_stream_reuse_is_ordered():
         pool.check()
 
 
+def test_record_stream_orders_reuse_after_every_user():
+    with Pool("npu_pool", capacity=4 * GiB) as pool:
+        a = pool.malloc(MiB, stream=1)
+        guard = pool.malloc(MiB, stream=1)
+        pool.record_stream(a, 2)  # a is also read on stream 2
+        pool.free(a)
+        b = pool.malloc(MiB, stream=1)
+        assert b == a
+        assert pool.stats()["stream_waits"] == 1  # even its own stream waits for stream 2's work
+        with pytest.raises(UnknownPointerError):
+            pool.record_stream(0xBAD000, 2)
+        pool.free(b)
+        pool.free(guard)
+        pool.check()
+
+
 # -- torch policy: the rules of PyTorch's caching allocator ------------------------------------
 def test_torch_segment_sizes():
     with Pool("torch", capacity=4 * GiB) as p:

@@ -169,6 +169,17 @@ int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
   return b ? NP_OK : np_error(NP_ERR_UNKNOWN_PTR, "%p is not an allocated block of this pool", ptr);
 }
 
+int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
+  pthread_mutex_lock(&ctx->lock);
+  np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
+  if (b && stream != b->stream) {
+    b->shared = 1;
+    if (ctx->policy->record_stream) ctx->policy->record_stream(ctx, b, stream);
+  }
+  pthread_mutex_unlock(&ctx->lock);
+  return b ? NP_OK : np_error(NP_ERR_UNKNOWN_PTR, "record_stream on %p: not an allocated block of this pool", ptr);
+}
+
 int np_check(np_ctx *ctx) {
   pthread_mutex_lock(&ctx->lock);
   int rc = np_ctx_check(ctx);

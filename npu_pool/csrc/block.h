@@ -31,6 +31,7 @@ typedef struct np_block {
   uint8_t pool;                  /* index into the context's pool stats */
   uint8_t in_tree;
   uint8_t mapped;                /* expandable: backed by physical pages */
+  uint8_t shared;                /* allocated, and used on another stream too (record_stream) */
 } np_block;
 
 /* Block structs come from a slab list owned by the context; never from the device. */

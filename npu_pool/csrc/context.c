@@ -206,6 +206,13 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
   if (ctx->phased) np_lifetime_learn(&ctx->life, b->site, ctx->phase != b->phase); /* outlived its phase? */
   b->allocated = 0;
   b->requested = 0;
+  if (b->shared && ctx->policy != &np_policy_npu_pool) {
+    /* the model policies reuse a block on its own stream at once: first let the other
+     * streams' work on it finish */
+    int rc = ctx->be->synchronize(ctx->be, NP_STREAM_ANY);
+    if (rc != NP_OK) np_error(rc, "free of %p: synchronising for a recorded stream failed", ptr);
+    b->shared = 0;
+  }
   ctx->policy->free(ctx, b);
   ctx->st.frees++;
   return NP_OK;

@@ -60,6 +60,7 @@ struct np_policy {
   int (*set_limit)(np_ctx *ctx, uint64_t limit);    /* may refuse a new limit */
   void (*fill_stats)(np_ctx *ctx, np_stats *st);    /* largest_free, arena figures */
   int (*check)(np_ctx *ctx);
+  void (*record_stream)(np_ctx *ctx, np_block *b, intptr_t stream); /* b is used on `stream` too */
   /* fidelity replays (torch policy): a recorded segment, a block at a recorded address */
   int (*prime_segment)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, int pool);
   int (*alloc_at)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, np_block **out);

@@ -159,6 +159,10 @@ int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime);
 int np_mark(np_ctx *ctx, int code, int64_t arg);
 
 int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size);
+/* torch's record_stream: the block is also used on `stream`, so its memory must not be
+ * reused before that use ends (npu_pool: reuse waits on every stream that used it;
+ * the model policies synchronise the device when such a block is freed). */
+int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream);
 int np_check(np_ctx *ctx);
 /* Copy up to cap blocks of every segment into out, segments in address order; *n gets the
  * total number of blocks (call with cap 0 to size the buffer). */

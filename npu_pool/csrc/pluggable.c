@@ -184,6 +184,16 @@ void npu_pool_free(void *ptr, size_t size, int device, void *stream) {
   if (np_free(ctx, ptr) != NP_OK) report(device, "free");
 }
 
+void npu_pool_record_stream(void *ptr, void *stream) {
+  if (!ptr) return;
+  for (int d = 0; d < NP_MAX_DEVICES; d++) { /* the pointer's device: the context that owns it */
+    np_ctx *ctx = atomic_load_explicit(&table.ctx[d], memory_order_acquire);
+    if (ctx && np_record_stream(ctx, ptr, (intptr_t)stream) == NP_OK) return;
+  }
+  np_error(NP_ERR_UNKNOWN_PTR, "record_stream on %p: no device's allocator holds it", ptr);
+  report(-1, "record_stream");
+}
+
 void npu_pool_init(int device_count) {
   pthread_mutex_lock(&table.lock);
   table.device_count = device_count;

@@ -49,5 +49,7 @@ void npu_pool_empty_cache_checked(bool check_error);
 void npu_pool_memory_fraction(double fraction, int device);
 /* set_reset_peak_status_fn (torch_npu only): void(int device) */
 void npu_pool_reset_peak(int device);
+/* set_record_stream_fn (CUDA): void(void* ptr, cudaStream_t stream) */
+void npu_pool_record_stream(void *ptr, void *stream);
 
 #endif

@@ -234,6 +234,8 @@ static int exp_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, 
   int rc = NP_OK;
   if (!b) rc = try_expand(ctx, pool, stream, size, &b);
   if (!b && rc == NP_ERR_OOM) {
+    rc = ctx->be->synchronize(ctx->be, NP_STREAM_ANY); /* unmapping needs the device idle, as in PyTorch */
+    if (rc != NP_OK) return rc;
     release_cached(ctx);
     ctx->st.retries++;
     rc = try_expand(ctx, pool, stream, size, &b);

@@ -114,6 +114,12 @@ static int ensure_arena(np_ctx *ctx, arena *a) {
   if (size == 0) return np_error(NP_ERR_OOM, "the memory fraction cap leaves no room for an arena");
   np_segment *seg;
   int rc = np_segment_create(ctx, size, NP_STREAM_ANY, LONG_POOL, ps->vmm, &seg);
+  /* A fixed arena asks for the whole cap; where the device has less free (other
+   * processes, the runtime's own use), take what there is, down to half the cap. */
+  for (uint64_t shrink = size / 16; rc == NP_ERR_OOM && !ps->vmm && size > ctx->limit / 2 + shrink;) {
+    size = np_round_down(size - shrink, NP_MIN_BLOCK);
+    rc = np_segment_create(ctx, size, NP_STREAM_ANY, LONG_POOL, false, &seg);
+  }
   if (rc != NP_OK) return rc;
   if (ps->vmm) {
     a->n_pages = size / ps->page;
@@ -401,7 +407,16 @@ static int npu_pool_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifet
   return rc;
 }
 
+static void npu_pool_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
+  (void)b;
+  note_stream(state(ctx), stream); /* mixed memory waits on every noted stream */
+}
+
 static void npu_pool_free(np_ctx *ctx, np_block *b) {
+  if (b->shared) { /* used on other streams too (record_stream): reuse must wait on all of them */
+    b->stream = MIXED;
+    b->shared = 0;
+  }
   put_free(ctx, &state(ctx)->arena, b);
 }
 
@@ -491,4 +506,5 @@ const np_policy np_policy_npu_pool = {
     .set_limit = npu_pool_set_limit,
     .fill_stats = npu_pool_fill_stats,
     .check = npu_pool_check,
+    .record_stream = npu_pool_record_stream,
 };
