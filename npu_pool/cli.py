@@ -17,6 +17,9 @@ COMMANDS: dict[str, str] = {
     "import": "convert PyTorch memory snapshots (.pickle) into npu_pool traces",
     "capture": "run real training steps of a small model on CPU and record its allocation trace",
     "replay": "replay traces through allocator policies on the simulated device",
+    "analyze": "where the memory goes: peak, breakdown by category, sites, layers, fragmentation (md/json/html)",
+    "export": "export a trace (replayed under a policy) as a PyTorch memory snapshot for memory_viz",
+    "estimate": "static memory estimate per rank from a model config, optionally against a trace",
 }
 
 

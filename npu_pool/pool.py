@@ -134,7 +134,15 @@ class Pool:
             raise InvalidArgumentError(lib.NP_ERR_INVALID, f"size must be a non-negative int, got {size!r}")
         out = ffi.new("void **")
         life = _lookup(LIFETIMES, lifetime, "lifetime")
-        _check(lib.np_malloc_ex(self.ctx, size, stream, life, site, out))
+        try:
+            _check(lib.np_malloc_ex(self.ctx, size, stream, life, site, out))
+        except OutOfMemoryError as e:  # NPU_POOL_OOM_SNAPSHOT: write a snapshot, explain the failure
+            from .analysis.oom import on_oom
+
+            note = on_oom(self, size, e)
+            if note:
+                e.args = (f"{e.args[0]}\n{note}",)
+            raise
         return int(ffi.cast("uintptr_t", out[0]))
 
     def free(self, ptr: int) -> None:

@@ -1,0 +1,373 @@
+"""Static memory estimate of transformer training from a model config, per rank.
+
+Parameters come from the shapes (hidden size, layers, heads, KV heads, FFN size,
+vocabulary, experts), sliced as Megatron slices them: tensor parallelism (TP)
+divides the attention heads, the FFN and the vocabulary; pipeline parallelism (PP)
+gives each stage ``ceil(layers / pp)`` layers (embeddings on the first stage, the
+output head on the last); expert parallelism (EP) divides the experts.
+
+Bytes per parameter (ZeRO, Rajbhandari et al. 2020): weights and gradients in the
+training dtype; Adam keeps two fp32 states, plus an fp32 master copy under mixed
+precision (12 bytes per parameter); SGD with momentum one state (+ master). ZeRO
+stage 1 shards optimizer states over the data-parallel group, stage 2 also the
+gradients, stage 3 also the weights.
+
+Activations per layer and micro-batch follow Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models" (arXiv:2205.05198):
+``s*b*h*(34 + 5*a*s/h)`` bytes for 16-bit activations, ``s*b*h*(10 + 24/t +
+5*a*s/(h*t))`` with TP ``t``, ``s*b*h/t*(34 + 5*a*s/h)`` with TP and sequence
+parallelism; selective recompute drops the ``5*a*s/h`` term, full recompute keeps
+only each layer's input (``2*s*b*h``) plus one layer's working set while it is
+recomputed. The terms are generalised for a FFN size other than ``4h`` (``3sbh +
+4sbf``, gated MLPs ``3sbh + 6sbf``), grouped-query attention, no dropout,
+flash attention (no ``s*s`` terms, a fp32 log-sum-exp per row instead), other
+activation dtypes and MoE (top-k copies of the MLP activations). With the 1F1B
+pipeline schedule stage ``k`` holds ``min(pp - k, micro-batches)`` micro-batches
+in flight; the last stage adds the output layer (``4*s*b*h/t + 4*s*b*v/t``).
+
+Not estimated: temporaries (kernel workspaces, communication buffers), allocator
+rounding and fragmentation -- compare with a trace to see those.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelConfig", "Estimate", "StageEstimate", "estimate", "load_config", "config_from_dict",
+           "config_from_trace", "compare", "ComparisonRow", "DTYPE_BYTES", "ALIASES"]
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
+OPTIMIZERS = ("adam", "adamw", "sgd", "none")
+RECOMPUTE = ("none", "selective", "full")
+
+# Config keys as Megatron / Hugging Face spell them -> ModelConfig fields.
+ALIASES = {"hidden_size": "hidden", "n_embd": "hidden", "dim": "hidden", "num_layers": "layers",
+           "num_hidden_layers": "layers", "n_layer": "layers", "n_layers": "layers",
+           "num_attention_heads": "heads", "n_head": "heads", "n_heads": "heads",
+           "num_query_groups": "kv_heads", "num_key_value_heads": "kv_heads", "n_kv_heads": "kv_heads",
+           "ffn_hidden_size": "ffn", "intermediate_size": "ffn", "vocab_size": "vocab", "padded_vocab_size": "vocab",
+           "seq_length": "seq", "seq_len": "seq", "max_position_embeddings": "max_positions",
+           "micro_batch_size": "micro_batch", "mbs": "micro_batch", "batch": "micro_batch",
+           "params_dtype": "dtype", "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+           "expert_model_parallel_size": "ep", "data_parallel_size": "dp", "num_experts": "experts",
+           "moe_router_topk": "top_k", "zero_stage": "zero", "recompute_granularity": "recompute",
+           "swiglu": "gated_mlp", "untie_embeddings_and_output_weights": "_untie",
+           "use_flash_attn": "flash_attention", "num_micro_batches": "micro_batches",
+           "gradient_accumulation_steps": "micro_batches"}
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer and how it is trained (see module docstring for the model)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    ffn: int | None = None  # None: 4*hidden, or 8/3*hidden rounded up to 64 for gated MLPs
+    kv_heads: int | None = None  # None: heads (multi-head attention)
+    seq: int = 2048
+    micro_batch: int = 1
+    micro_batches: int | None = None  # per step and pipeline; None: pp (enough to fill the pipeline)
+    dtype: str = "bf16"  # weights and gradients
+    act_dtype: str | None = None  # activations; None: dtype
+    mixed_precision: bool | None = None  # fp32 master weights; None: dtype is not fp32
+    optimizer: str = "adam"
+    zero: int = 0
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    experts: int = 0
+    top_k: int = 2
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    flash_attention: bool = False
+    dropout: bool = True
+    gated_mlp: bool = False
+    bias: bool = True
+    norm: str = "layernorm"  # or rmsnorm
+    position: str = "learned"  # or rope
+    max_positions: int | None = None  # learned position table; None: seq
+    tied_embeddings: bool = False
+
+    def checked(self) -> "ModelConfig":
+        """Normalise spellings and check ranges; raise ValueError naming the field."""
+        c = self
+        if isinstance(c.recompute, bool) or c.recompute in ("on", "off", "true", "false", "uniform", "block"):
+            c = replace(c, recompute="full" if c.recompute in (True, "on", "true", "uniform", "block") else "none")
+        if c.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {c.optimizer!r}")
+        if c.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} (or on/off), not {c.recompute!r}")
+        for name in ("dtype", "act_dtype"):
+            v = getattr(c, name)
+            if v is not None and v not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, not {v!r}")
+        if c.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, not {c.zero!r}")
+        if c.norm not in ("layernorm", "rmsnorm") or c.position not in ("learned", "rope"):
+            raise ValueError("norm must be layernorm or rmsnorm; position learned or rope")
+        for name in ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep"):
+            v = getattr(c, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, not {v!r}")
+        if c.hidden % c.heads:
+            raise ValueError(f"hidden={c.hidden} is not divisible by heads={c.heads}")
+        if c.heads % c.tp or (c.kv_heads or c.heads) % c.tp:
+            raise ValueError(f"heads={c.heads} (kv {c.kv_heads or c.heads}) not divisible by tp={c.tp}")
+        if c.experts and c.experts % c.ep:
+            raise ValueError(f"experts={c.experts} not divisible by ep={c.ep}")
+        return c
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn:
+            return self.ffn
+        return 64 * math.ceil(8 * self.hidden / 3 / 64) if self.gated_mlp else 4 * self.hidden
+
+    @property
+    def master_weights(self) -> bool:
+        return self.mixed_precision if self.mixed_precision is not None else DTYPE_BYTES[self.dtype] < 4
+
+
+@dataclass
+class StageEstimate:
+    """Bytes on one rank of pipeline stage ``stage``."""
+
+    stage: int
+    layers: int
+    params: int
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    in_flight: int  # micro-batches whose activations the stage holds at once
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.activations
+
+
+@dataclass
+class Estimate:
+    """The estimate for the heaviest stage, with every stage and the per-layer activation figure."""
+
+    config: ModelConfig
+    stage: StageEstimate
+    stages: list[StageEstimate]
+    total_params: int  # whole model, all ranks
+    activation_per_layer: int  # one layer, one micro-batch, this rank
+    formula: str = field(default="")
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.stage
+        return dict(config=asdict(self.config), stage=s.stage, layers=s.layers, params_per_rank=s.params,
+                    total_params=self.total_params, weights_bytes=s.weights, gradients_bytes=s.gradients,
+                    optimizer_states_bytes=s.optimizer_states, activations_bytes=s.activations,
+                    total_bytes=s.total, micro_batches_in_flight=s.in_flight,
+                    activation_per_layer_bytes=self.activation_per_layer, formula=self.formula,
+                    stages=[dict(asdict(x), total=x.total) for x in self.stages])
+
+
+# -- parameters --------------------------------------------------------------------------
+def _layer_params(c: ModelConfig) -> int:
+    """One transformer layer on one TP rank (experts: on one EP rank)."""
+    t, h = c.tp, c.hidden
+    hd = h // c.heads
+    b = 1 if c.bias else 0
+    q, kv, f = c.heads // t * hd, (c.kv_heads or c.heads) // t * hd, c.ffn_size // t
+    norm = h * (2 if c.norm == "layernorm" and c.bias else 1)
+    attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h
+    n_in = 2 if c.gated_mlp else 1
+    mlp = h * f * n_in + b * f * n_in + f * h + b * h
+    if c.experts:
+        mlp = mlp * (c.experts // c.ep) + h * c.experts  # local experts + router
+    return 2 * norm + attn + mlp
+
+
+def _stage_params(c: ModelConfig, stage: int) -> tuple[int, int]:
+    """(layers, parameters) on one rank of ``stage``."""
+    per = math.ceil(c.layers / c.pp)
+    layers = max(0, min(per, c.layers - stage * per))
+    n = layers * _layer_params(c)
+    h, v = c.hidden, c.vocab // c.tp
+    if stage == 0:
+        n += v * h + (h * (c.max_positions or c.seq) if c.position == "learned" else 0)
+    if stage == c.pp - 1:
+        n += h * (2 if c.norm == "layernorm" and c.bias else 1)  # final norm
+        if not (c.tied_embeddings and c.pp == 1):
+            n += v * h  # output head (a tied head on another stage still needs its copy)
+    return layers, n
+
+
+def _total_params(c: ModelConfig) -> int:
+    one = replace(c, tp=1, pp=1, ep=1)
+    return _stage_params(one, 0)[1]
+
+
+# -- activations --------------------------------------------------------------------------
+def _layer_activations(c: ModelConfig, recompute: str | None = None) -> int:
+    """Activation bytes one layer keeps for backward, per micro-batch, on one rank."""
+    recompute = c.recompute if recompute is None else recompute
+    s, b, h, a, t = c.seq, c.micro_batch, c.hidden, c.heads, c.tp
+    e = DTYPE_BYTES[c.act_dtype or c.dtype] / 2  # the formula counts 2-byte elements
+    sp = t if c.sequence_parallel else 1
+    if recompute == "full":
+        return int(e * 2 * s * b * h / sp)
+    kvd = (c.kv_heads or c.heads) * (h // a)
+    f = c.ffn_size
+    k = c.top_k if c.experts else 1
+    mask = s * b * h if c.dropout else 0
+    # outside the TP regions: both norm inputs, the QKV input, the MLP input(s), two dropout masks
+    replicated = e * (2 * s * b * h * 3 + 2 * s * b * h * k) + mask * (1 + k)
+    mlp_inner = (6 if c.gated_mlp else 4) * s * b * f * k
+    sharded = e * (2 * s * b * h + 4 * s * b * kvd + 2 * s * b * h + mlp_inner)
+    if recompute != "selective":
+        if c.flash_attention:
+            sharded += 4 * a * s * b  # fp32 log-sum-exp per query row
+        else:
+            scores = a * s * s * b
+            sharded += e * 2 * scores + (scores + e * 2 * scores if c.dropout else 0)
+    return int(replicated / sp + sharded / t)
+
+
+def _output_activations(c: ModelConfig) -> int:
+    """Final norm, output layer input and fp32 logits for the loss (last stage, one micro-batch)."""
+    s, b, h, t = c.seq, c.micro_batch, c.hidden, c.tp
+    e = DTYPE_BYTES[c.act_dtype or c.dtype] / 2
+    sp = t if c.sequence_parallel else 1
+    return int(e * 4 * s * b * h / sp + 4 * s * b * (c.vocab // t))
+
+
+def estimate(config: ModelConfig) -> Estimate:
+    """Weights, gradients, optimizer states and activations per rank, for every pipeline stage."""
+    c = config.checked()
+    wb = DTYPE_BYTES[c.dtype]
+    per_param_opt = {"adam": 8, "adamw": 8, "sgd": 4, "none": 0}[c.optimizer] + (4 if c.master_weights else 0)
+    m = c.micro_batches or c.pp
+    per_layer = _layer_activations(c)
+    extra = _layer_activations(c, "none") if c.recompute == "full" else 0  # one layer recomputed in backward
+    stages = []
+    for k in range(c.pp):
+        layers, n = _stage_params(c, k)
+        in_flight = max(1, min(c.pp - k, m))
+        acts = in_flight * layers * per_layer + (extra if layers else 0)
+        if k == c.pp - 1:
+            acts += _output_activations(c)
+        stages.append(StageEstimate(
+            stage=k, layers=layers, params=n,
+            weights=n * wb // (c.dp if c.zero >= 3 else 1),
+            gradients=n * wb // (c.dp if c.zero >= 2 else 1),
+            optimizer_states=n * per_param_opt // (c.dp if c.zero >= 1 else 1),
+            activations=acts, in_flight=in_flight))
+    worst = max(stages, key=lambda x: x.total)
+    formula = ("s*b*h*(34+5*a*s/h) per layer (Korthikanti et al. 2022), generalised; "
+               f"recompute={c.recompute}, tp={c.tp}, sp={c.sequence_parallel}, flash={c.flash_attention}")
+    return Estimate(c, worst, stages, _total_params(c), per_layer, formula)
+
+
+# -- configs --------------------------------------------------------------------------------
+_FIELDS = {f.name for f in fields(ModelConfig)}
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        k = key.replace("-", "_")
+        k = ALIASES.get(k, k)
+        if k == "_untie":
+            out["tied_embeddings"] = not value
+            continue
+        if k not in _FIELDS:
+            raise ValueError(f"unknown config key {key!r}; known: {', '.join(sorted(_FIELDS))}")
+        out[k] = value
+    missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in out]
+    if missing:
+        raise ValueError(f"config lacks {', '.join(missing)}")
+    return ModelConfig(**out).checked()
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read a YAML (or JSON) file of config keys; a ``model:`` section is used when present."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        d = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys")
+    if isinstance(d.get("model"), dict):
+        d = {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}
+    return config_from_dict(d)
+
+
+def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
+    """The config of a trace made by ``npu-pool capture`` (from ``meta["capture"]``); None for others."""
+    cap = meta.get("capture")
+    if not isinstance(cap, dict) or "model" not in cap or str(cap["model"]).startswith("hf-"):
+        return None
+    from ..models import make_config  # imports torch: only here
+
+    over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
+                vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))
+    g = make_config(cap["model"], cap.get("shape") if cap.get("fake") else None,
+                    **{k: v for k, v in over.items() if v is not None})
+    tp = int(cap.get("tp", 1) or 1)
+    vocab = g.vocab if cap.get("fake") else int(cap.get("vocab") or g.vocab) * tp
+    bf16 = cap.get("mixed_precision") == "bf16"
+    return ModelConfig(hidden=g.dim, layers=int(cap.get("layers") or g.n_layers), heads=g.n_heads, vocab=vocab,
+                       ffn=g.ffn_dim, kv_heads=g.kv_heads, seq=int(cap["seq"]), micro_batch=int(cap["batch"]),
+                       micro_batches=1, dtype="fp32", act_dtype="bf16" if bf16 else "fp32",
+                       mixed_precision=False, optimizer="adamw", tp=tp, experts=g.n_experts, top_k=g.top_k,
+                       recompute="full" if cap.get("recompute") else "none", flash_attention=True, dropout=False,
+                       gated_mlp=g.mlp == "swiglu", bias=g.bias, norm=g.norm,
+                       position="rope" if g.rope else "learned", max_positions=g.max_seq).checked()
+
+
+# -- estimate vs trace ------------------------------------------------------------------------
+@dataclass
+class ComparisonRow:
+    """One figure, estimated and measured; ``measured`` None when the trace cannot tell."""
+
+    figure: str
+    estimated: int | None
+    measured: int | None
+
+    @property
+    def diff(self) -> int | None:
+        return None if self.estimated is None or self.measured is None else self.measured - self.estimated
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.estimated or self.measured is None else self.measured / self.estimated
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(figure=self.figure, estimated_bytes=self.estimated, measured_bytes=self.measured,
+                    diff_bytes=self.diff, measured_over_estimated=self.ratio)
+
+
+def compare(est: Estimate, profile: Any) -> list[ComparisonRow]:
+    """Estimate vs a :class:`~npu_pool.analysis.breakdown.TraceProfile`.
+
+    Per category the trace's highest live bytes of that category anywhere (the
+    estimate is each category's steady high), then temporaries (not estimated) and
+    the total: the estimate's sum vs the trace's peak live bytes.
+    """
+    s = est.stage
+    known = profile.category_source != "none"
+    g = profile.group_max
+    rows = [ComparisonRow(label, value, g[key] if known else None) for label, key, value in (
+        ("weights", "weights", s.weights), ("gradients", "gradients", s.gradients),
+        ("optimizer states", "optimizer_states", s.optimizer_states), ("activations", "activations", s.activations))]
+    rows.append(ComparisonRow("temporaries", None, g["temporaries"] if known else None))
+    rows.append(ComparisonRow("peak (sum of the above)", s.total, profile.peak_live))
+    return rows

@@ -1,0 +1,240 @@
+"""The analysis of one trace, or of one trace per rank: figures, Markdown and JSON.
+
+Per trace: the live-byte profile (:func:`~npu_pool.analysis.breakdown.profile_trace`)
+and, per policy, what the replay reserves (:func:`npu_pool.replay.evaluate`): peak
+reserved, utilization (peak live / peak reserved) and waste (peak reserved - peak
+live). Several traces (a directory of per-rank traces) add one table across ranks
+and the imbalance of each figure (max / mean, and max - min).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..progress import progress
+from ..replay import evaluate
+from ..trace.format import Trace
+from ..traces import expand, open_traces
+from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
+from .simulate import Simulation, simulate
+from .units import fmt_bytes, fmt_share
+
+__all__ = ["PolicyFigures", "TraceAnalysis", "Analysis", "analyze_trace", "analyze_paths", "to_json", "to_markdown",
+           "imbalance", "rank_groups"]
+
+
+@dataclass
+class PolicyFigures:
+    """What one policy reserves for one trace."""
+
+    policy: str
+    peak_reserved: int
+    utilization: float
+    waste: int
+    device_mallocs: int
+    min_capacity: int | None = None
+    peak_reserved_index: int | None = None  # first event at the peak (known when simulated)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(policy=self.policy, peak_reserved_bytes=self.peak_reserved, utilization=self.utilization,
+                    waste_bytes=self.waste, device_mallocs=self.device_mallocs, min_capacity_bytes=self.min_capacity,
+                    peak_reserved_index=self.peak_reserved_index)
+
+
+@dataclass
+class TraceAnalysis:
+    """One trace's profile and per-policy figures (and, for timelines, the simulations)."""
+
+    profile: TraceProfile
+    policies: list[PolicyFigures]
+    origin: str = ""
+    sims: dict[str, Simulation] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    def as_dict(self, top_sites: int = 20) -> dict[str, Any]:
+        d = self.profile.as_dict(top_sites)
+        d["origin"] = self.origin
+        d["policies"] = [p.as_dict() for p in self.policies]
+        return d
+
+
+@dataclass
+class Analysis:
+    """Everything ``npu-pool analyze`` reports about its input."""
+
+    source: str
+    traces: list[TraceAnalysis]
+
+    @property
+    def ranks(self) -> bool:
+        return len(self.traces) > 1
+
+    def worst(self) -> TraceAnalysis:
+        """The trace with the highest peak live bytes."""
+        return max(self.traces, key=lambda t: t.profile.peak_live)
+
+
+def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capacity: bool = False,
+                  curves: bool = False, hints: str = "sites",
+                  on_step: Callable[[], None] | None = None) -> TraceAnalysis:
+    """Profile ``trace`` and replay it through each policy (``curves``: also event by event, for timelines).
+
+    ``on_step`` is called after the profile and after each policy (progress bars)."""
+    step = on_step or (lambda: None)
+    prof = profile_trace(trace, name)
+    step()
+    figs, sims = [], {}
+    for policy in policies:
+        r = evaluate(trace, name, policy, hints=hints, with_min_capacity=min_capacity)
+        f = PolicyFigures(policy, r.peak_reserved_bytes, r.utilization, r.peak_reserved_bytes - r.peak_live_bytes,
+                          r.device_mallocs, r.min_capacity_bytes)
+        if curves:
+            sim = simulate(trace, policy, hints=hints)
+            sims[policy] = sim
+            f.peak_reserved_index = sim.peak_reserved_index
+        figs.append(f)
+        step()
+    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), sims)
+
+
+def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool = False, curves: bool = False,
+                  hints: str = "sites", show_progress: bool | None = None) -> Analysis:
+    """Analyze every trace in ``paths`` (files, or directories of per-rank traces)."""
+    named: list[tuple[str, Trace]] = []
+    for p in progress(expand(paths), desc="load", unit="file", enabled=show_progress):
+        named.extend(open_traces(p))
+    if not named:
+        raise ValueError("no traces to analyze")
+    if any(Path(p).is_dir() for p in paths):
+        named.sort(key=lambda nt: _natural(nt[0]))  # rank2 before rank10
+    bar = iter(progress(range(len(named) * (1 + len(policies))), desc="analyze", unit="step",
+                        enabled=show_progress))
+    out = [analyze_trace(t, n, policies, min_capacity=min_capacity, curves=curves, hints=hints,
+                         on_step=lambda: next(bar, None)) for n, t in named]
+    next(bar, None)  # let the bar see its end (and close)
+    return Analysis(", ".join(paths), out)
+
+
+# -- across ranks -----------------------------------------------------------------------
+def rank_groups(a: Analysis) -> list[str]:
+    """Category groups with bytes at the peak on some rank (the columns of the rank table)."""
+    return [g for g in GROUPS if any(t.profile.at_peak[g] for t in a.traces)]
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _rank_metrics(a: Analysis) -> dict[str, list[int]]:
+    m: dict[str, list[int]] = {"peak_live": [t.profile.peak_live for t in a.traces]}
+    for g in GROUPS:
+        vals = [t.profile.at_peak[g] for t in a.traces]
+        if any(vals):
+            m[f"{g}_at_peak"] = vals
+    for k, p in enumerate(a.traces[0].policies):
+        m[f"peak_reserved[{p.policy}]"] = [t.policies[k].peak_reserved for t in a.traces]
+    return m
+
+
+def imbalance(a: Analysis) -> list[dict[str, Any]]:
+    """Per figure: max (and which rank), min, mean, max/mean and max-min across the traces."""
+    names = [t.name for t in a.traces]
+    rows = []
+    for key, vals in _rank_metrics(a).items():
+        hi, lo = max(vals), min(vals)
+        mean = sum(vals) / len(vals)
+        rows.append(dict(figure=key, max_bytes=hi, max_rank=names[vals.index(hi)], min_bytes=lo,
+                         min_rank=names[vals.index(lo)], mean_bytes=mean, max_over_mean=hi / mean if mean else 1.0,
+                         spread_bytes=hi - lo))
+    return rows
+
+
+# -- output -------------------------------------------------------------------------------
+def to_json(a: Analysis, top_sites: int = 20) -> dict[str, Any]:
+    """JSON-ready report (all traces; ``imbalance`` when there are several)."""
+    d: dict[str, Any] = {"source": a.source, "traces": [t.as_dict(top_sites) for t in a.traces]}
+    if a.ranks:
+        d["imbalance"] = imbalance(a)
+    return d
+
+
+def _table(head: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+    right = right if right is not None else set(range(1, len(head)))
+    align = ["---:" if k in right else "---" for k in range(len(head))]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    return lines
+
+
+_SOURCE_TEXT = {"trace": "from the trace's tensor categories",
+                "markers": "inferred from phase markers (the trace has no categories)",
+                "none": "unknown: the trace has neither categories nor phase markers"}
+
+
+def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
+    p = t.profile
+    out = [f"{level} {t.name}", ""]
+    where = (f"at event {p.peak_index} ({100 * p.peak_index / max(1, p.events - 1):.0f}% through the trace)"
+             if p.peak_index >= 0 else "(no allocations)")
+    out += [f"- events {p.events}, allocations {p.allocs}, frees {p.frees}, sites {len(p.sites)}"
+            + (f", origin `{t.origin}`" if t.origin else ""),
+            f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
+            f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
+    out += [f"{level}# Fragmentation per policy", ""]
+    rows = []
+    for f in t.policies:
+        rows.append([f.policy, fmt_bytes(f.peak_reserved), f"{100 * f.utilization:.1f}%", fmt_bytes(f.waste),
+                     str(f.device_mallocs), "-" if f.min_capacity is None else fmt_bytes(f.min_capacity)])
+    out += _table(["policy", "peak reserved", "utilization", "waste", "device mallocs", "min capacity"], rows)
+    out += ["", "utilization = peak live / peak reserved; waste = peak reserved - peak live.", ""]
+    out += [f"{level}# Live bytes at the peak by category", "",
+            f"Categories {_SOURCE_TEXT[p.category_source]}.", ""]
+    rows = [[GROUP_LABELS[g], fmt_bytes(p.at_peak[g]), fmt_share(p.at_peak[g], p.peak_live), fmt_bytes(p.group_max[g])]
+            for g in GROUPS if p.at_peak[g] or p.group_max[g]]
+    out += _table(["category", "at the peak", "share", "highest anywhere"], rows) + [""]
+    out += [f"{level}# Top allocation sites", ""]
+    rows = [[s.name[:120], fmt_bytes(s.live_at_peak), fmt_bytes(s.total_bytes), str(s.allocs), fmt_bytes(s.largest)]
+            for s in p.sites[:top_sites]]
+    out += _table(["site", "live at peak", "allocated in total", "allocations", "largest"], rows)
+    if len(p.sites) > top_sites:
+        out.append(f"\n({len(p.sites) - top_sites} more sites)")
+    out.append("")
+    if p.layers:
+        out += [f"{level}# Forward: live bytes added per layer", ""]
+        rows = [[str(L.layer), str(L.passes), fmt_bytes(L.added_mean), fmt_bytes(L.added_max),
+                 fmt_bytes(L.transient_max)] for L in p.layers]
+        out += _table(["layer", "passes", "added (mean)", "added (max)", "transient high"], rows)
+        out += ["", "added = live at layer exit - live at enter (what the layer keeps for backward); "
+                "transient high = highest live inside the layer - live at enter.", ""]
+    return out
+
+
+def to_markdown(a: Analysis, top_sites: int = 15) -> str:
+    """The report as Markdown: a rank table first when there are several traces."""
+    out = [f"# Memory analysis: {a.source}", ""]
+    if a.ranks:
+        pols = [f.policy for f in a.traces[0].policies]
+        groups = rank_groups(a)
+        head = ["rank", "peak live", *[f"reserved {p}" for p in pols], *[GROUP_LABELS[g] for g in groups],
+                "peak phase"]
+        rows = []
+        for t in a.traces:
+            p = t.profile
+            rows.append([t.name, fmt_bytes(p.peak_live), *[fmt_bytes(f.peak_reserved) for f in t.policies],
+                         *[fmt_bytes(p.at_peak[g]) for g in groups], p.peak_phase.describe()])
+        out += ["## Ranks", ""] + _table(head, rows, set(range(1, len(head) - 1))) + [""]
+        out += ["### Imbalance", ""]
+        rows = [[r["figure"], fmt_bytes(r["max_bytes"]), r["max_rank"], fmt_bytes(r["min_bytes"]), r["min_rank"],
+                 f"{r['max_over_mean']:.3f}", fmt_bytes(r["spread_bytes"])] for r in imbalance(a)]
+        out += _table(["figure", "max", "on", "min", "on", "max / mean", "max - min"], rows, {1, 3, 5, 6}) + [""]
+        worst = a.worst()
+        out += [f"Details of the rank with the highest peak ({worst.name}):", ""]
+        out += _trace_md(worst, top_sites, "##")
+    else:
+        out += _trace_md(a.traces[0], top_sites)
+    return "\n".join(out).rstrip() + "\n"

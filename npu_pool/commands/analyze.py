@@ -1,0 +1,84 @@
+"""``npu-pool analyze TRACE``: where the memory goes (peak, breakdown, sites, layers, fragmentation)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..replay import HINTS, policies_from
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help=".npt trace, snapshot pickle, or a directory of per-rank traces (one table across ranks)")
+    p.add_argument("--format", choices=("md", "json", "html"), default="md", help="report format (default md)")
+    p.add_argument("--out", "-o", metavar="PATH", help="write the report here (default: stdout; html: "
+                   "<first trace>.html)")
+    p.add_argument("--policy", default="torch,expandable,npu_pool", help="comma-separated policies to replay")
+    p.add_argument("--hints", choices=[h for h in HINTS if h != "oracle"], default="sites",
+                   help="what npu_pool learns from during the replay (default: sites and markers)")
+    p.add_argument("--min-capacity", action="store_true", help="also search each policy's minimum device size (slower)")
+    p.add_argument("--top", type=int, default=15, help="allocation sites listed in md/json (default 15)")
+    p.add_argument("--estimate", action="store_true",
+                   help="add the static estimate vs the trace (config from --config, or the capture's own)")
+    p.add_argument("--config", metavar="YAML", help="model config for --estimate (implies it)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
+    from ..analysis.estimate import compare, config_from_trace, estimate, load_config
+
+    if not (args.estimate or args.config):
+        return None
+    worst = analysis.worst()
+    if args.config:
+        cfg = load_config(args.config)
+    else:
+        from ..traces import expand, open_traces
+
+        meta = next((t.meta for p in expand(args.traces) for n, t in open_traces(p) if n == worst.name), {})
+        cfg = config_from_trace(meta)
+        if cfg is None:
+            raise ValueError(f"{worst.name}: not a capture of a known model; give --config YAML for --estimate")
+    return compare(estimate(cfg), worst.profile)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..analysis.report import analyze_paths, to_json, to_markdown
+
+    policies = policies_from(args.policy)
+    show = None if not args.no_progress else False
+    analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",
+                             hints=args.hints, show_progress=show)
+    rows = _estimate_rows(args, analysis)
+    if args.format == "html":
+        from ..analysis.html import render_html
+
+        text = render_html(analysis, estimate_rows=rows)
+        out = Path(args.out) if args.out else Path(Path(args.traces[0].rstrip("/")).stem + ".html")
+    elif args.format == "json":
+        d = to_json(analysis, args.top)
+        if rows is not None:
+            d["estimate_vs_trace"] = [r.as_dict() for r in rows]
+        text = json.dumps(d, indent=1) + "\n"
+        out = Path(args.out) if args.out else None
+    else:
+        text = to_markdown(analysis, args.top)
+        if rows is not None:
+            from ..analysis.units import fmt_bytes
+
+            text += ("\n## Static estimate vs the trace\n\n| figure | estimated | measured | diff | ratio |\n"
+                     "|---|---:|---:|---:|---:|\n")
+            for r in rows:
+                text += (f"| {r.figure} | {'-' if r.estimated is None else fmt_bytes(r.estimated)} | "
+                         f"{'-' if r.measured is None else fmt_bytes(r.measured)} | "
+                         f"{'-' if r.diff is None else fmt_bytes(r.diff)} | "
+                         f"{'-' if r.ratio is None else f'{r.ratio:.3f}'} |\n")
+        out = Path(args.out) if args.out else None
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,32 @@
+"""``npu-pool export TRACE --out FILE.pickle``: a PyTorch memory snapshot that memory_viz opens."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..analysis.memviz import POLICIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE", help=".npt trace or snapshot pickle (every device in it is exported)")
+    p.add_argument("--policy", default="npu_pool", choices=POLICIES,
+                   help="replay under this policy for addresses and segments (default npu_pool); 'recorded' keeps "
+                        "the trace's own addresses (imported snapshots)")
+    p.add_argument("--hints", choices=("sites", "none"), default="sites", help="hints for the replay")
+    p.add_argument("--out", "-o", required=True, metavar="FILE.pickle", help="snapshot to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..analysis.memviz import snapshot_of, write_snapshot
+    from ..traces import open_traces
+
+    named = open_traces(args.trace)
+    snap = snapshot_of([t for _, t in named], args.policy, hints=args.hints)
+    path = write_snapshot(snap, args.out)
+    n_ev = sum(len(d) for d in snap["device_traces"])
+    reserved = sum(s["total_size"] for s in snap["segments"])
+    print(f"wrote {path}: {len(named)} device trace(s), {n_ev} events, {len(snap['segments'])} segments "
+          f"({reserved / 2**30:.3f} GiB reserved at the end) under {args.policy}", file=sys.stderr)
+    print(f"view: python -m torch.cuda._memory_viz trace_plot {path} -o {path}.html  (or drop it on "
+          "https://pytorch.org/memory_viz)", file=sys.stderr)
+    return 0
