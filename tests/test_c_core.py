@@ -1,0 +1,36 @@
+"""The C core built on its own as a debug build (NP_DEBUG asserts) under ASan and UBSan."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "npu_pool" / "csrc"
+
+
+def _compiler() -> str:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        pytest.skip("no C compiler")
+    return cc
+
+
+def test_debug_build_under_sanitizers(tmp_path):
+    cc = _compiler()
+    exe = tmp_path / "stress"
+    sources = [str(p) for p in sorted(CSRC.glob("*.c"))] + [str(ROOT / "tests" / "c" / "stress.c")]
+    flags = ["-std=c11", "-D_GNU_SOURCE", "-DNP_DEBUG", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
+             "-fsanitize=address,undefined", "-fno-sanitize-recover=all", f"-I{CSRC}"]
+    build = subprocess.run([cc, *flags, *sources, "-o", str(exe), "-lpthread", "-lm", "-ldl"],
+                           capture_output=True, text=True)
+    if build.returncode and "sanitize" in build.stderr and "cannot find" in build.stderr:
+        pytest.skip("the compiler lacks the sanitizer runtimes")
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                         env={"ASAN_OPTIONS": "detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    for policy in ("torch", "npu_pool", "expandable"):
+        assert f"{policy}:" in run.stdout
