@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from npu_pool.progress import progress  # noqa: E402
 from npu_pool.replay import evaluate, min_capacity  # noqa: E402
 
-POLICIES = ["torch", "expandable", "npu_pool"]
+POLICIES = ["torch", "expandable", "npu_pool", "planned"]  # planned: each trace planned from itself
 GiB = float(1 << 30)
 CAPTURES = [
     ("cpu-gpt-train", dict(model_name="gpt", steps=3)),
@@ -59,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     named = collect(Path(args.shared), not args.no_capture)
     rows = []  # (name, policy, PolicyResult, zero-retry capacity)
+    from npu_pool.planner import make_plan
+
     for name, trace in progress(named, desc="traces", unit="trace", enabled=True):
+        plan = make_plan(trace)
         for policy in POLICIES:
-            r = evaluate(trace, name, policy)
-            cap0, _ = min_capacity(trace, policy, lo=r.min_capacity_bytes, hi=r.peak_reserved_bytes, no_retries=True)
+            kw = {"plan": plan} if policy == "planned" else {}
+            r = evaluate(trace, name, policy, **kw)
+            cap0, _ = min_capacity(trace, policy, lo=r.min_capacity_bytes, hi=r.peak_reserved_bytes, no_retries=True,
+                                   **kw)
             rows.append((name, policy, r, cap0))
     out = [f"# Benchmarks: fragmentation on real and captured traces",
            "",
@@ -113,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             f"- peak reserved below torch's on every trace: {'met' if not worse_rsvd else 'missed on ' + ', '.join(worse_rsvd)}",
             f"- against expandable: min-capacity waste {tot['npu_pool'][0] / tot['expandable'][0]:.2f}x, "
             f"no-retry waste {tot['npu_pool'][1] / tot['expandable'][1]:.2f}x",
+            f"- planned (each trace planned offline from itself, `npu-pool plan`; npu_pool as fallback): "
+            f"min-capacity waste {tot['planned'][0] / tot['torch'][0]:.2f}x torch's, "
+            f"{tot['planned'][0] / tot['npu_pool'][0]:.2f}x npu_pool's",
             ""]
     Path(args.out).write_text("\n".join(out) + "\n")
     print("\n".join(out))

@@ -4,7 +4,9 @@ With ``MEMORY_FRAGMENTATION=1`` importing it installs npu_pool as the device all
 (settings: ``NPU_POOL_POLICY``, ``NPU_POOL_FRACTION``, ``NPU_POOL_CONFIG``; see
 ``npu_pool.config``). The import must come before the model is built and before any
 tensor is moved to the device. Without an NPU or GPU it warns and leaves torch alone;
-bad settings, or an import that comes too late, raise.
+bad settings, or an import that comes too late, raise. It also patches Megatron's
+training loop (``mindspeed_patch.megatron``): phases for the pool, a per-iteration line
+(``NPU_POOL_LOG_EVERY``) and per-rank reports (``NPU_POOL_REPORT_DIR``).
 """
 from __future__ import annotations
 
@@ -29,3 +31,7 @@ def install_memory_pool() -> bool:
 
 
 install_memory_pool()
+
+from .megatron import patch_megatron as _patch_megatron  # noqa: E402
+
+_patch_megatron()

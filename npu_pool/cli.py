@@ -17,9 +17,11 @@ COMMANDS: dict[str, str] = {
     "import": "convert PyTorch memory snapshots (.pickle) into npu_pool traces",
     "capture": "run real training steps of a small model on CPU and record its allocation trace",
     "replay": "replay traces through allocator policies on the simulated device",
+    "merge": "merge the per-rank memory reports of a training run (NPU_POOL_REPORT_DIR) into one table",
     "analyze": "where the memory goes: peak, breakdown by category, sites, layers, fragmentation (md/json/html)",
     "export": "export a trace (replayed under a policy) as a PyTorch memory snapshot for memory_viz",
     "estimate": "static memory estimate per rank from a model config, optionally against a trace",
+    "plan": "plan a trace's steady iteration: every allocation at a fixed offset (for --policy planned)",
 }
 
 

@@ -2,7 +2,8 @@
 
 ``MEMORY_FRAGMENTATION`` (0/1) turns the pool on when ``mindspeed_patch`` is imported;
 ``NPU_POOL_FRACTION`` (a number in (0, 1]) caps the memory it may reserve;
-``NPU_POOL_POLICY`` (torch, npu_pool, expandable) picks the placement policy;
+``NPU_POOL_POLICY`` (torch, npu_pool, expandable, planned) picks the placement policy;
+``NPU_POOL_PLAN`` names the plan file the ``planned`` policy serves (``npu-pool plan``);
 ``NPU_POOL_CONFIG`` names a YAML file with the same keys in lower case. A variable set
 in the environment overrides the file. Any bad value raises :class:`ConfigError`
 naming the variable and the accepted values.
@@ -19,9 +20,10 @@ from typing import Any, Mapping, Optional
 ENABLE = "MEMORY_FRAGMENTATION"
 FRACTION = "NPU_POOL_FRACTION"
 POLICY = "NPU_POOL_POLICY"
+PLAN = "NPU_POOL_PLAN"
 CONFIG_FILE = "NPU_POOL_CONFIG"
-POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable")  # the keys of npu_pool.pool.POLICIES
-_KEYS = (ENABLE, FRACTION, POLICY)
+POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  # the keys of npu_pool.pool.POLICIES
+_KEYS = (ENABLE, FRACTION, POLICY, PLAN)
 
 
 class ConfigError(ValueError):
@@ -35,6 +37,7 @@ class Config:
     enabled: bool = False
     fraction: Optional[float] = None  # None: no cap beyond the device
     policy: str = "npu_pool"
+    plan: Optional[str] = None  # plan file for the planned policy
 
 
 def parse_enabled(value: Any, source: str = ENABLE) -> bool:
@@ -66,7 +69,15 @@ def parse_policy(value: Any, source: str = POLICY) -> str:
     return text
 
 
-_PARSERS = {ENABLE: parse_enabled, FRACTION: parse_fraction, POLICY: parse_policy}
+def parse_plan(value: Any, source: str = PLAN) -> str:
+    """The path of an existing plan file."""
+    text = str(value).strip()
+    if not os.path.isfile(text):
+        raise ConfigError(f"{source}={value!r} is not valid: name a plan file written by `npu-pool plan`")
+    return text
+
+
+_PARSERS = {ENABLE: parse_enabled, FRACTION: parse_fraction, POLICY: parse_policy, PLAN: parse_plan}
 
 
 def _read_file(path: str) -> dict[str, tuple[Any, str]]:
@@ -105,5 +116,8 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
         if env.get(key, "").strip():
             raw[key] = (env[key], key)
     values = {key: _PARSERS[key](value, source) for key, (value, source) in raw.items()}
-    return Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
-                  policy=values.get(POLICY, "npu_pool"))
+    cfg = Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
+                 policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN))
+    if cfg.policy == "planned" and not cfg.plan:
+        raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
+    return cfg

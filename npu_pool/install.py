@@ -289,7 +289,13 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
             raise _too_late(kind) from e
         raise
     _state.update(kind=kind, policy=policy, backend=backend, fraction=fraction, allocator=allocator, hooks=hooks)
-    return _pools(kind, module, policy, backend)
+    pools = _pools(kind, module, policy, backend)
+    if policy == "planned":
+        if not settings.plan:
+            raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
+        for p in pools.values():
+            p.load_plan(settings.plan)
+    return pools
 
 
 def _reset() -> None:

@@ -6,11 +6,11 @@ from typing import Any, Union
 from ._core import ffi, lib
 
 POLICIES: dict[str, int] = {"torch": lib.NP_POLICY_TORCH, "npu_pool": lib.NP_POLICY_NPU_POOL,
-                            "expandable": lib.NP_POLICY_EXPANDABLE}
+                            "expandable": lib.NP_POLICY_EXPANDABLE, "planned": lib.NP_POLICY_PLANNED}
 BACKENDS: dict[str, int] = {"sim": lib.NP_BACKEND_SIM, "acl": lib.NP_BACKEND_ACL, "cuda": lib.NP_BACKEND_CUDA}
 LIFETIMES: dict[str, int] = {"auto": lib.NP_LIFE_AUTO, "long": lib.NP_LIFE_LONG, "short": lib.NP_LIFE_SHORT}
 POOL_NAMES: dict[str, tuple[str, str]] = {"torch": ("small", "large"), "expandable": ("small", "large"),
-                                          "npu_pool": ("long", "short")}
+                                          "npu_pool": ("long", "short"), "planned": ("planned", "fallback")}
 GiB = 1 << 30
 
 
@@ -212,6 +212,12 @@ class Pool:
         _check(lib.np_recent_events(self.ctx, buf, limit, n))
         kinds = ("alloc", "free", "empty_cache", "oom")
         return [dict(_as_dict(buf[i]), kind=kinds[buf[i].kind]) for i in range(n[0])]
+
+    def load_plan(self, plan: Any) -> None:
+        """Install an allocation plan (a ``npu_pool.planner.Plan`` or a plan file) on a ``"planned"`` pool."""
+        from .planner.runtime import install
+
+        install(self, plan)
 
     def reset_peak(self) -> None:
         """Reset every peak to the current value."""

@@ -67,17 +67,21 @@ class PolicyResult:
 
 
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "sites",
-        placed: "array.array | None" = None, classes: "array.array | None" = None,
+        placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
         **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
     address each allocation event got (0 for other events); ``classes``, an
-    ``array("B")``, the lifetime class (1 long, 2 short) each allocation was placed as."""
+    ``array("B")``, the lifetime class (1 long, 2 short) each allocation was placed as.
+    ``plan`` (a ``npu_pool.planner.Plan`` or plan file) is installed on a ``"planned"`` pool;
+    its counters land in ``stats["plan"]``."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     n_ids = trace.n_ids
     with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
+        if plan is not None:
+            pool.load_plan(plan)
         inp = ffi.new("np_replay_in *")
         keep = []  # the buffers must outlive the call
         for name, code in COLUMNS:
@@ -103,33 +107,47 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         out = ffi.new("np_replay_out *")
         _check(lib.np_replay(pool.ctx, inp, out))
         st = pool.stats()
+        if plan is not None:
+            from .planner.runtime import counts
+
+            st["plan"] = counts(pool)
     return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
                      compared=int(out.compared), stats=st)
 
 
+def _as_plan(plan: Any) -> Any:
+    """A plan file read once (replays repeat), a Plan or None as given."""
+    if plan is None:
+        return None
+    from .planner.runtime import as_plan
+
+    return as_plan(plan)
+
+
 def min_capacity(trace: Trace, policy: str, *, hints: str = "sites", lo: int | None = None,
-                 hi: int | None = None, no_retries: bool = False) -> tuple[int, RunResult]:
+                 hi: int | None = None, no_retries: bool = False, plan: Any = None) -> tuple[int, RunResult]:
     """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run.
 
     With ``no_retries`` the run must also need no release-and-retry event."""
+    plan = _as_plan(plan)
     lo = live_profile(trace).peak_bytes if lo is None else lo
     if hi is None:
-        hi = run(trace, policy, hints=hints).peak_reserved_bytes
+        hi = run(trace, policy, hints=hints, plan=plan).peak_reserved_bytes
 
     def fits(r: RunResult) -> bool:
         return r.ok and (r.retries == 0 or not no_retries)
 
     step = CAPACITY_STEP
     k_lo, k_hi = max(1, -(-lo // step)), max(1, -(-hi // step))
-    best = run(trace, policy, k_hi * step, hints=hints)
+    best = run(trace, policy, k_hi * step, hints=hints, plan=plan)
     while not fits(best):  # a capped device may behave differently from the unlimited one
         k_lo, k_hi = k_hi + 1, k_hi * 2
-        best = run(trace, policy, k_hi * step, hints=hints)
+        best = run(trace, policy, k_hi * step, hints=hints, plan=plan)
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
-        r = run(trace, policy, mid * step, hints=hints)
+        r = run(trace, policy, mid * step, hints=hints, plan=plan)
         if fits(r):
             k_hi, best = mid, r
         else:
@@ -137,15 +155,17 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "sites", lo: int | N
     return k_hi * step, best
 
 
-def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "sites", with_min_capacity: bool = True) -> PolicyResult:
-    """All figures of one trace under one policy."""
-    free_run = run(trace, policy, hints=hints)
+def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "sites", with_min_capacity: bool = True,
+             plan: Any = None) -> PolicyResult:
+    """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy)."""
+    plan = _as_plan(plan)
+    free_run = run(trace, policy, hints=hints, plan=plan)
     if not free_run.ok:
         raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
     cap = retries = trims = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
-                                   hi=free_run.peak_reserved_bytes)
+                                   hi=free_run.peak_reserved_bytes, plan=plan)
         retries, trims = at_cap.retries, at_cap.stats["trims"]
     reserved = free_run.peak_reserved_bytes
     return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,

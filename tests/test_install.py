@@ -44,12 +44,21 @@ def test_defaults_and_environment() -> None:
     ("NPU_POOL_FRACTION", "1.5", "(0, 1]"),
     ("NPU_POOL_FRACTION", "nan", "(0, 1]"),
     ("NPU_POOL_FRACTION", "most", "(0, 1]"),
-    ("NPU_POOL_POLICY", "caching", "torch, npu_pool, expandable"),
+    ("NPU_POOL_POLICY", "caching", "torch, npu_pool, expandable, planned"),
+    ("NPU_POOL_PLAN", "/nonexistent.plan", "a plan file written by `npu-pool plan`"),
 ])
 def test_bad_values_name_the_variable_and_the_choices(var: str, value: str, accepted: str) -> None:
     with pytest.raises(ConfigError) as e:
         config.load({var: value})
     assert var in str(e.value) and repr(value) in str(e.value) and accepted in str(e.value)
+
+
+def test_planned_policy_needs_a_plan(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="NPU_POOL_POLICY=planned needs NPU_POOL_PLAN"):
+        config.load({"NPU_POOL_POLICY": "planned"})
+    plan = tmp_path / "p.plan"
+    plan.write_bytes(b"x")
+    assert config.load({"NPU_POOL_POLICY": "planned", "NPU_POOL_PLAN": str(plan)}).plan == str(plan)
 
 
 def test_yaml_file_with_environment_overrides(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what npu_pool learns from: sites+markers (default, what a device sees), none, or "
                         "the profiler's categories (oracle)")
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
+    p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
     p.add_argument("--validate", action="store_true",
                    help="check the torch model against the recorded run instead (snapshots only)")
 
@@ -63,8 +64,13 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
         for policy in policies:
+            plan = None
+            if policy == "planned":
+                from ..planner import make_plan
+
+                plan = args.plan or make_plan(trace, name)
             results.append(evaluate(trace, name, policy, hints=args.hints,
-                                    with_min_capacity=not args.no_min_capacity))
+                                    with_min_capacity=not args.no_min_capacity, plan=plan))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,6 +9,7 @@ static const np_policy *const policies[NP_POLICY_COUNT] = {
     [NP_POLICY_TORCH] = &np_policy_torch,
     [NP_POLICY_NPU_POOL] = &np_policy_npu_pool,
     [NP_POLICY_EXPANDABLE] = &np_policy_expandable,
+    [NP_POLICY_PLANNED] = &np_policy_planned,
 };
 
 const char *np_policy_name(int policy) {

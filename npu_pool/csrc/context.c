@@ -118,12 +118,21 @@ static int oom(np_ctx *ctx, uint64_t size) {
 
 static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **out);
 
-/* A site id for (marker, position, size), disjoint from callers' ids (bit 30 set). */
+/* splitmix64's finalizer: a bijection of 64-bit words with full avalanche. */
+static uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/* A site id for (marker context, position, size), disjoint from callers' ids (bit 30 set).
+ * The context is last_mark: the latest marker's code and the stage it is in (see np_ctx_mark).
+ * Every input bit reaches the 30 kept bits (a plain shift-and-xor dropped high bits, so that
+ * different contexts collided). */
 static int32_t derived_site(int mark, uint32_t pos, uint64_t size) {
-  uint64_t x = ((uint64_t)(uint32_t)mark << 56) ^ ((uint64_t)pos << 36) ^ (size >> 9);
-  x ^= x >> 31;
-  x *= 0x9E3779B97F4A7C15ull;
-  x ^= x >> 29;
+  uint64_t x = mix64(mix64(((uint64_t)(uint32_t)mark << 32) ^ pos) ^ size);
   return (int32_t)(0x40000000u | (uint32_t)(x & 0x3FFFFFFFu));
 }
 
@@ -238,23 +247,47 @@ void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life) {
   ctx->base_life = default_life;
 }
 
+/* Stages a marker puts the context in. Lifetimes are learned per stage: a block is
+ * long-lived when it outlives the stage it was born in (forward -> backward: an activation;
+ * backward -> optimizer: a gradient), short-lived when it dies inside it. Layer markers
+ * do not end a stage; they restart the position count of derived sites, so that the k-th
+ * request of a layer is the same site in every layer. ctx->last_mark packs the marker
+ * code (bits 0-7), the stage (bits 8-11), "inside eval" (bit 12) and "a later micro-batch"
+ * (bit 13: forward/backward of micro-batch > 0, whose requests differ from the first's:
+ * gradient accumulation adds into the gradients the first backward created). */
+enum { STAGE_OUTSIDE = 0, STAGE_SETUP, STAGE_FORWARD, STAGE_BACKWARD, STAGE_OPTIMIZER, STAGE_EVAL };
+#define MARK_STAGE(m) (((m) >> 8) & 0xF)
+#define MARK_EVAL 0x1000
+#define MARK_LATER_MICRO 0x2000
+
 int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
-  (void)arg;
   if (code < 0 || code >= NP_MARK_COUNT) return np_error(NP_ERR_INVALID, "unknown marker code %d", code);
   ctx->phased = true;
-  ctx->phase++;
-  ctx->last_mark = code;
   ctx->mark_pos = 0;
+  int stage = MARK_STAGE(ctx->last_mark), eval = ctx->last_mark & MARK_EVAL;
+  int micro = ctx->last_mark & MARK_LATER_MICRO;
+  if (code == NP_MARK_LAYER_ENTER || code == NP_MARK_LAYER_EXIT) {
+    ctx->last_mark = code | stage << 8 | eval | micro;
+    return NP_OK;
+  }
+  micro = (code == NP_MARK_FORWARD_BEGIN || code == NP_MARK_BACKWARD_BEGIN) && arg > 0 ? MARK_LATER_MICRO : 0;
+  ctx->phase++; /* every other marker ends the stage */
   switch (code) {
-    case NP_MARK_SETUP_BEGIN: ctx->default_life = NP_LIFE_LONG; break;
+    case NP_MARK_SETUP_BEGIN: stage = STAGE_SETUP; ctx->default_life = NP_LIFE_LONG; break;
+    case NP_MARK_FORWARD_BEGIN: stage = STAGE_FORWARD; ctx->default_life = ctx->base_life; break;
+    /* backward: activation gradients and scratch die inside it; gradients are learned */
+    case NP_MARK_BACKWARD_BEGIN: stage = STAGE_BACKWARD; ctx->default_life = NP_LIFE_SHORT; break;
     case NP_MARK_OPTIMIZER_BEGIN:
       /* the first step creates the optimizer states, which live for the whole run */
-      ctx->default_life = ctx->optimizer_steps++ == 0 ? NP_LIFE_LONG : ctx->base_life;
+      stage = STAGE_OPTIMIZER;
+      ctx->default_life = ctx->optimizer_steps++ == 0 ? NP_LIFE_LONG : NP_LIFE_SHORT;
       break;
-    case NP_MARK_SETUP_END:
-    case NP_MARK_OPTIMIZER_END: ctx->default_life = ctx->base_life; break;
-    default: break;
+    case NP_MARK_EVAL_BEGIN: stage = STAGE_EVAL; eval = MARK_EVAL; ctx->default_life = NP_LIFE_SHORT; break;
+    case NP_MARK_EVAL_END: stage = STAGE_OUTSIDE; eval = 0; ctx->default_life = ctx->base_life; break;
+    default: stage = STAGE_OUTSIDE; ctx->default_life = ctx->base_life; break; /* ends, iteration markers */
   }
+  if (eval) ctx->default_life = NP_LIFE_SHORT; /* nothing of an evaluation outlives it */
+  ctx->last_mark = code | stage << 8 | eval | micro;
   return NP_OK;
 }
 

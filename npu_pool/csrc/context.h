@@ -36,7 +36,7 @@ struct np_ctx {
   np_lifetime life;          /* per-site lifetime history */
   uint32_t phase;            /* advanced by np_set_phase and np_mark */
   bool phased;               /* phases are in use: learn and predict lifetimes per site */
-  int last_mark;             /* code of the latest marker */
+  int last_mark;             /* latest marker: code (bits 0-7), stage (8-11), eval (12), later micro-batch (13) */
   uint32_t mark_pos;         /* allocations since the latest marker */
   int last_life;             /* class the latest successful malloc was placed as */
   int default_life;          /* class of NP_LIFE_AUTO requests with no site history */
@@ -69,6 +69,7 @@ struct np_policy {
 extern const np_policy np_policy_torch;
 extern const np_policy np_policy_npu_pool;
 extern const np_policy np_policy_expandable;
+extern const np_policy np_policy_planned;
 
 /* Internal (lock held) versions of the public calls, used by replay. */
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out);

@@ -31,7 +31,7 @@ enum {
   NP_ERR_STATE = 7         /* call not allowed in the current state */
 };
 
-enum { NP_POLICY_TORCH = 0, NP_POLICY_NPU_POOL = 1, NP_POLICY_EXPANDABLE = 2, NP_POLICY_COUNT = 3 };
+enum { NP_POLICY_TORCH = 0, NP_POLICY_NPU_POOL = 1, NP_POLICY_EXPANDABLE = 2, NP_POLICY_PLANNED = 3, NP_POLICY_COUNT = 4 };
 enum { NP_BACKEND_SIM = 0, NP_BACKEND_ACL = 1, NP_BACKEND_CUDA = 2 };
 enum { NP_LIFE_AUTO = 0, NP_LIFE_LONG = 1, NP_LIFE_SHORT = 2 };
 /* Phase markers; the same codes as MARK_* in npu_pool/trace/format.py. */
@@ -154,8 +154,11 @@ void np_reset_peak(np_ctx *ctx);
  * their site's history. The default class applies to sites with no history (and to
  * every NP_LIFE_AUTO request while no phase was ever set). */
 int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime);
-/* A phase marker (npu_pool.trace.format MARK_* codes): advances the phase and sets
- * the default class (set-up and the first optimizer step are long-lived). */
+/* A phase marker (npu_pool.trace.format MARK_* codes). Every marker but layer enter/exit
+ * ends the current stage (set-up, forward, backward, optimizer, eval) and advances the
+ * phase; layer markers restart the position count of derived sites. Sites with no history
+ * default to: set-up long, forward the base class, backward short, the first optimizer
+ * step long and later ones short, eval short. */
 int np_mark(np_ctx *ctx, int code, int64_t arg);
 
 int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size);
@@ -173,6 +176,14 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
 
 const char *np_last_error(void);
 const char *np_policy_name(int policy);
+/* Planned policy (docs/planner.md): install a plan of n positions, [0, loop) run once, [loop, n) repeating --
+ * per position p its requested size, offset in the planned region (UINT64_MAX: unplanned) and end, the position
+ * it is freed at (> p; past n it wraps to loop + end - n; UINT64_MAX: unknown) -- over a region of `region`
+ * bytes; n == 0 removes the plan, size == NULL keeps it. flags: 1 = every iteration's first allocation follows
+ * MARK_ITER_BEGIN, 2 = position 0 is the first request after this call. counts (optional, 4 entries) receives
+ * the requests served from the plan, fallen back, placed in idle ranges, resynchronisations. */
+int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
+                const uint64_t *end, uint64_t region, int flags, uint64_t *counts);
 /* CDEF END */
 
 #ifdef __cplusplus

@@ -1,0 +1,337 @@
+"""Megatron / MindSpeed integration: phase markers, per-iteration memory lines, rank reports.
+
+With ``MEMORY_FRAGMENTATION=1``, :func:`patch_megatron` (called when ``mindspeed_patch``
+is imported) wraps, in ``megatron.training.training`` (and ``mindspeed_llm.training.training``
+where MindSpeed-LLM re-binds them):
+
+- ``setup_model_and_optimizer``: the set-up phase (model, weights, optimizer built there
+  are long-lived), then :func:`npu_pool.recorder.attach` on the returned model chunks and
+  optimizer: layer enter/exit in forward and backward (``TransformerBlock.layers``),
+  forward/backward begin/end per micro-batch, the optimizer's ``step`` (the first one
+  creates the long-lived optimizer states);
+- ``train_step``: iteration boundaries, the step time, and every ``NPU_POOL_LOG_EVERY``
+  iterations one line per rank (allocated, reserved, peak, utilization, long/short split,
+  device mallocs);
+- ``evaluate``: the eval phase (nothing made there outlives it).
+
+The module is patched when it is imported (an import hook waits for it), so names that
+MindSpeed-LLM imports from it bind the wrapped functions; if it is already imported, the
+originals bound elsewhere are replaced too. A function missing in the installed Megatron
+gives one warning naming it, never an error.
+
+At exit each rank writes ``npu_pool_rank<N>.json`` into ``NPU_POOL_REPORT_DIR`` (when set);
+``npu-pool merge DIR`` puts the ranks side by side.
+
+Without a device allocator (CPU, or no NPU/GPU: ``mindspeed_patch`` warns and does not
+install one) the patch runs in *recorder* mode: it says so once, still marks phases, times
+steps and writes reports, with host peak RSS and no device memory figures.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import os
+import sys
+import time
+import warnings
+from types import ModuleType
+from typing import Any, Callable, Mapping, Optional
+
+LOG_EVERY = "NPU_POOL_LOG_EVERY"
+REPORT_DIR = "NPU_POOL_REPORT_DIR"
+TARGET = "megatron.training.training"
+# modules that may hold the functions, and whether a missing function deserves a warning there
+MODULES: dict[str, bool] = {TARGET: True, "mindspeed_llm.training.training": False}
+FUNCTIONS = ("setup_model_and_optimizer", "train_step", "evaluate")
+_WRAPPED = "__npu_pool_wrapped__"
+
+_session: Optional["_Session"] = None
+
+
+def parse_log_every(value: Any, source: str = LOG_EVERY) -> int:
+    """``NPU_POOL_LOG_EVERY``: a whole number >= 0 (0: no per-iteration line)."""
+    text = str(value).strip()
+    if not text.isdigit():
+        from npu_pool.config import ConfigError
+
+        raise ConfigError(f"{source}={value!r} is not valid: use a whole number of iterations >= 0 "
+                          "(e.g. 10; 0 turns the per-iteration line off)")
+    return int(text)
+
+
+def _settings(environ: Mapping[str, str]) -> tuple[int, Optional[str]]:
+    every = environ.get(LOG_EVERY, "")
+    return (parse_log_every(every) if every.strip() else 1), (environ.get(REPORT_DIR, "").strip() or None)
+
+
+class _Session:
+    """What the patch keeps for one process: the recorder, step times, where to report."""
+
+    def __init__(self, log_every: int, report_dir: Optional[str]):
+        from npu_pool.recorder import default
+
+        self.recorder = default
+        self.log_every = log_every
+        self.report_dir = report_dir
+        self.iterations = 0
+        self.step_times: list[float] = []
+        self.attachments: list[Any] = []
+        self.patched: dict[str, list[str]] = {}
+        self.written: Optional[str] = None
+        self._depth = 0
+        from npu_pool import pool as _pool
+
+        if _pool._installed:  # the pool itself is looked up per report: Megatron picks the device later
+            self.mode, self.reason = "device", ""
+        else:
+            self.mode = "recorder"
+            self.reason = _why_no_device()
+            warnings.warn(f"npu_pool.megatron: {self.reason}; recording phase markers and step times only "
+                          "(reports have mode 'recorder' and no device memory figures)", RuntimeWarning, stacklevel=3)
+
+    # -- figures ---------------------------------------------------------------------------
+    def pool(self) -> Any:
+        """The installed pool of the current device (None in recorder mode). Looked up each
+        time: Megatron sets each rank's device after this module is imported."""
+        from npu_pool.recorder._recorder import _installed_targets
+
+        pools = _installed_targets() if self.mode == "device" else ()
+        return pools[0] if pools else None
+
+    def report(self) -> dict[str, Any]:
+        from npu_pool.recorder import report
+
+        rank, world = report.rank_and_world()
+        pool = self.pool()
+        stats = pool.stats() if pool is not None else None
+        reason = self.reason or ("" if pool is not None else "no installed pool serves the current device")
+        return report.build(rank=rank, world_size=world, mode=self.mode, reason=reason,
+                            policy=getattr(pool, "policy", None), device=getattr(pool, "device", None),
+                            iterations=self.iterations, step_times=self.step_times,
+                            recorder_summary=self.recorder.summary(), stats=stats)
+
+    def after_step(self, seconds: float) -> None:
+        self.iterations += 1
+        self.step_times.append(seconds)
+        if self.log_every and self.iterations % self.log_every == 0:
+            from npu_pool.recorder import report
+
+            # one write per line: ranks share the terminal, and an unbuffered print() writes
+            # the text and its newline separately, so lines of two ranks could interleave
+            sys.stdout.write(report.format_line(self.report(), self.iterations) + "\n")
+            sys.stdout.flush()
+
+    def write_report(self) -> Optional[str]:
+        if not self.report_dir:
+            return None
+        from npu_pool.recorder import report
+
+        self.written = str(report.write(self.report(), self.report_dir))
+        return self.written
+
+    # -- wrappers --------------------------------------------------------------------------
+    def setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+            with self.recorder.phase("setup"):
+                result = original(*args, **kwargs)
+            self._attach(result)
+            return result
+
+        return setup_model_and_optimizer
+
+    def _attach(self, result: Any) -> None:
+        from npu_pool.recorder import attach
+
+        if not isinstance(result, tuple) or not result:
+            warnings.warn("npu_pool.megatron: setup_model_and_optimizer returned no (model, optimizer, ...) tuple; "
+                          "no layer, forward/backward or optimizer markers (call npu_pool.recorder.attach yourself)",
+                          RuntimeWarning, stacklevel=3)
+            return
+        model = result[0]
+        optimizer = result[1] if len(result) > 1 and callable(getattr(result[1], "step", None)) else None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # one clear message below instead
+                att = attach(model, optimizer, recorder=self.recorder)
+        except TypeError as e:
+            warnings.warn(f"npu_pool.megatron: cannot hook the model ({e}); phases from train_step only",
+                          RuntimeWarning, stacklevel=3)
+            return
+        if not att.blocks:
+            warnings.warn("npu_pool.megatron: no TransformerBlock/ParallelTransformer layers found in the model; "
+                          "no layer markers", RuntimeWarning, stacklevel=3)
+        self.attachments.append(att)
+
+    def train_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def train_step(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # a wrapped train_step calling another: count the step once
+                return original(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                with self.recorder.step(self.iterations):  # iterations of this process, from 0
+                    return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.after_step(time.perf_counter() - t0)
+
+        return train_step
+
+    def evaluate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def evaluate(*args: Any, **kwargs: Any) -> Any:
+            if self.recorder.state.is_open("eval"):
+                return original(*args, **kwargs)
+            with self.recorder.phase("eval"):
+                return original(*args, **kwargs)
+
+        return evaluate
+
+
+def _why_no_device() -> str:
+    return ("no device allocator is installed (no Ascend NPU through torch_npu and no CUDA GPU in this process, "
+            "or install() failed: see the warning from mindspeed_patch)")
+
+
+def _patch_module(module: ModuleType, warn_missing: bool) -> list[str]:
+    """Wrap the functions ``module`` has; returns their names."""
+    assert _session is not None
+    done = []
+    makers = {"setup_model_and_optimizer": _session.setup, "train_step": _session.train_step,
+              "evaluate": _session.evaluate}
+    for name in FUNCTIONS:
+        original = getattr(module, name, None)
+        if original is None or not callable(original):
+            if warn_missing:
+                warnings.warn(f"npu_pool.megatron: {module.__name__}.{name} not found in this Megatron/MindSpeed "
+                              f"version; {_CONSEQUENCE[name]}", RuntimeWarning, stacklevel=2)
+            continue
+        if getattr(original, _WRAPPED, False):
+            done.append(name)
+            continue
+        wrapped = makers[name](original)
+        setattr(wrapped, _WRAPPED, True)
+        setattr(module, name, wrapped)
+        _rebind(original, wrapped, name)
+        done.append(name)
+    _session.patched[module.__name__] = done
+    return done
+
+
+_CONSEQUENCE = {
+    "setup_model_and_optimizer": "no set-up phase and no automatic layer/forward/backward/optimizer markers "
+                                 "(call npu_pool.recorder.attach(model, optimizer) after building them)",
+    "train_step": "no iteration markers, no per-iteration line and no step times",
+    "evaluate": "evaluation runs are not marked (their tensors may be learned as training ones)",
+}
+
+
+def _rebind(original: Any, wrapped: Any, name: str) -> None:
+    """Replace ``original`` where other modules imported it by name before we patched."""
+    for mod in list(sys.modules.values()):
+        try:
+            if getattr(mod, name, None) is original:
+                setattr(mod, name, wrapped)
+        except Exception:  # exotic modules (lazy proxies) may refuse attribute access
+            continue
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a module right after it is first imported (before anyone binds its names)."""
+
+    def __init__(self, name: str, warn_missing: bool):
+        self.name, self.warn_missing = name, warn_missing
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        spec = None
+        for finder in sys.meta_path:  # whoever would have found it (path entries, editable installs)
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader, finder = spec.loader, self
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, s: Any) -> Any:
+                return loader.create_module(s)
+
+            def exec_module(self, module: ModuleType) -> None:
+                loader.exec_module(module)
+                _remove_finder(finder)
+                _patch_module(module, finder.warn_missing)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _remove_finder(finder: Any) -> None:
+    if finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+
+
+def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Patch Megatron when ``MEMORY_FRAGMENTATION=1``; returns whether it did (idempotent).
+
+    Raises :class:`npu_pool.config.ConfigError` for a bad ``NPU_POOL_LOG_EVERY`` (or any
+    bad npu_pool setting)."""
+    global _session
+    env = os.environ if environ is None else environ
+    from npu_pool.config import load
+
+    if not load(env).enabled:
+        return False
+    log_every, report_dir = _settings(env)
+    if _session is not None:
+        _session.log_every, _session.report_dir = log_every, report_dir
+        return True
+    _session = _Session(log_every, report_dir)
+    for name, warn in MODULES.items():
+        if name in sys.modules:
+            _patch_module(sys.modules[name], warn)
+        elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport(name, warn))
+    atexit.register(_at_exit)
+    return True
+
+
+def _at_exit() -> None:
+    if _session is not None:
+        try:
+            _session.write_report()
+        except OSError as e:
+            print(f"npu_pool.megatron: could not write the rank report to {_session.report_dir}: {e}",
+                  file=sys.stderr)
+
+
+def session() -> Optional[_Session]:
+    """The current patch session (None before :func:`patch_megatron` ran with the switch on)."""
+    return _session
+
+
+def write_report() -> Optional[str]:
+    """Write this rank's report now (also done at exit); returns the file, or None without
+    ``NPU_POOL_REPORT_DIR``."""
+    return _session.write_report() if _session is not None else None
+
+
+def _unpatch() -> None:
+    """Forget the session and remove pending import hooks (tests only; wrapped functions stay)."""
+    global _session
+    for f in [f for f in sys.meta_path if isinstance(f, _PatchOnImport)]:
+        sys.meta_path.remove(f)
+    if _session is not None:
+        for att in _session.attachments:
+            att.detach()
+    try:
+        atexit.unregister(_at_exit)
+    except Exception:
+        pass
+    _session = None

@@ -1,0 +1,61 @@
+"""``npu-pool plan``: trace -> plan file (offline placement of a steady iteration)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+GiB = float(1 << 30)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE", nargs="?", help="an .npt trace or a PyTorch snapshot pickle")
+    p.add_argument("--out", "-o", metavar="PLAN", help="write the plan here (.npplan)")
+    p.add_argument("--device", type=int, help="which device of a multi-device snapshot")
+    p.add_argument("--json", action="store_true", help="print the plan's figures as JSON")
+    p.add_argument("--check", metavar="PLAN", help="verify an existing plan file instead and print its figures")
+
+
+def _pick(path: str, device: int | None):
+    from ..traces import open_traces
+
+    named = open_traces(path)
+    if device is not None:
+        named = [(n, t) for n, t in named if t.meta.get("device", 0) == device]
+        if not named:
+            raise ValueError(f"{path}: no trace of device {device}")
+    if len(named) > 1:
+        devs = ", ".join(str(t.meta.get("device", i)) for i, (_, t) in enumerate(named))
+        raise ValueError(f"{path} holds {len(named)} devices ({devs}): choose one with --device")
+    return named[0]
+
+
+def _summary(meta: dict) -> str:
+    rows = [("trace", meta.get("source", "")),
+            ("iteration", f"{meta.get('method')} (seen {meta.get('repeats')}x), {meta.get('positions')} positions"
+                          f" ({meta.get('prologue', 0)} prologue), {meta.get('unplanned')} unplanned"),
+            ("peak live", f"{meta['peak_live_bytes'] / GiB:.3f} GiB"),
+            ("region", f"{meta['region_bytes'] / GiB:.3f} GiB (order: {meta.get('order')})"),
+            ("outside plan", f"{meta['outside_peak_bytes'] / GiB:.3f} GiB (held by the fallback)"),
+            ("planned peak", f"{meta['planned_peak_bytes'] / GiB:.3f} GiB = {meta['ratio']:.4f} x peak live"),
+            ("time", f"{meta.get('seconds', 0):.2f} s")]
+    return "\n".join(f"{k:13} {v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planner import load_plan, make_plan, save_plan
+
+    if args.check:
+        plan = load_plan(args.check)  # verifies
+        print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok\n{_summary(plan.meta)}")
+        return 0
+    if not args.trace:
+        raise ValueError("give a TRACE to plan (or --check PLAN)")
+    name, trace = _pick(args.trace, args.device)
+    plan = make_plan(trace, name)
+    if args.out:
+        save_plan(plan, args.out)
+    print(json.dumps(plan.meta, indent=1) if args.json else _summary(plan.meta))
+    if args.out:
+        print(f"wrote {plan.n} positions to {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,685 @@
+/* policy_planned.c -- the planned policy: a training loop's requests at offsets planned offline.
+ *
+ * A plan (plan.h, installed by np_set_plan) gives every allocation of a prologue (run
+ * once: the first step) and of a loop body (one steady iteration, run again and again)
+ * an offset in one region, reserved once at the plan's peak. The policy follows the
+ * loop by position: position `pos` is expected next; a request of exactly size[pos]
+ * bytes is served at region + offset[pos] when that range is free, and the position
+ * advances (after the body's last position the body starts again).
+ *
+ * Finding the position (docs/planner.md has the whole story):
+ *  - set-up (the latest marker MARK_SETUP_BEGIN) is never followed: weights may repeat
+ *    the sizes of the optimizer's per-weight requests;
+ *  - an iteration starts at the first request after MARK_ITER_BEGIN (NP_PLAN_AT_ITER_BEGIN),
+ *    or in the marker context (ctx->last_mark, ctx->mark_pos) learned at the body's first
+ *    request once the body has been followed to its end, unless that context recurs
+ *    inside the iteration; with NP_PLAN_AT_START the first request is position 0;
+ *  - a request that does not match is looked up by the hash of its size and the
+ *    NP_PLAN_GRAM - 1 sizes before it: while following, a position at most MAX_DRIFT
+ *    ahead resynchronises (requests went missing); when lost, only a position that holds
+ *    the hash alone (identical layers repeat theirs); before the first sync, the one
+ *    nearest the count of requests since set-up;
+ *  - otherwise it is a dynamic size at the expected position (MoE routing, variable
+ *    lengths). When the next request matches the position it consumed instead, it was an
+ *    extra request and the position is taken back; MAX_MISSES in a row: lost.
+ * Off-plan ranges: in a steady loop (the previous body pass and this one so far followed
+ * without losing track, every block freed when the plan said) a dynamic request takes
+ * its position's range if it fits there, else the lowest range the plan leaves idle for
+ * the position's lifetime and that is free now; so does a matching request whose range
+ * is still held. Before that a mismatch is more likely an extra request that may live for
+ * good (optimizer states), and it goes to the fallback.
+ * The fallback is the npu_pool policy on its own state (ctx->pstate swapped for the
+ * call), seeing the device minus the region (limit and reserved bytes without it), so a
+ * fixed-size arena leaves the region room. When it has no room, the lowest free range of
+ * the region that fits is used as a last resort.
+ *
+ * Invariants: the region segment is tiled by its blocks; its free blocks are exactly the
+ * nodes of the address-ordered treap `free_root` (in_tree set) and no two of them are
+ * neighbours; an allocated region block's prio holds the position it was served for
+ * (UINT32_MAX: none); `live` counts the allocated region blocks; ctx->pstate is the
+ * planned state except inside a call to the fallback.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "context.h"
+#include "plan.h"
+
+enum { PLANNED_POOL = 0, FALLBACK_POOL = 1 };
+enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
+/* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed */
+enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
+
+#define MIXED (INTPTR_MIN + 1) /* tag of free memory last used by more than one stream */
+#define MAX_STREAMS 64
+#define MAX_MISSES 16          /* mismatches in a row before the policy stops following */
+#define IDLE_TRIES 16          /* idle ranges tried per dynamic request */
+#define MAX_DRIFT 64           /* a repeated size pattern this close ahead resynchronises a following policy */
+#define NO_CONTEXT (-1)        /* start_mark when no start context is known */
+
+typedef struct planned_state {
+  void *fb;                    /* the npu_pool policy's state */
+  np_plan plan;                /* plan.n == 0: none installed */
+  int flags;
+  np_segment *seg;             /* the region; NULL until the first planned request */
+  bool seg_failed;             /* reserving it failed; tried again after empty_cache or a new plan */
+  np_block *free_root;         /* the region's free blocks by address (treap) */
+  uint64_t rng;
+  uint64_t live;               /* allocated blocks in the region */
+  bool synced;                 /* pos is trusted */
+  bool began;                  /* the policy found its place in the loop: the next iteration start is the body's */
+  int start_mark;              /* learned: ctx->last_mark and ctx->mark_pos at the body's first request */
+  uint32_t start_pos;          /* (NO_CONTEXT: not learned yet, or not unique to that request) */
+  bool start_learned;
+  bool ever_synced;            /* before the first sync, positions are counted from the end of set-up */
+  bool in_setup;               /* the previous request came during set-up */
+  uint64_t pos;                /* position expected next */
+  uint64_t last;               /* position of the latest located request */
+  uint64_t skipped;            /* position the previous request consumed without matching, or NONE */
+  bool lap_clean;              /* this iteration has been followed without a jump or a lifetime off plan */
+  bool steady;                 /* so was the previous one, and this one so far: ranges off plan may be used */
+  uint32_t misses;             /* mismatches in a row while synced */
+  uint64_t recent[NP_PLAN_GRAM]; /* sizes of the latest requests, ring */
+  uint64_t n_recent;
+  uint64_t count[N_COUNTS];
+  intptr_t streams[MAX_STREAMS]; /* streams that allocated from the region, for waits on mixed memory */
+  int n_streams;
+} planned_state;
+
+static planned_state *state(np_ctx *ctx) { return (planned_state *)ctx->pstate; }
+
+/* Something showed the policy off the plan: no ranges off plan until a clean iteration. */
+static void trouble(planned_state *st) {
+  st->lap_clean = false;
+  st->steady = false;
+}
+
+/* -- the fallback: npu_pool on its own state, seeing the device minus the region ------ */
+
+static uint64_t set_aside(np_ctx *ctx, const planned_state *st) {
+  uint64_t r = st->plan.n && !st->seg_failed ? st->plan.region : 0;
+  return r <= ctx->limit ? r : 0;
+}
+
+typedef struct fb_view {
+  planned_state *st;
+  uint64_t limit_off, reserved_off;
+} fb_view;
+
+static fb_view fb_enter(np_ctx *ctx) {
+  planned_state *st = state(ctx);
+  fb_view v = {st, set_aside(ctx, st), st->seg ? st->seg->size : 0};
+  ctx->limit -= v.limit_off;
+  ctx->st.total.reserved.current -= v.reserved_off;
+  ctx->pstate = v.st->fb;
+  return v;
+}
+
+static void fb_leave(np_ctx *ctx, fb_view v) {
+  ctx->pstate = v.st;
+  ctx->limit += v.limit_off;
+  np_counter_add(&ctx->st.total.reserved, v.reserved_off); /* restores current, keeps the peak true */
+}
+
+/* -- the region's free blocks: a treap keyed by address -------------------------------- */
+
+static uint32_t next_prio(planned_state *st) {
+  uint64_t x = st->rng ? st->rng : 0x9E3779B97F4A7C15ull;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  st->rng = x;
+  return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+static np_block *t_insert(np_block *n, np_block *b) {
+  if (!n) return b;
+  if (b->addr < n->addr) {
+    n->left = t_insert(n->left, b);
+    if (n->left->prio > n->prio) {
+      np_block *l = n->left;
+      n->left = l->right;
+      l->right = n;
+      return l;
+    }
+  } else {
+    n->right = t_insert(n->right, b);
+    if (n->right->prio > n->prio) {
+      np_block *r = n->right;
+      n->right = r->left;
+      r->left = n;
+      return r;
+    }
+  }
+  return n;
+}
+
+static np_block *t_join(np_block *l, np_block *r) {
+  if (!l) return r;
+  if (!r) return l;
+  if (l->prio > r->prio) {
+    l->right = t_join(l->right, r);
+    return l;
+  }
+  r->left = t_join(l, r->left);
+  return r;
+}
+
+static np_block *t_remove(np_block *n, const np_block *b) {
+  if (n == b) return t_join(n->left, n->right);
+  if (b->addr < n->addr) n->left = t_remove(n->left, b);
+  else n->right = t_remove(n->right, b);
+  return n;
+}
+
+/* The free block with the highest address <= addr, or NULL. */
+static np_block *t_floor(np_block *n, uintptr_t addr) {
+  np_block *best = NULL;
+  while (n) {
+    if (n->addr <= addr) best = n, n = n->right;
+    else n = n->left;
+  }
+  return best;
+}
+
+/* The free block with the lowest address > addr, or NULL. */
+static np_block *t_after(np_block *n, uintptr_t addr) {
+  np_block *best = NULL;
+  while (n) {
+    if (n->addr > addr) best = n, n = n->left;
+    else n = n->right;
+  }
+  return best;
+}
+
+static void free_insert(planned_state *st, np_block *b) {
+  b->left = b->right = NULL;
+  b->prio = next_prio(st);
+  b->in_tree = 1;
+  st->free_root = t_insert(st->free_root, b);
+}
+
+static void free_remove(planned_state *st, np_block *b) {
+  st->free_root = t_remove(st->free_root, b);
+  b->left = b->right = NULL;
+  b->in_tree = 0;
+}
+
+/* -- the region ------------------------------------------------------------------------- */
+
+static intptr_t merged_tag(intptr_t a, intptr_t b) {
+  return a == b || b == NP_STREAM_ANY ? a : a == NP_STREAM_ANY ? b : MIXED;
+}
+
+static void note_stream(planned_state *st, intptr_t stream) {
+  for (int i = 0; i < st->n_streams; i++)
+    if (st->streams[i] == stream) return;
+  if (st->n_streams < MAX_STREAMS) st->streams[st->n_streams++] = stream;
+}
+
+/* May `stream` use free memory tagged `tag`? Orders it after the tag's streams where the
+ * backend can (an event wait); without that, only its own or untagged memory. */
+static bool usable(np_ctx *ctx, const planned_state *st, intptr_t tag, intptr_t stream) {
+  if (tag == stream || tag == NP_STREAM_ANY) return true;
+  if (!ctx->be->stream_wait || (tag == MIXED && st->n_streams >= MAX_STREAMS)) return false;
+  ctx->st.stream_waits++;
+  if (tag != MIXED) return ctx->be->stream_wait(ctx->be, stream, tag) == NP_OK;
+  for (int i = 0; i < st->n_streams; i++)
+    if (st->streams[i] != stream && ctx->be->stream_wait(ctx->be, stream, st->streams[i]) != NP_OK) return false;
+  return true;
+}
+
+static int region_reserve(np_ctx *ctx, planned_state *st) {
+  if (st->seg) return NP_OK;
+  if (st->seg_failed) return NP_ERR_OOM;
+  np_segment *seg;
+  int rc = np_segment_create(ctx, st->plan.region, NP_STREAM_ANY, PLANNED_POOL, false, &seg);
+  if (rc != NP_OK) {
+    st->seg_failed = true; /* the fallback gets the whole device from now on */
+    return rc;
+  }
+  st->seg = seg;
+  seg->head->stream = NP_STREAM_ANY;
+  free_insert(st, seg->head);
+  return NP_OK;
+}
+
+static void region_drop(np_ctx *ctx, planned_state *st) {
+  if (!st->seg) return;
+  for (np_block *b = st->seg->head; b; b = b->next) {
+    if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
+    b->allocated = 0;
+    b->in_tree = 0;
+  }
+  np_segment_destroy(ctx, st->seg);
+  st->seg = NULL;
+  st->free_root = NULL;
+  st->live = 0;
+}
+
+/* File free block b (in no treap): merge it with its free neighbours. */
+static void put_free(np_ctx *ctx, planned_state *st, np_block *b) {
+  np_block *p = b->prev;
+  if (p && !p->allocated) {
+    free_remove(st, p);
+    p->stream = merged_tag(p->stream, b->stream);
+    np_block_merge_next(&ctx->blocks, p);
+    b = p;
+  }
+  np_block *n = b->next;
+  if (n && !n->allocated) {
+    free_remove(st, n);
+    b->stream = merged_tag(b->stream, n->stream);
+    np_block_merge_next(&ctx->blocks, b);
+  }
+  free_insert(st, b);
+}
+
+/* Allocate [off, off + size) of the region if it is free; NP_ERR_OOM if not. */
+static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t size, intptr_t stream, uint64_t pos,
+                       np_block **out) {
+  uintptr_t addr = st->seg->addr + off;
+  np_block *h = t_floor(st->free_root, addr);
+  if (!h || h->addr + h->size < addr + size || !usable(ctx, st, h->stream, stream)) return NP_ERR_OOM;
+  free_remove(st, h);
+  if (h->addr < addr) { /* keep the free part below */
+    np_block *piece = np_block_split(&ctx->blocks, h, h->addr + h->size - addr, true);
+    if (!piece) {
+      free_insert(st, h);
+      return np_error(NP_ERR_HOST, "host out of memory splitting a block");
+    }
+    free_insert(st, h);
+    h = piece;
+  }
+  if (h->size > size) { /* and above */
+    if (!np_block_split(&ctx->blocks, h, size, false)) {
+      put_free(ctx, st, h);
+      return np_error(NP_ERR_HOST, "host out of memory splitting a block");
+    }
+    free_insert(st, h->next);
+  }
+  h->stream = stream;
+  h->pool = PLANNED_POOL;
+  h->prio = (uint32_t)pos; /* allocated blocks are in no treap: prio holds the position served */
+  st->live++;
+  note_stream(st, stream);
+  *out = h;
+  return NP_OK;
+}
+
+static void region_free(np_ctx *ctx, planned_state *st, np_block *b) {
+  const np_plan *pl = &st->plan;
+  uint64_t pos = b->prio; /* freed when the plan says? (prologue requests run once: not checked) */
+  if (st->synced && pos < pl->n && pos >= pl->loop && pl->end[pos] != NP_PLAN_NONE &&
+      (pl->end[pos] < pl->n ? pl->end[pos] : pl->loop + pl->end[pos] - pl->n) != st->pos)
+    trouble(st);
+  st->live--;
+  if (b->shared) { /* used on other streams too (record_stream) */
+    b->stream = MIXED;
+    b->shared = 0;
+  }
+  put_free(ctx, st, b);
+}
+
+/* -- following the iteration ------------------------------------------------------------- */
+
+/* An iteration was followed to its end (or the next began). */
+static void lap_done(planned_state *st) {
+  st->steady = st->lap_clean;
+  st->lap_clean = true;
+}
+
+static void lose_track(planned_state *st) {
+  if (st->synced) trouble(st);
+  st->synced = false;
+  st->pos = np_plan_next(&st->plan, st->pos); /* keep guessing ahead */
+}
+
+/* Learn how the body's first request looks to the context (the latest marker, requests
+ * since): on devices the iteration may begin with other markers than MARK_ITER_BEGIN. */
+static void learn_start(np_ctx *ctx, planned_state *st) {
+  if (!ctx->phased || st->start_learned) return;
+  st->start_learned = true;
+  st->start_mark = ctx->last_mark;
+  st->start_pos = ctx->mark_pos;
+}
+
+/* Is this request the first of an iteration? A request right after MARK_ITER_BEGIN is, where the
+ * plan says so; one in the learned start context is, unless that context recurs inside the
+ * iteration (a request matching the plan mid-way): then it is forgotten. */
+static bool iteration_starts(np_ctx *ctx, planned_state *st, uint64_t req) {
+  if (!ctx->phased) return false;
+  if ((st->flags & NP_PLAN_AT_ITER_BEGIN) && (ctx->last_mark & 0xFF) == NP_MARK_ITER_BEGIN && ctx->mark_pos == 1)
+    return true;
+  if (st->start_mark == NO_CONTEXT || ctx->last_mark != st->start_mark || ctx->mark_pos != st->start_pos) return false;
+  if (st->synced && st->pos != st->plan.loop && st->plan.size[st->pos] == req) {
+    st->start_mark = NO_CONTEXT;
+    return false;
+  }
+  return true;
+}
+
+/* The position this request stands for; *dynamic when its size differs from the plan's.
+ * NP_PLAN_NONE when the policy does not know where in the iteration it is. A request
+ * that does not match consumes the expected position (a dynamic size there); when the
+ * next one matches that position instead, the mismatch was an extra request and the
+ * position is taken back. */
+static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynamic) {
+  const np_plan *p = &st->plan;
+  uint64_t skipped = st->skipped;
+  st->skipped = NP_PLAN_NONE;
+  *dynamic = false;
+  bool setup = ctx->phased && (ctx->last_mark & 0xFF) == NP_MARK_SETUP_BEGIN;
+  if (st->in_setup && !setup) st->n_recent = 0; /* set-up's sizes are no part of any iteration's pattern */
+  st->in_setup = setup;
+  st->recent[st->n_recent++ % NP_PLAN_GRAM] = req;
+  if (!p->loop && ctx->phased && (ctx->last_mark & 0xFF) == NP_MARK_OPTIMIZER_BEGIN && ctx->optimizer_steps == 1) {
+    lose_track(st); /* the first optimizer step creates the optimizer states; without a prologue that */
+    return NP_PLAN_NONE; /* plans them, none of them into the region (they would hold body ranges for good) */
+  }
+  if (setup) {
+    st->synced = false; /* set-up builds the model: no iteration yet, whatever its sizes resemble */
+    return NP_PLAN_NONE;
+  }
+  if (iteration_starts(ctx, st, req)) {
+    if (st->synced && st->pos == p->loop) lap_done(st);
+    else if (st->synced) trouble(st), st->count[RESYNCS]++; /* the iteration was shorter or longer */
+    else st->count[RESYNCS]++, st->lap_clean = true;
+    st->pos = st->began ? p->loop : 0; /* the prologue runs once */
+    st->synced = st->began = st->ever_synced = true;
+    st->misses = 0;
+    skipped = NP_PLAN_NONE;
+  }
+  uint64_t at = NP_PLAN_NONE;
+  if (st->synced && p->size[st->pos] == req) {
+    at = st->pos;
+  } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
+    at = skipped;
+  } else if (st->n_recent >= NP_PLAN_GRAM && (st->began || !(st->flags & NP_PLAN_AT_ITER_BEGIN) || !ctx->phased)) {
+    /* markers, where the plan relies on them, decide where the loop starts: set-up that
+     * happens to repeat a stretch of the iteration is not taken for it */
+    uint64_t w[NP_PLAN_GRAM];
+    for (int i = 0; i < NP_PLAN_GRAM; i++) w[i] = st->recent[(st->n_recent + (uint64_t)i) % NP_PLAN_GRAM];
+    uint64_t count, behind, found = np_plan_find(p, np_plan_gram(w, NP_PLAN_GRAM), st->pos, &count, &behind);
+    /* following: only a position a little ahead (a missing request) -- dynamic sizes make
+     * chance matches elsewhere; lost: a pattern the iteration holds once (layers repeat theirs);
+     * before the first sync, counting from the end of set-up, one near the count */
+    uint64_t ahead = (found + p->n - st->pos) % p->n, back = (st->pos + p->n - behind) % p->n;
+    bool counting = !st->ever_synced && !st->synced;
+    if (counting && behind != NP_PLAN_NONE && back < ahead) found = behind, ahead = back;
+    bool sure = st->synced ? ahead <= MAX_DRIFT : count == 1 || (counting && ahead <= MAX_DRIFT);
+    if (found != NP_PLAN_NONE && sure && p->size[found] == req) { /* else a hash collision */
+      if (!st->synced || found != st->pos) st->count[RESYNCS]++;
+      if (!st->synced) st->lap_clean = false; /* joined in the middle of an iteration */
+      st->synced = st->ever_synced = st->began = true;
+      at = found;
+    }
+  }
+  if (at != NP_PLAN_NONE) {
+    if (at == p->loop && st->last == p->n - 1) {
+      lap_done(st);
+      learn_start(ctx, st);
+    }
+    st->misses = 0;
+  } else if (st->synced && st->misses < MAX_MISSES) {
+    st->misses++;
+    at = st->skipped = st->pos;
+    *dynamic = true;
+  } else {
+    lose_track(st);
+    return NP_PLAN_NONE;
+  }
+  st->last = at;
+  st->pos = np_plan_next(p, at);
+  return at;
+}
+
+/* A dynamic-size request at position `at`: its own planned range if it fits, else a range
+ * idle in the plan during the position's lifetime and free now. */
+static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream, np_block **out) {
+  const np_plan *p = &st->plan;
+  if (p->offset[at] != NP_PLAN_NONE && size <= np_round_up(p->size[at], NP_MIN_BLOCK) &&
+      region_take(ctx, st, p->offset[at], size, stream, at, out) == NP_OK)
+    return NP_OK;
+  uint64_t from = 0;
+  for (int tries = 0; tries < IDLE_TRIES; tries++) {
+    uint64_t off = np_occ_lowest(&p->occ, &p->span[at], size, from);
+    if (off > p->region || p->region - off < size) break;
+    int rc = region_take(ctx, st, off, size, stream, at, out);
+    if (rc != NP_ERR_OOM) return rc;
+    np_block *next = t_after(st->free_root, st->seg->addr + off); /* skip what holds the range now */
+    if (!next) break;
+    from = next->addr - st->seg->addr;
+  }
+  return NP_ERR_OOM;
+}
+
+static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
+  bool dynamic;
+  uint64_t at = locate(ctx, st, req, &dynamic);
+  if (at == NP_PLAN_NONE || (!dynamic && st->plan.offset[at] == NP_PLAN_NONE)) return NP_ERR_OOM;
+  int rc = region_reserve(ctx, st);
+  if (rc != NP_OK) return rc;
+  uint64_t size = np_round_up(req, NP_MIN_BLOCK);
+  if (!dynamic) {
+    rc = region_take(ctx, st, st->plan.offset[at], size, stream, at, out);
+    if (rc == NP_OK) st->count[SERVED]++;
+    if (rc != NP_ERR_OOM) return rc;
+    /* its range is still held (by a request that outlived its plan): an idle one instead */
+  }
+  /* ranges off plan only in a steady loop: before, a mismatch is more likely an extra request
+   * (optimizer states, a different step) than a dynamic size, and it may live for good */
+  if (!st->steady) return NP_ERR_OOM;
+  rc = place_dynamic(ctx, st, at, size, stream, out);
+  if (rc == NP_OK) st->count[IDLE]++;
+  return rc;
+}
+
+/* The lowest free range of the region that fits, for a request the fallback has no room
+ * for: better than failing, though it may hold a range the plan needs later. */
+static np_block *first_fit(np_block *n, uint64_t size) {
+  if (!n) return NULL;
+  np_block *b = first_fit(n->left, size);
+  if (b) return b;
+  return n->size >= size ? n : first_fit(n->right, size);
+}
+
+static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
+  uint64_t size = np_round_up(req, NP_MIN_BLOCK);
+  np_block *h = first_fit(st->free_root, size);
+  if (!h || region_take(ctx, st, h->addr - st->seg->addr, size, stream, UINT32_MAX, out) != NP_OK) return NP_ERR_OOM;
+  st->count[IDLE]++;
+  return NP_OK;
+}
+
+/* -- the policy -------------------------------------------------------------------------- */
+
+static int planned_init(np_ctx *ctx) {
+  planned_state *st = calloc(1, sizeof *st);
+  if (!st) return np_error(NP_ERR_HOST, "host out of memory");
+  int rc = np_policy_npu_pool.init(ctx);
+  if (rc != NP_OK) {
+    free(st);
+    return rc;
+  }
+  st->fb = ctx->pstate;
+  st->last = st->skipped = NP_PLAN_NONE;
+  st->start_mark = NO_CONTEXT;
+  ctx->pstate = st;
+  return NP_OK;
+}
+
+static void planned_destroy(np_ctx *ctx) {
+  planned_state *st = state(ctx);
+  region_drop(ctx, st);
+  np_plan_free(&st->plan);
+  ctx->pstate = st->fb;
+  np_policy_npu_pool.destroy(ctx);
+  free(st);
+}
+
+static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
+  planned_state *st = state(ctx);
+  if (st->plan.n) {
+    int rc = place_planned(ctx, st, req, stream, out);
+    if (rc != NP_ERR_OOM) return rc;
+    st->count[FALLBACK]++;
+  }
+  fb_view v = fb_enter(ctx);
+  int rc = np_policy_npu_pool.malloc(ctx, req, stream, lifetime, out);
+  fb_leave(ctx, v);
+  if (rc == NP_OK) (*out)->pool = FALLBACK_POOL;
+  else if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) rc = NP_OK;
+  return rc;
+}
+
+static void planned_free(np_ctx *ctx, np_block *b) {
+  planned_state *st = state(ctx);
+  if (st->seg && b->seg == st->seg) {
+    region_free(ctx, st, b);
+    return;
+  }
+  fb_view v = fb_enter(ctx);
+  np_policy_npu_pool.free(ctx, b);
+  fb_leave(ctx, v);
+}
+
+static void planned_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
+  planned_state *st = state(ctx);
+  if (st->seg && b->seg == st->seg) {
+    note_stream(st, stream);
+    return;
+  }
+  if (!np_policy_npu_pool.record_stream) return;
+  fb_view v = fb_enter(ctx);
+  np_policy_npu_pool.record_stream(ctx, b, stream);
+  fb_leave(ctx, v);
+}
+
+static int planned_empty_cache(np_ctx *ctx) {
+  planned_state *st = state(ctx);
+  if (st->seg && st->live == 0) region_drop(ctx, st); /* nothing planned is live: return the region */
+  for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
+    if (!b->allocated) b->stream = NP_STREAM_ANY; /* the device was synchronised */
+  st->seg_failed = false;
+  fb_view v = fb_enter(ctx);
+  int rc = np_policy_npu_pool.empty_cache(ctx);
+  fb_leave(ctx, v);
+  return rc;
+}
+
+static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
+  planned_state *st = state(ctx);
+  if (st->seg && st->seg->size > limit) {
+    char a[32];
+    return np_error(NP_ERR_STATE, "the planned region of %s does not fit under the new cap", np_fmt_bytes(st->seg->size, a));
+  }
+  fb_view v = fb_enter(ctx);
+  int rc = np_policy_npu_pool.set_limit(ctx, limit - np_min_u64(limit, v.limit_off));
+  fb_leave(ctx, v);
+  return rc;
+}
+
+static void planned_fill_stats(np_ctx *ctx, np_stats *out) {
+  planned_state *st = state(ctx);
+  fb_view v = fb_enter(ctx);
+  np_policy_npu_pool.fill_stats(ctx, out);
+  fb_leave(ctx, v);
+  for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
+    if (!b->allocated && b->size > out->largest_free) out->largest_free = b->size;
+}
+
+/* In-order walk of the treap: addresses ascend, heap order holds; returns the node count or -1. */
+static int64_t check_treap(const np_block *n, uintptr_t lo, uintptr_t hi) {
+  if (!n) return 0;
+  if (!n->in_tree || n->allocated || n->addr < lo || n->addr >= hi) return -1;
+  if ((n->left && n->left->prio > n->prio) || (n->right && n->right->prio > n->prio)) return -1;
+  int64_t l = check_treap(n->left, lo, n->addr), r = check_treap(n->right, n->addr + 1, hi);
+  return l < 0 || r < 0 ? -1 : l + r + 1;
+}
+
+static int check_region(np_ctx *ctx, planned_state *st) {
+  (void)ctx;
+  if (!st->seg) return st->free_root || st->live ? np_error(NP_ERR_STATE, "check: region state without a region") : NP_OK;
+  int64_t free_blocks = 0;
+  uint64_t live = 0;
+  for (np_block *b = st->seg->head; b; b = b->next) {
+    if (b->allocated) {
+      live++;
+      continue;
+    }
+    if (!b->in_tree) return np_error(NP_ERR_STATE, "check: free region block %#lx is not indexed", (unsigned long)b->addr);
+    if (b->next && !b->next->allocated)
+      return np_error(NP_ERR_STATE, "check: free region blocks not merged at %#lx", (unsigned long)b->addr);
+    free_blocks++;
+  }
+  if (live != st->live) return np_error(NP_ERR_STATE, "check: region holds %llu blocks, counted %llu",
+                                        (unsigned long long)live, (unsigned long long)st->live);
+  if (check_treap(st->free_root, 0, UINTPTR_MAX) != free_blocks)
+    return np_error(NP_ERR_STATE, "check: the region's free-block treap is corrupt");
+  return NP_OK;
+}
+
+static int planned_check(np_ctx *ctx) {
+  planned_state *st = state(ctx);
+  int rc = check_region(ctx, st);
+  if (rc != NP_OK) return rc;
+  fb_view v = fb_enter(ctx);
+  rc = np_policy_npu_pool.check(ctx);
+  fb_leave(ctx, v);
+  return rc;
+}
+
+const np_policy np_policy_planned = {
+    .name = "planned",
+    .init = planned_init,
+    .destroy = planned_destroy,
+    .malloc = planned_malloc,
+    .free = planned_free,
+    .empty_cache = planned_empty_cache,
+    .set_limit = planned_set_limit,
+    .fill_stats = planned_fill_stats,
+    .check = planned_check,
+    .record_stream = planned_record_stream,
+};
+
+/* -- installing a plan ------------------------------------------------------------------ */
+
+static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, const uint64_t *size,
+                   const uint64_t *offset, const uint64_t *end, uint64_t region, int flags) {
+  if (st->live) return np_error(NP_ERR_STATE, "np_set_plan: %llu planned blocks are still allocated",
+                                (unsigned long long)st->live);
+  np_plan plan = {0};
+  if (n) {
+    if (!offset || !end) return np_error(NP_ERR_INVALID, "np_set_plan: offset and end are required");
+    int rc = np_plan_build(&plan, n, loop, size, offset, end, region);
+    if (rc != NP_OK) return rc;
+  }
+  region_drop(ctx, st);
+  np_plan_free(&st->plan);
+  st->plan = plan;
+  st->flags = flags;
+  st->seg_failed = false;
+  st->synced = st->ever_synced = (flags & NP_PLAN_AT_START) != 0; /* tentatively: one mismatch ends it */
+  st->began = st->steady = st->start_learned = st->ever_synced = false;
+  st->start_mark = NO_CONTEXT;
+  st->lap_clean = st->synced;
+  st->pos = st->n_recent = 0;
+  st->last = st->skipped = NP_PLAN_NONE;
+  st->misses = MAX_MISSES;
+  memset(st->count, 0, sizeof st->count);
+  return NP_OK;
+}
+
+int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
+                const uint64_t *end, uint64_t region, int flags, uint64_t *counts) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = NP_OK;
+  if (ctx->policy != &np_policy_planned)
+    rc = np_error(NP_ERR_STATE, "np_set_plan: the pool's policy is %s, not planned", ctx->policy->name);
+  else if (size)
+    rc = install(ctx, state(ctx), n, loop, size, offset, end, region, flags);
+  if (rc == NP_OK && counts) memcpy(counts, state(ctx)->count, sizeof state(ctx)->count);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}

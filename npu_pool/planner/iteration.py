@@ -1,0 +1,176 @@
+"""Finding the steady iteration of a trace: the window of events a plan is made for.
+
+Three ways, in order:
+
+- ``markers``: iterations run from one ``MARK_ITER_BEGIN`` to the next. The loop body
+  is the first iteration whose allocation sizes equal the next one's (so the next
+  shows when the body's tensors that outlive it are freed); without two equal
+  neighbours (dynamic shapes), the second iteration. The iterations before it (the
+  first step, which creates the optimizer states) are the prologue: planned too, once.
+- ``period``: without markers, the event sequence (allocation sizes; frees by size
+  and age, i.e. events since their allocation) is searched for a period P: candidate
+  distances come from repeated k-grams of events, and a candidate is accepted where
+  the sequence matches itself P events later for at least P events (two iterations)
+  and one period allocates exactly what it frees (a layer of a forward pass repeats
+  too, but it keeps its activations), and the trace is essentially that unit repeated:
+  at most three periods' worth of events lie outside the periodic stretch (set-up, a
+  first and a last step that differ). The backward layers of a single recorded step
+  repeat and are memory-neutral too, but the forward before them is many layers long.
+  The longest periodic stretch wins; the loop body is one period of it, cut where the
+  fewest bytes are live (the iteration boundary, where few tensors cross), followed
+  by a full period; everything before it, from the trace's first allocation, is the
+  prologue (a replay of the trace runs it once).
+- ``whole``: no repetition (one recorded step): the window is the whole trace, the
+  allocations live before the recording began (``OP_INIT_ALLOC``) included: a replay
+  makes them first, so they are its first positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..trace.format import MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, Trace
+
+__all__ = ["Window", "find_window"]
+
+_GRAM = 16          # events hashed to find repeat distances
+_CANDIDATES = 64    # most frequent repeat distances tried as periods
+_OUTSIDE = 3        # events outside the periodic stretch, in periods, beyond which it is not the iteration
+_PRIMES = (2147483647, 2147483629)
+_BASES = (1000003, 999983)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Trace events [start, end): a prologue [start, loop) run once, then the loop body
+    [loop, end), one steady iteration."""
+
+    start: int
+    end: int
+    method: str            # "markers", "period" or "whole"
+    repeats: int           # iterations seen with the body's allocation sequence (1: not repeated)
+    at_iter_begin: bool    # the first allocation of every iteration follows MARK_ITER_BEGIN
+    loop: int = -1         # where the loop body starts; -1: at start (no prologue)
+
+    @property
+    def body(self) -> int:
+        """Trace index where the loop body starts."""
+        return self.start if self.loop < 0 else self.loop
+
+    @property
+    def flags(self) -> int:
+        """np_set_plan's flags: 1 position 0 follows MARK_ITER_BEGIN, 2 it is the first request."""
+        return (1 if self.at_iter_begin else 0) | (2 if self.method != "markers" else 0)
+
+
+def find_window(trace: Trace) -> Window:
+    """The steady iteration of ``trace`` (see the module docstring)."""
+    if not any(op == OP_ALLOC for op in trace.op):
+        raise ValueError("the trace has no allocations to plan")
+    return _by_markers(trace) or _by_period(trace) or _whole(trace)
+
+
+def _whole(trace: Trace) -> Window:
+    return Window(_first(trace), len(trace), "whole", 1, False)
+
+
+def _by_markers(trace: Trace) -> Window | None:
+    op, cat = trace.op, trace.cat
+    begins = [i for i in range(len(trace)) if op[i] == OP_MARK and cat[i] == MARK_ITER_BEGIN]
+    if len(begins) < 2:
+        return None
+    bounds = begins + [len(trace)]
+    sigs = []
+    for b, e in zip(bounds, bounds[1:]):
+        sig = []
+        for i in range(b, e):
+            if op[i] == OP_ALLOC:
+                sig.append(trace.size[i])
+            elif op[i] == OP_MARK and cat[i] == MARK_ITER_END:
+                break
+        sigs.append(tuple(sig))
+    steady = [i for i in range(len(sigs) - 1) if sigs[i] and sigs[i] == sigs[i + 1]]
+    k = steady[0] if steady else min(1, len(sigs) - 2)  # dynamic shapes: the first step is the prologue
+
+    def first_is_alloc(b: int) -> bool:
+        first = next((i for i in range(b + 1, len(trace)) if op[i] in (OP_ALLOC, OP_MARK)), None)
+        return first is not None and op[first] == OP_ALLOC
+
+    at_begin = all(first_is_alloc(b) for b in begins[:k + 1])
+    return Window(begins[0], begins[k + 1], "markers", sum(s == sigs[k] for s in sigs), at_begin, begins[k])
+
+
+def _signature(trace: Trace) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Alloc/free events: their trace indices, sizes, ages (-1 for allocs), signed sizes."""
+    index, sizes, ages, delta = [], [], [], []
+    born: dict[int, int] = {}
+    for i, (op, id_, size) in enumerate(zip(trace.op, trace.id, trace.size)):
+        if op == OP_ALLOC:
+            born[id_] = len(index)
+            index.append(i); sizes.append(size); ages.append(-1); delta.append(size)
+        elif op == OP_FREE:
+            b = born.pop(id_, None)
+            index.append(i); sizes.append(size); ages.append(-2 if b is None else len(index) - 1 - b)
+            delta.append(-size)
+    return index, torch.tensor(sizes, dtype=torch.int64), torch.tensor(ages, dtype=torch.int64), \
+        torch.tensor(delta, dtype=torch.int64)
+
+
+def _candidates(sizes: torch.Tensor, ages: torch.Tensor) -> list[int]:
+    """Distances at which k-grams of events repeat, most frequent first."""
+    m = sizes.numel() - _GRAM + 1
+    if m < 2:
+        return []
+    key = torch.zeros(m, dtype=torch.int64)
+    for prime, base in zip(_PRIMES, _BASES):
+        sig = torch.remainder(sizes * 31 + ages, prime)
+        h = torch.zeros(m, dtype=torch.int64)
+        for j in range(_GRAM):
+            h = torch.remainder(h * base + sig[j:j + m], prime)
+        key = key * prime + h
+    sk, order = torch.sort(key, stable=True)
+    same = sk[1:] == sk[:-1]
+    dist = (order[1:] - order[:-1])[same]
+    if dist.numel() == 0:
+        return []
+    counts = torch.bincount(dist)
+    counts[:2] = 0
+    top = torch.topk(counts, min(_CANDIDATES, counts.numel()))
+    return [int(d) for c, d in zip(top.values.tolist(), top.indices.tolist()) if c >= 2]
+
+
+def _longest_run(eq: torch.Tensor) -> tuple[int, int]:
+    """Length and start of the longest run of True."""
+    idx = torch.arange(eq.numel())
+    last_false = torch.cummax(torch.where(eq, torch.full_like(idx, -1), idx), 0).values
+    run = idx - last_false
+    best = int(run.max()) if run.numel() else 0
+    return best, (int(run.argmax()) - best + 1) if best else 0
+
+
+def _by_period(trace: Trace) -> Window | None:
+    index, sizes, ages, delta = _signature(trace)
+    best = None  # (run, -period, start)
+    for p in _candidates(sizes, ages):
+        if 2 * p > sizes.numel():
+            continue
+        eq = (sizes[:-p] == sizes[p:]) & (ages[:-p] == ages[p:])
+        run, r0 = _longest_run(eq)
+        if run < p or sizes.numel() - (run + p) > _OUTSIDE * p or int(delta[r0:r0 + p].sum()) != 0:
+            continue
+        if best is None or (run, -p) > best[:2]:
+            best = (run, -p, r0)
+    if best is None:
+        return None
+    run, p, r0 = best[0], -best[1], best[2]
+    lo, hi = r0, min(r0 + p - 1, r0 + run - p)  # a full period follows the body
+    initial = sum(s for op, s in zip(trace.op, trace.size) if op == OP_INIT_ALLOC)
+    live = torch.cumsum(delta, 0) - delta + initial   # live bytes before each event
+    s = lo + int(torch.argmin(live[lo:hi + 1]))
+    return Window(_first(trace), index[s + p], "period", (run + p) // p, False, index[s])
+
+
+def _first(trace: Trace) -> int:
+    """The first allocation event, those made before the recording began included."""
+    return next(i for i, op in enumerate(trace.op) if op in (OP_ALLOC, OP_FREE, OP_INIT_ALLOC))

@@ -1,0 +1,147 @@
+"""Lifetimes of one iteration's requests, in positions, and the live-byte figures around them.
+
+Time is counted in positions: the k-th allocation of the window is position k, and a
+tensor freed after the k-th allocation (and before the next) ends at k. Positions
+[0, m) are the prologue (run once), [m, N) the loop body (n = N - m positions, run
+again and again). A request at position p that is freed at end is live for [p, end):
+
+- freed inside the window: end <= N;
+- a body request freed in the next iteration: end = N + (allocations of the next
+  iteration before the free). In a steady loop its previous instance is then live at
+  [m, m + end - N) of this iteration: the rectangle wraps around the boundary, at one
+  offset;
+- a body request live for more than an iteration (end > p + n), or never freed while
+  later iterations were recorded: unplanned, the fallback serves it;
+- a prologue request still live after the first pass of the body: end = N, its range
+  is held through the whole body (the optimizer states the first step creates).
+
+When nothing follows the window (``whole``), tensors still live at its end are
+planned until the end. Tensors allocated before the window and freed inside it are
+the previous instances of wrapping requests (without a prologue); those no wrapping
+request accounts for become "ghosts": rectangles [0, end) that take room in the plan
+and are never served. Tensors live through the whole window (weights, ...) are
+outside the plan: the fallback holds them.
+"""
+from __future__ import annotations
+
+import array
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from ..trace.format import OP_ALLOC, OP_FREE, OP_INIT_ALLOC, Trace
+from .iteration import Window
+
+__all__ = ["Layout", "NONE", "build_layout"]
+
+NONE = (1 << 64) - 1  # end of an unplanned position (and offset of one)
+
+
+@dataclass
+class Layout:
+    """One iteration's requests and what surrounds them (requested bytes throughout)."""
+
+    size: array.array                 # per position: requested bytes
+    end: array.array                  # per position: end position, NONE if unplanned
+    loop: int = 0                     # first position of the loop body (0: no prologue)
+    ghosts: list[tuple[int, int]] = field(default_factory=list)  # (bytes, end): live [0, end), never served
+    static_bytes: int = 0             # live through the whole window, outside the plan
+    outside_peak: int = 0             # highest bytes live outside the plan (static and unplanned)
+    peak_live: int = 0                # the window's peak live bytes, everything included
+
+    @property
+    def n(self) -> int:
+        return len(self.size)
+
+    @property
+    def unplanned(self) -> int:
+        return sum(e == NONE for e in self.end)
+
+
+def build_layout(trace: Trace, w: Window) -> Layout:
+    """Positions, lifetimes, ghosts and live-byte figures of window ``w`` of ``trace``."""
+    op, ids, size = trace.op, trace.id, trace.size
+    live: dict[int, int] = {}
+    for i in range(w.start):  # what is live when the window opens
+        if op[i] == OP_ALLOC or op[i] == OP_INIT_ALLOC:
+            live[ids[i]] = size[i]
+        elif op[i] == OP_FREE:
+            live.pop(ids[i], None)
+    pre = dict(live)
+    live_bytes = peak = sum(live.values())
+    pos_of: dict[int, int] = {}
+    sizes = array.array("Q")
+    ends: list[int] = []
+    freed_pre: list[tuple[int, int]] = []
+    init_too = w.method != "markers"  # the window opens at the trace's first allocation: those made
+    # before the recording began (OP_INIT_ALLOC) are positions too, a replay makes them first
+    m = 0
+    for i in range(w.start, w.end):
+        if i == w.body:
+            m = len(sizes)
+        o = op[i]
+        if o == OP_ALLOC or (init_too and o == OP_INIT_ALLOC):
+            pos_of[ids[i]] = len(sizes)
+            sizes.append(size[i])
+            ends.append(-1)
+            live_bytes += size[i]
+            peak = max(peak, live_bytes)
+        elif o == OP_FREE:
+            live_bytes -= size[i]
+            p = pos_of.get(ids[i])
+            if p is not None:
+                ends[p] = len(sizes)
+            elif ids[i] in pre:
+                freed_pre.append((pre.pop(ids[i]), len(sizes)))
+    n = len(sizes)
+    body = n - m
+    after = _ends_after(trace, w, pos_of, ends, n)
+    end = array.array("Q", [NONE]) * n
+    for p, e in enumerate(ends):
+        if e < 0:
+            e = after.get(p, -1)
+        if p < m:  # prologue: held through the body when it outlives its first pass
+            end[p] = e if 0 <= e <= n else n
+        elif e < 0:  # never freed
+            end[p] = n if w.method == "whole" else NONE
+        else:
+            end[p] = e if e <= p + body else NONE
+    wraps = Counter((sizes[p], end[p] - n) for p in range(m, n) if end[p] != NONE and end[p] > n and not m)
+    ghosts = []
+    for s, e in freed_pre:
+        if wraps[(s, e)] > 0:
+            wraps[(s, e)] -= 1
+        elif e > 0:
+            ghosts.append((s, e))
+    static = sum(pre.values())
+    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, ends), peak)
+
+
+def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], n: int) -> dict[int, int]:
+    """End positions of window requests freed after the window: n + allocations before the free."""
+    waiting = {trace.id[i]: pos_of[trace.id[i]] for i in range(w.start, w.end)
+               if trace.op[i] == OP_ALLOC and ends[pos_of[trace.id[i]]] < 0}
+    out: dict[int, int] = {}
+    allocs = 0
+    for i in range(w.end, len(trace)):
+        if not waiting:
+            break
+        o = trace.op[i]
+        if o == OP_ALLOC:
+            allocs += 1
+        elif o == OP_FREE:
+            p = waiting.pop(trace.id[i], None)
+            if p is not None:
+                out[p] = n + allocs
+    return out
+
+
+def _unplanned_peak(sizes: array.array, end: array.array, ends: list[int]) -> int:
+    """Highest bytes live at a position in unplanned window requests."""
+    n = len(sizes)
+    diff = [0] * (n + 1)
+    for p in range(n):
+        if end[p] == NONE:
+            diff[p] += sizes[p]
+            diff[ends[p] if 0 <= ends[p] <= n else n] -= sizes[p]
+    return max(accumulate(diff), default=0)

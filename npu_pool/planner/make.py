@@ -1,0 +1,55 @@
+"""trace -> plan: find the steady iteration, lay out its lifetimes, place, verify."""
+from __future__ import annotations
+
+import array
+import time
+from typing import Sequence
+
+from ..trace.format import Trace
+from .iteration import find_window
+from .lifetimes import build_layout
+from .place import ORDERS, Rects, place
+from .plan import NONE, Plan, aligned, span
+from .verify import verify_rects
+
+__all__ = ["make_plan"]
+
+
+def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS)) -> Plan:
+    """Plan the steady iteration of ``trace``; the plan is verified overlap-free.
+
+    ``meta`` records the window and the figures: ``peak_live_bytes`` (the window's peak
+    of live requested bytes, everything included: the lower bound), ``region_bytes``,
+    ``outside_peak_bytes`` (static and unplanned bytes, held by the fallback),
+    ``planned_peak_bytes`` (region + outside) and ``ratio`` (planned / peak live)."""
+    t0 = time.perf_counter()
+    w = find_window(trace)
+    lay = build_layout(trace, w)
+    n = lay.n
+    rects = Rects(n)
+    who: list[int] = []  # position of each rectangle, -1 for a ghost
+    for p in range(n):
+        if lay.end[p] != NONE:
+            rects.add(aligned(lay.size[p]), *span(n, lay.loop, p, lay.end[p]))
+            who.append(p)
+    for size, e in lay.ghosts:
+        rects.add(aligned(size), 0, e)
+        who.append(-1)
+    placed = place(rects, orders)
+    verify_rects(n, placed.offset, rects.size, rects.span, placed.peak,
+                 lambda r: f"position {who[r]}" if who[r] >= 0 else f"ghost {r}")
+    offset = array.array("Q", [NONE]) * n
+    for r, p in enumerate(who):
+        if p >= 0:
+            offset[p] = placed.offset[r]
+    planned_peak = placed.peak + lay.outside_peak
+    meta = {
+        "source": name or str(trace.meta.get("origin", "")),
+        "method": w.method, "window": [w.start, w.end], "loop_event": w.body, "repeats": w.repeats,
+        "positions": n, "prologue": lay.loop, "unplanned": lay.unplanned, "ghosts": len(lay.ghosts), "order": placed.order,
+        "peak_live_bytes": lay.peak_live, "region_bytes": placed.peak, "static_bytes": lay.static_bytes,
+        "outside_peak_bytes": lay.outside_peak, "planned_peak_bytes": planned_peak,
+        "ratio": planned_peak / lay.peak_live if lay.peak_live else 1.0,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return Plan(lay.size, offset, lay.end, placed.peak, lay.loop, w.flags, meta)

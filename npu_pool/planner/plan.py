@@ -1,0 +1,59 @@
+"""The plan: per position of an iteration, its size, offset and lifetime, over one region."""
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from .lifetimes import NONE
+
+__all__ = ["ALIGN", "NONE", "Plan", "PlanError", "aligned", "span"]
+
+ALIGN = 512  # the core's block granularity: planned sizes round up to it, offsets are multiples of it
+
+
+class PlanError(ValueError):
+    """A plan file or plan is malformed or inconsistent; the message says where and why."""
+
+
+@dataclass
+class Plan:
+    """Position p asks for ``size[p]`` bytes and gets ``offset[p]`` in a region of ``region``
+    bytes; it is live for positions [p, end[p]). Positions [0, loop) are a prologue run once,
+    [loop, n) the loop body, which repeats: a body position's end past n wraps into the next
+    pass (to loop + end - n). Unplanned positions have offset and end NONE. ``flags`` bit 0:
+    each iteration's first allocation follows MARK_ITER_BEGIN; bit 1: position 0 is the first
+    request after installation. ``meta`` (JSON) describes where the plan came from."""
+
+    size: array.array
+    offset: array.array
+    end: array.array
+    region: int
+    loop: int = 0
+    flags: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.size)
+
+    @property
+    def planned(self) -> int:
+        """Positions with an offset."""
+        return sum(o != NONE for o in self.offset)
+
+    def span(self, p: int) -> tuple[int, int, int, int]:
+        """Live positions of p: [lo, hi) and [lo2, hi2) (empty unless it wraps)."""
+        return span(self.n, self.loop, p, self.end[p])
+
+
+def span(n: int, loop: int, p: int, end: int) -> tuple[int, int, int, int]:
+    """Live positions of a request at p freed at end (NONE: until n): [lo, hi) and [lo2, hi2)."""
+    if end == NONE or end <= n:
+        return p, n if end == NONE else end, 0, 0
+    return p, n, loop, loop + end - n
+
+
+def aligned(size: int) -> int:
+    """Bytes a request of ``size`` takes in the region."""
+    return -(-size // ALIGN) * ALIGN

@@ -1,0 +1,110 @@
+"""Plan files (``.npplan``): a versioned header, then one row per position of the iteration.
+
+==========  =========  ===========================================================
+bytes       type       content
+==========  =========  ===========================================================
+8           magic      ``NPUPLAN\\0``
+4           u32        format version (``VERSION``)
+4           u32        CRC-32 of everything after these 16 bytes
+8           u64        header length H
+H           JSON       ``{"positions": n, "loop": m, "region": bytes, "align": 512,
+                       "flags": f, "row": "<IIQQ", "meta": {...}}`` (positions [0, m): the
+                       prologue, run once; [m, n): the loop body)
+n x 24      rows       position u32 (0..n-1 in order), end u32 (the position it is freed
+                       at, past n: wraps to m + end - n in the next pass; 0xFFFFFFFF: unplanned),
+                       requested size u64, offset u64 (2**64-1: unplanned)
+==========  =========  ===========================================================
+
+All integers little-endian. ``load_plan`` raises PlanError naming the file on a bad
+magic (and says so when the file is a trace), an unknown version, a checksum
+mismatch, a short or long file, rows out of order, and an inconsistent or
+overlapping plan (it verifies what it reads).
+"""
+from __future__ import annotations
+
+import array
+import json
+import struct
+import zlib
+from pathlib import Path
+
+from ..trace.format import MAGIC as TRACE_MAGIC
+from .plan import ALIGN, NONE, Plan, PlanError
+from .verify import verify
+
+__all__ = ["MAGIC", "VERSION", "save_plan", "load_plan", "plan_bytes", "plan_from_bytes"]
+
+MAGIC = b"NPUPLAN\x00"
+VERSION = 1
+_ROW = struct.Struct("<IIQQ")
+_NO_END = 0xFFFFFFFF
+
+
+def plan_bytes(plan: Plan) -> bytes:
+    """The file image of ``plan``."""
+    n = plan.n
+    if n >= _NO_END or any(e != NONE and e >= _NO_END for e in plan.end):
+        raise PlanError(f"plan: {n} positions are too many for format version {VERSION}")
+    header = json.dumps({"positions": n, "loop": plan.loop, "region": plan.region, "align": ALIGN, "flags": plan.flags,
+                         "row": "<IIQQ", "meta": plan.meta}).encode()
+    rows = bytearray(_ROW.size * n)
+    for p in range(n):
+        e = plan.end[p]
+        _ROW.pack_into(rows, p * _ROW.size, p, _NO_END if e == NONE else e, plan.size[p], plan.offset[p])
+    body = struct.pack("<Q", len(header)) + header + bytes(rows)
+    return MAGIC + struct.pack("<II", VERSION, zlib.crc32(body)) + body
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` to ``path`` (verify it first: make_plan's plans already are)."""
+    Path(path).write_bytes(plan_bytes(plan))
+
+
+def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
+    """Parse and verify a plan file image; PlanError naming ``name`` when it is not one."""
+    if len(data) < 24 or data[:8] != MAGIC:
+        what = "an npu_pool trace, not a plan" if data[:8] == TRACE_MAGIC else "not an npu_pool plan (bad magic)"
+        raise PlanError(f"{name}: {what}")
+    version, crc = struct.unpack_from("<II", data, 8)
+    if version != VERSION:
+        raise PlanError(f"{name}: plan format version {version}; this npu_pool reads version {VERSION}")
+    body = memoryview(data)[16:]
+    if zlib.crc32(body) != crc:
+        raise PlanError(f"{name}: checksum mismatch: the file is corrupt or truncated")
+    (hlen,) = struct.unpack_from("<Q", body, 0)
+    if hlen > len(body) - 8:
+        raise PlanError(f"{name}: header length {hlen} runs past the end of the file")
+    try:
+        head = json.loads(bytes(body[8:8 + hlen]))
+        n, region, flags = int(head["positions"]), int(head["region"]), int(head.get("flags", 0))
+        loop = int(head.get("loop", 0))
+        meta = dict(head.get("meta", {}))
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"{name}: corrupt header ({e})") from None
+    if head.get("align", ALIGN) != ALIGN or head.get("row", "<IIQQ") != "<IIQQ":
+        raise PlanError(f"{name}: unsupported layout (align {head.get('align')}, row {head.get('row')!r})")
+    rows = body[8 + hlen:]
+    if n < 0 or len(rows) != n * _ROW.size:
+        raise PlanError(f"{name}: {len(rows)} bytes of rows, expected {n} x {_ROW.size}")
+    size, offset, end = array.array("Q"), array.array("Q"), array.array("Q")
+    for p, (pos, e, s, o) in enumerate(_ROW.iter_unpack(rows)):
+        if pos != p:
+            raise PlanError(f"{name}: row {p} holds position {pos}; rows must list positions 0..{n - 1} in order")
+        size.append(s)
+        offset.append(o)
+        end.append(NONE if e == _NO_END else e)
+    plan = Plan(size, offset, end, region, loop, flags, meta)
+    try:
+        verify(plan)
+    except PlanError as e:
+        raise PlanError(f"{name}: {e}") from None
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and verify the plan file at ``path``."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read ({e.strerror or e})") from None
+    return plan_from_bytes(data, str(path))

@@ -1,0 +1,128 @@
+"""Verification: no two time-overlapping rectangles of a plan share a byte.
+
+A sweep over positions keeps the live rectangles ordered by offset; each rectangle
+that starts is checked against its neighbours there. O(n log n) (plus list moves).
+It is independent of the placement kernel: plain Python over the plan's numbers.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from typing import Callable, Sequence
+
+from .plan import ALIGN, NONE, Plan, PlanError, aligned
+
+__all__ = ["verify", "verify_rects"]
+
+
+class _Live:
+    """The live rectangles by offset: a list of sorted chunks (inserts cost O(sqrt n), not O(n))."""
+
+    CHUNK = 512
+
+    def __init__(self) -> None:
+        self.offs: list[list[int]] = []   # chunks of offsets, ascending across chunks
+        self.ids: list[list[int]] = []
+        self.firsts: list[int] = []       # first offset of each chunk
+
+    def _chunk(self, off: int) -> int:
+        return max(0, bisect_right(self.firsts, off) - 1)
+
+    def neighbours(self, off: int) -> tuple[int, int]:
+        """Ids of the live rectangles just below and at/above ``off`` (-1: none)."""
+        if not self.offs:
+            return -1, -1
+        c = self._chunk(off)
+        offs, ids = self.offs[c], self.ids[c]
+        i = bisect_left(offs, off)
+        below = ids[i - 1] if i else (self.ids[c - 1][-1] if c else -1)
+        above = ids[i] if i < len(offs) else (self.ids[c + 1][0] if c + 1 < len(self.offs) else -1)
+        return below, above
+
+    def add(self, off: int, r: int) -> None:
+        if not self.offs:
+            self.offs, self.ids, self.firsts = [[off]], [[r]], [off]
+            return
+        c = self._chunk(off)
+        offs, ids = self.offs[c], self.ids[c]
+        i = bisect_left(offs, off)
+        offs.insert(i, off)
+        ids.insert(i, r)
+        self.firsts[c] = offs[0]
+        if len(offs) > 2 * self.CHUNK:
+            self.offs[c + 1:c + 1] = [offs[self.CHUNK:]]
+            self.ids[c + 1:c + 1] = [ids[self.CHUNK:]]
+            self.firsts.insert(c + 1, offs[self.CHUNK])
+            del offs[self.CHUNK:], ids[self.CHUNK:]
+
+    def remove(self, off: int, r: int) -> None:
+        c = self._chunk(off)
+        offs, ids = self.offs[c], self.ids[c]
+        i = bisect_left(offs, off)
+        while ids[i] != r:
+            i += 1
+        del offs[i], ids[i]
+        if offs:
+            self.firsts[c] = offs[0]
+        else:
+            del self.offs[c], self.ids[c], self.firsts[c]
+
+
+def verify_rects(n_pos: int, offset: Sequence[int], size: Sequence[int], span: Sequence[int], region: int,
+                 name: Callable[[int], str] = lambda r: f"rectangle {r}") -> None:
+    """Raise PlanError unless every rectangle r -- ``size[r]`` bytes at ``offset[r]``, live at
+    positions [span[4r], span[4r+1]) and [span[4r+2], span[4r+3]) -- fits in ``region`` and no
+    two live at the same position overlap. ``name(r)`` labels a rectangle in messages."""
+    starts: list[list[int]] = [[] for _ in range(n_pos + 1)]
+    stops: list[list[int]] = [[] for _ in range(n_pos + 1)]
+    for r in range(len(size)):
+        if offset[r] + size[r] > region:
+            raise PlanError(f"plan: {name(r)} at offset {offset[r]} (+{size[r]} bytes) runs past the region "
+                            f"of {region} bytes")
+        for lo, hi in ((span[4 * r], span[4 * r + 1]), (span[4 * r + 2], span[4 * r + 3])):
+            if not 0 <= lo <= hi <= n_pos:
+                raise PlanError(f"plan: {name(r)} is live at positions [{lo}, {hi}) outside 0..{n_pos}")
+            if lo < hi:
+                starts[lo].append(r)
+                stops[hi].append(r)
+    live = _Live()
+    for pos in range(n_pos + 1):
+        for r in stops[pos]:
+            live.remove(offset[r], r)
+        for r in starts[pos]:
+            lo = offset[r]
+            hi = lo + size[r]
+            below, above = live.neighbours(lo)
+            clash = below if below >= 0 and offset[below] + size[below] > lo else \
+                above if above >= 0 and offset[above] < hi else -1
+            if clash >= 0:
+                raise PlanError(f"plan: {name(r)} [{lo}, {hi}) overlaps {name(clash)} "
+                                f"[{offset[clash]}, {offset[clash] + size[clash]}) at position {pos}")
+            live.add(lo, r)
+
+
+def verify(plan: Plan) -> None:
+    """Raise PlanError unless every planned request of ``plan`` is consistent and overlap-free."""
+    n = plan.n
+    if len(plan.offset) != n or len(plan.end) != n:
+        raise PlanError(f"plan: {n} sizes, {len(plan.offset)} offsets and {len(plan.end)} ends")
+    if n == 0 or plan.region < 0 or plan.region % ALIGN:
+        raise PlanError(f"plan: {n} positions over a region of {plan.region} bytes (a multiple of {ALIGN} is needed)")
+    if not 0 <= plan.loop < n:
+        raise PlanError(f"plan: the loop body starts at position {plan.loop}, outside 0..{n - 1}")
+    pos, offset, size, span = [], [], [], []
+    for p in range(n):
+        if not 0 < plan.size[p] <= 1 << 48:
+            raise PlanError(f"plan: position {p} asks for {plan.size[p]} bytes")
+        if plan.offset[p] == NONE:
+            continue
+        limit = n if p < plan.loop else p + n - plan.loop  # a body request lives at most one pass
+        if plan.end[p] == NONE or not p < plan.end[p] <= limit:
+            raise PlanError(f"plan: position {p} has offset {plan.offset[p]} but end {plan.end[p]} "
+                            f"(it must be in ({p}, {limit}])")
+        if plan.offset[p] % ALIGN:
+            raise PlanError(f"plan: position {p} has an unaligned offset {plan.offset[p]}")
+        pos.append(p)
+        offset.append(plan.offset[p])
+        size.append(aligned(plan.size[p]))
+        span.extend(plan.span(p))
+    verify_rects(n, offset, size, span, plan.region, lambda r: f"position {pos[r]}")

@@ -1,0 +1,183 @@
+"""The :class:`Recorder`: phase markers to allocator pools (and to a running profiler)."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+from ._marks import (END_OF, MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END,
+                     STAGE_OF, code_of, phase_codes)
+
+
+@dataclass
+class RecorderState:
+    """Where the recorded program is: what the markers sent so far opened and closed."""
+
+    stage: Optional[str] = None      # innermost open stage: setup, forward, backward, optimizer, eval
+    iteration: int = -1              # current (or last) iteration index
+    in_iteration: bool = False
+    iterations: int = 0              # iterations closed so far
+    micro: int = 0                   # current micro-batch index
+    marks: int = 0                   # markers sent
+    last: tuple[int, int] = (-1, -1)  # the latest marker (code, arg)
+    seconds: dict[str, float] = field(default_factory=dict)  # time spent per stage (outermost wins)
+    _open: list[tuple[str, float]] = field(default_factory=list)
+
+    def track(self, code: int, arg: int) -> None:
+        self.marks += 1
+        self.last = (code, arg)
+        if code in STAGE_OF:
+            self._open.append((STAGE_OF[code], time.perf_counter()))
+            self.stage = STAGE_OF[code]
+            if code in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN) and arg >= 0:
+                self.micro = arg
+        elif code in END_OF:
+            name = STAGE_OF[END_OF[code]]
+            for k in range(len(self._open) - 1, -1, -1):  # tolerate a missing end: close what it skipped
+                if self._open[k][0] == name:
+                    t0 = self._open[k][1]
+                    del self._open[k:]
+                    if not any(n == name for n, _ in self._open):
+                        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                    break
+            self.stage = self._open[-1][0] if self._open else None
+        elif code == MARK_ITER_BEGIN:
+            self.iteration = arg if arg >= 0 else self.iteration + 1
+            self.in_iteration, self.micro = True, 0
+        elif code == MARK_ITER_END:
+            self.in_iteration = False
+            self.iterations += 1
+
+    def is_open(self, stage: str) -> bool:
+        return any(n == stage for n, _ in self._open)
+
+
+def _profiling() -> bool:
+    """Whether a torch.profiler run is recording (markers then go into its trace too)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except AttributeError:
+        return False
+
+
+def _installed_targets() -> tuple[Any, ...]:
+    """The installed allocator of the current device (never a device this process does not use)."""
+    from .. import pool as _pool
+
+    if not _pool._installed:
+        return ()
+    try:
+        from ..install import _state
+    except ImportError:
+        _state = {}
+    kind = _state.get("kind")
+    if kind is None:  # pools registered by hand (tests, embedders): all of them
+        return tuple(_pool._installed.values())
+    try:
+        if kind == "npu":
+            import torch_npu
+            device = torch_npu.npu.current_device()
+        else:
+            import torch
+            device = torch.cuda.current_device()
+    except Exception:
+        return ()
+    p = _pool._installed.get(device)
+    return (p,) if p is not None else ()
+
+
+class Phase(contextlib.ContextDecorator):
+    """A phase: its begin marker on entry and its end marker on exit; also a decorator."""
+
+    def __init__(self, recorder: "Recorder", name: str, arg: int = -1):
+        self._rec, self.name, self.arg = recorder, name, arg
+        self._begin, self._end = phase_codes(name)
+        self._args: list[int] = []  # a decorated function may be re-entered
+
+    def __enter__(self) -> "Phase":
+        arg = self.arg
+        if arg < 0 and self._begin in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN):
+            arg = self._rec.state.micro  # the micro-batch it belongs to
+        self._args.append(arg)
+        self._rec.mark(self._begin, arg)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._rec.mark(self._end, self._args.pop())
+
+
+class Recorder:
+    """Sends phase markers (``MARK_*`` codes) to allocator pools.
+
+    ``pools``: the :class:`~npu_pool.pool.Pool` objects to drive; ``None`` (default) means
+    the installed allocator of the current device (``npu_pool.pool._installed``), looked up
+    at each marker so that a recorder made before :func:`npu_pool.install` still works.
+    ``profile``: also emit each marker as a ``record_function`` range named like
+    :mod:`npu_pool.trace.capture`'s (``npu_pool::<mark>::<arg>``) while a torch.profiler
+    run records, so captures carry the markers. A marker costs one C call per pool; the
+    recorder does nothing per allocation.
+    """
+
+    def __init__(self, pools: Optional[Iterable[Any]] = None, *, profile: bool = True):
+        self._pools = None if pools is None else tuple(pools)
+        self.profile = profile
+        self.state = RecorderState()
+        self._listeners: list[Callable[[int, int], None]] = []
+
+    def targets(self) -> tuple[Any, ...]:
+        """The pools the next marker goes to."""
+        return self._pools if self._pools is not None else _installed_targets()
+
+    def mark(self, code: Union[int, str], arg: int = -1) -> None:
+        """Send one marker (a ``MARK_*`` code or its name) with its argument."""
+        code = code_of(code)
+        self.state.track(code, arg)
+        for p in self.targets():
+            p.mark(code, arg)
+        if self.profile and _profiling():
+            from ..trace.capture import _mark_profiled
+
+            _mark_profiled(code, arg)
+        for fn in self._listeners:
+            fn(code, arg)
+
+    def listen(self, fn: Callable[[int, int], None]) -> Callable[[], None]:
+        """Call ``fn(code, arg)`` after each marker; returns a function that stops it."""
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def phase(self, name: str, arg: int = -1) -> Phase:
+        """Context manager / decorator for a phase: setup, iteration (step), forward,
+        backward, optimizer, eval, layer."""
+        return Phase(self, name, arg)
+
+    def step(self, index: int = -1) -> Phase:
+        """One training iteration (step boundaries); ``index`` -1 counts on from the last."""
+        return Phase(self, "iteration", index)
+
+    def layer(self, index: int) -> Phase:
+        """Layer ``index`` (enter/exit markers)."""
+        return Phase(self, "layer", index)
+
+    @contextlib.contextmanager
+    def micro_batch(self, index: int):
+        """Micro-batch ``index``: forward and backward markers inside carry it as argument."""
+        prev, self.state.micro = self.state.micro, index
+        try:
+            yield self
+        finally:
+            self.state.micro = prev
+
+    def summary(self) -> dict[str, Any]:
+        """What was recorded: markers, iterations, seconds per stage."""
+        s = self.state
+        return {"marks": s.marks, "iterations": s.iterations, "iteration": s.iteration,
+                "seconds": {k: round(v, 6) for k, v in s.seconds.items()}}
+
+
+default = Recorder()

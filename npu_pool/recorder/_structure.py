@@ -1,0 +1,293 @@
+"""Automatic markers: hooks that find a model's structure and mark it as it runs.
+
+:func:`attach` puts forward pre/post hooks on the repeated transformer blocks (layer
+enter/exit in the forward pass), gradient hooks on their outputs and inputs (layer
+enter/exit in the backward pass, in the order the backward runs them), hooks on the
+model itself (forward begin/end per micro-batch, backward begin, and backward end
+through the autograd engine's end-of-backward callback, evaluation for forwards without
+grad) and optimizer step pre/post hooks (optimizer begin/end, iteration end).
+Automatic markers only fill in where no phase was opened explicitly (``phase()``), so
+explicit phases and hooks can be mixed.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ._marks import (MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END, MARK_FORWARD_BEGIN,
+                     MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT,
+                     MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END)
+from ._recorder import Recorder, default
+
+# Containers of repeated layers: Megatron-core's TransformerBlock and legacy Megatron's
+# ParallelTransformer keep them in ``.layers``.
+_STACKS = ("TransformerBlock", "ParallelTransformer")
+_ATTR = "_npu_pool_grad_marks"
+# order of markers that fire on the same gradient: backward begin, then layer exits, then enters
+_ORDER = {MARK_BACKWARD_BEGIN: 0, MARK_LAYER_EXIT: 1, MARK_LAYER_ENTER: 2}
+
+Model = Union[nn.Module, Sequence[nn.Module]]
+
+
+def _modules(model: Model) -> list[nn.Module]:
+    mods = list(model) if isinstance(model, (list, tuple)) else [model]
+    for m in mods:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"attach() needs an nn.Module or a list of them (model chunks), got {type(m).__name__}")
+    return mods
+
+
+def _layer_index(layer: nn.Module, fallback: int) -> int:
+    n = getattr(layer, "layer_number", None)  # Megatron: 1-based, global across pipeline stages
+    return n - 1 if isinstance(n, int) and n >= 1 else fallback
+
+
+def find_blocks(model: Model) -> list[tuple[int, nn.Module]]:
+    """``(layer index, block)`` of the model's repeated transformer blocks.
+
+    Megatron-core ``TransformerBlock`` and legacy ``ParallelTransformer``: their ``.layers``
+    (index from ``layer_number``); otherwise (the project's GPT, ``transformers`` models,
+    any ``nn.ModuleList`` of layers) the longest ``nn.ModuleList`` whose children share one
+    class. Empty when there is none."""
+    from ..models import repeated_blocks
+
+    found: list[tuple[int, nn.Module]] = []
+    mods = _modules(model)
+    for m in mods:
+        for sub in m.modules():
+            layers = getattr(sub, "layers", None)
+            if type(sub).__name__ in _STACKS and isinstance(layers, nn.ModuleList):
+                found.extend((_layer_index(layer, len(found)), layer) for layer in layers)
+    if found:
+        return found
+    for m in mods:
+        try:
+            found.extend((_layer_index(b, len(found)), b) for b in repeated_blocks(m))
+        except ValueError:
+            continue
+    return found
+
+
+def _grad_tensor(obj: Any, depth: int = 0) -> Optional[torch.Tensor]:
+    """The first tensor that will receive a gradient in a (nested) output or argument."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    if depth > 2:
+        return None
+    if isinstance(obj, dict):
+        obj = obj.values()
+    if isinstance(obj, (list, tuple, type({}.values()))):
+        for x in obj:
+            t = _grad_tensor(x, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+class Attachment:
+    """The hooks :func:`attach` installed; :meth:`detach` (or leaving a ``with``) removes them."""
+
+    def __init__(self, recorder: Recorder, blocks: list[tuple[int, nn.Module]], backward: bool):
+        self.recorder = recorder
+        self.blocks = blocks
+        self.backward = backward
+        self.active = True
+        self._handles: list[Any] = []
+        self._restore: list[Callable[[], None]] = []
+        self._depth = 0
+        self._opened: list[int] = []      # end codes of the phases the root hooks opened
+        self._opened_iteration = False
+        self._micro = (-1, 0)             # (iteration, forwards seen in it)
+        self._steps_hooked = False
+        self._opened_opt = False
+        self._fwd_micro = 0
+
+    # -- markers on gradients ---------------------------------------------------------
+    def _on_grad(self, t: Optional[torch.Tensor], code: int, arg: int) -> None:
+        """Send ``code`` when ``t``'s gradient is computed (several markers on one tensor
+        fire in backward order: begin, exits, enters)."""
+        if t is None or not t.requires_grad:
+            return
+        marks = getattr(t, _ATTR, None)
+        if marks is None:
+            marks = []
+            try:
+                setattr(t, _ATTR, marks)
+                t.register_hook(functools.partial(self._fire, marks))
+            except (RuntimeError, AttributeError):
+                return
+        marks.append((code, arg))
+
+    def _fire(self, marks: list[tuple[int, int]], grad: torch.Tensor) -> None:
+        if not self.active:
+            return
+        rec = self.recorder
+        for code, arg in sorted(marks, key=lambda m: _ORDER[m[0]]):
+            if code == MARK_BACKWARD_BEGIN:
+                if rec.state.stage is not None:
+                    continue  # the caller marks its backward itself
+                rec.mark(MARK_BACKWARD_BEGIN, arg)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._backward_end, arg))
+            elif (code, arg) != rec.state.last:  # recompute may repeat a layer marker: once is enough
+                rec.mark(code, arg)
+
+    def _backward_end(self, arg: int) -> None:
+        if self.active and self.recorder.state.stage == "backward":
+            self.recorder.mark(MARK_BACKWARD_END, arg)
+
+    # -- layers -------------------------------------------------------------------------
+    def _layer_pre(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.active:
+            return
+        self.recorder.mark(MARK_LAYER_ENTER, index)
+        if self.backward and torch.is_grad_enabled():
+            x = kwargs.get("hidden_states") if isinstance(kwargs.get("hidden_states"), torch.Tensor) else None
+            self._on_grad(x if x is not None else _grad_tensor((args, kwargs)), MARK_LAYER_EXIT, index)
+
+    def _layer_post(self, index: int, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if not self.active:
+            return
+        self.recorder.mark(MARK_LAYER_EXIT, index)
+        if self.backward and torch.is_grad_enabled():
+            self._on_grad(_grad_tensor(out), MARK_LAYER_ENTER, index)
+
+    # -- the model ----------------------------------------------------------------------
+    def _micro_index(self) -> int:
+        st = self.recorder.state
+        it, n = self._micro
+        self._micro = (st.iteration, n + 1) if it == st.iteration else (st.iteration, 1)
+        return self._micro[1] - 1
+
+    def _root_pre(self, module: nn.Module, args: tuple) -> None:
+        self._depth += 1
+        if not self.active or self._depth > 1:
+            return
+        rec = self.recorder
+        if not torch.is_grad_enabled():
+            if not rec.state.is_open("eval"):
+                rec.mark(MARK_EVAL_BEGIN, -1)
+                self._opened.append(MARK_EVAL_END)
+            return
+        if rec.state.stage is not None:
+            return
+        if self._steps_hooked and not rec.state.in_iteration:
+            rec.mark(MARK_ITER_BEGIN, rec.state.iteration + 1)
+            self._opened_iteration = True
+        micro = self._micro_index()
+        rec.mark(MARK_FORWARD_BEGIN, micro)
+        self._opened.append(MARK_FORWARD_END)
+        self._fwd_micro = micro
+
+    def _root_post(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self._depth -= 1
+        if not self.active or self._depth > 0:
+            return
+        while self._opened:
+            code = self._opened.pop()
+            if code == MARK_FORWARD_END:
+                self.recorder.mark(code, self._fwd_micro)
+                if self.backward:
+                    self._on_grad(_grad_tensor(out), MARK_BACKWARD_BEGIN, self._fwd_micro)
+            else:
+                self.recorder.mark(code, -1)
+
+    # -- the optimizer ------------------------------------------------------------------
+    def _opt_pre(self, *_: Any) -> None:
+        rec = self.recorder
+        if self.active and rec.state.stage is None:
+            rec.mark(MARK_OPTIMIZER_BEGIN, rec.state.iteration)
+            self._opened_opt = True
+        else:
+            self._opened_opt = False
+
+    def _opt_post(self, *_: Any) -> None:
+        rec = self.recorder
+        if not self.active or not self._opened_opt:
+            return
+        self._opened_opt = False
+        rec.mark(MARK_OPTIMIZER_END, rec.state.iteration)
+        if self._opened_iteration and rec.state.in_iteration:
+            rec.mark(MARK_ITER_END, rec.state.iteration)
+            self._opened_iteration = False
+
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._handles.append(optimizer.register_step_pre_hook(self._opt_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._opt_post))
+        elif callable(getattr(optimizer, "step", None)):  # Megatron's optimizers wrap torch's
+            original = optimizer.step
+            had_own = "step" in vars(optimizer)
+
+            @functools.wraps(original)
+            def step(*args: Any, **kwargs: Any) -> Any:
+                self._opt_pre()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._opt_post()
+
+            optimizer.step = step
+
+            def restore() -> None:
+                if had_own:
+                    optimizer.step = original
+                else:
+                    vars(optimizer).pop("step", None)
+
+            self._restore.append(restore)
+        else:
+            raise TypeError("attach(optimizer=...) needs an object with a step() method, "
+                            f"got {type(optimizer).__name__}")
+        self._steps_hooked = True
+
+    def detach(self) -> None:
+        """Remove every hook (gradient hooks already set on live tensors become no-ops)."""
+        self.active = False
+        for h in self._handles:
+            h.remove()
+        for r in reversed(self._restore):
+            r()
+        self._handles.clear()
+        self._restore.clear()
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] = None,
+           blocks: Optional[Iterable[nn.Module]] = None, backward: bool = True) -> Attachment:
+    """Hook ``model`` (an ``nn.Module`` or a list of model chunks) and ``optimizer`` so that
+    training sends its own markers; returns an :class:`Attachment` (``.detach()``).
+
+    ``blocks``: the repeated layers, when :func:`find_blocks` does not find them.
+    ``backward=False``: no gradient hooks (no backward begin/end or backward layer markers).
+    ``optimizer``: a ``torch.optim.Optimizer`` (step pre/post hooks) or any object with a
+    ``step()`` method such as Megatron's optimizers (wrapped). With an optimizer, the first
+    forward after a step opens an iteration and the step closes it.
+    """
+    rec = recorder if recorder is not None else default
+    mods = _modules(model)
+    found = [(i, b) for i, b in enumerate(blocks)] if blocks is not None else find_blocks(mods)
+    if not found:
+        warnings.warn(f"npu_pool.recorder.attach: no repeated blocks found in {type(mods[0]).__name__}; "
+                      "no layer markers (pass blocks=...)", RuntimeWarning, stacklevel=2)
+    att = Attachment(rec, found, backward)
+    for index, block in found:
+        att._handles.append(block.register_forward_pre_hook(functools.partial(att._layer_pre, index),
+                                                            with_kwargs=True))
+        att._handles.append(block.register_forward_hook(functools.partial(att._layer_post, index),
+                                                        with_kwargs=True, always_call=True))
+    for m in mods:
+        att._handles.append(m.register_forward_pre_hook(att._root_pre))
+        att._handles.append(m.register_forward_hook(att._root_post, always_call=True))
+    if optimizer is not None:
+        att._hook_optimizer(optimizer)
+    return att

@@ -1,0 +1,196 @@
+"""Per-rank memory reports: the per-iteration line, the JSON written at exit, and the
+merged table of all ranks (``npu-pool merge``).
+
+A report is a plain dict (``VERSION`` 1)::
+
+    rank, world_size, host, pid, mode ("device": an installed npu_pool allocator;
+    "recorder": no device allocator, markers and times only), reason (why "recorder"),
+    policy, device, iterations, step_seconds {mean, max, last}, phase_seconds {stage: s},
+    marks, host_peak_rss_bytes, memory (null in "recorder" mode) {allocated_bytes,
+    reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, utilization, pools
+    {name: {allocated_bytes, reserved_bytes}}, device_mallocs, device_frees, ooms,
+    retries, trims}
+
+``utilization`` is peak allocated / peak reserved: how much of the high-water mark the
+program ever used (1.0 = no fragmentation overhead).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+VERSION = 1
+FILE_PATTERN = "npu_pool_rank*.json"
+GiB = float(1 << 30)
+
+
+def memory_of(stats: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``memory`` section from :meth:`npu_pool.pool.Pool.stats`."""
+    total = stats["total"]
+    peak_alloc, peak_rsvd = total["allocated"]["peak"], total["reserved"]["peak"]
+    return {
+        "allocated_bytes": total["allocated"]["current"],
+        "reserved_bytes": total["reserved"]["current"],
+        "peak_allocated_bytes": peak_alloc,
+        "peak_reserved_bytes": peak_rsvd,
+        "utilization": peak_alloc / peak_rsvd if peak_rsvd else 1.0,
+        "pools": {name: {"allocated_bytes": p["allocated"]["current"], "reserved_bytes": p["reserved"]["current"]}
+                  for name, p in stats.get("pools", {}).items()},
+        **{k: stats.get(k, 0) for k in ("device_mallocs", "device_frees", "ooms", "retries", "trims")},
+    }
+
+
+def host_peak_rss() -> int:
+    """This process's peak resident host memory in bytes (Linux reports KiB)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss) * (1 if sys.platform == "darwin" else 1024)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size): torchrun's RANK/WORLD_SIZE, else torch.distributed's, else (0, 1)."""
+    env = os.environ
+    if env.get("RANK", "").isdigit():
+        return int(env["RANK"]), int(env.get("WORLD_SIZE", "1")) if env.get("WORLD_SIZE", "").isdigit() else 1
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return 0, 1
+
+
+def _gib(b: Optional[float]) -> str:
+    return "-" if b is None else f"{b / GiB:.2f}"
+
+
+def format_line(report: dict[str, Any], iteration: int) -> str:
+    """The one-line status of a rank after ``iteration``."""
+    head = f"[npu_pool rank {report['rank']}] iter {iteration}"
+    step = report["step_seconds"].get("last")
+    timing = f" | step {step:.3f} s" if step is not None else ""
+    mem = report.get("memory")
+    if mem is None:
+        return (f"{head}{timing} | host peak RSS {_gib(report['host_peak_rss_bytes'])} GiB | "
+                "recorder mode (no device allocator): no device memory figures")
+    pools = " ".join(f"{n} {_gib(p['allocated_bytes'])}/{_gib(p['reserved_bytes'])}" for n, p in mem["pools"].items())
+    return (f"{head}{timing} | allocated {_gib(mem['allocated_bytes'])} GiB"
+            f" | reserved {_gib(mem['reserved_bytes'])} GiB | peak {_gib(mem['peak_reserved_bytes'])} GiB"
+            f" | util {mem['utilization']:.1%} | {pools} GiB (allocated/reserved)"
+            f" | device mallocs {mem['device_mallocs']}")
+
+
+def write(report: dict[str, Any], directory: str | os.PathLike[str]) -> Path:
+    """Write ``report`` as ``npu_pool_rank<rank>.json`` in ``directory`` (atomically)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"npu_pool_rank{report['rank']}.json"
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank report in ``directory``, by rank; ValueError naming a bad or missing file."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a directory (expected the NPU_POOL_REPORT_DIR of a run)")
+    reports = []
+    for path in sorted(d.glob(FILE_PATTERN)):
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable npu_pool rank report ({e})") from None
+        if not isinstance(r, dict) or r.get("version") != VERSION or not isinstance(r.get("rank"), int):
+            raise ValueError(f"{path}: not an npu_pool rank report of version {VERSION}")
+        reports.append(r)
+    if not reports:
+        raise ValueError(f"{d}: no rank reports ({FILE_PATTERN}); run with NPU_POOL_REPORT_DIR={d}")
+    ranks = [r["rank"] for r in reports]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{d}: two reports for one rank ({sorted(ranks)})")
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+# column title, getter, formatter
+_COLUMNS: tuple[tuple[str, Any, Any], ...] = (
+    ("iters", lambda r: r.get("iterations"), str),
+    ("step s", lambda r: r["step_seconds"].get("mean"), lambda v: f"{v:.3f}"),
+    ("peak alloc", lambda r: (r.get("memory") or {}).get("peak_allocated_bytes"), _gib),
+    ("peak rsvd", lambda r: (r.get("memory") or {}).get("peak_reserved_bytes"), _gib),
+    ("util", lambda r: (r.get("memory") or {}).get("utilization"), lambda v: f"{v:.1%}"),
+    ("long", lambda r: ((r.get("memory") or {}).get("pools", {}).get("long") or {}).get("reserved_bytes"), _gib),
+    ("short", lambda r: ((r.get("memory") or {}).get("pools", {}).get("short") or {}).get("reserved_bytes"), _gib),
+    ("mallocs", lambda r: (r.get("memory") or {}).get("device_mallocs"), str),
+    ("ooms", lambda r: (r.get("memory") or {}).get("ooms"), str),
+    ("host rss", lambda r: r.get("host_peak_rss_bytes"), _gib),
+)
+# figures whose spread across ranks the summary reports: title, getter
+_SPREAD = (("peak reserved", _COLUMNS[3][1]), ("peak allocated", _COLUMNS[2][1]), ("step time", _COLUMNS[1][1]),
+           ("host peak RSS", _COLUMNS[9][1]))
+
+
+def imbalance(reports: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per figure: min and max with their ranks, mean, and spread = (max - min) / mean."""
+    reports = list(reports)
+    out = []
+    for title, get in _SPREAD:
+        vals = [(get(r), r["rank"]) for r in reports if get(r) is not None]
+        if len(vals) < 2:
+            continue
+        lo, hi = min(vals), max(vals)
+        mean = sum(v for v, _ in vals) / len(vals)
+        out.append({"figure": title, "min": lo[0], "min_rank": lo[1], "max": hi[0], "max_rank": hi[1], "mean": mean,
+                    "spread": (hi[0] - lo[0]) / mean if mean else 0.0})
+    return out
+
+
+def merge_table(reports: list[dict[str, Any]]) -> str:
+    """All ranks in one table (GiB, seconds), then the imbalance across ranks."""
+    head = ["rank", "mode"] + [c[0] for c in _COLUMNS]
+    rows = [[str(r["rank"]), r.get("mode", "?")] +
+            ["-" if (v := get(r)) is None else fmt(v) for _, get, fmt in _COLUMNS] for r in reports]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = [line(head), "  ".join("-" * w for w in widths), *map(line, rows)]
+    worlds = {r.get("world_size") for r in reports}
+    if len(worlds) == 1 and (w := worlds.pop()) and w != len(reports):
+        out.append(f"warning: {len(reports)} reports for a world of {w} ranks (missing: "
+                   f"{sorted(set(range(w)) - {r['rank'] for r in reports})})")
+    spread = imbalance(reports)
+    if spread:
+        out.append("")
+        out.append("imbalance across ranks (spread = (max - min) / mean):")
+        for s in spread:
+            fmt = (lambda v: f"{v:.3f} s") if s["figure"] == "step time" else (lambda v: f"{_gib(v)} GiB")
+            out.append(f"  {s['figure']:15} max {fmt(s['max'])} on rank {s['max_rank']}, min {fmt(s['min'])} on rank "
+                       f"{s['min_rank']}, spread {s['spread']:.1%}")
+    modes = {r.get("mode") for r in reports}
+    if "recorder" in modes:
+        out.append("")
+        out.append("mode 'recorder': no device allocator was installed on those ranks (CPU, or no NPU/GPU): "
+                   "memory columns are '-'; host RSS and step times are still measured")
+    out.append("(GiB unless marked; util = peak allocated / peak reserved; long/short = npu_pool's lifetime "
+               "classes, reserved bytes)")
+    return "\n".join(out)
+
+
+def build(*, rank: int, world_size: int, mode: str, reason: str, policy: Optional[str], device: Optional[int],
+          iterations: int, step_times: list[float], recorder_summary: dict[str, Any],
+          stats: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Assemble one rank's report."""
+    steps = step_times
+    return {
+        "version": VERSION, "rank": rank, "world_size": world_size, "host": socket.gethostname(), "pid": os.getpid(),
+        "mode": mode, "reason": reason, "policy": policy, "device": device, "iterations": iterations,
+        "step_seconds": {"mean": sum(steps) / len(steps), "max": max(steps), "last": steps[-1]} if steps else {},
+        "phase_seconds": recorder_summary.get("seconds", {}), "marks": recorder_summary.get("marks", 0),
+        "host_peak_rss_bytes": host_peak_rss(),
+        "memory": memory_of(stats) if stats is not None else None,
+    }

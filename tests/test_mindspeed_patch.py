@@ -1,0 +1,228 @@
+"""mindspeed_patch.megatron: patching Megatron's training functions, the per-iteration line,
+rank reports, the CPU fallback and bad settings.
+
+Megatron-LM's ``megatron/training/training.py`` is not on PyPI: the tests that run training
+write the stand-in of ``npu_pool.recorder._mcore_cpu`` (same function names, signatures
+and call structure) and train megatron-core's GPTModel through it on CPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from mindspeed_patch import megatron as patch
+from npu_pool import pool as pool_mod
+from npu_pool.config import ConfigError
+from npu_pool.pool import Pool
+from npu_pool.recorder import _mcore_cpu, default
+from npu_pool.trace.format import MARK_NAMES
+
+ROOT = Path(__file__).resolve().parents[1]
+ON = {"MEMORY_FRAGMENTATION": "1"}
+needs_mcore = pytest.mark.skipif(not _mcore_cpu.available(), reason="megatron-core is not installed")
+pytestmark = pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|deprecated|tp_group|ffn_hidden_size|"
+                                        "full scope).*")
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    """No patch session, no Megatron training module imported, before and after."""
+    def clear() -> None:
+        patch._unpatch()
+        for name in [n for n in sys.modules if n == "megatron.training" or n.startswith("megatron.training.")]:
+            del sys.modules[name]
+        sys.modules.pop("fake_mindspeed_llm", None)
+
+    clear()
+    yield
+    clear()
+
+
+def _module(**funcs: Any) -> types.ModuleType:
+    """A stand-in ``megatron.training.training`` with the given functions, already imported."""
+    mod = types.ModuleType(patch.TARGET)
+    for name, fn in funcs.items():
+        setattr(mod, name, fn)
+    sys.modules[patch.TARGET] = mod
+    return mod
+
+
+# -- settings ------------------------------------------------------------------------------
+def test_switch_off_patches_nothing(fresh: None) -> None:
+    mod = _module(train_step=lambda: 1)
+    original = mod.train_step
+    assert patch.patch_megatron({}) is False
+    assert patch.patch_megatron({"MEMORY_FRAGMENTATION": "0"}) is False
+    assert mod.train_step is original and patch.session() is None
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "1.5", "ten", "0x10"])
+def test_bad_log_every_is_rejected_naming_the_variable(fresh: None, bad: str) -> None:
+    with pytest.raises(ConfigError, match=f"NPU_POOL_LOG_EVERY={bad!r} is not valid: use a whole number"):
+        patch.patch_megatron({**ON, "NPU_POOL_LOG_EVERY": bad})
+    assert patch.session() is None
+
+
+def test_cpu_process_falls_back_with_a_clear_message(tmp_path: Path) -> None:
+    """The switch set where there is no torch_npu and no CUDA: importing mindspeed_patch says
+    why nothing was installed, the Megatron patch says it records phases only, and the run
+    goes on and writes its report."""
+    script = tmp_path / "s.py"
+    script.write_text("import mindspeed_patch\nfrom mindspeed_patch.megatron import patch_megatron, write_report\n"
+                      "assert patch_megatron()\nprint(write_report())\n")
+    env = {**os.environ, **ON, "NPU_POOL_REPORT_DIR": str(tmp_path / "rep"), "PYTHONPATH": str(ROOT)}
+    env.pop("NPU_POOL_LOG_EVERY", None)
+    r = subprocess.run([sys.executable, "-W", "default", str(script)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "MEMORY_FRAGMENTATION=1, but npu_pool was not installed" in r.stderr
+    assert "torch_npu is not installed" in r.stderr and "CPU-only build" in r.stderr
+    assert "no device allocator is installed" in r.stderr and "recording phase markers and step times only" in r.stderr
+    report = json.loads(Path(r.stdout.strip()).read_text())
+    assert report["mode"] == "recorder" and report["memory"] is None and report["rank"] == 0
+
+
+# -- patching ------------------------------------------------------------------------------
+def test_already_imported_module_is_patched_and_rebound_elsewhere(fresh: None, capsys: pytest.CaptureFixture) -> None:
+    calls: list[str] = []
+
+    def setup_model_and_optimizer(provider: Any, model_type: Any = None) -> tuple:
+        calls.append("setup")
+        return [provider()], None, None
+
+    def train_step(*args: Any, **kwargs: Any) -> tuple:
+        calls.append("step")
+        return {}, False, False, False, 0, 1.0, 0
+
+    def evaluate(*args: Any, **kwargs: Any) -> tuple:
+        calls.append("eval")
+        assert default.state.is_open("eval")
+        return {}, None, False
+
+    mod = _module(setup_model_and_optimizer=setup_model_and_optimizer, train_step=train_step, evaluate=evaluate)
+    llm = types.ModuleType("fake_mindspeed_llm")  # MindSpeed-LLM binds Megatron's functions by name
+    llm.train_step = train_step
+    sys.modules["fake_mindspeed_llm"] = llm
+    seen: list[tuple[int, int]] = []
+    stop = default.listen(lambda c, a: seen.append((c, a)))
+    try:
+        assert patch.patch_megatron({**ON, "NPU_POOL_LOG_EVERY": "2"})
+        assert patch.patch_megatron({**ON, "NPU_POOL_LOG_EVERY": "2"})  # idempotent
+        assert llm.train_step is mod.train_step is not train_step
+        import torch
+
+        with pytest.warns(RuntimeWarning, match="no TransformerBlock"):
+            mod.setup_model_and_optimizer(lambda: torch.nn.Linear(2, 2))
+        for _ in range(3):
+            llm.train_step()
+        mod.evaluate()
+    finally:
+        stop()
+    assert calls == ["setup", "step", "step", "step", "eval"]
+    seq = [MARK_NAMES[c] for c, _ in seen]
+    assert seq[:2] == ["setup_begin", "setup_end"] and seq.count("iter_begin") == 3 and seq[-2:] == ["eval_begin",
+                                                                                                       "eval_end"]
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in out] == ["[npu_pool rank 0] iter 2"]  # every 2nd iteration
+    assert patch.session().patched[patch.TARGET] == list(patch.FUNCTIONS)
+
+
+def test_missing_functions_warn_once_each_and_do_not_crash(fresh: None) -> None:
+    _module(train_step=lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert patch.patch_megatron(ON)
+    msgs = [str(w.message) for w in caught if "not found" in str(w.message)]
+    assert len(msgs) == 2
+    assert any("megatron.training.training.setup_model_and_optimizer not found" in m for m in msgs)
+    assert any("megatron.training.training.evaluate not found" in m for m in msgs)
+    assert patch.session().patched[patch.TARGET] == ["train_step"]
+    sys.modules[patch.TARGET].train_step()
+    assert patch.session().iterations == 1
+
+
+def test_device_mode_line_and_report_show_the_pool(fresh: None, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """With an installed pool (here a simulated one standing for the device's) the line and
+    the report carry its figures."""
+    sim = Pool("npu_pool", capacity=1 << 32)
+    monkeypatch.setitem(pool_mod._installed, 0, sim)
+    held: list[int] = []
+
+    def train_step() -> None:
+        held.append(sim.malloc(3 << 20, lifetime="long"))
+        sim.free(sim.malloc(5 << 20, lifetime="short"))
+
+    mod = _module(train_step=train_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.patch_megatron({**ON, "NPU_POOL_REPORT_DIR": str(tmp_path)})
+    mod.train_step()
+    mod.train_step()
+    st = sim.stats()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("[npu_pool rank 0] iter 2 | step ")
+    gib = lambda b: f"{b / (1 << 30):.2f}"  # noqa: E731
+    assert f"allocated {gib(st['total']['allocated']['current'])} GiB" in lines[1]
+    assert f"peak {gib(st['total']['reserved']['peak'])} GiB" in lines[1]
+    assert f"device mallocs {st['device_mallocs']}" in lines[1] and "long " in lines[1] and "short " in lines[1]
+    report = json.loads(Path(patch.write_report()).read_text())
+    mem = report["memory"]
+    assert report["mode"] == "device" and report["iterations"] == 2 and report["policy"] == "npu_pool"
+    assert mem["allocated_bytes"] == st["total"]["allocated"]["current"] == 2 * (3 << 20)
+    assert mem["peak_reserved_bytes"] == st["total"]["reserved"]["peak"]
+    assert mem["utilization"] == pytest.approx(st["total"]["allocated"]["peak"] / st["total"]["reserved"]["peak"])
+    assert mem["pools"]["long"]["allocated_bytes"] == 2 * (3 << 20) and mem["pools"]["short"]["allocated_bytes"] == 0
+
+
+@needs_mcore
+def test_stand_in_megatron_training_is_patched_on_import(fresh: None, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """Patch first, import Megatron's training module afterwards (as with ``import
+    mindspeed_patch`` at the top of a script); then pretrain megatron-core's GPTModel:
+    set-up, iterations, micro-batches, layers in both passes, evaluation are all marked."""
+    root = _mcore_cpu.write_training_standin(tmp_path / "standin")
+    sys.path.insert(0, root)
+    seen: list[tuple[int, int]] = []
+    stop = default.listen(lambda c, a: seen.append((c, a)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert patch.patch_megatron({**ON, "NPU_POOL_REPORT_DIR": str(tmp_path / "rep")})
+        import megatron.training.training as training
+
+        assert getattr(training.train_step, patch._WRAPPED)
+        _mcore_cpu.init()
+        cfg = dict(num_microbatches=2, train_iters=4, eval_interval=2, eval_iters=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            iters, model, _ = training.pretrain(lambda: _mcore_cpu.gpt(layers=2, hidden=32, heads=2, vocab=64, seq=16),
+                                                _mcore_cpu.forward_step(64, 16, 2), _mcore_cpu.data(64, 16, 2), cfg)
+    finally:
+        stop()
+        sys.path.remove(root)
+    assert iters == 4
+    seq = [(MARK_NAMES[c], a) for c, a in seen]
+    assert seq[:2] == [("setup_begin", -1), ("setup_end", -1)]
+    it = seq.index(("iter_begin", 0))
+    step = seq[it:seq.index(("iter_end", 0)) + 1]
+    fwd = [(n, i) for i in range(2) for n in ("layer_enter", "layer_exit")]
+    bwd = [(n, i) for i in (1, 0) for n in ("layer_enter", "layer_exit")]
+    micro = lambda m: [("forward_begin", m), *fwd, ("forward_end", m), ("backward_begin", m), *bwd,  # noqa: E731
+                       ("backward_end", m)]
+    assert step == [("iter_begin", 0), *micro(0), *micro(1), ("optimizer_begin", 0), ("optimizer_end", 0),
+                    ("iter_end", 0)]
+    evals = [i for i, m in enumerate(seq) if m[0] == "eval_begin"]
+    assert len(evals) == 2 and seq[evals[0] + 1:evals[0] + 5] == fwd
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()] == \
+        [f"[npu_pool rank 0] iter {i}" for i in range(1, 5)]
+    report = json.loads(Path(patch.write_report()).read_text())
+    assert report["iterations"] == 4 and report["mode"] == "recorder" and report["step_seconds"]["max"] > 0
+    assert set(report["phase_seconds"]) >= {"setup", "forward", "backward", "optimizer", "eval"}

@@ -1,0 +1,400 @@
+"""The lifetime recorder: explicit phases, automatic structure hooks, what the core learns
+from them, and a real megatron-core training run replayed under npu_pool and torch."""
+from __future__ import annotations
+
+import array
+from typing import Any
+
+import pytest
+import torch
+
+from npu_pool import pool as pool_mod
+from npu_pool import recorder, replay
+from npu_pool.pool import Pool
+from npu_pool.recorder import Recorder, _mcore_cpu
+from npu_pool.trace.format import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_OPTIMIZER_STATE,
+                                   CAT_PARAMETER, CAT_TEMPORARY, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END,
+                                   MARK_EVAL_BEGIN, MARK_EVAL_END, MARK_FORWARD_BEGIN, MARK_FORWARD_END,
+                                   MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_NAMES,
+                                   MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
+                                   OP_ALLOC, OP_FREE, OP_MARK, Trace)
+
+MiB = 1 << 20
+needs_mcore = pytest.mark.skipif(not _mcore_cpu.available(), reason="megatron-core is not installed")
+
+
+class Spy:
+    """A pool stand-in that keeps the markers it is sent."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, int]] = []
+
+    def mark(self, code: int, arg: int) -> None:
+        self.marks.append((code, arg))
+
+
+def names(marks: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    return [(MARK_NAMES[c], a) for c, a in marks]
+
+
+# -- explicit phases ---------------------------------------------------------------------
+def test_phases_as_context_managers_and_decorators() -> None:
+    spy, sim = Spy(), Pool("npu_pool", capacity=1 << 30)
+    rec = Recorder([spy, sim])
+
+    @rec.phase("optimizer")
+    def opt_step() -> str:
+        return "stepped"
+
+    with rec.phase("setup"):
+        pass
+    with rec.step(7):
+        with rec.micro_batch(1):
+            with rec.phase("forward"):
+                with rec.layer(3):
+                    pass
+        assert opt_step() == "stepped"
+    with rec.phase("eval"):
+        pass
+    assert names(spy.marks) == [("setup_begin", -1), ("setup_end", -1), ("iter_begin", 7), ("forward_begin", 1),
+                                ("layer_enter", 3), ("layer_exit", 3), ("forward_end", 1),
+                                ("optimizer_begin", -1), ("optimizer_end", -1), ("iter_end", 7),
+                                ("eval_begin", -1), ("eval_end", -1)]
+    s = rec.summary()
+    assert s["marks"] == len(spy.marks) and s["iterations"] == 1 and s["iteration"] == 7
+    assert set(s["seconds"]) == {"setup", "forward", "optimizer", "eval"}
+    sim.check()
+
+
+def test_markers_by_name_and_bad_names_rejected() -> None:
+    spy = Spy()
+    rec = Recorder([spy])
+    rec.mark("layer_enter", 2)
+    rec.mark(MARK_LAYER_EXIT, 2)
+    assert spy.marks == [(MARK_LAYER_ENTER, 2), (MARK_LAYER_EXIT, 2)]
+    with pytest.raises(ValueError, match="unknown phase 'warmup'.*setup"):
+        rec.phase("warmup")
+    with pytest.raises(ValueError, match="unknown marker 'layer_start'"):
+        rec.mark("layer_start")
+    with pytest.raises(ValueError, match="unknown marker code 99"):
+        rec.mark(99)
+    assert len(spy.marks) == 2
+
+
+def test_default_recorder_drives_the_installed_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy()
+    monkeypatch.setitem(pool_mod._installed, 5, spy)
+    with recorder.phase("backward", 0):
+        recorder.mark("layer_enter", 1)
+    assert names(spy.marks) == [("backward_begin", 0), ("layer_enter", 1), ("backward_end", 0)]
+
+
+# -- what the core learns from the markers -----------------------------------------------
+class Classed:
+    """A pool wrapper that keeps the class (long/short) the core placed each request as."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.life: dict[str, str] = {}
+
+    def malloc(self, name: str, size: int) -> int:
+        ptr = self.pool.malloc(size)
+        self.life[name] = ("long", "short")[self.pool.recent_events(1)[-1]["lifetime"] == 2]
+        return ptr
+
+
+def _iteration(rec: Recorder, p: Classed, i: int, act: int, tmp: int, grad: int, eval_: bool = False) -> dict[str, str]:
+    """One training iteration of a layer-shaped program: an activation (forward -> backward),
+    a forward temporary, a gradient (backward -> optimizer), a backward temporary, an
+    optimizer temporary; then an evaluation forward if asked. Returns the classes."""
+    p.life.clear()
+    free = p.pool.free
+    with rec.step(i):
+        with rec.phase("forward", 0), rec.layer(0):
+            a = p.malloc("act", act)
+            free(p.malloc("fwd_tmp", tmp))
+        with rec.phase("backward", 0), rec.layer(0):
+            g = p.malloc("grad", grad)
+            free(p.malloc("bwd_tmp", tmp))
+            free(a)
+        with rec.phase("optimizer", i):
+            free(p.malloc("opt_tmp", grad))
+            free(g)
+    if eval_:
+        with rec.phase("eval"), rec.phase("forward", 0), rec.layer(0):
+            free(p.malloc("eval_act", act))
+    return dict(p.life)
+
+
+def test_core_learns_stage_lifetimes_and_adapts_to_new_shapes() -> None:
+    with Pool("npu_pool", capacity=1 << 32) as pool:
+        rec, p = Recorder([pool]), Classed(pool)
+        with rec.phase("setup"):
+            p.malloc("weight", 4 * MiB)
+        assert p.life["weight"] == "long"
+        first = _iteration(rec, p, 0, 3 * MiB, MiB, 4 * MiB)
+        # first iteration, no history: per-stage defaults (forward long, backward short)
+        assert first["act"] == "long" and first["bwd_tmp"] == "short"
+        want = {"act": "long", "fwd_tmp": "short", "grad": "long", "bwd_tmp": "short", "opt_tmp": "short",
+                "eval_act": "short"}
+        assert _iteration(rec, p, 1, 3 * MiB, MiB, 4 * MiB, eval_=True) == want
+        # a new sequence length: new sizes, new sites; learned again within one iteration
+        _iteration(rec, p, 2, 5 * MiB, 2 * MiB, 4 * MiB)
+        want.pop("eval_act")
+        assert _iteration(rec, p, 3, 5 * MiB, 2 * MiB, 4 * MiB) == want
+        # back to the first shape: its history is still there
+        assert _iteration(rec, p, 4, 3 * MiB, MiB, 4 * MiB) == want
+        pool.check()
+
+
+def test_layer_markers_do_not_end_a_stage() -> None:
+    """An activation made in layer 0 and freed in the backward is long even though layer
+    markers came between; a temporary that crosses a layer marker inside the forward is short."""
+    with Pool("npu_pool", capacity=1 << 32) as pool:
+        rec, p = Recorder([pool]), Classed(pool)
+        for i in range(2):
+            with rec.step(i):
+                with rec.phase("forward", 0):
+                    with rec.layer(0):
+                        act = p.malloc("act", 3 * MiB)
+                        tmp = p.malloc("tmp", MiB)
+                    with rec.layer(1):
+                        pool.free(tmp)
+                with rec.phase("backward", 0):
+                    pool.free(act)
+        assert p.life == {"act": "long", "tmp": "short"}
+
+
+# -- automatic structure -------------------------------------------------------------------
+def _gpt(layers: int = 3, recompute: bool = False) -> torch.nn.Module:
+    from npu_pool.models import build_model
+
+    torch.manual_seed(0)
+    m = build_model("gpt", n_layers=layers, dim=32, n_heads=2, vocab=64, max_seq=16)
+    m.recompute = recompute
+    return m
+
+
+def _train(model: torch.nn.Module, opt: Any, steps: int, micro: int) -> None:
+    for _ in range(steps):
+        for _m in range(micro):
+            x = torch.randint(64, (2, 17))
+            (model(x[:, :-1], x[:, 1:]) / micro).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_attach_marks_layers_passes_and_steps(recompute: bool) -> None:
+    model = _gpt(recompute=recompute)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spy = Spy()
+    rec = Recorder([spy])
+    handle = recorder.attach(model, opt, recorder=rec)
+    assert [i for i, _ in handle.blocks] == [0, 1, 2]
+    _train(model, opt, steps=2, micro=2)
+    fwd = [m for i in range(3) for m in ((MARK_LAYER_ENTER, i), (MARK_LAYER_EXIT, i))]
+    expect: list[tuple[int, int]] = []
+    for step in range(2):
+        expect.append((MARK_ITER_BEGIN, step))
+        for m in range(2):
+            expect += [(MARK_FORWARD_BEGIN, m), *fwd, (MARK_FORWARD_END, m), (MARK_BACKWARD_BEGIN, m)]
+            for i in reversed(range(3)):  # backward: last layer first; recompute re-runs the forward inside
+                expect.append((MARK_LAYER_ENTER, i))
+                if recompute:
+                    expect += [(MARK_LAYER_ENTER, i), (MARK_LAYER_EXIT, i)]
+                else:
+                    expect.append((MARK_LAYER_EXIT, i))
+            expect.append((MARK_BACKWARD_END, m))
+        expect += [(MARK_OPTIMIZER_BEGIN, step), (MARK_OPTIMIZER_END, step), (MARK_ITER_END, step)]
+    assert names(spy.marks) == names(expect)
+    # evaluation: no grad, so an eval phase around the forward and no backward markers
+    spy.marks.clear()
+    with torch.no_grad():
+        x = torch.randint(64, (2, 16))
+        model(x)
+    assert names(spy.marks) == names([(MARK_EVAL_BEGIN, -1), *fwd, (MARK_EVAL_END, -1)])
+    handle.detach()
+    spy.marks.clear()
+    _train(model, opt, steps=1, micro=1)
+    assert spy.marks == []
+
+
+def test_attach_leaves_explicit_phases_alone_and_wraps_megatron_style_optimizers() -> None:
+    """Explicit phases win over the hooks' (no double forward/backward markers), and an
+    optimizer that is not a torch.optim.Optimizer (Megatron's wrap torch's) gets its step
+    wrapped, and restored on detach."""
+    model = _gpt(layers=2)
+
+    class MegatronStyle:
+        def __init__(self, inner: torch.optim.Optimizer):
+            self.inner = inner
+
+        def step(self) -> tuple[bool, float, int]:
+            self.inner.step()
+            return True, 0.0, 0
+
+    opt = MegatronStyle(torch.optim.SGD(model.parameters(), lr=0.1))
+    spy = Spy()
+    rec = Recorder([spy])
+    with recorder.attach(model, opt, recorder=rec):
+        with rec.step(0):
+            with rec.phase("forward", 0):
+                loss = model(*torch.randint(64, (2, 2, 16)).unbind(0))
+            with rec.phase("backward", 0):
+                loss.backward()
+            assert opt.step() == (True, 0.0, 0)
+        assert "step" in vars(opt)
+    assert "step" not in vars(opt)
+    seq = names(spy.marks)
+    assert seq.count(("forward_begin", 0)) == 1 and seq.count(("backward_begin", 0)) == 1
+    assert seq[-3:] == [("optimizer_begin", 0), ("optimizer_end", 0), ("iter_end", 0)]
+    assert [a for n, a in seq if n == "layer_enter"] == [0, 1, 1, 0]
+
+
+def test_find_blocks_megatron_stacks_and_fallbacks() -> None:
+    class Layer(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.layer_number = n
+            self.lin = torch.nn.Linear(4, 4)
+
+    class ParallelTransformer(torch.nn.Module):  # legacy Megatron's container, by name
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer(n) for n in (5, 6))  # a later pipeline stage: 1-based 5, 6
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Sequential(torch.nn.Linear(4, 4), ParallelTransformer())
+
+    found = recorder.find_blocks([Wrapped()])
+    assert [i for i, _ in found] == [4, 5] and all(isinstance(b, Layer) for _, b in found)
+    assert [i for i, _ in recorder.find_blocks(_gpt(layers=2))] == [0, 1]
+    with pytest.warns(RuntimeWarning, match="no repeated blocks"):
+        h = recorder.attach(torch.nn.Linear(2, 2), recorder=Recorder([]))
+    assert h.blocks == []
+    with pytest.raises(TypeError, match="nn.Module"):
+        recorder.attach("model")
+
+
+@needs_mcore
+def test_find_blocks_megatron_core_transformer_block() -> None:
+    _mcore_cpu.init()
+    model = _mcore_cpu.gpt(layers=3, hidden=32, heads=2, vocab=64, seq=16)
+    found = recorder.find_blocks(model)
+    assert [i for i, _ in found] == [0, 1, 2]
+    assert {type(b).__name__ for _, b in found} == {"TransformerLayer"}
+
+
+# -- traces: markers recorded, replayed ----------------------------------------------------
+def test_capture_carries_recorder_markers() -> None:
+    from npu_pool.recorder._capture import capture
+
+    t = capture("gpt", steps=1, batch=2, seq=16, layers=2, dim=32, heads=2, vocab=64, progress=False)
+    t.validate()
+    seq = [(MARK_NAMES[c], a) for op, c, a in zip(t.op, t.cat, t.id) if op == OP_MARK]
+    assert seq[:2] == [("setup_begin", -1), ("setup_end", -1)]
+    bwd = seq.index(("backward_begin", 0))
+    assert seq[bwd + 1:seq.index(("backward_end", 0))] == [("layer_enter", 1), ("layer_exit", 1),
+                                                            ("layer_enter", 0), ("layer_exit", 0)]
+    assert t.meta["markers"] == "recorder:auto"
+
+
+def _device_view(t: Trace) -> Trace:
+    """The trace as a device allocator sees it: markers and sizes, no caller sites."""
+    return Trace(meta=t.meta, op=t.op, cat=t.cat, site=array.array("i", [-1]) * len(t), id=t.id, size=t.size,
+                 stream=t.stream, addr=t.addr)
+
+
+def _steady_accuracy(t: Trace, classes: array.array) -> float:
+    """Share of bytes allocated after the first iteration whose class matches what the
+    tensor is: parameters, gradients, optimizer state and activations still live when
+    the forward ends are long; temporaries, autograd detail and forward outputs the
+    forward frees are short."""
+    stage, span, it = None, 0, -1
+    born: dict[int, tuple[int, int, str | None, int]] = {}
+    right = total = 0
+    stages = {MARK_FORWARD_BEGIN: "forward", MARK_BACKWARD_BEGIN: "backward", MARK_OPTIMIZER_BEGIN: "optimizer"}
+
+    def score(i: int, cat: int, size: int, where: str | None, inside: bool) -> None:
+        nonlocal right, total
+        if cat in (CAT_PARAMETER, CAT_GRADIENT, CAT_OPTIMIZER_STATE):
+            want = 1
+        elif cat in (CAT_TEMPORARY, CAT_AUTOGRAD_DETAIL):
+            want = 2
+        elif cat == CAT_ACTIVATION:
+            want = 2 if inside and where == "forward" else 1
+        else:
+            return
+        total += size
+        right += size if classes[i] == want else 0
+
+    for i, (op, cat, id_, size) in enumerate(zip(t.op, t.cat, t.id, t.size)):
+        if op == OP_MARK and cat not in (MARK_LAYER_ENTER, MARK_LAYER_EXIT):
+            span += 1
+            stage = stages.get(cat)
+            it = id_ if cat == MARK_ITER_BEGIN else it
+        elif op == OP_ALLOC:
+            born[id_] = (i, span, stage, it)
+        elif op == OP_FREE and id_ in born:
+            j, s, where, at = born.pop(id_)
+            if at >= 1:
+                score(j, t.cat[j], t.size[j], where, s == span)
+    for j, _s, where, at in born.values():
+        if at >= 1:
+            score(j, t.cat[j], t.size[j], where, False)
+    return right / total
+
+
+def _workload() -> tuple[str, Any, Any]:
+    """(name, build(), loss(model, generator)): megatron-core's GPTModel when megatron-core is
+    installed, else the project's GPT (a fresh clone without the optional package)."""
+    if _mcore_cpu.available():
+        _mcore_cpu.init()
+        return ("megatron-core GPTModel", lambda: _mcore_cpu.gpt(layers=3, hidden=192, heads=4, vocab=512, seq=128),
+                lambda m, g: _mcore_cpu.loss(m, _mcore_cpu.batch(4, 128, 512, g)))
+    from npu_pool.models import build_model
+
+    def loss(m: torch.nn.Module, g: torch.Generator) -> torch.Tensor:
+        x = torch.randint(512, (4, 129), generator=g)
+        return m(x[:, :-1], x[:, 1:])
+
+    return ("project GPT", lambda: build_model("gpt", n_layers=3, dim=192, n_heads=4, vocab=512, max_seq=128), loss)
+
+
+def test_training_under_the_recorder_npu_pool_reserves_less_than_torch() -> None:
+    """Real CPU training (megatron-core's GPTModel, 2 micro-batches per step) under attach();
+    its trace, replayed as a device sees it, reserves less under npu_pool than under torch's
+    allocator model, and after the first step the learned classes match what the tensors are."""
+    from npu_pool.recorder._capture import record_trace
+
+    name, build, loss = _workload()
+
+    def train(rec: Recorder) -> tuple[Any, Any]:
+        gen = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        with rec.phase("setup"):
+            model = build()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        with recorder.attach(model, opt, recorder=rec):
+            for _ in range(3):
+                for _micro in range(2):
+                    (loss(model, gen) / 2).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return model, opt
+
+    t = record_trace(train)
+    t.validate()
+    marks = [MARK_NAMES[c] for op, c in zip(t.op, t.cat) if op == OP_MARK]
+    assert marks.count("iter_begin") == 3 and marks.count("forward_begin") == 6 and marks.count("layer_enter") == 36
+    dev = _device_view(t)
+    classes = array.array("B", bytes(len(dev)))
+    ours = replay.run(dev, "npu_pool", classes=classes)
+    theirs = replay.run(dev, "torch")
+    assert ours.ok and theirs.ok
+    assert ours.peak_reserved_bytes < theirs.peak_reserved_bytes, name
+    assert ours.peak_reserved_bytes >= ours.peak_live_bytes
+    assert _steady_accuracy(t, classes) >= 0.95, name
