@@ -23,20 +23,6 @@ from ._recorder import Recorder
 from ._structure import attach
 
 MARKERS = ("explicit", "auto", "forward-only")
-# torch 2.13's memory profiler sometimes fails its own data-flow check ("duplicate outputs")
-# on a run it recorded; measured about 1 run in 10 of a megatron-core step, with or without
-# the recorder's hooks. The run is then repeated (the training is deterministic on CPU).
-TRIES = 3
-
-
-def _tries(run: Callable[[], Trace]) -> Trace:
-    for attempt in range(TRIES):
-        try:
-            return run()
-        except _cap.CaptureError:
-            if attempt == TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
 
 
 class _Handle:
@@ -57,7 +43,7 @@ def capture(*args: Any, markers: str = "auto", **kwargs: Any) -> Trace:
     if markers not in MARKERS:
         raise ValueError(f"markers must be one of {', '.join(MARKERS)}, not {markers!r}")
     if markers == "forward-only":
-        return _tries(lambda: _cap.capture(*args, **kwargs))
+        return _cap.capture(*args, **kwargs)
     real_mark = _cap._mark_profiled
     rec = Recorder(pools=(), profile=False)
     rec.listen(real_mark)
@@ -83,7 +69,7 @@ def capture(*args: Any, markers: str = "auto", **kwargs: Any) -> Trace:
     _cap._layer_hooks = layer_hooks
     _cap._mark_profiled = setup_only if markers == "auto" else loop_mark
     try:
-        trace = _tries(lambda: _cap.capture(*args, **kwargs))
+        trace = _cap.capture(*args, **kwargs)  # repeats the run if torch's profile cannot be read
     finally:
         _cap._layer_hooks, _cap._mark_profiled = saved
     trace.meta["markers"] = f"recorder:{markers}"
@@ -98,8 +84,9 @@ def record_trace(train: Callable[[Recorder], tuple[Any, Any]], *, meta: Optional
     is given (explicit phases, :func:`~npu_pool.recorder.attach`, or both), and returns
     ``(model, optimizer)`` so that persistent tensors are named as :func:`capture` names
     them: gradients at each optimizer step, parameters and optimizer state at the end.
-    ``train`` may run more than once (see ``TRIES``): it must build what it trains."""
-    return _tries(lambda: _record(train, meta, keep_host_scalars))
+    ``train`` may run more than once (see ``npu_pool.trace.capture.PROFILE_TRIES``): it must
+    build what it trains."""
+    return _cap.retrying(lambda: _record(train, meta, keep_host_scalars))
 
 
 def _record(train: Callable[[Recorder], tuple[Any, Any]], meta: Optional[dict[str, Any]],
