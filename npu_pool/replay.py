@@ -22,7 +22,10 @@ from .trace.stats import live_profile
 
 UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
 CAPACITY_STEP = 2 << 20       # resolution of the minimum-capacity search
-HINTS = {"none": 0, "sites": 1, "oracle": 2}
+# What npu_pool learns lifetimes from: "markers" (phase markers only: what a device running
+# the recorder sees; the default), "sites" (markers and the trace's own site ids), "oracle"
+# (the profiler's categories), "none".
+HINTS = {"none": 0, "sites": 1, "oracle": 2, "markers": 3}
 
 
 @dataclass
@@ -66,7 +69,7 @@ class PolicyResult:
         return {k: d[k] for k in self.JSON_KEYS}
 
 
-def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "sites",
+def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "markers",
         placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
         **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
@@ -126,7 +129,7 @@ def _as_plan(plan: Any) -> Any:
     return as_plan(plan)
 
 
-def min_capacity(trace: Trace, policy: str, *, hints: str = "sites", lo: int | None = None,
+def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int | None = None,
                  hi: int | None = None, no_retries: bool = False, plan: Any = None) -> tuple[int, RunResult]:
     """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run.
 
@@ -155,7 +158,7 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "sites", lo: int | N
     return k_hi * step, best
 
 
-def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "sites", with_min_capacity: bool = True,
+def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
              plan: Any = None) -> PolicyResult:
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy)."""
     plan = _as_plan(plan)

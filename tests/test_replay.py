@@ -46,7 +46,7 @@ def synthetic(seed: int, n: int = 600) -> Trace:
     return t
 
 
-def reference(trace: Trace, policy: str) -> tuple[list[int], int]:
+def reference(trace: Trace, policy: str, use_sites: bool) -> tuple[list[int], int]:
     """The same trace served one Python call at a time."""
     placed = [0] * len(trace)
     ptrs: dict[int, int] = {}
@@ -54,7 +54,8 @@ def reference(trace: Trace, policy: str) -> tuple[list[int], int]:
         for i, e in enumerate(trace.events()):
             if e.op in (OP_ALLOC, OP_INIT_ALLOC):
                 life = "long" if e.op == OP_INIT_ALLOC else "auto"
-                ptrs[e.id] = placed[i] = pool.malloc(e.size, stream=e.stream, lifetime=life, site=e.site)
+                site = e.site if use_sites else -1
+                ptrs[e.id] = placed[i] = pool.malloc(e.size, stream=e.stream, lifetime=life, site=site)
             elif e.op == OP_FREE:
                 pool.free(ptrs.pop(e.id))
             elif e.op == OP_MARK:
@@ -66,11 +67,12 @@ def reference(trace: Trace, policy: str) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_replay_equals_per_call_reference(policy, seed):
+@pytest.mark.parametrize("hints", ["markers", "sites"])
+def test_replay_equals_per_call_reference(policy, seed, hints):
     trace = synthetic(seed)
     placed = array.array("Q", bytes(8 * len(trace)))
-    result = replay.run(trace, policy, placed=placed)
-    want_placed, want_peak = reference(trace, policy)
+    result = replay.run(trace, policy, placed=placed, hints=hints)
+    want_placed, want_peak = reference(trace, policy, use_sites=hints == "sites")
     assert result.ok
     assert list(placed) == want_placed
     assert result.peak_reserved_bytes == want_peak

@@ -242,7 +242,7 @@ def snapshot_recorded(trace: Trace, device: int = 0, devices: int = 1) -> dict[s
             "allocator_settings": {"npu_pool_policy": "recorded"}}
 
 
-def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "sites") -> dict[str, Any]:
+def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> dict[str, Any]:
     """One snapshot for the traces of one process: trace ``k`` becomes device ``meta['device']`` (or ``k``)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")

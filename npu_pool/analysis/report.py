@@ -80,7 +80,7 @@ class Analysis:
 
 
 def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capacity: bool = False,
-                  curves: bool = False, hints: str = "sites",
+                  curves: bool = False, hints: str = "markers",
                   on_step: Callable[[], None] | None = None) -> TraceAnalysis:
     """Profile ``trace`` and replay it through each policy (``curves``: also event by event, for timelines).
 
@@ -103,7 +103,7 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
 
 
 def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool = False, curves: bool = False,
-                  hints: str = "sites", show_progress: bool | None = None) -> Analysis:
+                  hints: str = "markers", show_progress: bool | None = None) -> Analysis:
     """Analyze every trace in ``paths`` (files, or directories of per-rank traces)."""
     named: list[tuple[str, Trace]] = []
     for p in progress(expand(paths), desc="load", unit="file", enabled=show_progress):

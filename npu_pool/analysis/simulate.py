@@ -166,16 +166,17 @@ class _Ranges:
             out.append(SegmentEvent(index, "segment_alloc", s, new[s] - s, self.streams.get(s, 0)))
 
 
-def simulate(trace: Trace, policy: str, capacity: int = UNLIMITED, *, hints: str = "sites",
+def simulate(trace: Trace, policy: str, capacity: int = UNLIMITED, *, hints: str = "markers",
              **pool_kwargs: Any) -> Simulation:
     """Replay ``trace`` through a fresh ``policy`` pool, recording reserved bytes and ranges per event.
 
-    ``hints``: ``"sites"`` (sites and markers, as :func:`npu_pool.replay.run` by default)
-    or ``"none"``. A request the device cannot serve ends the replay (``ok`` False).
+    ``hints``: ``"markers"`` (as :func:`npu_pool.replay.run` by default), ``"sites"``
+    (markers and the trace's sites) or ``"none"``. A request the device cannot serve ends
+    the replay (``ok`` False).
     """
-    if hints not in ("sites", "none"):
-        raise ValueError(f"simulate supports hints 'sites' and 'none', not {hints!r}")
-    use_hints = hints == "sites"
+    if hints not in ("markers", "sites", "none"):
+        raise ValueError(f"simulate supports hints 'markers', 'sites' and 'none', not {hints!r}")
+    use_marks, use_sites = hints != "none", hints == "sites"
     n = len(trace)
     placed = array.array("Q", bytes(8 * n))
     reserved = array.array("Q", bytes(8 * n))
@@ -195,7 +196,7 @@ def simulate(trace: Trace, policy: str, capacity: int = UNLIMITED, *, hints: str
             if op == OP_ALLOC or op == OP_INIT_ALLOC:
                 try:
                     p = pool.malloc(size, stream, "long" if op == OP_INIT_ALLOC else "auto",
-                                    site if use_hints else -1)
+                                    site if use_sites else -1)
                 except OutOfMemoryError:
                     ok, fail = False, i
                     break
@@ -203,7 +204,7 @@ def simulate(trace: Trace, policy: str, capacity: int = UNLIMITED, *, hints: str
             elif op == OP_FREE:
                 pool.free(ptrs.pop(id_))
             elif op == OP_MARK:
-                if use_hints:
+                if use_marks:
                     pool.mark(cat, id_)
             elif op == OP_EMPTY_CACHE:
                 pool.empty_cache()

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "-o", metavar="PATH", help="write the report here (default: stdout; html: "
                    "<first trace>.html)")
     p.add_argument("--policy", default="torch,expandable,npu_pool", help="comma-separated policies to replay")
-    p.add_argument("--hints", choices=[h for h in HINTS if h != "oracle"], default="sites",
+    p.add_argument("--hints", choices=[h for h in HINTS if h != "oracle"], default="markers",
                    help="what npu_pool learns from during the replay (default: sites and markers)")
     p.add_argument("--min-capacity", action="store_true", help="also search each policy's minimum device size (slower)")
     p.add_argument("--top", type=int, default=15, help="allocation sites listed in md/json (default 15)")

@@ -16,9 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help=".npt traces, snapshot pickles, or directories of them")
     p.add_argument("--policy", default="torch,expandable,npu_pool", help="comma-separated policies (default: all)")
     p.add_argument("--json", metavar="OUT", help="write the records as a JSON list")
-    p.add_argument("--hints", choices=list(HINTS), default="sites",
-                   help="what npu_pool learns from: sites+markers (default, what a device sees), none, or "
-                        "the profiler's categories (oracle)")
+    p.add_argument("--hints", choices=list(HINTS), default="markers",
+                   help="what npu_pool learns lifetimes from: phase markers (default: what a device running the "
+                        "recorder sees), sites (markers and the trace's site ids), oracle (the profiler's "
+                        "categories), none")
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
     p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
     p.add_argument("--validate", action="store_true",

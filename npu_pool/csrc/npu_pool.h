@@ -95,7 +95,8 @@ typedef struct np_replay_in {
   const uint64_t *addr;
   uint64_t n_ids;           /* ids are 0..n_ids-1 */
   int fidelity;             /* prime recorded segments, take recorded segment addresses */
-  int hints;                /* 0: none, 1: sites and markers (what a device sees), 2: categories (oracle) */
+  int hints;                /* 0: none; 1: markers and the trace's sites; 2: that and categories (oracle);
+                               3: markers only (what a device with the recorder sees) */
   uint64_t *placed;         /* optional (NULL): per event, the address an allocation got */
   uint8_t *classes;         /* optional (NULL): per event, NP_LIFE_LONG/SHORT an allocation was placed as */
 } np_replay_in;

@@ -97,7 +97,7 @@ static int run(replay *r) {
       case NP_OP_ALLOC: {
         if (id < 0 || (uint64_t)id >= in->n_ids || r->ptrs[id]) return bad_id(i, id, "alloc of bad or live");
         int life = op == NP_OP_INIT_ALLOC ? NP_LIFE_LONG : in->hints == 2 ? category_lifetime(in->cat[i]) : NP_LIFE_AUTO;
-        int32_t site = in->hints >= 1 ? in->site[i] : -1;
+        int32_t site = in->hints == 1 || in->hints == 2 ? in->site[i] : -1;
         void *p;
         rc = np_ctx_malloc(ctx, in->size[i], in->stream[i], life, site, &p);
         if (rc == NP_ERR_OOM) {
@@ -139,7 +139,7 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
   *out = (np_replay_out){0};
   if (!in || !in->op || !in->cat || !in->site || !in->id || !in->size || !in->stream || !in->addr)
     return np_error(NP_ERR_INVALID, "replay: a trace column is missing");
-  if (in->hints < 0 || in->hints > 2) return np_error(NP_ERR_INVALID, "replay: hints must be 0, 1 or 2");
+  if (in->hints < 0 || in->hints > 3) return np_error(NP_ERR_INVALID, "replay: hints must be 0, 1, 2 or 3");
   replay r = {ctx, in, out, calloc(in->n_ids ? in->n_ids : 1, sizeof(void *)),
               calloc(in->n_ids ? in->n_ids : 1, sizeof(uint64_t)), 0};
   if (!r.ptrs || !r.sizes) {
