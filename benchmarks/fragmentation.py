@@ -24,10 +24,12 @@ from npu_pool.replay import evaluate, min_capacity  # noqa: E402
 
 POLICIES = ["torch", "expandable", "npu_pool", "planned"]  # planned: each trace planned from itself
 GiB = float(1 << 30)
+# Big enough that 2 MiB pages do not hide the differences between policies.
+_SIZE = dict(dim=256, seq=256, batch=8)
 CAPTURES = [
-    ("cpu-gpt-train", dict(model_name="gpt", steps=3)),
-    ("cpu-llama-recompute", dict(model_name="llama", steps=3, recompute=True)),
-    ("cpu-moe-accum2", dict(model_name="moe", steps=3, grad_accum=2)),
+    ("cpu-gpt-train", dict(model_name="gpt", steps=3, **_SIZE)),
+    ("cpu-llama-recompute", dict(model_name="llama", steps=3, recompute=True, **_SIZE)),
+    ("cpu-moe-accum2", dict(model_name="moe", steps=3, grad_accum=2, **_SIZE)),
 ]
 
 
