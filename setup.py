@@ -11,6 +11,6 @@ setup(
     cffi_modules=["npu_pool/_build.py:ffibuilder"],
     # torch is deliberately not listed: install the build you need first (CPU: torch==2.13.0).
     install_requires=["cffi>=1.15", "pyyaml>=6", "tqdm>=4"],
-    extras_require={"test": ["pytest>=7", "hypothesis>=6"]},
+    extras_require={"test": ["pytest>=7", "hypothesis>=6", "megatron-core==0.16.1"]},
     entry_points={"console_scripts": ["npu-pool=npu_pool.cli:main"]},
 )
