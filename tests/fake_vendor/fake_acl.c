@@ -19,16 +19,8 @@
  * symbols out, and with -DFAKE_OMIT_FREE to leave aclrtFree out.
  */
 #define _GNU_SOURCE
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-
-#define EXPORT __attribute__((visibility("default")))
-#define UNUSED __attribute__((unused))
-#define PAGE ((size_t)2 << 20)
+#define FAKE_FIRST_DEVICE -1 /* no current device until aclrtSetDevice */
+#include "fake_device.h"
 
 typedef int acl_err;
 typedef struct acl_location { uint32_t id; int type; } acl_location;
@@ -49,101 +41,12 @@ enum {
   RT_MEMORY_ALLOCATION = 207001 /* ACL_ERROR_RT_MEMORY_ALLOCATION */
 };
 
-typedef struct phys { size_t size; int mapped; } phys;
-typedef struct region { uintptr_t addr; size_t size; int kind; phys *ph; } region;
-enum { ALLOC = 1, RESERVED = 2, MAPPING = 3 };
-typedef struct counter { char name[48]; long calls, skip, fail; int code; } counter;
-
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-  size_t capacity, used, others, mapped;
-  int devices, vmm, flags_reserved, last_device, last_policy, initialised;
-  region *r;
-  size_t n, cap;
-  long live_phys, live_events;
-  void *busy[16];
-  counter c[64];
-  int nc;
-} st;
-static __thread int current = -1;
-static __thread char recent[256];
-
-static void init_locked(void) {
-  if (st.initialised) return;
-  const char *cap = getenv("FAKE_CAPACITY"), *dev = getenv("FAKE_DEVICES");
-  st.capacity = cap ? strtoull(cap, NULL, 0) : ((size_t)1 << 30);
-  st.devices = dev ? atoi(dev) : 2;
-  st.vmm = 1;
-  st.last_device = st.last_policy = -1;
-  st.initialised = 1;
-}
-
-static counter *counter_for(const char *fn) {
-  init_locked();
-  for (int i = 0; i < st.nc; i++)
-    if (!strcmp(st.c[i].name, fn)) return &st.c[i];
-  if (st.nc == 64) return NULL;
-  counter *c = &st.c[st.nc++];
-  memset(c, 0, sizeof *c);
-  snprintf(c->name, sizeof c->name, "%s", fn);
-  return c;
-}
-
-/* Count a call of fn; returns the injected error or 0. Lock held. */
-static acl_err enter(const char *fn) {
-  counter *c = counter_for(fn);
-  if (!c) return OK;
-  c->calls++;
-  if (c->skip > 0) {
-    c->skip--;
-    return OK;
-  }
-  if (c->fail > 0) {
-    c->fail--;
-    return c->code;
-  }
-  return OK;
-}
+static __thread char recent[256]; /* the latest failure, for aclGetRecentErrMsg */
 
 /* Remember a failure the way ACL does, for aclGetRecentErrMsg. */
 static acl_err fail(const char *fn, acl_err e, const char *why) {
   snprintf(recent, sizeof recent, "EE9999: [fake ACL] %s failed (%d): %s", fn, e, why);
   return e;
-}
-
-static region *add(uintptr_t addr, size_t size, int kind) {
-  if (st.n == st.cap) {
-    st.cap = st.cap ? st.cap * 2 : 64;
-    st.r = realloc(st.r, st.cap * sizeof *st.r);
-  }
-  st.r[st.n] = (region){addr, size, kind, NULL};
-  return &st.r[st.n++];
-}
-
-static UNUSED region *find(uintptr_t addr, int kind) {
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].addr == addr && st.r[i].kind == kind) return &st.r[i];
-  return NULL;
-}
-
-static UNUSED void drop(region *x) { *x = st.r[--st.n]; }
-
-static UNUSED int inside(uintptr_t a, size_t s, int kind) {
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].kind == kind && a >= st.r[i].addr && a + s <= st.r[i].addr + st.r[i].size) return 1;
-  return 0;
-}
-
-static UNUSED int overlaps_mapping(uintptr_t a, size_t s) {
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].kind == MAPPING && a < st.r[i].addr + st.r[i].size && st.r[i].addr < a + s) return 1;
-  return 0;
-}
-
-static int charge(size_t size) {
-  if (size > st.capacity - st.others - st.used) return 0;
-  st.used += size;
-  return 1;
 }
 
 #define LOCKED(fn, ...)                        \
@@ -162,66 +65,11 @@ static int charge(size_t size) {
 
 EXPORT void fake_reset(void) {
   pthread_mutex_lock(&mu);
-  init_locked();
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].kind != MAPPING) munmap((void *)st.r[i].addr, st.r[i].size);
-  free(st.r);
-  st.r = NULL;
-  st.n = st.cap = 0;
-  st.used = st.others = st.mapped = 0;
-  st.live_phys = st.live_events = 0;
-  memset(st.busy, 0, sizeof st.busy);
-  st.nc = 0;
-  st.vmm = 1;
-  st.flags_reserved = 0;
-  st.last_device = st.last_policy = -1;
-  current = -1;
+  reset_locked();
   recent[0] = '\0';
   pthread_mutex_unlock(&mu);
 }
-EXPORT void fake_set_capacity(unsigned long long b) { pthread_mutex_lock(&mu); init_locked(); st.capacity = b; pthread_mutex_unlock(&mu); }
-EXPORT void fake_set_used(unsigned long long b) { pthread_mutex_lock(&mu); st.others = b; pthread_mutex_unlock(&mu); }
-EXPORT void fake_set_vmm(int on) { pthread_mutex_lock(&mu); init_locked(); st.vmm = on; pthread_mutex_unlock(&mu); }
 EXPORT void fake_set_flags_reserved(int on) { pthread_mutex_lock(&mu); st.flags_reserved = on; pthread_mutex_unlock(&mu); }
-EXPORT void fake_fail(const char *fn, long skip, long count, int code) {
-  pthread_mutex_lock(&mu);
-  counter *c = counter_for(fn);
-  if (c) {
-    c->skip = skip;
-    c->fail = count;
-    c->code = code;
-  }
-  pthread_mutex_unlock(&mu);
-}
-EXPORT long fake_calls(const char *fn) {
-  long n = 0;
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < st.nc; i++)
-    if (!strcmp(st.c[i].name, fn)) n = st.c[i].calls;
-  pthread_mutex_unlock(&mu);
-  return n;
-}
-EXPORT void fake_set_busy(void *stream, int busy) { /* busy streams have unfinished work */
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < 16; i++)
-    if (busy ? !st.busy[i] : st.busy[i] == stream) {
-      st.busy[i] = busy ? stream : NULL;
-      break;
-    }
-  pthread_mutex_unlock(&mu);
-}
-static int is_busy(void *stream) {
-  for (int i = 0; i < 16; i++)
-    if (st.busy[i] && st.busy[i] == stream) return 1;
-  return 0;
-}
-typedef struct event { int recorded; void *stream; } event;
-EXPORT unsigned long long fake_used(void) { return st.used; }
-EXPORT unsigned long long fake_mapped(void) { return st.mapped; }
-EXPORT long fake_live(void) { return (long)st.n + st.live_phys + st.live_events; }
-EXPORT int fake_current_device(void) { return current; }
-EXPORT void fake_set_current_device(int d) { current = d; }
-EXPORT int fake_last_device(void) { return st.last_device; }
 EXPORT int fake_last_policy(void) { return st.last_policy; }
 
 /* ---- runtime ---------------------------------------------------------------- */
@@ -399,7 +247,7 @@ EXPORT acl_err aclrtMapMem(void *ptr, size_t size, size_t offset, void *handle, 
   LOCKED("aclrtMapMem", {
     phys *p = handle;
     uintptr_t a = (uintptr_t)ptr;
-    if (!p || p->mapped || offset || flags || size != p->size || a % PAGE || !inside(a, size, RESERVED) ||
+    if (!p || p->mapped || offset || flags || size != p->size || a % PAGE || !inside(a, size, RESERVED, NULL) ||
         overlaps_mapping(a, size))
       _e = fail("aclrtMapMem", INVALID_PARAM, "bad address, size or handle");
     else {

@@ -18,15 +18,8 @@
  * -DFAKE_OMIT_FREE to leave cudaFree out.
  */
 #define _GNU_SOURCE
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-
-#define EXPORT __attribute__((visibility("default")))
-#define PAGE ((size_t)2 << 20)
+#define FAKE_FIRST_DEVICE 0
+#include "fake_device.h"
 
 typedef int cu_err;
 typedef unsigned long long cu_ptr;
@@ -49,99 +42,6 @@ enum {
   OK = 0, INVALID_VALUE = 1, OOM = 2, INVALID_DEVICE = 101, NOT_SUPPORTED = 801, UNKNOWN = 999,
 };
 
-typedef struct region { uintptr_t addr; size_t size; int kind; struct phys *phys; } region;
-enum { ALLOC = 1, RESERVED = 2, MAPPING = 3 };
-typedef struct phys { size_t size; int mapped; int released; } phys;
-
-typedef struct counter { char name[48]; long calls; long skip, fail; int code; } counter;
-
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-  size_t capacity, used, others, mapped;
-  int devices, vmm, last_device, initialised;
-  region *r;
-  size_t n, cap;
-  long live_phys, live_events;
-  void *busy[16];
-  counter c[64];
-  int nc;
-} st;
-static __thread int current = 0;
-
-static void init_locked(void) {
-  if (st.initialised) return;
-  const char *cap = getenv("FAKE_CAPACITY"), *dev = getenv("FAKE_DEVICES");
-  st.capacity = cap ? strtoull(cap, NULL, 0) : ((size_t)1 << 30);
-  st.devices = dev ? atoi(dev) : 2;
-  st.vmm = 1;
-  st.initialised = 1;
-}
-
-/* The counter of fn, created on first use. Lock held. */
-static counter *counter_for(const char *fn) {
-  init_locked();
-  for (int i = 0; i < st.nc; i++)
-    if (!strcmp(st.c[i].name, fn)) return &st.c[i];
-  if (st.nc == 64) return NULL;
-  counter *c = &st.c[st.nc++];
-  memset(c, 0, sizeof *c);
-  snprintf(c->name, sizeof c->name, "%s", fn);
-  return c;
-}
-
-/* Count a call of fn; returns the injected error or 0. Lock held. */
-static cu_err enter(const char *fn) {
-  counter *c = counter_for(fn);
-  if (!c) return 0;
-  c->calls++;
-  if (c->skip > 0) {
-    c->skip--;
-    return 0;
-  }
-  if (c->fail > 0) {
-    c->fail--;
-    return c->code;
-  }
-  return 0;
-}
-
-static region *add(uintptr_t addr, size_t size, int kind) {
-  if (st.n == st.cap) {
-    st.cap = st.cap ? st.cap * 2 : 64;
-    st.r = realloc(st.r, st.cap * sizeof *st.r);
-  }
-  st.r[st.n] = (region){addr, size, kind, NULL};
-  return &st.r[st.n++];
-}
-
-static __attribute__((unused)) region *find(uintptr_t addr, int kind) {
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].addr == addr && st.r[i].kind == kind) return &st.r[i];
-  return NULL;
-}
-
-static __attribute__((unused)) void drop(region *x) { *x = st.r[--st.n]; }
-
-static __attribute__((unused)) int inside(uintptr_t a, size_t s, int kind, region **out) {
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].kind == kind && a >= st.r[i].addr && a + s <= st.r[i].addr + st.r[i].size) {
-      if (out) *out = &st.r[i];
-      return 1;
-    }
-  return 0;
-}
-
-static __attribute__((unused)) int overlaps_mapping(uintptr_t a, size_t s) {
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].kind == MAPPING && a < st.r[i].addr + st.r[i].size && st.r[i].addr < a + s) return 1;
-  return 0;
-}
-
-static cu_err charge(size_t size) {
-  if (size > st.capacity - st.others - st.used) return OOM;
-  st.used += size;
-  return OK;
-}
 
 #define LOCKED(fn, ...)         \
   do {                          \
@@ -158,70 +58,17 @@ static cu_err charge(size_t size) {
 
 EXPORT void fake_reset(void) {
   pthread_mutex_lock(&mu);
-  init_locked();
-  for (size_t i = 0; i < st.n; i++)
-    if (st.r[i].kind != MAPPING) munmap((void *)st.r[i].addr, st.r[i].size);
-  free(st.r);
-  st.r = NULL;
-  st.n = st.cap = 0;
-  st.used = st.others = st.mapped = 0;
-  st.live_phys = st.live_events = 0;
-  memset(st.busy, 0, sizeof st.busy);
-  st.nc = 0;
-  st.vmm = 1;
-  st.last_device = -1;
-  current = 0;
+  reset_locked();
   pthread_mutex_unlock(&mu);
 }
-EXPORT void fake_set_capacity(unsigned long long bytes) { pthread_mutex_lock(&mu); init_locked(); st.capacity = bytes; pthread_mutex_unlock(&mu); }
-EXPORT void fake_set_used(unsigned long long bytes) { pthread_mutex_lock(&mu); st.others = bytes; pthread_mutex_unlock(&mu); }
-EXPORT void fake_set_vmm(int on) { pthread_mutex_lock(&mu); init_locked(); st.vmm = on; pthread_mutex_unlock(&mu); }
-EXPORT void fake_fail(const char *fn, long skip, long count, int code) {
-  pthread_mutex_lock(&mu);
-  counter *c = counter_for(fn);
-  if (c) {
-    c->skip = skip;
-    c->fail = count;
-    c->code = code;
-  }
-  pthread_mutex_unlock(&mu);
-}
-EXPORT long fake_calls(const char *fn) {
-  long n = 0;
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < st.nc; i++)
-    if (!strcmp(st.c[i].name, fn)) n = st.c[i].calls;
-  pthread_mutex_unlock(&mu);
-  return n;
-}
-EXPORT void fake_set_busy(void *stream, int busy) { /* busy streams have unfinished work */
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < 16; i++)
-    if (busy ? !st.busy[i] : st.busy[i] == stream) {
-      st.busy[i] = busy ? stream : NULL;
-      break;
-    }
-  pthread_mutex_unlock(&mu);
-}
-static int is_busy(void *stream) {
-  for (int i = 0; i < 16; i++)
-    if (st.busy[i] && st.busy[i] == stream) return 1;
-  return 0;
-}
-typedef struct event { int recorded; void *stream; } event;
-EXPORT unsigned long long fake_used(void) { return st.used; }
-EXPORT unsigned long long fake_mapped(void) { return st.mapped; }
-EXPORT long fake_live(void) { return (long)st.n + st.live_phys + st.live_events; } /* allocations, reservations, mappings, handles */
-EXPORT int fake_current_device(void) { return current; }
-EXPORT void fake_set_current_device(int d) { current = d; }
-EXPORT int fake_last_device(void) { return st.last_device; }
+
 
 /* ---- runtime ---------------------------------------------------------------- */
 
 EXPORT cu_err cudaMalloc(void **ptr, size_t size) {
   LOCKED("cudaMalloc", {
     if (!ptr || !size) _e = INVALID_VALUE;
-    else if (!(_e = charge(size))) {
+    else if (!(_e = charge(size) ? OK : OOM)) {
       void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) {
         st.used -= size;
@@ -398,7 +245,7 @@ EXPORT cu_err cuMemAddressFree(cu_ptr ptr, size_t size) {
 EXPORT cu_err cuMemCreate(cu_handle *h, size_t size, const cu_alloc_prop *prop, unsigned long long flags) {
   LOCKED("cuMemCreate", {
     if (!good_prop(prop) || !size || size % PAGE || flags) _e = INVALID_VALUE;
-    else if (!(_e = charge(size))) {
+    else if (!(_e = charge(size) ? OK : OOM)) {
       phys *p = calloc(1, sizeof *p);
       p->size = size;
       st.live_phys++;
@@ -431,7 +278,7 @@ EXPORT cu_err cuMemMap(cu_ptr ptr, size_t size, size_t offset, cu_handle h, unsi
       _e = INVALID_VALUE;
     else {
       region *m = add(ptr, size, MAPPING);
-      m->phys = p;
+      m->ph = p;
       p->mapped = 1;
       st.mapped += size;
     }
@@ -454,7 +301,7 @@ EXPORT cu_err cuMemUnmap(cu_ptr ptr, size_t size) {
       for (size_t i = 0; i < st.n;) {
         region *x = &st.r[i];
         if (x->kind == MAPPING && x->addr >= ptr && x->addr < ptr + size) {
-          phys *p = x->phys;
+          phys *p = x->ph;
           p->mapped = 0;
           st.mapped -= x->size;
           if (p->released) free_phys(p);
