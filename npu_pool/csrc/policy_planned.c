@@ -34,7 +34,7 @@
  * the region that fits is used as a last resort.
  *
  * Invariants: the region segment is tiled by its blocks; its free blocks are exactly the
- * nodes of the address-ordered treap `free_root` (in_tree set) and no two of them are
+ * nodes of the address-ordered tree `free` (in_tree set) and no two of them are
  * neighbours; an allocated region block's prio holds the position it was served for
  * (UINT32_MAX: none); `live` counts the allocated region blocks; ctx->pstate is the
  * planned state except inside a call to the fallback.
@@ -44,6 +44,7 @@
 
 #include "context.h"
 #include "plan.h"
+#include "tree.h"
 
 enum { PLANNED_POOL = 0, FALLBACK_POOL = 1 };
 enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
@@ -63,8 +64,7 @@ typedef struct planned_state {
   int flags;
   np_segment *seg;             /* the region; NULL until the first planned request */
   bool seg_failed;             /* reserving it failed; tried again after empty_cache or a new plan */
-  np_block *free_root;         /* the region's free blocks by address (treap) */
-  uint64_t rng;
+  np_tree free;                /* the region's free blocks, by address */
   uint64_t live;               /* allocated blocks in the region */
   bool synced;                 /* pos is trusted */
   bool began;                  /* the policy found its place in the loop: the next iteration start is the body's */
@@ -121,90 +121,6 @@ static void fb_leave(np_ctx *ctx, fb_view v) {
   np_counter_add(&ctx->st.total.reserved, v.reserved_off); /* restores current, keeps the peak true */
 }
 
-/* -- the region's free blocks: a treap keyed by address -------------------------------- */
-
-static uint32_t next_prio(planned_state *st) {
-  uint64_t x = st->rng ? st->rng : 0x9E3779B97F4A7C15ull;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  st->rng = x;
-  return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
-static np_block *t_insert(np_block *n, np_block *b) {
-  if (!n) return b;
-  if (b->addr < n->addr) {
-    n->left = t_insert(n->left, b);
-    if (n->left->prio > n->prio) {
-      np_block *l = n->left;
-      n->left = l->right;
-      l->right = n;
-      return l;
-    }
-  } else {
-    n->right = t_insert(n->right, b);
-    if (n->right->prio > n->prio) {
-      np_block *r = n->right;
-      n->right = r->left;
-      r->left = n;
-      return r;
-    }
-  }
-  return n;
-}
-
-static np_block *t_join(np_block *l, np_block *r) {
-  if (!l) return r;
-  if (!r) return l;
-  if (l->prio > r->prio) {
-    l->right = t_join(l->right, r);
-    return l;
-  }
-  r->left = t_join(l, r->left);
-  return r;
-}
-
-static np_block *t_remove(np_block *n, const np_block *b) {
-  if (n == b) return t_join(n->left, n->right);
-  if (b->addr < n->addr) n->left = t_remove(n->left, b);
-  else n->right = t_remove(n->right, b);
-  return n;
-}
-
-/* The free block with the highest address <= addr, or NULL. */
-static np_block *t_floor(np_block *n, uintptr_t addr) {
-  np_block *best = NULL;
-  while (n) {
-    if (n->addr <= addr) best = n, n = n->right;
-    else n = n->left;
-  }
-  return best;
-}
-
-/* The free block with the lowest address > addr, or NULL. */
-static np_block *t_after(np_block *n, uintptr_t addr) {
-  np_block *best = NULL;
-  while (n) {
-    if (n->addr > addr) best = n, n = n->left;
-    else n = n->right;
-  }
-  return best;
-}
-
-static void free_insert(planned_state *st, np_block *b) {
-  b->left = b->right = NULL;
-  b->prio = next_prio(st);
-  b->in_tree = 1;
-  st->free_root = t_insert(st->free_root, b);
-}
-
-static void free_remove(planned_state *st, np_block *b) {
-  st->free_root = t_remove(st->free_root, b);
-  b->left = b->right = NULL;
-  b->in_tree = 0;
-}
-
 /* -- the region ------------------------------------------------------------------------- */
 
 static intptr_t merged_tag(intptr_t a, intptr_t b) {
@@ -240,7 +156,7 @@ static int region_reserve(np_ctx *ctx, planned_state *st) {
   }
   st->seg = seg;
   seg->head->stream = NP_STREAM_ANY;
-  free_insert(st, seg->head);
+  np_tree_insert(&st->free, seg->head);
   return NP_OK;
 }
 
@@ -253,42 +169,42 @@ static void region_drop(np_ctx *ctx, planned_state *st) {
   }
   np_segment_destroy(ctx, st->seg);
   st->seg = NULL;
-  st->free_root = NULL;
+  st->free = (np_tree){.by_addr = true};
   st->live = 0;
 }
 
-/* File free block b (in no treap): merge it with its free neighbours. */
+/* File free block b (in no tree): merge it with its free neighbours. */
 static void put_free(np_ctx *ctx, planned_state *st, np_block *b) {
   np_block *p = b->prev;
   if (p && !p->allocated) {
-    free_remove(st, p);
+    np_tree_remove(&st->free, p);
     p->stream = merged_tag(p->stream, b->stream);
     np_block_merge_next(&ctx->blocks, p);
     b = p;
   }
   np_block *n = b->next;
   if (n && !n->allocated) {
-    free_remove(st, n);
+    np_tree_remove(&st->free, n);
     b->stream = merged_tag(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
   }
-  free_insert(st, b);
+  np_tree_insert(&st->free, b);
 }
 
 /* Allocate [off, off + size) of the region if it is free; NP_ERR_OOM if not. */
 static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t size, intptr_t stream, uint64_t pos,
                        np_block **out) {
   uintptr_t addr = st->seg->addr + off;
-  np_block *h = t_floor(st->free_root, addr);
+  np_block *h = np_tree_floor(&st->free, addr);
   if (!h || h->addr + h->size < addr + size || !usable(ctx, st, h->stream, stream)) return NP_ERR_OOM;
-  free_remove(st, h);
+  np_tree_remove(&st->free, h);
   if (h->addr < addr) { /* keep the free part below */
     np_block *piece = np_block_split(&ctx->blocks, h, h->addr + h->size - addr, true);
     if (!piece) {
-      free_insert(st, h);
+      np_tree_insert(&st->free, h);
       return np_error(NP_ERR_HOST, "host out of memory splitting a block");
     }
-    free_insert(st, h);
+    np_tree_insert(&st->free, h);
     h = piece;
   }
   if (h->size > size) { /* and above */
@@ -296,11 +212,11 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
       put_free(ctx, st, h);
       return np_error(NP_ERR_HOST, "host out of memory splitting a block");
     }
-    free_insert(st, h->next);
+    np_tree_insert(&st->free, h->next);
   }
   h->stream = stream;
   h->pool = PLANNED_POOL;
-  h->prio = (uint32_t)pos; /* allocated blocks are in no treap: prio holds the position served */
+  h->prio = (uint32_t)pos; /* allocated blocks are in no tree: prio holds the position served */
   st->live++;
   note_stream(st, stream);
   *out = h;
@@ -447,7 +363,7 @@ static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t s
     if (off > p->region || p->region - off < size) break;
     int rc = region_take(ctx, st, off, size, stream, at, out);
     if (rc != NP_ERR_OOM) return rc;
-    np_block *next = t_after(st->free_root, st->seg->addr + off); /* skip what holds the range now */
+    np_block *next = np_tree_after(&st->free, st->seg->addr + off); /* skip what holds the range now */
     if (!next) break;
     from = next->addr - st->seg->addr;
   }
@@ -477,16 +393,20 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
 
 /* The lowest free range of the region that fits, for a request the fallback has no room
  * for: better than failing, though it may hold a range the plan needs later. */
-static np_block *first_fit(np_block *n, uint64_t size) {
-  if (!n) return NULL;
-  np_block *b = first_fit(n->left, size);
-  if (b) return b;
-  return n->size >= size ? n : first_fit(n->right, size);
+typedef struct fit { uint64_t size; np_block *found; } fit;
+
+static bool fits(np_block *b, void *arg) { /* np_tree_walk: stop at the first block that fits */
+  fit *f = arg;
+  if (b->size < f->size) return true;
+  f->found = b;
+  return false;
 }
 
 static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
-  np_block *h = first_fit(st->free_root, size);
+  fit f = {size, NULL};
+  np_tree_walk(&st->free, fits, &f); /* lowest address first */
+  np_block *h = f.found;
   if (!h || region_take(ctx, st, h->addr - st->seg->addr, size, stream, UINT32_MAX, out) != NP_OK) return NP_ERR_OOM;
   st->count[IDLE]++;
   return NP_OK;
@@ -503,6 +423,7 @@ static int planned_init(np_ctx *ctx) {
     return rc;
   }
   st->fb = ctx->pstate;
+  st->free.by_addr = true;
   st->last = st->skipped = NP_PLAN_NONE;
   st->start_mark = NO_CONTEXT;
   ctx->pstate = st;
@@ -589,19 +510,11 @@ static void planned_fill_stats(np_ctx *ctx, np_stats *out) {
     if (!b->allocated && b->size > out->largest_free) out->largest_free = b->size;
 }
 
-/* In-order walk of the treap: addresses ascend, heap order holds; returns the node count or -1. */
-static int64_t check_treap(const np_block *n, uintptr_t lo, uintptr_t hi) {
-  if (!n) return 0;
-  if (!n->in_tree || n->allocated || n->addr < lo || n->addr >= hi) return -1;
-  if ((n->left && n->left->prio > n->prio) || (n->right && n->right->prio > n->prio)) return -1;
-  int64_t l = check_treap(n->left, lo, n->addr), r = check_treap(n->right, n->addr + 1, hi);
-  return l < 0 || r < 0 ? -1 : l + r + 1;
-}
-
+/* The region: tiled, its free blocks indexed and never neighbours, its live blocks counted. */
 static int check_region(np_ctx *ctx, planned_state *st) {
   (void)ctx;
-  if (!st->seg) return st->free_root || st->live ? np_error(NP_ERR_STATE, "check: region state without a region") : NP_OK;
-  int64_t free_blocks = 0;
+  if (!st->seg) return st->free.count || st->live ? np_error(NP_ERR_STATE, "check: region state without a region") : NP_OK;
+  size_t free_blocks = 0;
   uint64_t live = 0;
   for (np_block *b = st->seg->head; b; b = b->next) {
     if (b->allocated) {
@@ -615,8 +528,8 @@ static int check_region(np_ctx *ctx, planned_state *st) {
   }
   if (live != st->live) return np_error(NP_ERR_STATE, "check: region holds %llu blocks, counted %llu",
                                         (unsigned long long)live, (unsigned long long)st->live);
-  if (check_treap(st->free_root, 0, UINTPTR_MAX) != free_blocks)
-    return np_error(NP_ERR_STATE, "check: the region's free-block treap is corrupt");
+  if (!np_tree_check(&st->free) || st->free.count != free_blocks)
+    return np_error(NP_ERR_STATE, "check: the region's free-block tree is corrupt");
   return NP_OK;
 }
 

@@ -1,7 +1,8 @@
 /* tree.c -- treap of free blocks (see tree.h for the invariants). */
 #include "tree.h"
 
-static int key_cmp(const np_block *a, const np_block *b) {
+static int key_cmp(const np_tree *t, const np_block *a, const np_block *b) {
+  if (t->by_addr) return a->addr < b->addr ? -1 : a->addr > b->addr;
   if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;
   if (a->size != b->size) return a->size < b->size ? -1 : 1;
   if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
@@ -32,13 +33,13 @@ static np_block *rot_left(np_block *n) {
   return r;
 }
 
-static np_block *insert(np_block *n, np_block *b) {
+static np_block *insert(const np_tree *t, np_block *n, np_block *b) {
   if (!n) return b;
-  if (key_cmp(b, n) < 0) {
-    n->left = insert(n->left, b);
+  if (key_cmp(t, b, n) < 0) {
+    n->left = insert(t, n->left, b);
     if (n->left->prio > n->prio) n = rot_right(n);
   } else {
-    n->right = insert(n->right, b);
+    n->right = insert(t, n->right, b);
     if (n->right->prio > n->prio) n = rot_left(n);
   }
   return n;
@@ -55,11 +56,11 @@ static np_block *join(np_block *a, np_block *b) {
   return b;
 }
 
-static np_block *remove_node(np_block *n, np_block *b) {
+static np_block *remove_node(const np_tree *t, np_block *n, np_block *b) {
   if (!n) return NULL;
   if (n == b) return join(n->left, n->right);
-  if (key_cmp(b, n) < 0) n->left = remove_node(n->left, b);
-  else n->right = remove_node(n->right, b);
+  if (key_cmp(t, b, n) < 0) n->left = remove_node(t, n->left, b);
+  else n->right = remove_node(t, n->right, b);
   return n;
 }
 
@@ -67,7 +68,7 @@ void np_tree_insert(np_tree *t, np_block *b) {
   NP_ASSERT(!b->in_tree);
   b->left = b->right = NULL;
   b->prio = next_prio(t);
-  t->root = insert(t->root, b);
+  t->root = insert(t, t->root, b);
   b->in_tree = 1;
   t->count++;
   t->bytes += b->size;
@@ -75,7 +76,7 @@ void np_tree_insert(np_tree *t, np_block *b) {
 
 void np_tree_remove(np_tree *t, np_block *b) {
   NP_ASSERT(b->in_tree);
-  t->root = remove_node(t->root, b);
+  t->root = remove_node(t, t->root, b);
   b->in_tree = 0;
   b->left = b->right = NULL;
   t->count--;
@@ -101,10 +102,38 @@ np_block *np_tree_best_fit(const np_tree *t, intptr_t stream, uint64_t size) {
   return b && b->stream == stream ? b : NULL;
 }
 
+np_block *np_tree_floor(const np_tree *t, uintptr_t addr) {
+  NP_ASSERT(t->by_addr);
+  np_block *best = NULL;
+  for (np_block *n = t->root; n;) {
+    if (n->addr <= addr) {
+      best = n;
+      n = n->right;
+    } else {
+      n = n->left;
+    }
+  }
+  return best;
+}
+
+np_block *np_tree_after(const np_tree *t, uintptr_t addr) {
+  NP_ASSERT(t->by_addr);
+  np_block *best = NULL;
+  for (np_block *n = t->root; n;) {
+    if (n->addr > addr) {
+      best = n;
+      n = n->left;
+    } else {
+      n = n->right;
+    }
+  }
+  return best;
+}
+
 np_block *np_tree_next(const np_tree *t, const np_block *b) {
   np_block *best = NULL;
   for (np_block *n = t->root; n;) {
-    if (key_cmp(n, b) > 0) {
+    if (key_cmp(t, n, b) > 0) {
       best = n;
       n = n->left;
     } else {
@@ -132,18 +161,19 @@ static bool walk(np_block *n, bool (*fn)(np_block *, void *), void *arg) {
 
 void np_tree_walk(const np_tree *t, bool (*fn)(np_block *b, void *arg), void *arg) { walk(t->root, fn, arg); }
 
-static bool check(const np_block *n, const np_block *lo, const np_block *hi, size_t *count, uint64_t *bytes) {
+static bool check(const np_tree *t, const np_block *n, const np_block *lo, const np_block *hi, size_t *count,
+                  uint64_t *bytes) {
   if (!n) return true;
   if (!n->in_tree || n->allocated) return false;
-  if ((lo && key_cmp(lo, n) >= 0) || (hi && key_cmp(n, hi) >= 0)) return false;
+  if ((lo && key_cmp(t, lo, n) >= 0) || (hi && key_cmp(t, n, hi) >= 0)) return false;
   if ((n->left && n->left->prio > n->prio) || (n->right && n->right->prio > n->prio)) return false;
   (*count)++;
   *bytes += n->size;
-  return check(n->left, lo, n, count, bytes) && check(n->right, n, hi, count, bytes);
+  return check(t, n->left, lo, n, count, bytes) && check(t, n->right, n, hi, count, bytes);
 }
 
 bool np_tree_check(const np_tree *t) {
   size_t count = 0;
   uint64_t bytes = 0;
-  return check(t->root, NULL, NULL, &count, &bytes) && count == t->count && bytes == t->bytes;
+  return check(t, t->root, NULL, NULL, &count, &bytes) && count == t->count && bytes == t->bytes;
 }

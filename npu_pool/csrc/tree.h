@@ -1,9 +1,12 @@
-/* tree.h -- ordered set of free blocks keyed by (stream, size, address).
+/* tree.h -- ordered set of free blocks keyed by (stream, size, address), or by
+ * address alone (by_addr).
  *
- * A treap: expected O(log n) insert, remove and lower_bound. The key order is
+ * A treap: expected O(log n) insert, remove and searches. The size order is
  * PyTorch's BlockComparatorSize, so "smallest block of this stream that fits,
- * lowest address first" is one lower_bound. Invariants: keys unique (addresses
- * are), BST order on keys, heap order on prio; count = number of nodes.
+ * lowest address first" is one lower_bound; an address-ordered tree answers
+ * "the free block at or below this address" instead. Invariants: keys unique
+ * (addresses are), BST order on keys, heap order on prio; count = number of nodes;
+ * a block's key fields do not change while it is in a tree.
  */
 #ifndef NP_TREE_H
 #define NP_TREE_H
@@ -15,14 +18,18 @@ typedef struct np_tree {
   size_t count;
   uint64_t bytes;     /* sum of sizes */
   uint64_t rng;       /* priority generator state */
+  bool by_addr;       /* keyed by address alone (set before the first insert) */
 } np_tree;
 
 void np_tree_insert(np_tree *t, np_block *b);
 void np_tree_remove(np_tree *t, np_block *b);
-/* Smallest block with key >= (stream, size, 0); NULL if none. May be of another stream. */
+/* Size-ordered trees. Smallest block with key >= (stream, size, 0); NULL if none. May be of another stream. */
 np_block *np_tree_lower_bound(const np_tree *t, intptr_t stream, uint64_t size);
 /* Smallest-fitting block of exactly this stream, or NULL. */
 np_block *np_tree_best_fit(const np_tree *t, intptr_t stream, uint64_t size);
+/* Address-ordered trees: the block with the highest address <= addr / the lowest > addr, or NULL. */
+np_block *np_tree_floor(const np_tree *t, uintptr_t addr);
+np_block *np_tree_after(const np_tree *t, uintptr_t addr);
 /* The block after b in key order, or NULL. */
 np_block *np_tree_next(const np_tree *t, const np_block *b);
 /* Largest block of any stream, or NULL. */
