@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "context.h"
+#include "streams.h"
 #include "tree.h"
 
 enum { LONG_POOL = 0, SHORT_POOL = 1 };
@@ -52,46 +53,21 @@ typedef struct arena {
   uint64_t mapped_bytes;
 } arena;
 
-#define MIXED (INTPTR_MIN + 1) /* tag of free memory last used by more than one stream */
-#define MAX_STREAMS 64
-
 typedef struct npu_pool_state {
   arena arena;
   bool vmm;
-  bool cross;           /* the backend can order streams: holes serve every stream */
   uint64_t page;        /* mapping granularity */
-  intptr_t streams[MAX_STREAMS]; /* streams that allocated, for waits on mixed memory */
-  int n_streams;
+  np_streams streams;   /* streams that allocated or were recorded, for waits on mixed memory */
 } npu_pool_state;
 
 static npu_pool_state *state(np_ctx *ctx) { return (npu_pool_state *)ctx->pstate; }
 
-static bool compatible(const npu_pool_state *ps, intptr_t a, intptr_t b) {
-  return ps->cross || a == b || a == NP_STREAM_ANY || b == NP_STREAM_ANY;
-}
-static intptr_t merged_tag(intptr_t a, intptr_t b) {
-  return a == b || b == NP_STREAM_ANY ? a : a == NP_STREAM_ANY ? b : MIXED;
-}
+/* Holes serve every stream when the backend can order streams and every stream is
+ * known; once too many streams were seen, holes stay with their stream. */
+static bool cross(const np_ctx *ctx, const npu_pool_state *ps) { return ctx->be->stream_wait && !ps->streams.full; }
 
-/* Order `stream` after the work queued on the streams that used memory tagged `tag`. */
-static int order_after(np_ctx *ctx, intptr_t stream, intptr_t tag) {
-  npu_pool_state *ps = state(ctx);
-  if (tag == NP_STREAM_ANY || tag == stream) return NP_OK;
-  ctx->st.stream_waits++;
-  if (tag != MIXED) return ctx->be->stream_wait(ctx->be, stream, tag);
-  for (int i = 0; i < ps->n_streams; i++) {
-    if (ps->streams[i] == stream) continue;
-    int rc = ctx->be->stream_wait(ctx->be, stream, ps->streams[i]);
-    if (rc != NP_OK) return rc;
-  }
-  return NP_OK;
-}
-
-static void note_stream(npu_pool_state *ps, intptr_t stream) {
-  for (int i = 0; i < ps->n_streams; i++)
-    if (ps->streams[i] == stream) return;
-  if (ps->n_streams < MAX_STREAMS) ps->streams[ps->n_streams++] = stream;
-  else ps->cross = false; /* too many streams to order mixed memory after: keep holes per stream */
+static bool compatible(const np_ctx *ctx, const npu_pool_state *ps, intptr_t a, intptr_t b) {
+  return a == b || a == NP_STREAM_ANY || b == NP_STREAM_ANY || cross(ctx, ps);
 }
 
 static int npu_pool_init(np_ctx *ctx) {
@@ -99,7 +75,6 @@ static int npu_pool_init(np_ctx *ctx) {
   if (!ps) return np_error(NP_ERR_HOST, "host out of memory");
   ps->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
   ps->page = ps->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
-  ps->cross = ctx->be->stream_wait != NULL;
   ctx->pstate = ps;
   ctx->st.vmm = ps->vmm;
   return NP_OK;
@@ -175,17 +150,6 @@ static void npu_pool_destroy(np_ctx *ctx) {
   free(ps);
 }
 
-/* True if every stream that used memory tagged `tag` has finished its queued work. */
-static bool settled(np_ctx *ctx, intptr_t tag) {
-  npu_pool_state *ps = state(ctx);
-  if (tag == NP_STREAM_ANY) return true;
-  if (!ctx->be->stream_idle) return false;
-  if (tag != MIXED) return ctx->be->stream_idle(ctx->be, tag) == 1;
-  for (int i = 0; i < ps->n_streams; i++)
-    if (ctx->be->stream_idle(ctx->be, ps->streams[i]) != 1) return false;
-  return true;
-}
-
 /* Under cap pressure: unmap whole free pages of settled free blocks (not `skip`),
  * highest first, until `need` bytes are back. Returns the bytes unmapped. */
 static uint64_t trim(np_ctx *ctx, arena *a, const np_block *skip, uint64_t need) {
@@ -193,7 +157,7 @@ static uint64_t trim(np_ctx *ctx, arena *a, const np_block *skip, uint64_t need)
   np_block *last = a->seg->head;
   while (last->next) last = last->next;
   for (np_block *b = last; b && before - a->mapped_bytes < need; b = b->prev) {
-    if (b->allocated || b == skip || !settled(ctx, b->stream)) continue;
+    if (b->allocated || b == skip || !np_tag_settled(ctx, &state(ctx)->streams, b->stream)) continue;
     uint64_t off = b->addr - a->seg->addr;
     unmap_pages(ctx, a, np_round_up(off, page) / page, (off + b->size) / page);
   }
@@ -247,12 +211,12 @@ static np_block *better(np_block *x, np_block *y) {
 
 /* Best-fitting hole for `stream`: of its own or untagged; failing that (cross-stream
  * reuse), of any other stream or mixed. */
-static np_block *best_hole(const npu_pool_state *ps, arena *a, intptr_t stream, uint64_t size) {
+static np_block *best_hole(const np_ctx *ctx, const npu_pool_state *ps, arena *a, intptr_t stream, uint64_t size) {
   np_block *h = better(np_tree_best_fit(&a->holes, stream, size), np_tree_best_fit(&a->holes, NP_STREAM_ANY, size));
-  if (h || !ps->cross) return h;
-  h = np_tree_best_fit(&a->holes, MIXED, size);
-  for (int i = 0; i < ps->n_streams; i++)
-    if (ps->streams[i] != stream) h = better(h, np_tree_best_fit(&a->holes, ps->streams[i], size));
+  if (h || !cross(ctx, ps)) return h;
+  h = np_tree_best_fit(&a->holes, NP_STREAM_MIXED, size);
+  for (int i = 0; i < ps->streams.n; i++)
+    if (ps->streams.ids[i] != stream) h = better(h, np_tree_best_fit(&a->holes, ps->streams.ids[i], size));
   return h;
 }
 
@@ -260,16 +224,16 @@ static np_block *best_hole(const npu_pool_state *ps, arena *a, intptr_t stream, 
 static void put_free(np_ctx *ctx, arena *a, np_block *b) {
   const npu_pool_state *ps = state(ctx);
   np_block *p = b->prev;
-  if (p && !p->allocated && compatible(ps, p->stream, b->stream)) {
+  if (p && !p->allocated && compatible(ctx, ps, p->stream, b->stream)) {
     np_tree_remove(&a->holes, p);
-    p->stream = merged_tag(p->stream, b->stream);
+    p->stream = np_tag_merge(p->stream, b->stream);
     np_block_merge_next(&ctx->blocks, p);
     b = p;
   }
   np_block *n = b->next;
-  if (n && !n->allocated && n != a->top && compatible(ps, n->stream, b->stream)) {
+  if (n && !n->allocated && n != a->top && compatible(ctx, ps, n->stream, b->stream)) {
     np_tree_remove(&a->holes, n);
-    b->stream = merged_tag(b->stream, n->stream);
+    b->stream = np_tag_merge(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
   }
   n = b->next;
@@ -299,7 +263,7 @@ static int carve(np_ctx *ctx, arena *a, np_block *h, uint64_t size, bool high, n
 
 static int try_place(np_ctx *ctx, arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
   npu_pool_state *ps = state(ctx);
-  np_block *h = best_hole(ps, a, stream, size);
+  np_block *h = best_hole(ctx, ps, a, stream, size);
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
     np_tree_remove(&a->holes, h);
@@ -310,7 +274,7 @@ static int try_place(np_ctx *ctx, arena *a, uint64_t size, intptr_t stream, bool
     np_block *below = t->prev;
     /* No hole fits, so a usable hole under the top is smaller than the request:
      * start the request there; it covers the whole hole, the rest is untagged. */
-    bool absorb = below && !below->allocated && compatible(ps, below->stream, stream) && below->size + t->size >= size;
+    bool absorb = below && !below->allocated && compatible(ctx, ps, below->stream, stream) && below->size + t->size >= size;
     if (!absorb && t->size < size) return np_error(NP_ERR_OOM, "the arena's address range is full");
     used_by = NP_STREAM_ANY;
     if (absorb) {
@@ -327,14 +291,14 @@ static int try_place(np_ctx *ctx, arena *a, uint64_t size, intptr_t stream, bool
   np_block *b = NULL;
   int rc = carve(ctx, a, h, size, !long_lived, &b);
   if (rc != NP_OK) {
-    h->stream = merged_tag(h->stream, used_by);
+    h->stream = np_tag_merge(h->stream, used_by);
     put_free(ctx, a, h);
     return rc;
   }
   rc = map_range(ctx, a, b);
-  if (rc == NP_OK) rc = order_after(ctx, stream, used_by);
+  if (rc == NP_OK) rc = np_order_after(ctx, &ps->streams, stream, used_by);
   if (rc != NP_OK) {
-    b->stream = merged_tag(b->stream, used_by);
+    b->stream = np_tag_merge(b->stream, used_by);
     put_free(ctx, a, b);
     return rc;
   }
@@ -392,7 +356,7 @@ static int npu_pool_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifet
   arena *a = &ps->arena;
   int rc = ensure_arena(ctx, a);
   if (rc != NP_OK) return rc;
-  note_stream(ps, stream);
+  np_streams_note(&ps->streams, stream);
   bool long_lived = lifetime != NP_LIFE_SHORT;
   rc = try_place(ctx, a, size, stream, long_lived, out);
   if (rc == NP_ERR_OOM) {
@@ -409,12 +373,12 @@ static int npu_pool_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifet
 
 static void npu_pool_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
   (void)b;
-  note_stream(state(ctx), stream); /* mixed memory waits on every noted stream */
+  np_streams_note(&state(ctx)->streams, stream); /* mixed memory waits on every noted stream */
 }
 
 static void npu_pool_free(np_ctx *ctx, np_block *b) {
   if (b->shared) { /* used on other streams too (record_stream): reuse must wait on all of them */
-    b->stream = MIXED;
+    b->stream = NP_STREAM_MIXED;
     b->shared = 0;
   }
   put_free(ctx, &state(ctx)->arena, b);
@@ -472,7 +436,7 @@ static int check_arena(np_ctx *ctx, arena *a) {
       continue;
     }
     if (!b->in_tree) return np_error(NP_ERR_STATE, "check: free block %#lx is not a hole", (unsigned long)b->addr);
-    if (b->next && !b->next->allocated && b->next != a->top && compatible(ps, b->stream, b->next->stream))
+    if (b->next && !b->next->allocated && b->next != a->top && compatible(ctx, ps, b->stream, b->next->stream))
       return np_error(NP_ERR_STATE, "check: compatible holes not merged at %#lx", (unsigned long)b->addr);
     holes++;
   }

@@ -44,6 +44,7 @@
 
 #include "context.h"
 #include "plan.h"
+#include "streams.h"
 #include "tree.h"
 
 enum { PLANNED_POOL = 0, FALLBACK_POOL = 1 };
@@ -51,8 +52,6 @@ enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
 /* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed */
 enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
 
-#define MIXED (INTPTR_MIN + 1) /* tag of free memory last used by more than one stream */
-#define MAX_STREAMS 64
 #define MAX_MISSES 16          /* mismatches in a row before the policy stops following */
 #define IDLE_TRIES 16          /* idle ranges tried per dynamic request */
 #define MAX_DRIFT 64           /* a repeated size pattern this close ahead resynchronises a following policy */
@@ -82,8 +81,7 @@ typedef struct planned_state {
   uint64_t recent[NP_PLAN_GRAM]; /* sizes of the latest requests, ring */
   uint64_t n_recent;
   uint64_t count[N_COUNTS];
-  intptr_t streams[MAX_STREAMS]; /* streams that allocated from the region, for waits on mixed memory */
-  int n_streams;
+  np_streams streams;          /* streams that allocated from the region, for waits on mixed memory */
 } planned_state;
 
 static planned_state *state(np_ctx *ctx) { return (planned_state *)ctx->pstate; }
@@ -123,28 +121,6 @@ static void fb_leave(np_ctx *ctx, fb_view v) {
 
 /* -- the region ------------------------------------------------------------------------- */
 
-static intptr_t merged_tag(intptr_t a, intptr_t b) {
-  return a == b || b == NP_STREAM_ANY ? a : a == NP_STREAM_ANY ? b : MIXED;
-}
-
-static void note_stream(planned_state *st, intptr_t stream) {
-  for (int i = 0; i < st->n_streams; i++)
-    if (st->streams[i] == stream) return;
-  if (st->n_streams < MAX_STREAMS) st->streams[st->n_streams++] = stream;
-}
-
-/* May `stream` use free memory tagged `tag`? Orders it after the tag's streams where the
- * backend can (an event wait); without that, only its own or untagged memory. */
-static bool usable(np_ctx *ctx, const planned_state *st, intptr_t tag, intptr_t stream) {
-  if (tag == stream || tag == NP_STREAM_ANY) return true;
-  if (!ctx->be->stream_wait || (tag == MIXED && st->n_streams >= MAX_STREAMS)) return false;
-  ctx->st.stream_waits++;
-  if (tag != MIXED) return ctx->be->stream_wait(ctx->be, stream, tag) == NP_OK;
-  for (int i = 0; i < st->n_streams; i++)
-    if (st->streams[i] != stream && ctx->be->stream_wait(ctx->be, stream, st->streams[i]) != NP_OK) return false;
-  return true;
-}
-
 static int region_reserve(np_ctx *ctx, planned_state *st) {
   if (st->seg) return NP_OK;
   if (st->seg_failed) return NP_ERR_OOM;
@@ -178,14 +154,14 @@ static void put_free(np_ctx *ctx, planned_state *st, np_block *b) {
   np_block *p = b->prev;
   if (p && !p->allocated) {
     np_tree_remove(&st->free, p);
-    p->stream = merged_tag(p->stream, b->stream);
+    p->stream = np_tag_merge(p->stream, b->stream);
     np_block_merge_next(&ctx->blocks, p);
     b = p;
   }
   np_block *n = b->next;
   if (n && !n->allocated) {
     np_tree_remove(&st->free, n);
-    b->stream = merged_tag(b->stream, n->stream);
+    b->stream = np_tag_merge(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
   }
   np_tree_insert(&st->free, b);
@@ -196,7 +172,8 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
                        np_block **out) {
   uintptr_t addr = st->seg->addr + off;
   np_block *h = np_tree_floor(&st->free, addr);
-  if (!h || h->addr + h->size < addr + size || !usable(ctx, st, h->stream, stream)) return NP_ERR_OOM;
+  if (!h || h->addr + h->size < addr + size || np_order_after(ctx, &st->streams, stream, h->stream) != NP_OK)
+    return NP_ERR_OOM; /* not free, or another stream's memory that cannot be ordered for this one */
   np_tree_remove(&st->free, h);
   if (h->addr < addr) { /* keep the free part below */
     np_block *piece = np_block_split(&ctx->blocks, h, h->addr + h->size - addr, true);
@@ -218,7 +195,7 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
   h->pool = PLANNED_POOL;
   h->prio = (uint32_t)pos; /* allocated blocks are in no tree: prio holds the position served */
   st->live++;
-  note_stream(st, stream);
+  np_streams_note(&st->streams, stream);
   *out = h;
   return NP_OK;
 }
@@ -231,7 +208,7 @@ static void region_free(np_ctx *ctx, planned_state *st, np_block *b) {
     trouble(st);
   st->live--;
   if (b->shared) { /* used on other streams too (record_stream) */
-    b->stream = MIXED;
+    b->stream = NP_STREAM_MIXED;
     b->shared = 0;
   }
   put_free(ctx, st, b);
@@ -468,7 +445,7 @@ static void planned_free(np_ctx *ctx, np_block *b) {
 static void planned_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
   planned_state *st = state(ctx);
   if (st->seg && b->seg == st->seg) {
-    note_stream(st, stream);
+    np_streams_note(&st->streams, stream);
     return;
   }
   if (!np_policy_npu_pool.record_stream) return;
