@@ -5,12 +5,12 @@ from typing import Any, Union
 
 from ._core import ffi, lib
 
-POLICIES: dict[str, int] = {"torch": lib.NP_POLICY_TORCH, "npu_pool": lib.NP_POLICY_NPU_POOL,
-                            "expandable": lib.NP_POLICY_EXPANDABLE, "planned": lib.NP_POLICY_PLANNED}
+POLICIES: dict[str, int] = {ffi.string(lib.np_policy_name(i)).decode(): i for i in range(lib.np_policy_count())}
 BACKENDS: dict[str, int] = {"sim": lib.NP_BACKEND_SIM, "acl": lib.NP_BACKEND_ACL, "cuda": lib.NP_BACKEND_CUDA}
 LIFETIMES: dict[str, int] = {"auto": lib.NP_LIFE_AUTO, "long": lib.NP_LIFE_LONG, "short": lib.NP_LIFE_SHORT}
-POOL_NAMES: dict[str, tuple[str, str]] = {"torch": ("small", "large"), "expandable": ("small", "large"),
-                                          "npu_pool": ("long", "short"), "planned": ("planned", "fallback")}
+POOL_NAMES: dict[str, tuple[str, ...]] = {
+    name: tuple(ffi.string(lib.np_policy_pool_name(i, p)).decode() for p in range(lib.NP_POOLS))
+    for name, i in POLICIES.items()}
 GiB = 1 << 30
 
 
@@ -69,6 +69,8 @@ def _as_dict(obj: Any) -> Any:
     if t.kind == "struct":
         return {name: _as_dict(getattr(obj, name)) for name, _ in t.fields}
     if t.kind == "array":
+        if t.item.cname == "char":
+            return ffi.string(obj).decode(errors="replace")
         return [_as_dict(x) for x in obj]
     return obj
 
@@ -109,8 +111,8 @@ class Pool:
     def close(self) -> None:
         """Return all device memory and destroy the context (pointers become invalid)."""
         if getattr(self, "_ctx", None) is not None:
-            lib.np_destroy(self._ctx)
-            self._ctx = None
+            ctx, self._ctx = self._ctx, None
+            _check(lib.np_destroy(ctx))
 
     def __enter__(self) -> "Pool":
         return self
@@ -119,7 +121,10 @@ class Pool:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except PoolError:
+            pass
 
     @property
     def ctx(self) -> Any:
@@ -187,9 +192,8 @@ class Pool:
         st = ffi.new("np_stats *")
         lib.np_get_stats(self.ctx, st)
         d = _as_dict(st[0])
-        names = POOL_NAMES[self.policy]
-        d["pools"] = {names[0]: d["pool"][0], names[1]: d["pool"][1]}
-        del d["pool"]
+        d["pools"] = {p.pop("name"): p for p in d.pop("pool")}
+        d["total"].pop("name")
         d["policy"] = self.policy
         d["vmm"] = bool(d["vmm"])
         return d
@@ -206,12 +210,12 @@ class Pool:
                 return [_as_dict(buf[i]) for i in range(n[0])]
 
     def recent_events(self, limit: int = 4096) -> list[dict[str, Any]]:
-        """The most recent allocator events (alloc, free, empty_cache, oom), oldest first."""
+        """The most recent allocator events (alloc, free, segment_*, empty_cache, oom, mark), oldest first."""
         buf = ffi.new("np_event_info[]", max(limit, 1))
         n = ffi.new("size_t *")
-        _check(lib.np_recent_events(self.ctx, buf, limit, n))
-        kinds = ("alloc", "free", "empty_cache", "oom")
-        return [dict(_as_dict(buf[i]), kind=kinds[buf[i].kind]) for i in range(n[0])]
+        _check(lib.np_history(self.ctx, buf, limit, n))
+        return [dict(_as_dict(buf[i]), kind=ffi.string(lib.np_vocab_name(lib.NP_VOCAB_EVENT, buf[i].kind)).decode())
+                for i in range(n[0])]
 
     def load_plan(self, plan: Any) -> None:
         """Install an allocation plan (a ``npu_pool.planner.Plan`` or a plan file) on a ``"planned"`` pool."""

@@ -1,24 +1,15 @@
 /* api.c -- the public entry points: validate, lock, call the internals. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-#include "context.h"
-
-static const np_policy *const policies[NP_POLICY_COUNT] = {
-    [NP_POLICY_TORCH] = &np_policy_torch,
-    [NP_POLICY_NPU_POOL] = &np_policy_npu_pool,
-    [NP_POLICY_EXPANDABLE] = &np_policy_expandable,
-    [NP_POLICY_PLANNED] = &np_policy_planned,
-};
-
-const char *np_policy_name(int policy) {
-  return policy >= 0 && policy < NP_POLICY_COUNT ? policies[policy]->name : "unknown";
-}
+#include "policy.h"
 
 void np_config_init(np_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
-  cfg->policy = NP_POLICY_NPU_POOL;
+  cfg->policy = np_policy_index("npu_pool");
   cfg->backend = NP_BACKEND_SIM;
   cfg->capacity = 64 * NP_GIB;
   cfg->vmm = 1;
@@ -40,24 +31,37 @@ np_backend *np_backend_create(const np_config *cfg) {
   }
 }
 
+static void names(np_ctx *ctx) {
+  snprintf(ctx->st.total.name, sizeof ctx->st.total.name, "all");
+  for (int p = 0; p < NP_POOLS; p++) snprintf(ctx->st.pool[p].name, sizeof ctx->st.pool[p].name, "%s", ctx->policy->pool_name[p]);
+}
+
 int np_create(const np_config *cfg, np_ctx **out) {
   *out = NULL;
   if (!cfg) return np_error(NP_ERR_INVALID, "np_create: config is NULL");
-  if (cfg->policy < 0 || cfg->policy >= NP_POLICY_COUNT)
-    return np_error(NP_ERR_INVALID, "unknown policy %d (torch=0, npu_pool=1, expandable=2)", cfg->policy);
+  const np_policy *policy = np_policy_at(cfg->policy);
+  if (!policy) {
+    char known[256] = "";
+    for (int i = 0, used = 0; i < np_policy_count() && used < (int)sizeof known; i++)
+      used += snprintf(known + used, sizeof known - (size_t)used, "%s%d=%s", i ? ", " : "", i, np_policy_name(i));
+    return np_error(NP_ERR_INVALID, "unknown policy %d (%s)", cfg->policy, known);
+  }
   int rc = check_fraction(cfg->fraction);
   if (rc != NP_OK) return rc;
   np_ctx *ctx = calloc(1, sizeof *ctx);
   if (!ctx) return np_error(NP_ERR_HOST, "host out of memory creating a context");
   ctx->cfg = *cfg;
   ctx->cfg.lib_path = NULL; /* not owned; only used while creating the backend */
-  ctx->policy = policies[cfg->policy];
+  ctx->policy = policy;
   ctx->default_life = ctx->base_life = NP_LIFE_LONG;
+  ctx->replay_time = -1;
+  names(ctx);
   pthread_mutex_init(&ctx->lock, NULL);
   if (!np_ptrmap_init(&ctx->live) || !np_lifetime_init(&ctx->life)) {
     rc = np_error(NP_ERR_HOST, "host out of memory creating a context");
     goto fail;
   }
+  np_ctx_set_history(ctx, NP_HISTORY_DEFAULT);
   ctx->be = np_backend_create(cfg);
   if (!ctx->be) {
     rc = NP_ERR_BACKEND;
@@ -70,6 +74,7 @@ int np_create(const np_config *cfg, np_ctx **out) {
   return NP_OK;
 fail:
   if (ctx->be) ctx->be->destroy(ctx->be);
+  np_ctx_history_free(ctx);
   np_lifetime_destroy(&ctx->life);
   np_ptrmap_destroy(&ctx->live);
   pthread_mutex_destroy(&ctx->lock);
@@ -77,15 +82,19 @@ fail:
   return rc;
 }
 
-void np_destroy(np_ctx *ctx) {
-  if (!ctx) return;
-  ctx->policy->destroy(ctx); /* returns every segment to the backend */
+int np_destroy(np_ctx *ctx) {
+  if (!ctx) return NP_OK;
+  ctx->policy->destroy(ctx); /* returns every segment to the device */
+  int rc = np_ctx_retry_held(ctx);
   ctx->be->destroy(ctx->be);
+  free(ctx->held);
+  np_ctx_history_free(ctx);
   np_block_cache_destroy(&ctx->blocks);
   np_lifetime_destroy(&ctx->life);
   np_ptrmap_destroy(&ctx->live);
   pthread_mutex_destroy(&ctx->lock);
   free(ctx);
+  return rc;
 }
 
 int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out) {
@@ -133,15 +142,32 @@ void np_get_stats(np_ctx *ctx, np_stats *out) {
   pthread_mutex_unlock(&ctx->lock);
 }
 
+/* Every counter of the statistics, for the resets. */
+static int counters(np_ctx *ctx, np_counter **c) {
+  int n = 0;
+  np_pool_stats *ps[NP_POOLS + 1] = {&ctx->st.total, &ctx->st.pool[0], &ctx->st.pool[1]};
+  for (int i = 0; i <= NP_POOLS; i++) {
+    np_counter *cs[6] = {&ps[i]->allocated, &ps[i]->requested, &ps[i]->active,
+                         &ps[i]->reserved, &ps[i]->blocks, &ps[i]->segments};
+    for (int j = 0; j < 6; j++) c[n++] = cs[j];
+  }
+  c[n++] = &ctx->st.arena_hwm;
+  return n;
+}
+
 void np_reset_peak(np_ctx *ctx) {
   pthread_mutex_lock(&ctx->lock);
-  np_pool_stats *ps[3] = {&ctx->st.total, &ctx->st.pool[0], &ctx->st.pool[1]};
-  for (int i = 0; i < 3; i++) {
-    np_counter *c[6] = {&ps[i]->allocated, &ps[i]->requested, &ps[i]->active,
-                        &ps[i]->reserved, &ps[i]->blocks, &ps[i]->segments};
-    for (int j = 0; j < 6; j++) c[j]->peak = c[j]->current;
-  }
-  ctx->st.arena_hwm.peak = ctx->st.arena_hwm.current;
+  np_counter *c[6 * (NP_POOLS + 1) + 1];
+  for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->peak = c[i]->current;
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+void np_reset_accumulated(np_ctx *ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  np_counter *c[6 * (NP_POOLS + 1) + 1];
+  for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->allocated = c[i]->freed = 0;
+  np_stats *st = &ctx->st;
+  st->ooms = st->retries = st->syncs = st->device_mallocs = st->device_frees = 0;
   pthread_mutex_unlock(&ctx->lock);
 }
 
@@ -193,6 +219,16 @@ static int seg_cmp(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* Whether every byte of b is backed by physical memory. */
+static bool block_mapped(const np_ctx *ctx, const np_block *b) {
+  const np_segment *s = b->seg;
+  if (!s->reserved_only) return true;
+  uint64_t g = ctx->be->granularity;
+  for (uint64_t p = (b->addr - s->addr) / g, end = (b->addr + b->size - 1 - s->addr) / g; p <= end; p++)
+    if (!s->pages[p]) return false;
+  return true;
+}
+
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   pthread_mutex_lock(&ctx->lock);
   size_t nseg = 0, k = 0;
@@ -208,24 +244,16 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   for (size_t i = 0; i < nseg; i++) {
     for (np_block *b = segs[i]->head; b; b = b->next, k++) {
       if (k >= cap) continue;
+      bool tagged = b->allocated || b->stream != NP_STREAM_ANY;
       out[k] = (np_block_info){.segment = segs[i]->addr, .segment_size = segs[i]->size, .addr = b->addr,
                                .size = b->size, .requested = b->allocated ? b->requested : 0,
-                               .stream = b->stream, .site = b->allocated ? b->site : -1, .pool = b->pool,
-                               .allocated = b->allocated, .mapped = b->mapped};
+                               .stream = tagged ? b->stream : 0, .site = b->allocated ? b->site : -1,
+                               .pool = b->pool, .allocated = b->allocated, .mapped = block_mapped(ctx, b),
+                               .tagged = !b->allocated && tagged};
     }
   }
   *n = k;
   free(segs);
-  pthread_mutex_unlock(&ctx->lock);
-  return NP_OK;
-}
-
-int np_recent_events(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
-  pthread_mutex_lock(&ctx->lock);
-  uint64_t kept = ctx->n_events < NP_RECENT_EVENTS ? ctx->n_events : NP_RECENT_EVENTS;
-  if (cap > kept) cap = kept;
-  for (size_t i = 0; i < cap; i++) out[i] = ctx->recent[(ctx->n_events - cap + i) % NP_RECENT_EVENTS];
-  *n = cap;
   pthread_mutex_unlock(&ctx->lock);
   return NP_OK;
 }

@@ -1,11 +1,18 @@
-/* backend.h -- where device memory comes from.
+/* backend.h -- where device memory comes from: a thin table of vendor calls over one device.
  *
- * A backend is a table of functions over one device. Plain allocation (malloc /
- * free) is mandatory; the virtual-memory group (reserve, release, map, unmap)
- * is present only where the vendor has it (granularity > 0), and lets an arena
- * reserve address space once and back it with physical pages as it grows.
- * Functions return NP_OK or an NP_ERR_* code after setting np_error().
- * Backends are not thread-safe by themselves: the context's mutex guards them.
+ * Plain allocation (malloc / free) is mandatory. The virtual-memory group is present only
+ * where the vendor has it (granularity > 0): reserve / release an address range, and the
+ * calls on one physical page of `granularity` bytes (create, map at an address, unmap,
+ * release). Everything above one page -- which pages of a reservation are mapped, and to
+ * which handle, what failed and is still held -- is the core's VMM layer (vmm.h), the same
+ * for every vendor. Vendor rules stay here: `request_align` / `request_tail` pad every
+ * request (Ascend kernels may touch 32 bytes past a tensor: round up to 32, add 32).
+ *
+ * Functions return NP_OK or an NP_ERR_* code after setting np_error(). A call that fails
+ * changed nothing on the device (the vendors' contract; a page whose unmap failed is still
+ * mapped). Page calls assume the backend's device is current: the VMM layer brackets them
+ * with enter/leave (optional). Backends are not thread-safe by themselves: the context's
+ * mutex guards them.
  */
 #ifndef NP_BACKEND_H
 #define NP_BACKEND_H
@@ -16,16 +23,23 @@ typedef struct np_backend np_backend;
 
 struct np_backend {
   const char *name;
-  uint64_t total;        /* device memory in bytes */
-  uint64_t granularity;  /* physical page size of map/unmap; 0 = no virtual-memory API */
+  uint64_t total;          /* device memory in bytes */
+  uint64_t granularity;    /* physical page size of the page calls; 0 = no virtual-memory API */
+  uint32_t request_align;  /* requests round up to a multiple of this (0: no rule) */
+  uint32_t request_tail;   /* ... and get this many bytes more */
   int (*malloc)(np_backend *be, uint64_t size, uintptr_t *out);
   int (*free)(np_backend *be, uintptr_t addr, uint64_t size);
   int (*reserve)(np_backend *be, uint64_t size, uintptr_t *out);
   int (*release)(np_backend *be, uintptr_t addr, uint64_t size);
-  int (*map)(np_backend *be, uintptr_t addr, uint64_t size);
-  int (*unmap)(np_backend *be, uintptr_t addr, uint64_t size);
-  int (*synchronize)(np_backend *be, intptr_t stream); /* NP_STREAM_ANY: whole device */
-  void (*hint_addr)(np_backend *be, uintptr_t addr);  /* optional: next malloc's address */
+  int (*page_create)(np_backend *be, uint64_t *handle);  /* a physical page; handles are never 0 */
+  int (*page_release)(np_backend *be, uint64_t handle);
+  int (*page_map)(np_backend *be, uintptr_t va, uint64_t handle);
+  int (*page_unmap)(np_backend *be, uintptr_t va);
+  int (*page_access)(np_backend *be, uintptr_t va, uint64_t size); /* optional: enable access to a mapped run */
+  int (*enter)(np_backend *be, int *prev);                          /* optional: make the device current */
+  void (*leave)(np_backend *be, int prev);
+  int (*synchronize)(np_backend *be, intptr_t stream);              /* NP_STREAM_ANY: whole device */
+  void (*hint_addr)(np_backend *be, uintptr_t addr);                /* optional: next malloc's address */
   /* optional: make `waiter` wait (on the device, no host sync) for work queued so far on `on`;
    * lets memory freed on one stream be reused on another, as cudaMallocAsync pools do */
   int (*stream_wait)(np_backend *be, intptr_t waiter, intptr_t on);

@@ -6,15 +6,18 @@
  * memory (aclrtReserveMemAddress, aclrtMallocPhysical, aclrtMapMem,
  * aclrtUnmapMem, aclrtFreePhysical, aclrtReleaseMemAddress) is used when the
  * library exports all of it and a one-page reservation succeeds; otherwise
- * granularity is 0 and the arena makes one aclrtMalloc. Each granularity page
- * gets its own physical allocation (aclrtUnmapMem unmaps whole mappings only),
- * so any page-aligned sub-range can be unmapped (see np_vmm in dl.h).
+ * granularity is 0 and the arena makes one aclrtMalloc. The page calls work on one
+ * granularity page each (aclrtUnmapMem unmaps whole mappings only); the core's VMM
+ * layer (vmm.h) keeps the page table.
+ *
+ * Vendor rule: Ascend kernels may read or write up to 32 bytes past a tensor, so every
+ * request is rounded up to 32 bytes and given 32 more (aclrtMalloc's own rule).
  *
  * Invariant: every vendor call runs with this backend's device current (the
- * caller's device is restored after, when it had one). free synchronises the
- * device first, as cudaFree does by itself; unmap does not: the policy unmaps
- * only pages no queued work can still use (after a synchronisation, or on
- * streams stream_idle reports finished).
+ * caller's device is restored after, when it had one; page calls rely on the
+ * VMM layer's enter/leave). free synchronises the device first, as cudaFree does
+ * by itself; unmap does not: the policy unmaps only pages no queued work can
+ * still use (after a synchronisation, or on streams stream_idle reports finished).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +25,8 @@
 
 #include "backend.h"
 #include "dl.h"
+
+#define ACL_PAD 32 /* bytes Ascend kernels may touch past a tensor; requests round to it too */
 
 typedef int acl_err; /* aclError; 0 is ACL_SUCCESS */
 
@@ -115,7 +120,6 @@ typedef struct acl_backend {
   int device;
   uint64_t reserve_flags; /* ACL_RESERVE_HUGE_PAGES, or 0 where the runtime wants the reserved 0 */
   acl_phys_prop prop;     /* physical pages: huge-page HBM of `device` */
-  np_vmm vmm;
   char name[192];         /* "acl", or "acl (no VMM: why)" */
 } acl_backend;
 
@@ -164,6 +168,9 @@ static int enter(acl_backend *a, int *prev) {
 static void leave(acl_backend *a, int prev) {
   if (prev >= 0) a->api.aclrtSetDevice(prev);
 }
+
+static int acl_enter(np_backend *be, int *prev) { return enter((acl_backend *)be, prev); }
+static void acl_leave(np_backend *be, int prev) { leave((acl_backend *)be, prev); }
 
 static int sync_device(acl_backend *a) {
   acl_err e = a->api.aclrtSynchronizeDevice();
@@ -251,45 +258,40 @@ static int acl_stream_idle(np_backend *be, intptr_t stream) {
   return !e && status == ACL_STREAM_STATUS_COMPLETE;
 }
 
-/* ---- virtual memory: one page per vendor call ------------------------------ */
+/* ---- virtual memory: one page per vendor call (the device is current) ------- */
 
-static int page_create(void *be, uint64_t *handle) {
-  acl_backend *a = be;
+static int page_create(np_backend *be, uint64_t *handle) {
+  acl_backend *a = (acl_backend *)be;
   void *h = NULL;
-  acl_err e = a->api.aclrtMallocPhysical(&h, a->base.granularity, &a->prop, 0);
+  acl_err e = a->api.aclrtMallocPhysical(&h, be->granularity, &a->prop, 0);
   char s[32];
-  if (e) return acl_fail(a, "aclrtMallocPhysical", np_fmt_bytes(a->base.granularity, s), e);
+  if (e) return acl_fail(a, "aclrtMallocPhysical", np_fmt_bytes(be->granularity, s), e);
   *handle = (uint64_t)(uintptr_t)h;
   return NP_OK;
 }
 
-static int page_release(void *be, uint64_t handle) {
-  acl_backend *a = be;
+static int page_release(np_backend *be, uint64_t handle) {
+  acl_backend *a = (acl_backend *)be;
   acl_err e = a->api.aclrtFreePhysical((void *)(uintptr_t)handle);
   return e ? acl_fail(a, "aclrtFreePhysical", "handle", e) : NP_OK;
 }
 
-static int page_map(void *be, uintptr_t va, uint64_t handle) {
-  acl_backend *a = be;
-  acl_err e = a->api.aclrtMapMem((void *)va, a->base.granularity, 0, (void *)(uintptr_t)handle, 0);
+static int page_map(np_backend *be, uintptr_t va, uint64_t handle) {
+  acl_backend *a = (acl_backend *)be;
+  acl_err e = a->api.aclrtMapMem((void *)va, be->granularity, 0, (void *)(uintptr_t)handle, 0);
   char s[32];
   return e ? acl_fail(a, "aclrtMapMem", addr_arg(va, s), e) : NP_OK;
 }
 
-static int page_unmap(void *be, uintptr_t va) {
-  acl_backend *a = be;
+static int page_unmap(np_backend *be, uintptr_t va) {
+  acl_backend *a = (acl_backend *)be;
   acl_err e = a->api.aclrtUnmapMem((void *)va);
   char s[32];
   return e ? acl_fail(a, "aclrtUnmapMem", addr_arg(va, s), e) : NP_OK;
 }
 
-static const np_vmm_ops acl_pages = {page_create, page_release, page_map, page_unmap, NULL};
-
 static int acl_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   acl_backend *a = (acl_backend *)be;
-  if (size == 0 || size % be->granularity)
-    return np_error(NP_ERR_INVALID, "acl: reserve size %llu is not a multiple of the %llu-byte granularity",
-                    (unsigned long long)size, (unsigned long long)be->granularity);
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
   void *p = NULL;
@@ -297,8 +299,6 @@ static int acl_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   if (e) {
     char s[32];
     rc = acl_fail(a, "aclrtReserveMemAddress", np_fmt_bytes(size, s), e);
-  } else if ((rc = np_vmm_add(&a->vmm, (uintptr_t)p, size)) != NP_OK) {
-    a->api.aclrtReleaseMemAddress(p);
   } else {
     *out = (uintptr_t)p;
   }
@@ -308,51 +308,20 @@ static int acl_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
 
 static int acl_release(np_backend *be, uintptr_t addr, uint64_t size) {
   acl_backend *a = (acl_backend *)be;
+  (void)size;
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
-  rc = np_vmm_remove(&a->vmm, addr, size);
-  if (rc == NP_OK) {
-    acl_err e = a->api.aclrtReleaseMemAddress((void *)addr);
-    char s[32];
-    if (e) rc = acl_fail(a, "aclrtReleaseMemAddress", addr_arg(addr, s), e);
-  }
-  leave(a, prev);
-  return rc;
-}
-
-static int acl_map(np_backend *be, uintptr_t addr, uint64_t size) {
-  acl_backend *a = (acl_backend *)be;
-  int prev, rc = enter(a, &prev);
-  if (rc != NP_OK) return rc;
-  rc = np_vmm_map(&a->vmm, addr, size);
-  leave(a, prev);
-  return rc;
-}
-
-static int acl_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
-  acl_backend *a = (acl_backend *)be;
-  int prev, rc = enter(a, &prev);
-  if (rc != NP_OK) return rc;
-  rc = np_vmm_unmap(&a->vmm, addr, size); /* the policy made sure no queued work uses the pages */
+  acl_err e = a->api.aclrtReleaseMemAddress((void *)addr);
+  char s[32];
+  if (e) rc = acl_fail(a, "aclrtReleaseMemAddress", addr_arg(addr, s), e);
   leave(a, prev);
   return rc;
 }
 
 /* ---- life cycle ------------------------------------------------------------ */
 
-static void acl_destroy(np_backend *be) {
+static void acl_destroy(np_backend *be) { /* the context returned its memory first */
   acl_backend *a = (acl_backend *)be;
-  if (be->granularity) {
-    int prev;
-    bool entered = enter(a, &prev) == NP_OK;
-    while (a->vmm.n) {
-      np_vrange r = a->vmm.ranges[0];
-      np_vmm_remove(&a->vmm, r.addr, r.size);
-      a->api.aclrtReleaseMemAddress((void *)r.addr);
-    }
-    if (entered) leave(a, prev);
-  }
-  np_vmm_destroy(&a->vmm);
   np_dl_close(a->lib);
   free(a);
 }
@@ -389,9 +358,10 @@ static void probe_vmm(acl_backend *a, const np_config *cfg, const char *missing)
   a->base.granularity = gran;
   a->base.reserve = acl_reserve;
   a->base.release = acl_release;
-  a->base.map = acl_map;
-  a->base.unmap = acl_unmap;
-  np_vmm_init(&a->vmm, gran, &acl_pages, a);
+  a->base.page_create = page_create;
+  a->base.page_release = page_release;
+  a->base.page_map = page_map;
+  a->base.page_unmap = page_unmap;
 }
 
 np_backend *np_backend_acl_create(const np_config *cfg) {
@@ -406,7 +376,8 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
   }
   a->device = cfg->device;
   snprintf(a->name, sizeof a->name, "acl");
-  a->base = (np_backend){.name = a->name, .malloc = acl_malloc, .free = acl_free,
+  a->base = (np_backend){.name = a->name, .request_align = ACL_PAD, .request_tail = ACL_PAD,
+                         .malloc = acl_malloc, .free = acl_free, .enter = acl_enter, .leave = acl_leave,
                          .synchronize = acl_synchronize, .destroy = acl_destroy};
   char where[1024], libname[1100], missing[64] = "";
   a->lib = np_dl_open(cfg->lib_path, acl_names, "the Ascend runtime (libascendcl.so; source CANN's set_env.sh)");

@@ -9,10 +9,11 @@
  * cuMemUnmap, cuMemRelease, cuMemAddressFree) is used when the driver exports
  * all of it and a probe succeeds (device attribute, granularity, a one-page
  * reservation); otherwise granularity is 0 and the arena makes one cudaMalloc.
- * Each granularity page gets its own physical allocation (see np_vmm in dl.h).
+ * The page calls work on one granularity page each; the core's VMM layer (vmm.h)
+ * keeps the page table.
  *
  * Invariant: every vendor call runs with this backend's device current and the
- * caller's device is restored after. cudaFree synchronises the device by itself;
+ * caller's device is restored after (page calls rely on the VMM layer's enter/leave). cudaFree synchronises the device by itself;
  * unmap does not: the policy unmaps only pages no queued work can still use
  * (after a synchronisation, or on streams stream_idle reports finished).
  */
@@ -125,7 +126,6 @@ typedef struct cuda_backend {
   int device;
   void *event;          /* cudaEvent_t for stream_wait, created on first use (re-recording is safe) */
   cu_alloc_prop prop;   /* physical pages: pinned device memory of `device` */
-  np_vmm vmm;
   char name[192];       /* "cuda", or "cuda (no VMM: why)" */
 } cuda_backend;
 
@@ -179,6 +179,9 @@ static int enter(cuda_backend *c, int *prev) {
 static void leave(cuda_backend *c, int prev) {
   if (prev >= 0) c->api.cudaSetDevice(prev);
 }
+
+static int cuda_enter(np_backend *be, int *prev) { return enter((cuda_backend *)be, prev); }
+static void cuda_leave(np_backend *be, int prev) { leave((cuda_backend *)be, prev); }
 
 /* ---- plain allocation ------------------------------------------------------ */
 
@@ -256,40 +259,40 @@ static int cuda_stream_idle(np_backend *be, intptr_t stream) {
   return e == 0;
 }
 
-/* ---- virtual memory: one page per vendor call ------------------------------ */
+/* ---- virtual memory: one page per vendor call (the device is current) ------- */
 
-static int page_create(void *be, uint64_t *handle) {
-  cuda_backend *c = be;
+static int page_create(np_backend *be, uint64_t *handle) {
+  cuda_backend *c = (cuda_backend *)be;
   cu_handle h = 0;
-  cu_err e = c->api.cuMemCreate(&h, c->base.granularity, &c->prop, 0);
+  cu_err e = c->api.cuMemCreate(&h, be->granularity, &c->prop, 0);
   char a[32];
-  if (e) return cu_fail(c, "cuMemCreate", bytes_arg(c->base.granularity, a), e);
+  if (e) return cu_fail(c, "cuMemCreate", bytes_arg(be->granularity, a), e);
   *handle = h;
   return NP_OK;
 }
 
-static int page_release(void *be, uint64_t handle) {
-  cuda_backend *c = be;
+static int page_release(np_backend *be, uint64_t handle) {
+  cuda_backend *c = (cuda_backend *)be;
   cu_err e = c->api.cuMemRelease(handle);
   return e ? cu_fail(c, "cuMemRelease", "handle", e) : NP_OK;
 }
 
-static int page_map(void *be, uintptr_t va, uint64_t handle) {
-  cuda_backend *c = be;
-  cu_err e = c->api.cuMemMap(va, c->base.granularity, 0, handle, 0);
+static int page_map(np_backend *be, uintptr_t va, uint64_t handle) {
+  cuda_backend *c = (cuda_backend *)be;
+  cu_err e = c->api.cuMemMap(va, be->granularity, 0, handle, 0);
   char a[32];
   return e ? cu_fail(c, "cuMemMap", addr_arg(va, a), e) : NP_OK;
 }
 
-static int page_unmap(void *be, uintptr_t va) {
-  cuda_backend *c = be;
-  cu_err e = c->api.cuMemUnmap(va, c->base.granularity);
+static int page_unmap(np_backend *be, uintptr_t va) {
+  cuda_backend *c = (cuda_backend *)be;
+  cu_err e = c->api.cuMemUnmap(va, be->granularity);
   char a[32];
   return e ? cu_fail(c, "cuMemUnmap", addr_arg(va, a), e) : NP_OK;
 }
 
-static int run_access(void *be, uintptr_t va, uint64_t size) {
-  cuda_backend *c = be;
+static int page_access(np_backend *be, uintptr_t va, uint64_t size) {
+  cuda_backend *c = (cuda_backend *)be;
   cu_access_desc d = {.location = c->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   cu_err e = c->api.cuMemSetAccess(va, size, &d, 1);
   if (!e) return NP_OK;
@@ -298,13 +301,8 @@ static int run_access(void *be, uintptr_t va, uint64_t size) {
   return cu_fail(c, "cuMemSetAccess", a, e);
 }
 
-static const np_vmm_ops cuda_pages = {page_create, page_release, page_map, page_unmap, run_access};
-
 static int cuda_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   cuda_backend *c = (cuda_backend *)be;
-  if (size == 0 || size % be->granularity)
-    return np_error(NP_ERR_INVALID, "cuda: reserve size %llu is not a multiple of the %llu-byte granularity",
-                    (unsigned long long)size, (unsigned long long)be->granularity);
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
   cu_ptr p = 0;
@@ -312,8 +310,6 @@ static int cuda_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   if (e) {
     char a[32];
     rc = cu_fail(c, "cuMemAddressReserve", bytes_arg(size, a), e);
-  } else if ((rc = np_vmm_add(&c->vmm, p, size)) != NP_OK) {
-    c->api.cuMemAddressFree(p, size);
   } else {
     *out = p;
   }
@@ -325,50 +321,18 @@ static int cuda_release(np_backend *be, uintptr_t addr, uint64_t size) {
   cuda_backend *c = (cuda_backend *)be;
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
-  rc = np_vmm_remove(&c->vmm, addr, size);
-  if (rc == NP_OK) {
-    cu_err e = c->api.cuMemAddressFree(addr, size);
-    char a[32];
-    if (e) rc = cu_fail(c, "cuMemAddressFree", bytes_arg(size, a), e);
-  }
-  leave(c, prev);
-  return rc;
-}
-
-static int cuda_map(np_backend *be, uintptr_t addr, uint64_t size) {
-  cuda_backend *c = (cuda_backend *)be;
-  int prev, rc = enter(c, &prev);
-  if (rc != NP_OK) return rc;
-  rc = np_vmm_map(&c->vmm, addr, size);
-  leave(c, prev);
-  return rc;
-}
-
-static int cuda_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
-  cuda_backend *c = (cuda_backend *)be;
-  int prev, rc = enter(c, &prev);
-  if (rc != NP_OK) return rc;
-  rc = np_vmm_unmap(&c->vmm, addr, size); /* the policy made sure no queued work uses the pages */
+  cu_err e = c->api.cuMemAddressFree(addr, size);
+  char a[32];
+  if (e) rc = cu_fail(c, "cuMemAddressFree", bytes_arg(size, a), e);
   leave(c, prev);
   return rc;
 }
 
 /* ---- life cycle ------------------------------------------------------------ */
 
-static void cuda_destroy(np_backend *be) {
+static void cuda_destroy(np_backend *be) { /* the context returned its memory first */
   cuda_backend *c = (cuda_backend *)be;
-  if (be->granularity) {
-    int prev;
-    bool entered = enter(c, &prev) == NP_OK;
-    while (c->vmm.n) {
-      np_vrange r = c->vmm.ranges[0];
-      np_vmm_remove(&c->vmm, r.addr, r.size);
-      c->api.cuMemAddressFree(r.addr, r.size);
-    }
-    if (entered) leave(c, prev);
-  }
   if (c->event) c->api.cudaEventDestroy(c->event);
-  np_vmm_destroy(&c->vmm);
   np_dl_close(c->driver);
   np_dl_close(c->runtime);
   free(c);
@@ -408,9 +372,11 @@ static void probe_vmm(cuda_backend *c, const np_config *cfg, const char *missing
   c->base.granularity = gran;
   c->base.reserve = cuda_reserve;
   c->base.release = cuda_release;
-  c->base.map = cuda_map;
-  c->base.unmap = cuda_unmap;
-  np_vmm_init(&c->vmm, gran, &cuda_pages, c);
+  c->base.page_create = page_create;
+  c->base.page_release = page_release;
+  c->base.page_map = page_map;
+  c->base.page_unmap = page_unmap;
+  c->base.page_access = page_access;
 }
 
 /* Split "RUNTIME[:DRIVER]"; the driver is NULL for the default, "" for the runtime's own file. */
@@ -443,8 +409,8 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   }
   c->device = cfg->device;
   snprintf(c->name, sizeof c->name, "cuda");
-  c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free,
-                         .synchronize = cuda_synchronize, .destroy = cuda_destroy};
+  c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free, .enter = cuda_enter,
+                         .leave = cuda_leave, .synchronize = cuda_synchronize, .destroy = cuda_destroy};
   char rt_buf[1024], drv_buf[1024], where[1024], libname[1100], missing[64] = "";
   const char *rt_path, *drv_path;
   split_paths(cfg->lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);

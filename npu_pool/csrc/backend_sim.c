@@ -6,7 +6,7 @@
  * allocation or mapping is real host memory, so tests can write patterns.
  *
  * Invariant: `ranges` holds every live allocation and reservation, sorted by
- * address and pairwise disjoint; used = allocated bytes + mapped bytes.
+ * address and pairwise disjoint; used = allocated bytes + physical pages' bytes.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +16,7 @@
 
 #define SIM_BASE ((uintptr_t)1 << 40)  /* virtual addresses start at 1 TiB */
 #define SIM_ALIGN (2 * NP_MIB)
-#define SIM_PAGE (2 * NP_MIB)
+#define SIM_PAGE ((uint64_t)NP_SIM_PAGE)
 
 typedef struct sim_range {
   uintptr_t addr;
@@ -31,6 +31,7 @@ typedef struct sim_backend {
   uintptr_t hint;      /* one-shot address for the next malloc, 0 if none */
   sim_range *ranges;
   size_t n, cap;
+  uint64_t next_handle;
 } sim_backend;
 
 static size_t find_pos(const sim_backend *s, uintptr_t addr) {
@@ -138,24 +139,33 @@ static int sim_release(np_backend *be, uintptr_t addr, uint64_t size) {
   return rc;
 }
 
-static int sim_map(np_backend *be, uintptr_t addr, uint64_t size) {
+static int sim_page_create(np_backend *be, uint64_t *handle) {
   sim_backend *s = (sim_backend *)be;
-  int rc = charge(s, size);
-  if (rc != NP_OK) return rc;
-  if (s->host && mprotect((void *)addr, size, PROT_READ | PROT_WRITE) != 0) {
-    s->used -= size;
-    return np_error(NP_ERR_HOST, "sim: mprotect failed while mapping");
-  }
+  int rc = charge(s, be->granularity);
+  if (rc == NP_OK) *handle = ++s->next_handle;
+  return rc;
+}
+
+static int sim_page_release(np_backend *be, uint64_t handle) {
+  (void)handle;
+  ((sim_backend *)be)->used -= be->granularity;
   return NP_OK;
 }
 
-static int sim_unmap(np_backend *be, uintptr_t addr, uint64_t size) {
+static int sim_page_map(np_backend *be, uintptr_t va, uint64_t handle) {
+  sim_backend *s = (sim_backend *)be;
+  (void)handle;
+  if (s->host && mprotect((void *)va, be->granularity, PROT_READ | PROT_WRITE) != 0)
+    return np_error(NP_ERR_HOST, "sim: mprotect failed while mapping");
+  return NP_OK;
+}
+
+static int sim_page_unmap(np_backend *be, uintptr_t va) {
   sim_backend *s = (sim_backend *)be;
   if (s->host) {
-    madvise((void *)addr, size, MADV_DONTNEED);
-    mprotect((void *)addr, size, PROT_NONE);
+    madvise((void *)va, be->granularity, MADV_DONTNEED);
+    mprotect((void *)va, be->granularity, PROT_NONE);
   }
-  s->used -= size;
   return NP_OK;
 }
 
@@ -206,8 +216,10 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .free = sim_free,
       .reserve = cfg->vmm ? sim_reserve : NULL,
       .release = cfg->vmm ? sim_release : NULL,
-      .map = cfg->vmm ? sim_map : NULL,
-      .unmap = cfg->vmm ? sim_unmap : NULL,
+      .page_create = cfg->vmm ? sim_page_create : NULL,
+      .page_release = cfg->vmm ? sim_page_release : NULL,
+      .page_map = cfg->vmm ? sim_page_map : NULL,
+      .page_unmap = cfg->vmm ? sim_page_unmap : NULL,
       .synchronize = sim_synchronize,
       .hint_addr = sim_hint,
       .stream_wait = sim_stream_wait,

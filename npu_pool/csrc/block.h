@@ -32,6 +32,7 @@ typedef struct np_block {
   uint8_t in_tree;
   uint8_t mapped;                /* expandable: backed by physical pages */
   uint8_t shared;                /* allocated, and used on another stream too (record_stream) */
+  uint8_t life;                  /* allocated: the NP_LIFE_* class it was placed as */
 } np_block;
 
 /* Block structs come from a slab list owned by the context; never from the device. */

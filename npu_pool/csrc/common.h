@@ -1,4 +1,4 @@
-/* common.h -- constants, rounding, debug checks and error reporting shared by the core. */
+/* common.h -- constants, rounding, counters, debug checks and error reporting shared by the core. */
 #ifndef NP_COMMON_H
 #define NP_COMMON_H
 
@@ -12,26 +12,36 @@
 #define NP_MIB ((uint64_t)1 << 20)
 #define NP_GIB ((uint64_t)1 << 30)
 
-#define NP_MIN_BLOCK 512u                 /* every block size is a multiple of this */
+#define NP_MIN_BLOCK ((uint64_t)NP_ROUND)  /* every block size is a multiple of this */
 #define NP_MAX_REQUEST ((uint64_t)1 << 48) /* larger requests are rejected as absurd */
 #define NP_STREAM_ANY INTPTR_MIN          /* tag of free memory usable by every stream */
+#define NP_POOL_SHARED NP_POOLS           /* pool index of memory both pools use (arena pages) */
 
 static inline uint64_t np_round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 static inline uint64_t np_round_down(uint64_t x, uint64_t to) { return x / to * to; }
 static inline uint64_t np_min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static inline uint64_t np_max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
-/* Statistics counter with a high-water mark. */
+/* Statistics counter: current value, high-water mark, and the sums of its changes. */
 static inline void np_counter_add(np_counter *c, uint64_t v) {
   c->current += v;
+  c->allocated += v;
   if (c->current > c->peak) c->peak = c->current;
 }
-static inline void np_counter_sub(np_counter *c, uint64_t v) { c->current -= v; }
+static inline void np_counter_sub(np_counter *c, uint64_t v) {
+  c->current -= v;
+  c->freed += v;
+}
 
 /* Set the calling thread's error message; returns code so callers can `return np_error(...)`. */
 int np_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Format a byte count as "1.50 GiB" into buf (at least 32 bytes); returns buf. */
 const char *np_fmt_bytes(uint64_t bytes, char *buf);
+
+/* Keep the current error message across calls that may overwrite it (a rollback's own failures). */
+typedef struct np_saved_error { int code; char text[1024]; } np_saved_error;
+void np_save_error(np_saved_error *s, int code);
+int np_restore_error(const np_saved_error *s);
 
 #ifdef NP_DEBUG
 #include <stdio.h>

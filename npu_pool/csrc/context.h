@@ -1,12 +1,15 @@
 /* context.h -- one allocator context per device.
  *
- * The context owns the backend, the policy state, the block structs, the map of
- * allocated blocks and the statistics, all guarded by one mutex: public entry
- * points lock it, internal functions (np_ctx_*) expect it held.
+ * The context owns the backend, the policy state, the block structs, the map of allocated
+ * blocks, the statistics, the event history and what the device still holds after a failed
+ * return, all guarded by one mutex: public entry points lock it, internal functions
+ * (np_ctx_*, np_segment_*, np_vmm_*) expect it held.
  *
- * Invariants: live holds exactly the allocated blocks; st.total.allocated is the
- * sum of their sizes, st.total.reserved the bytes held from the backend;
- * a successful malloc leaves reserved <= limit.
+ * Invariants: live holds exactly the allocated blocks; st.total.allocated is the sum of their
+ * sizes; st.total.reserved is the bytes the device holds for this context: every segment's
+ * mapped bytes plus st.unreleased (memory whose return failed, kept in `held` and retried);
+ * reserved changes only through np_ctx_reserved, which also writes the history; a
+ * successful malloc leaves reserved <= limit.
  */
 #ifndef NP_CONTEXT_H
 #define NP_CONTEXT_H
@@ -20,7 +23,47 @@
 
 typedef struct np_policy np_policy;
 
-#define NP_RECENT_EVENTS 4096 /* ring of recent events kept for OOM snapshots */
+#define NP_HISTORY_DEFAULT 4096 /* events kept unless np_set_history says otherwise */
+
+/* Stages the markers put the context in (np_ctx_mark). */
+enum { NP_STAGE_OUTSIDE = 0, NP_STAGE_SETUP, NP_STAGE_FORWARD, NP_STAGE_BACKWARD, NP_STAGE_OPTIMIZER, NP_STAGE_EVAL };
+
+/* Where the markers put the context: the latest marker, its stage, whether an evaluation is
+ * open and whether the forward/backward belongs to a later micro-batch (whose requests differ
+ * from the first's: gradient accumulation adds into the gradients the first one created),
+ * and the allocations since the latest marker. Meaningful once `any` is set. */
+typedef struct np_marks {
+  bool any;                  /* a marker or phase was ever set: lifetimes are learned per stage */
+  int code;                  /* NP_MARK_* of the latest marker */
+  int stage;                 /* NP_STAGE_* */
+  bool eval;
+  bool later_micro;
+  uint32_t pos;              /* allocations since the latest marker */
+  uint32_t optimizer_steps;  /* optimizer stages begun */
+} np_marks;
+
+/* Whether two marker states are the same place in an iteration (all but the counts). */
+static inline bool np_marks_same(const np_marks *a, const np_marks *b) {
+  return a->code == b->code && a->stage == b->stage && a->eval == b->eval && a->later_micro == b->later_micro;
+}
+
+/* Device memory whose return failed: still held by the device, counted as reserved, retried. */
+enum { NP_HELD_SEGMENT = 0, NP_HELD_PAGE = 1, NP_HELD_RESERVATION = 2 };
+typedef struct np_held {
+  int kind;
+  int pool;                  /* pool whose reserved bytes count it */
+  uintptr_t addr;            /* segment or reservation; a page still mapped at addr (0: unmapped) */
+  uint64_t size;             /* bytes (a page: the granularity) */
+  uint64_t handle;           /* page: the vendor handle */
+} np_held;
+
+/* What a policy says about a request it could not serve (set on NP_ERR_OOM). */
+typedef struct np_fail {
+  int pool;                  /* pool the request was for (NP_POOL_SHARED: memory both pools use) */
+  uint64_t needed;           /* bytes it needed in one piece (a rounded block, a segment, whole pages) */
+  uint64_t usable;           /* free bytes that pool could have used, were they in one piece: free
+                                blocks it may use plus what the cap still allows reserving */
+} np_fail;
 
 struct np_ctx {
   pthread_mutex_t lock;
@@ -35,41 +78,22 @@ struct np_ctx {
   np_stats st;
   np_lifetime life;          /* per-site lifetime history */
   uint32_t phase;            /* advanced by np_set_phase and np_mark */
-  bool phased;               /* phases are in use: learn and predict lifetimes per site */
-  int last_mark;             /* latest marker: code (bits 0-7), stage (8-11), eval (12), later micro-batch (13) */
-  uint32_t mark_pos;         /* allocations since the latest marker */
+  np_marks marks;
   int last_life;             /* class the latest successful malloc was placed as */
   int default_life;          /* class of NP_LIFE_AUTO requests with no site history */
   int base_life;             /* default_life outside set-up and the first optimizer step */
-  uint32_t optimizer_steps;  /* optimizer phases seen */
   uint64_t clock;            /* allocations so far */
-  np_event_info recent[NP_RECENT_EVENTS]; /* ring: entry seq % size */
+  bool trimming;             /* unmaps now are trims (history) */
+  np_fail fail;              /* the policy's account of the latest failed request */
+  np_held *held;             /* memory whose return failed */
+  size_t n_held, cap_held;
+  np_event_info *hist;       /* ring of the latest events: entry seq % hist_slots */
+  uint64_t hist_max;         /* np_set_history's bound */
+  uint64_t hist_slots;       /* slots allocated (grows to hist_max) */
   uint64_t n_events;         /* events recorded so far */
+  uint64_t t0_ns;            /* creation time */
+  int64_t replay_time;       /* inside np_replay: the trace event's index, else -1 */
 };
-
-/* A policy places requests. malloc returns an allocated block with size, pool and
- * stream set (accounting is done by the caller); free takes a block already
- * removed from the map and accounted. Optional hooks may be NULL. */
-struct np_policy {
-  const char *name;
-  int (*init)(np_ctx *ctx);
-  void (*destroy)(np_ctx *ctx);
-  int (*malloc)(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, np_block **out);
-  void (*free)(np_ctx *ctx, np_block *b);
-  int (*empty_cache)(np_ctx *ctx);
-  int (*set_limit)(np_ctx *ctx, uint64_t limit);    /* may refuse a new limit */
-  void (*fill_stats)(np_ctx *ctx, np_stats *st);    /* largest_free, arena figures */
-  int (*check)(np_ctx *ctx);
-  void (*record_stream)(np_ctx *ctx, np_block *b, intptr_t stream); /* b is used on `stream` too */
-  /* fidelity replays (torch policy): a recorded segment, a block at a recorded address */
-  int (*prime_segment)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, int pool);
-  int (*alloc_at)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, np_block **out);
-};
-
-extern const np_policy np_policy_torch;
-extern const np_policy np_policy_npu_pool;
-extern const np_policy np_policy_expandable;
-extern const np_policy np_policy_planned;
 
 /* Internal (lock held) versions of the public calls, used by replay. */
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out);
@@ -81,13 +105,31 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg);
 int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, void **out);
 void np_get_stats_locked(np_ctx *ctx, np_stats *out);
 int np_ctx_check(np_ctx *ctx);
-void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int lifetime);
+/* Synchronise the device (counted in stats.syncs). */
+int np_ctx_synchronize(np_ctx *ctx);
 
-/* Segments: a device malloc (or address reservation) and its first block. */
+/* Segments: a device malloc (or an address reservation) and its first block. */
 int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, bool reserve_only, np_segment **out);
+/* Return a segment to the device (a reservation's mapped pages are unmapped first); what the
+ * device refuses is held and retried (np_ctx_retry_held). */
 void np_segment_destroy(np_ctx *ctx, np_segment *seg);
-/* Reserved-bytes accounting for memory a policy maps or unmaps itself. */
-void np_ctx_reserved_add(np_ctx *ctx, int pool, uint64_t bytes);
-void np_ctx_reserved_sub(np_ctx *ctx, int pool, uint64_t bytes);
+
+/* The one accounting path for device memory: `action` (NP_EV_SEGMENT_ALLOC / FREE / MAP / UNMAP)
+ * of `bytes` at addr in seg changes reserved bytes, the device call counters, seg->mapped
+ * and the history. */
+void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, uint64_t bytes);
+/* Memory the device refused to take back: counted reserved (and unreleased) until a retry works.
+ * `from`: the segment whose mapped bytes it was counted in until now (NULL: not counted yet). */
+void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t handle, np_segment *from);
+/* Try to return held memory again; NP_OK when nothing is held any more. */
+int np_ctx_retry_held(np_ctx *ctx);
+
+/* History (history.c). */
+void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
+                   int lifetime);
+void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
+                       uint64_t device_free);
+int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries);
+void np_ctx_history_free(np_ctx *ctx);
 
 #endif

@@ -16,6 +16,13 @@ int np_error(int code, const char *fmt, ...) {
 
 const char *np_last_error(void) { return np_errbuf; }
 
+void np_save_error(np_saved_error *s, int code) {
+  s->code = code;
+  snprintf(s->text, sizeof s->text, "%s", np_errbuf);
+}
+
+int np_restore_error(const np_saved_error *s) { return np_error(s->code, "%s", s->text); }
+
 const char *np_fmt_bytes(uint64_t bytes, char *buf) {
   if (bytes >= NP_GIB) snprintf(buf, 32, "%.2f GiB", (double)bytes / (double)NP_GIB);
   else if (bytes >= NP_MIB) snprintf(buf, 32, "%.2f MiB", (double)bytes / (double)NP_MIB);

@@ -1,9 +1,10 @@
-/* npu_pool.h -- public C API of the npu_pool allocator core.
+/* npu_pool.h -- public C API of the npu_pool allocator core, and the vocabulary it shares
+ * with Python (npu_pool/vocab.py reads every code and name below through the binding).
  *
- * One np_ctx is one allocator for one device: a backend (where device memory
- * comes from), a policy (how requests are placed), statistics, and a mutex.
- * Every function is thread-safe on its context. Functions return NP_OK or an
- * NP_ERR_* code; np_last_error() then gives a message for the calling thread.
+ * One np_ctx is one allocator for one device: a backend (where device memory comes
+ * from), a policy (how requests are placed), statistics, an event history and a mutex.
+ * Every function is thread-safe on its context. Functions return NP_OK or an NP_ERR_*
+ * code; np_last_error() then gives a message for the calling thread.
  *
  * The block between CDEF BEGIN/END is read by cffi: plain declarations only.
  */
@@ -31,19 +32,56 @@ enum {
   NP_ERR_STATE = 7         /* call not allowed in the current state */
 };
 
-enum { NP_POLICY_TORCH = 0, NP_POLICY_NPU_POOL = 1, NP_POLICY_EXPANDABLE = 2, NP_POLICY_PLANNED = 3, NP_POLICY_COUNT = 4 };
-enum { NP_BACKEND_SIM = 0, NP_BACKEND_ACL = 1, NP_BACKEND_CUDA = 2 };
-enum { NP_LIFE_AUTO = 0, NP_LIFE_LONG = 1, NP_LIFE_SHORT = 2 };
-/* Phase markers; the same codes as MARK_* in npu_pool/trace/format.py. */
+/* ---- the vocabulary: codes here, names from np_vocab_name() -------------------------- */
+
+enum { NP_BACKEND_SIM = 0, NP_BACKEND_ACL = 1, NP_BACKEND_CUDA = 2, NP_BACKEND_COUNT = 3 };
+/* How long a request lives: placement class of the npu_pool policy. */
+enum { NP_LIFE_AUTO = 0, NP_LIFE_LONG = 1, NP_LIFE_SHORT = 2, NP_LIFE_COUNT = 3 };
+/* Phase markers (trace OP_MARK events carry them in `cat`). */
 enum {
   NP_MARK_SETUP_BEGIN = 0, NP_MARK_SETUP_END = 1, NP_MARK_ITER_BEGIN = 2, NP_MARK_ITER_END = 3,
   NP_MARK_FORWARD_BEGIN = 4, NP_MARK_FORWARD_END = 5, NP_MARK_BACKWARD_BEGIN = 6, NP_MARK_BACKWARD_END = 7,
   NP_MARK_LAYER_ENTER = 8, NP_MARK_LAYER_EXIT = 9, NP_MARK_OPTIMIZER_BEGIN = 10, NP_MARK_OPTIMIZER_END = 11,
   NP_MARK_EVAL_BEGIN = 12, NP_MARK_EVAL_END = 13, NP_MARK_COUNT = 14
 };
+/* Trace event ops (npu_pool.trace.format: one per event). */
+enum {
+  NP_OP_ALLOC = 0, NP_OP_FREE = 1, NP_OP_MARK = 2, NP_OP_EMPTY_CACHE = 3, NP_OP_SEG_HINT = 4, NP_OP_SEG_FREE = 5,
+  NP_OP_INIT_SEGMENT = 6, NP_OP_INIT_ALLOC = 7, NP_OP_OOM = 8, NP_OP_COUNT = 9
+};
+/* Tensor categories (torch.profiler's, plus unknown). */
+enum {
+  NP_CAT_UNKNOWN = 0, NP_CAT_PARAMETER = 1, NP_CAT_GRADIENT = 2, NP_CAT_OPTIMIZER_STATE = 3, NP_CAT_ACTIVATION = 4,
+  NP_CAT_TEMPORARY = 5, NP_CAT_INPUT = 6, NP_CAT_AUTOGRAD_DETAIL = 7, NP_CAT_COUNT = 8
+};
+/* What a replay learns lifetimes from: nothing, markers and the trace's sites, that and the
+ * categories (an oracle), markers alone (what a device running the recorder sees). */
+enum { NP_HINTS_NONE = 0, NP_HINTS_SITES = 1, NP_HINTS_ORACLE = 2, NP_HINTS_MARKERS = 3, NP_HINTS_COUNT = 4 };
+/* Event history kinds (np_history), PyTorch's TraceEntry actions where they exist. */
+enum {
+  NP_EV_ALLOC = 0, NP_EV_FREE = 1, NP_EV_SEGMENT_ALLOC = 2, NP_EV_SEGMENT_FREE = 3, NP_EV_SEGMENT_MAP = 4,
+  NP_EV_SEGMENT_UNMAP = 5, NP_EV_EMPTY_CACHE = 6, NP_EV_OOM = 7, NP_EV_MARK = 8, NP_EV_COUNT = 9
+};
+/* Why a request failed (np_event_info.detail of an NP_EV_OOM). */
+enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_COUNT = 4 };
+/* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed. */
+enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
+/* Tables of np_vocab_name. */
+enum {
+  NP_VOCAB_BACKEND = 0, NP_VOCAB_LIFE = 1, NP_VOCAB_MARK = 2, NP_VOCAB_OP = 3, NP_VOCAB_CAT = 4, NP_VOCAB_HINTS = 5,
+  NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_COUNT = 9
+};
+enum {
+  NP_ROUND = 512,               /* every block is a multiple of this many bytes */
+  NP_SIM_PAGE = 2097152,        /* the simulated device's mapping page */
+  NP_POOLS = 2,                 /* pools per policy, besides the total */
+  NP_NAME_LEN = 16
+};
+
+/* ---- configuration and statistics ------------------------------------------------------- */
 
 typedef struct np_config {
-  int policy;               /* NP_POLICY_* */
+  int policy;               /* index into the policy registry: np_policy_index("npu_pool") */
   int backend;              /* NP_BACKEND_* */
   int device;               /* device index (vendor backends) */
   uint64_t capacity;        /* sim: device total bytes */
@@ -54,33 +92,38 @@ typedef struct np_config {
   const char *lib_path;     /* vendor backends: library to dlopen (NULL = default name) */
 } np_config;
 
-typedef struct np_counter { uint64_t current; uint64_t peak; } np_counter;
+/* A figure with its high-water mark and, as in PyTorch's Stat, the sums of all its
+ * increases (allocated) and decreases (freed) since np_reset_accumulated. */
+typedef struct np_counter { uint64_t current; uint64_t peak; uint64_t allocated; uint64_t freed; } np_counter;
 
 typedef struct np_pool_stats {
+  char name[16];            /* "all" for the total; else the policy's name of the pool */
   np_counter allocated;     /* bytes in allocated blocks (rounded sizes) */
   np_counter requested;     /* bytes asked for by the callers */
   np_counter active;        /* allocated bytes plus freed bytes still in use by a stream */
-  np_counter reserved;      /* bytes held from the device (arena policies: whole arena in total only) */
+  np_counter reserved;      /* bytes held from the device (memory shared by both pools: total only) */
   np_counter blocks;        /* allocated blocks */
-  np_counter segments;      /* device segments */
+  np_counter segments;      /* device segments (reservations count once) */
 } np_pool_stats;
 
 typedef struct np_stats {
   np_pool_stats total;
-  np_pool_stats pool[2];    /* torch/expandable: small, large; npu_pool: long-lived, short-lived */
+  np_pool_stats pool[2];    /* the policy's two pools (np_policy_pool_name) */
   uint64_t device_total;    /* backend's device memory */
   uint64_t limit;           /* fraction * device_total */
-  np_counter arena_hwm;     /* npu_pool: highest byte offset in use in the arena */
-  uint64_t largest_free;    /* largest free block (npu_pool: including the arena's unused top) */
-  uint64_t device_mallocs;  /* backend malloc/map calls */
-  uint64_t device_frees;    /* backend free/unmap calls */
+  np_counter arena_hwm;     /* arena policies: highest byte offset in use in the arena */
+  uint64_t largest_free;    /* largest free block (arena policies: including the arena's unused top) */
+  uint64_t device_mallocs;  /* backend malloc and map calls */
+  uint64_t device_frees;    /* backend free and unmap calls */
   uint64_t ooms;            /* requests that failed for lack of memory */
   uint64_t retries;         /* release-cache-and-retry events */
-  uint64_t stream_waits;    /* npu_pool: reuses across streams ordered by an event wait */
-  uint64_t trims;           /* npu_pool: free pages unmapped under cap pressure without a synchronisation */
+  uint64_t syncs;           /* device synchronisations the pool asked for */
+  uint64_t stream_waits;    /* reuses across streams ordered by an event wait */
+  uint64_t trims;           /* free pages unmapped under cap pressure without a synchronisation */
   uint64_t allocs;          /* successful mallocs */
   uint64_t frees;           /* successful frees */
-  int vmm;                  /* 1 if the arena grows through the virtual-memory API */
+  uint64_t unreleased;      /* bytes still held by the device because returning them failed (retried) */
+  int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
   int policy;
 } np_stats;
 
@@ -95,8 +138,7 @@ typedef struct np_replay_in {
   const uint64_t *addr;
   uint64_t n_ids;           /* ids are 0..n_ids-1 */
   int fidelity;             /* prime recorded segments, take recorded segment addresses */
-  int hints;                /* 0: none; 1: markers and the trace's sites; 2: that and categories (oracle);
-                               3: markers only (what a device with the recorder sees) */
+  int hints;                /* NP_HINTS_* */
   uint64_t *placed;         /* optional (NULL): per event, the address an allocation got */
   uint8_t *classes;         /* optional (NULL): per event, NP_LIFE_LONG/SHORT an allocation was placed as */
 } np_replay_in;
@@ -109,6 +151,8 @@ typedef struct np_replay_out {
   uint64_t peak_live;       /* peak of requested live bytes */
   uint64_t same_addr;       /* window allocations placed at their recorded address */
   uint64_t compared;        /* window allocations with a recorded address */
+  uint64_t recorded_ooms;   /* NP_OP_OOM events: requests the recorded run could not serve */
+  uint64_t ooms_served;     /* of those, how many this policy served (each freed again at once) */
 } np_replay_out;
 
 /* One block of the segment map (np_blocks). */
@@ -118,36 +162,48 @@ typedef struct np_block_info {
   uint64_t addr;
   uint64_t size;
   uint64_t requested;       /* 0 for free blocks */
-  int64_t stream;           /* free npu_pool blocks: INT64_MIN when usable by every stream */
+  int64_t stream;           /* owner stream; free blocks: who may reuse it (tagged == 0: any stream) */
   int32_t site;
   uint8_t pool;
   uint8_t allocated;
-  uint8_t mapped;           /* backed by physical memory */
+  uint8_t mapped;           /* every byte backed by physical memory */
+  uint8_t tagged;           /* free blocks: 1 if only `stream` (or streams it waits on) may reuse it */
 } np_block_info;
 
-/* One entry of the recent-events ring (np_recent_events), for OOM snapshots. */
-enum { NP_EV_ALLOC = 0, NP_EV_FREE = 1, NP_EV_EMPTY_CACHE = 2, NP_EV_OOM = 3 };
+/* One entry of the event history (np_history), like PyTorch's TraceEntry. */
 typedef struct np_event_info {
-  uint64_t seq;             /* position in the context's history (0 = first event) */
-  uint64_t addr;            /* 0 for a failed request */
-  uint64_t size;            /* requested bytes */
-  int64_t stream;
-  int32_t site;
+  uint64_t seq;             /* position in the context's history (0 = first event ever) */
+  uint64_t time;            /* microseconds since the context was created; in replays the trace's event index */
+  uint64_t addr;            /* block, segment or mapped range; 0 for a failed request */
+  uint64_t size;            /* requested bytes (alloc, free, oom), segment or mapped bytes */
+  uint64_t device_free;     /* oom: bytes the device reported free (the pool's cap allowing) */
+  int64_t stream;           /* mark: the marker's argument */
+  int32_t site;             /* mark: the marker code */
   uint8_t kind;             /* NP_EV_* */
-  uint8_t lifetime;         /* NP_LIFE_* the request was placed as */
+  uint8_t pool;             /* pool of the block or segment; NP_POOLS when the memory is shared */
+  uint8_t lifetime;         /* alloc/free/oom: NP_LIFE_* the request was placed as */
+  uint8_t detail;           /* segment_unmap: 1 if a trim (under cap pressure, no synchronisation);
+                               oom: NP_OOM_* why it failed */
 } np_event_info;
 
 void np_config_init(np_config *cfg);
 int np_create(const np_config *cfg, np_ctx **out);
-void np_destroy(np_ctx *ctx);
+/* Return every byte to the device and free the context. NP_ERR_BACKEND when the device refused
+ * to take some memory back even after retries (the message says how much; the bytes are lost). */
+int np_destroy(np_ctx *ctx);
 
 int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out);
 int np_malloc_ex(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out);
 int np_free(np_ctx *ctx, void *ptr);
+/* Synchronise the device and return what the policy caches; retries earlier failed returns.
+ * NP_ERR_BACKEND if the device refused some of it: the pool stays consistent, stats() counts
+ * what the device still holds. */
 int np_empty_cache(np_ctx *ctx);
 int np_set_fraction(np_ctx *ctx, double fraction);
 void np_get_stats(np_ctx *ctx, np_stats *out);
 void np_reset_peak(np_ctx *ctx);
+/* Zero the accumulated figures (every counter's allocated/freed, ooms, retries, device calls). */
+void np_reset_accumulated(np_ctx *ctx);
 
 /* Lifetime hints: the phase counter advances at phase boundaries; once phases are in
  * use, a block that outlives the phase it was born in teaches its site to be
@@ -155,36 +211,52 @@ void np_reset_peak(np_ctx *ctx);
  * their site's history. The default class applies to sites with no history (and to
  * every NP_LIFE_AUTO request while no phase was ever set). */
 int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime);
-/* A phase marker (npu_pool.trace.format MARK_* codes). Every marker but layer enter/exit
- * ends the current stage (set-up, forward, backward, optimizer, eval) and advances the
- * phase; layer markers restart the position count of derived sites. Sites with no history
- * default to: set-up long, forward the base class, backward short, the first optimizer
- * step long and later ones short, eval short. */
+/* A phase marker (NP_MARK_*). Every marker but layer enter/exit ends the current stage
+ * (set-up, forward, backward, optimizer, eval) and advances the phase; layer markers restart
+ * the position count of derived sites. Sites with no history default to: set-up long,
+ * forward the base class, backward short, the first optimizer step long and later ones
+ * short, eval short. */
 int np_mark(np_ctx *ctx, int code, int64_t arg);
 
 int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size);
 /* torch's record_stream: the block is also used on `stream`, so its memory must not be
- * reused before that use ends (npu_pool: reuse waits on every stream that used it;
- * the model policies synchronise the device when such a block is freed). */
+ * reused before that use ends (arena policies: reuse waits on every stream that used it;
+ * the others synchronise the device when such a block is freed). */
 int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream);
+/* Verify every invariant; NP_OK or NP_ERR_STATE naming the first broken one. */
 int np_check(np_ctx *ctx);
 /* Copy up to cap blocks of every segment into out, segments in address order; *n gets the
  * total number of blocks (call with cap 0 to size the buffer). */
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n);
-/* Copy the most recent events (up to cap, at most NP_RECENT_EVENTS kept), oldest first. */
-int np_recent_events(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);               /* verify every invariant; NP_OK or an error naming it */
+/* Keep the latest `max_entries` events (0: none; the default is 4096). Clears the history. */
+int np_set_history(np_ctx *ctx, uint64_t max_entries);
+/* Copy the latest events (up to cap), oldest first; *n gets how many were copied. */
+int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
 
 const char *np_last_error(void);
+/* Names of the vocabulary: np_vocab_name(NP_VOCAB_MARK, NP_MARK_SETUP_BEGIN) is "setup_begin";
+ * NULL outside the table. */
+const char *np_vocab_name(int vocab, int code);
+/* The policy registry: indices 0..np_policy_count()-1, each with a name, two pools and what they hold. */
+int np_policy_count(void);
 const char *np_policy_name(int policy);
+int np_policy_index(const char *name);  /* -1 if unknown */
+const char *np_policy_pool_name(int policy, int pool);
+const char *np_policy_pool_meaning(int policy, int pool);
+const char *np_policy_summary(int policy);
 /* Planned policy (docs/planner.md): install a plan of n positions, [0, loop) run once, [loop, n) repeating --
  * per position p its requested size, offset in the planned region (UINT64_MAX: unplanned) and end, the position
  * it is freed at (> p; past n it wraps to loop + end - n; UINT64_MAX: unknown) -- over a region of `region`
- * bytes; n == 0 removes the plan, size == NULL keeps it. flags: 1 = every iteration's first allocation follows
- * MARK_ITER_BEGIN, 2 = position 0 is the first request after this call. counts (optional, 4 entries) receives
+ * bytes; n == 0 removes the plan, size == NULL keeps it. flags: NP_PLAN_*. counts (optional, 4 entries) receives
  * the requests served from the plan, fallen back, placed in idle ranges, resynchronisations. */
 int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
                 const uint64_t *end, uint64_t region, int flags, uint64_t *counts);
+/* The planner's placement kernel: place rectangle order[0], order[1], ... at the lowest offset
+ * where it overlaps no time-overlapping rectangle placed before it. span: 4 per rectangle
+ * (lo, hi, lo2, hi2); offset and *peak receive the result. */
+int np_plan_place(uint32_t n_pos, uint64_t n, const uint64_t *size, const uint32_t *span, const uint32_t *order,
+                  uint64_t *offset, uint64_t *peak);
 /* CDEF END */
 
 #ifdef __cplusplus

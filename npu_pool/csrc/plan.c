@@ -239,8 +239,8 @@ int np_plan_build(np_plan *p, uint64_t n, uint64_t loop, const uint64_t *size, c
   if (n == 0 || n >= UINT32_MAX / 2) return np_error(NP_ERR_INVALID, "plan: %llu positions", (unsigned long long)n);
   if (loop >= n) return np_error(NP_ERR_INVALID, "plan: the loop body starts at %llu of %llu positions",
                                  (unsigned long long)loop, (unsigned long long)n);
-  if (region % NP_MIN_BLOCK) return np_error(NP_ERR_INVALID, "plan: region of %llu bytes is not a multiple of %u",
-                                             (unsigned long long)region, NP_MIN_BLOCK);
+  if (region % NP_MIN_BLOCK) return np_error(NP_ERR_INVALID, "plan: region of %llu bytes is not a multiple of %d",
+                                             (unsigned long long)region, NP_ROUND);
   for (uint64_t q = 0; q < n; q++) {
     if (size[q] == 0 || size[q] > NP_MAX_REQUEST)
       return np_error(NP_ERR_INVALID, "plan position %llu: bad size %llu", (unsigned long long)q, (unsigned long long)size[q]);

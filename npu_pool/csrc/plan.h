@@ -77,11 +77,6 @@ np_span np_plan_span(uint64_t n, uint64_t loop, uint64_t pos, uint64_t end);
 /* The position after `pos`: the body repeats. */
 static inline uint64_t np_plan_next(const np_plan *p, uint64_t pos) { return pos + 1 < p->n ? pos + 1 : p->loop; }
 
-/* The planner's placement kernel (bound by npu_pool/planner/_native.py, not by cffi's
- * CDEF): place rectangle order[0], order[1], ... at the lowest offset where it overlaps
- * no time-overlapping rectangle placed before it. span: 4 per rectangle (lo, hi, lo2,
- * hi2); offset and *peak receive the result. */
-int np_plan_place(uint32_t n_pos, uint64_t n, const uint64_t *size, const uint32_t *span, const uint32_t *order,
-                  uint64_t *offset, uint64_t *peak);
+/* np_plan_place (npu_pool.h) is the planner's placement kernel over this index. */
 
 #endif

@@ -8,8 +8,6 @@
 #include "common.h"
 #include "pluggable.h"
 
-#define ACL_PAD 32 /* Ascend kernels may touch 32 bytes past a tensor (aclrtMalloc's own rule) */
-
 /* Invariants: ctx[d] is NULL or a context built from `cfg` for device d, and
  * stays valid until npu_pool_shutdown(); `cfg` and `lib_path` change only while
  * every ctx[d] is NULL; fraction[d] (0 = none) is the cap pending for a device
@@ -50,8 +48,7 @@ static bool any_ctx_locked(void) {
 }
 
 int npu_pool_configure(int policy, int backend, double fraction, int vmm, const char *lib_path) {
-  if (policy < 0 || policy >= NP_POLICY_COUNT)
-    return np_error(NP_ERR_INVALID, "unknown policy %d (torch=0, npu_pool=1, expandable=2)", policy);
+  if (!np_policy_name(policy)) return np_error(NP_ERR_INVALID, "unknown policy %d (0..%d)", policy, np_policy_count() - 1);
   if (backend < NP_BACKEND_SIM || backend > NP_BACKEND_CUDA)
     return np_error(NP_ERR_INVALID, "unknown backend %d (sim=0, acl=1, cuda=2)", backend);
   int rc = check_fraction(fraction);
@@ -161,10 +158,8 @@ void *npu_pool_malloc(size_t size, int device, void *stream) {
     report(device, "creating the allocator");
     return NULL;
   }
-  uint64_t bytes = size;
-  if (table.cfg.backend == NP_BACKEND_ACL) bytes = np_round_up(bytes, ACL_PAD) + ACL_PAD;
   void *p = NULL;
-  if (np_malloc(ctx, bytes, (intptr_t)stream, &p) != NP_OK) {
+  if (np_malloc(ctx, size, (intptr_t)stream, &p) != NP_OK) {
     report(device, "malloc");
     return NULL; /* torch's pluggable allocators pass NULL on; the message is on stderr */
   }

@@ -13,14 +13,18 @@
  *  - freed blocks merge with neighbours in the same mapped state; releasing
  *    the cache (empty_cache, or a failed request before its retry) unmaps every
  *    whole page inside free blocks and drops ranges left with nothing mapped.
- * Reserved bytes are mapped bytes.
+ * Reserved bytes are mapped bytes; the page table (vmm.h) has the last word on which pages
+ * are mapped, and a block's `mapped` follows it (after a failed unmap, free memory is refiled
+ * by what the page table says).
  * Invariants: mapped free blocks are in their pool's tree, unmapped blocks in
- * no tree, allocated blocks mapped; no two free neighbours share a mapped state.
+ * no tree, allocated blocks mapped; no two free neighbours share a mapped state; a block's
+ * `mapped` says whether every page under it is mapped (unmapped blocks: none is).
  */
 #include <stdlib.h>
 
-#include "context.h"
+#include "policy.h"
 #include "tree.h"
+#include "vmm.h"
 
 enum { SMALL = 0, LARGE = 1 };
 static const uint64_t page_size[2] = {2 * NP_MIB, 20 * NP_MIB};
@@ -55,8 +59,34 @@ static np_block *merge_unmapped(np_ctx *ctx, np_block *b) {
   return b;
 }
 
+/* File free block b (in no tree) by its mapped state: mapped blocks in the tree, unmapped ones
+ * merged with unmapped neighbours. */
+static void file_free(np_ctx *ctx, np_block *b) {
+  if (b->mapped) np_tree_insert(&state(ctx)->pools[b->seg->pool], b);
+  else merge_unmapped(ctx, b);
+}
+
+/* After a failed unmap of [lo, hi) inside free block b (in no tree), whose pages are now part
+ * mapped, part not: split b where the page table's state changes and file each piece. */
+static void refile_by_pages(np_ctx *ctx, np_block *b) {
+  uint64_t g = ctx->be->granularity;
+  while (b) {
+    bool mapped = np_vmm_page_mapped(ctx, b->seg, b->addr);
+    uint64_t run = g;
+    while (run < b->size && np_vmm_page_mapped(ctx, b->seg, b->addr + run) == mapped) run += g;
+    np_block *rest = NULL;
+    if (run < b->size) {
+      if (!np_block_split(&ctx->blocks, b, run, false)) run = b->size; /* keep it whole; the check will say */
+      else rest = b->next;
+    }
+    b->mapped = mapped;
+    file_free(ctx, b);
+    b = rest;
+  }
+}
+
 /* Unmap the whole pages inside free mapped block b (in no tree); file the pieces. */
-static void unmap_block(np_ctx *ctx, np_block *b) {
+static int unmap_block(np_ctx *ctx, np_block *b) {
   np_segment *seg = b->seg;
   np_tree *t = &state(ctx)->pools[seg->pool];
   uint64_t page = page_size[seg->pool];
@@ -73,64 +103,58 @@ static void unmap_block(np_ctx *ctx, np_block *b) {
     if (!np_block_split(&ctx->blocks, mid, hi - mid->addr, false)) goto undo;
     tail = mid->next;
   }
-  if (ctx->be->unmap(ctx->be, lo, hi - lo) != NP_OK) {
-    if (tail) np_block_merge_next(&ctx->blocks, mid);
-    goto undo;
-  }
-  ctx->st.device_frees++;
-  np_ctx_reserved_sub(ctx, seg->pool, hi - lo);
-  mid->mapped = 0;
+  int rc = np_vmm_unmap(ctx, seg, lo, hi - lo);
   if (head) np_tree_insert(t, head);
   if (tail) np_tree_insert(t, tail);
-  merge_unmapped(ctx, mid);
-  return;
+  if (rc == NP_OK) {
+    mid->mapped = 0;
+    merge_unmapped(ctx, mid);
+  } else {
+    refile_by_pages(ctx, mid);
+  }
+  return rc;
 undo:
   if (head) np_block_merge_next(&ctx->blocks, head);
 keep:
   np_tree_insert(t, b);
+  return NP_OK;
 }
 
-static void release_cached(np_ctx *ctx) {
+/* Unmap every whole free page and drop ranges left with nothing mapped; the first failure. */
+static int release_cached(np_ctx *ctx) {
   exp_state *es = state(ctx);
+  int first = NP_OK;
+  np_saved_error s = {0};
   for (int p = 0; p < 2; p++) {
     np_block *b;
     /* unmap_block refiles the mapped leftovers, so collect first */
     size_t n = es->pools[p].count, i = 0;
     np_block **todo = n ? malloc(n * sizeof *todo) : NULL;
-    if (n && !todo) return;
+    if (n && !todo) return np_error(NP_ERR_HOST, "host out of memory releasing the cache");
     for (b = np_tree_lower_bound(&es->pools[p], INTPTR_MIN, 0); b; b = np_tree_next(&es->pools[p], b)) todo[i++] = b;
     for (i = 0; i < n; i++) {
       np_tree_remove(&es->pools[p], todo[i]);
-      unmap_block(ctx, todo[i]);
+      int rc = unmap_block(ctx, todo[i]);
+      if (rc != NP_OK && first == NP_OK) np_save_error(&s, first = rc);
     }
     free(todo);
   }
-  for (np_segment *s = ctx->segments, *nx; s; s = nx) {
-    nx = s->next;
-    if (!s->head->next && !s->head->allocated && !s->head->mapped) np_segment_destroy(ctx, s);
+  for (np_segment *sg = ctx->segments, *nx; sg; sg = nx) {
+    nx = sg->next;
+    if (!sg->head->next && !sg->head->allocated && !sg->head->mapped) np_segment_destroy(ctx, sg);
   }
+  return first == NP_OK ? NP_OK : np_restore_error(&s);
 }
 
 static void exp_destroy(np_ctx *ctx) {
   while (ctx->segments) {
     np_segment *s = ctx->segments;
-    for (np_block *b = s->head; b;) {
-      if (!b->mapped) {
-        b = b->next;
-        continue;
-      }
-      uintptr_t start = b->addr; /* a run of mapped blocks is whole pages */
-      uint64_t len = 0;
-      for (; b && b->mapped; b = b->next) len += b->size;
-      ctx->be->unmap(ctx->be, start, len);
-      np_ctx_reserved_sub(ctx, s->pool, len);
-    }
     for (np_block *b = s->head; b; b = b->next) {
       if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
       b->allocated = 0;
       b->in_tree = 0;
     }
-    np_segment_destroy(ctx, s);
+    np_segment_destroy(ctx, s); /* unmaps what is mapped */
   }
   free(ctx->pstate);
 }
@@ -157,6 +181,7 @@ static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
     char a[32], l[32];
     *rc = np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s", np_fmt_bytes(bytes, a),
                    np_fmt_bytes(ctx->limit, l));
+    ctx->fail.needed = np_max_u64(ctx->fail.needed, bytes);
     return NULL;
   }
   bool split = bytes < b->size;
@@ -164,13 +189,17 @@ static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
     *rc = np_error(NP_ERR_HOST, "host out of memory splitting a block");
     return NULL;
   }
-  *rc = ctx->be->map(ctx->be, b->addr, bytes);
-  if (*rc != NP_OK) {
+  *rc = np_vmm_map(ctx, seg, b->addr, bytes);
+  if (*rc != NP_OK) { /* pages mapped before the failure stay mapped: refile b by the page table */
     if (split) np_block_merge_next(&ctx->blocks, b);
+    if (np_vmm_unmapped(ctx, seg, b->addr, b->size) < b->size) {
+      np_saved_error s;
+      np_save_error(&s, *rc);
+      refile_by_pages(ctx, b);
+      np_restore_error(&s);
+    }
     return NULL;
   }
-  ctx->st.device_mallocs++;
-  np_ctx_reserved_add(ctx, seg->pool, bytes);
   b->mapped = 1;
   if (free_mapped(b->prev)) { /* the previous block may be the caller's candidate, already out of the tree */
     if (b->prev->in_tree) np_tree_remove(t, b->prev);
@@ -234,11 +263,17 @@ static int exp_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, 
   int rc = NP_OK;
   if (!b) rc = try_expand(ctx, pool, stream, size, &b);
   if (!b && rc == NP_ERR_OOM) {
-    rc = ctx->be->synchronize(ctx->be, NP_STREAM_ANY); /* unmapping needs the device idle, as in PyTorch */
+    rc = np_ctx_synchronize(ctx); /* unmapping needs the device idle, as in PyTorch */
     if (rc != NP_OK) return rc;
-    release_cached(ctx);
+    release_cached(ctx); /* a page the device refuses to unmap stays mapped and counted */
     ctx->st.retries++;
     rc = try_expand(ctx, pool, stream, size, &b);
+  }
+  if (!b && rc == NP_ERR_OOM) { /* what the pool could have used: its mapped free blocks, and room under the cap */
+    uint64_t reserved = ctx->st.total.reserved.current;
+    ctx->fail.pool = pool;
+    ctx->fail.needed = np_max_u64(ctx->fail.needed, size);
+    ctx->fail.usable = state(ctx)->pools[pool].bytes + (ctx->limit > reserved ? ctx->limit - reserved : 0);
   }
   if (!b) return rc;
   if (b->size - size >= NP_MIN_BLOCK) {
@@ -266,10 +301,7 @@ static void exp_free(np_ctx *ctx, np_block *b) {
   np_tree_insert(t, b);
 }
 
-static int exp_empty_cache(np_ctx *ctx) {
-  release_cached(ctx);
-  return NP_OK;
-}
+static int exp_empty_cache(np_ctx *ctx) { return release_cached(ctx); }
 
 static void exp_fill_stats(np_ctx *ctx, np_stats *st) {
   for (int p = 0; p < 2; p++) {
@@ -299,7 +331,7 @@ static int exp_check(np_ctx *ctx) {
   }
   for (int p = 0; p < 2; p++)
     if (in_tree[p] != es->pools[p].count) return np_error(NP_ERR_STATE, "check: expandable pool %d holds stray blocks", p);
-  if (mapped != ctx->st.total.reserved.current)
+  if (mapped + ctx->st.unreleased != ctx->st.total.reserved.current)
     return np_error(NP_ERR_STATE, "check: %llu bytes mapped but %llu reserved", (unsigned long long)mapped,
                     (unsigned long long)ctx->st.total.reserved.current);
   return NP_OK;
@@ -307,6 +339,11 @@ static int exp_check(np_ctx *ctx) {
 
 const np_policy np_policy_expandable = {
     .name = "expandable",
+    .summary = "a model of PyTorch's expandable segments: one growing virtual range per stream and pool, mapped "
+               "page by page",
+    .pool_name = {"small", "large"},
+    .pool_meaning = {"requests of at most 1 MiB, in a range mapped by 2 MiB pages",
+                     "larger requests, in a range mapped by 20 MiB pages"},
     .init = exp_init,
     .destroy = exp_destroy,
     .malloc = exp_malloc,

@@ -11,7 +11,7 @@
  *  - set-up (the latest marker MARK_SETUP_BEGIN) is never followed: weights may repeat
  *    the sizes of the optimizer's per-weight requests;
  *  - an iteration starts at the first request after MARK_ITER_BEGIN (NP_PLAN_AT_ITER_BEGIN),
- *    or in the marker context (ctx->last_mark, ctx->mark_pos) learned at the body's first
+ *    or in the marker context (ctx->marks: latest marker, requests since) learned at the body's first
  *    request once the body has been followed to its end, unless that context recurs
  *    inside the iteration; with NP_PLAN_AT_START the first request is position 0;
  *  - a request that does not match is looked up by the hash of its size and the
@@ -28,37 +28,32 @@
  * the position's lifetime and that is free now; so does a matching request whose range
  * is still held. Before that a mismatch is more likely an extra request that may live for
  * good (optimizer states), and it goes to the fallback.
- * The fallback is the npu_pool policy on its own state (ctx->pstate swapped for the
- * call), seeing the device minus the region (limit and reserved bytes without it), so a
- * fixed-size arena leaves the region room. When it has no room, the lowest free range of
- * the region that fits is used as a last resort.
+ * The fallback is an arena (arena.h) whose budget leaves the region room: the cap less the
+ * region while it is not reserved yet, the cap less what the region holds once it is. When
+ * the fallback has no room, the lowest free range of the region that fits is a last resort.
  *
  * Invariants: the region segment is tiled by its blocks; its free blocks are exactly the
  * nodes of the address-ordered tree `free` (in_tree set) and no two of them are
  * neighbours; an allocated region block's prio holds the position it was served for
- * (UINT32_MAX: none); `live` counts the allocated region blocks; ctx->pstate is the
- * planned state except inside a call to the fallback.
+ * (UINT32_MAX: none); `live` counts the allocated region blocks; the fallback's set_aside and
+ * outside are brought up to date (budget()) before every call into it.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "context.h"
+#include "arena.h"
 #include "plan.h"
-#include "streams.h"
-#include "tree.h"
+#include "policy.h"
 
 enum { PLANNED_POOL = 0, FALLBACK_POOL = 1 };
 enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
-/* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed */
-enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
 
 #define MAX_MISSES 16          /* mismatches in a row before the policy stops following */
 #define IDLE_TRIES 16          /* idle ranges tried per dynamic request */
 #define MAX_DRIFT 64           /* a repeated size pattern this close ahead resynchronises a following policy */
-#define NO_CONTEXT (-1)        /* start_mark when no start context is known */
 
 typedef struct planned_state {
-  void *fb;                    /* the npu_pool policy's state */
+  np_arena fb;                 /* the fallback */
   np_plan plan;                /* plan.n == 0: none installed */
   int flags;
   np_segment *seg;             /* the region; NULL until the first planned request */
@@ -67,8 +62,8 @@ typedef struct planned_state {
   uint64_t live;               /* allocated blocks in the region */
   bool synced;                 /* pos is trusted */
   bool began;                  /* the policy found its place in the loop: the next iteration start is the body's */
-  int start_mark;              /* learned: ctx->last_mark and ctx->mark_pos at the body's first request */
-  uint32_t start_pos;          /* (NO_CONTEXT: not learned yet, or not unique to that request) */
+  np_marks start;              /* learned: the markers' state at the body's first request */
+  bool start_known;            /* (false: not learned yet, or not unique to that request) */
   bool start_learned;
   bool ever_synced;            /* before the first sync, positions are counted from the end of set-up */
   bool in_setup;               /* the previous request came during set-up */
@@ -92,31 +87,18 @@ static void trouble(planned_state *st) {
   st->steady = false;
 }
 
-/* -- the fallback: npu_pool on its own state, seeing the device minus the region ------ */
+/* -- the fallback: an arena leaving the region room ------------------------------------ */
 
 static uint64_t set_aside(np_ctx *ctx, const planned_state *st) {
   uint64_t r = st->plan.n && !st->seg_failed ? st->plan.region : 0;
   return r <= ctx->limit ? r : 0;
 }
 
-typedef struct fb_view {
-  planned_state *st;
-  uint64_t limit_off, reserved_off;
-} fb_view;
-
-static fb_view fb_enter(np_ctx *ctx) {
-  planned_state *st = state(ctx);
-  fb_view v = {st, set_aside(ctx, st), st->seg ? st->seg->size : 0};
-  ctx->limit -= v.limit_off;
-  ctx->st.total.reserved.current -= v.reserved_off;
-  ctx->pstate = v.st->fb;
-  return v;
-}
-
-static void fb_leave(np_ctx *ctx, fb_view v) {
-  ctx->pstate = v.st;
-  ctx->limit += v.limit_off;
-  np_counter_add(&ctx->st.total.reserved, v.reserved_off); /* restores current, keeps the peak true */
+/* Bring the fallback's budget up to date: the region's share of the cap, and what it holds. */
+static np_arena *budget(np_ctx *ctx, planned_state *st) {
+  st->fb.set_aside = set_aside(ctx, st);
+  st->fb.outside = st->seg ? st->seg->mapped : 0;
+  return &st->fb;
 }
 
 /* -- the region ------------------------------------------------------------------------- */
@@ -231,22 +213,21 @@ static void lose_track(planned_state *st) {
 /* Learn how the body's first request looks to the context (the latest marker, requests
  * since): on devices the iteration may begin with other markers than MARK_ITER_BEGIN. */
 static void learn_start(np_ctx *ctx, planned_state *st) {
-  if (!ctx->phased || st->start_learned) return;
-  st->start_learned = true;
-  st->start_mark = ctx->last_mark;
-  st->start_pos = ctx->mark_pos;
+  if (!ctx->marks.any || st->start_learned) return;
+  st->start_learned = st->start_known = true;
+  st->start = ctx->marks;
 }
 
 /* Is this request the first of an iteration? A request right after MARK_ITER_BEGIN is, where the
  * plan says so; one in the learned start context is, unless that context recurs inside the
  * iteration (a request matching the plan mid-way): then it is forgotten. */
 static bool iteration_starts(np_ctx *ctx, planned_state *st, uint64_t req) {
-  if (!ctx->phased) return false;
-  if ((st->flags & NP_PLAN_AT_ITER_BEGIN) && (ctx->last_mark & 0xFF) == NP_MARK_ITER_BEGIN && ctx->mark_pos == 1)
-    return true;
-  if (st->start_mark == NO_CONTEXT || ctx->last_mark != st->start_mark || ctx->mark_pos != st->start_pos) return false;
+  const np_marks *m = &ctx->marks;
+  if (!m->any) return false;
+  if ((st->flags & NP_PLAN_AT_ITER_BEGIN) && m->code == NP_MARK_ITER_BEGIN && m->pos == 1) return true;
+  if (!st->start_known || !np_marks_same(m, &st->start) || m->pos != st->start.pos) return false;
   if (st->synced && st->pos != st->plan.loop && st->plan.size[st->pos] == req) {
-    st->start_mark = NO_CONTEXT;
+    st->start_known = false;
     return false;
   }
   return true;
@@ -262,11 +243,11 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   uint64_t skipped = st->skipped;
   st->skipped = NP_PLAN_NONE;
   *dynamic = false;
-  bool setup = ctx->phased && (ctx->last_mark & 0xFF) == NP_MARK_SETUP_BEGIN;
+  bool setup = ctx->marks.any && ctx->marks.code == NP_MARK_SETUP_BEGIN;
   if (st->in_setup && !setup) st->n_recent = 0; /* set-up's sizes are no part of any iteration's pattern */
   st->in_setup = setup;
   st->recent[st->n_recent++ % NP_PLAN_GRAM] = req;
-  if (!p->loop && ctx->phased && (ctx->last_mark & 0xFF) == NP_MARK_OPTIMIZER_BEGIN && ctx->optimizer_steps == 1) {
+  if (!p->loop && ctx->marks.any && ctx->marks.code == NP_MARK_OPTIMIZER_BEGIN && ctx->marks.optimizer_steps == 1) {
     lose_track(st); /* the first optimizer step creates the optimizer states; without a prologue that */
     return NP_PLAN_NONE; /* plans them, none of them into the region (they would hold body ranges for good) */
   }
@@ -288,7 +269,7 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     at = st->pos;
   } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
     at = skipped;
-  } else if (st->n_recent >= NP_PLAN_GRAM && (st->began || !(st->flags & NP_PLAN_AT_ITER_BEGIN) || !ctx->phased)) {
+  } else if (st->n_recent >= NP_PLAN_GRAM && (st->began || !(st->flags & NP_PLAN_AT_ITER_BEGIN) || !ctx->marks.any)) {
     /* markers, where the plan relies on them, decide where the loop starts: set-up that
      * happens to repeat a stretch of the iteration is not taken for it */
     uint64_t w[NP_PLAN_GRAM];
@@ -394,15 +375,9 @@ static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t st
 static int planned_init(np_ctx *ctx) {
   planned_state *st = calloc(1, sizeof *st);
   if (!st) return np_error(NP_ERR_HOST, "host out of memory");
-  int rc = np_policy_npu_pool.init(ctx);
-  if (rc != NP_OK) {
-    free(st);
-    return rc;
-  }
-  st->fb = ctx->pstate;
+  np_arena_init(ctx, &st->fb);
   st->free.by_addr = true;
   st->last = st->skipped = NP_PLAN_NONE;
-  st->start_mark = NO_CONTEXT;
   ctx->pstate = st;
   return NP_OK;
 }
@@ -411,8 +386,7 @@ static void planned_destroy(np_ctx *ctx) {
   planned_state *st = state(ctx);
   region_drop(ctx, st);
   np_plan_free(&st->plan);
-  ctx->pstate = st->fb;
-  np_policy_npu_pool.destroy(ctx);
+  np_arena_drop(ctx, budget(ctx, st));
   free(st);
 }
 
@@ -423,9 +397,7 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
     if (rc != NP_ERR_OOM) return rc;
     st->count[FALLBACK]++;
   }
-  fb_view v = fb_enter(ctx);
-  int rc = np_policy_npu_pool.malloc(ctx, req, stream, lifetime, out);
-  fb_leave(ctx, v);
+  int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
   if (rc == NP_OK) (*out)->pool = FALLBACK_POOL;
   else if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) rc = NP_OK;
   return rc;
@@ -433,25 +405,14 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
 
 static void planned_free(np_ctx *ctx, np_block *b) {
   planned_state *st = state(ctx);
-  if (st->seg && b->seg == st->seg) {
-    region_free(ctx, st, b);
-    return;
-  }
-  fb_view v = fb_enter(ctx);
-  np_policy_npu_pool.free(ctx, b);
-  fb_leave(ctx, v);
+  if (st->seg && b->seg == st->seg) region_free(ctx, st, b);
+  else np_arena_free(ctx, budget(ctx, st), b);
 }
 
 static void planned_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
   planned_state *st = state(ctx);
-  if (st->seg && b->seg == st->seg) {
-    np_streams_note(&st->streams, stream);
-    return;
-  }
-  if (!np_policy_npu_pool.record_stream) return;
-  fb_view v = fb_enter(ctx);
-  np_policy_npu_pool.record_stream(ctx, b, stream);
-  fb_leave(ctx, v);
+  if (st->seg && b->seg == st->seg) np_streams_note(&st->streams, stream);
+  else np_arena_record_stream(&st->fb, stream);
 }
 
 static int planned_empty_cache(np_ctx *ctx) {
@@ -460,10 +421,7 @@ static int planned_empty_cache(np_ctx *ctx) {
   for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
     if (!b->allocated) b->stream = NP_STREAM_ANY; /* the device was synchronised */
   st->seg_failed = false;
-  fb_view v = fb_enter(ctx);
-  int rc = np_policy_npu_pool.empty_cache(ctx);
-  fb_leave(ctx, v);
-  return rc;
+  return np_arena_empty_cache(ctx, budget(ctx, st));
 }
 
 static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
@@ -472,17 +430,12 @@ static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
     char a[32];
     return np_error(NP_ERR_STATE, "the planned region of %s does not fit under the new cap", np_fmt_bytes(st->seg->size, a));
   }
-  fb_view v = fb_enter(ctx);
-  int rc = np_policy_npu_pool.set_limit(ctx, limit - np_min_u64(limit, v.limit_off));
-  fb_leave(ctx, v);
-  return rc;
+  return np_arena_set_limit(ctx, budget(ctx, st));
 }
 
 static void planned_fill_stats(np_ctx *ctx, np_stats *out) {
   planned_state *st = state(ctx);
-  fb_view v = fb_enter(ctx);
-  np_policy_npu_pool.fill_stats(ctx, out);
-  fb_leave(ctx, v);
+  np_arena_fill_stats(ctx, budget(ctx, st), out);
   for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
     if (!b->allocated && b->size > out->largest_free) out->largest_free = b->size;
 }
@@ -513,15 +466,17 @@ static int check_region(np_ctx *ctx, planned_state *st) {
 static int planned_check(np_ctx *ctx) {
   planned_state *st = state(ctx);
   int rc = check_region(ctx, st);
-  if (rc != NP_OK) return rc;
-  fb_view v = fb_enter(ctx);
-  rc = np_policy_npu_pool.check(ctx);
-  fb_leave(ctx, v);
-  return rc;
+  return rc != NP_OK ? rc : np_arena_check(ctx, budget(ctx, st));
 }
 
 const np_policy np_policy_planned = {
     .name = "planned",
+    .summary = "requests of a training loop served at offsets planned offline from a trace (npu-pool plan), "
+               "the rest in an npu_pool arena",
+    .pool_name = {"planned", "fallback"},
+    .pool_meaning = {"requests served from the plan's region (at their planned offset, or in a range idle then)",
+                     "requests the plan does not cover, placed in the fallback arena"},
+    .orders_streams = true,
     .init = planned_init,
     .destroy = planned_destroy,
     .malloc = planned_malloc,
@@ -550,9 +505,8 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
   st->plan = plan;
   st->flags = flags;
   st->seg_failed = false;
-  st->synced = st->ever_synced = (flags & NP_PLAN_AT_START) != 0; /* tentatively: one mismatch ends it */
-  st->began = st->steady = st->start_learned = st->ever_synced = false;
-  st->start_mark = NO_CONTEXT;
+  st->synced = (flags & NP_PLAN_AT_START) != 0; /* tentatively: one mismatch ends it */
+  st->began = st->steady = st->start_learned = st->start_known = st->ever_synced = false;
   st->lap_clean = st->synced;
   st->pos = st->n_recent = 0;
   st->last = st->skipped = NP_PLAN_NONE;

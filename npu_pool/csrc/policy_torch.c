@@ -17,7 +17,7 @@
  */
 #include <stdlib.h>
 
-#include "context.h"
+#include "policy.h"
 #include "tree.h"
 
 #define K_SMALL_SIZE (1 * NP_MIB)
@@ -161,6 +161,11 @@ static int torch_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime
     ctx->st.retries++;
     rc = alloc_block(ctx, pool, stream, asize, &b);
   }
+  if (!b && rc == NP_ERR_OOM) { /* what the pool could have used: its cached free blocks, and room under the cap */
+    uint64_t reserved = ctx->st.total.reserved.current;
+    ctx->fail = (np_fail){.pool = pool, .needed = asize,
+                          .usable = ts->pools[pool].bytes + (ctx->limit > reserved ? ctx->limit - reserved : 0)};
+  }
   if (!b) return rc;
   return finish(ctx, b, size, out);
 }
@@ -264,6 +269,11 @@ static int torch_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t req, intptr_t st
 
 const np_policy np_policy_torch = {
     .name = "torch",
+    .summary = "a model of PyTorch's CUDA caching allocator (small and large pools of cached segments, "
+               "per stream): the baseline",
+    .pool_name = {"small", "large"},
+    .pool_meaning = {"requests of at most 1 MiB, from 2 MiB segments",
+                     "larger requests, from 20 MiB segments (below 10 MiB) or segments of their own size"},
     .init = torch_init,
     .destroy = torch_destroy,
     .malloc = torch_malloc,

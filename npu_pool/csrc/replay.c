@@ -4,13 +4,14 @@
  * so a replay measures the policy, not Python. Ids index a dense table of
  * live pointers; an event that breaks the trace's rules is an NP_ERR_INVALID
  * naming its index, a request the device cannot serve ends the replay with
- * ok = 0 and fail_index set.
+ * ok = 0 and fail_index set. A recorded OOM (a request the recorded run could not
+ * serve) is tried and, if served, freed at once: replay_out counts both. History
+ * entries carry the trace event's index as their time.
  */
 #include <stdlib.h>
 #include <time.h>
 
-#include "context.h"
-#include "replay.h"
+#include "policy.h"
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -80,6 +81,7 @@ static int run(replay *r) {
   bool fidelity = in->fidelity && ctx->policy->alloc_at;
   for (uint64_t i = 0; i < in->n; i++) {
     uint8_t op = in->op[i];
+    ctx->replay_time = (int64_t)i;
     int64_t id = in->id[i];
     int rc = NP_OK;
     switch (op) {
@@ -96,8 +98,10 @@ static int run(replay *r) {
         __attribute__((fallthrough));
       case NP_OP_ALLOC: {
         if (id < 0 || (uint64_t)id >= in->n_ids || r->ptrs[id]) return bad_id(i, id, "alloc of bad or live");
-        int life = op == NP_OP_INIT_ALLOC ? NP_LIFE_LONG : in->hints == 2 ? category_lifetime(in->cat[i]) : NP_LIFE_AUTO;
-        int32_t site = in->hints == 1 || in->hints == 2 ? in->site[i] : -1;
+        int life = op == NP_OP_INIT_ALLOC      ? NP_LIFE_LONG
+                   : in->hints == NP_HINTS_ORACLE ? category_lifetime(in->cat[i])
+                                                  : NP_LIFE_AUTO;
+        int32_t site = in->hints == NP_HINTS_SITES || in->hints == NP_HINTS_ORACLE ? in->site[i] : -1;
         void *p;
         rc = np_ctx_malloc(ctx, in->size[i], in->stream[i], life, site, &p);
         if (rc == NP_ERR_OOM) {
@@ -117,8 +121,20 @@ static int run(replay *r) {
         r->out->ops++;
         break;
       case NP_OP_MARK:
-        if (in->hints >= 1) rc = np_ctx_mark(ctx, in->cat[i], id);
+        if (in->hints != NP_HINTS_NONE) rc = np_ctx_mark(ctx, in->cat[i], id);
         break;
+      case NP_OP_OOM: { /* the recorded run could not serve this request: can this policy? */
+        void *p;
+        r->out->recorded_ooms++;
+        rc = np_ctx_malloc(ctx, in->size[i], in->stream[i], NP_LIFE_SHORT, -1, &p);
+        if (rc == NP_OK) {
+          r->out->ooms_served++;
+          rc = np_ctx_free(ctx, p);
+        } else if (rc == NP_ERR_OOM) {
+          rc = NP_OK;
+        }
+        break;
+      }
       case NP_OP_EMPTY_CACHE: rc = np_ctx_empty_cache(ctx); break;
       case NP_OP_SEG_HINT:
         if (fidelity && ctx->be->hint_addr) ctx->be->hint_addr(ctx->be, in->addr[i]);
@@ -139,7 +155,8 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
   *out = (np_replay_out){0};
   if (!in || !in->op || !in->cat || !in->site || !in->id || !in->size || !in->stream || !in->addr)
     return np_error(NP_ERR_INVALID, "replay: a trace column is missing");
-  if (in->hints < 0 || in->hints > 3) return np_error(NP_ERR_INVALID, "replay: hints must be 0, 1, 2 or 3");
+  if (in->hints < 0 || in->hints >= NP_HINTS_COUNT)
+    return np_error(NP_ERR_INVALID, "replay: hints must be one of NP_HINTS_* (0..%d)", NP_HINTS_COUNT - 1);
   replay r = {ctx, in, out, calloc(in->n_ids ? in->n_ids : 1, sizeof(void *)),
               calloc(in->n_ids ? in->n_ids : 1, sizeof(uint64_t)), 0};
   if (!r.ptrs || !r.sizes) {
@@ -151,6 +168,7 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
   uint64_t t0 = now_ns();
   int rc = run(&r);
   out->ns = now_ns() - t0;
+  ctx->replay_time = -1;
   pthread_mutex_unlock(&ctx->lock);
   free(r.ptrs);
   free(r.sizes);

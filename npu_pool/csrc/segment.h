@@ -1,9 +1,11 @@
-/* segment.h -- a segment is one range of device memory (one device malloc, or
- * an address reservation whose pages are mapped on demand), tiled by blocks.
+/* segment.h -- a segment is one range of device memory, tiled by blocks: either one device
+ * malloc, or an address reservation whose pages are mapped on demand (vmm.h).
  *
- * Invariants: head is the lowest block; blocks are contiguous from addr to
- * addr + size; every block's seg points back here; a segment is on its
- * context's list from creation until its memory is returned to the device.
+ * Invariants: head is the lowest block; blocks are contiguous from addr to addr + size;
+ * every block's seg points back here; a segment is on its context's list from creation
+ * until its memory is returned to the device. `mapped` is the segment's bytes backed by
+ * physical memory: size for a malloc'ed segment, page x (non-zero pages[]) for a
+ * reservation, whose pages[i] is the vendor handle of page i (0 = unmapped).
  */
 #ifndef NP_SEGMENT_H
 #define NP_SEGMENT_H
@@ -14,11 +16,12 @@ typedef struct np_segment {
   uintptr_t addr;
   uint64_t size;
   intptr_t stream;
-  uint8_t pool;
+  uint8_t pool;             /* pool index, or NP_POOL_SHARED */
   uint8_t reserved_only;    /* address reservation (pages mapped separately) */
   np_block *head;
   struct np_segment *prev, *next;
-  uint64_t mapped;          /* expandable: bytes mapped from addr */
+  uint64_t mapped;          /* bytes backed by physical memory */
+  uint64_t *pages;          /* reservations: handle per page of the backend's granularity, 0 = unmapped */
 } np_segment;
 
 /* Split b into [b.addr, b.addr+size) and the rest; returns the piece of `size` bytes,

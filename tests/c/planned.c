@@ -46,7 +46,7 @@ int main(void) {
   if (np_plan_place(N, N, rounded, span, order, offset, &peak) != NP_OK) return fail("place", NULL);
   np_config cfg;
   np_config_init(&cfg);
-  cfg.policy = NP_POLICY_PLANNED;
+  cfg.policy = np_policy_index("planned");
   cfg.capacity = 1ull << 30;
   cfg.host_backed = 1;
   np_ctx *ctx;
@@ -80,7 +80,7 @@ int main(void) {
   np_stats st;
   np_get_stats(ctx, &st);
   if (st.total.reserved.current || st.total.allocated.current) return fail("memory left reserved", ctx);
-  np_destroy(ctx);
+  if (np_destroy(ctx) != NP_OK) return fail("destroy", ctx);
   printf("served %llu fallback %llu idle %llu resyncs %llu\n", (unsigned long long)counts[0],
          (unsigned long long)counts[1], (unsigned long long)counts[2], (unsigned long long)counts[3]);
   return counts[0] && counts[1] && counts[2] ? 0 : 2;

@@ -72,14 +72,14 @@ static int run(int policy) {
   np_stats st;
   np_get_stats(ctx, &st);
   if (st.total.reserved.current != 0 || st.total.allocated.current != 0) return fail("memory left reserved", policy, STEPS);
-  np_destroy(ctx);
+  if (np_destroy(ctx) != NP_OK) return fail("destroy", policy, STEPS);
   printf("%s: %llu allocs, %llu ooms, peak reserved %llu\n", np_policy_name(policy), (unsigned long long)st.allocs,
          (unsigned long long)st.ooms, (unsigned long long)st.total.reserved.peak);
   return 0;
 }
 
 int main(void) {
-  for (int policy = 0; policy < NP_POLICY_COUNT; policy++)
+  for (int policy = 0; policy < np_policy_count(); policy++)
     if (run(policy)) return 1;
   return 0;
 }

@@ -1,0 +1,376 @@
+/* arena.c -- one arena, lifetime-aware placement (see arena.h). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "arena.h"
+#include "vmm.h"
+
+/* The arena's view of the cap: what it may reserve, and what it has reserved with the rest. */
+static uint64_t limit_of(const np_ctx *ctx, const np_arena *a) { return ctx->limit - np_min_u64(a->set_aside, ctx->limit); }
+static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) { return ctx->st.total.reserved.current - a->outside; }
+
+/* Holes serve every stream when the backend can order streams and every stream is
+ * known; once too many streams were seen, holes stay with their stream. */
+static bool cross(const np_ctx *ctx, const np_arena *a) { return ctx->be->stream_wait && !a->streams.full; }
+
+static bool compatible(const np_ctx *ctx, const np_arena *a, intptr_t x, intptr_t y) {
+  return x == y || x == NP_STREAM_ANY || y == NP_STREAM_ANY || cross(ctx, a);
+}
+
+void np_arena_init(np_ctx *ctx, np_arena *a) {
+  memset(a, 0, sizeof *a);
+  a->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
+  a->page = a->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
+  ctx->st.vmm = a->vmm;
+}
+
+/* Create the arena: reserve address space for twice the device (VMM: unmapped holes left by
+ * empty_cache must not stop the top from growing) or allocate the cap. */
+static int ensure(np_ctx *ctx, np_arena *a) {
+  if (a->seg) return NP_OK;
+  uint64_t limit = limit_of(ctx, a), reserved = reserved_of(ctx, a);
+  uint64_t size = a->vmm ? 2 * np_round_up(ctx->be->total, a->page) : np_round_down(limit, NP_MIN_BLOCK);
+  if (size == 0) return np_error(NP_ERR_OOM, "the memory fraction cap leaves no room for an arena");
+  np_segment *seg = NULL;
+  int rc;
+  /* A fixed arena asks for the whole cap; where the device has less free (other processes,
+   * the runtime's own use), take what there is, down to half the cap. */
+  for (uint64_t shrink = size / 16;;) {
+    if (!a->vmm && reserved > limit - np_min_u64(size, limit)) {
+      char x[32], y[32];
+      rc = np_error(NP_ERR_OOM, "reserving %s more would exceed the memory fraction cap of %s", np_fmt_bytes(size, x),
+                    np_fmt_bytes(limit, y));
+    } else {
+      rc = np_segment_create(ctx, size, NP_STREAM_ANY, NP_POOL_SHARED, a->vmm, &seg);
+    }
+    if (rc != NP_ERR_OOM || a->vmm || size <= limit / 2 + shrink) break;
+    size = np_round_down(size - shrink, NP_MIN_BLOCK);
+  }
+  if (rc != NP_OK) return rc;
+  a->seg = seg;
+  a->top = seg->head;
+  a->page_hwm = 0;
+  seg->head->stream = NP_STREAM_ANY;
+  return NP_OK;
+}
+
+/* Unmap the mapped pages among pages [first, end) of the arena; the first failure, if any. */
+static int unmap_pages(np_ctx *ctx, np_arena *a, uint64_t first, uint64_t end) {
+  if (end > a->page_hwm) end = a->page_hwm;
+  if (!a->vmm || first >= end) return NP_OK;
+  return np_vmm_unmap(ctx, a->seg, a->seg->addr + first * a->page, (end - first) * a->page);
+}
+
+/* Unmap the whole pages inside free block b. */
+static int unmap_free(np_ctx *ctx, np_arena *a, const np_block *b) {
+  uint64_t off = b->addr - a->seg->addr;
+  return unmap_pages(ctx, a, np_round_up(off, a->page) / a->page, (off + b->size) / a->page);
+}
+
+void np_arena_drop(np_ctx *ctx, np_arena *a) {
+  if (!a->seg) return;
+  for (np_block *b = a->seg->head; b; b = b->next) {
+    if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
+    b->allocated = 0;
+    b->in_tree = 0;
+  }
+  np_segment_destroy(ctx, a->seg); /* unmaps what is mapped */
+  /* what outlives the memory: the settings, the owner's budget and the streams seen */
+  *a = (np_arena){.vmm = a->vmm, .page = a->page, .set_aside = a->set_aside, .outside = a->outside,
+                  .streams = a->streams};
+}
+
+/* Under cap pressure: unmap whole free pages of settled free blocks (not `skip`), highest
+ * first, until `need` bytes are back. Returns the bytes unmapped. */
+static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t need) {
+  uint64_t before = a->seg->mapped;
+  np_block *last = a->seg->head;
+  while (last->next) last = last->next;
+  ctx->trimming = true;
+  for (np_block *b = last; b && before - a->seg->mapped < need; b = b->prev) {
+    if (b->allocated || b == skip || !np_tag_settled(ctx, &a->streams, b->stream)) continue;
+    unmap_free(ctx, a, b);
+  }
+  ctx->trimming = false;
+  if (a->seg->mapped < before) ctx->st.trims++;
+  return before - a->seg->mapped;
+}
+
+/* Map every unmapped page under block b; trims settled free pages when the budget would be
+ * exceeded, and fails whole if that is not enough. */
+static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
+  if (!a->vmm) return NP_OK;
+  uint64_t need = np_vmm_unmapped(ctx, a->seg, b->addr, b->size);
+  if (!need) return NP_OK;
+  uint64_t limit = limit_of(ctx, a);
+  if (reserved_of(ctx, a) + need > limit) trim(ctx, a, b, reserved_of(ctx, a) + need - limit);
+  if (reserved_of(ctx, a) + need > limit) {
+    char x[32], y[32];
+    ctx->fail.needed = np_max_u64(ctx->fail.needed, need);
+    return np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s", np_fmt_bytes(need, x),
+                    np_fmt_bytes(limit, y));
+  }
+  uint64_t end = (b->addr + b->size - a->seg->addr + a->page - 1) / a->page;
+  int rc = np_vmm_map(ctx, a->seg, b->addr, b->size); /* pages mapped before a failure stay mapped and accounted */
+  if (end > a->page_hwm) a->page_hwm = end;
+  return rc;
+}
+
+static np_block *better(np_block *x, np_block *y) {
+  if (!x) return y;
+  if (!y) return x;
+  return y->size < x->size || (y->size == x->size && y->addr < x->addr) ? y : x;
+}
+
+/* Best-fitting hole for `stream`: of its own or untagged; failing that (cross-stream
+ * reuse), of any other stream or mixed. */
+static np_block *best_hole(const np_ctx *ctx, np_arena *a, intptr_t stream, uint64_t size) {
+  np_block *h = better(np_tree_best_fit(&a->holes, stream, size), np_tree_best_fit(&a->holes, NP_STREAM_ANY, size));
+  if (h || !cross(ctx, a)) return h;
+  h = np_tree_best_fit(&a->holes, NP_STREAM_MIXED, size);
+  for (int i = 0; i < a->streams.n; i++)
+    if (a->streams.ids[i] != stream) h = better(h, np_tree_best_fit(&a->holes, a->streams.ids[i], size));
+  return h;
+}
+
+/* Free block b (in no tree): merge with compatible free neighbours, then file it. */
+static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
+  np_block *p = b->prev;
+  if (p && !p->allocated && compatible(ctx, a, p->stream, b->stream)) {
+    np_tree_remove(&a->holes, p);
+    p->stream = np_tag_merge(p->stream, b->stream);
+    np_block_merge_next(&ctx->blocks, p);
+    b = p;
+  }
+  np_block *n = b->next;
+  if (n && !n->allocated && n != a->top && compatible(ctx, a, n->stream, b->stream)) {
+    np_tree_remove(&a->holes, n);
+    b->stream = np_tag_merge(b->stream, n->stream);
+    np_block_merge_next(&ctx->blocks, b);
+  }
+  n = b->next;
+  if (n && n == a->top && b->stream == NP_STREAM_ANY) {
+    np_block_merge_next(&ctx->blocks, b);
+    a->top = b;
+  } else if (!n && b->stream == NP_STREAM_ANY) {
+    a->top = b;
+  } else {
+    np_tree_insert(&a->holes, b);
+  }
+}
+
+/* Carve `size` bytes out of free block h (in no tree); the rest goes back as free memory. */
+static int carve(np_ctx *ctx, np_arena *a, np_block *h, uint64_t size, bool high, np_block **out) {
+  if (h->size > size) {
+    np_block *piece = np_block_split(&ctx->blocks, h, size, high);
+    if (!piece) return np_error(NP_ERR_HOST, "host out of memory splitting a block");
+    np_block *rest = high ? piece->prev : piece->next; /* keeps the hole's tag */
+    h = piece;
+    if (rest == h->next && !rest->next && rest->stream == NP_STREAM_ANY) a->top = rest;
+    else np_tree_insert(&a->holes, rest);
+  }
+  *out = h;
+  return NP_OK;
+}
+
+/* What the arena could have given a request of `size` it could not place (ctx->fail): free
+ * memory it may use (holes, top) plus what its budget still allows mapping. */
+static void explain(np_ctx *ctx, np_arena *a, uint64_t size) {
+  uint64_t limit = limit_of(ctx, a), reserved = reserved_of(ctx, a);
+  uint64_t free_bytes = a->holes.bytes + (a->top ? a->top->size : 0);
+  uint64_t room = limit > reserved ? limit - reserved : 0;
+  if (a->vmm) { /* free memory counts where mapped; unmapped free memory is room under the cap */
+    uint64_t allocated = 0;
+    for (np_block *b = a->seg ? a->seg->head : NULL; b; b = b->next) allocated += b->allocated ? b->size : 0;
+    uint64_t mapped_free = a->seg && a->seg->mapped > allocated ? a->seg->mapped - allocated : 0;
+    free_bytes = mapped_free;
+  } else if (!a->seg) {
+    free_bytes = room = 0; /* the device would not give the arena its memory */
+  } else {
+    room = 0; /* a fixed arena never grows */
+  }
+  ctx->fail.pool = NP_POOL_SHARED;
+  ctx->fail.needed = np_max_u64(ctx->fail.needed, size);
+  ctx->fail.usable = free_bytes + room;
+}
+
+static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
+  np_block *h = best_hole(ctx, a, stream, size);
+  intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
+  if (h) {
+    np_tree_remove(&a->holes, h);
+    used_by = h->stream;
+  } else {
+    np_block *t = a->top;
+    if (!t) return np_error(NP_ERR_OOM, "the arena's address range is full");
+    np_block *below = t->prev;
+    /* No hole fits, so a usable hole under the top is smaller than the request:
+     * start the request there; it covers the whole hole, the rest is untagged. */
+    bool absorb = below && !below->allocated && compatible(ctx, a, below->stream, stream) && below->size + t->size >= size;
+    if (!absorb && t->size < size) return np_error(NP_ERR_OOM, "the arena's address range is full");
+    used_by = NP_STREAM_ANY;
+    if (absorb) {
+      np_tree_remove(&a->holes, below);
+      used_by = below->stream;
+      np_block_merge_next(&ctx->blocks, below);
+      t = below;
+      t->stream = NP_STREAM_ANY;
+    }
+    a->top = NULL;
+    h = t;
+    long_lived = true; /* take the top's low end: the high-water mark grows only by `size` */
+  }
+  np_block *b = NULL;
+  int rc = carve(ctx, a, h, size, !long_lived, &b);
+  if (rc != NP_OK) {
+    h->stream = np_tag_merge(h->stream, used_by);
+    put_free(ctx, a, h);
+    return rc;
+  }
+  rc = map_range(ctx, a, b);
+  if (rc == NP_OK) rc = np_order_after(ctx, &a->streams, stream, used_by);
+  if (rc != NP_OK) {
+    b->stream = np_tag_merge(b->stream, used_by);
+    put_free(ctx, a, b);
+    return rc;
+  }
+  b->stream = stream;
+  uint64_t end = b->addr + b->size - a->seg->addr;
+  if (end > ctx->st.arena_hwm.peak) ctx->st.arena_hwm.peak = end;
+  *out = b;
+  return NP_OK;
+}
+
+/* Device synchronisation: clear every stream tag, merge free neighbours, rebuild the tree. */
+static void synchronize(np_ctx *ctx, np_arena *a) {
+  memset(&a->holes, 0, sizeof a->holes);
+  a->top = NULL;
+  for (np_block *b = a->seg->head; b; b = b->next) {
+    if (b->allocated) continue;
+    b->in_tree = 0;
+    b->stream = NP_STREAM_ANY;
+    while (b->next && !b->next->allocated) {
+      b->next->in_tree = 0;
+      np_block_merge_next(&ctx->blocks, b);
+    }
+    if (b->next) np_tree_insert(&a->holes, b);
+    else a->top = b;
+  }
+}
+
+/* Synchronise the arena and unmap the whole pages inside its free memory; the first failure. */
+static int release(np_ctx *ctx, np_arena *a) {
+  if (!a->seg) return NP_OK;
+  synchronize(ctx, a);
+  int first = NP_OK;
+  np_saved_error s = {0};
+  for (np_block *b = a->seg->head; a->vmm && b; b = b->next) {
+    if (b->allocated) continue;
+    int rc = unmap_free(ctx, a, b);
+    if (rc != NP_OK && first == NP_OK) np_save_error(&s, first = rc);
+  }
+  return first == NP_OK ? NP_OK : np_restore_error(&s);
+}
+
+int np_arena_empty_cache(np_ctx *ctx, np_arena *a) {
+  if (!a->vmm && a->seg) {
+    bool empty = true;
+    for (np_block *b = a->seg->head; b && empty; b = b->next) empty = !b->allocated;
+    if (empty) {
+      np_arena_drop(ctx, a); /* nothing allocated: return the whole fixed arena */
+      return NP_OK;
+    }
+  }
+  return release(ctx, a);
+}
+
+int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, bool long_lived, np_block **out) {
+  uint64_t size = np_round_up(req, NP_MIN_BLOCK);
+  int rc = ensure(ctx, a);
+  if (rc != NP_OK) {
+    if (rc == NP_ERR_OOM) explain(ctx, a, size);
+    return rc;
+  }
+  np_streams_note(&a->streams, stream);
+  rc = try_place(ctx, a, size, stream, long_lived, out);
+  if (rc == NP_ERR_OOM) {
+    /* what PyTorch does on failure, at arena scale: synchronise, release free pages, retry once */
+    ctx->st.retries++;
+    rc = np_ctx_synchronize(ctx);
+    if (rc != NP_OK) return rc;
+    release(ctx, a); /* a page the device refuses to unmap stays mapped and is counted */
+    rc = try_place(ctx, a, size, stream, long_lived, out);
+    if (rc == NP_ERR_OOM) explain(ctx, a, size);
+  }
+  return rc;
+}
+
+void np_arena_record_stream(np_arena *a, intptr_t stream) {
+  np_streams_note(&a->streams, stream); /* mixed memory waits on every noted stream */
+}
+
+void np_arena_free(np_ctx *ctx, np_arena *a, np_block *b) {
+  if (b->shared) { /* used on other streams too (record_stream): reuse must wait on all of them */
+    b->stream = NP_STREAM_MIXED;
+    b->shared = 0;
+  }
+  put_free(ctx, a, b);
+}
+
+int np_arena_set_limit(np_ctx *ctx, np_arena *a) {
+  if (a->vmm || !a->seg) return NP_OK;
+  for (np_block *b = a->seg->head; b; b = b->next) {
+    if (!b->allocated) continue;
+    char x[32];
+    return np_error(NP_ERR_STATE, "the arena is already allocated at %s without a virtual-memory API; "
+                    "set the fraction before the first allocation", np_fmt_bytes(a->seg->size, x));
+  }
+  np_arena_drop(ctx, a); /* empty: the next request reserves the new size */
+  return NP_OK;
+}
+
+void np_arena_fill_stats(np_ctx *ctx, np_arena *a, np_stats *st) {
+  if (!a->seg) return;
+  np_block *m = np_tree_max(&a->holes);
+  uint64_t largest = m ? m->size : 0;
+  st->arena_hwm.current = (a->top ? a->top->addr : a->seg->addr + a->seg->size) - a->seg->addr;
+  if (a->top) {
+    uint64_t room = a->top->size;
+    if (a->vmm) { /* the top can grow by the budget's free pages plus pages it already has mapped */
+      uint64_t first = np_round_up(a->top->addr - a->seg->addr, a->page) / a->page, mapped = 0;
+      for (uint64_t p = first; p < a->page_hwm; p++) mapped += a->seg->pages[p] ? a->page : 0;
+      uint64_t limit = limit_of(ctx, a), reserved = reserved_of(ctx, a);
+      room = np_min_u64(room, (limit > reserved ? limit - reserved : 0) + mapped);
+    }
+    largest = np_max_u64(largest, room);
+  }
+  st->largest_free = np_max_u64(st->largest_free, largest);
+}
+
+int np_arena_check(np_ctx *ctx, np_arena *a) {
+  if (!np_tree_check(&a->holes)) return np_error(NP_ERR_STATE, "check: arena hole tree is corrupt");
+  if (!a->seg) return a->holes.count ? np_error(NP_ERR_STATE, "check: holes without an arena") : NP_OK;
+  size_t holes = 0;
+  np_block *last = NULL;
+  for (np_block *b = a->seg->head; b; last = b, b = b->next) {
+    if (b->allocated) {
+      if (a->vmm && np_vmm_unmapped(ctx, a->seg, b->addr, b->size))
+        return np_error(NP_ERR_STATE, "check: allocated block %#lx on an unmapped page", (unsigned long)b->addr);
+      continue;
+    }
+    if (b == a->top) {
+      if (b->next || b->stream != NP_STREAM_ANY) return np_error(NP_ERR_STATE, "check: the top is not the last untagged block");
+      continue;
+    }
+    if (!b->in_tree) return np_error(NP_ERR_STATE, "check: free block %#lx is not a hole", (unsigned long)b->addr);
+    if (b->next && !b->next->allocated && b->next != a->top && compatible(ctx, a, b->stream, b->next->stream))
+      return np_error(NP_ERR_STATE, "check: compatible holes not merged at %#lx", (unsigned long)b->addr);
+    holes++;
+  }
+  if (holes != a->holes.count) return np_error(NP_ERR_STATE, "check: the hole tree holds stray blocks");
+  if (!a->top && last && !last->allocated && last->stream == NP_STREAM_ANY)
+    return np_error(NP_ERR_STATE, "check: free untagged last block is not the top");
+  for (uint64_t p = a->page_hwm; a->vmm && p < a->seg->size / a->page; p++)
+    if (a->seg->pages[p]) return np_error(NP_ERR_STATE, "check: a page above the arena's high-water mark is mapped");
+  return NP_OK;
+}

@@ -1,0 +1,70 @@
+/* arena.h -- one arena: the npu_pool policy's memory, and the planned policy's fallback.
+ *
+ * With a virtual-memory API the arena is an address reservation of twice the device, whose
+ * pages are mapped as its high-water mark grows and unmapped when free (the page table is
+ * the segment's, vmm.h); without one it is a single device allocation of the cap.
+ *
+ *  - blocks are exact (512-byte rounded): no segment rounding, no boundaries;
+ *  - a request takes the smallest hole that fits (O(log n) tree by stream, size, address),
+ *    long-lived at the hole's low end, short-lived at its high end, so short-lived churn
+ *    stays away from long-lived neighbours and the hole that remains is contiguous with
+ *    other free memory;
+ *  - when no hole fits it extends the top (the free memory above the highest allocation),
+ *    first taking a hole of its stream that touches the top;
+ *  - freed memory keeps the tag of the stream that used it (or "mixed" once memory of two
+ *    streams merges). A request prefers holes of its own stream or untagged ones (never
+ *    used, or synchronised); failing that, where the backend can order streams on the
+ *    device (an event wait, as cudaMallocAsync pools do) it takes another stream's hole and
+ *    makes its stream wait for that stream's queued work: memory serves every stream
+ *    without a host synchronisation. Without that hook, holes stay with their stream until
+ *    a synchronisation (empty_cache, or the retry after a failure) clears the tags;
+ *  - when mapping would pass the budget, it first trims: unmaps whole free pages whose
+ *    streams have finished all queued work (no synchronisation needed); only if that is
+ *    not enough does the request fail into the retry, which synchronises the device and
+ *    unmaps every whole free page, as empty_cache.
+ *
+ * The arena's budget is the context's cap less `set_aside` (promised to its owner, e.g. the
+ * planned region) and the reserved bytes `outside` it (held by its owner): its owner keeps
+ * both up to date before every call.
+ *
+ * Invariants: the segment is tiled by its blocks; `top` is the last block when that block
+ * is free and untagged, else NULL; every other free block is in `holes`; no two
+ * neighbouring free blocks with compatible tags are left unmerged except a tagged hole below
+ * the top; with VMM every page touched by an allocated block is mapped, and no page at or
+ * above page_hwm was ever mapped.
+ */
+#ifndef NP_ARENA_H
+#define NP_ARENA_H
+
+#include "streams.h"
+#include "tree.h"
+
+typedef struct np_arena {
+  np_tree holes;
+  np_segment *seg;      /* NULL until the first request */
+  np_block *top;
+  bool vmm;
+  uint64_t page;        /* mapping granularity (VMM) or NP_MIN_BLOCK */
+  uint64_t page_hwm;    /* pages at or above this index have never been mapped */
+  uint64_t set_aside;   /* bytes of the cap the arena must leave to its owner */
+  uint64_t outside;     /* reserved bytes that are not the arena's */
+  np_streams streams;   /* streams that allocated or were recorded, for waits on mixed memory */
+} np_arena;
+
+void np_arena_init(np_ctx *ctx, np_arena *a);
+/* Return the arena's memory to the device (its blocks' pointers are forgotten). */
+void np_arena_drop(np_ctx *ctx, np_arena *a);
+/* Place `size` bytes (rounded) for `stream`; on failure, synchronise, release and retry once. */
+int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out);
+void np_arena_free(np_ctx *ctx, np_arena *a, np_block *b);
+void np_arena_record_stream(np_arena *a, intptr_t stream);
+/* The device was synchronised: clear the tags, return free pages (or the whole empty fixed arena). */
+int np_arena_empty_cache(np_ctx *ctx, np_arena *a);
+/* A new cap: a fixed arena can only change while empty. */
+int np_arena_set_limit(np_ctx *ctx, np_arena *a);
+void np_arena_fill_stats(np_ctx *ctx, np_arena *a, np_stats *st);
+/* Whether b is one of the arena's blocks. */
+static inline bool np_arena_owns(const np_arena *a, const np_block *b) { return a->seg && b->seg == a->seg; }
+int np_arena_check(np_ctx *ctx, np_arena *a);
+
+#endif

@@ -1,0 +1,106 @@
+/* history.c -- the context's event history: what happened to memory, in order, like PyTorch's
+ * TraceEntry list (allocations, frees, segments allocated, mapped, unmapped and freed, cache
+ * releases, failed requests, markers). Reports, memory_viz snapshots and OOM snapshots read it.
+ *
+ * A ring of the latest hist_max events (entry seq % hist_slots); its slots grow by doubling up
+ * to hist_max as events come, so a large bound costs memory only when used. A failure to grow
+ * keeps the ring as it is (older events are overwritten sooner). hist_max 0 records nothing.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "context.h"
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Make room for one more event; false if nothing may be recorded. */
+static bool room(np_ctx *ctx) {
+  /* grow only when exactly full and never wrapped: then the ring's order is the array's */
+  if (ctx->n_events == ctx->hist_slots && ctx->hist_slots < ctx->hist_max) {
+    uint64_t slots = ctx->hist_slots ? np_min_u64(2 * ctx->hist_slots, ctx->hist_max) : np_min_u64(64, ctx->hist_max);
+    np_event_info *h = realloc(ctx->hist, slots * sizeof *h);
+    if (h) {
+      ctx->hist = h;
+      ctx->hist_slots = slots;
+    }
+  }
+  return ctx->hist_slots > 0;
+}
+
+static np_event_info *next_entry(np_ctx *ctx, int kind) {
+  if (!room(ctx)) {
+    ctx->n_events++;
+    return NULL;
+  }
+  np_event_info *e = &ctx->hist[ctx->n_events % ctx->hist_slots];
+  uint64_t t = ctx->replay_time >= 0 ? (uint64_t)ctx->replay_time : (now_ns() - ctx->t0_ns) / 1000;
+  *e = (np_event_info){.seq = ctx->n_events++, .time = t, .kind = (uint8_t)kind, .pool = NP_POOLS};
+  return e;
+}
+
+void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
+                   int lifetime) {
+  np_event_info *e = next_entry(ctx, kind);
+  if (!e) return;
+  e->addr = addr;
+  e->size = size;
+  e->stream = stream;
+  e->site = site;
+  e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
+  e->lifetime = (uint8_t)lifetime;
+  e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming;
+}
+
+void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
+                       uint64_t device_free) {
+  np_event_info *e = next_entry(ctx, NP_EV_OOM);
+  if (!e) return;
+  e->size = size;
+  e->stream = stream;
+  e->site = site;
+  e->lifetime = (uint8_t)lifetime;
+  e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
+  e->detail = (uint8_t)why;
+  e->device_free = device_free;
+}
+
+int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries) {
+  if (max_entries > ((uint64_t)1 << 40) / sizeof(np_event_info))
+    return np_error(NP_ERR_INVALID, "history of %llu events is absurd (at most 2^40 bytes of history)",
+                    (unsigned long long)max_entries);
+  free(ctx->hist);
+  ctx->hist = NULL;
+  ctx->hist_slots = 0;
+  ctx->hist_max = max_entries;
+  ctx->n_events = 0;
+  if (!ctx->t0_ns) ctx->t0_ns = now_ns();
+  return NP_OK;
+}
+
+void np_ctx_history_free(np_ctx *ctx) {
+  free(ctx->hist);
+  ctx->hist = NULL;
+  ctx->hist_slots = ctx->hist_max = 0;
+}
+
+int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
+  pthread_mutex_lock(&ctx->lock);
+  uint64_t kept = np_min_u64(ctx->n_events, ctx->hist_slots);
+  if (cap > kept) cap = kept;
+  for (size_t i = 0; i < cap; i++) out[i] = ctx->hist[(ctx->n_events - cap + i) % ctx->hist_slots];
+  *n = cap;
+  pthread_mutex_unlock(&ctx->lock);
+  return NP_OK;
+}
+
+int np_set_history(np_ctx *ctx, uint64_t max_entries) {
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_set_history(ctx, max_entries);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}

@@ -1,0 +1,43 @@
+/* marks.c -- phase markers: the stage a request comes in, and what it teaches lifetimes.
+ *
+ * Lifetimes are learned per stage: a block is long-lived when it outlives the stage it was
+ * born in (forward -> backward: an activation; backward -> optimizer: a gradient),
+ * short-lived when it dies inside it. Layer markers do not end a stage; they restart the
+ * position count of derived sites, so that the k-th request of a layer is the same site in
+ * every layer. */
+#include "context.h"
+
+void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life) {
+  ctx->marks.any = true;
+  ctx->phase = phase;
+  ctx->default_life = default_life;
+  ctx->base_life = default_life;
+}
+
+int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
+  if (code < 0 || code >= NP_MARK_COUNT) return np_error(NP_ERR_INVALID, "unknown marker code %d", code);
+  np_marks *m = &ctx->marks;
+  m->any = true;
+  m->pos = 0;
+  np_ctx_record(ctx, NP_EV_MARK, 0, 0, (intptr_t)arg, code, -1, 0);
+  m->code = code;
+  if (code == NP_MARK_LAYER_ENTER || code == NP_MARK_LAYER_EXIT) return NP_OK;
+  m->later_micro = (code == NP_MARK_FORWARD_BEGIN || code == NP_MARK_BACKWARD_BEGIN) && arg > 0;
+  ctx->phase++; /* every other marker ends the stage */
+  switch (code) {
+    case NP_MARK_SETUP_BEGIN: m->stage = NP_STAGE_SETUP; ctx->default_life = NP_LIFE_LONG; break;
+    case NP_MARK_FORWARD_BEGIN: m->stage = NP_STAGE_FORWARD; ctx->default_life = ctx->base_life; break;
+    /* backward: activation gradients and scratch die inside it; gradients are learned */
+    case NP_MARK_BACKWARD_BEGIN: m->stage = NP_STAGE_BACKWARD; ctx->default_life = NP_LIFE_SHORT; break;
+    case NP_MARK_OPTIMIZER_BEGIN:
+      /* the first step creates the optimizer states, which live for the whole run */
+      m->stage = NP_STAGE_OPTIMIZER;
+      ctx->default_life = m->optimizer_steps++ == 0 ? NP_LIFE_LONG : NP_LIFE_SHORT;
+      break;
+    case NP_MARK_EVAL_BEGIN: m->stage = NP_STAGE_EVAL; m->eval = true; ctx->default_life = NP_LIFE_SHORT; break;
+    case NP_MARK_EVAL_END: m->stage = NP_STAGE_OUTSIDE; m->eval = false; ctx->default_life = ctx->base_life; break;
+    default: m->stage = NP_STAGE_OUTSIDE; ctx->default_life = ctx->base_life; break; /* ends, iteration markers */
+  }
+  if (m->eval) ctx->default_life = NP_LIFE_SHORT; /* nothing of an evaluation outlives it */
+  return NP_OK;
+}

@@ -1,0 +1,40 @@
+/* policy.h -- what a placement policy is. A policy is one file (policy_<name>.c) defining an
+ * np_policy, plus one line in policies.c: nothing else in the core names a policy.
+ *
+ * malloc returns an allocated block with size, pool and stream set (the context accounts
+ * for it and files it); free takes a block already removed from the map and accounted.
+ * Device memory is taken through np_segment_create / np_vmm_map and given back through
+ * np_segment_destroy / np_vmm_unmap, which account for it: a policy never touches the
+ * reserved counters. Hooks marked optional may be NULL.
+ */
+#ifndef NP_POLICY_H
+#define NP_POLICY_H
+
+#include "context.h"
+
+struct np_policy {
+  const char *name;
+  const char *summary;                /* one line: what the policy is */
+  const char *pool_name[NP_POOLS];    /* the two pools its blocks are counted in */
+  const char *pool_meaning[NP_POOLS]; /* what each pool holds */
+  /* The policy orders reuse across streams itself (event waits): a freed block that was used
+   * on other streams (record_stream) needs no device synchronisation from the context. */
+  bool orders_streams;
+  int (*init)(np_ctx *ctx);
+  void (*destroy)(np_ctx *ctx);       /* return every segment */
+  int (*malloc)(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, np_block **out);
+  void (*free)(np_ctx *ctx, np_block *b);
+  int (*empty_cache)(np_ctx *ctx);    /* the device is synchronised */
+  int (*set_limit)(np_ctx *ctx, uint64_t limit); /* optional; may refuse a new limit */
+  void (*fill_stats)(np_ctx *ctx, np_stats *st); /* optional: largest_free, arena figures */
+  int (*check)(np_ctx *ctx);          /* optional: the policy's own invariants */
+  void (*record_stream)(np_ctx *ctx, np_block *b, intptr_t stream); /* optional: b is used on `stream` too */
+  /* optional, fidelity replays (torch policy): a recorded segment, a block at a recorded address */
+  int (*prime_segment)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, int pool);
+  int (*alloc_at)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, np_block **out);
+};
+
+/* The registry (policies.c): NULL outside 0..np_policy_count()-1. */
+const np_policy *np_policy_at(int index);
+
+#endif
