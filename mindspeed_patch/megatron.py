@@ -80,9 +80,9 @@ class _Session:
         self.patched: dict[str, list[str]] = {}
         self.written: Optional[str] = None
         self._depth = 0
-        from npu_pool import pool as _pool
+        from npu_pool.install import installed
 
-        if _pool._installed:  # the pool itself is looked up per report: Megatron picks the device later
+        if installed():  # the pool itself is looked up per report: Megatron picks the device later
             self.mode, self.reason = "device", ""
         else:
             self.mode = "recorder"
@@ -94,10 +94,9 @@ class _Session:
     def pool(self) -> Any:
         """The installed pool of the current device (None in recorder mode). Looked up each
         time: Megatron sets each rank's device after this module is imported."""
-        from npu_pool.recorder._recorder import _installed_targets
+        from npu_pool.install import current_pool
 
-        pools = _installed_targets() if self.mode == "device" else ()
-        return pools[0] if pools else None
+        return current_pool() if self.mode == "device" else None
 
     def report(self) -> dict[str, Any]:
         from npu_pool.recorder import report

@@ -1,7 +1,7 @@
 """npu_pool: a fragmentation-aware device memory pool for large-model training.
 
-The compiled core is loaded on first use of a name that needs it, so that the pure
-Python tools (trace import, reports) work even where the core is not built.
+The names below load the compiled core (and torch, for ``install``) on first use, so that
+``import npu_pool`` itself stays cheap.
 """
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "Pool": "npu_pool.pool",
     "PoolError": "npu_pool.pool",
-    "set_fraction": "npu_pool.pool",
+    "OutOfMemoryError": "npu_pool.pool",
+    "InvalidArgumentError": "npu_pool.pool",
     "POLICIES": "npu_pool.pool",
     "install": "npu_pool.install",
+    "installed": "npu_pool.install",
+    "set_fraction": "npu_pool.install",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,38 +1,43 @@
 """``npu_pool.install()``: make npu_pool torch's device allocator.
 
-Builds torch_npu's ``NPUPluggableAllocator`` or torch's ``CUDAPluggableAllocator`` over
-the core's shared object (the C entry points of ``csrc/pluggable.h``), registers the
-hooks whose C signatures match what torch calls, swaps it in, and records one
-:class:`~npu_pool.pool.Pool` per device in ``npu_pool.pool._installed`` so that
-:func:`npu_pool.set_fraction` and ``stats()`` work. It must run before torch allocates
-device memory: import ``mindspeed_patch`` (with ``MEMORY_FRAGMENTATION=1``) or call
-``npu_pool.install()`` at the top of the training script.
+Builds torch_npu's ``NPUPluggableAllocator`` or torch's ``CUDAPluggableAllocator`` over the
+core's shared object (the C entry points of ``csrc/pluggable.h``), registers the hooks whose
+signatures match what torch calls, swaps it in, and routes torch's memory APIs
+(``memory_stats``, ``memory_allocated``, ``reset_peak_memory_stats``, ``memory_summary``,
+``_record_memory_history``, ``_snapshot``, ...) to the pool (``npu_pool.torch_memory``). On
+an NPU, the hooks that take C++ types (device statistics, ``record_stream``, an out-of-memory
+error torch can raise) come from a small C++ library built against the installed torch_npu
+(``npu_pool.npu_hooks``). It must run before torch allocates device memory: import
+``mindspeed_patch`` (with ``MEMORY_FRAGMENTATION=1``) or call ``npu_pool.install()`` at the top
+of the training script.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import importlib.util
 import sys
+import threading
 import types
+import warnings
 from typing import Any, Optional
 
-from . import config
-from .pool import BACKENDS, POLICIES, Pool, _check, ffi, lib as _core_api
+from . import config, oom
+from ._core import ffi, lib
+from .pool import BACKENDS, POLICIES, Pool, PoolError, _check, _invalid
 
-__all__ = ["install", "InstallError", "DeviceUnavailableError", "TooLateError", "last_error", "core_path"]
+__all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
+           "TooLateError", "last_error", "core_path"]
 
-# (setter on torch's allocator object, exported C symbol). Checked against torch 2.13's
-# torch/csrc/cuda/CUDAPluggableAllocator.h and torch_npu's NPUPluggableAllocator:
-#   set_init_fn              void(int device_count)             both
-#   set_reset_fn             void()                             CUDA (torch.cuda.empty_cache)
-#   set_reset_fn             void(bool check_error)             torch_npu (torch.npu.empty_cache)
-#   set_memory_fraction_fn   void(double fraction, int device)  both
-#   set_reset_peak_status_fn void(int device)                   torch_npu only
+# (setter on torch's allocator object, C entry point). Checked against torch 2.13's
+# torch/csrc/cuda/CUDAPluggableAllocator.h and torch_npu 2.13's NPUPluggableAllocator.h:
+#   set_init_fn              void(int device_count)              both
+#   set_reset_fn             void()                              CUDA (torch.cuda.empty_cache)
+#   set_reset_fn             void(bool check_error)              torch_npu (torch.npu.empty_cache)
+#   set_memory_fraction_fn   void(double fraction, int device)   both
+#   set_reset_peak_status_fn void(c10::DeviceIndex)              torch_npu only
 #   set_record_stream_fn     void(void* ptr, cudaStream_t)       CUDA
-# Not registered: set_base_alloc_fn
-# (IPC; virtual-memory pages cannot be shared that way), set_get_device_stats_fn (returns a C++
-# DeviceStats by value), and the graph-pool hooks (take std::function / MempoolId_t).
+# torch_npu's set_get_device_stats_fn, set_record_stream_fn and set_erase_stream_fn take C++ types:
+# they come from npu_hooks. Not registered: set_base_alloc_fn (IPC; virtual-memory pages cannot be
+# shared that way) and the graph-pool hooks (std::function / MempoolId_t arguments).
 _HOOKS: dict[str, tuple[tuple[str, str], ...]] = {
     "cuda": (("set_init_fn", "npu_pool_init"), ("set_reset_fn", "npu_pool_empty_cache"),
              ("set_memory_fraction_fn", "npu_pool_memory_fraction"),
@@ -42,7 +47,6 @@ _HOOKS: dict[str, tuple[tuple[str, str], ...]] = {
             ("set_reset_peak_status_fn", "npu_pool_reset_peak")),
 }
 _BACKEND_OF = {"cuda": "cuda", "npu": "acl"}
-_state: dict[str, Any] = {}  # what install() did: kind, policy, backend, fraction, allocator, hooks
 
 
 class InstallError(RuntimeError):
@@ -57,6 +61,21 @@ class TooLateError(InstallError):
     """torch already initialised its own device allocator."""
 
 
+class _Installation:
+    """What install() did: the device kind, settings, torch's allocator object and the pools."""
+
+    def __init__(self, kind: str, module: Any, policy: str, backend: str, fraction: Optional[float],
+                 allocator: Any, hooks: list[str], cpp_hooks: bool):
+        self.kind, self.module, self.policy, self.backend = kind, module, policy, backend
+        self.fraction, self.allocator, self.hooks, self.cpp_hooks = fraction, allocator, hooks, cpp_hooks
+        self.pools: dict[int, "_DevicePool"] = {}
+        self.unroute: Any = None  # puts torch's memory APIs back (torch_memory.route)
+
+
+_current: Optional[_Installation] = None
+_lock = threading.Lock()
+
+
 def core_path() -> str:
     """Path of the core's shared object, which exports the allocator entry points."""
     from . import _core
@@ -64,42 +83,22 @@ def core_path() -> str:
     return _core.__file__
 
 
-@functools.lru_cache(maxsize=1)
-def _lib() -> ctypes.CDLL:
-    """The core's shared object through ctypes (the same loaded object as ``npu_pool._core``)."""
-    c = ctypes
-    so = c.CDLL(core_path())
-    sigs = {
-        "npu_pool_configure": (c.c_int, [c.c_int, c.c_int, c.c_double, c.c_int, c.c_char_p]),
-        "npu_pool_device_ctx": (c.c_void_p, [c.c_int]),
-        "npu_pool_set_fraction": (c.c_int, [c.c_int, c.c_double]),
-        "npu_pool_last_error": (c.c_size_t, [c.c_int, c.c_char_p, c.c_size_t]),
-        "npu_pool_shutdown": (None, []),
-        "npu_pool_malloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
-        "npu_pool_free": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
-        "npu_pool_init": (None, [c.c_int]),
-        "npu_pool_empty_cache": (None, []),
-        "npu_pool_empty_cache_checked": (None, [c.c_bool]),
-        "npu_pool_memory_fraction": (None, [c.c_double, c.c_int]),
-        "npu_pool_reset_peak": (None, [c.c_int]),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(so, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return so
+def _address(symbol: str) -> int:
+    """Address of one of the core's C entry points, as torch's setters take it."""
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, symbol)))
 
 
 def last_error(device: int = -1) -> str:
     """The last failure the allocator hooks met on ``device`` (also printed to stderr);
     ``device=-1``: the calling thread's last core error."""
-    buf = ctypes.create_string_buffer(1024)
-    _lib().npu_pool_last_error(device, buf, len(buf))
-    return buf.value.decode(errors="replace")
+    buf = ffi.new("char[]", 1024)
+    lib.npu_pool_last_error(device, buf, 1024)
+    return ffi.string(buf).decode(errors="replace")
 
 
 class _DevicePool(Pool):
-    """The installed allocator's context on one device. The context belongs to the
-    shared object's device table: it is created on first use and never closed here."""
+    """The installed allocator's context on one device. The context belongs to the shared
+    object's device table: it is created on first use and never closed here."""
 
     def __init__(self, device: int, policy: str, backend: str):  # no Pool.__init__: nothing to create
         self._ctx = None
@@ -110,18 +109,67 @@ class _DevicePool(Pool):
     @property
     def ctx(self) -> Any:
         if self._ctx is None:
-            addr = _lib().npu_pool_device_ctx(self.device)
-            if not addr:
-                _check(_core_api.NP_ERR_BACKEND)
-            self._ctx = ffi.cast("np_ctx *", addr)
+            ctx = lib.npu_pool_device_ctx(self.device)
+            if ctx == ffi.NULL:
+                _check(lib.NP_ERR_BACKEND)
+            self._ctx = ctx
         return self._ctx
+
+    @property
+    def serving(self) -> bool:
+        """Whether the device has a context yet (it is made at the first allocation)."""
+        return lib.npu_pool_existing_ctx(self.device) != ffi.NULL
+
+    def _read_stats(self, st: Any) -> None:  # zeros before the first allocation, without making a context
+        _check(lib.npu_pool_device_stats(self.device, st))
+
+    def reset_peak(self) -> None:
+        if self.serving:
+            super().reset_peak()
+
+    def reset_accumulated(self) -> None:
+        lib.npu_pool_reset_accumulated(self.device)
 
     def set_fraction(self, fraction: float) -> None:
         """Cap this device at ``fraction`` of its memory (applied when its context exists)."""
-        _check(_lib().npu_pool_set_fraction(self.device, float(fraction)))
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise _invalid(f"fraction must be a number in (0, 1], got {fraction!r}")
+        _check(lib.npu_pool_set_fraction(self.device, float(fraction)))
 
     def close(self) -> None:
         self._ctx = None
+
+
+def installed() -> dict[int, Pool]:
+    """The installed allocator's pools, ``{device: Pool}`` (empty before :func:`install`)."""
+    return dict(_current.pools) if _current else {}
+
+
+def current_pool() -> Optional[Pool]:
+    """The installed allocator's pool of torch's current device (None before :func:`install`,
+    or when the current device cannot be asked)."""
+    inst = _current
+    if inst is None:
+        return None
+    try:
+        device = inst.module.current_device()
+    except Exception:  # no device context yet (torch_npu before set_device, a broken runtime)
+        return None
+    return inst.pools.get(device)
+
+
+def set_fraction(fraction: float, device: Optional[int] = None) -> None:
+    """Cap the installed device allocator at ``fraction`` of the device's memory (every device,
+    or ``device``)."""
+    pools = installed()
+    if not pools:
+        raise PoolError(lib.NP_ERR_STATE, "no npu_pool allocator is installed: call npu_pool.install() first, "
+                        "or use Pool.set_fraction() on a pool you created")
+    chosen = pools.values() if device is None else [pools[device]] if device in pools else []
+    if not chosen:
+        raise _invalid(f"no npu_pool allocator installed on device {device}; installed: {sorted(pools)}")
+    for p in chosen:
+        p.set_fraction(fraction)
 
 
 def _importable(name: str) -> bool:
@@ -214,23 +262,50 @@ def _default_lib_path(kind: str) -> Optional[str]:
     return _loaded_library("libascendcl.so")
 
 
-def _register_hooks(handle: Any, kind: str) -> list[str]:
+def _register(handle: Any, setters: list[tuple[str, int]]) -> list[str]:
     """Give torch's allocator object the hooks it has setters for; returns the setters used."""
     used = []
-    for setter, symbol in _HOOKS[kind]:
+    for setter, address in setters:
         if hasattr(handle, setter):
-            getattr(handle, setter)(ctypes.cast(getattr(_lib(), symbol), ctypes.c_void_p).value)
+            getattr(handle, setter)(address)
             used.append(setter)
     return used
 
 
-def _pools(kind: str, module: Any, policy: str, backend: str) -> dict[int, Pool]:
-    from . import pool
+@ffi.def_extern()
+def _npu_pool_on_oom(device: int, size: int, stream: Any) -> None:
+    """Called by the core's torch hooks after a request failed for lack of memory: an OOM
+    snapshot when one is asked for (npu_pool.oom); its note joins the device's error."""
+    try:
+        inst = _current
+        pool = inst.pools.get(device) if inst else None
+        note = oom.on_oom(pool, int(size), device) if pool is not None else None
+        if note:
+            lib.npu_pool_note_error(device, note.encode(errors="replace"))
+    except BaseException:  # nothing may escape into the C caller
+        pass
 
-    count = int(module.device_count())
-    pools: dict[int, Pool] = {d: _DevicePool(d, policy, backend) for d in range(count)}
-    pool._installed.update(pools)
-    return pools
+
+def _build_allocator(kind: str, module: Any, torch: Any) -> tuple[Any, list[str], bool]:
+    """torch's pluggable allocator over npu_pool, its hooks registered; (allocator, setters, C++ hooks)."""
+    setters = [(s, _address(sym)) for s, sym in _HOOKS[kind]]
+    if kind == "cuda":
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(core_path(), "npu_pool_malloc", "npu_pool_free")
+        return allocator, _register(allocator.allocator(), setters), False
+    from . import npu_hooks
+
+    try:
+        hooks = npu_hooks.load()
+    except npu_hooks.HooksUnavailable as e:
+        warnings.warn(f"npu_pool: {e}; using the C hooks only: torch.npu.memory_stats() and friends are answered "
+                      "from Python, and an out-of-memory request surfaces as torch_npu's 'Get data_ptr failed' "
+                      "after npu_pool's explanation on stderr", RuntimeWarning, stacklevel=3)
+        allocator = module.memory.NPUPluggableAllocator(core_path(), "npu_pool_malloc", "npu_pool_free")
+        return allocator, _register(allocator.allocator(), setters), False
+    allocator = module.memory.NPUPluggableAllocator(hooks.path, hooks.MALLOC, hooks.FREE)
+    used = _register(allocator.allocator(), setters + hooks.setters())
+    lib.npu_pool_set_quiet(1)  # the C++ malloc hook raises the failure: torch.OutOfMemoryError
+    return allocator, used, True
 
 
 def install(device_type: str = "auto", policy: Optional[str] = None, fraction: Optional[float] = None, *,
@@ -244,6 +319,7 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     :class:`DeviceUnavailableError` without an NPU or GPU and :class:`TooLateError` once
     torch has initialised its own allocator.
     """
+    global _current
     settings = config.load()
     policy = config.parse_policy(policy, "policy") if policy is not None else settings.policy
     if fraction is not None:
@@ -253,60 +329,62 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     import torch
 
     kind, module = _find_device(device_type, torch)
-    if _state:
-        if (_state["kind"], _state["policy"]) == (kind, policy):
-            from . import pool
-
-            pools = {d: p for d, p in pool._installed.items() if isinstance(p, _DevicePool)}
+    with _lock:
+        if _current is not None:
+            if (_current.kind, _current.policy) != (kind, policy):
+                raise InstallError(f"npu_pool is already installed ({_current.kind}, policy {_current.policy}); "
+                                   "a process can install one allocator, once")
             if fraction is not None:
-                for p in pools.values():
+                for p in _current.pools.values():
                     p.set_fraction(fraction)
-                _state["fraction"] = fraction
-            return pools
-        raise InstallError(f"npu_pool is already installed ({_state['kind']}, policy {_state['policy']}); "
-                           "a process can install one allocator, once")
-    is_initialized = getattr(module, "is_initialized", None)
-    if callable(is_initialized) and is_initialized():
-        raise _too_late(kind)
-    backend = _BACKEND_OF[kind]
-    path = lib_path if lib_path is not None else _default_lib_path(kind)
-    rc = _lib().npu_pool_configure(POLICIES[policy], BACKENDS[backend], fraction or 1.0, 1,
-                                   path.encode() if path else None)
-    if rc:
-        raise InstallError(f"npu_pool could not be configured: {last_error()}")
-    so = core_path()
-    if kind == "npu":
-        allocator = module.memory.NPUPluggableAllocator(so, "npu_pool_malloc", "npu_pool_free")
-        change = module.memory.change_current_allocator
-    else:
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(so, "npu_pool_malloc", "npu_pool_free")
-        change = torch.cuda.memory.change_current_allocator
-    hooks = _register_hooks(allocator.allocator(), kind)
-    try:
-        change(allocator)
-    except RuntimeError as e:
-        if "initialized" in str(e) or "initialised" in str(e):
-            raise _too_late(kind) from e
-        raise
-    _state.update(kind=kind, policy=policy, backend=backend, fraction=fraction, allocator=allocator, hooks=hooks)
-    pools = _pools(kind, module, policy, backend)
+                _current.fraction = fraction
+            return dict(_current.pools)
+        is_initialized = getattr(module, "is_initialized", None)
+        if callable(is_initialized) and is_initialized():
+            raise _too_late(kind)
+        backend = _BACKEND_OF[kind]
+        path = lib_path if lib_path is not None else _default_lib_path(kind)
+        rc = lib.npu_pool_configure(POLICIES[policy], BACKENDS[backend], fraction or 1.0, 1,
+                                    path.encode() if path else ffi.NULL)
+        if rc:
+            raise InstallError(f"npu_pool could not be configured: {last_error()}")
+        allocator, hooks, cpp = _build_allocator(kind, module, torch)
+        change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
+        try:
+            change(allocator)
+        except RuntimeError as e:
+            lib.npu_pool_shutdown()
+            if "initialized" in str(e) or "initialised" in str(e):
+                raise _too_late(kind) from e
+            raise
+        inst = _Installation(kind, module, policy, backend, fraction, allocator, hooks, cpp)
+        inst.pools = {d: _DevicePool(d, policy, backend) for d in range(int(module.device_count()))}
+        _current = inst
+    lib.npu_pool_set_oom_handler(lib._npu_pool_on_oom)
+    if oom.snapshot_dir():  # OOM snapshots asked for: keep the run's history, as torch_npu would
+        lib.npu_pool_set_history(-1, oom.HISTORY_WHEN_ENABLED)
+    from . import torch_memory
+
+    inst.unroute = torch_memory.route(kind, torch, stats_from_python=not cpp)
     if policy == "planned":
         if not settings.plan:
             raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
-        for p in pools.values():
-            p.load_plan(settings.plan)
-    return pools
+        from .planner.runtime import install as install_plan
+
+        for p in inst.pools.values():
+            install_plan(p, settings.plan)
+    return dict(inst.pools)
 
 
 def _reset() -> None:
     """Forget the installation and destroy the device contexts (tests only: never while
     torch holds memory from the allocator)."""
-    from . import pool
-
-    for d in [d for d, p in pool._installed.items() if isinstance(p, _DevicePool)]:
-        del pool._installed[d]
-    _state.clear()
-    _lib().npu_pool_shutdown()
+    global _current
+    with _lock:
+        if _current is not None and _current.unroute:
+            _current.unroute()
+        _current = None
+    lib.npu_pool_shutdown()
 
 
 class _CallableModule(types.ModuleType):

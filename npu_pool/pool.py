@@ -1,17 +1,26 @@
-"""The Python face of the C core: ``Pool`` (one allocator context) and errors."""
+"""The Python face of the C core: :class:`Pool` (one allocator context) and its errors.
+
+The bottom of the package's import graph: it imports the binding, the vocabulary and the
+OOM snapshot writer (which import nothing above them), nothing else.
+"""
 from __future__ import annotations
 
-from typing import Any, Union
+import array
+from typing import Any, Optional, Sequence, Union
 
+from . import oom
 from ._core import ffi, lib
+from .vocab import BACKENDS as _BACKEND_NAMES, LIFETIMES as _LIFE_NAMES, MARK_NAMES, POLICIES as _POLICY_NAMES, POOL_NAMES
 
-POLICIES: dict[str, int] = {ffi.string(lib.np_policy_name(i)).decode(): i for i in range(lib.np_policy_count())}
-BACKENDS: dict[str, int] = {"sim": lib.NP_BACKEND_SIM, "acl": lib.NP_BACKEND_ACL, "cuda": lib.NP_BACKEND_CUDA}
-LIFETIMES: dict[str, int] = {"auto": lib.NP_LIFE_AUTO, "long": lib.NP_LIFE_LONG, "short": lib.NP_LIFE_SHORT}
-POOL_NAMES: dict[str, tuple[str, ...]] = {
-    name: tuple(ffi.string(lib.np_policy_pool_name(i, p)).decode() for p in range(lib.NP_POOLS))
-    for name, i in POLICIES.items()}
+POLICIES: dict[str, int] = {name: i for i, name in enumerate(_POLICY_NAMES)}
+BACKENDS: dict[str, int] = {name: i for i, name in enumerate(_BACKEND_NAMES)}
+LIFETIMES: dict[str, int] = {name: i for i, name in enumerate(_LIFE_NAMES)}
 GiB = 1 << 30
+_U64 = (1 << 64) - 1
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+__all__ = ["Pool", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError", "UnknownPointerError",
+           "BackendError", "POLICIES", "BACKENDS", "LIFETIMES", "POOL_NAMES"]
 
 
 class PoolError(RuntimeError):
@@ -27,7 +36,7 @@ class OutOfMemoryError(PoolError, MemoryError):
 
 
 class InvalidArgumentError(PoolError, ValueError):
-    """A bad argument: size 0, absurd size, bad fraction, unknown name."""
+    """A bad argument: size 0, absurd size, bad fraction, unknown name, a number outside 64 bits."""
 
 
 class DoubleFreeError(PoolError):
@@ -38,9 +47,13 @@ class UnknownPointerError(PoolError):
     """The pointer was never handed out by this pool."""
 
 
+class BackendError(PoolError):
+    """The vendor runtime failed (the message names the call); the pool's books still match the device."""
+
+
 _ERRORS: dict[int, type[PoolError]] = {lib.NP_ERR_OOM: OutOfMemoryError, lib.NP_ERR_DOUBLE_FREE: DoubleFreeError,
                                        lib.NP_ERR_UNKNOWN_PTR: UnknownPointerError,
-                                       lib.NP_ERR_INVALID: InvalidArgumentError}
+                                       lib.NP_ERR_INVALID: InvalidArgumentError, lib.NP_ERR_BACKEND: BackendError}
 
 
 def _raise(code: int) -> None:
@@ -53,12 +66,43 @@ def _check(code: int) -> None:
         _raise(code)
 
 
-def _lookup(table: dict[str, int], value: str, what: str) -> int:
+def _invalid(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(lib.NP_ERR_INVALID, message)
+
+
+def _lookup(table: dict[str, int], value: object, what: str) -> int:
     try:
-        return table[value]
+        return table[value]  # type: ignore[index]
     except (KeyError, TypeError):
-        raise InvalidArgumentError(lib.NP_ERR_INVALID,
-                                   f"unknown {what} {value!r}; choose one of {', '.join(table)}") from None
+        raise _invalid(f"unknown {what} {value!r}; choose one of {', '.join(table)}") from None
+
+
+def _uint(value: object, what: str, maximum: int = _U64) -> int:
+    """``value`` as an unsigned integer of at most 64 bits (never a silent wrap-around)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"{what} must be an int, got {value!r}")
+    if not 0 <= value <= maximum:
+        raise _invalid(f"{what} {value} is outside 0..{maximum}")
+    return value
+
+
+def _int(value: object, what: str) -> int:
+    """``value`` as a signed 64-bit integer (streams, sites, marker arguments)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"{what} must be an int, got {value!r}")
+    if not _I64[0] <= value <= _I64[1]:
+        raise _invalid(f"{what} {value} is outside the signed 64-bit range")
+    return value
+
+
+def _u64_column(values: Sequence[int], what: str) -> array.array:
+    """``values`` as an ``array('Q')`` (as given when it is one), never wrapped around."""
+    if isinstance(values, array.array) and values.typecode == "Q":
+        return values
+    try:
+        return array.array("Q", values)
+    except (OverflowError, TypeError) as e:
+        raise _invalid(f"{what}: every entry must be an int in 0..2^64-1 ({e})") from None
 
 
 def _as_dict(obj: Any) -> Any:
@@ -78,27 +122,31 @@ def _as_dict(obj: Any) -> Any:
 class Pool:
     """One allocator context over one (simulated or real) device.
 
-    ``policy``: ``"npu_pool"`` (one arena, lifetime-aware placement), ``"torch"`` (a model
-    of PyTorch's caching allocator) or ``"expandable"`` (PyTorch's expandable segments).
-    ``capacity`` is the simulated device's memory; ``host_backed`` puts real host memory
-    behind it; ``vmm`` lets the arena grow page by page where the backend can map pages.
+    ``policy``: ``"npu_pool"`` (one arena, lifetime-aware placement), ``"torch"`` (a model of
+    PyTorch's caching allocator), ``"expandable"`` (PyTorch's expandable segments) or
+    ``"planned"`` (a plan made offline; ``npu_pool.planner.install``). ``capacity`` is the
+    simulated device's memory; ``host_backed`` puts real host memory behind it; ``vmm`` lets
+    memory grow page by page where the backend can map pages.
     """
 
     def __init__(self, policy: str = "npu_pool", capacity: int = 64 * GiB, backend: str = "sim", *,
                  host_backed: bool = False, vmm: bool = True, fraction: float = 1.0,
-                 max_split_size: int | None = None, device: int = 0, lib_path: str | None = None):
+                 max_split_size: Optional[int] = None, device: int = 0, lib_path: Optional[str] = None):
+        self._ctx = None
         cfg = ffi.new("np_config *")
         lib.np_config_init(cfg)
         cfg.policy = _lookup(POLICIES, policy, "policy")
         cfg.backend = _lookup(BACKENDS, backend, "backend")
-        if not isinstance(capacity, int) or capacity <= 0:
-            raise InvalidArgumentError(lib.NP_ERR_INVALID, f"capacity must be a positive number of bytes, got {capacity!r}")
+        if _uint(capacity, "capacity") == 0:
+            raise _invalid("capacity must be a positive number of bytes, got 0")
         cfg.capacity = capacity
         cfg.host_backed = bool(host_backed)
         cfg.vmm = bool(vmm)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise _invalid(f"fraction must be a number in (0, 1], got {fraction!r}")
         cfg.fraction = float(fraction)
-        cfg.max_split_size = max_split_size or 0
-        cfg.device = device
+        cfg.max_split_size = _uint(max_split_size or 0, "max_split_size")
+        cfg.device = _uint(device, "device", 1 << 30)
         path = ffi.new("char[]", lib_path.encode()) if lib_path else ffi.NULL
         cfg.lib_path = path
         out = ffi.new("np_ctx **")
@@ -106,10 +154,14 @@ class Pool:
         self._ctx = out[0]
         self.policy = policy
         self.backend = backend
+        self.device = device
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
-        """Return all device memory and destroy the context (pointers become invalid)."""
+        """Return all device memory and destroy the context (pointers become invalid).
+
+        Raises :class:`BackendError` if the device refused to take some memory back even after
+        retries (the message says how much; the context is gone either way)."""
         if getattr(self, "_ctx", None) is not None:
             ctx, self._ctx = self._ctx, None
             _check(lib.np_destroy(ctx))
@@ -134,17 +186,21 @@ class Pool:
 
     # -- allocation ---------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0, lifetime: str = "auto", site: int = -1) -> int:
-        """Allocate ``size`` bytes on ``stream``; returns the device address."""
-        if not isinstance(size, int) or size < 0:
-            raise InvalidArgumentError(lib.NP_ERR_INVALID, f"size must be a non-negative int, got {size!r}")
+        """Allocate ``size`` bytes on ``stream``; returns the device address.
+
+        A request the device or the cap cannot hold raises :class:`OutOfMemoryError` with the
+        core's explanation (and writes an OOM snapshot when one is asked for: ``npu_pool.oom``)."""
+        size = _uint(size, "size")
+        stream = _int(stream, "stream")
+        site = _int(site, "site")
+        if not -1 <= site < (1 << 31):
+            raise _invalid(f"site {site} is outside -1..2^31-1")
         out = ffi.new("void **")
         life = _lookup(LIFETIMES, lifetime, "lifetime")
         try:
             _check(lib.np_malloc_ex(self.ctx, size, stream, life, site, out))
-        except OutOfMemoryError as e:  # NPU_POOL_OOM_SNAPSHOT: write a snapshot, explain the failure
-            from .analysis.oom import on_oom
-
-            note = on_oom(self, size, e)
+        except OutOfMemoryError as e:
+            note = oom.on_oom(self, size, self.device)
             if note:
                 e.args = (f"{e.args[0]}\n{note}",)
             raise
@@ -152,45 +208,71 @@ class Pool:
 
     def free(self, ptr: int) -> None:
         """Free an address returned by :meth:`malloc`."""
-        _check(lib.np_free(self.ctx, ffi.cast("void *", ptr)))
+        _check(lib.np_free(self.ctx, ffi.cast("void *", _uint(ptr, "pointer"))))
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """torch's ``record_stream``: the block is also used on ``stream``; its memory is not
         reused before that use ends."""
-        _check(lib.np_record_stream(self.ctx, ffi.cast("void *", ptr), stream))
+        _check(lib.np_record_stream(self.ctx, ffi.cast("void *", _uint(ptr, "pointer")), _int(stream, "stream")))
 
     def block_size(self, ptr: int) -> int:
         """Bytes of the block behind an allocated address (requested size rounded)."""
         out = ffi.new("uint64_t *")
-        _check(lib.np_block_size(self.ctx, ffi.cast("void *", ptr), out))
+        _check(lib.np_block_size(self.ctx, ffi.cast("void *", _uint(ptr, "pointer")), out))
         return int(out[0])
 
     def empty_cache(self) -> None:
-        """Return every cached byte the policy can give back to the device."""
+        """Return every cached byte the policy can give back to the device (and retry what the
+        device refused before). Raises :class:`BackendError` if the device refuses some of it:
+        ``stats()["unreleased"]`` counts what it still holds."""
         _check(lib.np_empty_cache(self.ctx))
 
     def set_fraction(self, fraction: float) -> None:
         """Cap reserved bytes at ``fraction`` x device memory (0 < fraction <= 1)."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise _invalid(f"fraction must be a number in (0, 1], got {fraction!r}")
         _check(lib.np_set_fraction(self.ctx, float(fraction)))
 
     # -- hints ----------------------------------------------------------------------------
     def set_phase(self, phase: int, default_lifetime: str = "auto") -> None:
         """Set the phase counter and the class of requests whose site has no history."""
-        _check(lib.np_set_phase(self.ctx, phase, _lookup(LIFETIMES, default_lifetime, "lifetime")))
+        _check(lib.np_set_phase(self.ctx, _uint(phase, "phase", 0xFFFFFFFF),
+                                _lookup(LIFETIMES, default_lifetime, "lifetime")))
 
     def mark(self, code: Union[int, str], arg: int = -1) -> None:
         """Record a phase marker (a ``MARK_*`` code or its name, e.g. ``"setup_begin"``)."""
         if isinstance(code, str):
-            from .trace.format import MARK_NAMES
-
             code = _lookup({n: i for i, n in enumerate(MARK_NAMES)}, code, "marker")
-        _check(lib.np_mark(self.ctx, code, arg))
+        _check(lib.np_mark(self.ctx, _uint(code, "marker code", 0x7FFFFFFF), _int(arg, "marker argument")))
+
+    # -- plans ----------------------------------------------------------------------------
+    def set_plan(self, size: Sequence[int], offset: Sequence[int], end: Sequence[int], loop: int, region: int,
+                 flags: int) -> None:
+        """Install a plan on a ``"planned"`` pool (the C call; ``npu_pool.planner.install`` makes
+        the columns from a plan file). ``size`` empty removes the plan."""
+        cols = [_u64_column(c, what) for c, what in ((size, "plan size"), (offset, "plan offset"), (end, "plan end"))]
+        n = len(cols[0])
+        if not (len(cols[1]) == len(cols[2]) == n):
+            raise _invalid("a plan's size, offset and end columns must have the same length")
+        bufs = [ffi.from_buffer("uint64_t[]", c) if n else ffi.NULL for c in cols]
+        _check(lib.np_set_plan(self.ctx, n, _uint(loop, "plan loop"), bufs[0] if n else ffi.new("uint64_t[]", 1),
+                               bufs[1], bufs[2], _uint(region, "plan region"), _uint(flags, "plan flags", 3), ffi.NULL))
+
+    def plan_counts(self) -> dict[str, int]:
+        """Requests of a ``"planned"`` pool served from the plan, fallen back, placed in idle
+        ranges, and resynchronisations."""
+        out = ffi.new("uint64_t[4]")
+        _check(lib.np_set_plan(self.ctx, 0, 0, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, out))
+        return dict(zip(("served", "fallback", "idle", "resyncs"), (int(x) for x in out)))
 
     # -- introspection --------------------------------------------------------------------
+    def _read_stats(self, st: Any) -> None:
+        lib.np_get_stats(self.ctx, st)
+
     def stats(self) -> dict[str, Any]:
         """Counters of the whole device and of each pool (see docs/api.md)."""
         st = ffi.new("np_stats *")
-        lib.np_get_stats(self.ctx, st)
+        self._read_stats(st)
         d = _as_dict(st[0])
         d["pools"] = {p.pop("name"): p for p in d.pop("pool")}
         d["total"].pop("name")
@@ -199,7 +281,8 @@ class Pool:
         return d
 
     def blocks(self) -> list[dict[str, Any]]:
-        """Every block of every segment, in address order (segment map for reports)."""
+        """Every block of every segment, in address order (the segment map). Free blocks carry the
+        stream they are kept for in ``stream`` when ``tagged`` (else any stream may take them)."""
         n = ffi.new("size_t *")
         _check(lib.np_blocks(self.ctx, ffi.NULL, 0, n))
         while True:
@@ -209,39 +292,44 @@ class Pool:
             if n[0] <= cap:
                 return [_as_dict(buf[i]) for i in range(n[0])]
 
-    def recent_events(self, limit: int = 4096) -> list[dict[str, Any]]:
-        """The most recent allocator events (alloc, free, segment_*, empty_cache, oom, mark), oldest first."""
-        buf = ffi.new("np_event_info[]", max(limit, 1))
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """``(address, size)`` of every range backed by physical memory, in address order."""
         n = ffi.new("size_t *")
-        _check(lib.np_history(self.ctx, buf, limit, n))
-        return [dict(_as_dict(buf[i]), kind=ffi.string(lib.np_vocab_name(lib.NP_VOCAB_EVENT, buf[i].kind)).decode())
-                for i in range(n[0])]
+        _check(lib.np_mapped_ranges(self.ctx, ffi.NULL, 0, n))
+        while True:
+            cap = n[0]
+            buf = ffi.new("uint64_t[]", max(2 * cap, 1))
+            _check(lib.np_mapped_ranges(self.ctx, buf, cap, n))
+            if n[0] <= cap:
+                return [(int(buf[2 * i]), int(buf[2 * i + 1])) for i in range(n[0])]
 
-    def load_plan(self, plan: Any) -> None:
-        """Install an allocation plan (a ``npu_pool.planner.Plan`` or a plan file) on a ``"planned"`` pool."""
-        from .planner.runtime import install
+    def history(self, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """The pool's latest events (at most the bound of :meth:`set_history`), oldest first:
+        ``kind`` alloc, free, segment_alloc/free/map/unmap, empty_cache, oom or mark."""
+        from .vocab import EVENT_NAMES
 
-        install(self, plan)
+        cap = _uint(limit, "limit", 1 << 40) if limit is not None else 1 << 20
+        n = ffi.new("size_t *")
+        while True:
+            buf = ffi.new("np_event_info[]", max(cap, 1))
+            _check(lib.np_history(self.ctx, buf, cap, n))
+            if n[0] < cap or limit is not None:
+                return [dict(_as_dict(buf[i]), kind=EVENT_NAMES[buf[i].kind]) for i in range(n[0])]
+            cap *= 4
+
+    def set_history(self, max_entries: int) -> None:
+        """Keep the latest ``max_entries`` events (0: none; default 4096); clears the history."""
+        _check(lib.np_set_history(self.ctx, _uint(max_entries, "max_entries")))
 
     def reset_peak(self) -> None:
         """Reset every peak to the current value."""
         lib.np_reset_peak(self.ctx)
 
+    def reset_accumulated(self) -> None:
+        """Zero the accumulated figures: each counter's allocated/freed sums, ooms, retries,
+        synchronisations, device calls."""
+        lib.np_reset_accumulated(self.ctx)
+
     def check(self) -> None:
         """Verify the core's invariants; raises PoolError naming the first violation."""
         _check(lib.np_check(self.ctx))
-
-
-_installed: dict[int, Pool] = {}
-
-
-def set_fraction(fraction: float, device: int | None = None) -> None:
-    """Cap the installed device allocator at ``fraction`` of the device's memory."""
-    if not _installed:
-        raise PoolError(lib.NP_ERR_STATE, "no npu_pool allocator is installed: call npu_pool.install() first, "
-                        "or use Pool.set_fraction() on a pool you created")
-    pools = _installed.values() if device is None else [_installed[device]] if device in _installed else []
-    if not pools:
-        raise ValueError(f"no npu_pool allocator installed on device {device}; installed: {sorted(_installed)}")
-    for p in pools:
-        p.set_fraction(fraction)

@@ -84,7 +84,9 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     n_ids = trace.n_ids
     with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
         if plan is not None:
-            pool.load_plan(plan)
+            from .planner.runtime import install
+
+            install(pool, plan)
         inp = ffi.new("np_replay_in *")
         keep = []  # the buffers must outlive the call
         for name, code in COLUMNS:
@@ -111,9 +113,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         _check(lib.np_replay(pool.ctx, inp, out))
         st = pool.stats()
         if plan is not None:
-            from .planner.runtime import counts
-
-            st["plan"] = counts(pool)
+            st["plan"] = pool.plan_counts()
     return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),

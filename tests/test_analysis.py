@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from npu_pool import replay
-from npu_pool.analysis import breakdown, estimate as est, memviz, oom, simulate as sim_mod
+from npu_pool.analysis import breakdown, estimate as est, memviz, simulate as sim_mod
 from npu_pool.analysis.phases import PhaseTracker, phase_at, stage_spans
 from npu_pool.analysis.report import analyze_paths, analyze_trace, imbalance, to_json, to_markdown
 from npu_pool.analysis.units import fmt_bytes
@@ -426,98 +426,3 @@ def test_estimate_command_against_a_capture(captured, tmp_path, capsys):
 
 
 # -- OOM snapshots ----------------------------------------------------------------------------------------------
-def _fragmented(policy: str = "torch") -> tuple[Pool, list[int]]:
-    """A 64 MiB device full of 3 MiB blocks, every other one freed: lots free, nothing contiguous."""
-    pool = Pool(policy, capacity=64 * MiB)
-    ptrs = []
-    with pytest.raises(OutOfMemoryError):
-        while True:
-            ptrs.append(pool.malloc(3 * MiB))
-    for p in ptrs[::2]:
-        pool.free(p)
-    return pool, ptrs[1::2]
-
-
-def test_explain_fragmentation_and_shortage():
-    pool, _ = _fragmented()
-    with pytest.raises(OutOfMemoryError):
-        pool.malloc(12 * MiB)
-    x = oom.explain_oom(pool, 12 * MiB)
-    st = pool.stats()
-    assert x.kind == "fragmentation" and x.largest_free < 12 * MiB <= x.headroom
-    assert x.cached_free == st["total"]["reserved"]["current"] - st["total"]["allocated"]["current"]
-    assert any("npu_pool" in s for s in x.suggestions) and any("empty_cache" in s for s in x.suggestions)
-    y = oom.explain_oom(pool, 200 * MiB)
-    assert y.kind == "shortage" and any("recompute" in s for s in y.suggestions)
-    assert any("ZeRO" in s for s in y.suggestions) and any("offload" in s for s in y.suggestions)
-    assert "Real shortage" in y.summary() and fmt_bytes(200 * MiB - y.headroom) in y.summary()
-    capped = Pool("npu_pool", capacity=64 * MiB, fraction=0.5)
-    assert any("fraction" in s for s in oom.explain_oom(capped, 40 * MiB).suggestions)
-
-
-def test_write_oom_snapshot(tmp_path):
-    pool, live = _fragmented()
-    with pytest.raises(OutOfMemoryError):
-        pool.malloc(12 * MiB)
-    path = oom.write_oom_snapshot(pool, 12 * MiB, tmp_path / "snaps")
-    doc = json.loads(path.read_text())
-    assert doc["request_bytes"] == 12 * MiB and doc["explanation"]["kind"] == "fragmentation"
-    assert sum(b["allocated"] for b in doc["blocks"]) == len(live)
-    if hasattr(pool, "recent_events"):
-        assert doc["recent_events"] and doc["recent_events"][-1]["kind"] == "oom"
-    snap = pickle.loads(path.with_suffix(".pickle").read_bytes())
-    text = _memviz().segsum(snap)
-    assert f"total_reserved: {_memviz()._format_size(pool.stats()['total']['reserved']['current'])}" in text
-    assert snap["device_traces"][0][-1]["action"] == "oom"
-
-
-def test_on_oom_hook(tmp_path, monkeypatch):
-    pool, _ = _fragmented()
-    monkeypatch.delenv(oom.ENV, raising=False)
-    assert oom.on_oom(pool, 12 * MiB) is None
-    monkeypatch.setenv(oom.ENV, str(tmp_path / "d"))
-    msg = oom.on_oom(pool, 12 * MiB)
-    written = list((tmp_path / "d").glob("*.json"))
-    assert len(written) == 1 and str(written[0]) in msg and "Fragmentation" in msg
-    blocker = tmp_path / "a_file"
-    blocker.write_text("x")
-    for bad in (blocker, blocker / "sub"):
-        monkeypatch.setenv(oom.ENV, str(bad))
-        msg = oom.on_oom(pool, 12 * MiB)  # never raises
-        assert "cannot write the OOM snapshot" in msg and str(bad) in msg and "Fragmentation" in msg
-
-
-def _patched_malloc(orig):
-    """Pool.malloc with the hook the report asks pool.py to add (used until pool.py has it)."""
-    def malloc(self, size, *args, **kwargs):
-        try:
-            return orig(self, size, *args, **kwargs)
-        except OutOfMemoryError as e:
-            from npu_pool.analysis.oom import on_oom
-            note = on_oom(self, size, e)
-            if note:
-                e.args = (f"{e.args[0]}\n{note}",)
-            raise
-    return malloc
-
-
-def test_pool_malloc_oom_names_the_snapshot(tmp_path, monkeypatch):
-    if "on_oom" not in inspect.getsource(Pool.malloc):
-        monkeypatch.setattr(Pool, "malloc", _patched_malloc(Pool.malloc))
-    pool, _ = _fragmented()
-    monkeypatch.setenv(oom.ENV, str(tmp_path / "oom"))
-    with pytest.raises(OutOfMemoryError) as info:
-        pool.malloc(12 * MiB)
-    (path,) = (tmp_path / "oom").glob("*.json")
-    assert str(path) in str(info.value) and "Fragmentation" in str(info.value)
-    file_path = tmp_path / "plain"
-    file_path.write_text("")
-    monkeypatch.setenv(oom.ENV, str(file_path))
-    with pytest.raises(OutOfMemoryError) as info:  # a bad setting still raises the OOM, with a clear note
-        pool.malloc(12 * MiB)
-    assert "cannot write the OOM snapshot" in str(info.value)
-    monkeypatch.delenv(oom.ENV)
-    with pytest.raises(OutOfMemoryError) as info:
-        pool.malloc(12 * MiB)
-    assert oom.ENV not in str(info.value)
-    assert sorted(os.listdir(tmp_path / "oom")) == sorted([path.name, path.with_suffix(".pickle").name])

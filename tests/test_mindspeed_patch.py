@@ -18,7 +18,9 @@ from typing import Any, Iterator
 import pytest
 
 from mindspeed_patch import megatron as patch
-from npu_pool import pool as pool_mod
+import importlib
+
+install_mod = importlib.import_module("npu_pool.install")
 from npu_pool.config import ConfigError
 from npu_pool.pool import Pool
 from npu_pool.recorder import _mcore_cpu, default
@@ -153,7 +155,8 @@ def test_device_mode_line_and_report_show_the_pool(fresh: None, monkeypatch: pyt
     """With an installed pool (here a simulated one standing for the device's) the line and
     the report carry its figures."""
     sim = Pool("npu_pool", capacity=1 << 32)
-    monkeypatch.setitem(pool_mod._installed, 0, sim)
+    monkeypatch.setattr(install_mod, "installed", lambda: {0: sim})
+    monkeypatch.setattr(install_mod, "current_pool", lambda: sim)
     held: list[int] = []
 
     def train_step() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from npu_pool import Pool, replay
 from npu_pool.cli import main
-from npu_pool.planner import (NONE, Plan, PlanError, counts, find_window, load_plan, make_plan, plan_from_env,
+from npu_pool.planner import (NONE, Plan, PlanError, counts, find_window, install, load_plan, make_plan, plan_from_env,
                               save_plan, verify)
 from npu_pool.planner import _native
 from npu_pool.planner.place import ORDERS, Rects, place
@@ -363,7 +363,7 @@ def test_planned_replay_reserves_less_than_torch_on_a_captured_trace(captured):
 def _replay_by_hand(t: Trace, plan: Plan, check_every: int = 97, **kw) -> Pool:
     """Serve the trace one call at a time (markers forwarded), checking the core's invariants."""
     pool = Pool("planned", capacity=replay.UNLIMITED, **kw)
-    pool.load_plan(plan)
+    install(pool, plan)
     ptrs = {}
     for i, e in enumerate(t.events()):
         if e.op == OP_MARK:
@@ -437,7 +437,7 @@ def test_planned_policy_minimum_capacity_beats_torch(captured):
 
 def test_plans_only_install_on_planned_pools():
     with Pool("npu_pool") as pool, pytest.raises(Exception, match="not planned"):
-        pool.load_plan(make_plan(training(iters=2)))
+        install(pool, make_plan(training(iters=2)))
     with Pool("planned") as pool:  # without a plan it is the npu_pool policy
         a = pool.malloc(MiB)
         pool.free(a)

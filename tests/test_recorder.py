@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from npu_pool import pool as pool_mod
+import importlib
+
+install_mod = importlib.import_module("npu_pool.install")
 from npu_pool import recorder, replay
 from npu_pool.pool import Pool
 from npu_pool.recorder import Recorder, _mcore_cpu
@@ -83,7 +85,7 @@ def test_markers_by_name_and_bad_names_rejected() -> None:
 
 def test_default_recorder_drives_the_installed_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     spy = Spy()
-    monkeypatch.setitem(pool_mod._installed, 5, spy)
+    monkeypatch.setattr(install_mod, "current_pool", lambda: spy)
     with recorder.phase("backward", 0):
         recorder.mark("layer_enter", 1)
     assert names(spy.marks) == [("backward_begin", 0), ("layer_enter", 1), ("backward_end", 0)]
@@ -99,7 +101,7 @@ class Classed:
 
     def malloc(self, name: str, size: int) -> int:
         ptr = self.pool.malloc(size)
-        self.life[name] = ("long", "short")[self.pool.recent_events(1)[-1]["lifetime"] == 2]
+        self.life[name] = ("long", "short")[self.pool.history(1)[-1]["lifetime"] == 2]
         return ptr
 
 

@@ -1,4 +1,4 @@
-"""See where the memory goes: peak breakdown, static estimates, reports, memory_viz export, OOM snapshots.
+"""See where the memory goes: peak breakdown, static estimates, reports, memory_viz export.
 
 Modules (import what you need; none imports torch):
 
@@ -9,5 +9,6 @@ Modules (import what you need; none imports torch):
 - :mod:`.html`       the same as one self-contained HTML page
 - :mod:`.estimate`   static memory estimate from a model config, compared with a trace
 - :mod:`.memviz`     PyTorch memory snapshot pickles that ``torch.cuda._memory_viz`` opens
-- :mod:`.oom`        OOM snapshots and the explanation of an out-of-memory error
+
+OOM snapshots and the explanation of an out-of-memory error are :mod:`npu_pool.oom`.
 """

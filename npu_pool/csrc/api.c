@@ -249,9 +249,46 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
                                .size = b->size, .requested = b->allocated ? b->requested : 0,
                                .stream = tagged ? b->stream : 0, .site = b->allocated ? b->site : -1,
                                .pool = b->pool, .allocated = b->allocated, .mapped = block_mapped(ctx, b),
-                               .tagged = !b->allocated && tagged};
+                               .tagged = !b->allocated && tagged, .vmm = segs[i]->reserved_only};
     }
   }
+  *n = k;
+  free(segs);
+  pthread_mutex_unlock(&ctx->lock);
+  return NP_OK;
+}
+
+/* Emit the mapped runs of one segment into out[2k], out[2k+1]; returns the new count. */
+static size_t segment_runs(const np_ctx *ctx, const np_segment *s, uint64_t *out, size_t cap, size_t k) {
+  if (!s->reserved_only) {
+    if (k < cap) out[2 * k] = s->addr, out[2 * k + 1] = s->size;
+    return k + 1;
+  }
+  uint64_t g = ctx->be->granularity, pages = s->size / g;
+  for (uint64_t p = 0; s->mapped && p < pages; p++) {
+    if (!s->pages[p]) continue;
+    uint64_t q = p;
+    while (q < pages && s->pages[q]) q++;
+    if (k < cap) out[2 * k] = s->addr + p * g, out[2 * k + 1] = (q - p) * g;
+    k++;
+    p = q;
+  }
+  return k;
+}
+
+int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
+  pthread_mutex_lock(&ctx->lock);
+  size_t nseg = 0, k = 0;
+  for (np_segment *s = ctx->segments; s; s = s->next) nseg++;
+  np_segment **segs = malloc((nseg ? nseg : 1) * sizeof *segs);
+  if (!segs) {
+    pthread_mutex_unlock(&ctx->lock);
+    return np_error(NP_ERR_HOST, "host out of memory listing mapped ranges");
+  }
+  nseg = 0;
+  for (np_segment *s = ctx->segments; s; s = s->next) segs[nseg++] = s;
+  qsort(segs, nseg, sizeof *segs, seg_cmp);
+  for (size_t i = 0; i < nseg; i++) k = segment_runs(ctx, segs[i], out, cap, k);
   *n = k;
   free(segs);
   pthread_mutex_unlock(&ctx->lock);

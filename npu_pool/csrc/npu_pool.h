@@ -168,6 +168,7 @@ typedef struct np_block_info {
   uint8_t allocated;
   uint8_t mapped;           /* every byte backed by physical memory */
   uint8_t tagged;           /* free blocks: 1 if only `stream` (or streams it waits on) may reuse it */
+  uint8_t vmm;              /* the segment is an address reservation mapped page by page */
 } np_block_info;
 
 /* One entry of the event history (np_history), like PyTorch's TraceEntry. */
@@ -228,6 +229,10 @@ int np_check(np_ctx *ctx);
 /* Copy up to cap blocks of every segment into out, segments in address order; *n gets the
  * total number of blocks (call with cap 0 to size the buffer). */
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n);
+/* The address ranges backed by physical memory (whole malloc'ed segments, runs of mapped pages of
+ * reservations) as (address, size) pairs in address order: up to cap pairs into out (2 x cap
+ * words); *n gets the total number of ranges (call with cap 0 to size the buffer). */
+int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n);
 /* Keep the latest `max_entries` events (0: none; the default is 4096). Clears the history. */
 int np_set_history(np_ctx *ctx, uint64_t max_entries);
 /* Copy the latest events (up to cap), oldest first; *n gets how many were copied. */

@@ -5,14 +5,15 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "common.h"
+#include "policy.h"
 #include "pluggable.h"
 
-/* Invariants: ctx[d] is NULL or a context built from `cfg` for device d, and
- * stays valid until npu_pool_shutdown(); `cfg` and `lib_path` change only while
- * every ctx[d] is NULL; fraction[d] (0 = none) is the cap pending for a device
- * whose context does not exist yet. `lock` guards everything but the ctx reads
- * of the allocation fast path. */
+/* Invariants: ctx[d] is NULL or a context built from `cfg` for device d, and stays valid
+ * until npu_pool_shutdown(); `cfg` and `lib_path` change only while every ctx[d] is NULL;
+ * fraction[d] (0 = none) and history[d] (-1 = default) are what device d gets when its
+ * context is created. error[d] is d's last failure, printed[d] whether it was printed
+ * since the last successful malloc. `lock` guards everything but the ctx reads of the
+ * allocation fast path and the atomics. */
 static struct {
   pthread_mutex_t lock;
   bool configured;
@@ -20,20 +21,54 @@ static struct {
   char lib_path[1024];
   int device_count;
   double fraction[NP_MAX_DEVICES];
+  int64_t history[NP_MAX_DEVICES];
   _Atomic(np_ctx *) ctx[NP_MAX_DEVICES];
-  char error[NP_MAX_DEVICES][512];
+  char error[NP_MAX_DEVICES][1024];
+  char printed_text[NP_MAX_DEVICES][1024];
+  atomic_bool printed[NP_MAX_DEVICES];
+  atomic_int quiet;
+  _Atomic(void (*)(int, uint64_t, void *)) on_oom;
 } table = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static bool valid_device(int device) { return device >= 0 && device < NP_MAX_DEVICES; }
 
-/* Keep the calling thread's np_last_error() for `device` and print it. */
-static void report(int device, const char *what) {
-  const char *msg = np_last_error();
-  fprintf(stderr, "npu_pool: %s failed on device %d: %s\n", what, device, msg);
+static void clear_pending_locked(void) {
+  for (int d = 0; d < NP_MAX_DEVICES; d++) {
+    table.fraction[d] = 0;
+    table.history[d] = -1;
+  }
+}
+
+/* Keep the calling thread's np_last_error() as `device`'s last failure. */
+static void keep(int device) {
   if (!valid_device(device)) return;
   pthread_mutex_lock(&table.lock);
-  snprintf(table.error[device], sizeof table.error[device], "%s", msg);
+  snprintf(table.error[device], sizeof table.error[device], "%s", np_last_error());
   pthread_mutex_unlock(&table.lock);
+}
+
+/* Print `device`'s last failure unless it repeats the one printed last with nothing served in
+ * between, or the caller reports it (`quiet`). */
+static void print_kept(int device, const char *what, bool quiet) {
+  char msg[sizeof table.error[0]];
+  if (!valid_device(device)) {
+    if (!quiet) fprintf(stderr, "npu_pool: %s failed: %s\n", what, np_last_error());
+    return;
+  }
+  pthread_mutex_lock(&table.lock);
+  snprintf(msg, sizeof msg, "%s", table.error[device]);
+  bool repeat = atomic_load(&table.printed[device]) && strcmp(table.printed_text[device], msg) == 0;
+  if (!quiet && !repeat) {
+    atomic_store(&table.printed[device], true);
+    snprintf(table.printed_text[device], sizeof table.printed_text[device], "%s", msg);
+  }
+  pthread_mutex_unlock(&table.lock);
+  if (!quiet && !repeat) fprintf(stderr, "npu_pool: %s failed on device %d: %s\n", what, device, msg);
+}
+
+static void report(int device, const char *what, bool quiet) {
+  keep(device);
+  print_kept(device, what, quiet);
 }
 
 static int check_fraction(double f) {
@@ -49,7 +84,7 @@ static bool any_ctx_locked(void) {
 
 int npu_pool_configure(int policy, int backend, double fraction, int vmm, const char *lib_path) {
   if (!np_policy_name(policy)) return np_error(NP_ERR_INVALID, "unknown policy %d (0..%d)", policy, np_policy_count() - 1);
-  if (backend < NP_BACKEND_SIM || backend > NP_BACKEND_CUDA)
+  if (backend < 0 || backend >= NP_BACKEND_COUNT)
     return np_error(NP_ERR_INVALID, "unknown backend %d (sim=0, acl=1, cuda=2)", backend);
   int rc = check_fraction(fraction);
   if (rc != NP_OK) return rc;
@@ -74,7 +109,7 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
   }
   table.cfg = cfg;
   snprintf(table.lib_path, sizeof table.lib_path, "%s", path);
-  memset(table.fraction, 0, sizeof table.fraction);
+  clear_pending_locked();
   table.configured = true;
   pthread_mutex_unlock(&table.lock);
   return NP_OK;
@@ -94,8 +129,13 @@ static np_ctx *create_locked(int device) {
   if (table.fraction[device] > 0) cfg.fraction = table.fraction[device];
   cfg.lib_path = table.lib_path[0] ? table.lib_path : NULL;
   if (np_create(&cfg, &ctx) != NP_OK) return NULL;
+  if (table.history[device] >= 0) np_set_history(ctx, (uint64_t)table.history[device]);
   atomic_store_explicit(&table.ctx[device], ctx, memory_order_release);
   return ctx;
+}
+
+np_ctx *npu_pool_existing_ctx(int device) {
+  return valid_device(device) ? atomic_load_explicit(&table.ctx[device], memory_order_acquire) : NULL;
 }
 
 np_ctx *npu_pool_device_ctx(int device) {
@@ -103,7 +143,7 @@ np_ctx *npu_pool_device_ctx(int device) {
     np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
     return NULL;
   }
-  np_ctx *ctx = atomic_load_explicit(&table.ctx[device], memory_order_acquire);
+  np_ctx *ctx = npu_pool_existing_ctx(device);
   if (ctx) return ctx;
   pthread_mutex_lock(&table.lock);
   ctx = create_locked(device);
@@ -123,6 +163,45 @@ int npu_pool_set_fraction(int device, double fraction) {
   return ctx ? np_set_fraction(ctx, fraction) : NP_OK;
 }
 
+int npu_pool_set_history(int device, uint64_t max_entries) {
+  if (device != -1 && !valid_device(device))
+    return np_error(NP_ERR_INVALID, "device %d is out of range (-1 for all, 0..%d)", device, NP_MAX_DEVICES - 1);
+  if (max_entries > ((uint64_t)1 << 40) / sizeof(np_event_info))
+    return np_error(NP_ERR_INVALID, "history of %llu events is absurd", (unsigned long long)max_entries);
+  int rc = NP_OK;
+  for (int d = device < 0 ? 0 : device; d < (device < 0 ? NP_MAX_DEVICES : device + 1) && rc == NP_OK; d++) {
+    pthread_mutex_lock(&table.lock);
+    np_ctx *ctx = atomic_load(&table.ctx[d]);
+    if (!ctx) table.history[d] = (int64_t)max_entries;
+    pthread_mutex_unlock(&table.lock);
+    if (ctx) rc = np_set_history(ctx, max_entries);
+  }
+  return rc;
+}
+
+int npu_pool_device_stats(int device, np_stats *out) {
+  if (!valid_device(device))
+    return np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
+  np_ctx *ctx = npu_pool_existing_ctx(device);
+  if (ctx) {
+    np_get_stats(ctx, out);
+    return NP_OK;
+  }
+  memset(out, 0, sizeof *out); /* nothing allocated on this device yet */
+  pthread_mutex_lock(&table.lock);
+  int policy = table.configured ? table.cfg.policy : np_policy_index("npu_pool");
+  pthread_mutex_unlock(&table.lock);
+  out->policy = policy;
+  snprintf(out->total.name, sizeof out->total.name, "all");
+  for (int p = 0; p < NP_POOLS; p++) snprintf(out->pool[p].name, sizeof out->pool[p].name, "%s", np_policy_pool_name(policy, p));
+  return NP_OK;
+}
+
+void npu_pool_reset_accumulated(int device) {
+  np_ctx *ctx = npu_pool_existing_ctx(device);
+  if (ctx) np_reset_accumulated(ctx);
+}
+
 size_t npu_pool_last_error(int device, char *buf, size_t len) {
   if (!buf || !len) return 0;
   if (!valid_device(device)) {
@@ -135,17 +214,34 @@ size_t npu_pool_last_error(int device, char *buf, size_t len) {
   return strlen(buf);
 }
 
+void npu_pool_note_error(int device, const char *note) {
+  if (!valid_device(device) || !note) return;
+  pthread_mutex_lock(&table.lock);
+  size_t n = strlen(table.error[device]);
+  snprintf(table.error[device] + n, sizeof table.error[device] - n, "%s%s", n ? "\n" : "", note);
+  pthread_mutex_unlock(&table.lock);
+}
+
+void npu_pool_set_quiet(int quiet) { atomic_store(&table.quiet, quiet != 0); }
+
+void npu_pool_set_oom_handler(void (*handler)(int device, uint64_t size, void *stream)) {
+  atomic_store(&table.on_oom, handler);
+}
+
 void npu_pool_shutdown(void) {
   pthread_mutex_lock(&table.lock);
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
     np_ctx *ctx = atomic_exchange(&table.ctx[d], NULL);
-    if (ctx) np_destroy(ctx);
-    table.error[d][0] = '\0';
-    table.fraction[d] = 0;
+    if (ctx && np_destroy(ctx) != NP_OK) fprintf(stderr, "npu_pool: closing device %d: %s\n", d, np_last_error());
+    table.error[d][0] = table.printed_text[d][0] = '\0';
+    atomic_store(&table.printed[d], false);
   }
+  clear_pending_locked();
   table.configured = false;
   table.lib_path[0] = '\0';
   table.device_count = 0;
+  atomic_store(&table.quiet, 0);
+  atomic_store(&table.on_oom, NULL);
   pthread_mutex_unlock(&table.lock);
 }
 
@@ -155,38 +251,49 @@ void *npu_pool_malloc(size_t size, int device, void *stream) {
   if (size == 0) return NULL; /* torch keeps a null pointer for empty storage */
   np_ctx *ctx = npu_pool_device_ctx(device);
   if (!ctx) {
-    report(device, "creating the allocator");
+    report(device, "creating the allocator", false);
     return NULL;
   }
   void *p = NULL;
-  if (np_malloc(ctx, size, (intptr_t)stream, &p) != NP_OK) {
-    report(device, "malloc");
-    return NULL; /* torch's pluggable allocators pass NULL on; the message is on stderr */
+  int rc = np_malloc(ctx, size, (intptr_t)stream, &p);
+  if (rc == NP_OK) {
+    if (atomic_load_explicit(&table.printed[device], memory_order_relaxed)) /* the next failure is news again */
+      atomic_store(&table.printed[device], false);
+    return p;
   }
-  return p;
+  keep(device);
+  void (*on_oom)(int, uint64_t, void *) = atomic_load(&table.on_oom);
+  if (rc == NP_ERR_OOM && on_oom) {
+    np_saved_error s;
+    np_save_error(&s, rc);
+    on_oom(device, size, stream); /* may run Python (no lock of the pool is held); may add a note */
+    np_restore_error(&s);
+  }
+  print_kept(device, "malloc", atomic_load(&table.quiet) != 0);
+  return NULL; /* torch's pluggable allocators pass NULL on; the message is kept (and printed) */
 }
 
 void npu_pool_free(void *ptr, size_t size, int device, void *stream) {
   (void)size;
   (void)stream; /* the block remembers the stream it was allocated on */
   if (!ptr) return;
-  np_ctx *ctx = valid_device(device) ? atomic_load_explicit(&table.ctx[device], memory_order_acquire) : NULL;
+  np_ctx *ctx = npu_pool_existing_ctx(device);
   if (!ctx) {
     np_error(NP_ERR_UNKNOWN_PTR, "free of %p: no allocator exists on this device", ptr);
-    report(device, "free");
+    report(device, "free", false);
     return;
   }
-  if (np_free(ctx, ptr) != NP_OK) report(device, "free");
+  if (np_free(ctx, ptr) != NP_OK) report(device, "free", false);
 }
 
 void npu_pool_record_stream(void *ptr, void *stream) {
   if (!ptr) return;
   for (int d = 0; d < NP_MAX_DEVICES; d++) { /* the pointer's device: the context that owns it */
-    np_ctx *ctx = atomic_load_explicit(&table.ctx[d], memory_order_acquire);
+    np_ctx *ctx = npu_pool_existing_ctx(d);
     if (ctx && np_record_stream(ctx, ptr, (intptr_t)stream) == NP_OK) return;
   }
   np_error(NP_ERR_UNKNOWN_PTR, "record_stream on %p: no device's allocator holds it", ptr);
-  report(-1, "record_stream");
+  report(-1, "record_stream", false);
 }
 
 void npu_pool_init(int device_count) {
@@ -197,8 +304,8 @@ void npu_pool_init(int device_count) {
 
 void npu_pool_empty_cache(void) {
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
-    np_ctx *ctx = atomic_load_explicit(&table.ctx[d], memory_order_acquire);
-    if (ctx && np_empty_cache(ctx) != NP_OK) report(d, "empty_cache");
+    np_ctx *ctx = npu_pool_existing_ctx(d);
+    if (ctx && np_empty_cache(ctx) != NP_OK) report(d, "empty_cache", false);
   }
 }
 
@@ -208,10 +315,10 @@ void npu_pool_empty_cache_checked(bool check_error) {
 }
 
 void npu_pool_memory_fraction(double fraction, int device) {
-  if (npu_pool_set_fraction(device, fraction) != NP_OK) report(device, "set_memory_fraction");
+  if (npu_pool_set_fraction(device, fraction) != NP_OK) report(device, "set_memory_fraction", false);
 }
 
-void npu_pool_reset_peak(int device) {
-  np_ctx *ctx = valid_device(device) ? atomic_load_explicit(&table.ctx[device], memory_order_acquire) : NULL;
+void npu_pool_reset_peak(int8_t device) {
+  np_ctx *ctx = npu_pool_existing_ctx(device);
   if (ctx) np_reset_peak(ctx);
 }

@@ -5,8 +5,12 @@
  * One context per device, created on first use from the configuration set by
  * npu_pool_configure() (npu_pool.install() does it before torch calls in). The
  * hooks cannot report errors to torch: a failed malloc returns NULL, every
- * failure prints one line to stderr and is kept per device for
- * npu_pool_last_error(). Everything here is thread-safe.
+ * failure is kept per device for npu_pool_last_error() and printed to stderr once
+ * (a failure repeated with nothing served in between is not printed again; with
+ * npu_pool_set_quiet(1) malloc failures are not printed at all: the caller raises
+ * them, as npu_pool's torch_npu hooks do). After a request failed for lack of memory
+ * the OOM handler, if one is set, is called outside every lock of the pool.
+ * Everything here is thread-safe.
  */
 #ifndef NP_PLUGGABLE_H
 #define NP_PLUGGABLE_H
@@ -18,22 +22,37 @@
 
 #define NP_MAX_DEVICES 64
 
-/* Configuration of the contexts still to be created (NP_POLICY_*, NP_BACKEND_*,
- * fraction in (0, 1], vmm 0/1, lib_path NULL for the vendor's default library).
- * NP_ERR_STATE once a context exists, unless the configuration is unchanged. */
+/* CDEF BEGIN */
+/* Configuration of the contexts still to be created (policy index, NP_BACKEND_*, fraction in
+ * (0, 1], vmm 0/1, lib_path NULL for the vendor's default library). NP_ERR_STATE once a
+ * context exists, unless the configuration is unchanged. */
 int npu_pool_configure(int policy, int backend, double fraction, int vmm, const char *lib_path);
 /* The context of `device`, created on first use; NULL with np_last_error() set. */
 np_ctx *npu_pool_device_ctx(int device);
+/* The context of `device` if it exists (no creation); NULL otherwise. */
+np_ctx *npu_pool_existing_ctx(int device);
 /* Cap `device` at fraction x its memory (pending until its context exists). */
 int npu_pool_set_fraction(int device, double fraction);
+/* Keep `max_entries` events of history on `device` (-1: every device), now or when created. */
+int npu_pool_set_history(int device, uint64_t max_entries);
+/* The statistics of `device`: zeros (with the policy's pool names) before its first allocation. */
+int npu_pool_device_stats(int device, np_stats *out);
+/* Zero the accumulated figures of `device`. */
+void npu_pool_reset_accumulated(int device);
 /* Copy the last failure message of `device` (device < 0: the calling thread's
  * np_last_error()) into buf; returns its length. */
 size_t npu_pool_last_error(int device, char *buf, size_t len);
+/* Add a line to `device`'s last failure message (an OOM handler's note: where its snapshot went). */
+void npu_pool_note_error(int device, const char *note);
+/* 1: failed mallocs are not printed (the caller reports them). */
+void npu_pool_set_quiet(int quiet);
+/* Called after a request failed for lack of memory (NULL: none). */
+void npu_pool_set_oom_handler(void (*handler)(int device, uint64_t size, void *stream));
 /* Destroy every context and forget the configuration: for tests and embedders,
  * never while torch holds memory from this allocator. */
 void npu_pool_shutdown(void);
 
-/* ---- torch hooks (signatures as torch 2.13 / torch_npu declare them) ------ */
+/* ---- torch hooks (signatures as torch 2.13 / torch_npu 2.13 declare them) ------ */
 
 /* alloc_fn: void*(size_t size, int device, cudaStream_t / aclrtStream stream) */
 void *npu_pool_malloc(size_t size, int device, void *stream);
@@ -47,9 +66,11 @@ void npu_pool_empty_cache(void);
 void npu_pool_empty_cache_checked(bool check_error);
 /* set_memory_fraction_fn: void(double fraction, int device) */
 void npu_pool_memory_fraction(double fraction, int device);
-/* set_reset_peak_status_fn (torch_npu only): void(int device) */
-void npu_pool_reset_peak(int device);
-/* set_record_stream_fn (CUDA): void(void* ptr, cudaStream_t stream) */
+/* set_reset_peak_status_fn (torch_npu): void(c10::DeviceIndex device) */
+void npu_pool_reset_peak(int8_t device);
+/* set_record_stream_fn (CUDA): void(void* ptr, cudaStream_t stream); torch_npu's passes an
+ * NPUStream, which npu_pool's C++ hooks turn into its aclrtStream before calling this. */
 void npu_pool_record_stream(void *ptr, void *stream);
+/* CDEF END */
 
 #endif

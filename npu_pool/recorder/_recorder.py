@@ -67,27 +67,9 @@ def _profiling() -> bool:
 
 def _installed_targets() -> tuple[Any, ...]:
     """The installed allocator of the current device (never a device this process does not use)."""
-    from .. import pool as _pool
+    from ..install import current_pool
 
-    if not _pool._installed:
-        return ()
-    try:
-        from ..install import _state
-    except ImportError:
-        _state = {}
-    kind = _state.get("kind")
-    if kind is None:  # pools registered by hand (tests, embedders): all of them
-        return tuple(_pool._installed.values())
-    try:
-        if kind == "npu":
-            import torch_npu
-            device = torch_npu.npu.current_device()
-        else:
-            import torch
-            device = torch.cuda.current_device()
-    except Exception:
-        return ()
-    p = _pool._installed.get(device)
+    p = current_pool()
     return (p,) if p is not None else ()
 
 
@@ -115,7 +97,7 @@ class Recorder:
     """Sends phase markers (``MARK_*`` codes) to allocator pools.
 
     ``pools``: the :class:`~npu_pool.pool.Pool` objects to drive; ``None`` (default) means
-    the installed allocator of the current device (``npu_pool.pool._installed``), looked up
+    the installed allocator of the current device (``npu_pool.install.current_pool()``), looked up
     at each marker so that a recorder made before :func:`npu_pool.install` still works.
     ``profile``: also emit each marker as a ``record_function`` range named like
     :mod:`npu_pool.trace.capture`'s (``npu_pool::<mark>::<arg>``) while a torch.profiler

@@ -23,6 +23,9 @@ Event ops (column ``op``):
                       was already reserved (``cat``: pool) -- fidelity replays prime it
 ``OP_INIT_ALLOC``     before the window: allocation ``id`` was already live at
                       ``addr``; replays allocate these first, in address order
+``OP_OOM``            the recorded program asked for ``size`` bytes on ``stream``
+                      and the allocator could not serve them (``addr`` 0); replays
+                      try the request and free it at once if it is served
 ====================  ============================================================
 
 All ``OP_INIT_*`` events come first, segments then allocations, both in address order.
@@ -37,23 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NamedTuple
 
-OP_ALLOC, OP_FREE, OP_MARK, OP_EMPTY_CACHE, OP_SEG_HINT, OP_SEG_FREE, OP_INIT_SEGMENT, OP_INIT_ALLOC = range(8)
-OP_NAMES = ("alloc", "free", "mark", "empty_cache", "seg_hint", "seg_free", "init_segment", "init_alloc")
-
-# Tensor categories (torch.profiler's, plus UNKNOWN).
-CAT_UNKNOWN, CAT_PARAMETER, CAT_GRADIENT, CAT_OPTIMIZER_STATE, CAT_ACTIVATION, CAT_TEMPORARY, CAT_INPUT, CAT_AUTOGRAD_DETAIL = range(8)
-CAT_NAMES = ("unknown", "parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "autograd_detail")
+# Ops, categories and markers are the core's vocabulary (npu_pool.h), defined once there.
+from ..vocab import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_NAMES,  # noqa: F401
+                     CAT_OPTIMIZER_STATE, CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN,
+                     MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END, MARK_FORWARD_BEGIN, MARK_FORWARD_END,
+                     MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_NAMES,
+                     MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC,
+                     OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_NAMES, OP_OOM, OP_SEG_FREE,
+                     OP_SEG_HINT)
 
 # Pool kinds carried by segment events in ``cat``.
 POOL_SMALL, POOL_LARGE = 0, 1
-
-# Marker codes carried by OP_MARK in ``cat``; ``id`` is the argument.
-(MARK_SETUP_BEGIN, MARK_SETUP_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_FORWARD_BEGIN, MARK_FORWARD_END,
- MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_OPTIMIZER_BEGIN,
- MARK_OPTIMIZER_END, MARK_EVAL_BEGIN, MARK_EVAL_END) = range(14)
-MARK_NAMES = ("setup_begin", "setup_end", "iter_begin", "iter_end", "forward_begin", "forward_end",
-              "backward_begin", "backward_end", "layer_enter", "layer_exit", "optimizer_begin",
-              "optimizer_end", "eval_begin", "eval_end")
 
 MAGIC = b"NPTRACE1"
 # Column name -> array typecode. Order is the on-disk order.

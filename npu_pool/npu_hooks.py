@@ -1,0 +1,152 @@
+"""The C++ hooks for torch_npu's NPUPluggableAllocator (``shim/torch_npu_hooks.cpp``), built on
+first use against the installed torch and torch_npu headers and cached.
+
+torch_npu's ``set_get_device_stats_fn`` wants a function returning a C++ ``DeviceStats`` (it
+holds a hash map: no C function can fake it; without one, ``torch.npu.memory_stats()`` reads
+garbage and aborts), ``set_record_stream_fn`` and ``set_erase_stream_fn`` pass a
+``c10_npu::NPUStream``, and only a C++ malloc hook can raise ``torch.OutOfMemoryError``. The
+library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (else g++)
+into ``$NPU_POOL_CACHE`` (else ``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``);
+concurrent ranks wait for one build. Any failure raises :class:`HooksUnavailable` saying why.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ._core import ffi, lib
+
+SOURCE = Path(__file__).resolve().parent / "shim" / "torch_npu_hooks.cpp"
+CACHE_ENV = "NPU_POOL_CACHE"
+
+__all__ = ["Hooks", "HooksUnavailable", "load", "build", "cache_dir"]
+
+
+class HooksUnavailable(RuntimeError):
+    """The C++ hooks could not be built or loaded (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where built hooks are kept."""
+    if os.environ.get(CACHE_ENV, "").strip():
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "npu_pool"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "").strip() or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise HooksUnavailable("no C++ compiler (set CXX, or install g++) to build npu_pool's torch_npu hooks")
+    return cxx
+
+
+def _command(cxx: str) -> list[str]:
+    """The compiler's command line, less its output file."""
+    import torch
+    import torch_npu
+
+    torch_dir, npu_dir = Path(torch.__file__).parent, Path(torch_npu.__file__).parent
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    core_h = Path(__file__).resolve().parent / "csrc"
+    return [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{npu_dir / 'include'}", f"-I{npu_dir / 'include' / 'third_party' / 'acl' / 'inc'}", f"-I{core_h}",
+            str(SOURCE), f"-L{npu_dir / 'lib'}", "-ltorch_npu", f"-L{torch_dir / 'lib'}", "-lc10",
+            f"-Wl,-rpath,{npu_dir / 'lib'}", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+
+
+def _key(cxx: str) -> str:
+    import torch
+    import torch_npu
+
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), (Path(__file__).parent / "csrc" / "npu_pool.h").read_bytes(),
+                 torch.__version__.encode(), str(getattr(torch_npu, "__version__", "")).encode(),
+                 cxx.encode(), sys.version.encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def build() -> Path:
+    """The hooks library for this torch/torch_npu, built now if not cached."""
+    try:
+        import torch_npu  # noqa: F401
+    except Exception as e:
+        raise HooksUnavailable(f"torch_npu cannot be imported ({type(e).__name__}: {e})") from None
+    cxx = _compiler()
+    try:
+        key = _key(cxx)
+        cmd = _command(cxx)
+    except (AttributeError, TypeError, OSError) as e:  # a torch_npu without its files (a stand-in)
+        raise HooksUnavailable(f"torch_npu's headers cannot be found ({e})") from None
+    out_dir = cache_dir()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HooksUnavailable(f"cannot create the cache directory {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
+    out = out_dir / f"torch_npu_hooks-{key}.so"
+    if out.exists():
+        return out
+    with open(out_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together build once
+        if out.exists():
+            return out
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            r = subprocess.run(cmd + ["-o", str(tmp)], capture_output=True, text=True)
+        except OSError as e:
+            raise HooksUnavailable(f"cannot run the C++ compiler {cxx} ({e.strerror})") from None
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            tail = "\n".join(r.stderr.strip().splitlines()[-15:])
+            raise HooksUnavailable(f"building npu_pool's torch_npu hooks with {cxx} failed:\n{tail}")
+        os.replace(tmp, out)
+    return out
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The loaded hooks: their library and the addresses torch_npu's setters take."""
+
+    path: str
+    stats: int
+    record_stream: int
+    erase_stream: int
+    MALLOC = "npu_pool_hooks_malloc"
+    FREE = "npu_pool_hooks_free"
+
+    def setters(self) -> list[tuple[str, int]]:
+        return [("set_get_device_stats_fn", self.stats), ("set_record_stream_fn", self.record_stream),
+                ("set_erase_stream_fn", self.erase_stream)]
+
+
+def _addr(symbol: str) -> int:
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, symbol)))
+
+
+@lru_cache(maxsize=1)
+def load() -> Hooks:
+    """Build (if needed) and load the hooks, bound to the core's entry points."""
+    path = build()
+    try:
+        so = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise HooksUnavailable(f"cannot load {path}: {e}") from None
+    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 5
+    so.npu_pool_hooks_bind(_addr("npu_pool_malloc"), _addr("npu_pool_free"), _addr("npu_pool_device_stats"),
+                           _addr("npu_pool_record_stream"), _addr("npu_pool_last_error"))
+
+    def address(name: str) -> int:
+        return int(ctypes.cast(getattr(so, name), ctypes.c_void_p).value or 0)
+
+    return Hooks(str(path), address("npu_pool_hooks_device_stats"), address("npu_pool_hooks_record_stream"),
+                 address("npu_pool_hooks_erase_stream"))

@@ -1,0 +1,190 @@
+"""What a failed request leaves behind: why it failed, what would help, and (when asked) a
+snapshot on disk.
+
+Why is the core's own account (the ``oom`` event of :meth:`Pool.history`, the same one its
+error message gives): **too large** (the request alone needs more than the cap),
+**fragmentation** (the pool's free memory plus what the cap still allows would cover it,
+but not in one piece -- MindSpeed's rule of thumb is reserved - allocated > 1 GiB in an OOM
+message) or a real **shortage**. The levers follow the MindSpeed-MM memory tuning guide.
+
+Snapshots: ``NPU_POOL_OOM_SNAPSHOT=DIR``, or torch_npu's ``OOM_SNAPSHOT_ENABLE=1`` with
+``OOM_SNAPSHOT_PATH=DIR`` (default: the working directory; the switch MindSpeed-MM documents),
+make every failed request write ``oom_snapshot_<pid>_<time>_<n>.pickle`` (for
+https://pytorch.org/memory_viz: the pool's segments and its event history up to the failure)
+and a ``.json`` beside it (explanation, statistics, block map, history), at most 20 per
+process. With the switch on, the installed pool keeps a longer history from the start
+(:data:`HISTORY_WHEN_ENABLED` events per device), as torch_npu records the whole run then. :func:`on_oom` is what
+:meth:`Pool.malloc` and the installed device allocator call; it never raises.
+
+Imports nothing above the vocabulary: the pool is any object with ``stats()``, ``blocks()``,
+``mapped_ranges()`` and ``history()``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from . import snapshot
+
+__all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "OomExplanation", "explain", "snapshot_dir",
+           "write_snapshot", "on_oom"]
+
+ENV = "NPU_POOL_OOM_SNAPSHOT"
+ENABLE = "OOM_SNAPSHOT_ENABLE"   # MindSpeed-MM's switch ...
+PATH = "OOM_SNAPSHOT_PATH"       # ... and directory
+MAX_SNAPSHOTS = 20               # per process: an OOM caught in a loop must not fill the disk
+HISTORY_WHEN_ENABLED = 1 << 20   # events kept per device when OOM snapshots are on (64 bytes each)
+_written = 0
+_lock = threading.Lock()
+
+_SHORTAGE_LEVERS = (
+    "lower the micro-batch size and raise gradient accumulation (same global batch, fewer activations)",
+    "recompute activations (full or selective, e.g. --recompute-granularity full --recompute-method block)",
+    "shard static memory over data parallelism: distributed optimizer / ZeRO-1/2 "
+    "(--use-distributed-optimizer), FSDP / ZeRO-3 for weights too",
+    "offload what the current step does not use: optimizer states and weights to host (FSDP offload_to_cpu), "
+    "activation offload",
+    "split the model: tensor / pipeline parallelism (expert parallelism for MoE), sequence parallelism "
+    "(TP-SP, Ulysses, ring) for long sequences",
+    "compute the loss in chunks when the vocabulary and sequence are large",
+)
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+@dataclass
+class OomExplanation:
+    """Why a request of ``request`` bytes failed, and what would have helped."""
+
+    policy: str
+    pool: str                # the pool the request was for ("arena": memory both pools share)
+    request: int
+    reserved: int
+    allocated: int
+    largest_free: int
+    limit: int
+    device_total: int
+    room: int                # bytes the cap still allowed reserving
+    kind: str                # "too_large", "fragmentation" or "shortage"
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def cached_free(self) -> int:
+        """Reserved bytes not in allocated blocks."""
+        return max(0, self.reserved - self.allocated)
+
+    def summary(self) -> str:
+        """One paragraph: the figures, the diagnosis and the levers."""
+        head = (f"request {_bytes(self.request)} on policy {self.policy} ({self.pool}): reserved "
+                f"{_bytes(self.reserved)}, allocated {_bytes(self.allocated)}, largest free block "
+                f"{_bytes(self.largest_free)}, cap {_bytes(self.limit)} of {_bytes(self.device_total)}. ")
+        why = {"too_large": "The request alone needs more than the whole cap.",
+               "fragmentation": (f"Fragmentation: {_bytes(self.cached_free)} cached free in the pool and "
+                                 f"{_bytes(self.room)} more under the cap, but no free block fits the request."),
+               "shortage": "A real shortage: the pool cannot hold it even without fragmentation."}[self.kind]
+        return head + why + " Try: " + "; ".join(self.suggestions) + "."
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(asdict(self), cached_free=self.cached_free, text=self.summary())
+
+
+def _last_oom(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    return next((e for e in reversed(events) if e["kind"] == "oom"), None)
+
+
+def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
+    """The latest failed request of ``pool`` explained (``request``: its size, when the history
+    kept no ``oom`` event; the diagnosis then comes from the counters alone)."""
+    from .vocab import OOM_REASONS
+
+    st = pool.stats()
+    ev = _last_oom(pool.history())
+    reserved, allocated = int(st["total"]["reserved"]["current"]), int(st["total"]["allocated"]["current"])
+    limit, total, largest = int(st["limit"]), int(st["device_total"]), int(st["largest_free"])
+    names = list(st["pools"])
+    if ev is not None and (request is None or request == ev["size"]):
+        request, kind = int(ev["size"]), OOM_REASONS[ev["detail"]]
+        room, pool_name = int(ev["device_free"]), names[ev["pool"]] if ev["pool"] < len(names) else "arena"
+    else:
+        request = int(request or 0)
+        room, pool_name = max(0, limit - reserved), "arena"
+        kind = "too_large" if request > limit else "fragmentation" if limit - allocated >= request else "shortage"
+    tips: list[str] = []
+    policy = str(st["policy"])
+    if kind == "fragmentation":
+        if policy != "npu_pool":
+            tips.append("use the npu_pool policy (one arena, long- and short-lived tensors placed apart)")
+        tips.append("call empty_cache() at phase boundaries (after evaluation, between iterations) to return "
+                    "cached free memory")
+    else:
+        tips.extend(_SHORTAGE_LEVERS)
+    if total and limit < total:
+        tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
+                    "needed, e.g. by collective-communication buffers")
+    return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips)
+
+
+def snapshot_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Where OOM snapshots go: ``NPU_POOL_OOM_SNAPSHOT``, else ``OOM_SNAPSHOT_PATH`` (or the working
+    directory) when ``OOM_SNAPSHOT_ENABLE=1``; None when neither asks for them."""
+    env = os.environ if environ is None else environ
+    direct = env.get(ENV, "").strip()
+    if direct:
+        return direct
+    if env.get(ENABLE, "").strip() in ("1", "true", "True"):
+        return env.get(PATH, "").strip() or "."
+    return None
+
+
+def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
+                   explanation: Optional[OomExplanation] = None) -> Path:
+    """Write ``oom_snapshot_<pid>_<time>_<n>.pickle`` and ``.json`` into ``directory``; returns the
+    pickle's path. Raises OSError if the directory cannot be made or written."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise NotADirectoryError(f"{d} exists and is not a directory")
+    d.mkdir(parents=True, exist_ok=True)
+    exp = explanation or explain(pool)
+    events = pool.history()
+    stem = f"oom_snapshot_{os.getpid()}_{time.strftime('%Y%m%d-%H%M%S')}_{time.monotonic_ns() % 1_000_000:06d}"
+    pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}), d / f"{stem}.pickle")
+    doc = {"format": "npu_pool.oom/2", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+           "device": device, "explanation": exp.as_dict(), "stats": pool.stats(), "blocks": pool.blocks(),
+           "history": events}
+    with open(d / f"{stem}.json", "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    return pickle_path
+
+
+def on_oom(pool: Any, size: int, device: int = 0) -> Optional[str]:
+    """After ``pool`` failed a request of ``size`` bytes: write a snapshot when asked for; returns
+    the text to add to the error (None when no snapshot was asked for). Never raises."""
+    global _written
+    directory = snapshot_dir()
+    if not directory:
+        return None
+    try:
+        exp: Optional[OomExplanation] = explain(pool, size)
+    except Exception:  # a broken pool must not hide the caller's error
+        exp = None
+    why = f" {exp.summary()}" if exp else ""
+    with _lock:
+        if _written >= MAX_SNAPSHOTS:
+            return f"[OOM snapshot] not written: {MAX_SNAPSHOTS} already written by this process.{why}"
+        _written += 1
+    try:
+        path = write_snapshot(pool, directory, device=device, explanation=exp)
+    except Exception as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return f"[OOM snapshot] cannot write to {directory!r}: {reason}.{why}"
+    return f"[OOM snapshot] written to {path} (open it at https://pytorch.org/memory_viz).{why}"

@@ -1,0 +1,107 @@
+// torch_npu_hooks.cpp -- the hooks of torch_npu's NPUPluggableAllocator that a C function
+// cannot be: they take or return C++ types. Built against the installed torch and torch_npu
+// headers by npu_pool/npu_hooks.py (cached), bound to the core's C entry points at load.
+//
+//  - malloc / free: the core's npu_pool_malloc / npu_pool_free; a request it cannot serve throws
+//    c10::OutOfMemoryError with the pool's explanation (torch.OutOfMemoryError in Python),
+//    where the plain C hook could only return NULL ("Get data_ptr failed");
+//  - get_device_stats: c10::CachingDeviceAllocator::DeviceStats filled from np_stats
+//    (torch.npu.memory_stats() & co.; without it torch_npu's getDeviceStats returns nothing);
+//  - record_stream / erase_stream: take a c10_npu::NPUStream, whose aclrtStream the core
+//    orders reuse after (erasing is a no-op: keeping the wait is always safe).
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/Exception.h>
+
+#include "torch_npu/csrc/core/npu/NPUStream.h"
+
+#include "npu_pool.h"
+
+namespace {
+
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingDeviceAllocator::Stat;
+using c10::CachingDeviceAllocator::StatArray;
+using c10::CachingDeviceAllocator::StatType;
+
+struct Core {
+  void *(*malloc)(size_t, int, void *) = nullptr;
+  void (*free)(void *, size_t, int, void *) = nullptr;
+  int (*stats)(int, np_stats *) = nullptr;
+  void (*record_stream)(void *, void *) = nullptr;
+  size_t (*last_error)(int, char *, size_t) = nullptr;
+} core;
+
+void set(Stat &s, const np_counter &c) {
+  s.current = static_cast<int64_t>(c.current);
+  s.peak = static_cast<int64_t>(c.peak);
+  s.allocated = static_cast<int64_t>(c.allocated);
+  s.freed = static_cast<int64_t>(c.freed);
+}
+
+// One StatArray: the total, and torch's small/large pools where the policy's pools are those.
+void fill(StatArray &a, const np_stats &st, np_counter np_pool_stats::*field, bool small_large) {
+  set(a[static_cast<size_t>(StatType::AGGREGATE)], st.total.*field);
+  if (!small_large) return;
+  set(a[static_cast<size_t>(StatType::SMALL_POOL)], st.pool[0].*field);
+  set(a[static_cast<size_t>(StatType::LARGE_POOL)], st.pool[1].*field);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The core's entry points (addresses from the binding); returns 0.
+int npu_pool_hooks_bind(void *malloc_fn, void *free_fn, void *stats_fn, void *record_fn, void *last_error_fn) {
+  core.malloc = reinterpret_cast<void *(*)(size_t, int, void *)>(malloc_fn);
+  core.free = reinterpret_cast<void (*)(void *, size_t, int, void *)>(free_fn);
+  core.stats = reinterpret_cast<int (*)(int, np_stats *)>(stats_fn);
+  core.record_stream = reinterpret_cast<void (*)(void *, void *)>(record_fn);
+  core.last_error = reinterpret_cast<size_t (*)(int, char *, size_t)>(last_error_fn);
+  return 0;
+}
+
+void *npu_pool_hooks_malloc(size_t size, int device, void *stream) {
+  void *p = core.malloc(size, device, stream);
+  if (p || size == 0) return p;
+  char msg[1024] = "";
+  core.last_error(device, msg, sizeof msg);
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "npu_pool: ", msg);
+  return nullptr;
+}
+
+void npu_pool_hooks_free(void *ptr, size_t size, int device, void *stream) { core.free(ptr, size, device, stream); }
+
+DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
+  np_stats st{};
+  DeviceStats out;
+  if (core.stats(device, &st) != NP_OK) return out;
+  bool small_large = std::string(st.pool[0].name) == "small" && std::string(st.pool[1].name) == "large";
+  fill(out.allocation, st, &np_pool_stats::blocks, small_large);
+  fill(out.segment, st, &np_pool_stats::segments, small_large);
+  fill(out.active, st, &np_pool_stats::blocks, small_large);
+  fill(out.allocated_bytes, st, &np_pool_stats::allocated, small_large);
+  fill(out.reserved_bytes, st, &np_pool_stats::reserved, small_large);
+  fill(out.active_bytes, st, &np_pool_stats::active, small_large);
+  fill(out.requested_bytes, st, &np_pool_stats::requested, small_large);
+  // free bytes the pool holds (reserved, not active): what torch calls inactive and split
+  Stat &inactive = out.inactive_split_bytes[static_cast<size_t>(StatType::AGGREGATE)];
+  inactive.current = static_cast<int64_t>(st.total.reserved.current - st.total.active.current);
+  inactive.peak = inactive.current;
+  out.num_alloc_retries = static_cast<int64_t>(st.retries);
+  out.num_ooms = static_cast<int64_t>(st.ooms);
+  out.num_sync_all_streams = static_cast<int64_t>(st.syncs);
+  out.num_device_alloc = static_cast<int64_t>(st.device_mallocs);
+  out.num_device_free = static_cast<int64_t>(st.device_frees);
+  return out;
+}
+
+void npu_pool_hooks_record_stream(void *ptr, c10_npu::NPUStream stream) {
+  core.record_stream(ptr, stream.stream(false));
+}
+
+void npu_pool_hooks_erase_stream(void *ptr, c10_npu::NPUStream stream) {
+  (void)ptr;
+  (void)stream;
+}
+
+}  // extern "C"

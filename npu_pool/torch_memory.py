@@ -1,0 +1,161 @@
+"""torch's memory APIs answered by the installed pool, on CUDA and on Ascend NPUs.
+
+torch's ``CUDAPluggableAllocator`` has no device-statistics hook (``torch.cuda.memory_stats()``
+raises), and torch_npu's ``NPUPluggableAllocator`` answers snapshots, memory history and
+accumulated-statistics resets with a warning or nothing. Once npu_pool is installed, the
+functions of torch's C module that those Python APIs call are answered from the pool:
+
+=====================================  =======================================  ==========================
+torch (``torch._C``)                   torch_npu (``torch_npu._C``)             answered by
+=====================================  =======================================  ==========================
+``_cuda_memoryStats``                  ``_npu_memoryStats`` (without C++ hooks)  :func:`stats_dict`
+``_cuda_resetPeakMemoryStats``         (the reset-peak hook, in C)              ``Pool.reset_peak``
+``_cuda_resetAccumulatedMemoryStats``  ``_npu_resetAccumulatedMemoryStats``     ``Pool.reset_accumulated``
+``_cuda_memorySnapshot``               ``_npu_memorySnapshot``                  ``npu_pool.snapshot``
+``_cuda_record_memory_history``        ``_npu_record_memory_history``           the pools' history bound
+=====================================  =======================================  ==========================
+
+So ``memory_stats``, ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
+``max_memory_reserved``, ``reset_peak_memory_stats``, ``reset_accumulated_memory_stats``,
+``memory_summary``, ``memory_snapshot``, ``_record_memory_history``, ``_snapshot`` and
+``_dump_snapshot`` (``torch.cuda.*`` and ``torch.npu.*``) give the pool's exact figures; with
+torch_npu's C++ hooks (``npu_pool.npu_hooks``) ``memory_stats`` comes from C++, the same mapping.
+``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
+(the pool records no stacks): memory_viz shows each block with its size, stream and time.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+from . import snapshot
+from ._core import lib
+
+__all__ = ["stats_dict", "snapshot_of_installed", "route", "HISTORY_DEFAULT"]
+
+HISTORY_DEFAULT = 4096            # events each pool keeps when nobody asked for more (OOM snapshots)
+_HISTORY_MAX = (1 << 40) // 64    # the core's bound on a history ("unlimited" asks for sys.maxsize)
+_STAT_ARRAYS = {"allocation": "blocks", "segment": "segments", "active": "blocks", "allocated_bytes": "allocated",
+                "reserved_bytes": "reserved", "active_bytes": "active", "requested_bytes": "requested"}
+_ZERO = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+
+
+def _stat(counter: dict[str, int]) -> dict[str, int]:
+    return {k: int(counter[k]) for k in ("current", "peak", "allocated", "freed")}
+
+
+def stats_dict(pool: Any) -> dict[str, Any]:
+    """``pool.stats()`` in the layout of ``torch.cuda.memory_stats_as_nested_dict()``: the totals
+    under ``all``; ``small_pool``/``large_pool`` where the policy's pools are those (torch,
+    expandable), zeros otherwise; ``inactive_split_bytes`` is the free memory the pool holds
+    (reserved, not active)."""
+    st = pool.stats()
+    pools = st["pools"]
+    small_large = list(pools) == ["small", "large"]
+    out: dict[str, Any] = {}
+    for key, field in _STAT_ARRAYS.items():
+        out[key] = {"all": _stat(st["total"][field]),
+                    "small_pool": _stat(pools["small"][field]) if small_large else dict(_ZERO),
+                    "large_pool": _stat(pools["large"][field]) if small_large else dict(_ZERO)}
+    free = int(st["total"]["reserved"]["current"] - st["total"]["active"]["current"])
+    out["inactive_split_bytes"] = {"all": dict(_ZERO, current=free, peak=free), "small_pool": dict(_ZERO),
+                                   "large_pool": dict(_ZERO)}
+    out["inactive_split"] = {"all": dict(_ZERO), "small_pool": dict(_ZERO), "large_pool": dict(_ZERO)}
+    out["oversize_allocations"] = dict(_ZERO)
+    out["oversize_segments"] = dict(_ZERO)
+    out.update(num_alloc_retries=int(st["retries"]), num_ooms=int(st["ooms"]), max_split_size=0,
+               num_sync_all_streams=int(st["syncs"]), num_device_alloc=int(st["device_mallocs"]),
+               num_device_free=int(st["device_frees"]), num_oom_rejections=0)
+    return out
+
+
+def _pools() -> dict[int, Any]:
+    from .install import installed
+
+    return installed()
+
+
+def _existing() -> dict[int, Any]:
+    """The installed pools whose device has served memory (a context exists)."""
+    return {d: p for d, p in _pools().items() if p.serving}
+
+
+def _pool(device: Optional[int]) -> Any:
+    pools = _pools()
+    d = 0 if device is None else int(device)
+    if d not in pools:
+        raise RuntimeError(f"npu_pool: no installed allocator serves device {d} (installed: {sorted(pools)})")
+    return pools[d]
+
+
+def snapshot_of_installed(*_args: Any, **_kwargs: Any) -> dict[str, Any]:
+    """A PyTorch snapshot of every device the installed pool serves (``_snapshot()``)."""
+    return snapshot.pool_snapshot(_existing())
+
+
+def _memory_stats(device: Optional[int] = None) -> dict[str, Any]:
+    return stats_dict(_pool(device))
+
+
+def _reset_peak(device: Optional[int] = None) -> None:
+    _pool(device).reset_peak()
+
+
+def _reset_accumulated(device: Optional[int] = None) -> None:
+    _pool(device).reset_accumulated()
+
+
+def _record_history(enabled: Any = "all", context: Any = None, stacks: Any = None, max_entries: Any = sys.maxsize,
+                    *args: Any, **kwargs: Any) -> None:
+    """``_record_memory_history``: from now on keep ``max_entries`` events on every device
+    (``enabled=None``/False: back to the default bound). Clears what was kept, as torch does."""
+    on = enabled not in (None, False)
+    try:
+        n = int(max_entries) if on else HISTORY_DEFAULT
+    except (TypeError, ValueError):
+        raise ValueError(f"max_entries must be a number of events, got {max_entries!r}") from None
+    if n < 0:
+        raise ValueError(f"max_entries must be >= 0, got {n}")
+    rc = lib.npu_pool_set_history(-1, min(n, _HISTORY_MAX))
+    if rc:
+        from .install import last_error
+
+        raise RuntimeError(f"npu_pool: {last_error()}")
+
+
+# kind -> {name in torch's C module: replacement}; stats only where no C++ hook answers them
+_ROUTES: dict[str, dict[str, Callable[..., Any]]] = {
+    "cuda": {"_cuda_memoryStats": _memory_stats, "_cuda_resetPeakMemoryStats": _reset_peak,
+             "_cuda_resetAccumulatedMemoryStats": _reset_accumulated, "_cuda_memorySnapshot": snapshot_of_installed,
+             "_cuda_record_memory_history": _record_history},
+    "npu": {"_npu_resetAccumulatedMemoryStats": _reset_accumulated, "_npu_memorySnapshot": snapshot_of_installed,
+            "_npu_record_memory_history": _record_history},
+}
+_NPU_STATS = {"_npu_memoryStats": _memory_stats, "_npu_resetPeakMemoryStats": _reset_peak}
+
+
+_MISSING = object()
+
+
+def route(kind: str, torch: Any, *, stats_from_python: bool) -> Callable[[], None]:
+    """Point torch's memory APIs at the installed pool; returns a function that puts the
+    originals back (for tests: torch keeps using the pool's memory either way).
+
+    ``kind`` "cuda" patches ``torch._C``, "npu" patches ``torch_npu._C``;
+    ``stats_from_python``: on an NPU also the statistics (no C++ hook answers them)."""
+    target = torch._C if kind == "cuda" else sys.modules["torch_npu"]._C
+    table = dict(_ROUTES[kind])
+    if kind == "npu" and stats_from_python:
+        table.update(_NPU_STATS)
+    saved = {name: getattr(target, name, _MISSING) for name in table}
+    for name, fn in table.items():
+        setattr(target, name, fn)
+
+    def restore() -> None:
+        for name, old in saved.items():
+            if old is _MISSING:
+                delattr(target, name)
+            else:
+                setattr(target, name, old)
+
+    return restore

@@ -1,0 +1,65 @@
+"""The vocabulary shared with the C core: every code and name below is defined once, in
+``npu_pool/csrc/npu_pool.h`` and ``vocab.c``, and read here through the binding.
+
+Trace ops (``OP_*``), tensor categories (``CAT_*``), phase markers (``MARK_*``), lifetime
+classes, replay hints, history event kinds, OOM reasons, plan flags, the 512-byte rounding
+of every block and the simulated device's page; the policy registry with each policy's
+pools.
+"""
+from __future__ import annotations
+
+from ._core import ffi, lib
+
+__all__ = ["ROUND", "SIM_PAGE", "POOLS", "BACKENDS", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
+           "EVENT_NAMES", "OOM_REASONS", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
+           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START"]
+
+
+def _names(vocab: int, count: int) -> tuple[str, ...]:
+    return tuple(ffi.string(lib.np_vocab_name(vocab, i)).decode() for i in range(count))
+
+
+def _text(ptr: object) -> str:
+    return ffi.string(ptr).decode() if ptr != ffi.NULL else ""
+
+
+ROUND: int = lib.NP_ROUND          # every block is a multiple of this many bytes
+SIM_PAGE: int = lib.NP_SIM_PAGE    # the simulated device's mapping page
+POOLS: int = lib.NP_POOLS          # pools per policy, besides the total
+
+BACKENDS = _names(lib.NP_VOCAB_BACKEND, lib.NP_BACKEND_COUNT)
+LIFETIMES = _names(lib.NP_VOCAB_LIFE, lib.NP_LIFE_COUNT)
+MARK_NAMES = _names(lib.NP_VOCAB_MARK, lib.NP_MARK_COUNT)
+OP_NAMES = _names(lib.NP_VOCAB_OP, lib.NP_OP_COUNT)
+CAT_NAMES = _names(lib.NP_VOCAB_CAT, lib.NP_CAT_COUNT)
+HINTS = _names(lib.NP_VOCAB_HINTS, lib.NP_HINTS_COUNT)
+EVENT_NAMES = _names(lib.NP_VOCAB_EVENT, lib.NP_EV_COUNT)
+OOM_REASONS = _names(lib.NP_VOCAB_OOM, lib.NP_OOM_COUNT)
+
+# trace ops
+OP_ALLOC, OP_FREE, OP_MARK, OP_EMPTY_CACHE = lib.NP_OP_ALLOC, lib.NP_OP_FREE, lib.NP_OP_MARK, lib.NP_OP_EMPTY_CACHE
+OP_SEG_HINT, OP_SEG_FREE, OP_INIT_SEGMENT = lib.NP_OP_SEG_HINT, lib.NP_OP_SEG_FREE, lib.NP_OP_INIT_SEGMENT
+OP_INIT_ALLOC, OP_OOM = lib.NP_OP_INIT_ALLOC, lib.NP_OP_OOM
+# tensor categories
+CAT_UNKNOWN, CAT_PARAMETER, CAT_GRADIENT = lib.NP_CAT_UNKNOWN, lib.NP_CAT_PARAMETER, lib.NP_CAT_GRADIENT
+CAT_OPTIMIZER_STATE, CAT_ACTIVATION, CAT_TEMPORARY = lib.NP_CAT_OPTIMIZER_STATE, lib.NP_CAT_ACTIVATION, lib.NP_CAT_TEMPORARY
+CAT_INPUT, CAT_AUTOGRAD_DETAIL = lib.NP_CAT_INPUT, lib.NP_CAT_AUTOGRAD_DETAIL
+# phase markers
+MARK_SETUP_BEGIN, MARK_SETUP_END = lib.NP_MARK_SETUP_BEGIN, lib.NP_MARK_SETUP_END
+MARK_ITER_BEGIN, MARK_ITER_END = lib.NP_MARK_ITER_BEGIN, lib.NP_MARK_ITER_END
+MARK_FORWARD_BEGIN, MARK_FORWARD_END = lib.NP_MARK_FORWARD_BEGIN, lib.NP_MARK_FORWARD_END
+MARK_BACKWARD_BEGIN, MARK_BACKWARD_END = lib.NP_MARK_BACKWARD_BEGIN, lib.NP_MARK_BACKWARD_END
+MARK_LAYER_ENTER, MARK_LAYER_EXIT = lib.NP_MARK_LAYER_ENTER, lib.NP_MARK_LAYER_EXIT
+MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END = lib.NP_MARK_OPTIMIZER_BEGIN, lib.NP_MARK_OPTIMIZER_END
+MARK_EVAL_BEGIN, MARK_EVAL_END = lib.NP_MARK_EVAL_BEGIN, lib.NP_MARK_EVAL_END
+# lifetime classes, plan flags
+LIFE_AUTO, LIFE_LONG, LIFE_SHORT = lib.NP_LIFE_AUTO, lib.NP_LIFE_LONG, lib.NP_LIFE_SHORT
+PLAN_AT_ITER_BEGIN, PLAN_AT_START = lib.NP_PLAN_AT_ITER_BEGIN, lib.NP_PLAN_AT_START
+
+# the policy registry
+POLICIES: tuple[str, ...] = tuple(_text(lib.np_policy_name(i)) for i in range(lib.np_policy_count()))
+POOL_NAMES: dict[str, tuple[str, ...]] = {
+    name: tuple(_text(lib.np_policy_pool_name(i, p)) for p in range(POOLS)) for i, name in enumerate(POLICIES)}
+POOL_MEANINGS: dict[str, tuple[str, ...]] = {
+    name: tuple(_text(lib.np_policy_pool_meaning(i, p)) for p in range(POOLS)) for i, name in enumerate(POLICIES)}
+POLICY_SUMMARIES: dict[str, str] = {name: _text(lib.np_policy_summary(i)) for i, name in enumerate(POLICIES)}

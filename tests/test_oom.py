@@ -1,0 +1,129 @@
+"""What a failed request leaves behind (npu_pool.oom): one explanation, the core's, per pool; and
+the snapshots NPU_POOL_OOM_SNAPSHOT or OOM_SNAPSHOT_ENABLE ask for."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from npu_pool import oom
+from npu_pool.pool import OutOfMemoryError, Pool
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_snapshot_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (oom.ENV, oom.ENABLE, oom.PATH):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _fragmented(policy: str = "torch") -> tuple[Pool, list[int]]:
+    """A 64 MiB device full of 3 MiB blocks, every other one freed: lots free, nothing contiguous."""
+    pool = Pool(policy, capacity=64 * MiB)
+    ptrs = []
+    with pytest.raises(OutOfMemoryError):
+        while True:
+            ptrs.append(pool.malloc(3 * MiB))
+    for p in ptrs[::2]:
+        pool.free(p)
+    return pool, ptrs[1::2]
+
+
+def _fails(pool: Pool, size: int) -> str:
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.malloc(size)
+    return str(e.value)
+
+
+def test_fragmentation_is_named_in_the_pool_the_request_was_for() -> None:
+    pool, _ = _fragmented("torch")
+    msg = _fails(pool, 12 * MiB)
+    assert "fragmentation: large could serve it" in msg
+    x = oom.explain(pool)
+    st = pool.stats()
+    assert x.kind == "fragmentation" and x.pool == "large" and x.request == 12 * MiB
+    assert x.cached_free == st["total"]["reserved"]["current"] - st["total"]["allocated"]["current"]
+    assert any("npu_pool" in s for s in x.suggestions) and any("empty_cache" in s for s in x.suggestions)
+    assert "Fragmentation" in x.summary()
+
+
+def test_a_shortage_and_a_request_larger_than_the_cap_are_told_apart() -> None:
+    pool, _ = _fragmented("npu_pool")
+    msg = _fails(pool, 40 * MiB)  # more than everything free, in any arrangement
+    assert "a real shortage" in msg
+    x = oom.explain(pool)
+    assert x.kind == "shortage" and any("recompute" in s for s in x.suggestions)
+    assert any("ZeRO" in s for s in x.suggestions) and any("offload" in s for s in x.suggestions)
+    tiny = Pool("npu_pool", capacity=1)  # a 1-byte cap: even 1 byte needs a whole 2 MiB page
+    msg = _fails(tiny, 1)
+    assert "needs 2.00 MiB in one piece, more than the whole cap" in msg and "live tensors" not in msg
+    assert oom.explain(tiny).kind == "too_large"
+    capped = Pool("npu_pool", capacity=64 * MiB, fraction=0.5)
+    _fails(capped, 40 * MiB)
+    assert any("fraction" in s for s in oom.explain(capped).suggestions)
+
+
+def test_the_history_keeps_the_failure_with_its_reason() -> None:
+    pool, _ = _fragmented("torch")
+    _fails(pool, 12 * MiB)
+    (ev,) = [e for e in pool.history() if e["kind"] == "oom"][-1:]
+    assert ev["size"] == 12 * MiB and ev["detail"] == 2 and pool.stats()["pools"] and ev["pool"] == 1
+
+
+def test_write_snapshot(tmp_path: Path) -> None:
+    pool, live = _fragmented()
+    _fails(pool, 12 * MiB)
+    path = oom.write_snapshot(pool, tmp_path / "snaps")
+    doc = json.loads(path.with_suffix(".json").read_text())
+    assert doc["explanation"]["request"] == 12 * MiB and doc["explanation"]["kind"] == "fragmentation"
+    assert sum(b["allocated"] for b in doc["blocks"]) == len(live)
+    assert doc["history"][-1]["kind"] == "oom"
+    snap = pickle.loads(path.read_bytes())
+    from torch.cuda import _memory_viz
+
+    text = _memory_viz.segsum(snap)
+    assert f"total_reserved: {_memory_viz._format_size(pool.stats()['total']['reserved']['current'])}" in text
+    assert snap["device_traces"][0][-1]["action"] == "oom" and snap["device_traces"][0][-1]["size"] == 12 * MiB
+
+
+def test_on_oom_writes_only_when_asked_and_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, _ = _fragmented()
+    _fails(pool, 12 * MiB)
+    assert oom.on_oom(pool, 12 * MiB) is None
+    monkeypatch.setenv(oom.ENV, str(tmp_path / "d"))
+    msg = oom.on_oom(pool, 12 * MiB)
+    (written,) = (tmp_path / "d").glob("*.pickle")
+    assert str(written) in msg and "Fragmentation" in msg
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for bad in (blocker, blocker / "sub"):
+        monkeypatch.setenv(oom.ENV, str(bad))
+        msg = oom.on_oom(pool, 12 * MiB)
+        assert "cannot write" in msg and str(bad) in msg and "Fragmentation" in msg
+
+
+def test_torch_npus_switch_asks_for_snapshots_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert oom.snapshot_dir({}) is None
+    assert oom.snapshot_dir({oom.ENABLE: "1"}) == "."
+    assert oom.snapshot_dir({oom.ENABLE: "1", oom.PATH: str(tmp_path)}) == str(tmp_path)
+    assert oom.snapshot_dir({oom.ENABLE: "0", oom.PATH: str(tmp_path)}) is None
+    assert oom.snapshot_dir({oom.ENV: "x", oom.ENABLE: "1", oom.PATH: "y"}) == "x"
+
+
+def test_pool_malloc_oom_names_the_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, _ = _fragmented()
+    monkeypatch.setenv(oom.ENV, str(tmp_path / "oom"))
+    msg = _fails(pool, 12 * MiB)
+    (path,) = (tmp_path / "oom").glob("*.pickle")
+    assert str(path) in msg and "Fragmentation" in msg and msg.count("out of memory on device") == 1
+    file_path = tmp_path / "plain"
+    file_path.write_text("")
+    monkeypatch.setenv(oom.ENV, str(file_path))
+    assert "cannot write" in _fails(pool, 12 * MiB)  # a bad setting still raises the OOM, with a clear note
+    monkeypatch.delenv(oom.ENV)
+    assert "OOM snapshot" not in _fails(pool, 12 * MiB)
+    assert sorted(os.listdir(tmp_path / "oom")) == sorted([path.name, path.with_suffix(".json").name])

@@ -1,0 +1,239 @@
+"""npu_pool inside the real torch_npu 2.13.0, started over a fake CANN runtime (tests/fake_vendor:
+device memory is host memory, copies are memmove, no kernel runs). Each test runs a script in
+the torch_npu venv (`./run test` makes it; torch_npu hooks itself into every `import torch`, so
+it stays out of this process) and asserts on the values the script reports."""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from conftest import TorchNpu
+
+MiB = 1 << 20
+CAPACITY = 1 << 30  # the fake device (FAKE_CAPACITY's default)
+
+# Shared by the scripts: the fake runtime's own counters, to check the pool's books against.
+FAKE = """
+import ctypes, json
+fake = ctypes.CDLL("libascendcl.so")
+fake.fake_used.restype = fake.fake_mapped.restype = ctypes.c_ulonglong
+"""
+
+
+def test_env_switch_installs_the_pool_and_torch_memory_apis_report_it(torch_npu: TorchNpu) -> None:
+    out, err = torch_npu.results(FAKE + """
+import mindspeed_patch                      # MEMORY_FRAGMENTATION=1: installs npu_pool
+import torch, torch_npu
+from npu_pool.install import installed
+from npu_pool.torch_memory import stats_dict
+pools = installed()
+r = {"devices": sorted(pools), "hooks": sorted(__import__("npu_pool.install").install._current.hooks)}
+sizes = [1, 7, 511, 512, 4096, 100_000, 3 << 20, (5 << 20) + 3]
+host = [torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8) for n in sizes]
+dev = [h.to("npu") for h in host]
+r["roundtrip"] = [bool(torch.equal(d.cpu(), h)) for h, d in zip(host, dev)]
+clone = dev[6].clone()                       # device-to-device copy
+r["d2d"] = bool(torch.equal(clone.cpu(), host[6]))
+r["data_ptrs_distinct"] = len({d.data_ptr() for d in dev} | {clone.data_ptr()}) == len(dev) + 1
+p = pools[0]
+st = p.stats()
+r["pairs"] = {
+    "allocated": [torch.npu.memory_allocated(), st["total"]["allocated"]["current"]],
+    "max_allocated": [torch.npu.max_memory_allocated(), st["total"]["allocated"]["peak"]],
+    "reserved": [torch.npu.memory_reserved(), st["total"]["reserved"]["current"]],
+    "max_reserved": [torch.npu.max_memory_reserved(), st["total"]["reserved"]["peak"]],
+    "device_used": [fake.fake_used(), st["total"]["reserved"]["current"]],
+}
+r["stats_from_cpp_equal_python_mapping"] = torch.npu.memory_stats_as_nested_dict() == stats_dict(p)
+r["num_device_alloc"] = [torch.npu.memory_stats()["num_device_alloc"], st["device_mallocs"]]
+summary = torch.npu.memory_summary()
+r["summary_has_figures"] = "Allocated memory" in summary and "NPU reserved memory" in summary
+free_b, total_b = torch.npu.mem_get_info()
+r["mem_get_info"] = [free_b, total_b, fake.fake_used()]
+before = p.stats()["total"]["allocated"]["current"]
+del dev, clone
+r["freed"] = [before, torch.npu.memory_allocated(), p.stats()["frees"]]
+torch.npu.empty_cache()
+r["after_empty_cache"] = [torch.npu.memory_reserved(), fake.fake_mapped(), p.stats()["total"]["reserved"]["current"]]
+torch.npu.reset_peak_memory_stats()
+r["peak_reset"] = [torch.npu.max_memory_allocated(), torch.npu.memory_allocated()]
+torch.npu.reset_accumulated_memory_stats()
+r["accumulated_reset"] = torch.npu.memory_stats()["allocated_bytes.all.allocated"]
+# a second device, and a side stream whose use of a block is recorded
+torch.npu.set_device(1)
+x = torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+r["device1"] = [x.device.index, torch.npu.memory_allocated(1), pools[1].stats()["total"]["allocated"]["current"]]
+side = torch.npu.Stream()
+x.record_stream(side)
+waits = pools[1].stats()["stream_waits"]
+del x
+r["recorded_block_tagged"] = any(b["tagged"] and not b["allocated"] for b in pools[1].blocks())
+y = torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+r["reuse_waited"] = pools[1].stats()["stream_waits"] - waits
+# the fraction cap
+torch.npu.set_device(0)
+torch.npu.set_per_process_memory_fraction(0.25, 0)
+r["limit"] = p.stats()["limit"]
+try:
+    torch.empty(300 << 20, dtype=torch.uint8, device="npu")
+    r["capped"] = "no error"
+except torch.OutOfMemoryError as e:
+    r["capped"] = str(e)
+print(json.dumps(r))
+""", MEMORY_FRAGMENTATION="1")
+    assert out["devices"] == [0, 1]
+    assert out["hooks"] == ["set_erase_stream_fn", "set_get_device_stats_fn", "set_init_fn", "set_memory_fraction_fn",
+                            "set_record_stream_fn", "set_reset_fn", "set_reset_peak_status_fn"]
+    assert all(out["roundtrip"]) and out["d2d"] and out["data_ptrs_distinct"]
+    for name, (torch_says, pool_says) in out["pairs"].items():
+        assert torch_says == pool_says, name
+    assert out["pairs"]["allocated"][0] > 8 * MiB
+    assert out["stats_from_cpp_equal_python_mapping"]
+    assert out["num_device_alloc"][0] == out["num_device_alloc"][1] > 0
+    assert out["summary_has_figures"]
+    free_b, total_b, used = out["mem_get_info"]
+    assert total_b == CAPACITY and free_b == CAPACITY - used
+    before, after, frees = out["freed"]
+    assert after < before and frees >= 9
+    reserved, mapped, pool_reserved = out["after_empty_cache"]
+    assert reserved == mapped == pool_reserved < out["pairs"]["reserved"][0]
+    assert out["peak_reset"][0] == out["peak_reset"][1]
+    assert out["accumulated_reset"] == 0
+    index, torch_says, pool_says = out["device1"]
+    assert index == 1 and torch_says == pool_says >= MiB
+    assert out["recorded_block_tagged"] and out["reuse_waited"] == 1
+    assert out["limit"] == CAPACITY // 4
+    assert "out of memory on device 0 (policy npu_pool)" in out["capped"] and "256.00 MiB cap" in out["capped"]
+    assert "Traceback" not in err
+
+
+def test_out_of_memory_is_one_clear_error_with_the_pools_explanation(torch_npu: TorchNpu) -> None:
+    """npu_pool.install() called by hand; a request that cannot be served raises torch's
+    OutOfMemoryError once, with the pool's explanation (here, the torch model's fragmentation in
+    its large pool), and nothing else is printed about it."""
+    out, err = torch_npu.results(FAKE + """
+import torch, torch_npu, npu_pool
+npu_pool.install(policy="torch", fraction=0.125)   # 128 MiB of the fake's 1 GiB
+keep = [torch.empty(3 << 20, dtype=torch.uint8, device="npu") for _ in range(36)]  # 6 segments of 20 MiB
+del keep[::2]                                      # 54 MiB free, in 3 MiB holes of segments still in use
+r = {}
+try:
+    torch.empty(12 << 20, dtype=torch.uint8, device="npu")
+except Exception as e:
+    r["type"], r["message"] = type(e).__name__, str(e)
+r["ooms"] = torch.npu.memory_stats()["num_ooms"]
+r["ok_after"] = torch.empty(3 << 20, dtype=torch.uint8, device="npu").numel()
+print(json.dumps(r))
+""")
+    assert out["type"] == "OutOfMemoryError"
+    msg = out["message"]
+    assert "out of memory on device 0 (policy torch): tried to allocate 12.00 MiB" in msg
+    assert "fragmentation" in msg and "large" in msg
+    assert "Get data_ptr failed" not in msg
+    assert "out of memory" not in err and "npu_pool: malloc failed" not in err  # said once: in the error
+    assert out["ooms"] == 1 and out["ok_after"] == 3 * MiB
+
+
+def test_install_after_torch_npus_own_allocator_served_is_too_late(torch_npu: TorchNpu) -> None:
+    out, _ = torch_npu.results("""
+import json, torch, torch_npu
+early = torch.empty(16, device="npu")          # torch_npu's own caching allocator serves this
+import npu_pool
+from npu_pool.install import TooLateError, installed
+try:
+    npu_pool.install()
+    r = {"raised": None}
+except TooLateError as e:
+    r = {"raised": str(e)}
+r["installed"] = installed()
+print(json.dumps(r))
+""")
+    assert out["raised"] and "came too late" in out["raised"] and "Import mindspeed_patch" in out["raised"]
+    assert out["installed"] == {}
+
+
+def test_memory_history_snapshots_and_oom_snapshots(torch_npu: TorchNpu, tmp_path: Path) -> None:
+    """torch.npu.memory._record_memory_history / _snapshot / _dump_snapshot work with the pool
+    installed (MindSpeed-MM's memory profiler uses them), and OOM_SNAPSHOT_ENABLE/OOM_SNAPSHOT_PATH
+    write a snapshot when a request fails."""
+    dump, oom_dir = tmp_path / "dump.pickle", tmp_path / "oom"
+    oom_dir.mkdir()  # torch_npu insists that OOM_SNAPSHOT_PATH exists
+    out, _ = torch_npu.results(FAKE + f"""
+import mindspeed_patch, torch, torch_npu
+from npu_pool.install import installed
+torch.npu.memory._record_memory_history(max_entries=10000)
+a = torch.empty(3 << 20, dtype=torch.uint8, device="npu")
+b = torch.empty(1000, dtype=torch.uint8, device="npu")
+addr_a = a.data_ptr()
+del a
+torch.npu.memory._dump_snapshot({str(dump)!r})
+segments = torch.npu.memory_snapshot()
+r = {{"addr_a": addr_a, "addr_b": b.data_ptr(), "segments": len(segments),
+     "reserved": installed()[0].stats()["total"]["reserved"]["current"]}}
+torch.npu.set_per_process_memory_fraction(0.05, 0)
+try:
+    torch.empty(200 << 20, dtype=torch.uint8, device="npu")
+except torch.OutOfMemoryError as e:
+    r["oom"] = str(e)
+print(json.dumps(r))
+""", MEMORY_FRAGMENTATION="1", OOM_SNAPSHOT_ENABLE="1", OOM_SNAPSHOT_PATH=str(oom_dir))
+    with open(dump, "rb") as f:
+        snap = pickle.load(f)
+    trace = snap["device_traces"][0]
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    assert [e["addr"] for e in allocs[-2:]] == [out["addr_a"], out["addr_b"]]
+    assert allocs[-2]["size"] == 3 * MiB and allocs[-1]["size"] == 1000
+    assert [e["action"] for e in trace[-2:]] == ["free_requested", "free_completed"]
+    assert trace[-1]["addr"] == out["addr_a"]
+    assert any(e["action"] == "segment_map" for e in trace)
+    assert sum(s["total_size"] for s in snap["segments"]) == out["reserved"] and out["segments"] == len(snap["segments"])
+    live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert [b["requested_size"] for b in live] == [1000]
+    from npu_pool.trace.snapshot import load_snapshot
+
+    (t,) = load_snapshot(dump)  # the project's importer reads it as any PyTorch snapshot
+    assert len(t) >= 3
+    (oom_pickle,) = oom_dir.glob("oom_snapshot_*.pickle")
+    assert str(oom_pickle) in out["oom"] and "memory_viz" in out["oom"]
+    with open(oom_pickle, "rb") as f:
+        oom_snap = pickle.load(f)
+    assert oom_snap["device_traces"][0][-1]["action"] == "oom" and oom_snap["device_traces"][0][-1]["size"] == 200 * MiB
+
+
+def test_kernels_fail_loudly_on_the_fake_runtime(torch_npu: TorchNpu) -> None:
+    """No operator runs on the fake runtime: a kernel is an error naming it, never silent success."""
+    r = torch_npu.run("""
+import mindspeed_patch, torch, torch_npu
+x = torch.empty(3, device="npu")
+torch.ones(3, device="npu")
+print("NOT REACHED")
+""", MEMORY_FRAGMENTATION="1")
+    assert r.returncode != 0 and "NOT REACHED" not in r.stdout
+    assert "fake CANN: aclopCompileAndExecute (operator OnesLike) cannot run" in r.stderr
+    assert "RuntimeError" in r.stderr
+
+
+def test_without_a_cxx_compiler_the_c_hooks_serve_and_python_answers_the_statistics(torch_npu: TorchNpu,
+                                                                                    tmp_path: Path) -> None:
+    out, err = torch_npu.results(FAKE + """
+import warnings
+warnings.simplefilter("always")
+import mindspeed_patch, torch, torch_npu
+from npu_pool.install import installed
+x = torch.empty(5 << 20, dtype=torch.uint8, device="npu")
+p = installed()[0]
+r = {"allocated": [torch.npu.memory_allocated(), p.stats()["total"]["allocated"]["current"]],
+     "stats": torch.npu.memory_stats()["allocated_bytes.all.current"]}
+torch.npu.set_per_process_memory_fraction(0.05, 0)
+try:
+    torch.empty(200 << 20, dtype=torch.uint8, device="npu")
+except RuntimeError as e:
+    r["oom"] = str(e)
+print(json.dumps(r))
+""", MEMORY_FRAGMENTATION="1", CXX="/nonexistent/g++", NPU_POOL_CACHE=str(tmp_path))
+    assert "using the C hooks only" in err and "/nonexistent/g++" not in out.get("oom", "")
+    assert out["allocated"][0] == out["allocated"][1] == out["stats"] >= 5 * MiB
+    assert "Get data_ptr failed" in out["oom"]  # what torch_npu says when a C hook returns NULL ...
+    assert err.count("out of memory on device 0") == 1  # ... after the pool's explanation, printed once
