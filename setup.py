@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Fragmentation-aware device memory pool for large-model training (Ascend NPU, CUDA, simulated)",
     packages=find_packages(include=["npu_pool", "npu_pool.*", "mindspeed_patch", "mindspeed_patch.*"]),
-    package_data={"npu_pool": ["csrc/*.c", "csrc/*.h"]},
+    package_data={"npu_pool": ["csrc/*.c", "csrc/*.h", "shim/*.cpp"]},
     python_requires=">=3.9",
     setup_requires=["cffi>=1.15"],
     cffi_modules=["npu_pool/_build.py:ffibuilder"],

@@ -43,13 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from .pool import PoolError
+
     try:
         return int(_module(args.command).run(args) or 0)
     except KeyboardInterrupt:
         print("npu-pool: interrupted", file=sys.stderr)
         return 130
-    except (OSError, ValueError) as e:  # TraceError, PoolError and bad files land here
-        print(f"npu-pool {args.command}: error: {e}", file=sys.stderr)
+    except (OSError, ValueError, PoolError, MemoryError, RecursionError) as e:  # bad files, settings, devices
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"npu-pool {args.command}: error: {first}", file=sys.stderr)
         return 1
 
 

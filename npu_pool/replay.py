@@ -16,16 +16,17 @@ from typing import ClassVar
 from typing import Any, Iterable
 
 from ._core import ffi, lib
+from . import vocab
 from .pool import POLICIES, Pool, _check
-from .trace.format import COLUMNS, OP_ALLOC, OP_INIT_SEGMENT, Trace
+from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace
 from .trace.stats import live_profile
 
 UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
 CAPACITY_STEP = 2 << 20       # resolution of the minimum-capacity search
 # What npu_pool learns lifetimes from: "markers" (phase markers only: what a device running
 # the recorder sees; the default), "sites" (markers and the trace's own site ids), "oracle"
-# (the profiler's categories), "none".
-HINTS = {"none": 0, "sites": 1, "oracle": 2, "markers": 3}
+# (the profiler's categories), "none". Codes are the core's (NP_HINTS_*).
+HINTS = {name: code for code, name in enumerate(vocab.HINTS)}
 
 
 @dataclass
@@ -43,6 +44,8 @@ class RunResult:
     same_addr: int
     compared: int
     stats: dict[str, Any]
+    recorded_ooms: int = 0      # requests the recorded run could not serve (OP_OOM events) ...
+    ooms_served: int = 0        # ... and how many of them this policy served
 
 
 @dataclass
@@ -81,22 +84,18 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     its counters land in ``stats["plan"]``."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
-    n_ids = trace.n_ids
+    if plan is not None:
+        from .planner.runtime import as_plan, check_made_for
+
+        plan = as_plan(plan)
+        check_made_for(plan, trace, str(trace.meta.get("origin") or "the replayed trace"))
+    trace.validate(str(trace.meta.get("origin") or "trace"))
     with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
         if plan is not None:
             from .planner.runtime import install
 
             install(pool, plan)
-        inp = ffi.new("np_replay_in *")
-        keep = []  # the buffers must outlive the call
-        for name, code in COLUMNS:
-            col = getattr(trace, name)
-            ctype = {"B": "uint8_t[]", "i": "int32_t[]", "q": "int64_t[]", "Q": "uint64_t[]"}[code]
-            buf = ffi.from_buffer(ctype, col) if len(col) else ffi.new(ctype, 1)
-            keep.append(buf)
-            setattr(inp, name, buf)
-        inp.n = len(trace)
-        inp.n_ids = n_ids
+        inp, keep = trace.c_columns()  # the buffers must outlive the call
         inp.fidelity = int(fidelity)
         inp.hints = HINTS[hints]
         if placed is not None:
@@ -117,7 +116,8 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
-                     compared=int(out.compared), stats=st)
+                     compared=int(out.compared), stats=st, recorded_ooms=int(out.recorded_ooms),
+                     ooms_served=int(out.ooms_served))
 
 
 def _as_plan(plan: Any) -> Any:
@@ -225,6 +225,26 @@ def validate(trace: Trace, name: str) -> Fidelity:
                     same_place=r.same_addr / r.compared if r.compared else 1.0, compared=r.compared)
 
 
+def recorded_capacity(trace: Trace) -> int | None:
+    """The device memory the recorded run had when a request failed (an ``OP_OOM`` event): what
+    its allocator held (segments) plus what the device still reported free; the largest over its
+    failures. None when nothing failed in the recording."""
+    ooms = {int(o["event"]): int(o.get("device_free", 0)) for o in trace.meta.get("ooms", [])
+            if isinstance(o, dict) and isinstance(o.get("event"), int)}
+    if not ooms:
+        return None
+    segs: dict[int, int] = {}
+    best = 0
+    for i, (op, size, addr) in enumerate(zip(trace.op, trace.size, trace.addr)):
+        if op in (OP_INIT_SEGMENT, OP_SEG_HINT):
+            segs[addr] = size
+        elif op == OP_SEG_FREE:
+            segs.pop(addr, None)
+        elif op == OP_OOM and i in ooms:
+            best = max(best, sum(segs.values()) + ooms[i])
+    return best or None
+
+
 def policies_from(spec: str | Iterable[str]) -> list[str]:
     """Parse "torch,npu_pool" (or a list) into known policy names."""
     names = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
@@ -234,5 +254,5 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
     return names
 
 
-__all__ = ["run", "min_capacity", "evaluate", "validate", "policies_from", "RunResult", "PolicyResult", "Fidelity",
-           "OP_ALLOC"]
+__all__ = ["run", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
+           "PolicyResult", "Fidelity", "OP_ALLOC"]

@@ -14,8 +14,14 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
             head = f.read(len(MAGIC))
     except OSError as e:
         raise TraceError(f"{p}: cannot read ({e.strerror})") from None
-    if head == MAGIC:
-        return [(p.stem, Trace.load(p))]
+    if head == MAGIC or head[:7] == MAGIC[:7] or p.suffix == ".npt":
+        return [(p.stem, Trace.load(p))]  # says what is wrong with a trace file
+    if head[:1] != b"\x80":  # every pickle PyTorch writes starts with the protocol opcode
+        from .planner.planfile import MAGIC as PLAN_MAGIC
+
+        what = ("an npu_pool plan (give it with --plan)" if head == PLAN_MAGIC else
+                "empty" if not head else f"neither an npu_pool trace (.npt) nor a PyTorch memory snapshot (.pickle)")
+        raise TraceError(f"{p}: {what}")
     from .trace.snapshot import load_snapshot
 
     traces = load_snapshot(p)

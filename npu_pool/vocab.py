@@ -24,6 +24,7 @@ def _text(ptr: object) -> str:
 
 
 ROUND: int = lib.NP_ROUND          # every block is a multiple of this many bytes
+MAX_REQUEST: int = lib.NP_MAX_REQUEST  # larger requests (and capacities) are absurd
 SIM_PAGE: int = lib.NP_SIM_PAGE    # the simulated device's mapping page
 POOLS: int = lib.NP_POOLS          # pools per policy, besides the total
 

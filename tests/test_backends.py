@@ -21,11 +21,13 @@ NP_ERR_BACKEND = 5
 NAMES = {
     "acl": {"malloc": "aclrtMalloc", "free": "aclrtFree", "create": "aclrtMallocPhysical",
             "map": "aclrtMapMem", "unmap": "aclrtUnmapMem", "sync": "aclrtSynchronizeDevice",
-            "reserve": "aclrtReserveMemAddress",
+            "reserve": "aclrtReserveMemAddress", "release": "aclrtFreePhysical",
+            "release_range": "aclrtReleaseMemAddress",
             "wait": "aclrtStreamWaitEvent", "internal": 507899,
             "internal_name": "ACL_ERROR_RT_DRV_INTERNAL_ERROR", "oom_name": "207001"},
     "cuda": {"malloc": "cudaMalloc", "free": "cudaFree", "create": "cuMemCreate", "map": "cuMemMap",
              "unmap": "cuMemUnmap", "sync": "cudaDeviceSynchronize", "reserve": "cuMemAddressReserve",
+             "release": "cuMemRelease", "release_range": "cuMemAddressFree", "access": "cuMemSetAccess",
              "wait": "cudaStreamWaitEvent", "internal": 999,
              "internal_name": "CUDA_ERROR_UNKNOWN", "oom_name": "CUDA_ERROR_OUT_OF_MEMORY"},
 }

@@ -42,6 +42,7 @@ def synthetic(seed: int, n: int = 600) -> Trace:
             live.append((next_id, size))
             next_id += 1
     t.meta["n_ids"] = next_id
+    t.meta["sites"] = [f"model.py:{10 + k}:layer{k}" for k in range(10)]
     t.validate()
     return t
 
@@ -91,7 +92,7 @@ def test_min_capacity_is_the_edge(policy):
 
 
 def test_replay_rejects_a_broken_trace():
-    t = Trace(meta={"n_ids": 1})
+    t = Trace(meta={"n_ids": 0})
     t.append(OP_FREE, id=0, size=10)
     with pytest.raises(ValueError, match="event 0"):
         replay.run(t, "npu_pool")

@@ -24,8 +24,8 @@ def _small_trace() -> Trace:
     t.append(OP_INIT_SEGMENT, size=1 << 21, cat=POOL_LARGE, addr=1 << 40)
     t.append(OP_INIT_ALLOC, id=0, size=100, addr=1 << 40)
     t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=3)
-    t.append(OP_ALLOC, id=1, size=(1 << 64) - 1, stream=-7, site=0, addr=5)
-    t.append(OP_FREE, id=1, size=(1 << 64) - 1, stream=-7, site=0, addr=5)
+    t.append(OP_ALLOC, id=1, size=1 << 48, stream=-7, site=0, addr=(1 << 64) - 1)
+    t.append(OP_FREE, id=1, size=1 << 48, stream=-7, site=0, addr=(1 << 64) - 1)
     t.append(OP_FREE, id=0, size=100, addr=1 << 40)
     t.append(OP_EMPTY_CACHE)
     return t
@@ -46,7 +46,7 @@ def test_round_trip(tmp_path: Path) -> None:
     u = Trace.load(tmp_path / "t.npt")
     _assert_same(t, u)
     u.validate()
-    assert list(u.events())[3].size == (1 << 64) - 1
+    assert list(u.events())[3].size == 1 << 48 and list(u.events())[3].addr == (1 << 64) - 1
 
 
 def test_empty_round_trip(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ _TMP = tempfile.TemporaryDirectory()
 def test_round_trip_random_columns(t: Trace) -> None:
     path = Path(_TMP.name) / "h.npt"
     t.save(path)
-    _assert_same(t, Trace.load(path))
+    _assert_same(t, Trace.load(path, check=False))  # any columns round-trip; validity is another test
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -117,7 +117,7 @@ def test_absurd_header_length(tmp_path: Path) -> None:
 
 def test_header_claims_more_events(tmp_path: Path) -> None:
     header = json.dumps({"meta": {}, "n": 10}).encode()
-    with pytest.raises(TraceError, match="truncated in column 'op'"):
+    with pytest.raises(TraceError, match="the header says 10 events .* but 5 bytes follow it"):
         Trace.load(_write(tmp_path / "h.npt", MAGIC + struct.pack("<Q", len(header)) + header + b"\0" * 5))
 
 
@@ -129,16 +129,21 @@ def _with(ops: list[tuple[int, int]], n_ids: int) -> Trace:
 
 
 @pytest.mark.parametrize("ops, n_ids, msg", [
-    ([(OP_ALLOC, 2)], 2, r"event 0: alloc id 2 outside"),
-    ([(OP_ALLOC, -1)], 2, r"event 0: alloc id -1 outside"),
+    ([(OP_ALLOC, 2)], 1, r"event 0: alloc id 2 outside 0..0"),
+    ([(OP_ALLOC, -1)], 1, r"event 0: alloc id -1 outside"),
     ([(OP_ALLOC, 0), (OP_ALLOC, 0)], 1, r"event 1: id 0 allocated twice"),
     ([(OP_ALLOC, 0), (OP_FREE, 0), (OP_ALLOC, 0)], 1, r"event 2: id 0 allocated twice"),
-    ([(OP_FREE, 0)], 1, r"event 0: free of id 0 which is not live"),
+    ([(OP_FREE, 0)], 0, r"event 0: free of id 0 which is not live"),
+    ([(OP_ALLOC, 1), (OP_ALLOC, 0)], 2, r"event 0: alloc id 1 outside|OK"),
     ([(OP_INIT_ALLOC, 0), (OP_FREE, 0), (OP_FREE, 0)], 1, r"event 2: free of id 0"),
-    ([(OP_FREE, 5)], 1, r"event 0: free of id 5"),
+    ([(OP_FREE, 5)], 0, r"event 0: free of id 5"),
     ([(OP_SEG_HINT, -1), (200, -1)], 0, r"event 1: unknown op 200"),
+    ([(OP_ALLOC, 0)], 2, r"meta\['n_ids'\] is 2; ids number the 1 allocations"),
 ])
 def test_validate_errors(ops: list[tuple[int, int]], n_ids: int, msg: str) -> None:
+    if msg.endswith("|OK"):  # ids need not come in order: any dense numbering is valid
+        _with(ops, n_ids).validate()
+        return
     with pytest.raises(TraceError, match=msg):
         _with(ops, n_ids).validate()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..progress import progress
-from ..replay import evaluate
+from ..replay import evaluate, recorded_capacity, run
 from ..trace.format import Trace
 from ..traces import expand, open_traces
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
@@ -44,6 +44,20 @@ class PolicyFigures:
 
 
 @dataclass
+class RecordedOoms:
+    """The requests the recorded run could not serve, and which policies would have, on the
+    memory the recorded run had (its segments plus what the device reported free)."""
+
+    sizes: list[int]
+    device_free: list[int]
+    capacity: int | None
+    served: dict[str, int]  # policy -> how many of those requests it served there
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(sizes=self.sizes, device_free=self.device_free, capacity_bytes=self.capacity, served=self.served)
+
+
+@dataclass
 class TraceAnalysis:
     """One trace's profile and per-policy figures (and, for timelines, the simulations)."""
 
@@ -51,6 +65,7 @@ class TraceAnalysis:
     policies: list[PolicyFigures]
     origin: str = ""
     sims: dict[str, Simulation] = field(default_factory=dict, repr=False)
+    ooms: RecordedOoms | None = None
 
     @property
     def name(self) -> str:
@@ -60,6 +75,8 @@ class TraceAnalysis:
         d = self.profile.as_dict(top_sites)
         d["origin"] = self.origin
         d["policies"] = [p.as_dict() for p in self.policies]
+        if self.ooms is not None:
+            d["recorded_ooms"] = self.ooms.as_dict()
         return d
 
 
@@ -99,7 +116,19 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
             f.peak_reserved_index = sim.peak_reserved_index
         figs.append(f)
         step()
-    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), sims)
+    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), sims, _recorded_ooms(trace, policies, hints))
+
+
+def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> RecordedOoms | None:
+    ooms = [o for o in trace.meta.get("ooms", []) if isinstance(o, dict)]
+    if not ooms:
+        return None
+    cap = recorded_capacity(trace)
+    served = {}
+    for policy in policies if cap else ():
+        served[policy] = run(trace, policy, cap, hints=hints).ooms_served
+    return RecordedOoms([int(o.get("size", 0)) for o in ooms], [int(o.get("device_free", 0)) for o in ooms], cap,
+                        served)
 
 
 def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool = False, curves: bool = False,
@@ -192,6 +221,16 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
                      str(f.device_mallocs), "-" if f.min_capacity is None else fmt_bytes(f.min_capacity)])
     out += _table(["policy", "peak reserved", "utilization", "waste", "device mallocs", "min capacity"], rows)
     out += ["", "utilization = peak live / peak reserved; waste = peak reserved - peak live.", ""]
+    if t.ooms is not None:
+        o = t.ooms
+        out += [f"{level}# Out of memory in the recorded run", ""]
+        out += [f"- {len(o.sizes)} request(s) failed: " + ", ".join(
+            f"{fmt_bytes(s)} with {fmt_bytes(d)} free on the device" for s, d in list(zip(o.sizes, o.device_free))[:5])]
+        if o.capacity:
+            out += [f"- on the memory the recorded run had ({fmt_bytes(o.capacity)}: its segments plus the free "
+                    "bytes), each policy would have served: " + ", ".join(
+                        f"{p} {n} of {len(o.sizes)}" for p, n in o.served.items())]
+        out.append("")
     out += [f"{level}# Live bytes at the peak by category", "",
             f"Categories {_SOURCE_TEXT[p.category_source]}.", ""]
     rows = [[GROUP_LABELS[g], fmt_bytes(p.at_peak[g]), fmt_share(p.at_peak[g], p.peak_live), fmt_bytes(p.group_max[g])]

@@ -64,7 +64,7 @@ int np_create(const np_config *cfg, np_ctx **out) {
   np_ctx_set_history(ctx, NP_HISTORY_DEFAULT);
   ctx->be = np_backend_create(cfg);
   if (!ctx->be) {
-    rc = NP_ERR_BACKEND;
+    rc = np_last_code() ? np_last_code() : NP_ERR_BACKEND; /* a bad capacity is INVALID, a missing library BACKEND */
     goto fail;
   }
   ctx->limit = (uint64_t)floor(cfg->fraction * (double)ctx->be->total);

@@ -58,7 +58,7 @@ static int ensure(np_ctx *ctx, np_arena *a) {
 static int unmap_pages(np_ctx *ctx, np_arena *a, uint64_t first, uint64_t end) {
   if (end > a->page_hwm) end = a->page_hwm;
   if (!a->vmm || first >= end) return NP_OK;
-  return np_vmm_unmap(ctx, a->seg, a->seg->addr + first * a->page, (end - first) * a->page);
+  return np_vmm_unmap(ctx, a->seg, a->seg->addr + first * a->page, (end - first) * a->page, false);
 }
 
 /* Unmap the whole pages inside free block b. */
@@ -111,7 +111,7 @@ static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
                     np_fmt_bytes(limit, y));
   }
   uint64_t end = (b->addr + b->size - a->seg->addr + a->page - 1) / a->page;
-  int rc = np_vmm_map(ctx, a->seg, b->addr, b->size); /* pages mapped before a failure stay mapped and accounted */
+  int rc = np_vmm_map(ctx, a->seg, b->addr, b->size, false); /* pages mapped before a failure stay mapped */
   if (end > a->page_hwm) a->page_hwm = end;
   return rc;
 }

@@ -13,7 +13,6 @@
 #define NP_GIB ((uint64_t)1 << 30)
 
 #define NP_MIN_BLOCK ((uint64_t)NP_ROUND)  /* every block size is a multiple of this */
-#define NP_MAX_REQUEST ((uint64_t)1 << 48) /* larger requests are rejected as absurd */
 #define NP_STREAM_ANY INTPTR_MIN          /* tag of free memory usable by every stream */
 #define NP_POOL_SHARED NP_POOLS           /* pool index of memory both pools use (arena pages) */
 
@@ -35,6 +34,8 @@ static inline void np_counter_sub(np_counter *c, uint64_t v) {
 
 /* Set the calling thread's error message; returns code so callers can `return np_error(...)`. */
 int np_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The code of the calling thread's latest np_error(). */
+int np_last_code(void);
 /* Format a byte count as "1.50 GiB" into buf (at least 32 bytes); returns buf. */
 const char *np_fmt_bytes(uint64_t bytes, char *buf);
 

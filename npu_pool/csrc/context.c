@@ -184,11 +184,13 @@ int np_ctx_empty_cache(np_ctx *ctx) {
   np_ctx_record(ctx, NP_EV_EMPTY_CACHE, 0, 0, 0, -1, -1, 0);
   int rc = np_ctx_synchronize(ctx);
   if (rc != NP_OK) return rc;
-  rc = ctx->policy->empty_cache(ctx);
-  np_saved_error s;
-  if (rc != NP_OK) np_save_error(&s, rc);
   int held = np_ctx_retry_held(ctx); /* what the device refused before: try again */
-  return rc != NP_OK ? np_restore_error(&s) : held;
+  np_saved_error s;
+  if (held != NP_OK) np_save_error(&s, held);
+  uint64_t holds = ctx->holds;
+  rc = ctx->policy->empty_cache(ctx);
+  if (rc == NP_OK) rc = np_ctx_new_holds(ctx, holds); /* and what it refuses now */
+  return rc != NP_OK ? rc : held != NP_OK ? np_restore_error(&s) : NP_OK;
 }
 
 void np_get_stats_locked(np_ctx *ctx, np_stats *out) {

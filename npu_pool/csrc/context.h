@@ -87,6 +87,8 @@ struct np_ctx {
   np_fail fail;              /* the policy's account of the latest failed request */
   np_held *held;             /* memory whose return failed */
   size_t n_held, cap_held;
+  uint64_t holds;            /* returns that failed so far (np_ctx_hold calls) */
+  char hold_error[512];      /* the vendor's message of the latest one */
   np_event_info *hist;       /* ring of the latest events: entry seq % hist_slots */
   uint64_t hist_max;         /* np_set_history's bound */
   uint64_t hist_slots;       /* slots allocated (grows to hist_max) */
@@ -123,6 +125,9 @@ void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, u
 void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t handle, np_segment *from);
 /* Try to return held memory again; NP_OK when nothing is held any more. */
 int np_ctx_retry_held(np_ctx *ctx);
+/* NP_ERR_BACKEND saying what the device still holds when a return failed since `holds_before`
+ * (a value of ctx->holds), else NP_OK. */
+int np_ctx_new_holds(np_ctx *ctx, uint64_t holds_before);
 
 /* History (history.c). */
 void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,

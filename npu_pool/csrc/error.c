@@ -5,8 +5,10 @@
 #include "common.h"
 
 static _Thread_local char np_errbuf[1024];
+static _Thread_local int np_errcode;
 
 int np_error(int code, const char *fmt, ...) {
+  np_errcode = code;
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(np_errbuf, sizeof np_errbuf, fmt, ap);
@@ -15,6 +17,8 @@ int np_error(int code, const char *fmt, ...) {
 }
 
 const char *np_last_error(void) { return np_errbuf; }
+
+int np_last_code(void) { return np_errcode; }
 
 void np_save_error(np_saved_error *s, int code) {
   s->code = code;

@@ -1,5 +1,6 @@
 /* memory.c -- the device memory a context holds: segments, the one accounting path for
  * reserved bytes, and memory whose return the device refused (held and retried). */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "vmm.h"
@@ -33,6 +34,8 @@ void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, u
 
 void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t handle, np_segment *from) {
   int pool = from ? from->pool : NP_POOL_SHARED;
+  ctx->holds++;
+  snprintf(ctx->hold_error, sizeof ctx->hold_error, "%s", np_last_error()); /* the vendor's reason */
   bool memory = kind != NP_HELD_RESERVATION; /* a reservation is address space, not device memory */
   if (memory && from) {
     NP_ASSERT(from->mapped >= size);
@@ -77,6 +80,12 @@ static int retry_one(np_ctx *ctx, np_held *h) {
   }
 }
 
+static int still_held(np_ctx *ctx, int code, const char *why) {
+  char a[32];
+  return np_error(code, "the device still holds %s this pool could not return (retried at every empty_cache "
+                  "and at close): %s", np_fmt_bytes(ctx->st.unreleased, a), why);
+}
+
 int np_ctx_retry_held(np_ctx *ctx) {
   int first = NP_OK;
   np_saved_error s = {0};
@@ -102,9 +111,11 @@ int np_ctx_retry_held(np_ctx *ctx) {
     }
   }
   if (first == NP_OK) return NP_OK;
-  char a[32];
-  return np_error(first, "the device still holds %s this pool could not return (retried at every empty_cache "
-                  "and at close): %s", np_fmt_bytes(ctx->st.unreleased, a), s.text);
+  return still_held(ctx, first, s.text);
+}
+
+int np_ctx_new_holds(np_ctx *ctx, uint64_t holds_before) {
+  return ctx->holds == holds_before ? NP_OK : still_held(ctx, NP_ERR_BACKEND, ctx->hold_error);
 }
 
 /* ---- segments ------------------------------------------------------------------------------ */

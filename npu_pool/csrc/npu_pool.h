@@ -71,6 +71,7 @@ enum {
   NP_VOCAB_BACKEND = 0, NP_VOCAB_LIFE = 1, NP_VOCAB_MARK = 2, NP_VOCAB_OP = 3, NP_VOCAB_CAT = 4, NP_VOCAB_HINTS = 5,
   NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_COUNT = 9
 };
+#define NP_MAX_REQUEST 0x1000000000000ULL /* 2^48: larger requests (and capacities) are absurd */
 enum {
   NP_ROUND = 512,               /* every block is a multiple of this many bytes */
   NP_SIM_PAGE = 2097152,        /* the simulated device's mapping page */
@@ -238,6 +239,11 @@ int np_set_history(np_ctx *ctx, uint64_t max_entries);
 /* Copy the latest events (up to cap), oldest first; *n gets how many were copied. */
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
+/* Check every rule of a trace (columns of `in`; n_sites sites): ops, categories, markers and
+ * segment pools in range; ids dense, n_ids no more than the allocations, each id allocated once
+ * and freed once while live; requests of 1..NP_MAX_REQUEST bytes; sites -1..n_sites-1.
+ * NP_ERR_INVALID naming the first bad event (*bad: its index). */
+int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad);
 
 const char *np_last_error(void);
 /* Names of the vocabulary: np_vocab_name(NP_VOCAB_MARK, NP_MARK_SETUP_BEGIN) is "setup_begin";

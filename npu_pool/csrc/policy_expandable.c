@@ -13,9 +13,9 @@
  *  - freed blocks merge with neighbours in the same mapped state; releasing
  *    the cache (empty_cache, or a failed request before its retry) unmaps every
  *    whole page inside free blocks and drops ranges left with nothing mapped.
- * Reserved bytes are mapped bytes; the page table (vmm.h) has the last word on which pages
- * are mapped, and a block's `mapped` follows it (after a failed unmap, free memory is refiled
- * by what the page table says).
+ * Reserved bytes are mapped bytes (and pages the device refused to take back, held by the
+ * context). Runs are mapped and unmapped whole (np_vmm_map/unmap with `whole`), so a block's
+ * `mapped` is the page table's word for every page under it.
  * Invariants: mapped free blocks are in their pool's tree, unmapped blocks in
  * no tree, allocated blocks mapped; no two free neighbours share a mapped state; a block's
  * `mapped` says whether every page under it is mapped (unmapped blocks: none is).
@@ -59,32 +59,6 @@ static np_block *merge_unmapped(np_ctx *ctx, np_block *b) {
   return b;
 }
 
-/* File free block b (in no tree) by its mapped state: mapped blocks in the tree, unmapped ones
- * merged with unmapped neighbours. */
-static void file_free(np_ctx *ctx, np_block *b) {
-  if (b->mapped) np_tree_insert(&state(ctx)->pools[b->seg->pool], b);
-  else merge_unmapped(ctx, b);
-}
-
-/* After a failed unmap of [lo, hi) inside free block b (in no tree), whose pages are now part
- * mapped, part not: split b where the page table's state changes and file each piece. */
-static void refile_by_pages(np_ctx *ctx, np_block *b) {
-  uint64_t g = ctx->be->granularity;
-  while (b) {
-    bool mapped = np_vmm_page_mapped(ctx, b->seg, b->addr);
-    uint64_t run = g;
-    while (run < b->size && np_vmm_page_mapped(ctx, b->seg, b->addr + run) == mapped) run += g;
-    np_block *rest = NULL;
-    if (run < b->size) {
-      if (!np_block_split(&ctx->blocks, b, run, false)) run = b->size; /* keep it whole; the check will say */
-      else rest = b->next;
-    }
-    b->mapped = mapped;
-    file_free(ctx, b);
-    b = rest;
-  }
-}
-
 /* Unmap the whole pages inside free mapped block b (in no tree); file the pieces. */
 static int unmap_block(np_ctx *ctx, np_block *b) {
   np_segment *seg = b->seg;
@@ -103,15 +77,11 @@ static int unmap_block(np_ctx *ctx, np_block *b) {
     if (!np_block_split(&ctx->blocks, mid, hi - mid->addr, false)) goto undo;
     tail = mid->next;
   }
-  int rc = np_vmm_unmap(ctx, seg, lo, hi - lo);
+  int rc = np_vmm_unmap(ctx, seg, lo, hi - lo, true); /* a page that refuses is held: [lo, hi) is unmapped */
   if (head) np_tree_insert(t, head);
   if (tail) np_tree_insert(t, tail);
-  if (rc == NP_OK) {
-    mid->mapped = 0;
-    merge_unmapped(ctx, mid);
-  } else {
-    refile_by_pages(ctx, mid);
-  }
+  mid->mapped = 0;
+  merge_unmapped(ctx, mid);
   return rc;
 undo:
   if (head) np_block_merge_next(&ctx->blocks, head);
@@ -189,15 +159,9 @@ static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
     *rc = np_error(NP_ERR_HOST, "host out of memory splitting a block");
     return NULL;
   }
-  *rc = np_vmm_map(ctx, seg, b->addr, bytes);
-  if (*rc != NP_OK) { /* pages mapped before the failure stay mapped: refile b by the page table */
+  *rc = np_vmm_map(ctx, seg, b->addr, bytes, true); /* all or nothing: on failure b is unmapped as before */
+  if (*rc != NP_OK) {
     if (split) np_block_merge_next(&ctx->blocks, b);
-    if (np_vmm_unmapped(ctx, seg, b->addr, b->size) < b->size) {
-      np_saved_error s;
-      np_save_error(&s, *rc);
-      refile_by_pages(ctx, b);
-      np_restore_error(&s);
-    }
     return NULL;
   }
   b->mapped = 1;

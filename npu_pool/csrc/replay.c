@@ -174,3 +174,60 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
   free(r.sizes);
   return rc;
 }
+
+/* ---- trace validation ---------------------------------------------------------------- */
+
+static const char *op_name(uint8_t op) {
+  const char *n = np_vocab_name(NP_VOCAB_OP, op);
+  return n ? n : "?";
+}
+
+int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
+  *bad = UINT64_MAX;
+  uint64_t allocs = 0;
+  for (uint64_t i = 0; i < in->n; i++) allocs += in->op[i] == NP_OP_ALLOC || in->op[i] == NP_OP_INIT_ALLOC;
+  if (in->n_ids > allocs)
+    return np_error(NP_ERR_INVALID, "meta['n_ids'] is %llu; ids number the %llu allocations, so it must be an int "
+                    "in 0..%llu", (unsigned long long)in->n_ids, (unsigned long long)allocs, (unsigned long long)allocs);
+  uint8_t *state = calloc(in->n_ids ? in->n_ids : 1, 1); /* 0 never seen, 1 live, 2 freed */
+  if (!state) return np_error(NP_ERR_HOST, "host out of memory validating %llu ids", (unsigned long long)in->n_ids);
+  int rc = NP_OK;
+  for (uint64_t i = 0; i < in->n && rc == NP_OK; i++) {
+    uint8_t op = in->op[i], cat = in->cat[i];
+    int64_t id = in->id[i];
+    unsigned long long ui = (unsigned long long)i;
+    if (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC) {
+      if (id < 0 || (uint64_t)id >= in->n_ids)
+        rc = np_error(NP_ERR_INVALID, "event %llu: alloc id %lld outside 0..%lld", ui, (long long)id,
+                      (long long)in->n_ids - 1);
+      else if (state[id])
+        rc = np_error(NP_ERR_INVALID, "event %llu: id %lld allocated twice", ui, (long long)id);
+      else
+        state[id] = 1;
+    } else if (op == NP_OP_FREE) {
+      if (id < 0 || (uint64_t)id >= in->n_ids || state[id] != 1)
+        rc = np_error(NP_ERR_INVALID, "event %llu: free of id %lld which is not live", ui, (long long)id);
+      else
+        state[id] = 2;
+    } else if (op >= NP_OP_COUNT) {
+      rc = np_error(NP_ERR_INVALID, "event %llu: unknown op %u", ui, op);
+    }
+    if (rc == NP_OK && (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC || op == NP_OP_FREE || op == NP_OP_OOM)) {
+      if (cat >= NP_CAT_COUNT)
+        rc = np_error(NP_ERR_INVALID, "event %llu: unknown tensor category %u (0..%d)", ui, cat, NP_CAT_COUNT - 1);
+      else if (in->size[i] == 0 || in->size[i] > NP_MAX_REQUEST)
+        rc = np_error(NP_ERR_INVALID, "event %llu: %s of %llu bytes (1..2^48 allowed)", ui, op_name(op),
+                      (unsigned long long)in->size[i]);
+      else if (in->site[i] < -1 || (int64_t)in->site[i] >= (int64_t)n_sites)
+        rc = np_error(NP_ERR_INVALID, "event %llu: site %d indexes none of the %llu sites", ui, in->site[i],
+                      (unsigned long long)n_sites);
+    } else if (rc == NP_OK && op == NP_OP_MARK && cat >= NP_MARK_COUNT) {
+      rc = np_error(NP_ERR_INVALID, "event %llu: unknown marker code %u (0..%d)", ui, cat, NP_MARK_COUNT - 1);
+    } else if (rc == NP_OK && (op == NP_OP_SEG_HINT || op == NP_OP_SEG_FREE || op == NP_OP_INIT_SEGMENT) && cat > 1) {
+      rc = np_error(NP_ERR_INVALID, "event %llu: segment pool %u (0 small or 1 large)", ui, cat);
+    }
+    if (rc != NP_OK) *bad = i;
+  }
+  free(state);
+  return rc;
+}

@@ -54,10 +54,12 @@ static void drop_fresh(np_ctx *ctx, np_segment *seg, uint64_t p, uint64_t q) {
   np_restore_error(&s);
 }
 
-int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size) {
+int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
   np_backend *be = ctx->be;
   uint64_t g = gran(ctx);
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
+  uint8_t *fresh = whole ? calloc(end - first, 1) : NULL; /* pages this call mapped */
+  if (whole && !fresh) return np_error(NP_ERR_HOST, "host out of memory mapping %llu pages", (unsigned long long)(end - first));
   int prev, rc = enter(ctx, &prev);
   for (uint64_t p = first; p < end && rc == NP_OK;) {
     if (seg->pages[p]) {
@@ -78,6 +80,7 @@ int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size) {
         break;
       }
       seg->pages[q] = h;
+      if (fresh) fresh[q - first] = 1;
     }
     if (q > p && be->page_access) {
       int arc = be->page_access(be, seg->addr + p * g, (q - p) * g);
@@ -91,10 +94,18 @@ int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size) {
     p = q;
   }
   leave(ctx, prev);
+  if (rc != NP_OK && fresh) { /* as it was: unmap what this call mapped */
+    np_saved_error s;
+    np_save_error(&s, rc);
+    for (uint64_t p = first; p < end; p++)
+      if (fresh[p - first]) np_vmm_unmap(ctx, seg, seg->addr + p * g, g, true);
+    np_restore_error(&s);
+  }
+  free(fresh);
   return rc;
 }
 
-int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size) {
+int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
   uint64_t g = gran(ctx);
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g;
   np_saved_error s = {0};
@@ -107,6 +118,10 @@ int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size) {
       int urc = ctx->be->page_unmap(ctx->be, seg->addr + q * g);
       if (urc != NP_OK) { /* still mapped: the next release tries it again */
         if (rc == NP_OK) np_save_error(&s, rc = urc);
+        if (whole) { /* ... held, out of the page table: the range counts as unmapped */
+          np_ctx_hold(ctx, NP_HELD_PAGE, seg->addr + q * g, g, seg->pages[q], seg);
+          seg->pages[q] = 0;
+        }
         break;
       }
       uint64_t h = seg->pages[q];
@@ -121,10 +136,7 @@ int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size) {
 }
 
 void np_vmm_release(np_ctx *ctx, np_segment *seg) {
-  uint64_t g = gran(ctx);
-  if (seg->mapped) np_vmm_unmap(ctx, seg, seg->addr, seg->size);
-  for (uint64_t p = 0; seg->mapped && p < seg->size / g; p++) /* refused to unmap: the device keeps them */
-    if (seg->pages[p]) np_ctx_hold(ctx, NP_HELD_PAGE, seg->addr + p * g, g, seg->pages[p], seg);
+  if (seg->mapped) np_vmm_unmap(ctx, seg, seg->addr, seg->size, true); /* what refuses is held */
   if (ctx->be->release(ctx->be, seg->addr, seg->size) != NP_OK)
     np_ctx_hold(ctx, NP_HELD_RESERVATION, seg->addr, seg->size, 0, NULL);
   free(seg->pages);

@@ -19,11 +19,14 @@ int np_vmm_reserve(np_ctx *ctx, uint64_t size, uintptr_t *addr, uint64_t **pages
 /* Unmap what is still mapped in seg and release its address range (failures are held). */
 void np_vmm_release(np_ctx *ctx, np_segment *seg);
 /* Map every unmapped page under [addr, addr+size) of reservation seg. On failure the pages
- * mapped so far stay mapped (and accounted); the error names the vendor call. */
-int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size);
+ * mapped so far stay mapped (and accounted); with `whole`, they are unmapped again, so that the
+ * range is as it was (a page that refuses is held: np_ctx_hold). The error names the vendor call. */
+int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
 /* Unmap every mapped page in [addr, addr+size) (page-aligned). Tries every page; returns the
- * first failure, after which the page table still says exactly what is mapped. */
-int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size);
+ * first failure. A page that refuses stays mapped and in the page table; with `whole` it is held
+ * instead (counted, retried at empty_cache and close), so that the whole range is unmapped in
+ * the page table's view -- for policies that keep runs of pages mapped or unmapped together. */
+int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
 /* Bytes of the pages under [addr, addr+size) that are not mapped. */
 uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size);
 /* Whether the page holding addr is mapped. */

@@ -6,6 +6,7 @@ import time
 from typing import Sequence
 
 from ..trace.format import Trace
+from ..trace.stats import fingerprint
 from .iteration import find_window
 from .lifetimes import build_layout
 from .place import ORDERS, Rects, place
@@ -45,6 +46,7 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     planned_peak = placed.peak + lay.outside_peak
     meta = {
         "source": name or str(trace.meta.get("origin", "")),
+        "iteration_fingerprint": fingerprint(lay.size[lay.loop:]),
         "method": w.method, "window": [w.start, w.end], "loop_event": w.body, "repeats": w.repeats,
         "positions": n, "prologue": lay.loop, "unplanned": lay.unplanned, "ghosts": len(lay.ghosts), "order": placed.order,
         "peak_live_bytes": lay.peak_live, "region_bytes": placed.peak, "static_bytes": lay.static_bytes,

@@ -29,6 +29,7 @@ import zlib
 from pathlib import Path
 
 from ..trace.format import MAGIC as TRACE_MAGIC
+from ..vocab import MAX_REQUEST
 from .plan import ALIGN, NONE, Plan, PlanError
 from .verify import verify
 
@@ -76,11 +77,18 @@ def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
         raise PlanError(f"{name}: header length {hlen} runs past the end of the file")
     try:
         head = json.loads(bytes(body[8:8 + hlen]))
-        n, region, flags = int(head["positions"]), int(head["region"]), int(head.get("flags", 0))
-        loop = int(head.get("loop", 0))
-        meta = dict(head.get("meta", {}))
-    except (ValueError, KeyError, TypeError) as e:
+        n, region, flags = head["positions"], head["region"], head.get("flags", 0)
+        loop, meta = head.get("loop", 0), head.get("meta", {})
+    except RecursionError:
+        raise PlanError(f"{name}: corrupt header (JSON nested too deeply)") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise PlanError(f"{name}: corrupt header ({e})") from None
+    for key, value, hi in (("positions", n, _NO_END - 1), ("region", region, MAX_REQUEST), ("flags", flags, 3),
+                           ("loop", loop, _NO_END - 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+            raise PlanError(f"{name}: corrupt header ({key} is {value!r:.40}, expected an int in 0..{hi})")
+    if not isinstance(meta, dict):
+        raise PlanError(f"{name}: corrupt header (meta is a {type(meta).__name__}, not an object)")
     if head.get("align", ALIGN) != ALIGN or head.get("row", "<IIQQ") != "<IIQQ":
         raise PlanError(f"{name}: unsupported layout (align {head.get('align')}, row {head.get('row')!r})")
     rows = body[8 + hlen:]

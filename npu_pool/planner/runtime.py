@@ -5,10 +5,12 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
-from .plan import Plan
+from ..trace.format import Trace
+from ..trace.stats import alloc_sizes, contains, fingerprint
+from .plan import Plan, PlanError
 from .planfile import load_plan
 
-__all__ = ["COUNTS", "ENV", "as_plan", "install", "remove", "counts", "plan_from_env"]
+__all__ = ["COUNTS", "ENV", "as_plan", "install", "remove", "counts", "plan_from_env", "check_made_for"]
 
 COUNTS = ("served", "fallback", "idle", "resyncs")  # np_set_plan's counters, in order
 ENV = "NPU_POOL_PLAN"
@@ -19,6 +21,17 @@ PlanLike = Union[Plan, str, Path]
 def as_plan(plan: PlanLike) -> Plan:
     """``plan`` itself, or the plan file it names."""
     return plan if isinstance(plan, Plan) else load_plan(plan)
+
+
+def check_made_for(plan: Plan, trace: Trace, name: str = "the trace") -> None:
+    """PlanError unless ``trace`` runs the iteration ``plan`` was made for: its allocation sizes
+    hold the plan's loop body, in order. (A run may differ from the planned trace in the ways a
+    plan copes with -- more iterations, an evaluation, a prologue -- but not in its iteration.)"""
+    body = plan.size[plan.loop:]
+    if not contains(alloc_sizes(trace), body):
+        source = plan.meta.get("source") or "another trace"
+        raise PlanError(f"the plan was made for {source} (iteration fingerprint {fingerprint(body)}), whose "
+                        f"iteration {name} never runs: make a plan from it with `npu-pool plan`")
 
 
 def install(pool: Any, plan: PlanLike) -> None:

@@ -34,14 +34,18 @@ from __future__ import annotations
 
 import array
 import json
+import os
 import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NamedTuple
 
+from .._core import ffi, lib
+
 # Ops, categories and markers are the core's vocabulary (npu_pool.h), defined once there.
 from ..vocab import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_NAMES,  # noqa: F401
+                     MAX_REQUEST,
                      CAT_OPTIMIZER_STATE, CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN,
                      MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END, MARK_FORWARD_BEGIN, MARK_FORWARD_END,
                      MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_NAMES,
@@ -57,6 +61,7 @@ MAGIC = b"NPTRACE1"
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("op", "B"), ("cat", "B"), ("site", "i"), ("id", "q"), ("size", "Q"), ("stream", "q"), ("addr", "Q"),
 )
+_EVENT_BYTES = sum(array.array(code).itemsize for _, code in COLUMNS)  # one event across every column
 
 
 class TraceError(ValueError):
@@ -108,27 +113,43 @@ class Trace:
     def n_ids(self) -> int:
         return int(self.meta.get("n_ids", 0))
 
-    def validate(self) -> None:
-        """Check the invariants replay relies on; raise TraceError naming the first bad event."""
+    def validate(self, name: str = "trace") -> None:
+        """Check every rule replay and the tools rely on; raise TraceError naming ``name`` and the
+        first bad event: column lengths, ops, categories and markers in range, ids dense and each
+        allocated once and freed once while live, sizes of allocations 1..2^48, sites indexing
+        ``meta["sites"]``, ``n_ids`` no more than the allocations."""
         n = len(self.op)
-        for name, _ in COLUMNS:
-            if len(getattr(self, name)) != n:
-                raise TraceError(f"column {name!r} has {len(getattr(self, name))} entries, expected {n}")
-        n_ids = self.n_ids
-        live = bytearray(n_ids)  # 0 never seen, 1 live, 2 freed
-        for i, (op, id_) in enumerate(zip(self.op, self.id)):
-            if op in (OP_ALLOC, OP_INIT_ALLOC):
-                if not 0 <= id_ < n_ids:
-                    raise TraceError(f"event {i}: alloc id {id_} outside 0..{n_ids - 1}")
-                if live[id_]:
-                    raise TraceError(f"event {i}: id {id_} allocated twice")
-                live[id_] = 1
-            elif op == OP_FREE:
-                if not 0 <= id_ < n_ids or live[id_] != 1:
-                    raise TraceError(f"event {i}: free of id {id_} which is not live")
-                live[id_] = 2
-            elif op >= len(OP_NAMES):
-                raise TraceError(f"event {i}: unknown op {op}")
+        for col, _ in COLUMNS:
+            if len(getattr(self, col)) != n:
+                raise TraceError(f"{name}: column {col!r} has {len(getattr(self, col))} entries, expected {n}")
+        if not isinstance(self.meta, dict):
+            raise TraceError(f"{name}: meta should be a dict, got {type(self.meta).__name__}")
+        sites = self.meta.get("sites", [])
+        if not isinstance(sites, list) or not all(isinstance(x, str) for x in sites):
+            raise TraceError(f"{name}: meta['sites'] should be a list of strings")
+        n_ids = self.meta.get("n_ids", 0)
+        if isinstance(n_ids, bool) or not isinstance(n_ids, int) or not 0 <= n_ids < 1 << 63:
+            raise TraceError(f"{name}: meta['n_ids'] is {n_ids!r:.40}; it must be the number of allocation ids")
+        inp, keep = self.c_columns()
+        bad = ffi.new("uint64_t *")
+        if lib.np_trace_validate(inp, len(sites), bad) != 0:
+            raise TraceError(f"{name}: {ffi.string(lib.np_last_error()).decode(errors='replace')}")
+
+    def c_columns(self) -> tuple[Any, list[Any]]:
+        """The columns as the core's ``np_replay_in`` (ids 0..n_ids-1), and the buffers it points
+        into (keep them alive while the struct is used)."""
+        inp = ffi.new("np_replay_in *")
+        keep: list[Any] = [inp]
+        for col, code in COLUMNS:
+            data = getattr(self, col)
+            ctype = {"B": "uint8_t[]", "i": "int32_t[]", "q": "int64_t[]", "Q": "uint64_t[]"}[code]
+            buf = ffi.from_buffer(ctype, data) if len(data) else ffi.new(ctype, 1)
+            keep.append(buf)
+            setattr(inp, col, buf)
+        inp.n = len(self.op)
+        n_ids = self.meta.get("n_ids", 0) if isinstance(self.meta, dict) else 0
+        inp.n_ids = n_ids if isinstance(n_ids, int) and 0 <= n_ids < 1 << 63 else 0
+        return inp, keep
 
     # -- file I/O -------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -144,35 +165,56 @@ class Trace:
                 f.write(col.tobytes())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Trace":
-        """Read a trace written by :meth:`save`; TraceError on anything else."""
-        with open(path, "rb") as f:
-            return cls._read(f, str(path))
+    def load(cls, path: str | Path, *, check: bool = True) -> "Trace":
+        """Read (and, with ``check``, validate) a trace written by :meth:`save`; TraceError naming
+        the file on anything else. Every count is checked against the file's size before anything
+        is allocated for it."""
+        try:
+            with open(path, "rb") as f:
+                t = cls._read(f, str(path), os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
+        if check:
+            t.validate(str(path))
+        return t
 
     @classmethod
-    def _read(cls, f: BinaryIO, name: str) -> "Trace":
+    def _read(cls, f: BinaryIO, name: str, file_size: int) -> "Trace":
         head = f.read(16)
         if len(head) < 16 or head[:8] != MAGIC:
-            raise TraceError(f"{name}: not an npu_pool trace (bad magic)")
+            what = "an npu_pool trace of another format version" if head[:7] == MAGIC[:7] else "bad magic"
+            raise TraceError(f"{name}: not an npu_pool trace ({what})")
         (hlen,) = struct.unpack("<Q", head[8:])
-        if hlen > 1 << 31:
-            raise TraceError(f"{name}: header length {hlen} is absurd; file is corrupt")
+        if hlen > file_size - 16:
+            raise TraceError(f"{name}: header length {hlen} runs past the end of the {file_size}-byte file")
         try:
             header = json.loads(f.read(hlen))
-            n = int(header["n"])
-        except (ValueError, KeyError, TypeError) as e:
+        except RecursionError:
+            raise TraceError(f"{name}: corrupt header (JSON nested too deeply)") from None
+        except ValueError as e:
             raise TraceError(f"{name}: corrupt header ({e})") from None
-        t = cls(meta=header.get("meta", {}))
+        if not isinstance(header, dict):
+            raise TraceError(f"{name}: corrupt header (a {type(header).__name__}, not an object)")
+        n = header.get("n")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise TraceError(f"{name}: corrupt header (event count n={n!r:.40})")
+        body = file_size - 16 - hlen
+        if n * _EVENT_BYTES != body:
+            raise TraceError(f"{name}: the header says {n} events ({n * _EVENT_BYTES} bytes of columns), "
+                             f"but {body} bytes follow it: truncated or corrupt")
+        if header.get("byteorder", "little") != "little":
+            raise TraceError(f"{name}: byte order {header.get('byteorder')!r:.20}; npu_pool traces are little-endian")
+        columns = header.get("columns", [c for c, _ in COLUMNS])
+        if columns != [c for c, _ in COLUMNS]:
+            raise TraceError(f"{name}: columns {columns!r:.120}; this npu_pool reads {[c for c, _ in COLUMNS]}")
+        meta = header.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TraceError(f"{name}: corrupt header (meta is a {type(meta).__name__}, not an object)")
+        t = cls(meta=meta)
         for cname, code in COLUMNS:
             col = array.array(code)
-            nbytes = n * col.itemsize
-            data = f.read(nbytes)
-            if len(data) != nbytes:
-                raise TraceError(f"{name}: truncated in column {cname!r} ({len(data)} of {nbytes} bytes)")
-            col.frombytes(data)
+            col.frombytes(f.read(n * col.itemsize))
             if sys.byteorder != "little":
                 col.byteswap()
             setattr(t, cname, col)
-        if f.read(1):
-            raise TraceError(f"{name}: trailing bytes after the last column")
         return t

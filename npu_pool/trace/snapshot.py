@@ -7,9 +7,20 @@ the window is rebuilt from frees without allocs, the end-state blocks and a back
 walk over segment events; see docs/trace_format.md.
 
 The pickle is read with an unpickler that refuses every global: a snapshot is plain
-dicts, lists, tuples, strings and numbers, so anything else is rejected unexecuted.
+dicts, lists, tuples, strings and numbers, so anything else is rejected unexecuted. Nothing
+is trusted: every element the importer walks costs the file at least a byte, so a file may
+not reference more elements than it has bytes (shared references cannot blow up the work),
+and the recorded ``allocator_settings`` are copied with a bound on depth and size.
 Sites come from each alloc's innermost Python frames, skipping torch's and the
 stdlib's own files where a user frame exists.
+
+Every action of PyTorch's TraceEntry is read: ``alloc``, ``free_requested``,
+``free_completed``, ``segment_alloc``/``segment_map`` and ``segment_free``/``segment_unmap``
+(segment hints), ``snapshot`` (ignored) and ``oom`` (no address: the request that failed; an
+``OP_OOM`` event, its ``device_free`` in ``meta["ooms"]``). ``external_annotations`` (the
+ranges of ``record_function``, e.g. ``ProfilerStep#3`` or ``Optimizer.step#AdamW.step``, and
+npu_pool's own markers) become phase markers where their names say which phase
+(:func:`marker_of`), placed by their time among the events.
 """
 from __future__ import annotations
 
@@ -21,10 +32,12 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from .format import (CAT_UNKNOWN, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT,
-                     OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE, POOL_SMALL, Trace, TraceError)
+from .format import (CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
+                     MARK_LAYER_ENTER, MARK_NAMES, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
+                     OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
+                     POOL_SMALL, Trace, TraceError)
 
-__all__ = ["load_snapshot", "snapshot_to_traces"]
+__all__ = ["load_snapshot", "snapshot_to_traces", "marker_of"]
 
 _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
@@ -32,7 +45,8 @@ _MAX_WARNINGS = 50
 _ACTIVE = ("active_allocated", "active_pending_free")
 _SEG_NEW = ("segment_alloc", "segment_map")
 _SEG_GONE = ("segment_free", "segment_unmap")
-_IGNORED = ("snapshot", "oom", "free_requested")
+_IGNORED = ("snapshot", "free_requested")
+_SETTINGS_DEPTH, _SETTINGS_VALUES = 6, 500  # how much of allocator_settings is copied into meta
 # A library frame: torch's own (site-packages/torch/..., a source checkout's torch/) or the stdlib's.
 _LIB_FRAME = re.compile(r"(?:^|[\\/])torch[\\/]|[\\/]python3(?:\.\d+)?[\\/](?!site-packages|dist-packages)[^\\/]+\.py$")
 
@@ -70,43 +84,132 @@ def load_snapshot(path: str | Path) -> list[Trace]:
         data = path.read_bytes()
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
-    return snapshot_to_traces(_unpickle(data, str(path)), path.name)
+    return snapshot_to_traces(_unpickle(data, str(path)), str(path), max_elements=len(data))
 
 
-def snapshot_to_traces(obj: Any, name: str = "<snapshot>") -> list[Trace]:
-    """Convert an already-unpickled snapshot dict; ``name`` goes into messages and meta["origin"]."""
+def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None) -> list[Trace]:
+    """Convert an already-unpickled snapshot dict; ``name`` goes into messages and meta["origin"].
+    ``max_elements``: refuse to walk more list elements than this (the file's size in bytes)."""
     if not isinstance(obj, dict):
         raise TraceError(f"{name}: not a PyTorch memory snapshot (top level is {type(obj).__name__}, not dict)")
     segments = obj.get("segments", [])
     _expect(isinstance(segments, list), name, "segments", "a list", segments)
     traces = obj.get("device_traces")
-    if traces is None or (isinstance(traces, list) and all(t == [] for t in traces)):
+    _expect(traces is None or isinstance(traces, list), name, "device_traces", "a list", traces)
+    if traces is not None:
+        for i, t in enumerate(traces):
+            _expect(isinstance(t, list), name, f"device_traces[{i}]", "a list", t)
+    if traces is None or all(t == [] for t in traces):
         if "segments" in obj:
             raise TraceError(f"{name}: snapshot has segments but no device_traces events; it was recorded "
                              "without torch.cuda.memory._record_memory_history()")
         raise TraceError(f"{name}: not a PyTorch memory snapshot (no 'device_traces' key)")
-    _expect(isinstance(traces, list), name, "device_traces", "a list", traces)
+    annotations = obj.get("external_annotations") or []
+    _expect(isinstance(annotations, list), name, "external_annotations", "a list", annotations)
+    if max_elements is not None:
+        walked = len(segments) + len(annotations) + sum(len(t) for t in traces)
+        walked += sum(len(s.get("blocks", ())) for s in segments if isinstance(s, dict) and isinstance(s.get("blocks"), list))
+        if walked > max_elements:
+            raise TraceError(f"{name}: the snapshot references {walked} events, segments and blocks in {max_elements} "
+                             "bytes: shared references repeated beyond what a real snapshot holds; refused")
     settings = obj.get("allocator_settings")
     if settings is not None:
         _expect(isinstance(settings, dict), name, "allocator_settings", "a dict", settings)
+        settings = _bounded(settings)
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    marks = _annotations(annotations, name)
     out = []
     for dev, events in enumerate(traces):
         where = f"device_traces[{dev}]"
-        _expect(isinstance(events, list), name, where, "a list", events)
         if not events:
             continue
         evs = [_event(e, name, f"{where}[{i}]") for i, e in enumerate(events)]
         dev_segs = [s for s in segs if s["device"] == dev]
-        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs)).build()
+        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, [])).build()
         t.meta["origin"] = name
         t.meta["device"] = dev
         expandable = any(s["is_expandable"] for s in segs)
         if settings is not None:
-            t.meta["allocator_settings"] = json.loads(json.dumps(settings, default=str, skipkeys=True))
-            expandable = expandable or bool(settings.get("expandable_segments", False))
+            t.meta["allocator_settings"] = settings
+            expandable = expandable or settings.get("expandable_segments") is True
         t.meta["expandable_segments"] = expandable
         out.append(t)
+    return out
+
+
+def _bounded(obj: Any) -> Any:
+    """A JSON-safe copy of untrusted settings: at most _SETTINGS_DEPTH levels and _SETTINGS_VALUES
+    values; deeper or further parts become "...". Shared references are copied at most that often."""
+    budget = [_SETTINGS_VALUES]
+
+    def copy(x: Any, depth: int) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > _SETTINGS_DEPTH:
+            return "..."
+        if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
+            return x if not isinstance(x, int) or -(1 << 63) <= x < 1 << 64 else str(x)[:40]
+        if isinstance(x, str):
+            return x[:200]
+        if isinstance(x, dict):
+            return {str(k)[:100]: copy(v, depth + 1) for k, v in list(x.items())[:max(budget[0], 0)]}
+        if isinstance(x, (list, tuple)):
+            return [copy(v, depth + 1) for v in list(x)[:max(budget[0], 0)]]
+        return str(x)[:200]
+
+    return copy(obj, 0)
+
+
+_STEP = re.compile(r"^(?:ProfilerStep|iteration|iter|step)[#\s_]*(\d+)$", re.I)
+_LAYER = re.compile(r"^(?:layer|layers)[#\s_.]*(\d+)$", re.I)
+_PHASE_WORDS = {"setup": MARK_SETUP_BEGIN, "forward": MARK_FORWARD_BEGIN, "backward": MARK_BACKWARD_BEGIN,
+                "optimizer": MARK_OPTIMIZER_BEGIN, "eval": MARK_EVAL_BEGIN, "evaluation": MARK_EVAL_BEGIN,
+                "validation": MARK_EVAL_BEGIN, "iteration": MARK_ITER_BEGIN, "step": MARK_ITER_BEGIN}
+_OWN = re.compile(r"^npu_pool::([a-z_]+)::(-?\d+)$")
+
+
+def marker_of(name: str) -> tuple[int, int, bool] | None:
+    """(marker code, argument, exact) for an annotation's name, or None when it names no phase.
+
+    A range gives its phase's begin code (its END annotation the end code, begin + 1):
+    ``ProfilerStep#3`` / ``iteration 3`` / ``step 3``: iteration 3; ``Optimizer.step#...``: the
+    optimizer; ``layer 5`` / ``layers.5``: layer 5; ``forward``, ``backward``, ``setup``,
+    ``eval``/``evaluation``/``validation``, ``optimizer``, ``iteration``, ``step`` (alone, or
+    with a number as npu_pool's exports name them). npu_pool's own markers,
+    ``npu_pool::<marker>::<arg>``, are ``exact``: that very code, taken at START only. Case does
+    not matter."""
+    n = name.strip()
+    m = _OWN.match(n)
+    if m:
+        return (MARK_NAMES.index(m.group(1)), int(m.group(2)), True) if m.group(1) in MARK_NAMES else None
+    if n.startswith("Optimizer.step"):
+        return MARK_OPTIMIZER_BEGIN, -1, False
+    for pattern, code in ((_STEP, MARK_ITER_BEGIN), (_LAYER, MARK_LAYER_ENTER)):
+        m = pattern.match(n)
+        if m:
+            return code, int(m.group(1)), False
+    word, _, rest = n.lower().partition(" ")
+    if word in _PHASE_WORDS and (not rest or rest.lstrip("-").isdigit()):
+        return _PHASE_WORDS[word], int(rest) if rest else -1, False
+    return None
+
+
+def _annotations(annotations: list, name: str) -> dict[int, list[tuple[int, int, int]]]:
+    """Per device, the annotations that name a phase as (time_us, marker code, arg), in time order."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for i, a in enumerate(annotations):
+        where = f"external_annotations[{i}]"
+        _expect(isinstance(a, dict), name, where, "a dict", a)
+        label, stage = a.get("name"), a.get("stage")
+        if not isinstance(label, str) or stage not in ("START", "END"):
+            continue
+        mark = marker_of(label)
+        if mark is None or (mark[2] and stage == "END"):
+            continue
+        code, arg, exact = mark
+        t = _int(a, "time_us", name, where, signed=True)
+        out.setdefault(_int(a, "device", name, where, 0), []).append((t, code + (stage == "END" and not exact), arg))
+    for marks in out.values():
+        marks.sort(key=lambda m: m[0])
     return out
 
 
@@ -136,12 +239,14 @@ def _frames(d: dict, name: str, where: str) -> list:
 
 
 def _event(e: Any, name: str, where: str) -> tuple:
-    """Check one trace entry; return (action, addr, size, stream, frames)."""
+    """Check one trace entry; return (action, addr, size, stream, frames, time_us or -1, device_free)."""
     _expect(isinstance(e, dict), name, where, "a dict", e)
     action = e.get("action")
     _expect(isinstance(action, str), name, f"{where}.action", "a string", action)
-    return (action, _int(e, "addr", name, where), _int(e, "size", name, where),
-            _int(e, "stream", name, where, 0, signed=True), _frames(e, name, where))
+    oom = action == "oom"  # a failed request: no address, the device's free bytes instead
+    return (action, _int(e, "addr", name, where, 0 if oom else None), _int(e, "size", name, where),
+            _int(e, "stream", name, where, 0, signed=True), _frames(e, name, where),
+            _int(e, "time_us", name, where, -1, signed=True), _int(e, "device_free", name, where, 0) if oom else 0)
 
 
 def _segment(s: Any, name: str, where: str) -> dict:
@@ -216,9 +321,12 @@ def _short(filename: str) -> str:
 class _Builder:
     """Builds one device's Trace: window events, then the rebuilt initial state in front."""
 
-    def __init__(self, name: str, dev: int, events: list[tuple], segments: list[dict], check_segments: bool):
+    def __init__(self, name: str, dev: int, events: list[tuple], segments: list[dict], check_segments: bool,
+                 marks: list[tuple[int, int, int]] = ()):
         self.name, self.dev, self.events, self.segments = name, dev, events, segments
         self.check_segments = check_segments
+        self.marks = list(marks)  # (time_us, code, arg) in time order
+        self.ooms: list[dict[str, int]] = []
         self.sites = _Sites(name)
         self.warnings: list[str] = []
         self.n_warnings = 0
@@ -244,7 +352,7 @@ class _Builder:
         """Indices of free_requested events that are a block's free point (no free_completed follows)."""
         pending: dict[int, int] = {}
         use: set[int] = set()
-        for i, (action, addr, _, _, _) in enumerate(self.events):
+        for i, (action, addr, *_) in enumerate(self.events):
             if action == "free_requested":
                 if addr in pending:
                     use.add(pending[addr])
@@ -262,7 +370,14 @@ class _Builder:
         live: dict[int, list[int]] = {}
         self.seen: set[int] = set()  # addresses allocated or freed in the window
         rows, prev = self.rows, None
-        for i, (action, addr, size, stream, frames) in enumerate(self.events):
+        marks, m = self.marks, 0
+        if marks and any(ev[5] < 0 for ev in self.events):
+            self.warn("events carry no time_us: the annotations cannot be placed among them; left out")
+            marks = []
+        for i, (action, addr, size, stream, frames, time_us, device_free) in enumerate(self.events):
+            while m < len(marks) and marks[m][0] < time_us:  # phases that began or ended before this event
+                rows.append([OP_MARK, marks[m][1], -1, marks[m][2], 0, 0, 0])
+                m += 1
             if action == "alloc":
                 if addr in live:
                     self.warn(f"event {i}: alloc at {addr:#x} which is still live; freeing the old block first")
@@ -291,11 +406,18 @@ class _Builder:
                 if prev not in _SEG_GONE:
                     rows.append([OP_EMPTY_CACHE, 0, -1, -1, 0, stream, 0])
                 rows.append([OP_SEG_FREE, _pool(size), -1, -1, size, stream, addr])
+            elif action == "oom":
+                if size:
+                    self.ooms.append({"event": len(rows), "size": size, "device_free": device_free})
+                    rows.append([OP_OOM, CAT_UNKNOWN, self.sites.site(frames, f"device_traces[{self.dev}][{i}]"), -1,
+                                 size, stream, 0])
             else:
                 if action not in _IGNORED:
                     self.warn(f"event {i}: unknown action {action!r:.40}; ignored")
                 self.ignored[action] = self.ignored.get(action, 0) + 1
             prev = action
+        for time_us, code, arg in marks[m:]:
+            rows.append([OP_MARK, code, -1, arg, 0, 0, 0])
         return live
 
     def _free(self, alloc_row: list[int]) -> None:
@@ -331,7 +453,7 @@ class _Builder:
         segs = {s["addr"]: (s["size"], s["stream"], s["pool"] if s["pool"] is not None else _pool(s["size"]))
                 for s in self.segments}
         for i in range(len(self.events) - 1, -1, -1):
-            action, addr, size, stream, _ = self.events[i]
+            action, addr, size, stream, *_ = self.events[i]
             if action in _SEG_GONE:
                 if addr in segs:
                     self.warn(f"event {i}: {action} at {addr:#x}, but a segment is there again later "
@@ -378,8 +500,10 @@ class _Builder:
             _put(cols, row)
         if self.n_warnings > len(self.warnings):
             self.warnings.append(f"... and {self.n_warnings - len(self.warnings)} more warnings")
+        base = len(init_segs) + k  # window rows follow the initial segments and allocations
         t.meta.update(sites=self.sites.strings, n_ids=k + self.n_window_ids, ignored_events=self.ignored,
-                      warnings=self.warnings, recorded=self._recorded(init_segs))
+                      warnings=self.warnings, recorded=self._recorded(init_segs),
+                      ooms=[dict(o, event=o["event"] + base) for o in self.ooms])
         return t
 
     def _recorded(self, init_segs: dict[int, tuple[int, int, int]]) -> dict[str, int]:
@@ -387,7 +511,7 @@ class _Builder:
         sizes = {a: v[0] for a, v in init_segs.items()}
         reserved = initial = sum(sizes.values())
         peak, n_new = reserved, 0
-        for action, addr, size, _, _ in self.events:
+        for action, addr, size, *_ in self.events:
             if action in _SEG_NEW:
                 n_new += action == "segment_alloc"
                 reserved += size

@@ -1,11 +1,14 @@
 """Statistics of a trace that need no allocator: live bytes, op counts."""
 from __future__ import annotations
 
+import array
+import hashlib
+import sys
 from typing import NamedTuple
 
 from .format import OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_NAMES, Trace
 
-__all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts"]
+__all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint", "contains"]
 
 
 class LiveProfile(NamedTuple):
@@ -40,3 +43,27 @@ def op_counts(trace: Trace) -> dict[str, int]:
     for op in trace.op:
         counts[op] += 1
     return {OP_NAMES[op] if op < len(OP_NAMES) else str(op): n for op, n in enumerate(counts) if n}
+
+
+def alloc_sizes(trace: Trace) -> array.array:
+    """The requested sizes of the trace's allocations, in order (initial ones first)."""
+    return array.array("Q", (s for op, s in zip(trace.op, trace.size) if op == OP_ALLOC or op == OP_INIT_ALLOC))
+
+
+def fingerprint(sizes: array.array) -> str:
+    """A short hash of a sequence of allocation sizes (a trace's, or a plan's iteration)."""
+    data = array.array("Q", sizes)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return hashlib.sha256(data.tobytes()).hexdigest()[:16]
+
+
+def contains(sizes: array.array, part: array.array) -> bool:
+    """Whether ``part`` occurs in ``sizes`` as a run of consecutive entries."""
+    if not part:
+        return True
+    hay, needle = array.array("Q", sizes).tobytes(), array.array("Q", part).tobytes()
+    at = hay.find(needle)
+    while at >= 0 and at % 8:  # a match must start at an entry
+        at = hay.find(needle, at + 1)
+    return at >= 0

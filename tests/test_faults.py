@@ -1,0 +1,156 @@
+"""Vendor faults: random allocation sequences on the fake ACL and CUDA runtimes while their calls
+fail at random (malloc, free, physical create and release, map, unmap, reserve, access). After
+every step the pool's books must match the device -- reserved bytes equal what the fake device
+has handed out -- no live block may lie on an unmapped page (its bytes are written and read
+back), and every invariant holds. Memory the device refused to take back is retried until it
+goes, and nothing is left behind at close."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from npu_pool.pool import BackendError, OutOfMemoryError, Pool, PoolError
+from test_backends import MiB, NAMES, Vendor, _vendor, builds  # noqa: F401 (builds: the fixture)
+
+FAULTS = ("malloc", "free", "create", "release", "map", "unmap", "reserve", "release_range")
+
+steps = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), st.sampled_from([1000, 300_000, 3 * MiB + 5, 9 * MiB, 17 * MiB]),
+              st.sampled_from(["long", "short"])),
+    st.tuples(st.just("free"), st.integers(0, 1000)),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("fault"), st.sampled_from(FAULTS), st.integers(0, 3), st.integers(1, 2)),
+), min_size=5, max_size=60)
+
+
+def _books_match(p: Pool, v: Vendor, live: dict[int, tuple[int, int]]) -> None:
+    p.check()
+    st_ = p.stats()
+    assert st_["total"]["reserved"]["current"] == v.lib.fake_used(), "the pool's books disagree with the device"
+    for b in p.blocks():
+        if b["allocated"]:
+            assert b["mapped"], f"live block {b['addr']:#x} lies on an unmapped page"
+    for ptr, (size, byte) in live.items():  # on an unmapped page this would fault
+        assert ctypes.string_at(ptr, min(size, 64)) == bytes([byte]) * min(size, 64)
+
+
+def _clear_faults(v: Vendor) -> None:
+    for op in FAULTS + ("access",):
+        if op in NAMES[v.backend]:
+            v.lib.fake_fail(v.name(op).encode(), 0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+@pytest.mark.parametrize("policy", ["npu_pool", "torch", "expandable", "planned"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(seq=steps)
+def test_books_match_the_device_under_random_vendor_faults(builds: dict, backend: str, policy: str, seq: list) -> None:
+    v = _vendor(builds, backend, capacity=192 * MiB)
+    p = v.pool(policy)
+    live: dict[int, tuple[int, int]] = {}
+    try:
+        for step in seq:
+            if step[0] == "alloc":
+                try:
+                    ptr = p.malloc(step[1], lifetime=step[2])
+                except (OutOfMemoryError, BackendError):
+                    pass  # a failure the vendor injected, or a full device: the pool stays consistent
+                else:
+                    byte = 1 + len(live) % 250
+                    ctypes.memset(ptr, byte, min(step[1], 64))
+                    live[ptr] = (step[1], byte)
+            elif step[0] == "free" and live:
+                ptr = sorted(live)[step[1] % len(live)]
+                p.free(ptr)  # a free never fails: the block goes back to the pool, not yet the device
+                del live[ptr]
+            elif step[0] == "empty_cache":
+                try:
+                    p.empty_cache()
+                except BackendError as e:
+                    assert "still holds" in str(e) or NAMES[backend]["internal_name"] in str(e)
+            elif step[0] == "fault":
+                _, op, skip, count = step
+                v.fail(op, skip=skip, count=count)
+            _books_match(p, v, live)
+        _clear_faults(v)
+        for ptr in list(live):
+            p.free(ptr)
+        p.empty_cache()  # with the faults gone, what the device refused before goes back now
+        _books_match(p, v, {})
+        assert p.stats()["unreleased"] == 0
+        if policy != "torch":  # the torch model keeps nothing cached after empty_cache either
+            assert v.lib.fake_mapped() == 0
+    finally:
+        _clear_faults(v)
+        try:
+            p.close()
+        except PoolError:
+            pass
+    assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_a_failed_free_is_held_counted_and_retried(builds: dict, backend: str) -> None:
+    v = _vendor(builds, backend)
+    p = v.pool("torch")
+    ptr = p.malloc(17 * MiB)  # one 18 MiB segment (17 MiB + the vendor's padding, rounded to 2 MiB)
+    p.free(ptr)
+    segment = p.stats()["total"]["reserved"]["current"]
+    v.fail("free")
+    with pytest.raises(BackendError, match="still holds") as e:
+        p.empty_cache()
+    assert NAMES[backend]["free"] in str(e.value)
+    st_ = p.stats()
+    assert st_["unreleased"] == segment == st_["total"]["reserved"]["current"] == v.lib.fake_used()
+    p.check()
+    p.empty_cache()  # retried: this time it goes
+    assert p.stats()["unreleased"] == 0 == p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+    p.close()
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_a_failed_page_release_is_held_and_close_says_what_is_lost(builds: dict, backend: str) -> None:
+    v = _vendor(builds, backend)
+    p = v.pool("npu_pool")
+    p.free(p.malloc(4 * MiB - v.pad))
+    v.fail("release", count=1000)  # the physical pages never go back
+    with pytest.raises(BackendError, match="still holds"):
+        p.empty_cache()
+    st_ = p.stats()
+    assert v.lib.fake_mapped() == 0 and st_["unreleased"] == 4 * MiB == st_["total"]["reserved"]["current"]
+    assert v.lib.fake_used() == 4 * MiB  # held, not forgotten
+    with pytest.raises(BackendError, match="still holds 4.00 MiB"):
+        p.close()  # retried once more at close, then reported
+    _clear_faults(v)
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_a_failed_unmap_then_remap_never_hands_out_a_lost_page(builds: dict, backend: str) -> None:
+    """Unmap fails on a page, and the mapping of a new page fails too: the page whose state is
+    unknown to nobody any more (the page table says what is mapped) is never handed out unmapped,
+    and the caller hears about both failures."""
+    v = _vendor(builds, backend)
+    p = v.pool("npu_pool")
+    keep = p.malloc(MiB)
+    a = p.malloc(8 * MiB)
+    p.free(a)
+    v.fail("unmap", skip=1)
+    with pytest.raises(BackendError):
+        p.empty_cache()
+    v.fail("map", skip=0, count=1)
+    with pytest.raises(BackendError):
+        p.malloc(8 * MiB)
+    _books_match(p, v, {})
+    b = p.malloc(8 * MiB)  # now it maps what it needs
+    ctypes.memset(b, 0x42, 8 * MiB)
+    assert ctypes.string_at(b + 8 * MiB - 16, 16) == b"\x42" * 16
+    _books_match(p, v, {})
+    p.free(b)
+    p.free(keep)
+    p.empty_cache()
+    assert v.lib.fake_used() == 0
+    p.close()

@@ -1,0 +1,212 @@
+"""Hostile input: files crafted to hang, exhaust memory or crash the tools, numbers outside 64
+bits, plans for another trace. Each is refused within seconds with one line naming the file
+and the problem (no traceback), or accepted only when valid."""
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from npu_pool.cli import main
+from npu_pool.planner import PlanError, make_plan, save_plan
+from npu_pool.planner.planfile import MAGIC as PLAN_MAGIC, plan_bytes
+from npu_pool.pool import InvalidArgumentError, Pool
+from npu_pool.trace.format import MAGIC, OP_ALLOC, OP_FREE, Trace, TraceError
+from npu_pool.trace.snapshot import load_snapshot
+from test_planner import training
+
+MiB = 1 << 20
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], *words: str, seconds: float = 10.0) -> str:
+    """Run the CLI; it must fail fast with one line on stderr that names the file and the problem."""
+    t0 = time.perf_counter()
+    assert main(argv) == 1
+    assert time.perf_counter() - t0 < seconds
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def _npt(path: Path, header: dict, body: bytes = b"") -> Path:
+    h = json.dumps(header).encode()
+    path.write_bytes(MAGIC + struct.pack("<Q", len(h)) + h + body)
+    return path
+
+
+def _small_trace(n: int = 4) -> Trace:
+    t = Trace(meta={"n_ids": n, "sites": ["model.py:1:f"]})
+    for i in range(n):
+        t.append(OP_ALLOC, id=i, size=MiB, site=0)
+    for i in range(n):
+        t.append(OP_FREE, id=i, size=MiB, site=0)
+    return t
+
+
+# ---- snapshots -------------------------------------------------------------------------------------
+
+def test_settings_of_shared_dicts_nested_40_deep_import_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    d: dict = {"x": 1}
+    for _ in range(40):
+        d = {"a": d, "b": d}  # 2^40 paths through a few hundred bytes
+    snap = {"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "stream": 0}]], "segments": [],
+            "allocator_settings": d}
+    path = tmp_path / "bomb.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert path.stat().st_size < 2000
+    t0 = time.perf_counter()
+    (t,) = load_snapshot(path)
+    assert time.perf_counter() - t0 < 5
+    assert len(json.dumps(t.meta)) < 100_000  # a bounded copy of the settings
+    assert main(["import", str(path), "--out", str(tmp_path / "o")]) == 0
+
+
+def _deep_dict_pickle(depth: int, inner: bytes = b"}") -> bytes:
+    """Pickle opcodes of {"k": {"k": ... inner ...}} nested ``depth`` deep (pickle.dumps recurses and cannot)."""
+    return b"}\x8c\x01k" * depth + inner + b"s" * depth
+
+
+def test_a_100000_deep_nested_dict_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "deep.pickle"
+    path.write_bytes(b"\x80\x04" + _deep_dict_pickle(100_000) + b".")
+    _refused(capsys, ["import", str(path), "--out", str(tmp_path / "o")], "deep.pickle")
+    # the same depth inside what is read: the settings of a snapshot
+    snap = pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "stream": 0}]],
+                         "allocator_settings": "SENTINEL"}, protocol=2)
+    sentinel = b"X\x08\x00\x00\x00SENTINEL"
+    assert snap.count(sentinel) == 1
+    path.write_bytes(snap.replace(sentinel, _deep_dict_pickle(100_000)))
+    (t,) = load_snapshot(path)
+    assert "..." in json.dumps(t.meta["allocator_settings"])
+
+
+def test_a_snapshot_repeating_one_event_list_beyond_its_size_is_refused(tmp_path: Path) -> None:
+    events = [{"action": "alloc", "addr": 4096 * (i + 1), "size": 512, "stream": 0} for i in range(1000)]
+    snap = {"device_traces": [events] * 5000}  # 5 million events referenced from a ~100 kB file
+    path = tmp_path / "refs.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    with pytest.raises(TraceError, match="references .* events, segments and blocks in .* bytes"):
+        load_snapshot(path)
+
+
+def test_a_pickle_with_code_is_refused_unexecuted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(b"cos\nsystem\n(S'touch " + str(tmp_path / "pwned").encode() + b"'\ntR.")
+    _refused(capsys, ["import", str(path), "--out", str(tmp_path / "o")], "evil.pickle", "os.system")
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---- traces ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("header, body, words", [
+    ({"meta": {"n_ids": 1}, "n": 1 << 62}, b"", ["4611686018427387904 events", "truncated or corrupt"]),
+    ({"meta": {"n_ids": 10**12}, "n": 0}, b"", ["n_ids", "1000000000000"]),
+    ({"meta": {}, "n": 0, "byteorder": "big"}, b"", ["byte order 'big'", "little-endian"]),
+    ({"meta": {}, "n": 0, "columns": ["op", "size"]}, b"", ["columns", "this npu_pool reads"]),
+    ({"meta": [], "n": 0}, b"", ["meta is a list"]),
+    ({"n": "many"}, b"", ["corrupt header"]),
+])
+def test_corrupt_trace_headers_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture, header: dict, body: bytes,
+                                           words: list) -> None:
+    path = _npt(tmp_path / "h.npt", header, body)
+    _refused(capsys, ["analyze", str(path)], "h.npt", *words)
+
+
+@pytest.mark.parametrize("column, value, words", [
+    ("site", 10**9, ["site 1000000000 indexes none of the 1 sites"]),
+    ("cat", 200, ["unknown tensor category 200"]),
+    ("size", 1 << 60, ["alloc of 1152921504606846976 bytes"]),
+    ("size", 0, ["alloc of 0 bytes"]),
+])
+def test_bad_event_values_are_refused_before_anything_is_sized_by_them(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture,
+                                                                        column: str, value: int, words: list) -> None:
+    t = _small_trace()
+    getattr(t, column)[1] = value
+    t.save(tmp_path / "bad.npt")
+    t0 = time.perf_counter()
+    _refused(capsys, ["analyze", str(tmp_path / "bad.npt")], "bad.npt", "event 1", *words)
+    _refused(capsys, ["replay", str(tmp_path / "bad.npt"), "--no-min-capacity"], "bad.npt", "event 1")
+    assert time.perf_counter() - t0 < 10
+
+
+def test_files_that_are_no_trace_say_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "x.npt").write_bytes(b"NOTATRACE" + b"\0" * 40)
+    _refused(capsys, ["analyze", str(tmp_path / "x.npt")], "x.npt", "not an npu_pool trace (bad magic)")
+    (tmp_path / "x.txt").write_text("hello")
+    err = _refused(capsys, ["analyze", str(tmp_path / "x.txt")], "x.txt", "neither an npu_pool trace")
+    assert "pickle" not in err.split(":", 1)[1].split("(")[0]
+    plan = make_plan(training(iters=3))
+    save_plan(plan, tmp_path / "p.npplan")
+    _refused(capsys, ["analyze", str(tmp_path / "p.npplan")], "p.npplan", "an npu_pool plan")
+
+
+# ---- plans -----------------------------------------------------------------------------------------
+
+def _plan_file(path: Path, **header_changes: object) -> Path:
+    data = bytearray(plan_bytes(make_plan(training(iters=3))))
+    (hlen,) = struct.unpack_from("<Q", data, 16)
+    head = json.loads(bytes(data[24:24 + hlen]))
+    head.update(header_changes)
+    h = json.dumps(head).encode()
+    body = struct.pack("<Q", len(h)) + h + bytes(data[24 + hlen:])
+    import zlib
+
+    path.write_bytes(PLAN_MAGIC + struct.pack("<II", 1, zlib.crc32(body)) + body)
+    return path
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"flags": 1 << 70}, ["flags is", "0..3"]),
+    ({"loop": -1}, ["loop is -1"]),
+    ({"region": 1 << 60}, ["region is"]),
+    ({"meta": [1, 2]}, ["meta is a list"]),
+])
+def test_corrupt_plan_headers_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict,
+                                          words: list) -> None:
+    t = training(iters=3)
+    t.save(tmp_path / "t.npt")
+    path = _plan_file(tmp_path / "bad.npplan", **change)
+    _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "planned", "--plan", str(path),
+                      "--no-min-capacity"], "bad.npplan", *words)
+
+
+def test_a_plan_made_for_another_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    save_plan(make_plan(training(iters=3)), tmp_path / "p.npplan")
+    other = _small_trace(8)
+    other.save(tmp_path / "other.npt")
+    _refused(capsys, ["replay", str(tmp_path / "other.npt"), "--policy", "planned", "--plan",
+                      str(tmp_path / "p.npplan"), "--no-min-capacity"], "made for", "never runs")
+    from npu_pool import replay
+
+    with pytest.raises(PlanError, match="never runs"):
+        replay.run(other, "planned", plan=tmp_path / "p.npplan")
+    longer = training(iters=5, eval_after=1)  # the same iteration, run more often and with an evaluation
+    assert replay.run(longer, "planned", plan=tmp_path / "p.npplan").ok
+
+
+# ---- numbers outside 64 bits -----------------------------------------------------------------------
+
+def test_numbers_outside_64_bits_are_invalid_arguments() -> None:
+    with Pool("npu_pool", capacity=1 << 30) as p:
+        ptr = p.malloc(4096)
+        with pytest.raises(InvalidArgumentError, match="pointer"):
+            p.free((1 << 64) + ptr)  # never frees ptr by wrapping around
+        assert p.stats()["total"]["allocated"]["current"] == 4096
+        for call in (lambda: p.malloc(1 << 70), lambda: p.malloc(4096, stream=1 << 70), lambda: p.malloc(-1),
+                     lambda: p.malloc(4096, site=1 << 40), lambda: p.record_stream(ptr, -(1 << 70)),
+                     lambda: p.block_size(-1), lambda: p.mark("forward_begin", 1 << 64),
+                     lambda: p.set_history(1 << 65), lambda: p.malloc(4096.0)):  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgumentError):
+                call()
+        p.free(ptr)
+    for kwargs in ({"capacity": 1 << 70}, {"capacity": -1}, {"capacity": 1 << 50}, {"max_split_size": 1 << 70},
+                   {"fraction": "most"}):
+        with pytest.raises(InvalidArgumentError):
+            Pool("torch", **kwargs)  # type: ignore[arg-type]
