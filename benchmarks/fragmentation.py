@@ -40,12 +40,12 @@ def _g(b: float) -> str:
 def collect(shared: Path, capture: bool) -> list[tuple[str, object]]:
     named = []
     if shared.is_dir():
-        from npu_pool.traces import open_traces
+        from npu_pool.trace.files import open_traces
 
         for p in sorted(shared.glob("*.pickle")):
             named.extend(open_traces(p))
     if capture:
-        from npu_pool.trace.capture import capture as cap
+        from npu_pool.capture import capture as cap
 
         for name, kw in CAPTURES:
             named.append((name, cap(progress=False, **kw)))

@@ -10,7 +10,7 @@ reserved) of each allocator, the mean step time and its ratio, and nanoseconds p
 malloc+free pair through torch's allocator interface. Exits 2 with a message when no
 CUDA GPU is usable, 1 when the losses differ or a run fails.
 
-The model is ``npu_pool.models.gpt`` when it is importable, else a small GPT defined here.
+The model is ``npu_pool.workloads.gpt`` when it is importable, else a small GPT defined here.
 ``--device cpu`` runs the same loop on the CPU with the native allocator in both processes:
 it checks this script, not the allocator.
 """
@@ -35,7 +35,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--policy", default="npu_pool", help="npu_pool policy: npu_pool, torch or expandable")
     ap.add_argument("--fraction", type=float, default=None, help="npu_pool memory fraction cap")
-    ap.add_argument("--flavour", default="gpt", help="npu_pool.models.gpt flavour: gpt, llama, moe")
+    ap.add_argument("--flavour", default="gpt", help="npu_pool.workloads.gpt flavour: gpt, llama, moe")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -51,14 +51,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- the model ---------------------------------------------------------------------------
 
 def _model(args: argparse.Namespace) -> Any:
-    """``npu_pool.models.gpt.GPT`` if present, else the small GPT below."""
+    """``npu_pool.workloads.gpt.GPT`` if present, else the small GPT below."""
     try:
-        from npu_pool.models.gpt import GPT, make_config
+        from npu_pool.workloads.gpt import GPT, make_config
     except ImportError:
         return _TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.seq), "benchmarks/gpu_check.py:_TinyGPT"
     cfg = make_config(args.flavour, dim=args.dim, n_layers=args.layers, n_heads=args.heads, vocab=args.vocab,
                       max_seq=args.seq)
-    return GPT(cfg), f"npu_pool.models.gpt ({args.flavour})"
+    return GPT(cfg), f"npu_pool.workloads.gpt ({args.flavour})"
 
 
 def _TinyGPT(vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:

@@ -3,9 +3,9 @@
     python benchmarks/lifetime_accuracy.py [--steps 3] [--markers capture,auto] [--workloads ...]
                                            [--dim D --seq S --batch B --layers L] [--json OUT]
 
-Captures real CPU training with the profiler's tensor categories (``npu_pool.trace.capture``:
+Captures real CPU training with the profiler's tensor categories (``npu_pool.capture``:
 gpt, llama with recompute, moe, moe with 2 micro-batches; and, through
-``npu_pool.recorder._capture.record_trace``, the project's GPT changing sequence length and
+``npu_pool.capture.record_trace``, the project's GPT changing sequence length and
 evaluating in between, and megatron-core's GPTModel with 2 micro-batches when megatron-core
 is installed), replays each trace under the ``npu_pool`` policy as
 a device allocator sees it -- markers only, no caller sites (the trace's site column is
@@ -138,9 +138,9 @@ def _adapt(steps: int) -> Trace:
     evaluation (no grad) after each; the classes must follow new shapes and eval."""
     import torch
 
-    from npu_pool.models import build_model
+    from npu_pool.workloads import build_model
     from npu_pool.recorder import attach
-    from npu_pool.recorder._capture import record_trace
+    from npu_pool.capture import record_trace
 
     def train(rec: Any) -> tuple[Any, Any]:
         torch.manual_seed(0)
@@ -168,7 +168,7 @@ def _mcore(steps: int) -> Trace:
 
     from npu_pool.recorder import _mcore_cpu as mc
     from npu_pool.recorder import attach
-    from npu_pool.recorder._capture import record_trace
+    from npu_pool.capture import record_trace
 
     mc.init()
 
@@ -191,13 +191,13 @@ def _mcore(steps: int) -> Trace:
 def capture(name: str, markers: str, steps: int, shape: dict[str, int] | None = None) -> Trace:
     """The workload's trace with markers from the capture loop or from the recorder
     (``shape``: capture() sizes -- dim, seq, batch, layers -- for the capture workloads)."""
-    from npu_pool.recorder._capture import capture as rec_capture
+    from npu_pool.capture import capture as rec_capture
 
     if WORKLOADS[name] is None:
         if markers != "auto":
             raise ValueError(f"{name} is marked by the recorder only (markers 'auto')")
         return {"gpt-adapt": _adapt, "mcore-gpt+accum2": _mcore}[name](steps)
-    mode = "forward-only" if markers == "capture" else markers
+    mode = "loop" if markers == "capture" else markers
     return rec_capture(progress=False, steps=steps, markers=mode, **WORKLOADS[name], **(shape or {}))
 
 

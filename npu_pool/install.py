@@ -365,7 +365,7 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         lib.npu_pool_set_history(-1, oom.HISTORY_WHEN_ENABLED)
     from . import torch_memory
 
-    inst.unroute = torch_memory.route(kind, torch, stats_from_python=not cpp)
+    inst.unroute = torch_memory.route(kind, torch, installed, stats_from_python=not cpp)
     if policy == "planned":
         if not settings.plan:
             raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import asdict, dataclass
-from typing import ClassVar
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 from ._core import ffi, lib
 from . import vocab
@@ -22,7 +21,8 @@ from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG
 from .trace.stats import live_profile
 
 UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
-CAPACITY_STEP = 2 << 20       # resolution of the minimum-capacity search
+CAPACITY_STEP = vocab.SIM_PAGE  # resolution of the minimum-capacity search: the simulated device's page
+_HISTORY_ALL = (1 << 40) // ffi.sizeof("np_event_info")  # the core's bound; memory is used as events come
 # What npu_pool learns lifetimes from: "markers" (phase markers only: what a device running
 # the recorder sees; the default), "sites" (markers and the trace's own site ids), "oracle"
 # (the profiler's categories), "none". Codes are the core's (NP_HINTS_*).
@@ -46,6 +46,9 @@ class RunResult:
     stats: dict[str, Any]
     recorded_ooms: int = 0      # requests the recorded run could not serve (OP_OOM events) ...
     ooms_served: int = 0        # ... and how many of them this policy served
+    history: list[dict[str, Any]] | None = None   # with history=True: the core's events (Pool.history) ...
+    blocks: list[dict[str, Any]] | None = None    # ... and the end state: Pool.blocks() ...
+    ranges: list[tuple[int, int]] | None = None   # ... and Pool.mapped_ranges()
 
 
 @dataclass
@@ -74,14 +77,15 @@ class PolicyResult:
 
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "markers",
         placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
-        **pool_kwargs: Any) -> RunResult:
+        history: bool = False, **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
     address each allocation event got (0 for other events); ``classes``, an
     ``array("B")``, the lifetime class (1 long, 2 short) each allocation was placed as.
     ``plan`` (a ``npu_pool.planner.Plan`` or plan file) is installed on a ``"planned"`` pool;
-    its counters land in ``stats["plan"]``."""
+    its counters land in ``stats["plan"]``. ``history``: record every event in the pool's
+    history (stamped with its trace event's index) and return it with the end state."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     if plan is not None:
@@ -95,6 +99,8 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
             from .planner.runtime import install
 
             install(pool, plan)
+        if history:
+            pool.set_history(_HISTORY_ALL)
         inp, keep = trace.c_columns()  # the buffers must outlive the call
         inp.fidelity = int(fidelity)
         inp.hints = HINTS[hints]
@@ -113,11 +119,12 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         st = pool.stats()
         if plan is not None:
             st["plan"] = pool.plan_counts()
+        end = (pool.history(), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
     return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
                      compared=int(out.compared), stats=st, recorded_ooms=int(out.recorded_ooms),
-                     ooms_served=int(out.ooms_served))
+                     ooms_served=int(out.ooms_served), history=end[0], blocks=end[1], ranges=end[2])
 
 
 def _as_plan(plan: Any) -> Any:
@@ -233,15 +240,14 @@ def recorded_capacity(trace: Trace) -> int | None:
             if isinstance(o, dict) and isinstance(o.get("event"), int)}
     if not ooms:
         return None
-    segs: dict[int, int] = {}
-    best = 0
-    for i, (op, size, addr) in enumerate(zip(trace.op, trace.size, trace.addr)):
+    reserved = best = 0
+    for i, (op, size) in enumerate(zip(trace.op, trace.size)):
         if op in (OP_INIT_SEGMENT, OP_SEG_HINT):
-            segs[addr] = size
+            reserved += size
         elif op == OP_SEG_FREE:
-            segs.pop(addr, None)
+            reserved -= size
         elif op == OP_OOM and i in ooms:
-            best = max(best, sum(segs.values()) + ooms[i])
+            best = max(best, reserved + ooms[i])
     return best or None
 
 

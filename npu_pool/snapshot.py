@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .vocab import MARK_NAMES, ROUND
 
-__all__ = ["pool_snapshot", "segments", "device_trace", "annotations", "write", "Frames"]
+__all__ = ["pool_snapshot", "segments", "device_trace", "annotations", "write", "Frames", "block_entry",
+           "segment_entry"]
 
 # site -> frames (innermost first) of an event; events of a live pool have none
 Frames = Callable[[dict[str, Any]], list[dict[str, Any]]]
@@ -32,13 +33,15 @@ _NO_FRAMES: Frames = lambda event: []  # noqa: E731
 _EDGES = {"begin": "START", "enter": "START", "end": "END", "exit": "END"}
 
 
-def _block(addr: int, size: int, requested: int, allocated: bool, frames: list) -> dict[str, Any]:
+def block_entry(addr: int, size: int, requested: int, allocated: bool, frames: list) -> dict[str, Any]:
+    """One block of a snapshot segment."""
     return {"address": addr, "size": size, "requested_size": requested if allocated else 0,
             "state": "active_allocated" if allocated else "inactive", "frames": frames if allocated else []}
 
 
-def _segment(device: int, addr: int, size: int, stream: int, kind: str, expandable: bool,
+def segment_entry(device: int, addr: int, size: int, stream: int, kind: str, expandable: bool,
              blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot segment holding ``blocks``."""
     allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
     return {"device": device, "address": addr, "total_size": size, "allocated_size": allocated,
             "active_size": allocated, "requested_size": sum(b["requested_size"] for b in blocks),
@@ -67,16 +70,16 @@ def segments(blocks: list[dict[str, Any]], ranges: Iterable[tuple[int, int]], de
             b = ordered[k]
             lo, hi = max(b["addr"], start), min(b["addr"] + b["size"], end)
             alloc = bool(b["allocated"])
-            bl.append(_block(lo, hi - lo, b["requested"], alloc, frames_of_site(b["site"]) if alloc else []))
-            if alloc and stream is None:
+            bl.append(block_entry(lo, hi - lo, b["requested"], alloc, frames_of_site(b["site"]) if alloc else []))
+            if (alloc or b.get("tagged")) and stream is None:  # the stream the memory is kept for
                 stream = b["stream"]
             pool, vmm = b["pool"], bool(b.get("vmm", False))
             k += 1
         covered = sum(b["size"] for b in bl)
         if covered < size:  # a range not tiled by blocks cannot happen; keep the accounting whole if it does
-            bl.append(_block(start + covered, size - covered, 0, False, []))
+            bl.append(block_entry(start + covered, size - covered, 0, False, []))
         kind = "small" if pool < len(pool_names) and pool_names[pool] == "small" else "large"
-        out.append(_segment(device, start, size, stream or 0, kind, vmm, bl))
+        out.append(segment_entry(device, start, size, stream or 0, kind, vmm, bl))
     return out
 
 

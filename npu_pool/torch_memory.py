@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 from . import snapshot
 from ._core import lib
+from .pool import _check
 
 __all__ = ["stats_dict", "snapshot_of_installed", "route", "HISTORY_DEFAULT"]
 
@@ -69,10 +70,11 @@ def stats_dict(pool: Any) -> dict[str, Any]:
     return out
 
 
-def _pools() -> dict[int, Any]:
-    from .install import installed
+_installed: Callable[[], dict[int, Any]] = dict  # the installation's pools; route() sets it
 
-    return installed()
+
+def _pools() -> dict[int, Any]:
+    return _installed()
 
 
 def _existing() -> dict[int, Any]:
@@ -116,11 +118,7 @@ def _record_history(enabled: Any = "all", context: Any = None, stacks: Any = Non
         raise ValueError(f"max_entries must be a number of events, got {max_entries!r}") from None
     if n < 0:
         raise ValueError(f"max_entries must be >= 0, got {n}")
-    rc = lib.npu_pool_set_history(-1, min(n, _HISTORY_MAX))
-    if rc:
-        from .install import last_error
-
-        raise RuntimeError(f"npu_pool: {last_error()}")
+    _check(lib.npu_pool_set_history(-1, min(n, _HISTORY_MAX)))
 
 
 # kind -> {name in torch's C module: replacement}; stats only where no C++ hook answers them
@@ -137,12 +135,16 @@ _NPU_STATS = {"_npu_memoryStats": _memory_stats, "_npu_resetPeakMemoryStats": _r
 _MISSING = object()
 
 
-def route(kind: str, torch: Any, *, stats_from_python: bool) -> Callable[[], None]:
-    """Point torch's memory APIs at the installed pool; returns a function that puts the
-    originals back (for tests: torch keeps using the pool's memory either way).
+def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_from_python: bool
+          ) -> Callable[[], None]:
+    """Point torch's memory APIs at the installed pools (``pools()``: ``{device: Pool}``);
+    returns a function that puts the originals back (for tests: torch keeps using the pool's
+    memory either way).
 
     ``kind`` "cuda" patches ``torch._C``, "npu" patches ``torch_npu._C``;
     ``stats_from_python``: on an NPU also the statistics (no C++ hook answers them)."""
+    global _installed
+    _installed = pools
     target = torch._C if kind == "cuda" else sys.modules["torch_npu"]._C
     table = dict(_ROUTES[kind])
     if kind == "npu" and stats_from_python:

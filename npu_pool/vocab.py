@@ -1,7 +1,8 @@
 """The vocabulary shared with the C core: every code and name below is defined once, in
 ``npu_pool/csrc/npu_pool.h`` and ``vocab.c``, and read here through the binding.
 
-Trace ops (``OP_*``), tensor categories (``CAT_*``), phase markers (``MARK_*``), lifetime
+Trace ops (``OP_*``), tensor categories (``CAT_*``), phase markers (``MARK_*``) and the
+stages they open and close, lifetime
 classes, replay hints, history event kinds, OOM reasons, plan flags, the 512-byte rounding
 of every block and the simulated device's page; the policy registry with each policy's
 pools.
@@ -11,7 +12,7 @@ from __future__ import annotations
 from ._core import ffi, lib
 
 __all__ = ["ROUND", "SIM_PAGE", "POOLS", "BACKENDS", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
-           "EVENT_NAMES", "OOM_REASONS", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
+           "EVENT_NAMES", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
            "PLAN_AT_ITER_BEGIN", "PLAN_AT_START"]
 
 
@@ -36,6 +37,12 @@ CAT_NAMES = _names(lib.NP_VOCAB_CAT, lib.NP_CAT_COUNT)
 HINTS = _names(lib.NP_VOCAB_HINTS, lib.NP_HINTS_COUNT)
 EVENT_NAMES = _names(lib.NP_VOCAB_EVENT, lib.NP_EV_COUNT)
 OOM_REASONS = _names(lib.NP_VOCAB_OOM, lib.NP_OOM_COUNT)
+STAGE_NAMES = _names(lib.NP_VOCAB_STAGE, lib.NP_STAGE_COUNT)  # "outside", "setup", "forward", ...
+# the stage table: begin marker -> the stage it opens; end marker -> the stage it closes
+STAGE_OPENED: dict[int, str] = {c: STAGE_NAMES[lib.np_mark_opens(c)] for c in range(lib.NP_MARK_COUNT)
+                                if lib.np_mark_opens(c) > lib.NP_STAGE_OUTSIDE}
+STAGE_CLOSED: dict[int, str] = {c: STAGE_NAMES[lib.np_mark_closes(c)] for c in range(lib.NP_MARK_COUNT)
+                                if lib.np_mark_closes(c) > lib.NP_STAGE_OUTSIDE}
 
 # trace ops
 OP_ALLOC, OP_FREE, OP_MARK, OP_EMPTY_CACHE = lib.NP_OP_ALLOC, lib.NP_OP_FREE, lib.NP_OP_MARK, lib.NP_OP_EMPTY_CACHE

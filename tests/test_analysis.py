@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from npu_pool import replay
-from npu_pool.analysis import breakdown, estimate as est, memviz, simulate as sim_mod
+from npu_pool.analysis import breakdown, estimate as est, memviz
+from npu_pool.timeline import Timeline, timeline
 from npu_pool.analysis.phases import PhaseTracker, phase_at, stage_spans
 from npu_pool.analysis.report import analyze_paths, analyze_trace, imbalance, to_json, to_markdown
 from npu_pool.analysis.units import fmt_bytes
@@ -24,14 +25,14 @@ from npu_pool.trace.format import (CAT_ACTIVATION, CAT_GRADIENT, CAT_INPUT, CAT_
                                    CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END,
                                    MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END,
                                    MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
-                                   MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_MARK,
+                                   MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK,
                                    Trace)
 from npu_pool.trace.snapshot import load_snapshot
 from npu_pool.trace.stats import live_profile
-from npu_pool.traces import open_traces
+from npu_pool.trace.files import open_traces
 
 MiB = 1 << 20
-POLICIES = ["torch", "expandable", "npu_pool"]
+POLICIES = ["torch", "expandable", "npu_pool", "planned"]
 SITES = ["model.py:10:init", "data.py:5:batch", "layer.py:20:tmp", "layer.py:30:act", "autograd:grad",
          "optim.py:40:state", "optim.py:50:tmp"]
 S_W, S_IN, S_TMP, S_ACT, S_GRAD, S_STATE, S_OTMP = range(len(SITES))
@@ -102,7 +103,7 @@ def strip_categories(t: Trace) -> Trace:
 
 @pytest.fixture(scope="module")
 def captured() -> Trace:
-    from npu_pool.trace.capture import capture
+    from npu_pool.capture import capture
 
     return capture("gpt", steps=1, batch=2, seq=64, progress=False)
 
@@ -176,31 +177,43 @@ def test_without_categories_or_markers_everything_is_unknown():
     assert p.peak_phase.describe() == "no phase markers"
 
 
-# -- event-by-event replay ---------------------------------------------------------------------------
-def _check_simulation(t: Trace, policy: str) -> sim_mod.Simulation:
-    s = sim_mod.simulate(t, policy)
+# -- timelines: the core's history of a replay ------------------------------------------------------------
+def _check_timeline(t: Trace, policy: str) -> Timeline:
+    tl = timeline(t, policy)
     placed = array.array("Q", bytes(8 * len(t)))
     r = replay.run(t, policy, placed=placed)
-    assert s.ok and s.exact
-    assert s.placed == placed  # the same placements as the C replay
-    assert s.peak_reserved == r.peak_reserved_bytes == max(s.reserved)
-    assert s.reserved[s.peak_reserved_index] == s.peak_reserved
-    assert sum(size for _, size in s.ranges) == s.reserved[-1]
-    return s
+    assert tl.ok
+    # the core recorded the same placements as the plain replay made, each at its trace event
+    assert [(e["time"], e["addr"]) for e in tl.events if e["kind"] == "alloc"] == [
+        (i, a) for i, (op, a) in enumerate(zip(t.op, placed)) if op in (OP_ALLOC, OP_INIT_ALLOC)]
+    assert tl.peak_reserved == r.peak_reserved_bytes == max(tl.reserved)
+    assert tl.reserved[tl.peak_reserved_index] == tl.peak_reserved
+    assert sum(size for _, size in tl.ranges) == tl.reserved[-1] == r.stats["total"]["reserved"]["current"]
+    return tl
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_simulation_matches_replay(policy):
-    s = _check_simulation(toy_trace(empty_cache=True), policy)
-    kinds = {e.action for e in s.segment_events}
+def test_timeline_matches_replay(policy):
+    tl = _check_timeline(toy_trace(empty_cache=True), policy)
+    kinds = {e["kind"] for e in tl.segment_events}
     assert kinds <= ({"segment_alloc", "segment_free"} if policy == "torch" else {"segment_map", "segment_unmap"})
 
 
-def test_simulation_of_a_real_trace_with_cache_releases(shared_traces):
+def test_timeline_of_a_failed_replay_stops_at_the_request():
+    t = toy_trace()
+    need = replay.run(t, "npu_pool").peak_live_bytes
+    tl = timeline(t, "npu_pool", capacity=need // 2)
+    assert not tl.ok and 0 <= tl.fail_index < len(t) and t.op[tl.fail_index] in (OP_ALLOC, OP_INIT_ALLOC)
+    oom, = [e for e in tl.events if e["kind"] == "oom"]
+    assert oom["time"] == tl.fail_index and oom["size"] == t.size[tl.fail_index]
+    assert max(tl.reserved) <= need // 2 and not any(tl.reserved[tl.fail_index:])
+
+
+def test_timeline_of_a_real_trace_with_cache_releases(shared_traces):
     (_, t), = open_traces(shared_traces / "llama7b-offload-infer.pickle")
     for policy in POLICIES:
-        s = _check_simulation(t, policy)
-        gone = [e for e in s.segment_events if e.action in ("segment_free", "segment_unmap")]
+        tl = _check_timeline(t, policy)
+        gone = [e for e in tl.segment_events if e["kind"] in ("segment_free", "segment_unmap")]
         assert gone, policy  # the recorded empty_cache runs release memory under every policy
 
 
@@ -218,8 +231,7 @@ def test_export_opens_in_memory_viz(policy, tmp_path):
     mv = _memviz()
     text = mv.segsum(snap)  # asserts every segment's blocks add up
     reserved = sum(s["total_size"] for s in snap["segments"])
-    s = sim_mod.simulate(t, policy)
-    assert reserved == s.reserved[-1]
+    assert reserved == timeline(t, policy).reserved[-1]
     assert f"segments: {len(snap['segments'])}" in text
     events = snap["device_traces"][0]
     n_alloc = sum(1 for op in t.op if op == OP_ALLOC)
@@ -250,7 +262,7 @@ def test_export_cli_and_memory_viz_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(out)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    reserved = sim_mod.simulate(t, "npu_pool").reserved[-1]
+    reserved = timeline(t, "npu_pool").reserved[-1]
     assert f"total_reserved: {_memviz()._format_size(reserved)}" in r.stdout
     html = tmp_path / "plot.html"
     r = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(out), "-o", str(html)],
@@ -322,7 +334,7 @@ def test_pipeline_stages_hold_micro_batches_in_flight():
 
 
 def test_parameter_count_matches_the_models():
-    from npu_pool.models import make_config, param_count
+    from npu_pool.workloads import make_config, param_count
 
     for flavour, shape, tp in (("gpt", None, 1), ("llama", None, 1), ("moe", None, 1), ("llama", "7b", 2),
                                ("moe", "7b", 4)):

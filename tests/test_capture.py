@@ -13,10 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from npu_pool.models import build_model, make_config, param_count, repeated_blocks  # noqa: E402
-from npu_pool.trace.capture import (CaptureError, _host_scalar, _Identity, _profiler_records,  # noqa: E402
-                                    _progress, _Rec, _site, _to_trace, capture, summarize)
-from npu_pool.trace.fake_capture import fake_capture  # noqa: E402
+from npu_pool.capture import capture, fake_capture  # noqa: E402
+from npu_pool.capture.loop import _progress  # noqa: E402
+from npu_pool.capture.profile import (CaptureError, Identity, _Rec, _site, host_scalar,  # noqa: E402
+                                      profiler_records, to_trace)
+from npu_pool.recorder import repeated_blocks  # noqa: E402
+from npu_pool.trace.stats import summarize  # noqa: E402
+from npu_pool.workloads import build_model, make_config, param_count  # noqa: E402
 from npu_pool.trace.format import (CAT_ACTIVATION, CAT_GRADIENT, CAT_OPTIMIZER_STATE, CAT_PARAMETER,  # noqa: E402
                                    CAT_TEMPORARY, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_FORWARD_BEGIN,
                                    MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER,
@@ -199,14 +202,14 @@ def test_site_and_host_scalar_rules() -> None:
     assert _site(("aten::empty", "aten::addmm", "aten::linear"), "Linear") == "Linear:aten::linear>aten::addmm"
     assert _site(("aten::mm", "autograd::engine::evaluate_function: MmBackward0"), "") == \
         "backward:MmBackward0>aten::mm"
-    assert _host_scalar(_Rec("alloc", size=8))  # Python number wrapped by the argument parser
-    assert _host_scalar(_Rec("alloc", size=4, ops=("aten::_to_copy", "aten::div")))
-    assert not _host_scalar(_Rec("alloc", size=4, ops=("aten::_to_copy", "aten::to")))  # a real cast
-    assert not _host_scalar(_Rec("alloc", size=4, ops=("aten::nll_loss_forward",)))  # the loss
-    assert not _host_scalar(_Rec("alloc", size=64))
+    assert host_scalar(_Rec("alloc", size=8))  # Python number wrapped by the argument parser
+    assert host_scalar(_Rec("alloc", size=4, ops=("aten::_to_copy", "aten::div")))
+    assert not host_scalar(_Rec("alloc", size=4, ops=("aten::_to_copy", "aten::to")))  # a real cast
+    assert not host_scalar(_Rec("alloc", size=4, ops=("aten::nll_loss_forward",)))  # the loss
+    assert not host_scalar(_Rec("alloc", size=64))
 
 
-def test_records_to_trace() -> None:
+def test_recordsto_trace() -> None:
     """Pre-existing memory becomes INIT_ALLOC up front; host scalars vanish with their free;
     identity decides the persistent categories; profiler-only claims are demoted."""
     recs = [_Rec("alloc", ptr=1, size=64, cat=CAT_PARAMETER, ops=("aten::empty",)),  # set-up weight
@@ -218,14 +221,14 @@ def test_records_to_trace() -> None:
             _Rec("alloc", ptr=4, size=64, cat=CAT_PARAMETER, ops=("aten::sqrt",)),  # profiler mislabel
             _Rec("free", ptr=4, size=64),
             _Rec("mark", code=MARK_OPTIMIZER_END, arg=0)]
-    t = _to_trace(recs, _Identity(grads={0: {3}}, params={1}), {}, keep_host_scalars=False)
+    t = to_trace(recs, Identity(grads={0: {3}}, params={1}), {}, keep_host_scalars=False)
     t.validate()
     ev = list(t.events())
     assert ev[0].op == OP_INIT_ALLOC and ev[0].size == 32
     assert [e.op for e in ev[1:]] == [OP_ALLOC, OP_FREE, OP_ALLOC, OP_MARK, OP_ALLOC, OP_FREE, OP_MARK]
     assert [e.cat for e in ev if e.op == OP_ALLOC] == [CAT_PARAMETER, CAT_GRADIENT, CAT_TEMPORARY]
     assert t.meta["host_scalars_dropped"] == 1 and t.n_ids == 4
-    kept = _to_trace(recs, _Identity(), {}, keep_host_scalars=True)
+    kept = to_trace(recs, Identity(), {}, keep_host_scalars=True)
     assert kept.n_ids == 5 and kept.meta["host_scalars_dropped"] == 0
 
 
@@ -243,7 +246,7 @@ def test_private_api_change_is_reported(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.delattr(mem, "MemoryProfile")
     with pytest.raises(CaptureError, match=re.escape(torch.__version__)):
-        _profiler_records(object())
+        profiler_records(object())
 
 
 def test_progress_bar_only_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,9 +333,9 @@ def test_hf_models(name: str) -> None:
 
 def test_capture_repeats_a_run_whose_profile_cannot_be_read(monkeypatch):
     """torch's memory profiler occasionally rejects its own record: the run is repeated."""
-    from npu_pool.trace import capture as cap
+    from npu_pool.capture import profile
 
-    real, calls = cap._read_profile, []
+    real, calls = profile._read_profile, []
 
     def flaky(prof):
         calls.append(1)
@@ -340,9 +343,9 @@ def test_capture_repeats_a_run_whose_profile_cannot_be_read(monkeypatch):
             raise AssertionError("duplicate outputs")  # what torch 2.13's data-flow check raises
         return real(prof)
 
-    monkeypatch.setattr(cap, "_read_profile", flaky)
-    trace = cap.capture("gpt", steps=1, batch=1, seq=16, progress=False)
+    monkeypatch.setattr(profile, "_read_profile", flaky)
+    trace = capture("gpt", steps=1, batch=1, seq=16, progress=False)
     assert len(calls) == 2 and len(trace) > 0
-    monkeypatch.setattr(cap, "_read_profile", lambda prof: (_ for _ in ()).throw(AssertionError("always")))
-    with pytest.raises(cap.CaptureError, match="always"):
-        cap.capture("gpt", steps=1, batch=1, seq=16, progress=False)
+    monkeypatch.setattr(profile, "_read_profile", lambda prof: (_ for _ in ()).throw(AssertionError("always")))
+    with pytest.raises(CaptureError, match="always"):
+        capture("gpt", steps=1, batch=1, seq=16, progress=False)

@@ -70,7 +70,7 @@ def test_timeline_follows_the_curves(page, toy_analysis):
     top = min(live, key=lambda xy: xy[1])  # SVG y grows downwards
     peak_x = float(re.search(r'<line x1="([\d.]+)"[^>]*class="peak"', html).group(1))
     assert top[0] == pytest.approx(peak_x)
-    for pol, sim in t.sims.items():
+    for pol in t.timelines:
         pts = _points(html, f"line-{pol}")
         assert min(y for _, y in pts) <= top[1]  # reserved is never below live
         assert len(pts) == t.profile.events

@@ -21,7 +21,7 @@ from npu_pool.trace.format import (MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_EV
                                    MARK_ITER_BEGIN, MARK_ITER_END, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
                                    MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK,
                                    Trace)
-from npu_pool.traces import open_traces
+from npu_pool.trace.files import open_traces
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -165,7 +165,7 @@ def assert_no_overlap(plan: Plan) -> None:
 @pytest.fixture(scope="module")
 def captured() -> Trace:
     """Three real CPU training steps of the small GPT (iteration markers included)."""
-    from npu_pool.trace.capture import capture
+    from npu_pool.capture import capture
 
     return capture("gpt", steps=3, progress=False)
 

@@ -169,7 +169,7 @@ def test_layer_markers_do_not_end_a_stage() -> None:
 
 # -- automatic structure -------------------------------------------------------------------
 def _gpt(layers: int = 3, recompute: bool = False) -> torch.nn.Module:
-    from npu_pool.models import build_model
+    from npu_pool.workloads import build_model
 
     torch.manual_seed(0)
     m = build_model("gpt", n_layers=layers, dim=32, n_heads=2, vocab=64, max_seq=16)
@@ -292,16 +292,16 @@ def test_find_blocks_megatron_core_transformer_block() -> None:
 
 # -- traces: markers recorded, replayed ----------------------------------------------------
 def test_capture_carries_recorder_markers() -> None:
-    from npu_pool.recorder._capture import capture
+    from npu_pool.capture import capture
 
-    t = capture("gpt", steps=1, batch=2, seq=16, layers=2, dim=32, heads=2, vocab=64, progress=False)
+    t = capture("gpt", markers="auto", steps=1, batch=2, seq=16, layers=2, dim=32, heads=2, vocab=64, progress=False)
     t.validate()
     seq = [(MARK_NAMES[c], a) for op, c, a in zip(t.op, t.cat, t.id) if op == OP_MARK]
     assert seq[:2] == [("setup_begin", -1), ("setup_end", -1)]
     bwd = seq.index(("backward_begin", 0))
     assert seq[bwd + 1:seq.index(("backward_end", 0))] == [("layer_enter", 1), ("layer_exit", 1),
                                                             ("layer_enter", 0), ("layer_exit", 0)]
-    assert t.meta["markers"] == "recorder:auto"
+    assert t.meta["markers"] == "auto"
 
 
 def _device_view(t: Trace) -> Trace:
@@ -357,7 +357,7 @@ def _workload() -> tuple[str, Any, Any]:
         _mcore_cpu.init()
         return ("megatron-core GPTModel", lambda: _mcore_cpu.gpt(layers=3, hidden=192, heads=4, vocab=512, seq=128),
                 lambda m, g: _mcore_cpu.loss(m, _mcore_cpu.batch(4, 128, 512, g)))
-    from npu_pool.models import build_model
+    from npu_pool.workloads import build_model
 
     def loss(m: torch.nn.Module, g: torch.Generator) -> torch.Tensor:
         x = torch.randint(512, (4, 129), generator=g)
@@ -370,7 +370,7 @@ def test_training_under_the_recorder_npu_pool_reserves_less_than_torch() -> None
     """Real CPU training (megatron-core's GPTModel, 2 micro-batches per step) under attach();
     its trace, replayed as a device sees it, reserves less under npu_pool than under torch's
     allocator model, and after the first step the learned classes match what the tensors are."""
-    from npu_pool.recorder._capture import record_trace
+    from npu_pool.capture import record_trace
 
     name, build, loss = _workload()
 

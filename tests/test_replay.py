@@ -99,7 +99,7 @@ def test_replay_rejects_a_broken_trace():
 
 
 def test_fidelity_on_a_real_trace(shared_traces):
-    from npu_pool.traces import open_traces
+    from npu_pool.trace.files import open_traces
 
     (name, trace), = open_traces(shared_traces / "cs336-medium-ctx128-train.pickle")
     v = replay.validate(trace, name)

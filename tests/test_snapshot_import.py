@@ -278,3 +278,89 @@ def test_real_trace(row: dict[str, str]) -> None:
         float(row["recorded reserved GiB"]), abs=0.01)
     # every initial allocation inside an initial segment, ids dense
     assert t.n_ids == sum(1 for op in t.op if op in (OP_ALLOC, OP_INIT_ALLOC))
+
+
+# ---- every action PyTorch's TraceEntry has ---------------------------------------------------------
+
+def _timed(action: str, t: int, addr: int = 0, size: int = 0, **extra: object) -> dict:
+    e = {"action": action, "addr": addr, "size": size, "stream": 0, "frames": [], "time_us": t}
+    e.update(extra)
+    return e
+
+
+def _oom_snapshot() -> dict:
+    """What torch writes when a request fails with history on (OOM_SNAPSHOT_ENABLE / an OOM observer):
+    expandable segments mapped and unmapped, a snapshot marker, an oom entry without an address."""
+    events = [
+        _timed("segment_map", 1, 100 * M, 20 * M),
+        _timed("alloc", 2, 100 * M, 12 * M),
+        _timed("alloc", 3, 112 * M, 6 * M),
+        _timed("free_requested", 4, 112 * M, 6 * M),
+        _timed("free_completed", 5, 112 * M, 6 * M),
+        _timed("snapshot", 6),
+        _timed("segment_unmap", 7, 112 * M, 8 * M),
+        _timed("segment_alloc", 8, 200 * M, 2 * M),
+        _timed("alloc", 9, 200 * M, 1000),
+        {"action": "oom", "size": 40 * M, "stream": 0, "device_free": 10 * M, "frames": [], "time_us": 10},
+    ]
+    segments = [{"device": 0, "address": 100 * M, "total_size": 12 * M, "stream": 0, "segment_type": "large",
+                 "is_expandable": True, "blocks": [_block(100 * M, 12 * M, "active_allocated")]},
+                {"device": 0, "address": 200 * M, "total_size": 2 * M, "stream": 0, "segment_type": "small",
+                 "blocks": [_block(200 * M, 1024, "active_allocated", 1000), _block(200 * M + 1024, 2 * M - 1024,
+                                                                                    "inactive")]}]
+    return {"segments": segments, "device_traces": [[], events, []],  # one trace per device, some empty
+            "external_annotations": [
+                {"device": 1, "name": "ProfilerStep#4", "stage": "START", "time_us": 0},
+                {"device": 1, "name": "Optimizer.step#AdamW.step", "stage": "START", "time_us": 3},
+                {"device": 1, "name": "Optimizer.step#AdamW.step", "stage": "END", "time_us": 5},
+                {"device": 1, "name": "an op of the user's", "stage": "START", "time_us": 5},
+                {"device": 1, "name": "ProfilerStep#4", "stage": "END", "time_us": 100}],
+            "allocator_settings": {"expandable_segments": True}}
+
+
+def test_every_trace_entry_action_imports(tmp_path: Path) -> None:
+    snap = _oom_snapshot()
+    for s in snap["segments"]:
+        s["device"] = 1
+    (t,) = snapshot_to_traces(snap, "oom.pickle")
+    t.validate()
+    assert t.meta["device"] == 1 and t.meta["expandable_segments"] is True
+    from npu_pool.trace.format import MARK_ITER_BEGIN, MARK_ITER_END, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, OP_MARK, OP_OOM
+
+    marks = [(e.cat, e.id) for e in t.events() if e.op == OP_MARK]
+    assert marks == [(MARK_ITER_BEGIN, 4), (MARK_OPTIMIZER_BEGIN, -1), (MARK_OPTIMIZER_END, -1), (MARK_ITER_END, 4)]
+    ooms = [e for e in t.events() if e.op == OP_OOM]
+    assert [(e.size, e.addr) for e in ooms] == [(40 * M, 0)]
+    (o,) = t.meta["ooms"]
+    assert o["size"] == 40 * M and o["device_free"] == 10 * M and t.op[o["event"]] == OP_OOM
+    assert t.meta["ignored_events"] == {"snapshot": 1, "free_requested": 1}  # the completed free counts
+    counts = op_counts(t)
+    assert counts["seg_hint"] == 2 and counts["seg_free"] == 1 and counts["oom"] == 1
+    from npu_pool import replay
+
+    r = replay.run(t, "npu_pool")
+    assert r.ok and r.recorded_ooms == 1 and r.ooms_served == 1  # 1 TiB: anything fits
+    assert replay.recorded_capacity(t) == 20 * M + 2 * M - 8 * M + 10 * M  # what it had mapped then, plus the free bytes
+    assert not any(e.op == OP_INIT_SEGMENT for e in t.events())  # nothing was mapped before the window
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(_oom_snapshot()))
+    assert main(["replay", str(path), "--no-min-capacity"]) == 0
+
+
+def test_recorded_oom_shows_in_the_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(_oom_snapshot()))
+    assert main(["analyze", str(path), "--policy", "torch,npu_pool"]) == 0
+    out = capsys.readouterr().out
+    assert "Out of memory in the recorded run" in out and "40.00 MiB with 10.00 MiB free on the device" in out
+    assert "each policy would have served: torch" in out
+    import json
+
+    assert main(["analyze", str(path), "--policy", "npu_pool", "--format", "json", "--out", str(tmp_path / "r.json")]) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["traces"][0]["recorded_ooms"]["sizes"] == [40 * M]
+
+
+def test_an_empty_recording_says_how_to_record(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="without torch.cuda.memory._record_memory_history"):
+        snapshot_to_traces({"segments": [], "device_traces": [[], []]}, "empty")

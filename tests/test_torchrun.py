@@ -38,7 +38,7 @@ if mc.available():  # megatron-core's GPTModel
     provider = lambda: mc.gpt(layers=2, hidden=64, heads=4, vocab=256, seq=32)
     forward_step, data = mc.forward_step(256, 32, batch), mc.data(256, 32, batch, seed=rank)
 else:  # the project's GPT
-    from npu_pool.models import build_model
+    from npu_pool.workloads import build_model
     torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
     provider = lambda: build_model("gpt", n_layers=2, dim=64, n_heads=4, vocab=256, max_seq=32)

@@ -4,7 +4,6 @@ Modules (import what you need; none imports torch):
 
 - :mod:`.phases`     what the phase markers say about an event (iteration, forward, layer ...)
 - :mod:`.breakdown`  one pass over a trace: peak live, bytes by category, sites, per-layer deltas
-- :mod:`.simulate`   replay through a :class:`~npu_pool.pool.Pool` event by event: reserved curve, segments
 - :mod:`.report`     the analysis of one trace or many ranks, as Markdown or JSON
 - :mod:`.html`       the same as one self-contained HTML page
 - :mod:`.estimate`   static memory estimate from a model config, compared with a trace

@@ -315,7 +315,7 @@ def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
     cap = meta.get("capture")
     if not isinstance(cap, dict) or "model" not in cap or str(cap["model"]).startswith("hf-"):
         return None
-    from ..models import make_config  # imports torch: only here
+    from ..workloads import make_config  # imports torch: only here
 
     over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
                 vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))

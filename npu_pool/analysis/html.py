@@ -71,8 +71,8 @@ def timeline_svg(t: TraceAnalysis) -> tuple[str, dict[str, Any]]:
     p = t.profile
     n = max(1, p.events)
     live = downsample(p.curve, p.events)
-    series = {pol: downsample(sim.reserved, sim.fail_index if not sim.ok else p.events)
-              for pol, sim in t.sims.items()}
+    series = {pol: downsample(tl.reserved, tl.fail_index if not tl.ok else p.events)
+              for pol, tl in t.timelines.items()}
     top = max([p.peak_live] + [max((v for _, v in s), default=0) for s in series.values()] + [1])
     div, unit = _unit(top)
     ticks = _ticks(top / div)
@@ -131,7 +131,7 @@ def timeline_svg(t: TraceAnalysis) -> tuple[str, dict[str, Any]]:
 def _legend(t: TraceAnalysis) -> str:
     items = ['<span><i style="background:#2b5d8c"></i>live (requested, not freed)</span>']
     items += [f'<span><i style="background:{POLICY_COLORS.get(pol, "#555")}"></i>reserved: {_esc(pol)}</span>'
-              for pol in t.sims]
+              for pol in t.timelines]
     stages = {s.stage for s in t.profile.spans}
     items += [f'<span><i class="box" style="background:{c}"></i>{st}</span>' for st, c in STAGE_COLORS.items()
               if st in stages]

@@ -9,10 +9,10 @@ by piece, ``segment_map``/``segment_unmap``, and ``oom``).
 
 Two sources of addresses:
 
-- ``policy`` = ``torch`` / ``expandable`` / ``npu_pool``: the trace replayed through that
-  policy on the simulated device (:func:`npu_pool.analysis.simulate.simulate`, whose
-  placements equal :func:`npu_pool.replay.run`'s ``placed``); segments come from the
-  pool's block map (:meth:`npu_pool.pool.Pool.blocks`);
+- ``policy`` = a policy (``torch``, ``expandable``, ``npu_pool``, ``planned``): the trace
+  replayed through it on the simulated device with the core's history on
+  (:func:`npu_pool.timeline.timeline`); the events are what the core recorded and the
+  segments its end state, written by :mod:`npu_pool.snapshot` as for a live pool;
 - ``policy`` = ``recorded``: the trace's own addresses and segment events (an imported
   snapshot, exported back).
 
@@ -22,20 +22,18 @@ no clock). Phase markers become ``external_annotations`` (START/END pairs).
 from __future__ import annotations
 
 import bisect
-import pickle
-from pathlib import Path
 from typing import Any
 
-from ..trace.format import (MARK_NAMES, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_SEG_FREE,
-                            OP_SEG_HINT, Trace, TraceError)
-from .simulate import Simulation, simulate
+from .. import snapshot as _snap
+from ..pool import POLICIES as _POOL_POLICIES
+from ..timeline import timeline
+from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_SEG_FREE, OP_SEG_HINT,
+                            Trace, TraceError)
+from ..vocab import ROUND
 
-__all__ = ["POLICIES", "snapshot_of", "snapshot_from_simulation", "snapshot_recorded", "write_snapshot",
-           "site_frames", "blocks_to_segments"]
+__all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames"]
 
-POLICIES = ("torch", "expandable", "npu_pool", "recorded")
-_ROUND = 512
-_INT64_MIN = -(1 << 63)
+POLICIES = tuple(_POOL_POLICIES) + ("recorded",)
 
 
 def site_frames(name: str | None) -> list[dict[str, Any]]:
@@ -71,117 +69,26 @@ def _event(action: str, addr: int, size: int, stream: int, t: int, frames: list 
 
 
 def _annotations(trace: Trace, device: int) -> list[dict[str, Any]]:
-    """Markers as START/END annotations; a layer marker is named ``layer <n>``."""
-    out = []
-    for i, (op, cat, id_) in enumerate(zip(trace.op, trace.cat, trace.id)):
-        if op != OP_MARK or cat >= len(MARK_NAMES):
-            continue
-        mark = MARK_NAMES[cat]
-        what, _, edge = mark.rpartition("_")
-        stage = {"begin": "START", "enter": "START", "end": "END", "exit": "END"}.get(edge)
-        if stage is None:
-            continue
-        name = f"{what} {id_}" if id_ >= 0 else what
-        out.append({"stage": stage, "name": name, "device": device, "time_us": i})
-    return out
+    """The trace's markers as START/END annotations (whatever hints the replay used)."""
+    marks = ({"kind": "mark", "site": cat, "stream": id_, "time": i}
+             for i, (op, cat, id_) in enumerate(zip(trace.op, trace.cat, trace.id)) if op == OP_MARK)
+    return _snap.annotations(marks, device)
 
 
-def _segment(device: int, addr: int, size: int, stream: int, kind: str, expandable: bool,
-             blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
-    return {"device": device, "address": addr, "total_size": size, "allocated_size": allocated,
-            "active_size": allocated, "requested_size": sum(b["requested_size"] for b in blocks),
-            "stream": stream, "segment_type": kind, "segment_pool_id": (0, 0), "is_expandable": expandable,
-            "frames": [], "blocks": blocks}
-
-
-def _block(addr: int, size: int, requested: int, allocated: bool, frames: list) -> dict[str, Any]:
-    return {"address": addr, "size": size, "requested_size": requested if allocated else 0,
-            "state": "active_allocated" if allocated else "inactive", "frames": frames if allocated else []}
-
-
-def blocks_to_segments(blocks: list[dict[str, Any]], ranges: list[tuple[int, int]] | None, device: int,
-                       frames: _Frames | None = None, policy: str = "torch") -> list[dict[str, Any]]:
-    """Snapshot ``segments`` from a :meth:`Pool.blocks` map.
-
-    ``ranges`` None: each pool segment is a snapshot segment. Otherwise (memory
-    mapped piece by piece) each reserved ``(addr, size)`` range is one expandable
-    segment and blocks are clipped to it, as PyTorch reports expandable segments.
-    """
-    frames = frames or (lambda site: [])
-    kind = {0: "small", 1: "large"} if policy == "torch" else {0: "large", 1: "large"}
-    if ranges is None:
-        segs: dict[int, list[dict[str, Any]]] = {}
-        head: dict[int, dict[str, Any]] = {}
-        for b in blocks:
-            segs.setdefault(b["segment"], []).append(
-                _block(b["addr"], b["size"], b["requested"], bool(b["allocated"]), frames(b["site"])))
-            head.setdefault(b["segment"], b)
-        return [_segment(device, a, head[a]["segment_size"], max(head[a]["stream"], 0),
-                         kind.get(head[a]["pool"], "large"), False, bl) for a, bl in sorted(segs.items())]
-    out = []
-    ordered = sorted(blocks, key=lambda b: b["addr"])
-    j = 0
-    for start, size in sorted(ranges):
-        end = start + size
-        while j < len(ordered) and ordered[j]["addr"] + ordered[j]["size"] <= start:
-            j += 1
-        bl, stream = [], None
-        k = j
-        while k < len(ordered) and ordered[k]["addr"] < end:
-            b = ordered[k]
-            lo, hi = max(b["addr"], start), min(b["addr"] + b["size"], end)
-            alloc = bool(b["allocated"])
-            bl.append(_block(lo, hi - lo, b["requested"], alloc, frames(b["site"])))
-            if alloc and stream is None:
-                stream = b["stream"]
-            k += 1
-        covered = sum(b["size"] for b in bl)
-        if covered < size:  # range not tiled by blocks (should not happen): keep the accounting whole
-            bl.append(_block(start + covered, size - covered, 0, False, []))
-        out.append(_segment(device, start, size, stream if stream not in (None, _INT64_MIN) else 0, "large",
-                            True, bl))
-    return out
-
-
-def snapshot_from_simulation(trace: Trace, sim: Simulation, device: int = 0, devices: int = 1) -> dict[str, Any]:
-    """Snapshot of ``trace`` as ``sim`` placed it (events of every allocation, segment changes, end state)."""
+def snapshot_replayed(trace: Trace, policy: str, device: int = 0, devices: int = 1, *,
+                      hints: str = "markers") -> dict[str, Any]:
+    """Snapshot of ``trace`` replayed through ``policy``: the core's events (every allocation,
+    free, segment change and the failed request, if any) and its memory at the end."""
+    tl = timeline(trace, policy, hints=hints)
     frames = _Frames(trace)
-    evs: list[dict[str, Any]] = []
-    seg_events = sim.segment_events
-    s = 0
-    addr_of: dict[int, int] = {}
-    end = sim.fail_index if not sim.ok else len(trace)
-    for i in range(end):
-        op = trace.op[i]
-        if op == OP_ALLOC or op == OP_INIT_ALLOC:
-            # the segment change an allocation caused is recorded just before it, as PyTorch orders them
-            while s < len(seg_events) and seg_events[s].index == i:
-                e = seg_events[s]
-                evs.append(_event(e.action, e.addr, e.size, e.stream, i))
-                s += 1
-            a = sim.placed[i]
-            addr_of[trace.id[i]] = a
-            evs.append(_event("alloc", a, trace.size[i], trace.stream[i], i, frames(trace.site[i])))
-        elif op == OP_FREE:
-            a = addr_of.pop(trace.id[i])
-            fr = frames(trace.site[i])
-            evs.append(_event("free_requested", a, trace.size[i], trace.stream[i], i, fr))
-            evs.append(_event("free_completed", a, trace.size[i], trace.stream[i], i, fr))
-        while s < len(seg_events) and seg_events[s].index == i:
-            e = seg_events[s]
-            evs.append(_event(e.action, e.addr, e.size, e.stream, i))
-            s += 1
-    if not sim.ok:
-        free = max(0, sim.stats.get("limit", 0) - sim.stats["total"]["reserved"]["current"]) if sim.stats else 0
-        ev = _event("oom", 0, trace.size[end], trace.stream[end], end)
-        ev["device_free"] = free
-        evs.append(ev)
-    segments = blocks_to_segments(sim.blocks, sim.ranges if sim.vmm else None, device, frames, sim.policy)
+    sites = trace.site
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
-    traces[device] = evs
-    return {"segments": segments, "device_traces": traces, "external_annotations": _annotations(trace, device),
-            "allocator_settings": {"npu_pool_policy": sim.policy, "expandable_segments": sim.vmm}}
+    traces[device] = _snap.device_trace(tl.events, lambda e: frames(sites[e["time"]]) if e["time"] < len(sites)
+                                        else [])
+    return {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
+            "device_traces": traces, "external_annotations": _annotations(trace, device),
+            "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
+                                   "round_size": ROUND}}
 
 
 def snapshot_recorded(trace: Trace, device: int = 0, devices: int = 1) -> dict[str, Any]:
@@ -228,14 +135,14 @@ def snapshot_recorded(trace: Trace, device: int = 0, devices: int = 1) -> dict[s
             if a < cur:
                 continue  # overlaps the previous block: recorded addresses disagree, keep the first
             if a > cur:
-                bl.append(_block(cur, a - cur, 0, False, []))
+                bl.append(_snap.block_entry(cur, a - cur, 0, False, []))
             nxt = mine[n + 1][1] if n + 1 < len(mine) else start + size
-            bsize = min(-(-max(req, 1) // _ROUND) * _ROUND, max(nxt, a + req) - a, start + size - a)
-            bl.append(_block(a, bsize, min(req, bsize), True, frames(site)))
+            bsize = min(-(-max(req, 1) // ROUND) * ROUND, max(nxt, a + req) - a, start + size - a)
+            bl.append(_snap.block_entry(a, bsize, min(req, bsize), True, frames(site)))
             cur = a + bsize
         if cur < start + size:
-            bl.append(_block(cur, start + size - cur, 0, False, []))
-        segments.append(_segment(device, start, size, stream, "small" if pool == 0 else "large", False, bl))
+            bl.append(_snap.block_entry(cur, start + size - cur, 0, False, []))
+        segments.append(_snap.segment_entry(device, start, size, stream, "small" if pool == 0 else "large", False, bl))
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
     traces[device] = evs
     return {"segments": segments, "device_traces": traces, "external_annotations": _annotations(trace, device),
@@ -256,8 +163,7 @@ def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> 
         if policy == "recorded":
             snap = snapshot_recorded(t, dev, n)
         else:
-            sim = simulate(t, policy, hints=hints)
-            snap = snapshot_from_simulation(t, sim, dev, n)
+            snap = snapshot_replayed(t, policy, dev, n, hints=hints)
         out["segments"].extend(snap["segments"])
         out["device_traces"][dev] = snap["device_traces"][dev]
         out["external_annotations"].extend(snap["external_annotations"])
@@ -265,9 +171,4 @@ def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> 
     return out
 
 
-def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
-    """Pickle ``snapshot`` (plain data only, so restricted unpicklers read it back)."""
-    p = Path(path)
-    with open(p, "wb") as f:
-        pickle.dump(snapshot, f, protocol=4)
-    return p
+write_snapshot = _snap.write  # pickle a snapshot (plain data only, so restricted unpicklers read it back)

@@ -9,18 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-from ..trace.format import (MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END,
-                            MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER,
-                            MARK_LAYER_EXIT, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN,
-                            MARK_SETUP_END, OP_MARK, Trace)
+from ..trace.format import (MARK_BACKWARD_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END,
+                            MARK_LAYER_ENTER, MARK_LAYER_EXIT, OP_MARK, Trace)
+from ..vocab import STAGE_CLOSED, STAGE_OPENED
 
 __all__ = ["Phase", "PhaseTracker", "Span", "has_markers", "phase_at", "stage_spans"]
 
 NO_STAGE = "-"
-_BEGIN = {MARK_SETUP_BEGIN: "setup", MARK_FORWARD_BEGIN: "forward", MARK_BACKWARD_BEGIN: "backward",
-          MARK_OPTIMIZER_BEGIN: "optimizer", MARK_EVAL_BEGIN: "eval"}
-_END = {MARK_SETUP_END: "setup", MARK_FORWARD_END: "forward", MARK_BACKWARD_END: "backward",
-        MARK_OPTIMIZER_END: "optimizer", MARK_EVAL_END: "eval"}
+_BEGIN, _END = STAGE_OPENED, STAGE_CLOSED  # the core's stage table
 
 
 @dataclass(frozen=True)

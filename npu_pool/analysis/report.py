@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterable
 
 from ..progress import progress
 from ..replay import evaluate, recorded_capacity, run
+from ..timeline import Timeline, timeline
 from ..trace.format import Trace
-from ..traces import expand, open_traces
+from ..trace.files import expand, open_traces
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
-from .simulate import Simulation, simulate
 from .units import fmt_bytes, fmt_share
 
 __all__ = ["PolicyFigures", "TraceAnalysis", "Analysis", "analyze_trace", "analyze_paths", "to_json", "to_markdown",
@@ -35,7 +35,7 @@ class PolicyFigures:
     waste: int
     device_mallocs: int
     min_capacity: int | None = None
-    peak_reserved_index: int | None = None  # first event at the peak (known when simulated)
+    peak_reserved_index: int | None = None  # first event at the peak (known with timelines)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(policy=self.policy, peak_reserved_bytes=self.peak_reserved, utilization=self.utilization,
@@ -59,12 +59,12 @@ class RecordedOoms:
 
 @dataclass
 class TraceAnalysis:
-    """One trace's profile and per-policy figures (and, for timelines, the simulations)."""
+    """One trace's profile and per-policy figures (and, when asked for, their timelines)."""
 
     profile: TraceProfile
     policies: list[PolicyFigures]
     origin: str = ""
-    sims: dict[str, Simulation] = field(default_factory=dict, repr=False)
+    timelines: dict[str, Timeline] = field(default_factory=dict, repr=False)
     ooms: RecordedOoms | None = None
 
     @property
@@ -105,18 +105,17 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
     step = on_step or (lambda: None)
     prof = profile_trace(trace, name)
     step()
-    figs, sims = [], {}
+    figs, timelines = [], {}
     for policy in policies:
         r = evaluate(trace, name, policy, hints=hints, with_min_capacity=min_capacity)
         f = PolicyFigures(policy, r.peak_reserved_bytes, r.utilization, r.peak_reserved_bytes - r.peak_live_bytes,
                           r.device_mallocs, r.min_capacity_bytes)
         if curves:
-            sim = simulate(trace, policy, hints=hints)
-            sims[policy] = sim
-            f.peak_reserved_index = sim.peak_reserved_index
+            tl = timelines[policy] = timeline(trace, policy, hints=hints)
+            f.peak_reserved_index = tl.peak_reserved_index
         figs.append(f)
         step()
-    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), sims, _recorded_ooms(trace, policies, hints))
+    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), timelines, _recorded_ooms(trace, policies, hints))
 
 
 def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> RecordedOoms | None:

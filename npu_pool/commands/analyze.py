@@ -35,7 +35,7 @@ def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
     if args.config:
         cfg = load_config(args.config)
     else:
-        from ..traces import expand, open_traces
+        from ..trace.files import expand, open_traces
 
         meta = next((t.meta for p in expand(args.traces) for n, t in open_traces(p) if n == worst.name), {})
         cfg = config_from_trace(meta)

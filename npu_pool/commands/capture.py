@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..trace.capture import DEFAULTS
+from ..capture.real import DEFAULTS
 
 _FAKE_SEQ = 2048
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..models import MODEL_NAMES, SHAPES
+    from ..workloads import MODEL_NAMES, SHAPES
 
     p.add_argument("--model", default=DEFAULTS["model"], choices=MODEL_NAMES,
                    help="model to train (hf-* need the optional transformers package)")
@@ -41,7 +41,8 @@ def _mib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..trace.capture import CaptureError, capture, summarize
+    from ..capture import CaptureError, capture
+    from ..trace.stats import summarize
 
     fake = args.fake or args.shape is not None
     if fake and args.shape is None:
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     try:
         if fake:
-            from ..trace.fake_capture import fake_capture
+            from ..capture import fake_capture
 
             trace = fake_capture(args.model, args.shape, args.steps, args.batch, args.seq or _FAKE_SEQ,
                                  layers=args.layers, tp=args.tp, pp=args.pp, recompute=args.recompute,

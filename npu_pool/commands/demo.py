@@ -32,14 +32,14 @@ def run(args: argparse.Namespace) -> int:
     policies = policies_from(args.policy)
     named = []
     if not args.no_capture:
-        from ..trace.capture import capture
+        from ..capture import capture
 
         for name, kwargs in progress(WORKLOADS, desc="capture", unit="model"):
             print(f"capturing {name} on the CPU ...", flush=True)
             named.append((name, capture(progress=False, **kwargs)))
     shared = Path(args.shared)
     if shared.is_dir():
-        from ..traces import open_traces
+        from ..trace.files import open_traces
 
         for path in sorted(shared.glob("*.pickle")):
             named.extend(open_traces(path))

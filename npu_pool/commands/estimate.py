@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     named = None
     if args.trace:
-        from ..traces import open_traces
+        from ..trace.files import open_traces
 
         named = open_traces(args.trace)
     cfg = _config(args, named[0][1].meta if named else None)

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis.memviz import snapshot_of, write_snapshot
-    from ..traces import open_traces
+    from ..trace.files import open_traces
 
     named = open_traces(args.trace)
     snap = snapshot_of([t for _, t in named], args.policy, hints=args.hints)

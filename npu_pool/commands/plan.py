@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pick(path: str, device: int | None):
-    from ..traces import open_traces
+    from ..trace.files import open_traces
 
     named = open_traces(path)
     if device is not None:

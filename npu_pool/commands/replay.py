@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..replay import HINTS, PolicyResult, evaluate, policies_from, validate
-from ..traces import expand, open_traces
+from ..trace.files import expand, open_traces
 from ..progress import progress
 
 GiB = float(1 << 30)

@@ -229,18 +229,27 @@ static bool block_mapped(const np_ctx *ctx, const np_block *b) {
   return true;
 }
 
+/* The context's segments in address order (malloc'ed; the caller frees it), or NULL. */
+static np_segment **sorted_segments(const np_ctx *ctx, size_t *nseg) {
+  size_t n = 0;
+  for (np_segment *s = ctx->segments; s; s = s->next) n++;
+  np_segment **segs = malloc((n ? n : 1) * sizeof *segs);
+  if (!segs) return NULL;
+  n = 0;
+  for (np_segment *s = ctx->segments; s; s = s->next) segs[n++] = s;
+  qsort(segs, n, sizeof *segs, seg_cmp);
+  *nseg = n;
+  return segs;
+}
+
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   pthread_mutex_lock(&ctx->lock);
   size_t nseg = 0, k = 0;
-  for (np_segment *s = ctx->segments; s; s = s->next) nseg++;
-  np_segment **segs = malloc((nseg ? nseg : 1) * sizeof *segs);
+  np_segment **segs = sorted_segments(ctx, &nseg);
   if (!segs) {
     pthread_mutex_unlock(&ctx->lock);
     return np_error(NP_ERR_HOST, "host out of memory listing blocks");
   }
-  nseg = 0;
-  for (np_segment *s = ctx->segments; s; s = s->next) segs[nseg++] = s;
-  qsort(segs, nseg, sizeof *segs, seg_cmp);
   for (size_t i = 0; i < nseg; i++) {
     for (np_block *b = segs[i]->head; b; b = b->next, k++) {
       if (k >= cap) continue;
@@ -279,15 +288,11 @@ static size_t segment_runs(const np_ctx *ctx, const np_segment *s, uint64_t *out
 int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
   pthread_mutex_lock(&ctx->lock);
   size_t nseg = 0, k = 0;
-  for (np_segment *s = ctx->segments; s; s = s->next) nseg++;
-  np_segment **segs = malloc((nseg ? nseg : 1) * sizeof *segs);
+  np_segment **segs = sorted_segments(ctx, &nseg);
   if (!segs) {
     pthread_mutex_unlock(&ctx->lock);
     return np_error(NP_ERR_HOST, "host out of memory listing mapped ranges");
   }
-  nseg = 0;
-  for (np_segment *s = ctx->segments; s; s = s->next) segs[nseg++] = s;
-  qsort(segs, nseg, sizeof *segs, seg_cmp);
   for (size_t i = 0; i < nseg; i++) k = segment_runs(ctx, segs[i], out, cap, k);
   *n = k;
   free(segs);

@@ -25,9 +25,6 @@ typedef struct np_policy np_policy;
 
 #define NP_HISTORY_DEFAULT 4096 /* events kept unless np_set_history says otherwise */
 
-/* Stages the markers put the context in (np_ctx_mark). */
-enum { NP_STAGE_OUTSIDE = 0, NP_STAGE_SETUP, NP_STAGE_FORWARD, NP_STAGE_BACKWARD, NP_STAGE_OPTIMIZER, NP_STAGE_EVAL };
-
 /* Where the markers put the context: the latest marker, its stage, whether an evaluation is
  * open and whether the forward/backward belongs to a later micro-batch (whose requests differ
  * from the first's: gradient accumulation adds into the gradients the first one created),

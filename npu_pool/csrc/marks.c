@@ -7,6 +7,22 @@
  * every layer. */
 #include "context.h"
 
+/* The stage table, once: what each marker opens and closes (npu_pool.vocab reads it). */
+static const struct {
+  int8_t opens, closes;
+} stage_of[NP_MARK_COUNT] = {
+    [NP_MARK_SETUP_BEGIN] = {NP_STAGE_SETUP, -1},         [NP_MARK_SETUP_END] = {NP_STAGE_OUTSIDE, NP_STAGE_SETUP},
+    [NP_MARK_ITER_BEGIN] = {NP_STAGE_OUTSIDE, -1},        [NP_MARK_ITER_END] = {NP_STAGE_OUTSIDE, -1},
+    [NP_MARK_FORWARD_BEGIN] = {NP_STAGE_FORWARD, -1},     [NP_MARK_FORWARD_END] = {NP_STAGE_OUTSIDE, NP_STAGE_FORWARD},
+    [NP_MARK_BACKWARD_BEGIN] = {NP_STAGE_BACKWARD, -1},   [NP_MARK_BACKWARD_END] = {NP_STAGE_OUTSIDE, NP_STAGE_BACKWARD},
+    [NP_MARK_LAYER_ENTER] = {-1, -1},                     [NP_MARK_LAYER_EXIT] = {-1, -1},
+    [NP_MARK_OPTIMIZER_BEGIN] = {NP_STAGE_OPTIMIZER, -1}, [NP_MARK_OPTIMIZER_END] = {NP_STAGE_OUTSIDE, NP_STAGE_OPTIMIZER},
+    [NP_MARK_EVAL_BEGIN] = {NP_STAGE_EVAL, -1},           [NP_MARK_EVAL_END] = {NP_STAGE_OUTSIDE, NP_STAGE_EVAL},
+};
+
+int np_mark_opens(int code) { return code >= 0 && code < NP_MARK_COUNT ? stage_of[code].opens : -1; }
+int np_mark_closes(int code) { return code >= 0 && code < NP_MARK_COUNT ? stage_of[code].closes : -1; }
+
 void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life) {
   ctx->marks.any = true;
   ctx->phase = phase;
@@ -21,23 +37,22 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
   m->pos = 0;
   np_ctx_record(ctx, NP_EV_MARK, 0, 0, (intptr_t)arg, code, -1, 0);
   m->code = code;
-  if (code == NP_MARK_LAYER_ENTER || code == NP_MARK_LAYER_EXIT) return NP_OK;
+  int stage = stage_of[code].opens;
+  if (stage < 0) return NP_OK; /* layer markers stay in the stage */
   m->later_micro = (code == NP_MARK_FORWARD_BEGIN || code == NP_MARK_BACKWARD_BEGIN) && arg > 0;
   ctx->phase++; /* every other marker ends the stage */
-  switch (code) {
-    case NP_MARK_SETUP_BEGIN: m->stage = NP_STAGE_SETUP; ctx->default_life = NP_LIFE_LONG; break;
-    case NP_MARK_FORWARD_BEGIN: m->stage = NP_STAGE_FORWARD; ctx->default_life = ctx->base_life; break;
+  m->stage = stage;
+  switch (stage) {
+    case NP_STAGE_SETUP: ctx->default_life = NP_LIFE_LONG; break;
+    case NP_STAGE_FORWARD: ctx->default_life = ctx->base_life; break;
     /* backward: activation gradients and scratch die inside it; gradients are learned */
-    case NP_MARK_BACKWARD_BEGIN: m->stage = NP_STAGE_BACKWARD; ctx->default_life = NP_LIFE_SHORT; break;
-    case NP_MARK_OPTIMIZER_BEGIN:
-      /* the first step creates the optimizer states, which live for the whole run */
-      m->stage = NP_STAGE_OPTIMIZER;
-      ctx->default_life = m->optimizer_steps++ == 0 ? NP_LIFE_LONG : NP_LIFE_SHORT;
-      break;
-    case NP_MARK_EVAL_BEGIN: m->stage = NP_STAGE_EVAL; m->eval = true; ctx->default_life = NP_LIFE_SHORT; break;
-    case NP_MARK_EVAL_END: m->stage = NP_STAGE_OUTSIDE; m->eval = false; ctx->default_life = ctx->base_life; break;
-    default: m->stage = NP_STAGE_OUTSIDE; ctx->default_life = ctx->base_life; break; /* ends, iteration markers */
+    case NP_STAGE_BACKWARD: ctx->default_life = NP_LIFE_SHORT; break;
+    /* the first step creates the optimizer states, which live for the whole run */
+    case NP_STAGE_OPTIMIZER: ctx->default_life = m->optimizer_steps++ == 0 ? NP_LIFE_LONG : NP_LIFE_SHORT; break;
+    case NP_STAGE_EVAL: m->eval = true; ctx->default_life = NP_LIFE_SHORT; break;
+    default: ctx->default_life = ctx->base_life; break; /* ends, iteration markers */
   }
+  if (code == NP_MARK_EVAL_END) m->eval = false;
   if (m->eval) ctx->default_life = NP_LIFE_SHORT; /* nothing of an evaluation outlives it */
   return NP_OK;
 }

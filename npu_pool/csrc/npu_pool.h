@@ -44,6 +44,12 @@ enum {
   NP_MARK_LAYER_ENTER = 8, NP_MARK_LAYER_EXIT = 9, NP_MARK_OPTIMIZER_BEGIN = 10, NP_MARK_OPTIMIZER_END = 11,
   NP_MARK_EVAL_BEGIN = 12, NP_MARK_EVAL_END = 13, NP_MARK_COUNT = 14
 };
+/* Stages: the parts of a run that markers delimit (lifetimes are learned per stage). A begin
+ * marker opens its stage; every other marker but layer enter/exit leaves for OUTSIDE. */
+enum {
+  NP_STAGE_OUTSIDE = 0, NP_STAGE_SETUP = 1, NP_STAGE_FORWARD = 2, NP_STAGE_BACKWARD = 3, NP_STAGE_OPTIMIZER = 4,
+  NP_STAGE_EVAL = 5, NP_STAGE_COUNT = 6
+};
 /* Trace event ops (npu_pool.trace.format: one per event). */
 enum {
   NP_OP_ALLOC = 0, NP_OP_FREE = 1, NP_OP_MARK = 2, NP_OP_EMPTY_CACHE = 3, NP_OP_SEG_HINT = 4, NP_OP_SEG_FREE = 5,
@@ -69,7 +75,7 @@ enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
 /* Tables of np_vocab_name. */
 enum {
   NP_VOCAB_BACKEND = 0, NP_VOCAB_LIFE = 1, NP_VOCAB_MARK = 2, NP_VOCAB_OP = 3, NP_VOCAB_CAT = 4, NP_VOCAB_HINTS = 5,
-  NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_COUNT = 9
+  NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_STAGE = 9, NP_VOCAB_COUNT = 10
 };
 #define NP_MAX_REQUEST 0x1000000000000ULL /* 2^48: larger requests (and capacities) are absurd */
 enum {
@@ -249,6 +255,10 @@ const char *np_last_error(void);
 /* Names of the vocabulary: np_vocab_name(NP_VOCAB_MARK, NP_MARK_SETUP_BEGIN) is "setup_begin";
  * NULL outside the table. */
 const char *np_vocab_name(int vocab, int code);
+/* The stage a marker opens (NP_STAGE_OUTSIDE for markers that end one, -1 for layer markers,
+ * which stay in the stage) and the stage an end marker closes (-1 for other markers). */
+int np_mark_opens(int code);
+int np_mark_closes(int code);
 /* The policy registry: indices 0..np_policy_count()-1, each with a name, two pools and what they hold. */
 int np_policy_count(void);
 const char *np_policy_name(int policy);

@@ -19,7 +19,6 @@ static struct {
   bool configured;
   np_config cfg;
   char lib_path[1024];
-  int device_count;
   double fraction[NP_MAX_DEVICES];
   int64_t history[NP_MAX_DEVICES];
   _Atomic(np_ctx *) ctx[NP_MAX_DEVICES];
@@ -239,7 +238,6 @@ void npu_pool_shutdown(void) {
   clear_pending_locked();
   table.configured = false;
   table.lib_path[0] = '\0';
-  table.device_count = 0;
   atomic_store(&table.quiet, 0);
   atomic_store(&table.on_oom, NULL);
   pthread_mutex_unlock(&table.lock);
@@ -296,10 +294,14 @@ void npu_pool_record_stream(void *ptr, void *stream) {
   report(-1, "record_stream", false);
 }
 
+/* torch's init hook: contexts are made per device on first use; say so now if some devices
+ * can never have one. */
 void npu_pool_init(int device_count) {
-  pthread_mutex_lock(&table.lock);
-  table.device_count = device_count;
-  pthread_mutex_unlock(&table.lock);
+  if (device_count > NP_MAX_DEVICES) {
+    np_error(NP_ERR_INVALID, "%d devices visible; npu_pool serves devices 0..%d (the others fail to allocate)",
+             device_count, NP_MAX_DEVICES - 1);
+    report(-1, "init", false);
+  }
 }
 
 void npu_pool_empty_cache(void) {

@@ -5,11 +5,12 @@ import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..vocab import ROUND
 from .lifetimes import NONE
 
 __all__ = ["ALIGN", "NONE", "Plan", "PlanError", "aligned", "span"]
 
-ALIGN = 512  # the core's block granularity: planned sizes round up to it, offsets are multiples of it
+ALIGN = ROUND  # the core's block granularity: planned sizes round up to it, offsets are multiples of it
 
 
 class PlanError(ValueError):

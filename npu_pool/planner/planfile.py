@@ -28,14 +28,14 @@ import struct
 import zlib
 from pathlib import Path
 
-from ..trace.format import MAGIC as TRACE_MAGIC
+from ..trace.format import MAGIC as TRACE_MAGIC, PLAN_MAGIC
 from ..vocab import MAX_REQUEST
 from .plan import ALIGN, NONE, Plan, PlanError
 from .verify import verify
 
 __all__ = ["MAGIC", "VERSION", "save_plan", "load_plan", "plan_bytes", "plan_from_bytes"]
 
-MAGIC = b"NPUPLAN\x00"
+MAGIC = PLAN_MAGIC
 VERSION = 1
 _ROW = struct.Struct("<IIQQ")
 _NO_END = 0xFFFFFFFF

@@ -18,17 +18,19 @@ or automatic ones from the model's structure::
 Markers go to the installed allocator of the current device (``npu_pool.install``) or to
 the pools given to a :class:`Recorder`; each is one C call per pool (the allocator then
 learns per request site whether blocks outlive their stage). While a torch.profiler run
-records, markers also go into it, so captures carry them.
+records, markers also go into it (:func:`mark_profiled`: a ``record_function`` range named
+``npu_pool::<marker>::<arg>``, read back by :func:`profiled_mark`), so captures carry them.
 """
 from __future__ import annotations
 
 from typing import Any, Union
 
-from ._marks import PHASES, code_of
-from ._recorder import Phase, Recorder, RecorderState, default
+from ._marks import PHASES, code_of, profiled_mark
+from ._recorder import Phase, Recorder, RecorderState, default, mark_profiled
 
 __all__ = ["Recorder", "RecorderState", "Phase", "PHASES", "default", "mark", "phase", "step", "layer",
-           "micro_batch", "attach", "find_blocks", "Attachment", "code_of"]
+           "micro_batch", "attach", "find_blocks", "repeated_blocks", "Attachment", "code_of", "mark_profiled",
+           "profiled_mark"]
 
 
 def mark(code: Union[int, str], arg: int = -1) -> None:
@@ -59,7 +61,7 @@ def micro_batch(index: int) -> Any:
 
 def __getattr__(name: str) -> Any:
     # attach/find_blocks need torch: import them on first use only
-    if name in ("attach", "find_blocks", "Attachment"):
+    if name in ("attach", "find_blocks", "repeated_blocks", "Attachment"):
         from . import _structure
 
         return getattr(_structure, name)

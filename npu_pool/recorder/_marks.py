@@ -1,12 +1,14 @@
-"""Marker codes by name, and the phases they open and close (codes of ``trace.format``)."""
+"""Marker codes by name, the phases they open and close (codes of ``trace.format``), and the
+name a marker has in a torch.profiler trace."""
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 from ..trace.format import (MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END,
                             MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER,
                             MARK_LAYER_EXIT, MARK_NAMES, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN,
                             MARK_SETUP_END)
+from ..vocab import STAGE_CLOSED, STAGE_OPENED
 
 # phase name -> (begin code, end code); aliases map to the same pair.
 PHASES: dict[str, tuple[int, int]] = {
@@ -20,13 +22,11 @@ PHASES: dict[str, tuple[int, int]] = {
     "evaluation": (MARK_EVAL_BEGIN, MARK_EVAL_END),
     "layer": (MARK_LAYER_ENTER, MARK_LAYER_EXIT),
 }
-# begin code -> the stage it opens (layer markers open none: they only subdivide a stage)
-STAGE_OF: dict[int, str] = {MARK_SETUP_BEGIN: "setup", MARK_FORWARD_BEGIN: "forward",
-                            MARK_BACKWARD_BEGIN: "backward", MARK_OPTIMIZER_BEGIN: "optimizer",
-                            MARK_EVAL_BEGIN: "eval"}
-END_OF: dict[int, int] = {MARK_SETUP_END: MARK_SETUP_BEGIN, MARK_FORWARD_END: MARK_FORWARD_BEGIN,
-                          MARK_BACKWARD_END: MARK_BACKWARD_BEGIN, MARK_OPTIMIZER_END: MARK_OPTIMIZER_BEGIN,
-                          MARK_EVAL_END: MARK_EVAL_BEGIN}
+# begin code -> the stage it opens (layer markers open none: they only subdivide a stage);
+# end code -> the begin code of the stage it closes. The table is the core's (vocab).
+STAGE_OF: dict[int, str] = dict(STAGE_OPENED)
+END_OF: dict[int, int] = {end: next(b for b, s in STAGE_OPENED.items() if s == stage)
+                          for end, stage in STAGE_CLOSED.items()}
 _BY_NAME = {n: i for i, n in enumerate(MARK_NAMES)}
 
 
@@ -43,6 +43,27 @@ def code_of(mark: Union[int, str]) -> int:
     return mark
 
 
+PROFILER_PREFIX = "npu_pool::"  # markers in a torch.profiler trace: record_function ranges named so
+
+
+def profiler_label(code: int, arg: int) -> str:
+    """The ``record_function`` name of a marker: ``npu_pool::<marker>::<arg>``."""
+    return f"{PROFILER_PREFIX}{MARK_NAMES[code]}::{arg}"
+
+
+def profiled_mark(name: str) -> Optional[tuple[int, int]]:
+    """``(code, arg)`` of a profiler range named by :func:`profiler_label`; None for any other name."""
+    if not name.startswith(PROFILER_PREFIX):
+        return None
+    parts = name.split("::")
+    if len(parts) != 3 or parts[1] not in _BY_NAME:
+        return None
+    try:
+        return _BY_NAME[parts[1]], int(parts[2])
+    except ValueError:
+        return None
+
+
 def phase_codes(name: str) -> tuple[int, int]:
     """(begin, end) codes of a phase name; ValueError naming the accepted names."""
     try:
@@ -51,7 +72,7 @@ def phase_codes(name: str) -> tuple[int, int]:
         raise ValueError(f"unknown phase {name!r}; choose one of {', '.join(PHASES)}") from None
 
 
-__all__ = ["PHASES", "STAGE_OF", "END_OF", "code_of", "phase_codes", "MARK_LAYER_ENTER", "MARK_LAYER_EXIT",
+__all__ = ["PHASES", "STAGE_OF", "END_OF", "code_of", "phase_codes", "profiler_label", "profiled_mark", "MARK_LAYER_ENTER", "MARK_LAYER_EXIT",
            "MARK_ITER_BEGIN", "MARK_ITER_END", "MARK_FORWARD_BEGIN", "MARK_FORWARD_END", "MARK_BACKWARD_BEGIN",
            "MARK_BACKWARD_END", "MARK_OPTIMIZER_BEGIN", "MARK_OPTIMIZER_END", "MARK_EVAL_BEGIN", "MARK_EVAL_END",
            "MARK_SETUP_BEGIN", "MARK_SETUP_END"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 from ._marks import (END_OF, MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END,
-                     STAGE_OF, code_of, phase_codes)
+                     STAGE_OF, code_of, phase_codes, profiler_label)
 
 
 @dataclass
@@ -65,6 +65,15 @@ def _profiling() -> bool:
         return False
 
 
+def mark_profiled(code: int, arg: int = -1) -> None:
+    """Put one marker into the running torch.profiler trace (a zero-length ``record_function``
+    range named ``npu_pool::<marker>::<arg>``); captures turn it back into the marker."""
+    import torch
+
+    with torch.profiler.record_function(profiler_label(code_of(code), arg)):
+        pass
+
+
 def _installed_targets() -> tuple[Any, ...]:
     """The installed allocator of the current device (never a device this process does not use)."""
     from ..install import current_pool
@@ -100,7 +109,7 @@ class Recorder:
     the installed allocator of the current device (``npu_pool.install.current_pool()``), looked up
     at each marker so that a recorder made before :func:`npu_pool.install` still works.
     ``profile``: also emit each marker as a ``record_function`` range named like
-    :mod:`npu_pool.trace.capture`'s (``npu_pool::<mark>::<arg>``) while a torch.profiler
+    :func:`mark_profiled` (``npu_pool::<mark>::<arg>``) while a torch.profiler
     run records, so captures carry the markers. A marker costs one C call per pool; the
     recorder does nothing per allocation.
     """
@@ -122,9 +131,7 @@ class Recorder:
         for p in self.targets():
             p.mark(code, arg)
         if self.profile and _profiling():
-            from ..trace.capture import _mark_profiled
-
-            _mark_profiled(code, arg)
+            mark_profiled(code, arg)
         for fn in self._listeners:
             fn(code, arg)
 

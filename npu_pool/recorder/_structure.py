@@ -53,8 +53,6 @@ def find_blocks(model: Model) -> list[tuple[int, nn.Module]]:
     (index from ``layer_number``); otherwise (the project's GPT, ``transformers`` models,
     any ``nn.ModuleList`` of layers) the longest ``nn.ModuleList`` whose children share one
     class. Empty when there is none."""
-    from ..models import repeated_blocks
-
     found: list[tuple[int, nn.Module]] = []
     mods = _modules(model)
     for m in mods:
@@ -70,6 +68,27 @@ def find_blocks(model: Model) -> list[tuple[int, nn.Module]]:
         except ValueError:
             continue
     return found
+
+
+def repeated_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated transformer blocks: ``layers`` if present, else the longest
+    ModuleList whose children share one class."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    best: nn.ModuleList | None = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+            if best is None or len(m) > len(best) or (len(m) == len(best) and _depth_ok(m, best)):
+                best = m
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks (nn.ModuleList)")
+    return best
+
+
+def _depth_ok(m: nn.ModuleList, best: nn.ModuleList) -> bool:
+    """Prefer the outer list when two lists tie (blocks over experts inside them)."""
+    return any(c is best for c in m.modules())
 
 
 def _grad_tensor(obj: Any, depth: int = 0) -> Optional[torch.Tensor]:

@@ -57,6 +57,7 @@ from ..vocab import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPU
 POOL_SMALL, POOL_LARGE = 0, 1
 
 MAGIC = b"NPTRACE1"
+PLAN_MAGIC = b"NPUPLAN\x00"  # plan files (npu_pool.planner.planfile); here so that each kind of file knows the other
 # Column name -> array typecode. Order is the on-disk order.
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("op", "B"), ("cat", "B"), ("site", "i"), ("id", "q"), ("size", "Q"), ("stream", "q"), ("addr", "Q"),

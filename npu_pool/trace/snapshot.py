@@ -449,12 +449,20 @@ class _Builder:
                           f"end-state segments (first at {missing[0]:#x})")
 
     def _initial_segments(self) -> dict[int, tuple[int, int, int]]:
-        """Segments reserved when the window began: end state, undone backwards (addr -> size, stream, pool)."""
+        """Segments reserved when the window began: end state, undone backwards (addr -> size, stream, pool).
+        A segment_alloc/free makes or frees the segment at its address; a segment_map/unmap (expandable
+        segments) maps or unmaps a range, so undoing it removes or adds that range."""
         segs = {s["addr"]: (s["size"], s["stream"], s["pool"] if s["pool"] is not None else _pool(s["size"]))
                 for s in self.segments}
         for i in range(len(self.events) - 1, -1, -1):
             action, addr, size, stream, *_ = self.events[i]
-            if action in _SEG_GONE:
+            if action == "segment_unmap":
+                _add_range(segs, addr, size, stream)
+            elif action == "segment_map":
+                if not _remove_range(segs, addr, size):
+                    self.warn(f"event {i}: segment_map of {addr:#x} (+{size} bytes) mapped a range that is neither in "
+                              "the end state nor unmapped later in the window")
+            elif action in _SEG_GONE:
                 if addr in segs:
                     self.warn(f"event {i}: {action} at {addr:#x}, but a segment is there again later "
                               "without a segment_alloc")
@@ -520,6 +528,28 @@ class _Builder:
             elif action in _SEG_GONE:
                 reserved -= size if size else sizes.get(addr, 0)
         return {"peak_reserved_bytes": peak, "segment_allocs": n_new, "initial_reserved_bytes": initial}
+
+
+def _add_range(segs: dict[int, tuple[int, int, int]], addr: int, size: int, stream: int) -> None:
+    """Add [addr, addr+size) to the ranges, merging with the ranges it touches."""
+    lo, hi = addr, addr + size
+    for a in [a for a, (s, _, _) in segs.items() if a <= hi and a + s >= lo]:
+        s, _, _ = segs.pop(a)
+        lo, hi = min(lo, a), max(hi, a + s)
+    segs[lo] = (hi - lo, stream, POOL_LARGE)
+
+
+def _remove_range(segs: dict[int, tuple[int, int, int]], addr: int, size: int) -> bool:
+    """Remove [addr, addr+size) from the ranges, splitting them; whether it was wholly there."""
+    lo, hi, covered = addr, addr + size, 0
+    for a in [a for a, (s, _, _) in segs.items() if a < hi and a + s > lo]:
+        s, stream, pool = segs.pop(a)
+        covered += min(a + s, hi) - max(a, lo)
+        if a < lo:
+            segs[a] = (lo - a, stream, pool)
+        if a + s > hi:
+            segs[hi] = (a + s - hi, stream, pool)
+    return covered == size
 
 
 def _put(cols: Iterable, row: Iterable[int]) -> None:

@@ -6,9 +6,10 @@ import hashlib
 import sys
 from typing import NamedTuple
 
-from .format import OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_NAMES, Trace
+from .format import CAT_NAMES, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_NAMES, Trace
 
-__all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint", "contains"]
+__all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint", "contains",
+           "summarize"]
 
 
 class LiveProfile(NamedTuple):
@@ -67,3 +68,27 @@ def contains(sizes: array.array, part: array.array) -> bool:
     while at >= 0 and at % 8:  # a match must start at an entry
         at = hay.find(needle, at + 1)
     return at >= 0
+
+
+def summarize(trace: Trace) -> dict[str, Any]:
+    """Event counts, peak live bytes and the bytes per category at that peak."""
+    live = 0
+    by_cat = [0] * len(CAT_NAMES)
+    peak, peak_at, peak_cats = 0, -1, list(by_cat)
+    allocs = frees = marks = 0
+    for i, (op, cat, size) in enumerate(zip(trace.op, trace.cat, trace.size)):
+        if op in (OP_ALLOC, OP_INIT_ALLOC):
+            allocs += 1
+            live += size
+            by_cat[cat] += size
+            if live > peak:
+                peak, peak_at, peak_cats = live, i, list(by_cat)
+        elif op == OP_FREE:
+            frees += 1
+            live -= size
+            by_cat[cat] -= size
+        elif op == OP_MARK:
+            marks += 1
+    return {"events": len(trace), "allocs": allocs, "frees": frees, "marks": marks, "peak_bytes": peak,
+            "peak_event": peak_at, "end_bytes": live,
+            "peak_by_category": {CAT_NAMES[c]: b for c, b in enumerate(peak_cats) if b}}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .trace.format import MAGIC, Trace, TraceError
+from .format import MAGIC, PLAN_MAGIC, Trace, TraceError
 
 
 def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
@@ -17,12 +17,10 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     if head == MAGIC or head[:7] == MAGIC[:7] or p.suffix == ".npt":
         return [(p.stem, Trace.load(p))]  # says what is wrong with a trace file
     if head[:1] != b"\x80":  # every pickle PyTorch writes starts with the protocol opcode
-        from .planner.planfile import MAGIC as PLAN_MAGIC
-
         what = ("an npu_pool plan (give it with --plan)" if head == PLAN_MAGIC else
                 "empty" if not head else f"neither an npu_pool trace (.npt) nor a PyTorch memory snapshot (.pickle)")
         raise TraceError(f"{p}: {what}")
-    from .trace.snapshot import load_snapshot
+    from .snapshot import load_snapshot
 
     traces = load_snapshot(p)
     if len(traces) == 1:

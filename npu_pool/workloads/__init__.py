@@ -1,6 +1,6 @@
-"""Models captured by ``npu-pool capture``: the project's own GPT family and, when
-``transformers`` is installed, small Hugging Face models built from configs (never
-downloaded weights)."""
+"""Demo workloads for ``npu-pool capture`` and ``npu-pool demo``: the project's own GPT family
+and, when ``transformers`` is installed, small Hugging Face models built from configs (never
+downloaded weights). The product (pool, recorder, tools) does not import this package."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ from torch import nn
 from .gpt import FLAVOURS, GPT, SHAPES, GPTConfig, make_config, param_count
 
 __all__ = ["GPT", "GPTConfig", "FLAVOURS", "SHAPES", "MODEL_NAMES", "build_model", "make_config",
-           "param_count", "prepare", "repeated_blocks", "set_recompute", "have_transformers"]
+           "param_count", "prepare", "set_recompute", "have_transformers"]
 
 HF_MODELS = ("hf-gpt2", "hf-llama", "hf-mixtral")
 MODEL_NAMES: tuple[str, ...] = (*FLAVOURS, *HF_MODELS)
@@ -82,27 +82,6 @@ def build_model(name: str, **overrides: Any) -> nn.Module:
         cfg = make_config("gpt", **overrides)
         return _build_hf(name, cfg)
     return GPT(make_config(name, **overrides))
-
-
-def repeated_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated transformer blocks: ``layers`` if present, else the longest
-    ModuleList whose children share one class."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
-    best: nn.ModuleList | None = None
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
-            if best is None or len(m) > len(best) or (len(m) == len(best) and _depth_ok(m, best)):
-                best = m
-    if best is None:
-        raise ValueError(f"{type(model).__name__} has no repeated blocks (nn.ModuleList)")
-    return best
-
-
-def _depth_ok(m: nn.ModuleList, best: nn.ModuleList) -> bool:
-    """Prefer the outer list when two lists tie (blocks over experts inside them)."""
-    return any(c is best for c in m.modules())
 
 
 def set_recompute(model: nn.Module, on: bool) -> None:

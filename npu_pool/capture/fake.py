@@ -1,6 +1,6 @@
 """Allocation traces of shapes too large for this machine, with no memory behind them.
 
-:func:`fake_capture` runs the same training loop as :func:`npu_pool.trace.capture.capture`
+:func:`fake_capture` runs the same training loop as :func:`npu_pool.capture.capture`
 (forward, backward, AdamW ``foreach``, ``zero_grad``; markers included) on a model
 built under ``FakeTensorMode``: tensors carry shapes, dtypes and storages of the right
 byte size but no data. A ``TorchDispatchMode`` stacked on top sees every aten op
@@ -36,11 +36,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .capture import _Loop, _autocast, _layer_hooks, _state_tensors
-from .format import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_OPTIMIZER_STATE,
-                     CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END,
-                     MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
-                     MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_FREE, OP_MARK, Trace)
+from ..trace.format import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_OPTIMIZER_STATE,
+                            CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END,
+                            MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
+                            MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_FREE, OP_MARK, Trace)
+from .loop import Loop, autocast, layer_hooks, state_tensors
 
 __all__ = ["fake_capture"]
 
@@ -160,11 +160,11 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
     ``layers`` (default: the shape's layers / ``pp``) sets the depth. No real memory."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..models import GPT, make_config, param_count
+    from ..workloads import GPT, make_config, param_count
 
     if steps < 1 or grad_accum < 1 or batch < 1 or seq < 1 or tp < 1 or pp < 1:
         raise ValueError("steps, grad_accum, batch, seq, tp and pp must be >= 1")
-    _autocast(mixed_precision)
+    autocast(mixed_precision)
     cfg = make_config(model_name, shape, tp=tp)
     n_layers = layers if layers is not None else max(1, cfg.n_layers // pp)
     cfg = make_config(model_name, shape, tp=tp, n_layers=n_layers, max_seq=max(seq, cfg.max_seq))
@@ -177,7 +177,7 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
             model = GPT(cfg).train()
             model.recompute = recompute
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
-            hooks += _layer_hooks(model, rec.mark)
+            hooks += layer_hooks(model, rec.mark)
             rec.tag(model.parameters(), CAT_PARAMETER)
             rec.tag(model.buffers(), CAT_INPUT)  # as torch's memory profiler files buffers (RoPE tables)
             rec.mark(MARK_SETUP_END, -1)
@@ -188,9 +188,9 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
 
             def opt_step() -> None:
                 optimizer.step()
-                rec.tag(_state_tensors(optimizer), CAT_OPTIMIZER_STATE)
+                rec.tag(state_tensors(optimizer), CAT_OPTIMIZER_STATE)
 
-            loop = _Loop(model, opt_step, lambda: optimizer.zero_grad(set_to_none=True), rec.mark, steps, batch,
+            loop = Loop(model, opt_step, lambda: optimizer.zero_grad(set_to_none=True), rec.mark, steps, batch,
                          seq, cfg.vocab // cfg.tp, grad_accum, mixed_precision, progress, before_opt,
                          on_batch=lambda t: rec.tag([t], CAT_INPUT))
             loop.run()

@@ -1,0 +1,193 @@
+"""The layout rules of docs/engine.md, checked on the source: no import circle, the binding at
+the bottom, one vocabulary shared by Python and C, one file per policy plus one registry line."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from npu_pool import vocab
+from npu_pool._core import ffi, lib
+
+PKG = Path(__file__).resolve().parents[1] / "npu_pool"
+CSRC = PKG / "csrc"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = f
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere (functions included)."""
+    base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            b = base
+            for _ in range(max(node.level - 1, 0)):
+                b = b.rpartition(".")[0]
+            mod = (b + ("." + node.module if node.module else "")) if node.level else (node.module or "")
+            # a name that is a module of the package is that module, any other name is mod's
+            targets = [mod + "." + a.name if mod + "." + a.name in mods else mod for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        for t in targets:
+            while t and t not in mods and "." in t:
+                t = t.rpartition(".")[0]
+            if t in mods and t != name and t != "npu_pool":
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of the graph, or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str]:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        state[v] = 2
+        stack.pop()
+        return []
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+    graph = _graph()
+    assert len(graph) > 40  # the walk saw the package
+    assert _cycle(graph) == []
+
+
+def test_the_binding_is_the_bottom_layer():
+    graph = _graph()
+    # pool.py: the binding, the vocabulary and the OOM snapshot writer, which import nothing above them
+    assert graph["npu_pool.pool"] <= {"npu_pool.vocab", "npu_pool.oom"}
+    assert graph["npu_pool.vocab"] == set()
+    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab"}
+    assert graph["npu_pool.snapshot"] <= {"npu_pool.vocab"}
+    # the trace format and the recorder need nothing of the tools; the product needs no demo code
+    for name, deps in graph.items():
+        if name.startswith(("npu_pool.trace", "npu_pool.recorder")):
+            assert not {d for d in deps if d.startswith(("npu_pool.analysis", "npu_pool.planner", "npu_pool.capture",
+                                                         "npu_pool.commands"))}, name
+        # demo workloads are for capture and the demo (and the published shapes of the static estimate)
+        if not name.startswith(("npu_pool.capture", "npu_pool.commands", "npu_pool.workloads",
+                                "npu_pool.analysis.estimate")):
+            assert not {d for d in deps if d.startswith("npu_pool.workloads")}, name
+
+
+def test_no_module_reads_another_modules_private_state():
+    """``module._name`` of another package module is read nowhere (private helpers imported by
+    name, like the binding's ``_check``, are the one allowed form)."""
+    mods = _modules()
+    offenders = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> a module of the package imported under it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    if any(m.endswith("." + a.name) for m in mods):
+                        aliases[a.asname or a.name] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and node.value.id in aliases):
+                offenders.append(f"{name}: {node.value.id}.{node.attr}")
+    assert offenders == []
+
+
+def _c_enum(prefix: str) -> dict[str, int]:
+    """``NP_<prefix>_*`` constants of npu_pool.h as the compiler sees them (through the binding)."""
+    header = (CSRC / "npu_pool.h").read_text()
+    names = set(re.findall(rf"\b(NP_{prefix}_[A-Z_0-9]+)\s*=", header))
+    return {n: getattr(lib, n) for n in names}
+
+
+def test_python_and_c_share_one_vocabulary():
+    tables = [("MARK", vocab.MARK_NAMES), ("OP", vocab.OP_NAMES), ("CAT", vocab.CAT_NAMES),
+              ("HINTS", vocab.HINTS), ("EV", vocab.EVENT_NAMES), ("STAGE", vocab.STAGE_NAMES),
+              ("LIFE", vocab.LIFETIMES), ("BACKEND", vocab.BACKENDS)]
+    for prefix, names in tables:
+        codes = _c_enum(prefix)
+        assert codes[f"NP_{prefix}_COUNT"] == len(names), prefix
+        for const, code in codes.items():
+            if not const.endswith("_COUNT"):
+                assert 0 <= code < len(names), const
+    # names of the enum constants and of the vocabulary agree (NP_MARK_LAYER_ENTER <-> "layer_enter")
+    for const, code in _c_enum("MARK").items():
+        if not const.endswith("_COUNT"):
+            assert vocab.MARK_NAMES[code] == const.removeprefix("NP_MARK_").lower()
+    for const, code in _c_enum("OP").items():
+        if not const.endswith("_COUNT"):
+            assert vocab.OP_NAMES[code] == const.removeprefix("NP_OP_").lower()
+    assert vocab.ROUND == lib.NP_ROUND == 512 and vocab.SIM_PAGE == lib.NP_SIM_PAGE
+    from npu_pool.planner.plan import ALIGN
+    from npu_pool.replay import CAPACITY_STEP
+    from npu_pool.trace import format as fmt
+
+    assert ALIGN == vocab.ROUND and CAPACITY_STEP == vocab.SIM_PAGE
+    assert (fmt.MARK_NAMES, fmt.OP_NAMES, fmt.CAT_NAMES) == (vocab.MARK_NAMES, vocab.OP_NAMES, vocab.CAT_NAMES)
+    assert ffi.sizeof("np_event_info") > 0
+
+
+def test_the_stage_table_is_the_cores():
+    """Every ``<stage>_begin`` marker opens that stage and its ``_end`` closes it; the Python
+    tables (recorder, phases) are the core's."""
+    from npu_pool.analysis import phases
+    from npu_pool.recorder import _marks
+
+    for code, name in enumerate(vocab.MARK_NAMES):
+        what, _, edge = name.rpartition("_")
+        if what in vocab.STAGE_NAMES and edge == "begin":
+            assert vocab.STAGE_OPENED[code] == what
+        elif what in vocab.STAGE_NAMES and edge == "end":
+            assert vocab.STAGE_CLOSED[code] == what and code not in vocab.STAGE_OPENED
+        else:  # iteration and layer markers open and close no stage
+            assert code not in vocab.STAGE_OPENED and code not in vocab.STAGE_CLOSED
+    assert lib.np_mark_opens(vocab.MARK_LAYER_ENTER) == -1 and lib.np_mark_opens(vocab.MARK_ITER_BEGIN) == 0
+    assert lib.np_mark_opens(-1) == lib.np_mark_opens(len(vocab.MARK_NAMES)) == -1
+    assert _marks.STAGE_OF == vocab.STAGE_OPENED
+    assert phases.PhaseTracker is not None and set(_marks.END_OF) == set(vocab.STAGE_CLOSED)
+
+
+def test_a_policy_is_one_file_plus_one_registry_line():
+    registry = re.findall(r"^\s+X\((\w+)\)", (CSRC / "policies.c").read_text(), re.M)
+    files = sorted(p.stem.removeprefix("policy_") for p in CSRC.glob("policy_*.c"))
+    assert sorted(registry) == files and tuple(registry) == vocab.POLICIES
+    for src in CSRC.glob("*.[ch]"):
+        named = set(re.findall(r"np_policy_(" + "|".join(files) + r")\b", src.read_text()))
+        assert not named or src.name == f"policy_{named.pop()}.c" and not named, src.name
+    for name in vocab.POLICIES:  # the policy says what its pools are
+        assert all(vocab.POOL_NAMES[name]) and all(vocab.POOL_MEANINGS[name]) and vocab.POLICY_SUMMARIES[name]
