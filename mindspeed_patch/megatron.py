@@ -12,12 +12,24 @@ where MindSpeed-LLM re-binds them):
 - ``train_step``: iteration boundaries, the step time, and every ``NPU_POOL_LOG_EVERY``
   iterations one line per rank (allocated, reserved, peak, utilization, long/short split,
   device mallocs);
-- ``evaluate``: the eval phase (nothing made there outlives it).
+- ``train_step``: iteration boundaries numbered with Megatron's own ``iteration`` (a resumed
+  run goes on from its checkpoint's), the step time, skipped iterations (an optimizer step
+  Megatron did not apply), and every ``NPU_POOL_LOG_EVERY`` iterations one line per rank;
+- ``evaluate``: the eval phase (nothing made there outlives it);
 
-The module is patched when it is imported (an import hook waits for it), so names that
+and in ``megatron.core.pipeline_parallel.schedules`` (which the pipeline schedules call through
+module globals) ``forward_step`` and ``backward_step``: forward and backward of each
+micro-batch, whatever the schedule.
+
+A module is patched when it is imported (an import hook waits for it), so names that
 MindSpeed-LLM imports from it bind the wrapped functions; if it is already imported, the
-originals bound elsewhere are replaced too. A function missing in the installed Megatron
-gives one warning naming it, never an error.
+originals bound elsewhere are replaced too. Where MindSpeed is installed, the wrappers are
+registered through its patch manager (``mindspeed.patch_utils.MindSpeedPatchesManager``, as
+``*_wrapper`` patches): MindSpeed rebuilds a patched function from its own list each time it
+applies patches, so a wrapper it does not know would be dropped when a MindSpeed feature
+replaces ``train_step``. Registered, npu_pool's wrapper runs around whatever replacement
+MindSpeed applies, whichever of the two is imported first. A function missing in the
+installed Megatron gives one warning naming it, never an error.
 
 At exit each rank writes ``npu_pool_rank<N>.json`` into ``NPU_POOL_REPORT_DIR`` (when set);
 ``npu-pool merge DIR`` puts the ranks side by side.
@@ -41,9 +53,14 @@ from typing import Any, Callable, Mapping, Optional
 LOG_EVERY = "NPU_POOL_LOG_EVERY"
 REPORT_DIR = "NPU_POOL_REPORT_DIR"
 TARGET = "megatron.training.training"
-# modules that may hold the functions, and whether a missing function deserves a warning there
-MODULES: dict[str, bool] = {TARGET: True, "mindspeed_llm.training.training": False}
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 FUNCTIONS = ("setup_model_and_optimizer", "train_step", "evaluate")
+# modules that may hold the functions: the functions, and whether a missing one deserves a warning
+MODULES: dict[str, tuple[tuple[str, ...], bool]] = {
+    TARGET: (FUNCTIONS, True),
+    "mindspeed_llm.training.training": (FUNCTIONS, False),
+    SCHEDULES: (("forward_step", "backward_step"), True),
+}
 _WRAPPED = "__npu_pool_wrapped__"
 
 _session: Optional["_Session"] = None
@@ -74,7 +91,10 @@ class _Session:
         self.recorder = default
         self.log_every = log_every
         self.report_dir = report_dir
-        self.iterations = 0
+        self.iterations = 0                  # train_step calls of this process
+        self.iteration: Optional[int] = None  # Megatron's number of the latest one
+        self.skipped = 0                     # of them, optimizer steps Megatron did not apply
+        self._backwards = 0                  # backward steps since the iteration began
         self.step_times: list[float] = []
         self.attachments: list[Any] = []
         self.patched: dict[str, list[str]] = {}
@@ -108,7 +128,8 @@ class _Session:
         return report.build(rank=rank, world_size=world, mode=self.mode, reason=reason,
                             policy=getattr(pool, "policy", None), device=getattr(pool, "device", None),
                             iterations=self.iterations, step_times=self.step_times,
-                            recorder_summary=self.recorder.summary(), stats=stats)
+                            recorder_summary=self.recorder.summary(), stats=stats,
+                            last_iteration=self.iteration, skipped_iterations=self.skipped)
 
     def after_step(self, seconds: float) -> None:
         self.iterations += 1
@@ -118,7 +139,8 @@ class _Session:
 
             # one write per line: ranks share the terminal, and an unbuffered print() writes
             # the text and its newline separately, so lines of two ranks could interleave
-            sys.stdout.write(report.format_line(self.report(), self.iterations) + "\n")
+            it = self.iteration + 1 if self.iteration is not None else self.iterations  # Megatron counts from 1
+            sys.stdout.write(report.format_line(self.report(), it) + "\n")
             sys.stdout.flush()
 
     def write_report(self) -> Optional[str]:
@@ -159,7 +181,7 @@ class _Session:
                           RuntimeWarning, stacklevel=3)
             return
         if not att.blocks:
-            warnings.warn("npu_pool.megatron: no TransformerBlock/ParallelTransformer layers found in the model; "
+            warnings.warn("npu_pool.megatron: no TransformerBlock/MambaStack/ParallelTransformer layers found in the model; "
                           "no layer markers", RuntimeWarning, stacklevel=3)
         self.attachments.append(att)
 
@@ -169,15 +191,37 @@ class _Session:
             if self._depth:  # a wrapped train_step calling another: count the step once
                 return original(*args, **kwargs)
             self._depth += 1
+            self.iteration = _megatron_iteration(args, kwargs, self.iteration)
+            self._backwards = 0
             t0 = time.perf_counter()
             try:
-                with self.recorder.step(self.iterations):  # iterations of this process, from 0
-                    return original(*args, **kwargs)
+                with self.recorder.step(self.iteration):
+                    result = original(*args, **kwargs)
+                self.skipped += _skipped(result)
+                return result
             finally:
                 self._depth -= 1
                 self.after_step(time.perf_counter() - t0)
 
         return train_step
+
+    def forward_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            micro = kwargs.get("current_microbatch", args[11] if len(args) > 11 else None)
+            with self.recorder.phase("forward", micro if isinstance(micro, int) else -1):
+                return original(*args, **kwargs)
+
+        return forward_step
+
+    def backward_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def backward_step(*args: Any, **kwargs: Any) -> Any:
+            micro, self._backwards = self._backwards, self._backwards + 1  # schedules run backwards in order
+            with self.recorder.phase("backward", micro):
+                return original(*args, **kwargs)
+
+        return backward_step
 
     def evaluate(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -195,26 +239,98 @@ def _why_no_device() -> str:
             "or install() failed: see the warning from mindspeed_patch)")
 
 
-def _patch_module(module: ModuleType, warn_missing: bool) -> list[str]:
+def _megatron_iteration(args: tuple, kwargs: dict, previous: Optional[int]) -> int:
+    """Megatron's number of the iteration a ``train_step`` call runs: its ``iteration``
+    argument (Megatron-LM >= 0.13), else ``args.curr_iteration``, else one more than the last."""
+    it = kwargs.get("iteration", args[7] if len(args) > 7 else None)
+    if not isinstance(it, int) or isinstance(it, bool):
+        try:
+            from megatron.training.global_vars import get_args
+
+            it = getattr(get_args(), "curr_iteration", None)
+        except Exception:  # no Megatron args (a stand-in, or set up another way)
+            it = None
+    if isinstance(it, int) and not isinstance(it, bool) and it >= 0:
+        return it
+    return 0 if previous is None else previous + 1
+
+
+def _skipped(result: Any) -> int:
+    """1 when ``train_step`` says it skipped the optimizer step (its second value), else 0."""
+    if isinstance(result, tuple) and len(result) > 1 and isinstance(result[1], int) and not isinstance(result[1], bool):
+        return 1 if result[1] else 0
+    return 0
+
+
+def _maker(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The session's wrapper of function ``name``, flagged so it is never applied twice."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(original, _WRAPPED, False):
+            return original
+        assert _session is not None
+        wrapped = getattr(_session, "setup" if name == "setup_model_and_optimizer" else name)(original)
+        setattr(wrapped, _WRAPPED, True)
+        return wrapped
+
+    return make
+
+
+def _mindspeed_manager() -> Any:
+    """MindSpeed's patch manager when MindSpeed is installed, else None."""
+    if "mindspeed.patch_utils" not in sys.modules:
+        import importlib.util
+
+        try:
+            if importlib.util.find_spec("mindspeed") is None:
+                return None
+        except (ImportError, ValueError):
+            return None
+    try:
+        from mindspeed.patch_utils import MindSpeedPatchesManager
+    except Exception:  # an incompatible MindSpeed: patch directly
+        return None
+    return MindSpeedPatchesManager
+
+
+# (module, function) -> the registered wrapper: MindSpeed keeps each wrapper once, by identity
+_registered: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _register_with_mindspeed(manager: Any, module: ModuleType, name: str) -> None:
+    """Register our wrapper of ``module.name`` as a MindSpeed ``*_wrapper`` patch and apply it:
+    MindSpeed then puts it around every replacement it applies, now or later."""
+    key = (module.__name__, name)
+    if key not in _registered:
+        make = _maker(name)
+
+        def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            return make(original)
+
+        wrapper.__name__ = wrapper.__qualname__ = f"npu_pool_{name}_wrapper"  # MindSpeed's wrapper rule
+        _registered[key] = wrapper
+    full = f"{module.__name__}.{name}"
+    manager.register_patch(full, _registered[key])
+    manager.patches_info[full].apply_patch()
+
+
+def _patch_module(module: ModuleType, functions: tuple[str, ...], warn_missing: bool) -> list[str]:
     """Wrap the functions ``module`` has; returns their names."""
     assert _session is not None
     done = []
-    makers = {"setup_model_and_optimizer": _session.setup, "train_step": _session.train_step,
-              "evaluate": _session.evaluate}
-    for name in FUNCTIONS:
+    manager = _mindspeed_manager()
+    for name in functions:
         original = getattr(module, name, None)
         if original is None or not callable(original):
             if warn_missing:
                 warnings.warn(f"npu_pool.megatron: {module.__name__}.{name} not found in this Megatron/MindSpeed "
                               f"version; {_CONSEQUENCE[name]}", RuntimeWarning, stacklevel=2)
             continue
-        if getattr(original, _WRAPPED, False):
-            done.append(name)
-            continue
-        wrapped = makers[name](original)
-        setattr(wrapped, _WRAPPED, True)
-        setattr(module, name, wrapped)
-        _rebind(original, wrapped, name)
+        if manager is not None:
+            _register_with_mindspeed(manager, module, name)
+        elif not getattr(original, _WRAPPED, False):
+            wrapped = _maker(name)(original)
+            setattr(module, name, wrapped)
+            _rebind(original, wrapped, name)
         done.append(name)
     _session.patched[module.__name__] = done
     return done
@@ -225,6 +341,8 @@ _CONSEQUENCE = {
                                  "(call npu_pool.recorder.attach(model, optimizer) after building them)",
     "train_step": "no iteration markers, no per-iteration line and no step times",
     "evaluate": "evaluation runs are not marked (their tensors may be learned as training ones)",
+    "forward_step": "no forward marker per micro-batch from the pipeline schedules",
+    "backward_step": "no backward marker per micro-batch from the pipeline schedules",
 }
 
 
@@ -241,8 +359,8 @@ def _rebind(original: Any, wrapped: Any, name: str) -> None:
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches a module right after it is first imported (before anyone binds its names)."""
 
-    def __init__(self, name: str, warn_missing: bool):
-        self.name, self.warn_missing = name, warn_missing
+    def __init__(self, name: str, functions: tuple[str, ...], warn_missing: bool):
+        self.name, self.functions, self.warn_missing = name, functions, warn_missing
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != self.name:
@@ -265,7 +383,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
                 _remove_finder(finder)
-                _patch_module(module, finder.warn_missing)
+                _patch_module(module, finder.functions, finder.warn_missing)
 
         spec.loader = _Loader()
         return spec
@@ -292,11 +410,11 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
         _session.log_every, _session.report_dir = log_every, report_dir
         return True
     _session = _Session(log_every, report_dir)
-    for name, warn in MODULES.items():
+    for name, (functions, warn) in MODULES.items():
         if name in sys.modules:
-            _patch_module(sys.modules[name], warn)
+            _patch_module(sys.modules[name], functions, warn)
         elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
-            sys.meta_path.insert(0, _PatchOnImport(name, warn))
+            sys.meta_path.insert(0, _PatchOnImport(name, functions, warn))
     atexit.register(_at_exit)
     return True
 

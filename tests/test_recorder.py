@@ -273,6 +273,10 @@ def test_find_blocks_megatron_stacks_and_fallbacks() -> None:
 
     found = recorder.find_blocks([Wrapped()])
     assert [i for i, _ in found] == [4, 5] and all(isinstance(b, Layer) for _, b in found)
+    for name in ("MambaStack", "HybridStack"):  # Megatron's hybrid stacks, mixed layer classes in .layers
+        stack = type(name, (torch.nn.Module,), {})()
+        stack.layers = torch.nn.ModuleList([Layer(1), torch.nn.Linear(4, 4), Layer(3)])
+        assert [i for i, _ in recorder.find_blocks(stack)] == [0, 1, 2]
     assert [i for i, _ in recorder.find_blocks(_gpt(layers=2))] == [0, 1]
     with pytest.warns(RuntimeWarning, match="no repeated blocks"):
         h = recorder.attach(torch.nn.Linear(2, 2), recorder=Recorder([]))

@@ -1,4 +1,5 @@
-"""Megatron-core models on CPU, for the recorder's tests and benchmarks.
+"""Megatron-core models on CPU, for the recorder's tests and benchmarks (and the tests that drive
+the real Megatron-LM training functions, tests/megatron_real.py).
 
 megatron-core (``pip install megatron-core``) builds and trains its ``GPTModel``
 (``TransformerBlock`` of ``TransformerLayer``, local layer spec) on CPU after two shims:
@@ -96,122 +97,18 @@ def loss(model: torch.nn.Module, b: dict[str, Any]) -> torch.Tensor:
     return out.float().mean()
 
 
-# Megatron-LM's training module is not on PyPI (megatron-core is): tests and demos use this
-# stand-in with the same names, signatures and call structure (pretrain ->
-# setup_model_and_optimizer; train -> train_step per iteration and evaluate every
-# eval_interval, both looked up as module globals as Megatron does). It trains whatever the
-# model provider builds (megatron-core's GPTModel on CPU in the tests), data parallel through
-# torch DDP (gloo) under torchrun; it needs only torch.
-TRAINING_STANDIN = '''"""Stand-in for Megatron-LM's megatron/training/training.py (see npu_pool.recorder._mcore_cpu)."""
-import torch
-
-
-class MegatronOptimizer:
-    """Megatron-style optimizer wrapper: step() returns (update_successful, grad_norm, num_zeros)."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self):
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0)) if params else 0.0
-        self.optimizer.step()
-        return True, grad_norm, 0
-
-
-def get_model(model_provider_func, model_type=None, wrap_with_ddp=True):
-    model = model_provider_func()
-    if wrap_with_ddp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    return [model]
-
-
-def setup_model_and_optimizer(model_provider_func, model_type=None, no_wd_decay_cond=None, scale_lr_cond=None,
-                              lr_mult=1.0, checkpointing_context=None):
-    model = get_model(model_provider_func, model_type)
-    params = [p for m in model for p in m.parameters()]
-    optimizer = MegatronOptimizer(torch.optim.AdamW(params, lr=1e-3, foreach=True))
-    return model, optimizer, None
-
-
-def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches, forward_only=False):
-    losses = []
-    for _ in range(num_microbatches):
-        output, loss_func = forward_step_func(data_iterator, model[0])
-        loss, stats = loss_func(output)
-        if not forward_only:
-            (loss / num_microbatches).backward()
-        losses.append(stats)
-    return losses
-
-
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
-    optimizer.zero_grad()
-    losses = forward_backward_no_pipelining(forward_step_func, data_iterator, model, config["num_microbatches"])
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    loss = sum(float(s["lm loss"]) for s in losses) / len(losses)
-    return {"lm loss": loss}, not update_successful, False, False, 0, grad_norm, num_zeros_in_grad
-
-
-def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False,
-             non_loss_data_func=None):
-    for m in model:
-        m.eval()
-    with torch.no_grad():
-        losses = forward_backward_no_pipelining(forward_step_func, data_iterator, model, config["eval_iters"],
-                                                forward_only=True)
-    for m in model:
-        m.train()
-    return {"lm loss": sum(float(s["lm loss"]) for s in losses) / len(losses)}, None, False
-
-
-def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
-          process_non_loss_data_func, config):
-    iteration = 0
-    while iteration < config["train_iters"]:
-        train_step(forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
-        iteration += 1
-        if config.get("eval_interval") and iteration % config["eval_interval"] == 0:
-            evaluate(forward_step_func, valid_data_iterator, model, process_non_loss_data_func, config)
-    return iteration
-
-
-def pretrain(model_provider, forward_step_func, data_iterator, config):
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, None)
-    return train(forward_step_func, model, optimizer, opt_param_scheduler, data_iterator, data_iterator, None,
-                 config), model, optimizer
-'''
-
-
-def write_training_standin(root: "os.PathLike[str] | str", *, without: tuple[str, ...] = ()) -> str:
-    """Write the stand-in as ``<root>/megatron/training/training.py`` (``megatron`` stays the
-    namespace package megatron-core installs) and return ``root`` for ``sys.path``.
-    ``without``: function names to leave out (a Megatron version that lacks them)."""
-    from pathlib import Path
-
-    pkg = Path(root) / "megatron" / "training"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").write_text("")
-    text = TRAINING_STANDIN
-    for name in without:
-        text = text.replace(f"\ndef {name}(", f"\ndef _removed_{name}(")
-    (pkg / "training.py").write_text(text)
-    return str(root)
-
-
 def forward_step(vocab: int, seq: int, batch_size: int) -> Any:
-    """Megatron's ``forward_step(data_iterator, model) -> (output, loss_func)`` for GPTModel."""
+    """Megatron's ``forward_step(data_iterator, model) -> (output, loss_func)`` for GPTModel, its
+    loss function as Megatron-LM's ``pretrain_gpt.py`` writes it: the summed per-token losses,
+    the token count, and both for reporting (which ``train_step`` reduces across data-parallel ranks)."""
     def step(data_iterator: Any, model: torch.nn.Module) -> Any:
         b = next(data_iterator)
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
 
         def loss_func(output: torch.Tensor) -> Any:
-            loss = output.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            loss = output.float().sum()
+            tokens = torch.tensor(output.numel(), dtype=torch.int)
+            return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
         return out, loss_func
 

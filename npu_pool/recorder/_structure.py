@@ -23,9 +23,10 @@ from ._marks import (MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_EVAL_BEGIN, MA
                      MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END)
 from ._recorder import Recorder, default
 
-# Containers of repeated layers: Megatron-core's TransformerBlock and legacy Megatron's
-# ParallelTransformer keep them in ``.layers``.
-_STACKS = ("TransformerBlock", "ParallelTransformer")
+# Containers of repeated layers, which keep them in ``.layers``: Megatron-core's
+# TransformerBlock, its hybrid stacks (MambaStack; HybridStack in newer Megatron) and legacy
+# Megatron's ParallelTransformer.
+_STACKS = ("TransformerBlock", "MambaStack", "HybridStack", "ParallelTransformer")
 _ATTR = "_npu_pool_grad_marks"
 # order of markers that fire on the same gradient: backward begin, then layer exits, then enters
 _ORDER = {MARK_BACKWARD_BEGIN: 0, MARK_LAYER_EXIT: 1, MARK_LAYER_ENTER: 2}

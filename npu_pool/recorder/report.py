@@ -183,12 +183,15 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
 
 def build(*, rank: int, world_size: int, mode: str, reason: str, policy: Optional[str], device: Optional[int],
           iterations: int, step_times: list[float], recorder_summary: dict[str, Any],
-          stats: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Assemble one rank's report."""
+          stats: Optional[dict[str, Any]], last_iteration: Optional[int] = None,
+          skipped_iterations: int = 0) -> dict[str, Any]:
+    """Assemble one rank's report (``last_iteration``: the training loop's own number of the
+    latest iteration, e.g. Megatron's, which a resumed run continues)."""
     steps = step_times
     return {
         "version": VERSION, "rank": rank, "world_size": world_size, "host": socket.gethostname(), "pid": os.getpid(),
         "mode": mode, "reason": reason, "policy": policy, "device": device, "iterations": iterations,
+        "last_iteration": last_iteration, "skipped_iterations": skipped_iterations,
         "step_seconds": {"mean": sum(steps) / len(steps), "max": max(steps), "last": steps[-1]} if steps else {},
         "phase_seconds": recorder_summary.get("seconds", {}), "marks": recorder_summary.get("marks", 0),
         "host_peak_rss_bytes": host_peak_rss(),

@@ -1,0 +1,42 @@
+"""``npu-pool merge`` of rank reports: bad input, device-mode imbalance. The two-rank torchrun
+run over the real Megatron-LM train_step is in tests/test_megatron_real.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from npu_pool.cli import main
+
+
+def test_merge_rejects_missing_and_bad_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["merge", str(tmp_path)]) == 1
+    assert "no rank reports" in capsys.readouterr().err
+    (tmp_path / "npu_pool_rank0.json").write_text("{not json")
+    assert main(["merge", str(tmp_path)]) == 1
+    assert "npu_pool_rank0.json: not a readable npu_pool rank report" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path / "absent")]) == 1
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_merge_table_reports_device_imbalance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Device-mode reports (as a GPU/NPU run writes them): the rank with the highest peak is named."""
+    from npu_pool.recorder import report
+
+    GiB = 1 << 30
+    for rank, peak in enumerate((10 * GiB, 13 * GiB, 11 * GiB)):
+        mem = {"allocated_bytes": peak // 2, "reserved_bytes": peak, "peak_allocated_bytes": peak * 9 // 10,
+               "peak_reserved_bytes": peak, "utilization": 0.9,
+               "pools": {"long": {"allocated_bytes": GiB, "reserved_bytes": 2 * GiB},
+                         "short": {"allocated_bytes": GiB, "reserved_bytes": peak - 2 * GiB}},
+               "device_mallocs": 3 + rank, "device_frees": 0, "ooms": 0, "retries": 0, "trims": 0}
+        rep = {"version": report.VERSION, "rank": rank, "world_size": 4, "mode": "device", "iterations": 5,
+               "step_seconds": {"mean": 1.0 + rank / 10}, "host_peak_rss_bytes": GiB, "memory": mem}
+        (tmp_path / f"npu_pool_rank{rank}.json").write_text(json.dumps(rep))
+    assert main(["merge", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak reserved   max 13.00 GiB on rank 1, min 10.00 GiB on rank 0, spread 26.5%" in out
+    assert "warning: 3 reports for a world of 4 ranks (missing: [3])" in out
+    row1 = next(ln.split() for ln in out.splitlines() if ln.split()[:2] == ["1", "device"])
+    assert row1[4:10] == ["11.70", "13.00", "90.0%", "2.00", "11.00", "4"]
