@@ -371,8 +371,14 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
             raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
         from .planner.runtime import install as install_plan
 
-        for p in inst.pools.values():
-            install_plan(p, settings.plan)
+        used = [install_plan(p, settings.plan) for p in inst.pools.values()]
+        if not all(used):
+            from .planner import load_plan
+
+            why = load_plan(settings.plan).meta.get("online", "")
+            warnings.warn(f"{config.PLAN}={settings.plan}: the planner found this plan worse than the online pool "
+                          f"({why}); the planned policy serves every request online, as npu_pool",
+                          RuntimeWarning, stacklevel=2)
     return dict(inst.pools)
 
 

@@ -381,7 +381,7 @@ def _replay_by_hand(t: Trace, plan: Plan, check_every: int = 97, **kw) -> Pool:
 @pytest.mark.parametrize("batch_first", [True, False])  # False: iterations start after another marker
 def test_steady_iterations_are_served_entirely_from_the_plan(batch_first):
     t = training(iters=4, batch_first=batch_first)
-    plan = make_plan(t)
+    plan = make_plan(t, check=False)  # the policy's mechanics, whether or not the plan beats the online pool
     pool = _replay_by_hand(t, plan)
     c = counts(pool)
     per_iter = allocs_per_iteration(t)
@@ -399,7 +399,7 @@ def test_steady_iterations_are_served_entirely_from_the_plan(batch_first):
 
 @pytest.mark.parametrize("change", [dict(eval_after=1), dict(scale_from=2)])
 def test_a_trace_that_changes_shape_falls_back_and_stays_correct(change):
-    plan = make_plan(training(iters=4))
+    plan = make_plan(training(iters=4), check=False)
     t = training(iters=5, **change)
     run = replay.run(t, "planned", plan=plan)
     assert run.ok
@@ -410,7 +410,7 @@ def test_a_trace_that_changes_shape_falls_back_and_stays_correct(change):
 
 
 def test_dynamic_sizes_go_to_idle_ranges_of_the_plan():
-    plan = make_plan(training(iters=3, experts=2, seed=3))
+    plan = make_plan(training(iters=3, experts=2, seed=3), check=False)
     t = training(iters=6, experts=2, seed=3)  # the same run, longer: routing differs every step
     run = replay.run(t, "planned", plan=plan)
     assert run.ok
@@ -437,7 +437,7 @@ def test_planned_policy_minimum_capacity_beats_torch(captured):
 
 def test_plans_only_install_on_planned_pools():
     with Pool("npu_pool") as pool, pytest.raises(Exception, match="not planned"):
-        install(pool, make_plan(training(iters=2)))
+        install(pool, make_plan(training(iters=2), check=False))
     with Pool("planned") as pool:  # without a plan it is the npu_pool policy
         a = pool.malloc(MiB)
         pool.free(a)
@@ -456,3 +456,47 @@ def test_cli_plan_then_replay(tmp_path, capsys):
     assert "planned" in capsys.readouterr().out
     assert main(["plan", "--check", str(trace)]) == 1
     assert "trace, not a plan" in capsys.readouterr().err
+
+
+# -- never worse than the online pool ---------------------------------------------------------
+def _never_worse(t, name: str = "") -> None:
+    """The planned replay of ``t`` (with the plan made from it, as `npu-pool replay` does) reserves
+    no more than npu_pool and needs no more retries on npu_pool's device."""
+    plan = make_plan(t, name)
+    on, pl = replay.run(t, "npu_pool"), replay.run(t, "planned", plan=plan)
+    assert pl.peak_reserved_bytes <= on.peak_reserved_bytes, (name, plan.meta)
+    cap = on.peak_reserved_bytes
+    tight = replay.run(t, "planned", cap, plan=plan)
+    assert tight.ok and tight.retries <= replay.run(t, "npu_pool", cap).retries, name
+    if plan.meta.get("online"):  # the plan installs nothing: exactly the online pool
+        assert pl.peak_reserved_bytes == on.peak_reserved_bytes and pl.stats["plan"]["served"] == 0
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(markers=False, iters=5), dict(iters=1), dict(experts=2),
+                                dict(eval_after=1, iters=4)])
+def test_planned_is_never_worse_than_online_on_synthetic_traces(kw):
+    _never_worse(training(**kw))
+
+
+def test_planned_is_never_worse_than_online_on_the_shared_traces(shared_traces):
+    for path in sorted(shared_traces.glob("*.pickle")):
+        for name, t in open_traces(path):
+            _never_worse(t, name)
+
+
+def test_a_plan_worse_than_online_runs_online_and_says_why():
+    from npu_pool.planner.check import compare_online
+    from npu_pool.planner.plan import Plan
+
+    t = training()
+    good = make_plan(t)
+    assert not good.meta.get("online") and good.meta["replay_counts"]["served"] > 0
+    assert good.meta["replay_reserved_bytes"] <= good.meta["online_reserved_bytes"]
+    # the same plan over a region 1 GiB larger than it needs reserves more than the online pool
+    bloated = Plan(good.size, good.offset, good.end, good.region + (1 << 30), good.loop, good.flags, dict(good.meta))
+    worse = compare_online(t, bloated)["worse"]
+    assert worse and "the online pool" in worse[0]
+    bloated.meta["online"] = "; ".join(worse)
+    with Pool("planned") as pool:
+        assert install(pool, bloated) is False and pool.plan_counts()["served"] == 0
+    assert replay.run(t, "planned", plan=bloated).peak_reserved_bytes == replay.run(t, "npu_pool").peak_reserved_bytes

@@ -39,6 +39,16 @@ def _summary(meta: dict) -> str:
             ("outside plan", f"{meta['outside_peak_bytes'] / GiB:.3f} GiB (held by the fallback)"),
             ("planned peak", f"{meta['planned_peak_bytes'] / GiB:.3f} GiB = {meta['ratio']:.4f} x peak live"),
             ("time", f"{meta.get('seconds', 0):.2f} s")]
+    if "online_reserved_bytes" in meta:
+        c = meta.get("replay_counts", {})
+        rows.insert(-1, ("replayed", f"{meta['replay_reserved_bytes'] / GiB:.3f} GiB reserved with the plan, "
+                                     f"{meta['online_reserved_bytes'] / GiB:.3f} GiB online (npu_pool); requests "
+                                     f"served by the plan {c.get('served', 0)}, in idle ranges {c.get('idle', 0)}, "
+                                     f"fallen back {c.get('fallback', 0)}"))
+    if meta.get("online"):
+        rows.insert(-1, ("runs online", f"the plan is worse than the online pool on this trace ({meta['online']}): "
+                                         "installing it installs nothing, the planned policy serves every "
+                                         "request as npu_pool does"))
     return "\n".join(f"{k:13} {v}" for k, v in rows)
 
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(named)
     policies = policies_from(args.policy)
-    results = []
+    results, online = [], []
     for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
         for policy in policies:
             plan = None
@@ -70,9 +70,13 @@ def run(args: argparse.Namespace) -> int:
                 from ..planner import make_plan
 
                 plan = args.plan or make_plan(trace, name)
+                if not args.plan and plan.meta.get("online"):
+                    online.append(f"planned on {name}: runs online (the plan {plan.meta['online']})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan))
     print(format_table(results))
+    for line in online:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.as_dict() for r in results], f, indent=1)

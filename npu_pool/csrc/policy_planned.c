@@ -247,8 +247,10 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   if (st->in_setup && !setup) st->n_recent = 0; /* set-up's sizes are no part of any iteration's pattern */
   st->in_setup = setup;
   st->recent[st->n_recent++ % NP_PLAN_GRAM] = req;
-  if (!p->loop && ctx->marks.any && ctx->marks.code == NP_MARK_OPTIMIZER_BEGIN && ctx->marks.optimizer_steps == 1) {
-    lose_track(st); /* the first optimizer step creates the optimizer states; without a prologue that */
+  if (!p->loop && !(st->flags & NP_PLAN_AT_START) && ctx->marks.any && ctx->marks.code == NP_MARK_OPTIMIZER_BEGIN &&
+      ctx->marks.optimizer_steps == 1) {
+    lose_track(st); /* the first optimizer step creates the optimizer states; unless the plan starts at the
+                     * run's first request, or has a prologue, that */
     return NP_PLAN_NONE; /* plans them, none of them into the region (they would hold body ranges for good) */
   }
   if (setup) {

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from ..trace.format import Trace
 from ..trace.stats import fingerprint
+from .check import ONLINE, compare_online
 from .iteration import find_window
 from .lifetimes import build_layout
 from .place import ORDERS, Rects, place
@@ -16,8 +17,10 @@ from .verify import verify_rects
 __all__ = ["make_plan"]
 
 
-def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS)) -> Plan:
-    """Plan the steady iteration of ``trace``; the plan is verified overlap-free.
+def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS), *, check: bool = True) -> Plan:
+    """Plan the steady iteration of ``trace``; the plan is verified overlap-free and (``check``)
+    compared with the online pool on ``trace``: a plan that would be worse runs online
+    (``meta["online"]`` says why; :mod:`.check`).
 
     ``meta`` records the window and the figures: ``peak_live_bytes`` (the window's peak
     of live requested bytes, everything included: the lower bound), ``region_bytes``,
@@ -54,4 +57,12 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
         "ratio": planned_peak / lay.peak_live if lay.peak_live else 1.0,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    return Plan(lay.size, offset, lay.end, placed.peak, lay.loop, w.flags, meta)
+    plan = Plan(lay.size, offset, lay.end, placed.peak, lay.loop, w.flags, meta)
+    if check:
+        cmp = compare_online(trace, plan)
+        meta.update(replay_reserved_bytes=cmp["planned_reserved_bytes"],
+                    online_reserved_bytes=cmp["online_reserved_bytes"], replay_counts=cmp["plan_counts"])
+        if cmp["worse"]:
+            meta[ONLINE] = "; ".join(cmp["worse"])
+        meta["seconds"] = round(time.perf_counter() - t0, 3)
+    return plan

@@ -8,9 +8,12 @@ from typing import Any
 from ..vocab import ROUND
 from .lifetimes import NONE
 
-__all__ = ["ALIGN", "NONE", "Plan", "PlanError", "aligned", "span"]
+__all__ = ["ALIGN", "NONE", "ONLINE", "Plan", "PlanError", "aligned", "span"]
 
 ALIGN = ROUND  # the core's block granularity: planned sizes round up to it, offsets are multiples of it
+
+
+ONLINE = "online"  # plan.meta key: why the plan runs online (absent: the plan is used; see check.py)
 
 
 class PlanError(ValueError):

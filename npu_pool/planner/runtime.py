@@ -7,7 +7,7 @@ from typing import Any, Union
 
 from ..trace.format import Trace
 from ..trace.stats import alloc_sizes, contains, fingerprint
-from .plan import Plan, PlanError
+from .plan import ONLINE, Plan, PlanError
 from .planfile import load_plan
 
 __all__ = ["COUNTS", "ENV", "as_plan", "install", "remove", "counts", "plan_from_env", "check_made_for"]
@@ -34,12 +34,19 @@ def check_made_for(plan: Plan, trace: Trace, name: str = "the trace") -> None:
                         f"iteration {name} never runs: make a plan from it with `npu-pool plan`")
 
 
-def install(pool: Any, plan: PlanLike) -> None:
-    """Install ``plan`` (a Plan or a plan file) on ``pool``, whose policy must be ``"planned"``.
+def install(pool: Any, plan: PlanLike) -> bool:
+    """Install ``plan`` (a Plan or a plan file) on ``pool``, whose policy must be ``"planned"``;
+    returns whether it did. A plan the planner found worse than the online pool (``meta["online"]``)
+    installs nothing: the planned policy then serves every request online, as npu_pool.
     Install before the first allocation: the region is reserved at the first planned request,
     and the fallback arena (when the device has no virtual-memory API) is sized to leave room."""
     p = as_plan(plan)
+    if p.meta.get(ONLINE):
+        if getattr(pool, "policy", "planned") != "planned":
+            raise PlanError(f"a plan installs on a 'planned' pool; this pool's policy is {pool.policy!r}, not planned")
+        return False
     pool.set_plan(p.size, p.offset, p.end, p.loop, p.region, p.flags)
+    return True
 
 
 def remove(pool: Any) -> None:

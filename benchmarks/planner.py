@@ -1,0 +1,115 @@
+"""Planned mode against the online pool: write docs/planner_results.md.
+
+    python benchmarks/planner.py [--shared ../shared/traces] [--no-captures] [--out docs/planner_results.md]
+
+For fake captures of 7B/13B shapes (gpt, llama, moe; 2 and 3 steps; recompute; gradient
+accumulation; tensor- and pipeline-parallel slices; no real memory, see
+``npu_pool.capture.fake_capture``) and the shared traces, each planned from itself as
+``npu-pool plan`` does: peak live (the lower bound); peak reserved of torch, npu_pool and
+planned (the plan as the planner keeps it: a plan worse than the online pool runs online)
+and of the plan installed regardless ("plan as made"); the plan's served / idle-range /
+fallback counts; the planned policy's minimum capacity and its release-and-retry events
+there; planning time. Every figure comes from this script.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from npu_pool.planner import make_plan  # noqa: E402
+from npu_pool.progress import progress  # noqa: E402
+from npu_pool.replay import min_capacity, run  # noqa: E402
+
+GiB = float(1 << 30)
+# (name, fake_capture arguments): one rank of a 7B/13B training run, sequence 2048 unless said
+CAPTURES: list[tuple[str, dict[str, Any]]] = [
+    ("gpt-7b 2 steps", dict(model_name="gpt", shape="7b", steps=2)),
+    ("gpt-7b 3 steps", dict(model_name="gpt", shape="7b", steps=3)),
+    ("llama-7b 3 steps recompute", dict(model_name="llama", shape="7b", steps=3, recompute=True)),
+    ("llama-7b 2 steps accum 2", dict(model_name="llama", shape="7b", steps=2, grad_accum=2)),
+    ("llama-13b 2 steps tp 2", dict(model_name="llama", shape="13b", steps=2, tp=2)),
+    ("llama-13b 3 steps tp 2 pp 4", dict(model_name="llama", shape="13b", steps=3, tp=2, pp=4)),
+    ("moe-7b 3 steps", dict(model_name="moe", shape="7b", steps=3, seq=1024)),
+]
+
+
+def collect(shared: Path | None, captures: bool) -> list[tuple[str, Any]]:
+    named: list[tuple[str, Any]] = []
+    if shared is not None and shared.is_dir():
+        from npu_pool.trace.files import open_traces
+
+        for p in sorted(shared.glob("*.pickle")):
+            named.extend(open_traces(p))
+    if captures:
+        from npu_pool.capture import fake_capture
+
+        for name, kw in progress(CAPTURES, desc="capture", unit="trace"):
+            named.append((name, fake_capture(progress=False, **kw)))
+    return named
+
+
+def measure(name: str, trace: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    plan = make_plan(trace, name)
+    plan_s = time.perf_counter() - t0
+    torch_r, online = run(trace, "torch"), run(trace, "npu_pool")
+    planned = run(trace, "planned", plan=plan)
+    cap, at_cap = min_capacity(trace, "planned", plan=plan)
+    m = plan.meta
+    return dict(trace=name, live=online.peak_live_bytes, torch=torch_r.peak_reserved_bytes,
+                npu_pool=online.peak_reserved_bytes, planned=planned.peak_reserved_bytes,
+                as_made=m["replay_reserved_bytes"], counts=m["replay_counts"], online=m.get("online", ""),
+                min_cap=cap, retries=at_cap.retries, plan_s=plan_s, window=m["method"], positions=m["positions"])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| trace | iteration | peak live GiB | torch | npu_pool | planned | plan as made | served / idle / "
+            "fallback | planned min cap GiB | retries there | plan s |")
+    out = [head, "|" + "---|" * 11]
+    for r in rows:
+        c = r["counts"]
+        ratio = lambda k: f"{r[k] / r['live']:.4f}" if r["live"] else "-"  # noqa: E731
+        flag = " (online)" if r["online"] else ""
+        out.append(f"| {r['trace']} | {r['window']}, {r['positions']} | {r['live'] / GiB:.3f} | {ratio('torch')} | "
+                   f"{ratio('npu_pool')} | **{ratio('planned')}**{flag} | {ratio('as_made')} | "
+                   f"{c.get('served', 0)} / {c.get('idle', 0)} / {c.get('fallback', 0)} | {r['min_cap'] / GiB:.3f} | "
+                   f"{r['retries']} | {r['plan_s']:.2f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "traces")
+    ap.add_argument("--no-captures", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "planner_results.md")
+    a = ap.parse_args()
+    rows = [measure(n, t) for n, t in progress(collect(a.shared, not a.no_captures), desc="plan", unit="trace")]
+    never_worse = all(r["planned"] <= r["npu_pool"] for r in rows)
+    online = [r for r in rows if r["online"]]
+    text = f"""# Planned mode against the online pool (generated)
+
+Written by `python benchmarks/planner.py` on {time.strftime('%Y-%m-%d')} ({platform.machine()},
+Python {platform.python_version()}); do not edit by hand. Peak reserved bytes over peak live bytes of a full
+replay on the simulated device (hints `markers`), each trace planned from itself (`npu-pool plan`). "planned"
+is the plan as the planner keeps it: a plan that would reserve more than the online pool, or fail or retry
+on the device the online pool needs, runs online (marked "(online)"; the planned policy is then the npu_pool
+policy). "plan as made" installs the plan regardless. Counts are the plan as made.
+
+{table(rows)}
+
+Planned reserves no more than npu_pool on every trace: **{never_worse}**. Plans kept online:
+{len(online)} of {len(rows)}{''.join(f'; {r["trace"]}: {r["online"]}' for r in online)}.
+"""
+    a.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
