@@ -438,3 +438,38 @@ def test_estimate_command_against_a_capture(captured, tmp_path, capsys):
 
 
 # -- OOM snapshots ----------------------------------------------------------------------------------------------
+
+
+# -- categories from recorded Python frames (imported snapshots) -------------------------------
+def test_frame_kind_reads_the_innermost_frame_that_says():
+    k = breakdown.frame_kind
+    assert k("torch/nn/modules/linear.py:105:reset_parameters < model.py:10:__init__") == "setup"
+    assert k("einops/_backends.py:291:einsum < model.py:39:forward < train.py:5:main") == "forward"
+    assert k("torch/autograd/__init__.py:347:backward < torch/_tensor.py:648:backward") == "backward"
+    assert k("torch/optim/adamw.py:500:_multi_tensor_adamw < torch/optim/adamw.py:230:step") == "optimizer"
+    assert k("cs336_basics/optimizer.py:71:step < train.py:145:main") == "optimizer"
+    assert k("train.py:144:main < train.py:249:<module>") is None and k("Linear:aten::linear") is None
+
+
+def test_an_imported_trace_without_categories_is_classified_from_its_frames():
+    sites = ["torch/nn/modules/linear.py:105:reset_parameters", "model.py:39:forward",
+             "torch/autograd/__init__.py:347:backward", "torch/optim/adamw.py:230:step", "train.py:9:main"]
+    t = Trace(meta={"origin": "imported", "sites": sites})
+    plan = [(0, 4 * MiB, 0), (1, 2 * MiB, 1), (2, 1 * MiB, 1), ("free", 2), (3, 3 * MiB, 2), (4, 1 * MiB, 2),
+            ("free", 4), ("free", 1), (5, 8 * MiB, 3), (6, 5 * MiB, 4)]
+    sizes = {}
+    for step in plan:
+        if step[0] == "free":
+            i = step[1]
+            t.append(OP_FREE, id=i, size=sizes[i][0], site=sizes[i][1])
+        else:
+            i, size, site = step
+            sizes[i] = (size, site)
+            t.append(OP_ALLOC, id=i, size=size, site=site)
+    p = breakdown.profile_trace(t)
+    assert p.category_source == "frames"
+    # weights 4, activation 2 (kept into backward), gradient 3, optimizer state 8, unknown 5; the
+    # forward temporary (1 MiB) and the backward temporary (1 MiB) died in their stretch
+    assert p.at_peak == {"weights": 4 * MiB, "gradients": 3 * MiB, "optimizer_states": 8 * MiB, "activations": 0,
+                         "temporaries": 0, "other": 0, "unknown": 5 * MiB}
+    assert p.group_max["activations"] == 2 * MiB and p.group_max["temporaries"] == 1 * MiB

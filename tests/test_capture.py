@@ -321,16 +321,6 @@ def test_cli_rejects_fake_without_shape(capsys: pytest.CaptureFixture) -> None:
     assert "--shape" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
-@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
-def test_hf_models(name: str) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    t = capture(name, 1, 2, 16, layers=1, dim=32, heads=2, vocab=128, progress=False)
-    t.validate()
-    _check_marker_grammar(t, steps=1, micro=1, layers=1)
-    assert _allocs(t, CAT_PARAMETER) and _allocs(t, CAT_OPTIMIZER_STATE)
-
-
 def test_capture_repeats_a_run_whose_profile_cannot_be_read(monkeypatch):
     """torch's memory profiler occasionally rejects its own record: the run is repeated."""
     from npu_pool.capture import profile

@@ -110,13 +110,14 @@ def test_torchrun_two_ranks_over_the_real_train_step(real_megatron: None, tmp_pa
     """``torchrun --nproc-per-node 2`` (gloo): the real train_step on each rank, losses reduced
     across ranks, each rank's line and report, ``npu-pool merge`` over the reports."""
     reports, iters = tmp_path / "reports", 3
-    env = _env(NPU_POOL_REPORT_DIR=str(reports), NPU_POOL_LOG_EVERY="1")
+    out_dir = tmp_path / "results"
+    out_dir.mkdir()
+    env = _env(NPU_POOL_REPORT_DIR=str(reports), NPU_POOL_LOG_EVERY="1", MEGATRON_REAL_RESULTS=str(out_dir))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DRIVER),
            "train", "0", str(iters), "2"]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    results = sorted((json.loads(ln.split("RESULT ", 1)[1]) for ln in r.stdout.splitlines() if "RESULT " in ln),
-                     key=lambda x: x["rank"])
+    results = sorted((json.loads(p.read_text()) for p in out_dir.glob("rank*.json")), key=lambda x: x["rank"])
     assert [x["rank"] for x in results] == [0, 1]
     for x in results:
         assert x["report"]["iterations"] == iters

@@ -40,3 +40,17 @@ def test_merge_table_reports_device_imbalance(tmp_path: Path, capsys: pytest.Cap
     assert "warning: 3 reports for a world of 4 ranks (missing: [3])" in out
     row1 = next(ln.split() for ln in out.splitlines() if ln.split()[:2] == ["1", "device"])
     assert row1[4:10] == ["11.70", "13.00", "90.0%", "2.00", "11.00", "4"]
+
+
+def test_merge_of_runs_outside_a_distributed_job_does_not_invent_missing_ranks(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    from npu_pool.recorder import report
+
+    assert report.rank_and_world() == (0, None) or "RANK" in __import__("os").environ
+    for rank in (0, 1):
+        rep = report.build(rank=rank, world_size=None, mode="recorder", reason="cpu", policy=None, device=None,
+                           iterations=2, step_times=[0.1, 0.2], recorder_summary={}, stats=None)
+        report.write(rep, tmp_path)
+    assert main(["merge", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out and [ln.split()[0] for ln in out.splitlines()[2:4]] == ["0", "1"]

@@ -237,7 +237,8 @@ def test_cli_import(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     t.validate()
     assert op_counts(t)["alloc"] == 3
     line = capsys.readouterr().out.strip()
-    assert line.startswith("win.dev0.npt: 21 events, 3 allocs, initial live ") and "peak live" in line
+    assert line.startswith("win.dev0.npt: 21 events, 6 allocations (3 of them live when the recording began), "
+                           "initial live ") and "peak live" in line
 
 
 def test_cli_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

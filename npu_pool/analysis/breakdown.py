@@ -22,8 +22,18 @@ it was made in and whether it outlived that stage: made during set-up -> weights
 (and whatever else set-up creates, e.g. eagerly built optimizer states; so are
 allocations before the first iteration when set-up is not marked); freed in the
 stage that made it -> temporaries; otherwise forward -> activations, backward
--> gradients, optimizer -> optimizer states, anything else -> other. Without
-markers either, everything stays ``unknown``.
+-> gradients, optimizer -> optimizer states, anything else -> other.
+
+A trace without categories whose sites are recorded Python frames (an imported snapshot
+recorded with stacks) gets them from the frames first (:func:`frame_kind`): each allocation
+site is set-up (a module's ``__init__``, ``reset_parameters``, ``_apply``/``to``/``cuda``,
+``load_state_dict``), forward (a ``forward`` or ``_call_impl`` frame), backward (autograd's
+``backward``/``_engine_run_backward``/``grad``) or optimizer (``step`` in a file under an
+``optim`` path, torch's ``_*_adam*``/``_*_sgd`` functions); consecutive allocations of one
+kind form a stage, and the rule above applies with those stages. An allocation with no frame
+at all right after forward code is the backward (autograd's engine thread runs no Python).
+Sites no frame classifies stay ``unknown`` (the report says how much). Without markers or frames, everything stays
+``unknown``.
 """
 from __future__ import annotations
 
@@ -37,7 +47,8 @@ from ..trace.format import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, C
 from ..trace.stats import live_profile
 from .phases import NO_STAGE, Phase, PhaseTracker, Span, has_markers, phase_at, stage_spans
 
-__all__ = ["GROUPS", "GROUP_LABELS", "SiteStat", "LayerStat", "TraceProfile", "profile_trace", "group_of_category"]
+__all__ = ["GROUPS", "GROUP_LABELS", "SiteStat", "LayerStat", "TraceProfile", "profile_trace", "group_of_category",
+           "frame_kind"]
 
 GROUPS = ("weights", "gradients", "optimizer_states", "activations", "temporaries", "other", "unknown")
 GROUP_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_states": "optimizer states",
@@ -91,24 +102,26 @@ class TraceProfile:
 
     name: str
     events: int
-    allocs: int
+    allocs: int          # allocations, those live when the recording began included ...
     frees: int
     peak_live: int
     peak_index: int
     peak_phase: Phase
     initial_live: int
     end_live: int
-    category_source: str  # "trace", "markers" (inferred) or "none"
+    category_source: str  # "trace", "frames" or "markers" (inferred), or "none"
     at_peak: dict[str, int]  # group -> live bytes at the peak
     group_max: dict[str, int]  # group -> highest live bytes of that group anywhere in the trace
     sites: list[SiteStat]
     layers: list[LayerStat]
     spans: list[Span]
     curve: array.array = field(repr=False)  # live bytes after each event
+    initial_allocs: int = 0  # ... these ones
 
     def as_dict(self, top_sites: int = 20) -> dict[str, Any]:
         """JSON-ready figures (the curve and spans left out)."""
-        return dict(trace=self.name, events=self.events, allocs=self.allocs, frees=self.frees,
+        return dict(trace=self.name, events=self.events, allocs=self.allocs, initial_allocs=self.initial_allocs,
+                    frees=self.frees,
                     peak_live_bytes=self.peak_live, peak_index=self.peak_index, peak_phase=self.peak_phase.as_dict(),
                     initial_live_bytes=self.initial_live, end_live_bytes=self.end_live,
                     category_source=self.category_source, at_peak_bytes=dict(self.at_peak),
@@ -121,10 +134,40 @@ def _site_names(trace: Trace) -> list[str]:
     return [str(s) for s in trace.meta.get("sites", [])]
 
 
+_SETUP_FNS = ("__init__", "reset_parameters", "_apply", "to", "cuda", "npu", "load_state_dict", "_load_from_state_dict")
+_BACKWARD_FNS = ("backward", "_engine_run_backward", "run_backward", "grad", "_calculate_shape")
+_KIND_GROUP = {"setup": _W, "forward": _A, "backward": _G, "optimizer": _S}
+
+
+def frame_kind(site: str) -> str | None:
+    """What made an allocation, from its recorded frames (``file:line:fn < ...``, innermost
+    first): "setup", "forward", "backward", "optimizer", or None when no frame says."""
+    for part in site.split(" < "):
+        bits = part.rsplit(":", 2)
+        if len(bits) != 3:
+            continue
+        path, fn = bits[0].replace("\\", "/").lower(), bits[2]
+        if ("optim" in path and fn == "step") or (fn.startswith("_") and ("adam" in fn or "_sgd" in fn)):
+            return "optimizer"
+        if fn in _BACKWARD_FNS and ("autograd" in path or "_tensor.py" in path or fn != "grad"):
+            return "backward"
+        if fn in ("forward", "_call_impl", "_wrapped_call_impl"):
+            return "forward"
+        if fn in _SETUP_FNS and ("nn/modules" in path or fn != "to"):
+            return "setup"
+    return None
+
+
+def _site_kinds(trace: Trace) -> list[str | None]:
+    return [frame_kind(str(s)) for s in trace.meta.get("sites", [])]
+
+
 def _category_source(trace: Trace) -> str:
     for op, cat in zip(trace.op, trace.cat):
         if (op == OP_ALLOC or op == OP_INIT_ALLOC) and cat != CAT_UNKNOWN:
             return "trace"
+    if any(k is not None for k in _site_kinds(trace)):
+        return "frames"
     return "markers" if has_markers(trace) else "none"
 
 
@@ -136,6 +179,22 @@ def _groups(trace: Trace, source: str) -> bytearray:
         for op, cat, id_ in zip(trace.op, trace.cat, trace.id):
             if op == OP_ALLOC or op == OP_INIT_ALLOC:
                 groups[id_] = _CAT_GROUP.get(cat, _U)
+        return groups
+    if source == "frames":
+        kinds = _site_kinds(trace)
+        born_span = array.array("q", [-1]) * n_ids
+        span, last = 0, None
+        for op, site, id_ in zip(trace.op, trace.site, trace.id):
+            if op == OP_ALLOC:
+                kind = kinds[site] if 0 <= site < len(kinds) else None
+                if site < 0 and last in ("forward", "backward"):
+                    kind = "backward"  # no Python frame after a forward: autograd's engine thread
+                if kind != last:
+                    span, last = span + 1, kind
+                born_span[id_] = span
+                groups[id_] = _KIND_GROUP[kind] if kind is not None else _U
+            elif op == OP_FREE and born_span[id_] == span and groups[id_] != _U:
+                groups[id_] = _T  # died in the stage that made it
         return groups
     if source != "markers":
         return groups
@@ -171,13 +230,14 @@ def profile_trace(trace: Trace, name: str = "trace") -> TraceProfile:
     tracker = PhaseTracker()
     open_layers: list[list[int]] = []  # [layer, live at enter, highest live since]
     layer_runs: dict[int, list[tuple[int, int]]] = {}
-    live = initial = allocs = frees = 0
+    live = initial = allocs = frees = n_initial = 0
     for i, (op, cat, site, id_, size) in enumerate(zip(trace.op, trace.cat, trace.site, trace.id, trace.size)):
         if op == OP_ALLOC or op == OP_INIT_ALLOC:
             allocs += 1
             live += size
             if op == OP_INIT_ALLOC:
                 initial += size
+                n_initial += 1
             g = groups[id_]
             glive[g] += size
             if glive[g] > gmax[g]:
@@ -223,4 +283,4 @@ def profile_trace(trace: Trace, name: str = "trace") -> TraceProfile:
                         initial_live=initial, end_live=live, category_source=source,
                         at_peak={GROUPS[g]: b for g, b in enumerate(at_peak_groups)},
                         group_max={GROUPS[g]: b for g, b in enumerate(gmax)}, sites=sites, layers=layers,
-                        spans=stage_spans(trace), curve=curve)
+                        spans=stage_spans(trace), curve=curve, initial_allocs=n_initial)

@@ -242,6 +242,19 @@ def _output_activations(c: ModelConfig) -> int:
     return int(e * 4 * s * b * h / sp + 4 * s * b * (c.vocab // t))
 
 
+def _formula(c: ModelConfig) -> str:
+    """The textbook form of what _layer_activations computes for ``c`` (2-byte activations)."""
+    if c.recompute == "full":
+        return "2*s*b*h per layer (full recompute: the layer input only)"
+    sp = "/t" if c.sequence_parallel else ""
+    if c.recompute == "selective":
+        return f"s*b*h*(10{sp}+24/t) per layer (selective recompute: attention scores recomputed)"
+    if c.flash_attention:
+        return f"s*b*h*(10{sp}+24/t) + 4*a*s*b/t per layer (flash attention: scores never stored)"
+    return f"s*b*h*(10{sp}+24/t+5*a*s/(h*t)) per layer" if c.tp > 1 or c.sequence_parallel else \
+        "s*b*h*(34+5*a*s/h) per layer"
+
+
 def estimate(config: ModelConfig) -> Estimate:
     """Weights, gradients, optimizer states and activations per rank, for every pipeline stage."""
     c = config.checked()
@@ -264,8 +277,8 @@ def estimate(config: ModelConfig) -> Estimate:
             optimizer_states=n * per_param_opt // (c.dp if c.zero >= 1 else 1),
             activations=acts, in_flight=in_flight))
     worst = max(stages, key=lambda x: x.total)
-    formula = ("s*b*h*(34+5*a*s/h) per layer (Korthikanti et al. 2022), generalised; "
-               f"recompute={c.recompute}, tp={c.tp}, sp={c.sequence_parallel}, flash={c.flash_attention}")
+    formula = _formula(c) + (f"; generalised: recompute={c.recompute}, tp={c.tp}, sp={c.sequence_parallel}, "
+                             f"flash={c.flash_attention} (Korthikanti et al. 2022)")
     return Estimate(c, worst, stages, _total_params(c), per_layer, formula)
 
 
@@ -313,9 +326,12 @@ def load_config(path: str | Path) -> ModelConfig:
 def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
     """The config of a trace made by ``npu-pool capture`` (from ``meta["capture"]``); None for others."""
     cap = meta.get("capture")
-    if not isinstance(cap, dict) or "model" not in cap or str(cap["model"]).startswith("hf-"):
+    if not isinstance(cap, dict) or "model" not in cap:
         return None
-    from ..workloads import make_config  # imports torch: only here
+    from ..workloads import MODEL_NAMES, make_config  # imports torch: only here
+
+    if cap["model"] not in MODEL_NAMES:  # e.g. a Hugging Face model of an older capture
+        return None
 
     over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
                 vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))

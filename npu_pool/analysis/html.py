@@ -109,10 +109,13 @@ def timeline_svg(t: TraceAnalysis) -> tuple[str, dict[str, Any]]:
                      f'{x(live[-1][0]):.1f},{y(0):.1f}" fill="#4e79a7" fill-opacity="0.25"/>')
         parts.append(f'<polyline id="line-live" class="series" points="{pts}" fill="none" stroke="#2b5d8c" '
                      f'stroke-width="1.4"/>')
-    for pol, s in series.items():
+    # widest first: where two policies reserve the same bytes, the later, thinner line runs
+    # inside the earlier one and both stay visible
+    for k, (pol, s) in enumerate(series.items()):
         pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in s)
+        width = 1.5 + 2.0 * (len(series) - 1 - k)
         parts.append(f'<polyline id="line-{_esc(pol)}" class="series" points="{pts}" fill="none" '
-                     f'stroke="{POLICY_COLORS.get(pol, "#555")}" stroke-width="1.5" '
+                     f'stroke="{POLICY_COLORS.get(pol, "#555")}" stroke-width="{width:.1f}" stroke-opacity="0.85" '
                      f'stroke-dasharray="{POLICY_DASHES.get(pol, "4 2")}"/>')
     if p.peak_index >= 0:
         px = x(p.peak_index)
@@ -130,8 +133,12 @@ def timeline_svg(t: TraceAnalysis) -> tuple[str, dict[str, Any]]:
 
 def _legend(t: TraceAnalysis) -> str:
     items = ['<span><i style="background:#2b5d8c"></i>live (requested, not freed)</span>']
-    items += [f'<span><i style="background:{POLICY_COLORS.get(pol, "#555")}"></i>reserved: {_esc(pol)}</span>'
-              for pol in t.timelines]
+    seen: dict[bytes, str] = {}
+    for pol, tl in t.timelines.items():
+        same = seen.setdefault(tl.reserved.tobytes(), pol)
+        note = f" (the same as {_esc(same)} throughout)" if same != pol else ""
+        items.append(f'<span><i style="background:{POLICY_COLORS.get(pol, "#555")}"></i>reserved: {_esc(pol)}'
+                     f'{note}</span>')
     stages = {s.stage for s in t.profile.spans}
     items += [f'<span><i class="box" style="background:{c}"></i>{st}</span>' for st, c in STAGE_COLORS.items()
               if st in stages]
@@ -153,7 +160,10 @@ def _breakdown_svg(p: TraceProfile) -> str:
             parts.append(f'<text x="{xpos + 6:.1f}" y="23" class="bar-label">{GROUP_LABELS[g]} '
                          f'{fmt_share(v, total)}</text>')
         xpos += w
-    return "".join(parts) + "</svg>"
+    keys = "".join(f'<span><i class="box" style="background:{GROUP_COLORS[g]}"></i>{GROUP_LABELS[g]} '
+                   f'{_esc(fmt_bytes(p.at_peak[g]))} ({fmt_share(p.at_peak[g], total)})</span>'
+                   for g in GROUPS if p.at_peak[g] > 0)
+    return "".join(parts) + f'</svg><div class="legend bar-keys">{keys}</div>'  # every segment named, narrow or not
 
 
 def _td(text: str, value: float | None = None, cls: str = "") -> str:

@@ -200,6 +200,9 @@ def _table(head: list[str], rows: list[list[str]], right: set[int] | None = None
 
 
 _SOURCE_TEXT = {"trace": "from the trace's tensor categories",
+                "frames": "inferred from the recorded Python frames of each allocation (the trace has no "
+                          "categories): set-up, forward, backward or optimizer code, and whether the tensor outlived "
+                          "that stretch",
                 "markers": "inferred from phase markers (the trace has no categories)",
                 "none": "unknown: the trace has neither categories nor phase markers"}
 
@@ -209,9 +212,12 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
     out = [f"{level} {t.name}", ""]
     where = (f"at event {p.peak_index} ({100 * p.peak_index / max(1, p.events - 1):.0f}% through the trace)"
              if p.peak_index >= 0 else "(no allocations)")
-    out += [f"- events {p.events}, allocations {p.allocs}, frees {p.frees}, sites {len(p.sites)}"
+    out += [f"- events {p.events}, allocations {p.allocs} ({p.initial_allocs} of them live when the recording "
+            f"began), frees {p.frees}, sites {len(p.sites)}"
             + (f", origin `{t.origin}`" if t.origin else ""),
-            f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
+            f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: "
+            + (p.peak_phase.describe() if p.peak_phase.describe() != "no phase markers" or not p.spans
+               else "outside the marked stages"),
             f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
     out += [f"{level}# Fragmentation per policy", ""]
     rows = []
@@ -219,7 +225,11 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
         rows.append([f.policy, fmt_bytes(f.peak_reserved), f"{100 * f.utilization:.1f}%", fmt_bytes(f.waste),
                      str(f.device_mallocs), "-" if f.min_capacity is None else fmt_bytes(f.min_capacity)])
     out += _table(["policy", "peak reserved", "utilization", "waste", "device mallocs", "min capacity"], rows)
-    out += ["", "utilization = peak live / peak reserved; waste = peak reserved - peak live.", ""]
+    out += ["", "utilization = peak live / peak reserved; waste = peak reserved - peak live; min capacity = the "
+            "smallest device on which the trace completes"
+            + ("" if any(f.min_capacity is not None for f in t.policies) else
+               " (`-`: not searched; `npu-pool analyze --min-capacity` finds it, a few replays per policy)") + ".",
+            ""]
     if t.ooms is not None:
         o = t.ooms
         out += [f"{level}# Out of memory in the recorded run", ""]
@@ -231,7 +241,10 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
                         f"{p} {n} of {len(o.sizes)}" for p, n in o.served.items())]
         out.append("")
     out += [f"{level}# Live bytes at the peak by category", "",
-            f"Categories {_SOURCE_TEXT[p.category_source]}.", ""]
+            f"Categories {_SOURCE_TEXT[p.category_source]}."
+            + (f" {fmt_share(p.at_peak['unknown'], p.peak_live)} of the peak stays unknown (no frame says what made "
+               "it: allocations made by C++ code such as autograd without a Python frame of their own, or live "
+               "before the recording began)." if p.category_source == "frames" else ""), ""]
     rows = [[GROUP_LABELS[g], fmt_bytes(p.at_peak[g]), fmt_share(p.at_peak[g], p.peak_live), fmt_bytes(p.group_max[g])]
             for g in GROUPS if p.at_peak[g] or p.group_max[g]]
     out += _table(["category", "at the peak", "share", "highest anywhere"], rows) + [""]

@@ -17,8 +17,12 @@ profiler cannot name (kernel workspaces with no tensor) are TEMPORARY when freed
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -27,13 +31,55 @@ from ..trace.format import (CAT_GRADIENT, CAT_NAMES, CAT_OPTIMIZER_STATE, CAT_PA
                             MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK,
                             Trace)
 
-__all__ = ["CaptureError", "Identity", "profiler_records", "to_trace", "host_scalar", "retrying", "PROFILE_TRIES"]
+__all__ = ["CaptureError", "Identity", "profiling", "profiler_records", "to_trace", "host_scalar", "retrying",
+           "PROFILE_TRIES"]
 
 _PERSISTENT = (CAT_PARAMETER, CAT_GRADIENT, CAT_OPTIMIZER_STATE)
 
 
 class CaptureError(RuntimeError):
     """The capture could not run (e.g. torch's private profiler API changed)."""
+
+
+_KINETO_NOISE = ("USDT:", "STAGE:")  # lines torch's profiler backend writes to fd 2 at start and stop
+
+
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """Drop the lines the profiler's C++ backend prints to stderr at start and stop (every
+    capture would show them); anything else written meanwhile is passed on."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not ln.startswith(_KINETO_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
+@contextlib.contextmanager
+def profiling() -> Iterator[Any]:
+    """``torch.profiler.profile`` of CPU memory (shapes, stacks) for a capture, quietly."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                  record_shapes=True, with_stack=True)
+    with _quiet_kineto():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _quiet_kineto():
+            prof.__exit__(None, None, None)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..recorder import Recorder, attach, mark_profiled
 from ..trace.format import MARK_SETUP_BEGIN, MARK_SETUP_END, Trace
 from .loop import Loop, Mark, autocast, layer_hooks, state_tensors, storage_ptr
-from .profile import Identity, profiler_records, retrying, to_trace
+from .profile import Identity, profiler_records, profiling, retrying, to_trace
 
 __all__ = ["capture", "record_trace", "DEFAULTS", "MARKERS"]
 
@@ -93,9 +93,7 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     gen = torch.Generator().manual_seed(seed)
     ident = Identity()
     t0 = time.perf_counter()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
-                                with_stack=True) as prof:
+    with profiling() as prof:
         mark_profiled(MARK_SETUP_BEGIN, -1)
         model = build_model(model_name, **_model_overrides(layers, dim, heads, vocab, seq))
         model.train()
@@ -128,11 +126,8 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
 
 
 def _vocab_of(model: nn.Module) -> int:
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None:
-        return cfg.vocab // cfg.tp
-    hf = getattr(model, "hf", None)
-    return int(hf.config.vocab_size) if hf is not None else 512
+    cfg = model.cfg
+    return cfg.vocab // cfg.tp
 
 
 def record_trace(train: Callable[[Recorder], tuple[Any, Any]], *, meta: Optional[dict[str, Any]] = None,
@@ -159,10 +154,8 @@ def _record(train: Callable[[Recorder], tuple[Any, Any]], meta: Optional[dict[st
                                             for p in g["params"] if p.grad is not None}
 
     hook = register_optimizer_step_pre_hook(before_step)
-    activities = [torch.profiler.ProfilerActivity.CPU]
     try:
-        with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
-                                    with_stack=True) as prof:
+        with profiling() as prof:
             model, optimizer = train(rec)
             mods = model if isinstance(model, (list, tuple)) else [model]
             ident.params = {storage_ptr(p) for m in mods for p in m.parameters()}

@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..workloads import MODEL_NAMES, SHAPES
 
     p.add_argument("--model", default=DEFAULTS["model"], choices=MODEL_NAMES,
-                   help="model to train (hf-* need the optional transformers package)")
+                   help="model to train")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training iterations")
     p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per micro-batch")
     p.add_argument("--seq", type=int, default=None,
@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    from ..analysis.units import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,9 +49,6 @@ def run(args: argparse.Namespace) -> int:
     fake = args.fake or args.shape is not None
     if fake and args.shape is None:
         print("npu-pool capture: error: --fake needs --shape (one of 7b, 13b, 70b)", file=sys.stderr)
-        return 2
-    if fake and args.model.startswith("hf-"):
-        print("npu-pool capture: error: --fake supports the own models gpt, llama, moe", file=sys.stderr)
         return 2
     mp = "bf16" if args.bf16 else None
     progress = not args.no_progress

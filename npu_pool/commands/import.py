@@ -26,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _summary(path: Path, t: Trace) -> str:
     counts = op_counts(t)
     prof = live_profile(t)
-    line = (f"{path.name}: {len(t)} events, {counts.get('alloc', 0)} allocs, "
+    n_init = counts.get("init_alloc", 0)
+    line = (f"{path.name}: {len(t)} events, {counts.get('alloc', 0) + n_init} allocations "
+            f"({n_init} of them live when the recording began), "
             f"initial live {initial_live_bytes(t) / _GIB:.2f} GiB, peak live {prof.peak_bytes / _GIB:.2f} GiB, "
             f"recorded reserved {t.meta['recorded']['peak_reserved_bytes'] / _GIB:.2f} GiB")
     n_warn = len(t.meta.get("warnings", []))

@@ -27,18 +27,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def format_table(results: list[PolicyResult]) -> str:
-    """A fixed-width table of replay figures."""
-    head = (f"{'trace':34} {'policy':11} {'peak live':>10} {'peak rsvd':>10} {'util':>7} {'min cap':>10} "
-            f"{'over live':>10} {'retries':>7} {'mallocs':>8} {'ns/op':>7}")
+    """A fixed-width table of replay figures (GiB, 100 columns); :data:`LEGEND` says what each column is."""
+    head = (f"{'trace':25} {'policy':10} {'peak live':>9} {'peak rsvd':>9} {'util':>7} {'min cap':>9} "
+            f"{'over live':>9} {'retries':>7} {'mallocs':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         cap = "-" if r.min_capacity_bytes is None else f"{r.min_capacity_bytes / GiB:.3f}"
         over = "-" if r.min_capacity_bytes is None else f"{(r.min_capacity_bytes - r.peak_live_bytes) / GiB:.3f}"
         retries = "-" if r.retries_at_min_capacity is None else str(r.retries_at_min_capacity)
-        lines.append(f"{r.trace[:34]:34} {r.policy:11} {r.peak_live_bytes / GiB:10.3f} {r.peak_reserved_bytes / GiB:10.3f} "
-                     f"{r.utilization:7.2%} {cap:>10} {over:>10} {retries:>7} {r.device_mallocs:8d} {r.ns_per_op:7.0f}")
-    lines.append("(GiB; min cap = smallest simulated device on which the trace completes, 2 MiB resolution)")
+        lines.append(f"{r.trace[:25]:25} {r.policy:10} {r.peak_live_bytes / GiB:9.3f} {r.peak_reserved_bytes / GiB:9.3f} "
+                     f"{r.utilization:7.2%} {cap:>9} {over:>9} {retries:>7} {r.device_mallocs:7d}")
     return "\n".join(lines)
+
+
+LEGEND = """\
+All sizes in GiB, each trace replayed on the simulated device:
+  peak live  the most bytes of tensors alive at once: no allocator can need less (the lower bound)
+  peak rsvd  the most memory the policy held from the device at once, given room to spare
+  util       peak live / peak rsvd (100% = no memory wasted)
+  min cap    the smallest device (in 2 MiB steps) on which the whole trace completes
+  over live  min cap - peak live: what the policy needs beyond the tensors themselves
+  retries    at min cap, how often a request failed, the policy gave its free cache back to the
+             device (a device-wide synchronisation) and retried: each one stalls training
+  mallocs    device allocations made (cudaMalloc / aclrtMalloc or page maps), given room to spare
+Timings are left out: `python benchmarks/micro.py` measures them, side by side and repeated."""
+
+VALIDATE_LEGEND = """\
+  rec peak / sim peak  peak reserved of the recorded run / of the torch model replaying it (GiB)
+  rec segs / sim segs  segment allocations (cudaMalloc calls) made while the recording ran, in the
+                       recording and in the replay; segments that existed when the recording began
+                       are not counted (`npu-pool export` lists every segment held at the end)
+  same place           of the allocations both made, the share the model put at the recorded address"""
 
 
 def _validate(named: list) -> int:
@@ -54,6 +73,7 @@ def _validate(named: list) -> int:
         print(f"{name[:34]:34} {v.recorded_peak_reserved / GiB:10.3f} {v.simulated_peak_reserved / GiB:10.3f} "
               f"{v.recorded_segment_allocs:8d} {v.simulated_segment_allocs:8d} {v.same_place:10.1%}  "
               f"{'ok' if v.passed else 'MISMATCH'}")
+    print(VALIDATE_LEGEND)
     return 1 if failed else 0
 
 
@@ -75,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan))
     print(format_table(results))
+    print(LEGEND)
     for line in online:
         print(line)
     if args.json:

@@ -51,7 +51,7 @@ def find_blocks(model: Model) -> list[tuple[int, nn.Module]]:
     """``(layer index, block)`` of the model's repeated transformer blocks.
 
     Megatron-core ``TransformerBlock`` and legacy ``ParallelTransformer``: their ``.layers``
-    (index from ``layer_number``); otherwise (the project's GPT, ``transformers`` models,
+    (index from ``layer_number``); otherwise (the project's GPT, Hugging Face models,
     any ``nn.ModuleList`` of layers) the longest ``nn.ModuleList`` whose children share one
     class. Empty when there is none."""
     found: list[tuple[int, nn.Module]] = []

@@ -51,18 +51,19 @@ def host_peak_rss() -> int:
     return int(rss) * (1 if sys.platform == "darwin" else 1024)
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size): torchrun's RANK/WORLD_SIZE, else torch.distributed's, else (0, 1)."""
+def rank_and_world() -> tuple[int, Optional[int]]:
+    """(rank, world size): torchrun's RANK/WORLD_SIZE, else torch.distributed's, else (0, None):
+    a process that is not part of a distributed run has no world size to check reports against."""
     env = os.environ
     if env.get("RANK", "").isdigit():
-        return int(env["RANK"]), int(env.get("WORLD_SIZE", "1")) if env.get("WORLD_SIZE", "").isdigit() else 1
+        return int(env["RANK"]), int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE", "").isdigit() else None
     dist = getattr(sys.modules.get("torch"), "distributed", None)
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
     except Exception:
         pass
-    return 0, 1
+    return 0, None
 
 
 def _gib(b: Optional[float]) -> str:
@@ -159,8 +160,10 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     out = [line(head), "  ".join("-" * w for w in widths), *map(line, rows)]
-    worlds = {r.get("world_size") for r in reports}
-    if len(worlds) == 1 and (w := worlds.pop()) and w != len(reports):
+    worlds = {r.get("world_size") for r in reports} - {None}
+    if len(worlds) > 1:
+        out.append(f"warning: the reports come from runs of different sizes ({sorted(worlds)} ranks)")
+    elif worlds and (w := worlds.pop()) > len(reports):
         out.append(f"warning: {len(reports)} reports for a world of {w} ranks (missing: "
                    f"{sorted(set(range(w)) - {r['rank'] for r in reports})})")
     spread = imbalance(reports)
@@ -181,7 +184,7 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def build(*, rank: int, world_size: int, mode: str, reason: str, policy: Optional[str], device: Optional[int],
+def build(*, rank: int, world_size: Optional[int], mode: str, reason: str, policy: Optional[str], device: Optional[int],
           iterations: int, step_times: list[float], recorder_summary: dict[str, Any],
           stats: Optional[dict[str, Any]], last_iteration: Optional[int] = None,
           skipped_iterations: int = 0) -> dict[str, Any]:
