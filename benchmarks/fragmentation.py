@@ -92,19 +92,17 @@ def main(argv: list[str] | None = None) -> int:
                    f"{r.retries_at_min_capacity} | {r.trims_at_min_capacity} | {_g(cap0)} | {_g(cap0 - r.peak_live_bytes)} |")
     out += ["", "## Totals over all traces", "",
             "| policy | min-cap waste (GiB) | x torch | retries at min cap | no-retry waste (GiB) | x torch | "
-            "peak-reserved waste (GiB) | mean utilization | replay ops/s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "peak-reserved waste (GiB) | mean utilization |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     tot = {}
     for policy in POLICIES:
         rs = [(r, c0) for _, p, r, c0 in rows if p == policy]
         waste = sum(r.min_capacity_bytes - r.peak_live_bytes for r, _ in rs)
         waste0 = sum(c0 - r.peak_live_bytes for r, c0 in rs)
         tot[policy] = (waste, waste0)
-        ops = sum(r.ops for r, _ in rs)
-        ns = sum(r.ns_per_op * r.ops for r, _ in rs)
         out.append(f"| {policy} | {_g(waste)} | {waste / tot['torch'][0]:.2f} | {sum(r.retries_at_min_capacity for r, _ in rs)} | "
                    f"{_g(waste0)} | {waste0 / tot['torch'][1]:.2f} | {_g(sum(r.peak_reserved_bytes - r.peak_live_bytes for r, _ in rs))} | "
-                   f"{sum(r.utilization for r, _ in rs) / len(rs):.2%} | {ops / ns * 1e9 / 1e6:.1f} M |")
+                   f"{sum(r.utilization for r, _ in rs) / len(rs):.2%} |")
     # goal check for npu_pool against torch, trace by trace
     by = {(n, p): (r, c0) for n, p, r, c0 in rows}
     names = list(dict.fromkeys(n for n, _, _, _ in rows))

@@ -326,8 +326,16 @@ def _patch_module(module: ModuleType, functions: tuple[str, ...], warn_missing: 
                               f"version; {_CONSEQUENCE[name]}", RuntimeWarning, stacklevel=2)
             continue
         if manager is not None:
-            _register_with_mindspeed(manager, module, name)
-        elif not getattr(original, _WRAPPED, False):
+            try:
+                _register_with_mindspeed(manager, module, name)
+                done.append(name)
+                continue
+            except Exception as e:  # a MindSpeed whose manager works otherwise: wrap directly, and say so
+                warnings.warn(f"npu_pool.megatron: MindSpeed's patch manager refused the wrapper of "
+                              f"{module.__name__}.{name} ({e!r}); wrapped directly, so a MindSpeed patch applied "
+                              "later may drop it", RuntimeWarning, stacklevel=2)
+                original = getattr(module, name)
+        if not getattr(original, _WRAPPED, False):
             wrapped = _maker(name)(original)
             setattr(module, name, wrapped)
             _rebind(original, wrapped, name)

@@ -182,3 +182,27 @@ def test_device_mode_line_and_report_show_the_pool(fresh: None, monkeypatch: pyt
     assert mem["peak_reserved_bytes"] == st["total"]["reserved"]["peak"]
     assert mem["utilization"] == pytest.approx(st["total"]["allocated"]["peak"] / st["total"]["reserved"]["peak"])
     assert mem["pools"]["long"]["allocated_bytes"] == 2 * (3 << 20) and mem["pools"]["short"]["allocated_bytes"] == 0
+
+
+def test_a_mindspeed_manager_that_refuses_the_wrapper_falls_back_to_direct_wrapping(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Refusing:
+        patches_info: dict = {}
+
+        @staticmethod
+        def register_patch(name: str, fn: Any) -> None:
+            raise RuntimeError("the patch of train_step exist !")
+
+    monkeypatch.setattr(patch, "_mindspeed_manager", lambda: Refusing)
+    mod = _module(train_step=lambda *a, **k: ({}, 0), evaluate=lambda: None,
+                  setup_model_and_optimizer=lambda: None)
+    with pytest.warns(RuntimeWarning, match="refused the wrapper of megatron.training.training.train_step"):
+        assert patch.patch_megatron(ON)
+    assert getattr(mod.train_step, patch._WRAPPED)
+    seen: list[tuple[int, int]] = []
+    stop = default.listen(lambda c, a: seen.append((c, a)))
+    try:
+        mod.train_step(iteration=7)
+    finally:
+        stop()
+    assert [(MARK_NAMES[c], a) for c, a in seen] == [("iter_begin", 7), ("iter_end", 7)]

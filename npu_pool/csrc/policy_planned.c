@@ -249,9 +249,11 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   st->recent[st->n_recent++ % NP_PLAN_GRAM] = req;
   if (!p->loop && !(st->flags & NP_PLAN_AT_START) && ctx->marks.any && ctx->marks.code == NP_MARK_OPTIMIZER_BEGIN &&
       ctx->marks.optimizer_steps == 1) {
-    lose_track(st); /* the first optimizer step creates the optimizer states; unless the plan starts at the
-                     * run's first request, or has a prologue, that */
-    return NP_PLAN_NONE; /* plans them, none of them into the region (they would hold body ranges for good) */
+    /* the first optimizer step creates the optimizer states, which live for good: unless the plan
+     * planned that step (a prologue, or a plan from the run's first request), none of them goes
+     * into the region, where they would hold body ranges for good */
+    lose_track(st);
+    return NP_PLAN_NONE;
   }
   if (setup) {
     st->synced = false; /* set-up builds the model: no iteration yet, whatever its sizes resemble */

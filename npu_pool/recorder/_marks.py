@@ -72,7 +72,8 @@ def phase_codes(name: str) -> tuple[int, int]:
         raise ValueError(f"unknown phase {name!r}; choose one of {', '.join(PHASES)}") from None
 
 
-__all__ = ["PHASES", "STAGE_OF", "END_OF", "code_of", "phase_codes", "profiler_label", "profiled_mark", "MARK_LAYER_ENTER", "MARK_LAYER_EXIT",
+__all__ = ["PHASES", "STAGE_OF", "END_OF", "code_of", "phase_codes", "profiler_label", "profiled_mark",
+           "MARK_LAYER_ENTER", "MARK_LAYER_EXIT",
            "MARK_ITER_BEGIN", "MARK_ITER_END", "MARK_FORWARD_BEGIN", "MARK_FORWARD_END", "MARK_BACKWARD_BEGIN",
            "MARK_BACKWARD_END", "MARK_OPTIMIZER_BEGIN", "MARK_OPTIMIZER_END", "MARK_EVAL_BEGIN", "MARK_EVAL_END",
            "MARK_SETUP_BEGIN", "MARK_SETUP_END"]
