@@ -5,8 +5,9 @@ Three ways, in order:
 - ``markers``: iterations run from one ``MARK_ITER_BEGIN`` to the next. The loop body
   is the first iteration whose allocation sizes equal the next one's (so the next
   shows when the body's tensors that outlive it are freed); without two equal
-  neighbours (dynamic shapes), the second iteration. The iterations before it (the
-  first step, which creates the optimizer states) are the prologue: planned too, once.
+  neighbours (dynamic shapes, or a trace of two steps), the second iteration, seen once.
+  The iterations before it (the first step, which creates the optimizer states) are the
+  prologue: planned too, once.
 - ``period``: without markers, the event sequence (allocation sizes; frees by size
   and age, i.e. events since their allocation) is searched for a period P: candidate
   distances come from repeated k-grams of events, and a candidate is accepted where
@@ -91,14 +92,16 @@ def _by_markers(trace: Trace) -> Window | None:
                 break
         sigs.append(tuple(sig))
     steady = [i for i in range(len(sigs) - 1) if sigs[i] and sigs[i] == sigs[i + 1]]
-    k = steady[0] if steady else min(1, len(sigs) - 2)  # dynamic shapes: the first step is the prologue
+    # no two equal neighbours (dynamic shapes, or only two steps): the second iteration is the
+    # body, seen once, and the first step (which creates the optimizer states) the prologue
+    k = steady[0] if steady else 1
 
     def first_is_alloc(b: int) -> bool:
         first = next((i for i in range(b + 1, len(trace)) if op[i] in (OP_ALLOC, OP_MARK)), None)
         return first is not None and op[first] == OP_ALLOC
 
     at_begin = all(first_is_alloc(b) for b in begins[:k + 1])
-    return Window(begins[0], begins[k + 1], "markers", sum(s == sigs[k] for s in sigs), at_begin, begins[k])
+    return Window(begins[0], bounds[k + 1], "markers", sum(s == sigs[k] for s in sigs), at_begin, begins[k])
 
 
 def _signature(trace: Trace) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
