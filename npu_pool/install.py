@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from . import config, oom
 from ._core import ffi, lib
-from .pool import BACKENDS, POLICIES, Pool, PoolError, _check, _invalid
+from .pool import BACKENDS, POLICIES, Pool, PoolError, _check, _fraction, _invalid
 
 __all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
            "TooLateError", "last_error", "core_path"]
@@ -132,9 +132,7 @@ class _DevicePool(Pool):
 
     def set_fraction(self, fraction: float) -> None:
         """Cap this device at ``fraction`` of its memory (applied when its context exists)."""
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise _invalid(f"fraction must be a number in (0, 1], got {fraction!r}")
-        _check(lib.npu_pool_set_fraction(self.device, float(fraction)))
+        _check(lib.npu_pool_set_fraction(self.device, _fraction(fraction)))
 
     def close(self) -> None:
         self._ctx = None
@@ -369,16 +367,14 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     if policy == "planned":
         if not settings.plan:
             raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
-        from .planner.runtime import install as install_plan
+        from .planner.runtime import as_plan, install as install_plan
 
-        used = [install_plan(p, settings.plan) for p in inst.pools.values()]
+        plan = as_plan(settings.plan)  # read and verified once, installed on every device
+        used = [install_plan(p, plan) for p in inst.pools.values()]
         if not all(used):
-            from .planner import load_plan
-
-            why = load_plan(settings.plan).meta.get("online", "")
             warnings.warn(f"{config.PLAN}={settings.plan}: the planner found this plan worse than the online pool "
-                          f"({why}); the planned policy serves every request online, as npu_pool",
-                          RuntimeWarning, stacklevel=2)
+                          f"({plan.meta.get('online', '')}); the planned policy serves every request online, "
+                          "as npu_pool", RuntimeWarning, stacklevel=2)
     return dict(inst.pools)
 
 

@@ -16,7 +16,7 @@ process. With the switch on, the installed pool keeps a longer history from the 
 (:data:`HISTORY_WHEN_ENABLED` events per device), as torch_npu records the whole run then. :func:`on_oom` is what
 :meth:`Pool.malloc` and the installed device allocator call; it never raises.
 
-Imports nothing above the vocabulary: the pool is any object with ``stats()``, ``blocks()``,
+Imports nothing above the vocabulary (and byte formatting): the pool is any object with ``stats()``, ``blocks()``,
 ``mapped_ranges()`` and ``history()``.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from . import snapshot
+from .units import fmt_bytes
 
 __all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "OomExplanation", "explain", "snapshot_dir",
            "write_snapshot", "on_oom"]
@@ -55,13 +56,6 @@ _SHORTAGE_LEVERS = (
 )
 
 
-def _bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
-
-
 @dataclass
 class OomExplanation:
     """Why a request of ``request`` bytes failed, and what would have helped."""
@@ -85,12 +79,12 @@ class OomExplanation:
 
     def summary(self) -> str:
         """One paragraph: the figures, the diagnosis and the levers."""
-        head = (f"request {_bytes(self.request)} on policy {self.policy} ({self.pool}): reserved "
-                f"{_bytes(self.reserved)}, allocated {_bytes(self.allocated)}, largest free block "
-                f"{_bytes(self.largest_free)}, cap {_bytes(self.limit)} of {_bytes(self.device_total)}. ")
+        head = (f"request {fmt_bytes(self.request)} on policy {self.policy} ({self.pool}): reserved "
+                f"{fmt_bytes(self.reserved)}, allocated {fmt_bytes(self.allocated)}, largest free block "
+                f"{fmt_bytes(self.largest_free)}, cap {fmt_bytes(self.limit)} of {fmt_bytes(self.device_total)}. ")
         why = {"too_large": "The request alone needs more than the whole cap.",
-               "fragmentation": (f"Fragmentation: {_bytes(self.cached_free)} cached free in the pool and "
-                                 f"{_bytes(self.room)} more under the cap, but no free block fits the request."),
+               "fragmentation": (f"Fragmentation: {fmt_bytes(self.cached_free)} cached free in the pool and "
+                                 f"{fmt_bytes(self.room)} more under the cap, but no free block fits the request."),
                "shortage": "A real shortage: the pool cannot hold it even without fragmentation."}[self.kind]
         return head + why + " Try: " + "; ".join(self.suggestions) + "."
 

@@ -10,17 +10,19 @@ from typing import Any, Optional, Sequence, Union
 
 from . import oom
 from ._core import ffi, lib
-from .vocab import BACKENDS as _BACKEND_NAMES, LIFETIMES as _LIFE_NAMES, MARK_NAMES, POLICIES as _POLICY_NAMES, POOL_NAMES
+from .vocab import BACKENDS as _BACKEND_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
+from .vocab import POLICIES as _POLICY_NAMES, POOL_NAMES
 
 POLICIES: dict[str, int] = {name: i for i, name in enumerate(_POLICY_NAMES)}
 BACKENDS: dict[str, int] = {name: i for i, name in enumerate(_BACKEND_NAMES)}
 LIFETIMES: dict[str, int] = {name: i for i, name in enumerate(_LIFE_NAMES)}
 GiB = 1 << 30
+PLAN_COUNTS = ("served", "fallback", "idle", "resyncs")  # np_set_plan's counters, in order
 _U64 = (1 << 64) - 1
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
 __all__ = ["Pool", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError", "UnknownPointerError",
-           "BackendError", "POLICIES", "BACKENDS", "LIFETIMES", "POOL_NAMES"]
+           "BackendError", "POLICIES", "BACKENDS", "LIFETIMES", "POOL_NAMES", "PLAN_COUNTS"]
 
 
 class PoolError(RuntimeError):
@@ -95,6 +97,13 @@ def _int(value: object, what: str) -> int:
     return value
 
 
+def _fraction(value: object) -> float:
+    """A memory fraction as the core takes it (the core checks the range: (0, 1])."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(f"fraction must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
 def _u64_column(values: Sequence[int], what: str) -> array.array:
     """``values`` as an ``array('Q')`` (as given when it is one), never wrapped around."""
     if isinstance(values, array.array) and values.typecode == "Q":
@@ -142,9 +151,7 @@ class Pool:
         cfg.capacity = capacity
         cfg.host_backed = bool(host_backed)
         cfg.vmm = bool(vmm)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise _invalid(f"fraction must be a number in (0, 1], got {fraction!r}")
-        cfg.fraction = float(fraction)
+        cfg.fraction = _fraction(fraction)
         cfg.max_split_size = _uint(max_split_size or 0, "max_split_size")
         cfg.device = _uint(device, "device", 1 << 30)
         path = ffi.new("char[]", lib_path.encode()) if lib_path else ffi.NULL
@@ -229,9 +236,7 @@ class Pool:
 
     def set_fraction(self, fraction: float) -> None:
         """Cap reserved bytes at ``fraction`` x device memory (0 < fraction <= 1)."""
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise _invalid(f"fraction must be a number in (0, 1], got {fraction!r}")
-        _check(lib.np_set_fraction(self.ctx, float(fraction)))
+        _check(lib.np_set_fraction(self.ctx, _fraction(fraction)))
 
     # -- hints ----------------------------------------------------------------------------
     def set_phase(self, phase: int, default_lifetime: str = "auto") -> None:
@@ -263,7 +268,7 @@ class Pool:
         ranges, and resynchronisations."""
         out = ffi.new("uint64_t[4]")
         _check(lib.np_set_plan(self.ctx, 0, 0, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, out))
-        return dict(zip(("served", "fallback", "idle", "resyncs"), (int(x) for x in out)))
+        return dict(zip(PLAN_COUNTS, (int(x) for x in out)))
 
     # -- introspection --------------------------------------------------------------------
     def _read_stats(self, st: Any) -> None:
@@ -308,7 +313,7 @@ class Pool:
         ``kind`` alloc, free, segment_alloc/free/map/unmap, empty_cache, oom or mark."""
         from .vocab import EVENT_NAMES
 
-        cap = _uint(limit, "limit", 1 << 40) if limit is not None else 1 << 20
+        cap = _uint(limit, "limit", HISTORY_MAX) if limit is not None else 1 << 20
         n = ffi.new("size_t *")
         while True:
             buf = ffi.new("np_event_info[]", max(cap, 1))

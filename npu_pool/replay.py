@@ -22,7 +22,6 @@ from .trace.stats import live_profile
 
 UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
 CAPACITY_STEP = vocab.SIM_PAGE  # resolution of the minimum-capacity search: the simulated device's page
-_HISTORY_ALL = (1 << 40) // ffi.sizeof("np_event_info")  # the core's bound; memory is used as events come
 # What npu_pool learns lifetimes from: "markers" (phase markers only: what a device running
 # the recorder sees; the default), "sites" (markers and the trace's own site ids), "oracle"
 # (the profiler's categories), "none". Codes are the core's (NP_HINTS_*).
@@ -100,7 +99,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
 
             install(pool, plan)
         if history:
-            pool.set_history(_HISTORY_ALL)
+            pool.set_history(vocab.HISTORY_MAX)  # the core's bound; memory is used only as events come
         inp, keep = trace.c_columns()  # the buffers must outlive the call
         inp.fidelity = int(fidelity)
         inp.hints = HINTS[hints]

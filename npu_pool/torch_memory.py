@@ -31,11 +31,10 @@ from typing import Any, Callable, Optional
 from . import snapshot
 from ._core import lib
 from .pool import _check
+from .vocab import HISTORY_DEFAULT, HISTORY_MAX
 
-__all__ = ["stats_dict", "snapshot_of_installed", "route", "HISTORY_DEFAULT"]
+__all__ = ["stats_dict", "snapshot_of_installed", "route"]
 
-HISTORY_DEFAULT = 4096            # events each pool keeps when nobody asked for more (OOM snapshots)
-_HISTORY_MAX = (1 << 40) // 64    # the core's bound on a history ("unlimited" asks for sys.maxsize)
 _STAT_ARRAYS = {"allocation": "blocks", "segment": "segments", "active": "blocks", "allocated_bytes": "allocated",
                 "reserved_bytes": "reserved", "active_bytes": "active", "requested_bytes": "requested"}
 _ZERO = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
@@ -118,7 +117,7 @@ def _record_history(enabled: Any = "all", context: Any = None, stacks: Any = Non
         raise ValueError(f"max_entries must be a number of events, got {max_entries!r}") from None
     if n < 0:
         raise ValueError(f"max_entries must be >= 0, got {n}")
-    _check(lib.npu_pool_set_history(-1, min(n, _HISTORY_MAX)))
+    _check(lib.npu_pool_set_history(-1, min(n, HISTORY_MAX)))  # "unlimited" asks for sys.maxsize
 
 
 # kind -> {name in torch's C module: replacement}; stats only where no C++ hook answers them

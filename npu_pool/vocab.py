@@ -9,11 +9,14 @@ pools.
 """
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 from ._core import ffi, lib
 
-__all__ = ["ROUND", "SIM_PAGE", "POOLS", "BACKENDS", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
+__all__ = ["ROUND", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
-           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START"]
+           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
 
 def _names(vocab: int, count: int) -> tuple[str, ...]:
@@ -28,6 +31,8 @@ ROUND: int = lib.NP_ROUND          # every block is a multiple of this many byte
 MAX_REQUEST: int = lib.NP_MAX_REQUEST  # larger requests (and capacities) are absurd
 SIM_PAGE: int = lib.NP_SIM_PAGE    # the simulated device's mapping page
 POOLS: int = lib.NP_POOLS          # pools per policy, besides the total
+HISTORY_DEFAULT: int = lib.NP_HISTORY_DEFAULT  # history events a pool keeps unless told otherwise
+HISTORY_MAX: int = lib.np_history_max()        # the largest history bound the core takes
 
 BACKENDS = _names(lib.NP_VOCAB_BACKEND, lib.NP_BACKEND_COUNT)
 LIFETIMES = _names(lib.NP_VOCAB_LIFE, lib.NP_LIFE_COUNT)
@@ -71,3 +76,21 @@ POOL_NAMES: dict[str, tuple[str, ...]] = {
 POOL_MEANINGS: dict[str, tuple[str, ...]] = {
     name: tuple(_text(lib.np_policy_pool_meaning(i, p)) for p in range(POOLS)) for i, name in enumerate(POLICIES)}
 POLICY_SUMMARIES: dict[str, str] = {name: _text(lib.np_policy_summary(i)) for i, name in enumerate(POLICIES)}
+
+# A marker's name in a torch.profiler trace (and in PyTorch snapshots' external_annotations):
+# a record_function range named npu_pool::<marker>::<arg> (npu_pool.recorder.mark_profiled).
+PROFILER_PREFIX = "npu_pool::"
+_PROFILED = re.compile(r"^npu_pool::([a-z_]+)::(-?\d+)$")
+
+
+def profiler_label(code: int, arg: int) -> str:
+    """The ``record_function`` name of marker ``code``: ``npu_pool::<marker>::<arg>``."""
+    return f"{PROFILER_PREFIX}{MARK_NAMES[code]}::{arg}"
+
+
+def profiled_mark(name: str) -> Optional[tuple[int, int]]:
+    """``(code, arg)`` of a range named by :func:`profiler_label`; None for any other name."""
+    m = _PROFILED.match(name)
+    if m is None or m.group(1) not in MARK_NAMES:
+        return None
+    return MARK_NAMES.index(m.group(1)), int(m.group(2))

@@ -18,7 +18,7 @@ from npu_pool.analysis import breakdown, estimate as est, memviz
 from npu_pool.timeline import Timeline, timeline
 from npu_pool.analysis.phases import PhaseTracker, phase_at, stage_spans
 from npu_pool.analysis.report import analyze_paths, analyze_trace, imbalance, to_json, to_markdown
-from npu_pool.analysis.units import fmt_bytes
+from npu_pool.units import fmt_bytes
 from npu_pool.cli import main
 from npu_pool.pool import OutOfMemoryError, Pool
 from npu_pool.trace.format import (CAT_ACTIVATION, CAT_GRADIENT, CAT_INPUT, CAT_OPTIMIZER_STATE, CAT_PARAMETER,

@@ -12,7 +12,7 @@ import pytest
 from npu_pool.analysis.breakdown import GROUP_LABELS
 from npu_pool.analysis.html import downsample, render_html
 from npu_pool.analysis.report import Analysis, analyze_paths, analyze_trace
-from npu_pool.analysis.units import fmt_bytes
+from npu_pool.units import fmt_bytes
 from npu_pool.cli import main
 from test_analysis import POLICIES, toy_trace
 

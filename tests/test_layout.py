@@ -93,7 +93,8 @@ def test_the_binding_is_the_bottom_layer():
     # pool.py: the binding, the vocabulary and the OOM snapshot writer, which import nothing above them
     assert graph["npu_pool.pool"] <= {"npu_pool.vocab", "npu_pool.oom"}
     assert graph["npu_pool.vocab"] == set()
-    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab"}
+    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab", "npu_pool.units"}
+    assert graph["npu_pool.units"] == set()
     assert graph["npu_pool.snapshot"] <= {"npu_pool.vocab"}
     # the trace format and the recorder need nothing of the tools; the product needs no demo code
     for name, deps in graph.items():
@@ -191,3 +192,19 @@ def test_a_policy_is_one_file_plus_one_registry_line():
         assert not named or src.name == f"policy_{named.pop()}.c" and not named, src.name
     for name in vocab.POLICIES:  # the policy says what its pools are
         assert all(vocab.POOL_NAMES[name]) and all(vocab.POOL_MEANINGS[name]) and vocab.POLICY_SUMMARIES[name]
+
+
+def test_history_bounds_are_the_cores():
+    from npu_pool import Pool, torch_memory  # noqa: F401  (imports nothing of torch)
+    from npu_pool.pool import InvalidArgumentError
+
+    assert vocab.HISTORY_MAX == (1 << 40) // ffi.sizeof("np_event_info") and vocab.HISTORY_DEFAULT == 4096
+    with Pool("npu_pool") as p:
+        p.set_history(vocab.HISTORY_MAX)  # the bound itself is taken
+        for bad in (lambda: p.set_history(vocab.HISTORY_MAX + 1), lambda: p.history(vocab.HISTORY_MAX + 1)):
+            try:
+                bad()
+            except InvalidArgumentError:
+                continue
+            raise AssertionError("a history past the core's bound was taken")
+    assert lib.npu_pool_set_history(-1, vocab.HISTORY_MAX + 1) != 0

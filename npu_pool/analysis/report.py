@@ -19,7 +19,7 @@ from ..timeline import Timeline, timeline
 from ..trace.format import Trace
 from ..trace.files import expand, open_traces
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
-from .units import fmt_bytes, fmt_share
+from ..units import fmt_bytes, fmt_share
 
 __all__ = ["PolicyFigures", "TraceAnalysis", "Analysis", "analyze_trace", "analyze_paths", "to_json", "to_markdown",
            "imbalance", "rank_groups"]

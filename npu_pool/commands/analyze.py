@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = to_markdown(analysis, args.top)
         if rows is not None:
-            from ..analysis.units import fmt_bytes
+            from ..units import fmt_bytes
 
             text += ("\n## Static estimate vs the trace\n\n| figure | estimated | measured | diff | ratio |\n"
                      "|---|---:|---:|---:|---:|\n")

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _mib(n: int) -> str:
-    from ..analysis.units import fmt_bytes
+    from ..units import fmt_bytes
 
     return fmt_bytes(n)
 

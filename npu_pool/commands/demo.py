@@ -43,10 +43,11 @@ def _case() -> list[str]:
     """The 7B case on a 64 GiB device, as lines of text."""
     from ..capture import fake_capture
     from ..planner import make_plan
+    from ..trace.stats import live_profile
 
     trace = fake_capture(progress=False, **CASE)
     plan = make_plan(trace, "llama-7b tp2")
-    live = replay_run(trace, "npu_pool").peak_live_bytes
+    live = live_profile(trace).peak_bytes
     rows, needs = [], {}
     for policy in ("torch", "expandable", "npu_pool", "planned"):
         kw: dict[str, Any] = {"plan": plan} if policy == "planned" else {}

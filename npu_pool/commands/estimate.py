@@ -55,7 +55,7 @@ def _config(args: argparse.Namespace, trace_meta: dict | None):
 
 
 def _md(est, rows) -> str:
-    from ..analysis.units import fmt_bytes
+    from ..units import fmt_bytes
 
     c, s = est.config, est.stage
     out = [f"# Static memory estimate (per rank, pipeline stage {s.stage} of {c.pp})", "",

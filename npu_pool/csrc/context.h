@@ -23,8 +23,6 @@
 
 typedef struct np_policy np_policy;
 
-#define NP_HISTORY_DEFAULT 4096 /* events kept unless np_set_history says otherwise */
-
 /* Where the markers put the context: the latest marker, its stage, whether an evaluation is
  * open and whether the forward/backward belongs to a later micro-batch (whose requests differ
  * from the first's: gradient accumulation adds into the gradients the first one created),

@@ -43,34 +43,38 @@ static np_event_info *next_entry(np_ctx *ctx, int kind) {
   return e;
 }
 
-void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
-                   int lifetime) {
+/* The next entry with the fields every kind has, or NULL when nothing is recorded. */
+static np_event_info *entry(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site,
+                            int pool, int lifetime) {
   np_event_info *e = next_entry(ctx, kind);
-  if (!e) return;
+  if (!e) return NULL;
   e->addr = addr;
   e->size = size;
   e->stream = stream;
   e->site = site;
   e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
   e->lifetime = (uint8_t)lifetime;
-  e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming;
+  return e;
+}
+
+void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
+                   int lifetime) {
+  np_event_info *e = entry(ctx, kind, addr, size, stream, site, pool, lifetime);
+  if (e) e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming;
 }
 
 void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
                        uint64_t device_free) {
-  np_event_info *e = next_entry(ctx, NP_EV_OOM);
+  np_event_info *e = entry(ctx, NP_EV_OOM, 0, size, stream, site, pool, lifetime);
   if (!e) return;
-  e->size = size;
-  e->stream = stream;
-  e->site = site;
-  e->lifetime = (uint8_t)lifetime;
-  e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
   e->detail = (uint8_t)why;
   e->device_free = device_free;
 }
 
+uint64_t np_history_max(void) { return ((uint64_t)1 << 40) / sizeof(np_event_info); }
+
 int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries) {
-  if (max_entries > ((uint64_t)1 << 40) / sizeof(np_event_info))
+  if (max_entries > np_history_max())
     return np_error(NP_ERR_INVALID, "history of %llu events is absurd (at most 2^40 bytes of history)",
                     (unsigned long long)max_entries);
   free(ctx->hist);

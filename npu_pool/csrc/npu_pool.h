@@ -82,7 +82,8 @@ enum {
   NP_ROUND = 512,               /* every block is a multiple of this many bytes */
   NP_SIM_PAGE = 2097152,        /* the simulated device's mapping page */
   NP_POOLS = 2,                 /* pools per policy, besides the total */
-  NP_NAME_LEN = 16
+  NP_NAME_LEN = 16,
+  NP_HISTORY_DEFAULT = 4096     /* history events a context keeps unless np_set_history says otherwise */
 };
 
 /* ---- configuration and statistics ------------------------------------------------------- */
@@ -242,6 +243,8 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n);
 int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n);
 /* Keep the latest `max_entries` events (0: none; the default is 4096). Clears the history. */
 int np_set_history(np_ctx *ctx, uint64_t max_entries);
+/* The largest bound np_set_history takes (2^40 bytes of events); more is refused as absurd. */
+uint64_t np_history_max(void);
 /* Copy the latest events (up to cap), oldest first; *n gets how many were copied. */
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);

@@ -165,7 +165,7 @@ int npu_pool_set_fraction(int device, double fraction) {
 int npu_pool_set_history(int device, uint64_t max_entries) {
   if (device != -1 && !valid_device(device))
     return np_error(NP_ERR_INVALID, "device %d is out of range (-1 for all, 0..%d)", device, NP_MAX_DEVICES - 1);
-  if (max_entries > ((uint64_t)1 << 40) / sizeof(np_event_info))
+  if (max_entries > np_history_max()) /* checked before anything is kept for devices without a context */
     return np_error(NP_ERR_INVALID, "history of %llu events is absurd", (unsigned long long)max_entries);
   int rc = NP_OK;
   for (int d = device < 0 ? 0 : device; d < (device < 0 ? NP_MAX_DEVICES : device + 1) && rc == NP_OK; d++) {

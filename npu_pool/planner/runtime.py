@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
+from ..pool import PLAN_COUNTS
 from ..trace.format import Trace
 from ..trace.stats import alloc_sizes, contains, fingerprint
 from .plan import ONLINE, Plan, PlanError
@@ -12,7 +13,7 @@ from .planfile import load_plan
 
 __all__ = ["COUNTS", "ENV", "as_plan", "install", "remove", "counts", "plan_from_env", "check_made_for"]
 
-COUNTS = ("served", "fallback", "idle", "resyncs")  # np_set_plan's counters, in order
+COUNTS = PLAN_COUNTS  # np_set_plan's counters, in order
 ENV = "NPU_POOL_PLAN"
 
 PlanLike = Union[Plan, str, Path]

@@ -2,13 +2,13 @@
 name a marker has in a torch.profiler trace."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 from ..trace.format import (MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END,
                             MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER,
                             MARK_LAYER_EXIT, MARK_NAMES, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN,
                             MARK_SETUP_END)
-from ..vocab import STAGE_CLOSED, STAGE_OPENED
+from ..vocab import STAGE_CLOSED, STAGE_OPENED, profiled_mark, profiler_label  # noqa: F401 (re-exported)
 
 # phase name -> (begin code, end code); aliases map to the same pair.
 PHASES: dict[str, tuple[int, int]] = {
@@ -41,27 +41,6 @@ def code_of(mark: Union[int, str]) -> int:
     if not 0 <= mark < len(MARK_NAMES):
         raise ValueError(f"unknown marker code {mark}; codes are 0..{len(MARK_NAMES) - 1}")
     return mark
-
-
-PROFILER_PREFIX = "npu_pool::"  # markers in a torch.profiler trace: record_function ranges named so
-
-
-def profiler_label(code: int, arg: int) -> str:
-    """The ``record_function`` name of a marker: ``npu_pool::<marker>::<arg>``."""
-    return f"{PROFILER_PREFIX}{MARK_NAMES[code]}::{arg}"
-
-
-def profiled_mark(name: str) -> Optional[tuple[int, int]]:
-    """``(code, arg)`` of a profiler range named by :func:`profiler_label`; None for any other name."""
-    if not name.startswith(PROFILER_PREFIX):
-        return None
-    parts = name.split("::")
-    if len(parts) != 3 or parts[1] not in _BY_NAME:
-        return None
-    try:
-        return _BY_NAME[parts[1]], int(parts[2])
-    except ValueError:
-        return None
 
 
 def phase_codes(name: str) -> tuple[int, int]:

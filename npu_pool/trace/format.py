@@ -45,13 +45,12 @@ from .._core import ffi, lib
 
 # Ops, categories and markers are the core's vocabulary (npu_pool.h), defined once there.
 from ..vocab import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_NAMES,  # noqa: F401
-                     MAX_REQUEST,
                      CAT_OPTIMIZER_STATE, CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN,
                      MARK_BACKWARD_END, MARK_EVAL_BEGIN, MARK_EVAL_END, MARK_FORWARD_BEGIN, MARK_FORWARD_END,
                      MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_NAMES,
                      MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC,
                      OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_NAMES, OP_OOM, OP_SEG_FREE,
-                     OP_SEG_HINT)
+                     OP_SEG_HINT, MAX_REQUEST)
 
 # Pool kinds carried by segment events in ``cat``.
 POOL_SMALL, POOL_LARGE = 0, 1

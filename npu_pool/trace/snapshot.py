@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .format import (CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
-                     MARK_LAYER_ENTER, MARK_NAMES, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
+                     MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
+from ..vocab import PROFILER_PREFIX, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of"]
 
@@ -164,7 +165,6 @@ _LAYER = re.compile(r"^(?:layer|layers)[#\s_.]*(\d+)$", re.I)
 _PHASE_WORDS = {"setup": MARK_SETUP_BEGIN, "forward": MARK_FORWARD_BEGIN, "backward": MARK_BACKWARD_BEGIN,
                 "optimizer": MARK_OPTIMIZER_BEGIN, "eval": MARK_EVAL_BEGIN, "evaluation": MARK_EVAL_BEGIN,
                 "validation": MARK_EVAL_BEGIN, "iteration": MARK_ITER_BEGIN, "step": MARK_ITER_BEGIN}
-_OWN = re.compile(r"^npu_pool::([a-z_]+)::(-?\d+)$")
 
 
 def marker_of(name: str) -> tuple[int, int, bool] | None:
@@ -178,9 +178,9 @@ def marker_of(name: str) -> tuple[int, int, bool] | None:
     ``npu_pool::<marker>::<arg>``, are ``exact``: that very code, taken at START only. Case does
     not matter."""
     n = name.strip()
-    m = _OWN.match(n)
-    if m:
-        return (MARK_NAMES.index(m.group(1)), int(m.group(2)), True) if m.group(1) in MARK_NAMES else None
+    if n.startswith(PROFILER_PREFIX):
+        own = profiled_mark(n)
+        return (*own, True) if own is not None else None
     if n.startswith("Optimizer.step"):
         return MARK_OPTIMIZER_BEGIN, -1, False
     for pattern, code in ((_STEP, MARK_ITER_BEGIN), (_LAYER, MARK_LAYER_ENTER)):

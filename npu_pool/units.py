@@ -1,4 +1,4 @@
-"""Byte and share formatting shared by the text and HTML reports."""
+"""Byte and share formatting shared by messages, the text and the HTML reports (imports nothing)."""
 from __future__ import annotations
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
