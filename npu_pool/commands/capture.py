@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from ..capture.real import DEFAULTS
+from ..units import fmt_bytes
 
 _FAKE_SEQ = 2048
 
@@ -34,12 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", "-o", help="write the trace here (.npt)")
-
-
-def _mib(n: int) -> str:
-    from ..units import fmt_bytes
-
-    return fmt_bytes(n)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
           f" {c['total_s']:.1f} s")
     print(f"events {s['events']}  allocs {s['allocs']}  frees {s['frees']}  marks {s['marks']}"
           f"  sites {len(trace.meta.get('sites', []))}  host scalars left out {trace.meta.get('host_scalars_dropped', 0)}")
-    print(f"peak live {_mib(s['peak_bytes'])} at event {s['peak_event']}; live at end {_mib(s['end_bytes'])}")
+    print(f"peak live {fmt_bytes(s['peak_bytes'])} at event {s['peak_event']}; live at end {fmt_bytes(s['end_bytes'])}")
     print("bytes by category at the peak:")
     for name, b in sorted(s["peak_by_category"].items(), key=lambda kv: -kv[1]):
-        print(f"  {name:<16} {_mib(b):>14}  {100 * b / max(1, s['peak_bytes']):5.1f}%")
+        print(f"  {name:<16} {fmt_bytes(b):>14}  {100 * b / max(1, s['peak_bytes']):5.1f}%")
     if args.out:
         trace.save(args.out)
         print(f"wrote {args.out}")
