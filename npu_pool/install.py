@@ -98,7 +98,9 @@ def last_error(device: int = -1) -> str:
 
 class _DevicePool(Pool):
     """The installed allocator's context on one device. The context belongs to the shared
-    object's device table: it is created on first use and never closed here."""
+    object's device table: it is created on first use and never closed or freed here."""
+
+    _owns = False
 
     def __init__(self, device: int, policy: str, backend: str):  # no Pool.__init__: nothing to create
         self._ctx = None
