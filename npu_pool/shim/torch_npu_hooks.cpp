@@ -7,6 +7,7 @@
 //    where the plain C hook could only return NULL ("Get data_ptr failed");
 //  - get_device_stats: c10::CachingDeviceAllocator::DeviceStats filled from np_stats
 //    (torch.npu.memory_stats() & co.; without it torch_npu's getDeviceStats returns nothing);
+//    a device torch does not have raises "Invalid device argument", as torch_npu's allocator does;
 //  - record_stream / erase_stream: take a c10_npu::NPUStream, whose aclrtStream the core
 //    orders reuse after (erasing is a no-op: keeping the wait is always safe).
 #include <c10/core/CachingDeviceAllocator.h>
@@ -74,7 +75,11 @@ void npu_pool_hooks_free(void *ptr, size_t size, int device, void *stream) { cor
 DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   np_stats st{};
   DeviceStats out;
-  if (core.stats(device, &st) != NP_OK) return out;
+  if (core.stats(device, &st) != NP_OK) {
+    char msg[1024] = "";
+    core.last_error(-1, msg, sizeof msg);  // the calling thread's: why this device was refused
+    TORCH_CHECK(false, msg);
+  }
   bool small_large = std::string(st.pool[0].name) == "small" && std::string(st.pool[1].name) == "large";
   fill(out.allocation, st, &np_pool_stats::blocks, small_large);
   fill(out.segment, st, &np_pool_stats::segments, small_large);
