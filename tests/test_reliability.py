@@ -254,7 +254,7 @@ for name in sys.argv[1:]:
         errors[name] = "installed"
     except Exception as e:
         errors[name] = type(e).__name__ + ": " + str(e)
-x = torch.ones(1 << 18, device="npu")  # served by torch_npu's own allocator
+x = torch.empty(1 << 18, device="npu")  # served by torch_npu's own allocator
 print(json.dumps({"errors": errors, "installed": sorted(installed()), "ctx": lib.npu_pool_existing_ctx(0) != ffi.NULL,
                   "stats_fn_untouched": torch_npu._C._npu_memoryStats is stats_fn,
                   "torch_counts": torch.npu.memory_allocated()}))
@@ -282,7 +282,7 @@ import json, torch, torch_npu
 if INSTALL:
     import npu_pool
     npu_pool.install()
-x = torch.ones(1 << 18, device="npu")
+x = torch.empty(1 << 18, device="npu")
 r = {"count": torch.npu.device_count(), "ok": torch.npu.memory_allocated(1) >= 0}
 for name, call in (("memory_stats(5)", lambda: torch.npu.memory_stats(5)),
                    ("memory_allocated(-7)", lambda: torch.npu.memory_allocated(-7)),
