@@ -358,3 +358,11 @@ def test_fork_under_torch_npu_while_threads_allocate(torch_npu: TorchNpu) -> Non
         assert status == 0, child
         got = json.loads(child)
         assert got["reserved"] > 0 and "fork of the one that made this pool" in got["malloc"]
+
+
+def test_fifo_named_like_a_rank_report_is_refused(tmp_path) -> None:
+    from npu_pool.recorder import report
+
+    os.mkfifo(tmp_path / report.FILE_PATTERN.replace("*", "0"))
+    with pytest.raises(ValueError, match="not a regular file"):
+        report.load(tmp_path)
