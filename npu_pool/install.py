@@ -318,7 +318,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     (else ``"npu_pool"``) and ``NPU_POOL_FRACTION`` (else no cap). ``lib_path`` overrides
     the vendor library (as for :class:`~npu_pool.pool.Pool`). Raises
     :class:`DeviceUnavailableError` without an NPU or GPU and :class:`TooLateError` once
-    torch has initialised its own allocator.
+    torch has initialised its own allocator. All or nothing: every setting and file (the
+    planned policy's plan included) is read and checked before torch's allocator is swapped,
+    last; on any failure torch keeps its own allocator.
     """
     global _current
     settings = config.load()

@@ -366,3 +366,25 @@ def test_fifo_named_like_a_rank_report_is_refused(tmp_path) -> None:
     os.mkfifo(tmp_path / report.FILE_PATTERN.replace("*", "0"))
     with pytest.raises(ValueError, match="not a regular file"):
         report.load(tmp_path)
+
+
+HOOKS_USED = """
+import json, mindspeed_patch, torch, torch_npu
+from npu_pool.install import _current, installed
+x = torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+print(json.dumps({"cpp": _current.cpp_hooks, "allocated": installed()[0].stats()["total"]["allocated"]["current"]}))
+"""
+
+
+@pytest.mark.slow  # one rebuild of the C++ hooks (about half a minute)
+def test_truncated_hooks_library_in_the_cache_is_rebuilt_under_torch_npu(torch_npu: TorchNpu) -> None:
+    """The SIGBUS of issue 21: a torch_npu_hooks-*.so cut short in NPU_POOL_CACHE is rebuilt,
+    and the process runs on the C++ hooks."""
+    out, _ = torch_npu.results(HOOKS_USED, MEMORY_FRAGMENTATION="1")  # built (or verified) in the session cache
+    assert out["cpp"]
+    (lib,) = torch_npu.cache.glob("torch_npu_hooks-*.so")
+    whole = lib.read_bytes()
+    lib.write_bytes(whole[: len(whole) // 4])
+    out, err = torch_npu.results(HOOKS_USED, MEMORY_FRAGMENTATION="1")
+    assert out["cpp"] and out["allocated"] >= 1 << 20 and "Traceback" not in err
+    assert lib.stat().st_size == len(whole)

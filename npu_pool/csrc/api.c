@@ -134,21 +134,17 @@ int np_close(np_ctx *ctx) {
   if (!ctx) return NP_OK;
   pthread_mutex_lock(&ctx->lock); /* waits for the call in flight; those queued behind it see `closed` */
   int rc = ctx->closed ? NP_OK : close_locked(ctx);
-  np_saved_error s;
-  if (rc != NP_OK) np_save_error(&s, rc);
   pthread_mutex_unlock(&ctx->lock);
-  return rc != NP_OK ? np_restore_error(&s) : NP_OK;
+  return rc;
 }
 
 int np_destroy(np_ctx *ctx) {
   if (!ctx) return NP_OK;
   int rc = np_close(ctx);
-  np_saved_error s;
-  if (rc != NP_OK) np_save_error(&s, rc);
   np_fork_unregister(ctx);
   pthread_mutex_destroy(&ctx->lock);
   free(ctx);
-  return rc != NP_OK ? np_restore_error(&s) : NP_OK;
+  return rc;
 }
 
 int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out) {
