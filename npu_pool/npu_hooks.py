@@ -194,9 +194,9 @@ def load() -> Hooks:
         so = ctypes.CDLL(str(path))
     except OSError as e:
         raise HooksUnavailable(f"cannot load {path}: {e}") from None
-    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 5
+    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 6
     so.npu_pool_hooks_bind(_addr("npu_pool_malloc"), _addr("npu_pool_free"), _addr("npu_pool_device_stats"),
-                           _addr("npu_pool_record_stream"), _addr("npu_pool_last_error"))
+                           _addr("npu_pool_record_stream"), _addr("npu_pool_last_error"), _addr("npu_pool_last_code"))
 
     def address(name: str) -> int:
         return int(ctypes.cast(getattr(so, name), ctypes.c_void_p).value or 0)

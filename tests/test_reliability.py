@@ -346,18 +346,28 @@ for i in range(8):
 stop.set()
 for t in threads:
     t.join()
-print(json.dumps({"children": statuses}))
+import sys
+sys.modules["npu_pool.install"]._reset()  # the device table closed under torch: a refusal, not an OOM
+try:
+    torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+    after = "served"
+except Exception as e:
+    after = type(e).__name__ + ": " + str(e).splitlines()[0]
+print(json.dumps({"children": statuses, "after_close": after}))
 """
 
 
 def test_fork_under_torch_npu_while_threads_allocate(torch_npu: TorchNpu) -> None:
     """Under the real torch_npu a forked child reads the parent's pool statistics without hanging,
-    and is refused (clearly) device memory from the parent's pool."""
+    and is refused (clearly) device memory from the parent's pool. Then the device table is shut
+    down under torch: a request is refused with a RuntimeError, not taken for an OOM."""
     out, err = torch_npu.results(TORCH_FORK)
     for status, child in out["children"]:
         assert status == 0, child
         got = json.loads(child)
         assert got["reserved"] > 0 and "fork of the one that made this pool" in got["malloc"]
+    # the C++ malloc hook raises torch.OutOfMemoryError only for a lack of memory
+    assert out["after_close"].startswith("RuntimeError: npu_pool: ") and "not configured" in out["after_close"]
 
 
 def test_fifo_named_like_a_rank_report_is_refused(tmp_path) -> None:

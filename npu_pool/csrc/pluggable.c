@@ -224,6 +224,8 @@ size_t npu_pool_last_error(int device, char *buf, size_t len) {
   return strlen(buf);
 }
 
+int npu_pool_last_code(void) { return np_last_code(); }
+
 void npu_pool_note_error(int device, const char *note) {
   if (!valid_device(device) || !note) return;
   pthread_mutex_lock(&table.lock);

@@ -42,6 +42,9 @@ void npu_pool_reset_accumulated(int device);
 /* Copy the last failure message of `device` (device < 0: the calling thread's
  * np_last_error()) into buf; returns its length. */
 size_t npu_pool_last_error(int device, char *buf, size_t len);
+/* The NP_ERR_* code of the calling thread's latest failure (a hook that got NULL tells an
+ * out-of-memory from a refusal with it). */
+int npu_pool_last_code(void);
 /* Add a line to `device`'s last failure message (an OOM handler's note: where its snapshot went). */
 void npu_pool_note_error(int device, const char *note);
 /* 1: failed mallocs are not printed (the caller reports them). */
