@@ -141,6 +141,7 @@ int np_close(np_ctx *ctx) {
 int np_destroy(np_ctx *ctx) {
   if (!ctx) return NP_OK;
   int rc = np_close(ctx);
+  np_ctx_history_free(ctx); /* a history bound set after the close may have grown a ring */
   np_fork_unregister(ctx);
   pthread_mutex_destroy(&ctx->lock);
   free(ctx);
