@@ -69,6 +69,7 @@ class _Installation:
         self.kind, self.module, self.policy, self.backend = kind, module, policy, backend
         self.fraction, self.allocator, self.hooks, self.cpp_hooks = fraction, allocator, hooks, cpp_hooks
         self.pools: dict[int, "_DevicePool"] = {}
+        self.plan_used: list[bool] = []  # per device: the plan was installed (not found worse than online)
         self.unroute: Any = None  # puts torch's memory APIs back (torch_memory.route)
 
 
@@ -98,7 +99,9 @@ def last_error(device: int = -1) -> str:
 
 class _DevicePool(Pool):
     """The installed allocator's context on one device. The context belongs to the shared
-    object's device table: it is created on first use and never closed here."""
+    object's device table: it is created on first use and never closed or freed here."""
+
+    _owns = False
 
     def __init__(self, device: int, policy: str, backend: str):  # no Pool.__init__: nothing to create
         self._ctx = None
@@ -315,7 +318,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     (else ``"npu_pool"``) and ``NPU_POOL_FRACTION`` (else no cap). ``lib_path`` overrides
     the vendor library (as for :class:`~npu_pool.pool.Pool`). Raises
     :class:`DeviceUnavailableError` without an NPU or GPU and :class:`TooLateError` once
-    torch has initialised its own allocator.
+    torch has initialised its own allocator. All or nothing: every setting and file (the
+    planned policy's plan included) is read and checked before torch's allocator is swapped,
+    last; on any failure torch keeps its own allocator.
     """
     global _current
     settings = config.load()
@@ -324,6 +329,13 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         fraction = config.parse_fraction(fraction, "fraction")
     elif settings.fraction is not None:
         fraction = settings.fraction
+    plan = None
+    if policy == "planned":  # read and verified before anything changes, installed on every device
+        if not settings.plan:
+            raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
+        from .planner.runtime import as_plan
+
+        plan = as_plan(settings.plan)
     import torch
 
     kind, module = _find_device(device_type, torch)
@@ -340,42 +352,65 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         is_initialized = getattr(module, "is_initialized", None)
         if callable(is_initialized) and is_initialized():
             raise _too_late(kind)
-        backend = _BACKEND_OF[kind]
-        path = lib_path if lib_path is not None else _default_lib_path(kind)
-        rc = lib.npu_pool_configure(POLICIES[policy], BACKENDS[backend], fraction or 1.0, 1,
-                                    path.encode() if path else ffi.NULL)
-        if rc:
-            raise InstallError(f"npu_pool could not be configured: {last_error()}")
-        allocator, hooks, cpp = _build_allocator(kind, module, torch)
+        inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path)
         change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
-        try:
-            change(allocator)
-        except RuntimeError as e:
-            lib.npu_pool_shutdown()
-            if "initialized" in str(e) or "initialised" in str(e):
+        try:  # the swap comes last: every failure before it left torch untouched
+            change(inst.allocator)
+        except BaseException as e:
+            _undo(inst)
+            if isinstance(e, RuntimeError) and ("initialized" in str(e) or "initialised" in str(e)):
                 raise _too_late(kind) from e
             raise
-        inst = _Installation(kind, module, policy, backend, fraction, allocator, hooks, cpp)
-        inst.pools = {d: _DevicePool(d, policy, backend) for d in range(int(module.device_count()))}
         _current = inst
-    lib.npu_pool_set_oom_handler(lib._npu_pool_on_oom)
-    if oom.snapshot_dir():  # OOM snapshots asked for: keep the run's history, as torch_npu would
-        lib.npu_pool_set_history(-1, oom.HISTORY_WHEN_ENABLED)
-    from . import torch_memory
-
-    inst.unroute = torch_memory.route(kind, torch, installed, stats_from_python=not cpp)
-    if policy == "planned":
-        if not settings.plan:
-            raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
-        from .planner.runtime import as_plan, install as install_plan
-
-        plan = as_plan(settings.plan)  # read and verified once, installed on every device
-        used = [install_plan(p, plan) for p in inst.pools.values()]
-        if not all(used):
-            warnings.warn(f"{config.PLAN}={settings.plan}: the planner found this plan worse than the online pool "
-                          f"({plan.meta.get('online', '')}); the planned policy serves every request online, "
-                          "as npu_pool", RuntimeWarning, stacklevel=2)
+    if plan is not None and not all(inst.plan_used):
+        warnings.warn(f"{config.PLAN}={settings.plan}: the planner found this plan worse than the online pool "
+                      f"({plan.meta.get('online', '')}); the planned policy serves every request online, "
+                      "as npu_pool", RuntimeWarning, stacklevel=2)
     return dict(inst.pools)
+
+
+def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional[float], plan: Any,
+             lib_path: Optional[str]) -> _Installation:
+    """Everything install() does but the swap: the core's device table configured, torch's
+    allocator object built with its hooks, the plan installed on every device, torch's memory
+    APIs routed. On any failure all of it is undone and the error raised (torch untouched)."""
+    backend = _BACKEND_OF[kind]
+    path = lib_path if lib_path is not None else _default_lib_path(kind)
+    rc = lib.npu_pool_configure(POLICIES[policy], BACKENDS[backend], fraction or 1.0, 1,
+                                path.encode() if path else ffi.NULL)
+    if rc:
+        raise InstallError(f"npu_pool could not be configured: {last_error()}")
+    inst: Optional[_Installation] = None
+    try:
+        devices = int(module.device_count())
+        lib.npu_pool_set_device_count(devices)
+        allocator, hooks, cpp = _build_allocator(kind, module, torch)
+        inst = _Installation(kind, module, policy, backend, fraction, allocator, hooks, cpp)
+        inst.pools = {d: _DevicePool(d, policy, backend) for d in range(devices)}
+        if plan is not None:
+            from .planner.runtime import install as install_plan
+
+            inst.plan_used = [install_plan(p, plan) for p in inst.pools.values()]
+        lib.npu_pool_set_oom_handler(lib._npu_pool_on_oom)
+        if oom.snapshot_dir():  # OOM snapshots asked for: keep the run's history, as torch_npu would
+            lib.npu_pool_set_history(-1, oom.HISTORY_WHEN_ENABLED)
+        from . import torch_memory
+
+        inst.unroute = torch_memory.route(kind, torch, lambda: dict(inst.pools), stats_from_python=not cpp)
+    except BaseException:
+        if inst is not None:
+            _undo(inst)
+        else:
+            lib.npu_pool_shutdown()
+        raise
+    return inst
+
+
+def _undo(inst: _Installation) -> None:
+    """Take back what _prepare did (torch's allocator was not swapped)."""
+    if inst.unroute:
+        inst.unroute()
+    lib.npu_pool_shutdown()
 
 
 def _reset() -> None:

@@ -7,7 +7,10 @@ garbage and aborts), ``set_record_stream_fn`` and ``set_erase_stream_fn`` pass a
 ``c10_npu::NPUStream``, and only a C++ malloc hook can raise ``torch.OutOfMemoryError``. The
 library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (else g++)
 into ``$NPU_POOL_CACHE`` (else ``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``);
-concurrent ranks wait for one build. Any failure raises :class:`HooksUnavailable` saying why.
+concurrent ranks wait for one build. Beside each library a ``.sum`` file holds its size and
+SHA-256: a cached library that does not match (truncated, overwritten, half copied) is rebuilt,
+never loaded (loading a truncated library kills the process with SIGBUS). Any failure raises
+:class:`HooksUnavailable` saying why.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -94,11 +98,15 @@ def build() -> Path:
     except OSError as e:
         raise HooksUnavailable(f"cannot create the cache directory {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
     out = out_dir / f"torch_npu_hooks-{key}.so"
-    if out.exists():
+    if _verified(out):
         return out
-    with open(out_dir / ".build.lock", "w") as lock:
+    try:
+        lock = open(out_dir / ".build.lock", "w")
+    except OSError as e:
+        raise HooksUnavailable(f"cannot write to the cache directory {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together build once
-        if out.exists():
+        if _verified(out):
             return out
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         try:
@@ -109,8 +117,53 @@ def build() -> Path:
             tmp.unlink(missing_ok=True)
             tail = "\n".join(r.stderr.strip().splitlines()[-15:])
             raise HooksUnavailable(f"building npu_pool's torch_npu hooks with {cxx} failed:\n{tail}")
-        os.replace(tmp, out)
+        try:
+            _seal(tmp, _sum_path(out))
+            os.replace(tmp, out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise HooksUnavailable(f"cannot write the hooks into {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
+    if not _verified(out):
+        raise HooksUnavailable(f"{out} changed while it was being built (another process writing the cache?)")
     return out
+
+
+def _sum_path(lib_path: Path) -> Path:
+    return lib_path.with_name(lib_path.name + ".sum")
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    """(size, SHA-256) of a regular file; OSError otherwise."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(0, "not a regular file")
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _seal(built: Path, sum_path: Path) -> None:
+    """Write the size and checksum of ``built`` (the library about to be renamed into place)."""
+    size, digest = _digest(built)
+    tmp = sum_path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(f"{size} {digest}\n")
+    os.replace(tmp, sum_path)
+
+
+def _verified(lib_path: Path) -> bool:
+    """Whether ``lib_path`` exists and matches the size and checksum written beside it."""
+    try:
+        with open(_sum_path(lib_path), "rb") as f:
+            expected = f.read(200).decode("ascii").split()
+        if len(expected) != 2 or os.stat(lib_path).st_size != int(expected[0]):
+            return False  # the cheap check first: a truncated library is not even read
+        size, digest = _digest(lib_path)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return expected == [str(size), digest]
 
 
 @dataclass(frozen=True)
@@ -141,9 +194,9 @@ def load() -> Hooks:
         so = ctypes.CDLL(str(path))
     except OSError as e:
         raise HooksUnavailable(f"cannot load {path}: {e}") from None
-    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 5
+    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 6
     so.npu_pool_hooks_bind(_addr("npu_pool_malloc"), _addr("npu_pool_free"), _addr("npu_pool_device_stats"),
-                           _addr("npu_pool_record_stream"), _addr("npu_pool_last_error"))
+                           _addr("npu_pool_record_stream"), _addr("npu_pool_last_error"), _addr("npu_pool_last_code"))
 
     def address(name: str) -> int:
         return int(ctypes.cast(getattr(so, name), ctypes.c_void_p).value or 0)

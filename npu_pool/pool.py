@@ -164,14 +164,21 @@ class Pool:
         self.device = device
 
     # -- lifetime -----------------------------------------------------------------------
-    def close(self) -> None:
-        """Return all device memory and destroy the context (pointers become invalid).
+    _closed = False
+    _owns = True  # the context is this object's to free (the installed allocator's are not)
 
-        Raises :class:`BackendError` if the device refused to take some memory back even after
-        retries (the message says how much; the context is gone either way)."""
-        if getattr(self, "_ctx", None) is not None:
-            ctx, self._ctx = self._ctx, None
-            _check(lib.np_destroy(ctx))
+    def close(self) -> None:
+        """Return all device memory and close the pool (its pointers become invalid).
+
+        Safe while other threads use the pool: the call in flight finishes first, and every call
+        after (or racing with) the close raises :class:`PoolError` "closed pool", never touching
+        freed memory. Closing twice does nothing. Raises :class:`BackendError` if the device
+        refused to take some memory back even after retries (the message says how much; the pool
+        is closed either way)."""
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None and not self._closed:
+            self._closed = True
+            _check(lib.np_close(ctx))
 
     def __enter__(self) -> "Pool":
         return self
@@ -180,15 +187,16 @@ class Pool:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except PoolError:
-            pass
+        # No thread can be inside a method now (each holds a reference): the struct may go.
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None and self._owns:
+            self._ctx = None
+            lib.np_destroy(ctx)  # closes first if close() was never called; a refusal is lost here
 
     @property
     def ctx(self) -> Any:
-        if self._ctx is None:
-            raise PoolError(lib.NP_ERR_STATE, "pool is closed")
+        if self._ctx is None or self._closed:
+            raise PoolError(lib.NP_ERR_STATE, "closed pool: close() returned its memory; make a new pool")
         return self._ctx
 
     # -- allocation ---------------------------------------------------------------------

@@ -9,7 +9,7 @@ functions of torch's C module that those Python APIs call are answered from the 
 torch (``torch._C``)                   torch_npu (``torch_npu._C``)             answered by
 =====================================  =======================================  ==========================
 ``_cuda_memoryStats``                  ``_npu_memoryStats`` (without C++ hooks)  :func:`stats_dict`
-``_cuda_resetPeakMemoryStats``         (the reset-peak hook, in C)              ``Pool.reset_peak``
+``_cuda_resetPeakMemoryStats``         ``_npu_resetPeakMemoryStats``            ``Pool.reset_peak``
 ``_cuda_resetAccumulatedMemoryStats``  ``_npu_resetAccumulatedMemoryStats``     ``Pool.reset_accumulated``
 ``_cuda_memorySnapshot``               ``_npu_memorySnapshot``                  ``npu_pool.snapshot``
 ``_cuda_record_memory_history``        ``_npu_record_memory_history``           the pools' history bound
@@ -18,7 +18,8 @@ torch (``torch._C``)                   torch_npu (``torch_npu._C``)             
 So ``memory_stats``, ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
 ``max_memory_reserved``, ``reset_peak_memory_stats``, ``reset_accumulated_memory_stats``,
 ``memory_summary``, ``memory_snapshot``, ``_record_memory_history``, ``_snapshot`` and
-``_dump_snapshot`` (``torch.cuda.*`` and ``torch.npu.*``) give the pool's exact figures; with
+``_dump_snapshot`` (``torch.cuda.*`` and ``torch.npu.*``) give the pool's exact figures (a device
+torch does not have raises "Invalid device argument", as torch's own allocators do); with
 torch_npu's C++ hooks (``npu_pool.npu_hooks``) ``memory_stats`` comes from C++, the same mapping.
 ``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
 (the pool records no stacks): memory_viz shows each block with its size, stream and time.
@@ -82,10 +83,13 @@ def _existing() -> dict[int, Any]:
 
 
 def _pool(device: Optional[int]) -> Any:
+    """The pool of ``device``; RuntimeError "Invalid device argument" (torch's own allocators'
+    words) for a device torch does not have."""
     pools = _pools()
     d = 0 if device is None else int(device)
     if d not in pools:
-        raise RuntimeError(f"npu_pool: no installed allocator serves device {d} (installed: {sorted(pools)})")
+        raise RuntimeError(f"Invalid device argument {d}: did you call init? (npu_pool serves devices "
+                           f"{', '.join(map(str, sorted(pools))) or 'none'})")
     return pools[d]
 
 
@@ -126,9 +130,10 @@ _ROUTES: dict[str, dict[str, Callable[..., Any]]] = {
              "_cuda_resetAccumulatedMemoryStats": _reset_accumulated, "_cuda_memorySnapshot": snapshot_of_installed,
              "_cuda_record_memory_history": _record_history},
     "npu": {"_npu_resetAccumulatedMemoryStats": _reset_accumulated, "_npu_memorySnapshot": snapshot_of_installed,
-            "_npu_record_memory_history": _record_history},
+            "_npu_record_memory_history": _record_history,
+            "_npu_resetPeakMemoryStats": _reset_peak},  # the C hook cannot refuse a device torch lacks
 }
-_NPU_STATS = {"_npu_memoryStats": _memory_stats, "_npu_resetPeakMemoryStats": _reset_peak}
+_NPU_STATS = {"_npu_memoryStats": _memory_stats}
 
 
 _MISSING = object()

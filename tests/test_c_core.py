@@ -15,6 +15,7 @@ CSRC = ROOT / "npu_pool" / "csrc"
 @pytest.mark.parametrize("driver, expected", [
     ("stress.c", ["torch:", "npu_pool:", "expandable:"]),  # random sequences on every policy
     ("planned.c", ["served"]),  # the planned policy against a changing iteration
+    ("teardown.c", ["close:", "shutdown: ok", "fork: ok"]),  # close and fork while threads call in
 ])
 def test_debug_build_under_sanitizers(tmp_path, driver, expected):
     cc = shutil.which("gcc") or shutil.which("cc")

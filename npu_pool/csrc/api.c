@@ -1,4 +1,10 @@
-/* api.c -- the public entry points: validate, lock, call the internals. */
+/* api.c -- the public entry points: validate, lock, call the internals.
+ *
+ * Lifecycle: np_create makes a context; np_close (under the lock, so after every call in
+ * flight) returns its memory and marks it closed, after which every call but the statistics,
+ * the history and np_close itself fails with NP_ERR_STATE; np_destroy closes and frees the
+ * struct, so it must be the last call on the context (its owner's to order: Python's Pool
+ * frees it when the Pool object dies, the device table never does). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +76,7 @@ int np_create(const np_config *cfg, np_ctx **out) {
   ctx->limit = (uint64_t)floor(cfg->fraction * (double)ctx->be->total);
   rc = ctx->policy->init(ctx);
   if (rc != NP_OK) goto fail;
+  np_fork_register(ctx);
   *out = ctx;
   return NP_OK;
 fail:
@@ -82,16 +89,60 @@ fail:
   return rc;
 }
 
+int np_ctx_refuse(const np_ctx *ctx, const char *what) {
+  if (ctx->closed)
+    return np_error(NP_ERR_STATE, "%s on a closed pool: close() returned its memory; make a new pool", what);
+  return np_error(NP_ERR_STATE, "%s refused: this process is a fork of the one that made this pool, whose %s device "
+                  "memory belongs to the parent (a forked child may read its statistics and close it)",
+                  what, np_vocab_name(NP_VOCAB_BACKEND, ctx->cfg.backend));
+}
+
+/* What a closed context still answers: the policy's name and pools, and no operation. */
+static const np_policy closed_policy = {.name = "(closed)", .summary = "a closed pool"};
+
+/* Release everything but the struct and its lock (lock held). An inherited context gives
+ * nothing back to the device: that memory is the parent's. */
+static int close_locked(np_ctx *ctx) {
+  int rc = NP_OK;
+  if (!ctx->inherited) {
+    ctx->policy->destroy(ctx); /* returns every segment to the device */
+    rc = np_ctx_retry_held(ctx);
+    ctx->be->destroy(ctx->be);
+    free(ctx->held);
+    np_block_cache_destroy(&ctx->blocks);
+    np_lifetime_destroy(&ctx->life);
+    np_ptrmap_destroy(&ctx->live);
+  } /* else: the books are dropped (host memory of the child, freed with the process) */
+  ctx->be = NULL;
+  ctx->held = NULL;
+  ctx->n_held = ctx->cap_held = 0;
+  ctx->segments = NULL;
+  ctx->pstate = NULL;
+  np_ctx_history_free(ctx);
+  np_stats zero = {0};
+  zero.total = (np_pool_stats){.name = "all"};
+  for (int p = 0; p < NP_POOLS; p++) memcpy(zero.pool[p].name, ctx->st.pool[p].name, sizeof zero.pool[p].name);
+  zero.policy = ctx->cfg.policy;
+  ctx->st = zero;
+  ctx->limit = 0;
+  ctx->policy = &closed_policy;
+  ctx->closed = true;
+  return rc;
+}
+
+int np_close(np_ctx *ctx) {
+  if (!ctx) return NP_OK;
+  pthread_mutex_lock(&ctx->lock); /* waits for the call in flight; those queued behind it see `closed` */
+  int rc = ctx->closed ? NP_OK : close_locked(ctx);
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
 int np_destroy(np_ctx *ctx) {
   if (!ctx) return NP_OK;
-  ctx->policy->destroy(ctx); /* returns every segment to the device */
-  int rc = np_ctx_retry_held(ctx);
-  ctx->be->destroy(ctx->be);
-  free(ctx->held);
-  np_ctx_history_free(ctx);
-  np_block_cache_destroy(&ctx->blocks);
-  np_lifetime_destroy(&ctx->life);
-  np_ptrmap_destroy(&ctx->live);
+  int rc = np_close(ctx);
+  np_ctx_history_free(ctx); /* a history bound set after the close may have grown a ring */
+  np_fork_unregister(ctx);
   pthread_mutex_destroy(&ctx->lock);
   free(ctx);
   return rc;
@@ -126,6 +177,10 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
   int rc = check_fraction(fraction);
   if (rc != NP_OK) return rc;
   pthread_mutex_lock(&ctx->lock);
+  if (np_ctx_usable(ctx, "set_fraction") != NP_OK) {
+    pthread_mutex_unlock(&ctx->lock);
+    return NP_ERR_STATE;
+  }
   uint64_t limit = (uint64_t)floor(fraction * (double)ctx->be->total);
   rc = ctx->policy->set_limit ? ctx->policy->set_limit(ctx, limit) : NP_OK;
   if (rc == NP_OK) {
@@ -138,7 +193,8 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
 
 void np_get_stats(np_ctx *ctx, np_stats *out) {
   pthread_mutex_lock(&ctx->lock);
-  np_get_stats_locked(ctx, out);
+  if (ctx->closed) *out = ctx->st; /* zeros: nothing is held any more */
+  else np_get_stats_locked(ctx, out);
   pthread_mutex_unlock(&ctx->lock);
 }
 
@@ -176,20 +232,26 @@ int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime) {
     return np_error(NP_ERR_INVALID, "default lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d",
                     default_lifetime);
   pthread_mutex_lock(&ctx->lock);
-  np_ctx_set_phase(ctx, phase, default_lifetime == NP_LIFE_AUTO ? NP_LIFE_LONG : default_lifetime);
+  int rc = ctx->closed ? np_ctx_refuse(ctx, "set_phase") : NP_OK;
+  if (rc == NP_OK) np_ctx_set_phase(ctx, phase, default_lifetime == NP_LIFE_AUTO ? NP_LIFE_LONG : default_lifetime);
   pthread_mutex_unlock(&ctx->lock);
-  return NP_OK;
+  return rc;
 }
 
 int np_mark(np_ctx *ctx, int code, int64_t arg) {
   pthread_mutex_lock(&ctx->lock);
-  int rc = np_ctx_mark(ctx, code, arg);
+  int rc = ctx->closed ? np_ctx_refuse(ctx, "mark") : np_ctx_mark(ctx, code, arg);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
 
 int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
+  *size = 0;
   pthread_mutex_lock(&ctx->lock);
+  if (ctx->closed) {
+    pthread_mutex_unlock(&ctx->lock);
+    return np_ctx_refuse(ctx, "block_size");
+  }
   np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
   *size = b ? b->size : 0;
   pthread_mutex_unlock(&ctx->lock);
@@ -198,6 +260,10 @@ int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
 
 int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
   pthread_mutex_lock(&ctx->lock);
+  if (np_ctx_usable(ctx, "record_stream") != NP_OK) {
+    pthread_mutex_unlock(&ctx->lock);
+    return NP_ERR_STATE;
+  }
   np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
   if (b && stream != b->stream) {
     b->shared = 1;
@@ -209,7 +275,7 @@ int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
 
 int np_check(np_ctx *ctx) {
   pthread_mutex_lock(&ctx->lock);
-  int rc = np_ctx_check(ctx);
+  int rc = ctx->closed ? np_ctx_refuse(ctx, "check") : np_ctx_check(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
@@ -243,7 +309,12 @@ static np_segment **sorted_segments(const np_ctx *ctx, size_t *nseg) {
 }
 
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
+  *n = 0;
   pthread_mutex_lock(&ctx->lock);
+  if (ctx->closed) {
+    pthread_mutex_unlock(&ctx->lock);
+    return np_ctx_refuse(ctx, "blocks");
+  }
   size_t nseg = 0, k = 0;
   np_segment **segs = sorted_segments(ctx, &nseg);
   if (!segs) {
@@ -286,7 +357,12 @@ static size_t segment_runs(const np_ctx *ctx, const np_segment *s, uint64_t *out
 }
 
 int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
+  *n = 0;
   pthread_mutex_lock(&ctx->lock);
+  if (ctx->closed) {
+    pthread_mutex_unlock(&ctx->lock);
+    return np_ctx_refuse(ctx, "mapped_ranges");
+  }
   size_t nseg = 0, k = 0;
   np_segment **segs = sorted_segments(ctx, &nseg);
   if (!segs) {

@@ -15,6 +15,10 @@
 #include "backend.h"
 
 #define SIM_BASE ((uintptr_t)1 << 40)  /* virtual addresses start at 1 TiB */
+/* Each simulated device (modulo SIM_DEVICES) has its own 4 PiB window above SIM_BASE, so a
+ * pointer of one device's pool is foreign to another's (refused as unknown, never freed). */
+#define SIM_WINDOW ((uintptr_t)1 << 52)
+#define SIM_DEVICES 64
 #define SIM_ALIGN (2 * NP_MIB)
 #define SIM_PAGE ((uint64_t)NP_SIM_PAGE)
 
@@ -227,6 +231,6 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .destroy = sim_destroy,
   };
   s->host = cfg->host_backed != 0;
-  s->next = SIM_BASE;
+  s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
   return &s->base;
 }

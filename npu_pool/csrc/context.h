@@ -90,7 +90,24 @@ struct np_ctx {
   uint64_t n_events;         /* events recorded so far */
   uint64_t t0_ns;            /* creation time */
   int64_t replay_time;       /* inside np_replay: the trace event's index, else -1 */
+  /* Lifecycle (api.c, fork.c). closed: np_close ran (device memory returned, the struct kept so
+   * that callers still in flight fail cleanly); inherited: this process is a fork of the one that
+   * made a vendor-backed context, whose device memory is not ours; fork_prev/next: the list of
+   * live contexts whose locks the fork handlers take (guarded by fork.c's lock). */
+  bool closed;
+  bool inherited;
+  np_ctx *fork_prev, *fork_next;
 };
+
+/* NP_ERR_STATE saying why a closed (or inherited) context refuses a call; np_ctx_usable is
+ * NP_OK when the context may allocate, free or touch its device. */
+int np_ctx_refuse(const np_ctx *ctx, const char *what);
+static inline int np_ctx_usable(const np_ctx *ctx, const char *what) {
+  return ctx->closed || ctx->inherited ? np_ctx_refuse(ctx, what) : NP_OK;
+}
+/* fork.c: every live context is listed for the fork handlers (np_create / np_destroy). */
+void np_fork_register(np_ctx *ctx);
+void np_fork_unregister(np_ctx *ctx);
 
 /* Internal (lock held) versions of the public calls, used by replay. */
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out);

@@ -197,8 +197,14 @@ typedef struct np_event_info {
 
 void np_config_init(np_config *cfg);
 int np_create(const np_config *cfg, np_ctx **out);
-/* Return every byte to the device and free the context. NP_ERR_BACKEND when the device refused
- * to take some memory back even after retries (the message says how much; the bytes are lost). */
+/* Return every byte to the device and mark the context closed: safe while other threads call in
+ * (it waits for the call in flight; every later call but np_get_stats, np_history and np_close
+ * fails with NP_ERR_STATE, "closed pool"). A second call does nothing. NP_ERR_BACKEND when the
+ * device refused to take some memory back even after retries (the message says how much; the
+ * bytes are lost). */
+int np_close(np_ctx *ctx);
+/* np_close, then free the struct: the last call on the context (no thread may still be calling
+ * in or call later; use np_close where one might). */
 int np_destroy(np_ctx *ctx);
 
 int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out);

@@ -3,17 +3,19 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "policy.h"
 #include "pluggable.h"
 
-/* Invariants: ctx[d] is NULL or a context built from `cfg` for device d, and stays valid
- * until npu_pool_shutdown(); `cfg` and `lib_path` change only while every ctx[d] is NULL;
- * fraction[d] (0 = none) and history[d] (-1 = default) are what device d gets when its
+/* Invariants: ctx[d] is NULL or a context built from `cfg` for device d; npu_pool_shutdown()
+ * closes it and keeps the struct on `retired` (a hook that read ctx[d] just before may still
+ * call it: it fails cleanly on a closed context, never on freed memory); `cfg` and `lib_path`
+ * change only while every ctx[d] is NULL; fraction[d] (0 = none) and history[d] (-1 = default) are what device d gets when its
  * context is created. error[d] is d's last failure, printed[d] whether it was printed
- * since the last successful malloc. `lock` guards everything but the ctx reads of the
- * allocation fast path and the atomics. */
+ * since the last successful malloc. devices is the count torch sees (0: not told yet).
+ * `lock` guards everything but the ctx reads of the allocation fast path and the atomics. */
 static struct {
   pthread_mutex_t lock;
   bool configured;
@@ -26,7 +28,10 @@ static struct {
   char printed_text[NP_MAX_DEVICES][1024];
   atomic_bool printed[NP_MAX_DEVICES];
   atomic_int quiet;
+  atomic_int devices;
   _Atomic(void (*)(int, uint64_t, void *)) on_oom;
+  np_ctx **retired;          /* closed by npu_pool_shutdown, never freed */
+  size_t n_retired, cap_retired;
 } table = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static bool valid_device(int device) { return device >= 0 && device < NP_MAX_DEVICES; }
@@ -178,9 +183,15 @@ int npu_pool_set_history(int device, uint64_t max_entries) {
   return rc;
 }
 
+void npu_pool_set_device_count(int count) { atomic_store(&table.devices, count > 0 ? count : 0); }
+
 int npu_pool_device_stats(int device, np_stats *out) {
-  if (!valid_device(device))
-    return np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
+  int devices = atomic_load(&table.devices);
+  if (!valid_device(device) || (devices > 0 && device >= devices)) {
+    memset(out, 0, sizeof *out);
+    return np_error(NP_ERR_INVALID, "Invalid device argument %d: did you call init? (devices 0..%d)", device,
+                    (devices > 0 ? devices : NP_MAX_DEVICES) - 1);
+  }
   np_ctx *ctx = npu_pool_existing_ctx(device);
   if (ctx) {
     np_get_stats(ctx, out);
@@ -213,6 +224,8 @@ size_t npu_pool_last_error(int device, char *buf, size_t len) {
   return strlen(buf);
 }
 
+int npu_pool_last_code(void) { return np_last_code(); }
+
 void npu_pool_note_error(int device, const char *note) {
   if (!valid_device(device) || !note) return;
   pthread_mutex_lock(&table.lock);
@@ -227,11 +240,24 @@ void npu_pool_set_oom_handler(void (*handler)(int device, uint64_t size, void *s
   atomic_store(&table.on_oom, handler);
 }
 
+/* Keep a closed context for good (table lock held); on host OOM it leaks the same way. */
+static void retire_locked(np_ctx *ctx) {
+  if (table.n_retired == table.cap_retired) {
+    size_t cap = table.cap_retired ? 2 * table.cap_retired : 16;
+    np_ctx **r = realloc(table.retired, cap * sizeof *r);
+    if (!r) return;
+    table.retired = r;
+    table.cap_retired = cap;
+  }
+  table.retired[table.n_retired++] = ctx;
+}
+
 void npu_pool_shutdown(void) {
   pthread_mutex_lock(&table.lock);
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
     np_ctx *ctx = atomic_exchange(&table.ctx[d], NULL);
-    if (ctx && np_destroy(ctx) != NP_OK) fprintf(stderr, "npu_pool: closing device %d: %s\n", d, np_last_error());
+    if (ctx && np_close(ctx) != NP_OK) fprintf(stderr, "npu_pool: closing device %d: %s\n", d, np_last_error());
+    if (ctx) retire_locked(ctx);
     table.error[d][0] = table.printed_text[d][0] = '\0';
     atomic_store(&table.printed[d], false);
   }
@@ -239,9 +265,14 @@ void npu_pool_shutdown(void) {
   table.configured = false;
   table.lib_path[0] = '\0';
   atomic_store(&table.quiet, 0);
+  atomic_store(&table.devices, 0);
   atomic_store(&table.on_oom, NULL);
   pthread_mutex_unlock(&table.lock);
 }
+
+void np_pluggable_fork_lock(void) { pthread_mutex_lock(&table.lock); }
+void np_pluggable_fork_unlock(void) { pthread_mutex_unlock(&table.lock); }
+void np_pluggable_fork_reinit(void) { pthread_mutex_init(&table.lock, NULL); }
 
 /* ---- torch hooks ----------------------------------------------------------- */
 
@@ -297,6 +328,7 @@ void npu_pool_record_stream(void *ptr, void *stream) {
 /* torch's init hook: contexts are made per device on first use; say so now if some devices
  * can never have one. */
 void npu_pool_init(int device_count) {
+  npu_pool_set_device_count(device_count);
   if (device_count > NP_MAX_DEVICES) {
     np_error(NP_ERR_INVALID, "%d devices visible; npu_pool serves devices 0..%d (the others fail to allocate)",
              device_count, NP_MAX_DEVICES - 1);

@@ -42,14 +42,21 @@ void npu_pool_reset_accumulated(int device);
 /* Copy the last failure message of `device` (device < 0: the calling thread's
  * np_last_error()) into buf; returns its length. */
 size_t npu_pool_last_error(int device, char *buf, size_t len);
+/* The NP_ERR_* code of the calling thread's latest failure (a hook that got NULL tells an
+ * out-of-memory from a refusal with it). */
+int npu_pool_last_code(void);
 /* Add a line to `device`'s last failure message (an OOM handler's note: where its snapshot went). */
 void npu_pool_note_error(int device, const char *note);
 /* 1: failed mallocs are not printed (the caller reports them). */
 void npu_pool_set_quiet(int quiet);
 /* Called after a request failed for lack of memory (NULL: none). */
 void npu_pool_set_oom_handler(void (*handler)(int device, uint64_t size, void *stream));
-/* Destroy every context and forget the configuration: for tests and embedders,
- * never while torch holds memory from this allocator. */
+/* The number of devices torch sees (npu_pool.install() and the init hook set it): statistics of
+ * a device outside 0..count-1 fail with "Invalid device argument", as torch's own allocators say. */
+void npu_pool_set_device_count(int count);
+/* Close every context and forget the configuration: for tests and embedders, never while
+ * torch holds memory from this allocator. A hook still running on a closed context fails
+ * cleanly (NULL / a kept error): the closed structs are kept, never freed. */
 void npu_pool_shutdown(void);
 
 /* ---- torch hooks (signatures as torch 2.13 / torch_npu 2.13 declare them) ------ */
@@ -72,5 +79,10 @@ void npu_pool_reset_peak(int8_t device);
  * NPUStream, which npu_pool's C++ hooks turn into its aclrtStream before calling this. */
 void npu_pool_record_stream(void *ptr, void *stream);
 /* CDEF END */
+
+/* fork.c's handlers: take, release (parent) and remake (child) the table's lock. */
+void np_pluggable_fork_lock(void);
+void np_pluggable_fork_unlock(void);
+void np_pluggable_fork_reinit(void);
 
 #endif

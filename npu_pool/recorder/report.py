@@ -104,6 +104,8 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         raise ValueError(f"{d}: not a directory (expected the NPU_POOL_REPORT_DIR of a run)")
     reports = []
     for path in sorted(d.glob(FILE_PATTERN)):
+        if not path.is_file():  # a FIFO or device named like a report would block forever
+            raise ValueError(f"{path}: not a regular file (expected an npu_pool rank report)")
         try:
             r = json.loads(path.read_text())
         except (OSError, ValueError) as e:

@@ -4,9 +4,11 @@
 //
 //  - malloc / free: the core's npu_pool_malloc / npu_pool_free; a request it cannot serve throws
 //    c10::OutOfMemoryError with the pool's explanation (torch.OutOfMemoryError in Python),
-//    where the plain C hook could only return NULL ("Get data_ptr failed");
+//    where the plain C hook could only return NULL ("Get data_ptr failed"); any other refusal
+//    (a closed pool, a forked child, no configuration) is a plain c10::Error (RuntimeError);
 //  - get_device_stats: c10::CachingDeviceAllocator::DeviceStats filled from np_stats
 //    (torch.npu.memory_stats() & co.; without it torch_npu's getDeviceStats returns nothing);
+//    a device torch does not have raises "Invalid device argument", as torch_npu's allocator does;
 //  - record_stream / erase_stream: take a c10_npu::NPUStream, whose aclrtStream the core
 //    orders reuse after (erasing is a no-op: keeping the wait is always safe).
 #include <c10/core/CachingDeviceAllocator.h>
@@ -29,6 +31,7 @@ struct Core {
   int (*stats)(int, np_stats *) = nullptr;
   void (*record_stream)(void *, void *) = nullptr;
   size_t (*last_error)(int, char *, size_t) = nullptr;
+  int (*last_code)() = nullptr;
 } core;
 
 void set(Stat &s, const np_counter &c) {
@@ -51,21 +54,25 @@ void fill(StatArray &a, const np_stats &st, np_counter np_pool_stats::*field, bo
 extern "C" {
 
 // The core's entry points (addresses from the binding); returns 0.
-int npu_pool_hooks_bind(void *malloc_fn, void *free_fn, void *stats_fn, void *record_fn, void *last_error_fn) {
+int npu_pool_hooks_bind(void *malloc_fn, void *free_fn, void *stats_fn, void *record_fn, void *last_error_fn,
+                        void *last_code_fn) {
   core.malloc = reinterpret_cast<void *(*)(size_t, int, void *)>(malloc_fn);
   core.free = reinterpret_cast<void (*)(void *, size_t, int, void *)>(free_fn);
   core.stats = reinterpret_cast<int (*)(int, np_stats *)>(stats_fn);
   core.record_stream = reinterpret_cast<void (*)(void *, void *)>(record_fn);
   core.last_error = reinterpret_cast<size_t (*)(int, char *, size_t)>(last_error_fn);
+  core.last_code = reinterpret_cast<int (*)()>(last_code_fn);
   return 0;
 }
 
 void *npu_pool_hooks_malloc(size_t size, int device, void *stream) {
   void *p = core.malloc(size, device, stream);
   if (p || size == 0) return p;
+  int code = core.last_code();  // this thread's: set by the failed call just made
   char msg[1024] = "";
   core.last_error(device, msg, sizeof msg);
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "npu_pool: ", msg);
+  TORCH_CHECK_WITH(OutOfMemoryError, code != NP_ERR_OOM, "npu_pool: ", msg);
+  TORCH_CHECK(false, "npu_pool: ", msg);
   return nullptr;
 }
 
@@ -74,7 +81,11 @@ void npu_pool_hooks_free(void *ptr, size_t size, int device, void *stream) { cor
 DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   np_stats st{};
   DeviceStats out;
-  if (core.stats(device, &st) != NP_OK) return out;
+  if (core.stats(device, &st) != NP_OK) {
+    char msg[1024] = "";
+    core.last_error(-1, msg, sizeof msg);  // the calling thread's: why this device was refused
+    TORCH_CHECK(false, msg);
+  }
   bool small_large = std::string(st.pool[0].name) == "small" && std::string(st.pool[1].name) == "large";
   fill(out.allocation, st, &np_pool_stats::blocks, small_large);
   fill(out.segment, st, &np_pool_stats::segments, small_large);

@@ -1,6 +1,12 @@
-"""Open trace files of any supported kind: npu_pool traces and PyTorch snapshots."""
+"""Open trace files of any supported kind: npu_pool traces and PyTorch snapshots.
+
+Only regular files are read: a FIFO, a device or a socket (named on the command line, or sitting
+in a directory with a trace's suffix) is refused before it is opened for reading, where it would
+block forever or never end."""
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from .format import MAGIC, PLAN_MAGIC, Trace, TraceError
@@ -10,10 +16,17 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     """(name, trace) pairs from one file: an ``.npt`` trace, or a snapshot pickle (one per device)."""
     p = Path(path)
     try:
-        with open(p, "rb") as f:
-            head = f.read(len(MAGIC))
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer opens at once, then is refused
     except OSError as e:
         raise TraceError(f"{p}: cannot read ({e.strerror})") from None
+    with open(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise TraceError(f"{p}: not a regular file ({_kind(mode)}); traces are read from files")
+        try:
+            head = f.read(len(MAGIC))
+        except OSError as e:
+            raise TraceError(f"{p}: cannot read ({e.strerror})") from None
     if head == MAGIC or head[:7] == MAGIC[:7] or p.suffix == ".npt":
         return [(p.stem, Trace.load(p))]  # says what is wrong with a trace file
     if head[:1] != b"\x80":  # every pickle PyTorch writes starts with the protocol opcode
@@ -28,15 +41,26 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     return [(f"{p.stem}.dev{t.meta.get('device', i)}", t) for i, t in enumerate(traces)]
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
 def expand(paths: list[str]) -> list[Path]:
-    """Files named on a command line; a directory stands for its .npt and .pickle files."""
+    """Files named on a command line; a directory stands for its regular .npt and .pickle files
+    (a FIFO or device there with such a name is skipped, never opened)."""
     out: list[Path] = []
     for s in paths:
         p = Path(s)
         if p.is_dir():
-            found = sorted(q for q in p.iterdir() if q.suffix in (".npt", ".pickle"))
+            named = [q for q in p.iterdir() if q.suffix in (".npt", ".pickle")]
+            found = sorted(q for q in named if q.is_file())  # is_file: a regular file (or a link to one)
             if not found:
-                raise TraceError(f"{p}: no .npt or .pickle traces in this directory")
+                skipped = f" ({len(named)} with such a name are not regular files)" if named else ""
+                raise TraceError(f"{p}: no .npt or .pickle traces in this directory{skipped}")
             out.extend(found)
         else:
             out.append(p)
