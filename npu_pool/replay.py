@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from ._core import ffi, lib
 from . import vocab
@@ -45,7 +45,7 @@ class RunResult:
     stats: dict[str, Any]
     recorded_ooms: int = 0      # requests the recorded run could not serve (OP_OOM events) ...
     ooms_served: int = 0        # ... and how many of them this policy served
-    history: list[dict[str, Any]] | None = None   # with history=True: the core's events (Pool.history) ...
+    history: Sequence[dict[str, Any]] | None = None  # with history=True: the core's events (as Pool.history) ...
     blocks: list[dict[str, Any]] | None = None    # ... and the end state: Pool.blocks() ...
     ranges: list[tuple[int, int]] | None = None   # ... and Pool.mapped_ranges()
 
@@ -118,12 +118,53 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         st = pool.stats()
         if plan is not None:
             st["plan"] = pool.plan_counts()
-        end = (pool.history(), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
+        end = (_EventLog(pool, len(trace)), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
     return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
                      compared=int(out.compared), stats=st, recorded_ooms=int(out.recorded_ooms),
                      ooms_served=int(out.ooms_served), history=end[0], blocks=end[1], ranges=end[2])
+
+
+class _EventLog(Sequence):
+    """A pool's whole history as :meth:`Pool.history` gives it, kept as the core's compact
+    records (56 bytes an event); each event becomes a dict only when read, so a long replay's
+    history costs no more than its records."""
+
+    _FIELDS = ("seq", "time", "addr", "size", "device_free", "stream", "site", "pool", "lifetime", "detail")
+
+    def __init__(self, pool: Pool, expected: int) -> None:
+        cap = max(2 * expected + 1024, 1024)  # most events of a replay are one trace event each
+        n = ffi.new("size_t *")
+        while True:
+            buf = ffi.new("np_event_info[]", cap)
+            _check(lib.np_history(pool.ctx, buf, cap, n))
+            if n[0] < cap:
+                break
+            cap *= 2
+        self._buf, self._n = buf, int(n[0])
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _event(self, e: Any) -> dict[str, Any]:
+        d = {f: getattr(e, f) for f in self._FIELDS}
+        d["kind"] = vocab.EVENT_NAMES[e.kind]
+        return d
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._event(self._buf[j]) for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("history index out of range")
+        return self._event(self._buf[i])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        buf, event = self._buf, self._event
+        for i in range(self._n):
+            yield event(buf[i])
 
 
 def _as_plan(plan: Any) -> Any:

@@ -57,8 +57,10 @@ def plan_bytes(plan: Plan) -> bytes:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write ``plan`` to ``path`` (verify it first: make_plan's plans already are)."""
-    Path(path).write_bytes(plan_bytes(plan))
+    """Write ``plan`` to ``path``, whole or not at all (verify it first: make_plan's plans already are)."""
+    from ..outputs import write_bytes
+
+    write_bytes(path, plan_bytes(plan))
 
 
 def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
