@@ -122,15 +122,16 @@ def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str,
 
 
 def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
-                  frames_of_site: Optional[Callable[[int], list]] = None) -> dict[str, Any]:
+                  frames_of_site: Optional[Callable[[int], list]] = None, *,
+                  history_limit: Optional[int] = None) -> dict[str, Any]:
     """One snapshot of the pools of a process, ``{device: pool}``, from their block maps,
-    mapped ranges and histories."""
+    mapped ranges and histories (``history_limit``: only each pool's latest events)."""
     n = max(pools, default=-1) + 1
     snap: dict[str, Any] = {"segments": [], "device_traces": [[] for _ in range(n)], "external_annotations": []}
     policies, vmm = set(), False
     for device, pool in sorted(pools.items()):
         st = pool.stats()
-        events = pool.history()
+        events = pool.history() if history_limit is None else pool.history(history_limit)
         names = tuple(st["pools"])
         snap["segments"] += segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site)
         snap["device_traces"][device] = device_trace(events, frames)
