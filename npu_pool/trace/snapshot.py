@@ -101,6 +101,16 @@ class _Bounded:
         self.left -= len(data)
         return data
 
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = self.f.readinto(view[:min(len(view), self.left)])
+        self.left -= n
+        return n
+
+    def peek(self, n: int = 0) -> bytes:
+        """What the unpickler may read ahead (it reads in large pieces this way, not opcode by opcode)."""
+        return self.f.peek(n)[:self.left]
+
 
 def check_head(path: Path, head: bytes) -> None:
     """Refuse a file whose first bytes say it is no snapshot pickle, naming what it is (other
