@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -89,10 +90,17 @@ def load_yaml(path: str, source: str) -> Any:
 
     where = f"{source}={path!r}" if source else str(path)
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot read the file ({getattr(e, 'strerror', None) or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{where}: not a regular file (a device, FIFO or directory); name a YAML file")
+    with os.fdopen(fd, "rb") as f:
+        try:
             raw = f.read(YAML_MAX_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read the file ({e.strerror or e})") from None
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read the file ({e.strerror or e})") from None
     if len(raw) > YAML_MAX_BYTES:
         raise ConfigError(f"{where}: more than {YAML_MAX_BYTES} bytes; not a config file")
     try:

@@ -497,3 +497,17 @@ def test_outputs_refuse_a_directory_and_name_a_missing_folder(tmp_path: Path) ->
         t.join()
     assert sorted(p.read_text() for p in tmp_path.glob("f*.txt")) == sorted("x" * i for i in range(8))
     _no_partials(tmp_path)
+
+
+def test_a_fifo_or_device_as_a_config_or_report_is_refused_without_blocking(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero"), tmp_path):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            config.load({config.CONFIG_FILE: str(path)})
+    _one_line(capsys, ["estimate", "--config", str(fifo)], "not a regular file", seconds=5)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    os.mkfifo(reports / "npu_pool_rank0.json")
+    _one_line(capsys, ["merge", str(reports)], "npu_pool_rank0.json", "not a regular file", seconds=5)

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 VERSION = 1
 FILE_PATTERN = "npu_pool_rank*.json"
 GiB = float(1 << 30)
+_MAX_REPORT = 1 << 24  # bytes of one rank report read at most
 
 
 def memory_of(stats: dict[str, Any]) -> dict[str, Any]:
@@ -122,9 +123,17 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     reports = []
     for path in sorted(d.glob(FILE_PATTERN)):
         try:
-            r = json.loads(path.read_text())
+            if not path.is_file():
+                raise ValueError("not a regular file")
+            with open(path, "rb") as f:
+                raw = f.read(_MAX_REPORT + 1)
+            if len(raw) > _MAX_REPORT:
+                raise ValueError(f"more than {_MAX_REPORT} bytes; a rank report is a few KiB")
+            r = json.loads(raw)
+        except RecursionError:
+            raise ValueError(f"{path}: not a readable npu_pool rank report (nested too deeply)") from None
         except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable npu_pool rank report ({e})") from None
+            raise ValueError(f"{path}: not a readable npu_pool rank report ({str(e)[:160]})") from None
         if not isinstance(r, dict) or r.get("version") != VERSION or not isinstance(r.get("rank"), int):
             raise ValueError(f"{path}: not an npu_pool rank report of version {VERSION}")
         problem = _shape_problem(r)
