@@ -120,7 +120,7 @@ def _event_layout() -> tuple[Any, tuple[str, ...]]:
 
     codes = {"uint64_t": "Q", "int64_t": "q", "int32_t": "i", "uint8_t": "B"}
     t = ffi.typeof("np_event_info")
-    fmt, at, names = "<", 0, []
+    fmt, at, names = "=", 0, []  # native byte order, no padding but the struct's own
     for name, f in t.fields:
         fmt += "x" * (f.offset - at) + codes[f.type.cname]
         at = f.offset + ffi.sizeof(f.type)

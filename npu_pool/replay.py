@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from ._core import ffi, lib
 from . import vocab
-from .pool import POLICIES, Pool, _check
+from .pool import POLICIES, Pool, _check, _event_dicts
 from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace
 from .trace.stats import live_profile
 
@@ -131,8 +131,6 @@ class _EventLog(Sequence):
     records (56 bytes an event); each event becomes a dict only when read, so a long replay's
     history costs no more than its records."""
 
-    _FIELDS = ("seq", "time", "addr", "size", "device_free", "stream", "site", "pool", "lifetime", "detail")
-
     def __init__(self, pool: Pool, expected: int) -> None:
         cap = max(2 * expected + 1024, 1024)  # most events of a replay are one trace event each
         n = ffi.new("size_t *")
@@ -147,24 +145,23 @@ class _EventLog(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def _event(self, e: Any) -> dict[str, Any]:
-        d = {f: getattr(e, f) for f in self._FIELDS}
-        d["kind"] = vocab.EVENT_NAMES[e.kind]
-        return d
+    _CHUNK = 4096  # records turned into dicts at a time while iterating
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [self._event(self._buf[j]) for j in range(*i.indices(self._n))]
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            return _event_dicts(self._buf + start, max(0, stop - start), vocab.EVENT_NAMES)
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:
             raise IndexError("history index out of range")
-        return self._event(self._buf[i])
+        return _event_dicts(self._buf + i, 1, vocab.EVENT_NAMES)[0]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        buf, event = self._buf, self._event
-        for i in range(self._n):
-            yield event(buf[i])
+        for start in range(0, self._n, self._CHUNK):
+            yield from _event_dicts(self._buf + start, min(self._CHUNK, self._n - start), vocab.EVENT_NAMES)
 
 
 def _as_plan(plan: Any) -> Any:
