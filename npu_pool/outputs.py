@@ -124,7 +124,7 @@ def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "u
                 f.flush()
                 os.fsync(raw.fileno())
             except OSError as e:
-                if isinstance(e, OutputBusy):
+                if isinstance(e, OutputBusy) or e.filename is not None:  # not this file's: another file's error
                     raise
                 raise _fail(p, e) from None
             try:
