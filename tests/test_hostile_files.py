@@ -511,3 +511,15 @@ def test_a_fifo_or_device_as_a_config_or_report_is_refused_without_blocking(tmp_
     reports.mkdir()
     os.mkfifo(reports / "npu_pool_rank0.json")
     _one_line(capsys, ["merge", str(reports)], "npu_pool_rank0.json", "not a regular file", seconds=5)
+
+
+def test_one_event_list_for_two_devices_is_refused_and_shared_entries_are_read(tmp_path: Path) -> None:
+    """The import converts each device's entries in place; a list given to two devices (no real
+    snapshot does that) is refused, entries shared between two lists are read for both."""
+    entries = [{"action": "alloc", "addr": 4096 * (i + 1), "size": 100, "stream": 0, "frames": []} for i in range(5)]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [entries, entries]}))
+    with pytest.raises(TraceError, match=r"device_traces\[1\] is the same list"):
+        load_snapshot(path)
+    path.write_bytes(pickle.dumps({"device_traces": [entries, list(entries)]}))
+    assert [len(t) for t in load_snapshot(path)] == [5, 5]

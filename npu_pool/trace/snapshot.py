@@ -182,12 +182,16 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
     out = []
+    consumed: set[int] = set()  # ids of the event lists converted in place
     for dev, events in enumerate(traces):
         where = f"device_traces[{dev}]"
         if not events:
             continue
         sites = _Sites(name)
         if _consume:  # in place: each dict is dropped as its record replaces it
+            if id(events) in consumed:
+                raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
+            consumed.add(id(events))
             evs = events
             for i, e in enumerate(events):
                 evs[i] = _event(e, name, f"{where}[{i}]", sites)
