@@ -9,6 +9,10 @@ process's high-water mark, ``ru_maxrss``) and peak RSS above a bare interpreter 
 the package, their ratios to the input, and seconds.
 
     python benchmarks/io_memory.py [--events 2000000] [--keep DIR]
+    python benchmarks/io_memory.py --snapshots ../shared/traces/*.pickle   # import of real snapshots
+
+``--snapshots``: instead, the import of each given PyTorch snapshot in this process: its
+peak Python-side memory (tracemalloc) against the file's size, and seconds.
 """
 from __future__ import annotations
 
@@ -82,11 +86,32 @@ def measure(argv: list[str]) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def snapshots(paths: list[str]) -> None:
+    import tracemalloc
+
+    from npu_pool.trace.snapshot import load_snapshot
+
+    print(f"{'snapshot':40} {'bytes':>12} {'peak traced':>12} {'ratio':>6} {'seconds':>8}")
+    for p in paths:
+        size = Path(p).stat().st_size
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        load_snapshot(p)
+        took = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        print(f"{Path(p).name:40} {size:12,} {peak:12,} {peak / size:6.1f} {took:8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=2_000_000)
     ap.add_argument("--keep", metavar="DIR", help="write the files here (default: a temporary folder)")
+    ap.add_argument("--snapshots", nargs="+", metavar="PICKLE", help="measure the import of these snapshots instead")
     args = ap.parse_args()
+    if args.snapshots:
+        snapshots(args.snapshots)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(args.keep or tmp)
         d.mkdir(parents=True, exist_ok=True)
