@@ -523,3 +523,11 @@ def test_one_event_list_for_two_devices_is_refused_and_shared_entries_are_read(t
         load_snapshot(path)
     path.write_bytes(pickle.dumps({"device_traces": [entries, list(entries)]}))
     assert [len(t) for t in load_snapshot(path)] == [5, 5]
+
+
+def test_a_trace_with_a_malformed_capture_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = training(layers=1, iters=1)
+    trace.meta["capture"] = {"model": "llama", "seq": [1], "batch": 1}
+    path = tmp_path / "t.npt"
+    trace.save(path)
+    _one_line(capsys, ["estimate", "--trace", str(path)], "meta['capture'] is malformed")

@@ -349,9 +349,15 @@ def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
         return None
     from ..workloads import MODEL_NAMES, make_config  # imports torch: only here
 
-    if cap["model"] not in MODEL_NAMES:  # e.g. a Hugging Face model of an older capture
+    if not isinstance(cap["model"], str) or cap["model"] not in MODEL_NAMES:  # e.g. a Hugging Face model
         return None
+    try:
+        return _capture_config(cap, make_config)
+    except (TypeError, KeyError, AttributeError, OverflowError) as e:  # a trace's meta is input like any other
+        raise ValueError(f"the trace's meta['capture'] is malformed ({type(e).__name__}: {str(e)[:80]})") from None
 
+
+def _capture_config(cap: dict[str, Any], make_config: Any) -> ModelConfig:
     over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
                 vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))
     g = make_config(cap["model"], cap.get("shape") if cap.get("fake") else None,
