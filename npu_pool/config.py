@@ -106,7 +106,8 @@ def load_yaml(path: str, source: str) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); save it as UTF-8") from None
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); "
+                          "save it as UTF-8") from None
     try:
         return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader
     except _Refused as e:

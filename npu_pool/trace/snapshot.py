@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
-from .format import (MAGIC, PLAN_MAGIC, CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
-                     MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
+from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
+                     PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
 from ..vocab import PROFILER_PREFIX, profiled_mark
@@ -79,7 +79,8 @@ def _unpickle(f: Any, name: str) -> Any:
     except MemoryError:
         raise TraceError(f"{name}: the pickle asks for more memory than this machine has; corrupt or hostile") from None
     except Exception as e:  # truncated/corrupt pickles raise many different types
-        raise TraceError(f"{name}: not a valid pickle; corrupt or truncated ({type(e).__name__}: {str(e)[:120]})") from None
+        raise TraceError(f"{name}: not a valid pickle; corrupt or truncated "
+                         f"({type(e).__name__}: {str(e)[:120]})") from None
 
 
 class _Bounded:
