@@ -531,3 +531,21 @@ def test_a_trace_with_a_malformed_capture_config_is_one_line(tmp_path: Path, cap
     path = tmp_path / "t.npt"
     trace.save(path)
     _one_line(capsys, ["estimate", "--trace", str(path)], "meta['capture'] is malformed")
+
+
+@pytest.mark.slow
+def test_a_real_ctrl_c_while_the_export_is_written_leaves_nothing(tmp_path: Path) -> None:
+    trace, dest = tmp_path / "t.npt", tmp_path / "x.pickle"
+    synthetic(150_000).save(trace)
+    proc = subprocess.Popen([sys.executable, "-m", "npu_pool.cli", "export", str(trace), "--out", str(dest)],
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    part = outputs.partial_path(dest)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if part.exists() and part.stat().st_size > 1 << 20:  # a megabyte of the snapshot is on disk
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
+    assert not dest.exists() and not part.exists()
