@@ -68,13 +68,13 @@ _session: Optional["_Session"] = None
 
 def parse_log_every(value: Any, source: str = LOG_EVERY) -> int:
     """``NPU_POOL_LOG_EVERY``: a whole number >= 0 (0: no per-iteration line)."""
-    text = str(value).strip()
-    if not text.isdigit():
-        from npu_pool.config import ConfigError
+    from npu_pool.config import ConfigError, parse_int
 
-        raise ConfigError(f"{source}={value!r} is not valid: use a whole number of iterations >= 0 "
-                          "(e.g. 10; 0 turns the per-iteration line off)")
-    return int(text)
+    try:
+        return parse_int(value, source)
+    except ConfigError:
+        raise ConfigError(f"{source}={value!r:.40} is not valid: use a whole number of iterations >= 0 "
+                          "(e.g. 10; 0 turns the per-iteration line off)") from None
 
 
 def _settings(environ: Mapping[str, str]) -> tuple[int, Optional[str]]:

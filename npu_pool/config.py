@@ -8,12 +8,20 @@
 in the environment overrides the file. Any bad value raises :class:`ConfigError`
 naming the variable and the accepted values.
 
+Every YAML file the package reads (this one, ``npu-pool estimate --config``) goes through
+:func:`load_yaml`: at most :data:`YAML_MAX_BYTES`, UTF-8, no aliases (a "billion laughs"
+file expands nothing), at most :data:`YAML_MAX_DEPTH` levels, integers of at most
+:data:`YAML_MAX_DIGITS` digits; anything else is a ConfigError naming the file and the
+problem. Numbers in the environment are read by :func:`parse_int` (ASCII digits only).
+
 Pure Python: importing it needs neither torch nor the compiled core.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -26,8 +34,137 @@ POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  
 _KEYS = (ENABLE, FRACTION, POLICY, PLAN)
 
 
+YAML_MAX_BYTES = 1 << 20   # a settings or model config file is a few hundred bytes
+YAML_MAX_DEPTH = 32        # nesting levels of mappings and lists
+YAML_MAX_DIGITS = 40       # digits of an integer (2^64 has 20)
+_SHOW = 60                 # characters of a value shown in a message
+
+
 class ConfigError(ValueError):
     """A setting has a value npu_pool does not accept."""
+
+
+def show(value: Any, limit: int = _SHOW) -> str:
+    """``repr(value)`` cut to ``limit`` characters, computed without expanding a large value."""
+    if isinstance(value, (dict, list, tuple, set)) and len(value) > 8:
+        return f"<a {type(value).__name__} of {len(value)} items>"
+    try:
+        text = repr(value) if not isinstance(value, (dict, list, tuple, set)) else _short_repr(value, limit)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still shown
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _short_repr(value: Any, limit: int, depth: int = 0) -> str:
+    if depth > 3:
+        return "..."
+    if isinstance(value, dict):
+        parts = [f"{_short_repr(k, limit, depth + 1)}: {_short_repr(v, limit, depth + 1)}"
+                 for k, v in list(value.items())[:8]]
+        return "{" + ", ".join(parts)[:limit] + "}"
+    if isinstance(value, (list, tuple, set)):
+        return "[" + ", ".join(_short_repr(v, limit, depth + 1) for v in list(value)[:8])[:limit] + "]"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"
+    return repr(value)[:limit]
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def parse_int(value: Any, source: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    """A whole number in [lo, hi] written with ASCII digits (``int()`` and ``str.isdigit``
+    accept other digits, e.g. superscripts, that then fail or mean something else)."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    neg = text.startswith("-") and lo < 0
+    digits = text[1:] if neg else text
+    if not (len(digits) <= 19 and _DIGITS.fullmatch(digits)) or not lo <= (n := int(text)) <= hi:
+        raise ConfigError(f"{source}={show(value)} is not valid: use a whole number in {lo}..{hi} (ASCII digits)")
+    return n
+
+
+def load_yaml(path: str, source: str) -> Any:
+    """The data of the YAML file ``path``, read safely (see the module's docstring);
+    ``source`` names what the file is for in messages (e.g. ``NPU_POOL_CONFIG``)."""
+    import yaml
+
+    where = f"{source}={path!r}" if source else str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot read the file ({getattr(e, 'strerror', None) or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{where}: not a regular file (a device, FIFO or directory); name a YAML file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = f.read(YAML_MAX_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read the file ({e.strerror or e})") from None
+    if len(raw) > YAML_MAX_BYTES:
+        raise ConfigError(f"{where}: more than {YAML_MAX_BYTES} bytes; not a config file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); "
+                          "save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader
+    except _Refused as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.YAMLError as e:
+        first = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{where}: not valid YAML ({first})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply (more than {YAML_MAX_DEPTH} levels)") from None
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ConfigError(f"{where}: a value cannot be read ({str(e)[:120]})") from None
+
+
+class _Refused(Exception):
+    """A YAML construct the safe loader does not take."""
+
+
+def _safe_loader() -> type:
+    import yaml
+
+    class SafeYaml(yaml.SafeLoader):
+        """SafeLoader without aliases, with bounded depth and integer length."""
+
+        _depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise _Refused(f"line {mark.line + 1}: aliases (*name) are not accepted in a config file")
+            self._depth += 1
+            try:
+                if self._depth > YAML_MAX_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise _Refused(f"line {mark.line + 1}: nested too deeply (more than {YAML_MAX_DEPTH} levels)")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+        def construct_yaml_int(self, node: Any) -> Any:
+            digits = sum(c.isalnum() for c in node.value)
+            if digits > YAML_MAX_DIGITS:
+                raise _Refused(f"line {node.start_mark.line + 1}: an integer of {digits} digits; "
+                               f"at most {YAML_MAX_DIGITS} are accepted")
+            return super().construct_yaml_int(node)
+
+    SafeYaml.add_constructor("tag:yaml.org,2002:int", SafeYaml.construct_yaml_int)
+    return SafeYaml
+
+
+_LOADER: list[type] = []
+
+
+def _loader() -> type:
+    """The safe loader class, built on first use (importing this module needs no yaml)."""
+    if not _LOADER:
+        _LOADER.append(_safe_loader())
+    return _LOADER[0]
 
 
 @dataclass(frozen=True)
@@ -47,33 +184,34 @@ def parse_enabled(value: Any, source: str = ENABLE) -> bool:
     text = str(value).strip()
     if text in ("0", "1"):
         return text == "1"
-    raise ConfigError(f"{source}={value!r} is not valid: use 0 (off) or 1 (on)")
+    raise ConfigError(f"{source}={show(value)} is not valid: use 0 (off) or 1 (on)")
 
 
 def parse_fraction(value: Any, source: str = FRACTION) -> float:
     """A number in (0, 1]."""
     try:
-        f = float(str(value).strip()) if not isinstance(value, bool) else math.nan
-    except ValueError:
+        f = float(str(value).strip()) if isinstance(value, (str, int, float)) and not isinstance(value, bool) \
+            else math.nan
+    except (ValueError, OverflowError):
         f = math.nan
     if not 0.0 < f <= 1.0:  # also rejects NaN
-        raise ConfigError(f"{source}={value!r} is not valid: use a number in (0, 1], e.g. 0.9")
+        raise ConfigError(f"{source}={show(value)} is not valid: use a number in (0, 1], e.g. 0.9")
     return f
 
 
 def parse_policy(value: Any, source: str = POLICY) -> str:
     """One of :data:`POLICY_NAMES`."""
-    text = str(value).strip()
+    text = value.strip() if isinstance(value, str) else None
     if text not in POLICY_NAMES:
-        raise ConfigError(f"{source}={value!r} is not valid: use one of {', '.join(POLICY_NAMES)}")
+        raise ConfigError(f"{source}={show(value)} is not valid: use one of {', '.join(POLICY_NAMES)}")
     return text
 
 
 def parse_plan(value: Any, source: str = PLAN) -> str:
     """The path of an existing plan file."""
-    text = str(value).strip()
-    if not os.path.isfile(text):
-        raise ConfigError(f"{source}={value!r} is not valid: name a plan file written by `npu-pool plan`")
+    text = value.strip() if isinstance(value, str) else ""
+    if not text or "\0" in text or not os.path.isfile(text):
+        raise ConfigError(f"{source}={show(value)} is not valid: name a plan file written by `npu-pool plan`")
     return text
 
 
@@ -82,15 +220,7 @@ _PARSERS = {ENABLE: parse_enabled, FRACTION: parse_fraction, POLICY: parse_polic
 
 def _read_file(path: str) -> dict[str, tuple[Any, str]]:
     """The YAML file's settings as ``{VARIABLE: (value, source)}``."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{CONFIG_FILE}={path!r}: cannot read the file ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{CONFIG_FILE}={path!r}: not valid YAML ({e})") from None
+    data = load_yaml(path, CONFIG_FILE)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -98,8 +228,8 @@ def _read_file(path: str) -> dict[str, tuple[Any, str]]:
     accepted = {k.lower(): k for k in _KEYS}
     out: dict[str, tuple[Any, str]] = {}
     for key, value in data.items():
-        if key not in accepted:
-            raise ConfigError(f"{CONFIG_FILE}={path!r}: unknown key {key!r}; accepted keys: {', '.join(accepted)}")
+        if not isinstance(key, str) or key not in accepted:
+            raise ConfigError(f"{CONFIG_FILE}={path!r}: unknown key {show(key)}; accepted keys: {', '.join(accepted)}")
         if value is not None:
             out[accepted[key]] = (value, f"{key} in {path}")
     return out

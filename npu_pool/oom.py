@@ -10,11 +10,14 @@ message) or a real **shortage**. The levers follow the MindSpeed-MM memory tunin
 Snapshots: ``NPU_POOL_OOM_SNAPSHOT=DIR``, or torch_npu's ``OOM_SNAPSHOT_ENABLE=1`` with
 ``OOM_SNAPSHOT_PATH=DIR`` (default: the working directory; the switch MindSpeed-MM documents),
 make every failed request write ``oom_snapshot_<pid>_<time>_<n>.pickle`` (for
-https://pytorch.org/memory_viz: the pool's segments and its event history up to the failure)
-and a ``.json`` beside it (explanation, statistics, block map, history), at most 20 per
-process. With the switch on, the installed pool keeps a longer history from the start
-(:data:`HISTORY_WHEN_ENABLED` events per device), as torch_npu records the whole run then. :func:`on_oom` is what
-:meth:`Pool.malloc` and the installed device allocator call; it never raises.
+https://pytorch.org/memory_viz: the pool's segments and its latest :data:`HISTORY_WRITTEN` events
+up to the failure) and a compact ``.json`` beside it (explanation, statistics, the first
+:data:`BLOCKS_IN_JSON` blocks and the last :data:`HISTORY_IN_JSON` events; the pickle holds the rest), at most
+:data:`MAX_SNAPSHOTS` per process, each file whole or absent. The cost of a failure is bounded:
+with the switch on, the installed pool keeps :data:`HISTORY_WHEN_ENABLED` events per device (what a
+snapshot writes), so a snapshot takes a bounded time however long the run
+(``benchmarks/oom_snapshot.py`` measures the time from the failing request to its exception).
+:func:`on_oom` is what :meth:`Pool.malloc` and the installed device allocator call; it never raises.
 
 Imports nothing above the vocabulary (and byte formatting): the pool is any object with ``stats()``, ``blocks()``,
 ``mapped_ranges()`` and ``history()``.
@@ -32,14 +35,17 @@ from typing import Any, Mapping, Optional
 from . import snapshot
 from .units import fmt_bytes
 
-__all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "OomExplanation", "explain", "snapshot_dir",
-           "write_snapshot", "on_oom"]
+__all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "HISTORY_WRITTEN", "OomExplanation", "explain",
+           "snapshot_dir", "write_snapshot", "on_oom"]
 
 ENV = "NPU_POOL_OOM_SNAPSHOT"
 ENABLE = "OOM_SNAPSHOT_ENABLE"   # MindSpeed-MM's switch ...
 PATH = "OOM_SNAPSHOT_PATH"       # ... and directory
 MAX_SNAPSHOTS = 20               # per process: an OOM caught in a loop must not fill the disk
-HISTORY_WHEN_ENABLED = 1 << 20   # events kept per device when OOM snapshots are on (64 bytes each)
+HISTORY_WRITTEN = 1 << 15        # latest events a snapshot's pickle holds: bounds the time a failure takes
+HISTORY_WHEN_ENABLED = HISTORY_WRITTEN  # events kept per device when OOM snapshots are on (56 bytes each)
+HISTORY_IN_JSON = 64             # the events around the failure, in the .json
+BLOCKS_IN_JSON = 4096            # blocks listed in the .json (the pickle's segments hold all of them)
 _written = 0
 _lock = threading.Lock()
 
@@ -102,7 +108,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     from .vocab import OOM_REASONS
 
     st = pool.stats()
-    ev = _last_oom(pool.history())
+    ev = _last_oom(pool.history(HISTORY_IN_JSON))
     reserved, allocated = int(st["total"]["reserved"]["current"]), int(st["total"]["allocated"]["current"])
     limit, total, largest = int(st["limit"]), int(st["device_total"]), int(st["largest_free"])
     names = list(st["pools"])
@@ -142,21 +148,24 @@ def snapshot_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
 
 def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
                    explanation: Optional[OomExplanation] = None) -> Path:
-    """Write ``oom_snapshot_<pid>_<time>_<n>.pickle`` and ``.json`` into ``directory``; returns the
-    pickle's path. Raises OSError if the directory cannot be made or written."""
+    """Write ``oom_snapshot_<pid>_<time>_<n>.pickle`` and ``.json`` into ``directory``, each
+    whole or absent; returns the pickle's path. Raises OSError if the directory cannot be made
+    or written."""
+    from .outputs import write_text
+
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise NotADirectoryError(f"{d} exists and is not a directory")
     d.mkdir(parents=True, exist_ok=True)
     exp = explanation or explain(pool)
-    events = pool.history()
     stem = f"oom_snapshot_{os.getpid()}_{time.strftime('%Y%m%d-%H%M%S')}_{time.monotonic_ns() % 1_000_000:06d}"
-    pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}), d / f"{stem}.pickle")
-    doc = {"format": "npu_pool.oom/2", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
-           "device": device, "explanation": exp.as_dict(), "stats": pool.stats(), "blocks": pool.blocks(),
-           "history": events}
-    with open(d / f"{stem}.json", "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
+                                 d / f"{stem}.pickle")
+    blocks = pool.blocks()
+    doc = {"format": "npu_pool.oom/3", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+           "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": pool.stats(),
+           "blocks": blocks[:BLOCKS_IN_JSON], "blocks_total": len(blocks), "history": pool.history(HISTORY_IN_JSON)}
+    write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
     return pickle_path
 
 

@@ -114,6 +114,39 @@ def _u64_column(values: Sequence[int], what: str) -> array.array:
         raise _invalid(f"{what}: every entry must be an int in 0..2^64-1 ({e})") from None
 
 
+def _event_layout() -> tuple[Any, tuple[str, ...]]:
+    """A struct.Struct reading one np_event_info from its bytes, and the field names in order."""
+    import struct
+
+    codes = {"uint64_t": "Q", "int64_t": "q", "int32_t": "i", "uint8_t": "B"}
+    t = ffi.typeof("np_event_info")
+    fmt, at, names = "=", 0, []  # native byte order, no padding but the struct's own
+    for name, f in t.fields:
+        fmt += "x" * (f.offset - at) + codes[f.type.cname]
+        at = f.offset + ffi.sizeof(f.type)
+        names.append(name)
+    fmt += "x" * (ffi.sizeof(t) - at)
+    return struct.Struct(fmt), tuple(names)
+
+
+_EVENT_LAYOUT: list[Any] = []
+
+
+def _event_dicts(buf: Any, n: int, kinds: Any) -> list[dict[str, Any]]:
+    """The first ``n`` np_event_info of ``buf`` as dicts (``kind`` by name), read from their
+    bytes at once: a failing request converts the history it reports without a per-field call."""
+    if not _EVENT_LAYOUT:
+        _EVENT_LAYOUT.extend(_event_layout())
+    layout, names = _EVENT_LAYOUT
+    k = names.index("kind")
+    out = []
+    for row in layout.iter_unpack(ffi.buffer(buf, n * layout.size)):
+        d = dict(zip(names, row))
+        d["kind"] = kinds[row[k]]
+        out.append(d)
+    return out
+
+
 def _as_dict(obj: Any) -> Any:
     """Convert a cffi struct (nested) into plain dicts."""
     if not isinstance(obj, ffi.CData):
@@ -327,7 +360,7 @@ class Pool:
             buf = ffi.new("np_event_info[]", max(cap, 1))
             _check(lib.np_history(self.ctx, buf, cap, n))
             if n[0] < cap or limit is not None:
-                return [dict(_as_dict(buf[i]), kind=EVENT_NAMES[buf[i].kind]) for i in range(n[0])]
+                return _event_dicts(buf, n[0], EVENT_NAMES)
             cap *= 4
 
     def set_history(self, max_entries: int) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import array
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from ._core import ffi, lib
 from . import vocab
-from .pool import POLICIES, Pool, _check
+from .pool import POLICIES, Pool, _check, _event_dicts
 from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace
 from .trace.stats import live_profile
 
@@ -45,7 +45,7 @@ class RunResult:
     stats: dict[str, Any]
     recorded_ooms: int = 0      # requests the recorded run could not serve (OP_OOM events) ...
     ooms_served: int = 0        # ... and how many of them this policy served
-    history: list[dict[str, Any]] | None = None   # with history=True: the core's events (Pool.history) ...
+    history: Sequence[dict[str, Any]] | None = None  # with history=True: the core's events (as Pool.history) ...
     blocks: list[dict[str, Any]] | None = None    # ... and the end state: Pool.blocks() ...
     ranges: list[tuple[int, int]] | None = None   # ... and Pool.mapped_ranges()
 
@@ -118,12 +118,50 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         st = pool.stats()
         if plan is not None:
             st["plan"] = pool.plan_counts()
-        end = (pool.history(), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
+        end = (_EventLog(pool, len(trace)), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
     return RunResult(ok=bool(out.ok), fail_index=int(out.fail_index), ops=int(out.ops), ns=int(out.ns),
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
                      compared=int(out.compared), stats=st, recorded_ooms=int(out.recorded_ooms),
                      ooms_served=int(out.ooms_served), history=end[0], blocks=end[1], ranges=end[2])
+
+
+class _EventLog(Sequence):
+    """A pool's whole history as :meth:`Pool.history` gives it, kept as the core's compact
+    records (56 bytes an event); each event becomes a dict only when read, so a long replay's
+    history costs no more than its records."""
+
+    def __init__(self, pool: Pool, expected: int) -> None:
+        cap = max(2 * expected + 1024, 1024)  # most events of a replay are one trace event each
+        n = ffi.new("size_t *")
+        while True:
+            buf = ffi.new("np_event_info[]", cap)
+            _check(lib.np_history(pool.ctx, buf, cap, n))
+            if n[0] < cap:
+                break
+            cap *= 2
+        self._buf, self._n = buf, int(n[0])
+
+    def __len__(self) -> int:
+        return self._n
+
+    _CHUNK = 4096  # records turned into dicts at a time while iterating
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            return _event_dicts(self._buf + start, max(0, stop - start), vocab.EVENT_NAMES)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("history index out of range")
+        return _event_dicts(self._buf + i, 1, vocab.EVENT_NAMES)[0]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for start in range(0, self._n, self._CHUNK):
+            yield from _event_dicts(self._buf + start, min(self._CHUNK, self._n - start), vocab.EVENT_NAMES)
 
 
 def _as_plan(plan: Any) -> Any:

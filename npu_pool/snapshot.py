@@ -18,14 +18,15 @@ Works on anything with ``blocks()``, ``mapped_ranges()``, ``history()`` and ``st
 """
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from .vocab import MARK_NAMES, ROUND
 
-__all__ = ["pool_snapshot", "segments", "device_trace", "annotations", "write", "Frames", "block_entry",
-           "segment_entry"]
+__all__ = ["pool_snapshot", "segments", "device_trace", "iter_device_trace", "annotations", "write", "write_parts",
+           "Frames", "block_entry", "segment_entry"]
 
 # site -> frames (innermost first) of an event; events of a live pool have none
 Frames = Callable[[dict[str, Any]], list[dict[str, Any]]]
@@ -85,21 +86,25 @@ def segments(blocks: list[dict[str, Any]], ranges: Iterable[tuple[int, int]], de
 
 def device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> list[dict[str, Any]]:
     """PyTorch TraceEntry dicts for a pool's history (markers and cache releases are left out)."""
-    out: list[dict[str, Any]] = []
+    return list(iter_device_trace(events, frames))
+
+
+def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> Iterator[dict[str, Any]]:
+    """:func:`device_trace`, one entry at a time."""
     for e in events:
         kind = e["kind"]
         base = {"addr": int(e["addr"]), "size": int(e["size"]), "stream": int(e["stream"]),
                 "time_us": int(e["time"])}
         if kind == "alloc":
-            out.append(dict(base, action="alloc", frames=frames(e)))
+            yield dict(base, action="alloc", frames=frames(e))
         elif kind == "free":
             fr = frames(e)
-            out += [dict(base, action="free_requested", frames=fr), dict(base, action="free_completed", frames=fr)]
+            yield dict(base, action="free_requested", frames=fr)
+            yield dict(base, action="free_completed", frames=fr)
         elif kind in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
-            out.append(dict(base, action=kind, stream=0 if e.get("pool", 0) > 1 else base["stream"], frames=[]))
+            yield dict(base, action=kind, stream=0 if e.get("pool", 0) > 1 else base["stream"], frames=[])
         elif kind == "oom":
-            out.append(dict(base, action="oom", addr=0, device_free=int(e["device_free"]), frames=frames(e)))
-    return out
+            yield dict(base, action="oom", addr=0, device_free=int(e["device_free"]), frames=frames(e))
 
 
 def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str, Any]]:
@@ -117,15 +122,16 @@ def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str,
 
 
 def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
-                  frames_of_site: Optional[Callable[[int], list]] = None) -> dict[str, Any]:
+                  frames_of_site: Optional[Callable[[int], list]] = None, *,
+                  history_limit: Optional[int] = None) -> dict[str, Any]:
     """One snapshot of the pools of a process, ``{device: pool}``, from their block maps,
-    mapped ranges and histories."""
+    mapped ranges and histories (``history_limit``: only each pool's latest events)."""
     n = max(pools, default=-1) + 1
     snap: dict[str, Any] = {"segments": [], "device_traces": [[] for _ in range(n)], "external_annotations": []}
     policies, vmm = set(), False
     for device, pool in sorted(pools.items()):
         st = pool.stats()
-        events = pool.history()
+        events = pool.history() if history_limit is None else pool.history(history_limit)
         names = tuple(st["pools"])
         snap["segments"] += segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site)
         snap["device_traces"][device] = device_trace(events, frames)
@@ -138,8 +144,57 @@ def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
 
 
 def write(snapshot: dict[str, Any], path: str | Path) -> Path:
-    """Pickle ``snapshot`` (plain data only, so restricted unpicklers read it back)."""
+    """Pickle ``snapshot`` (plain data only, so restricted unpicklers read it back); the file
+    is whole or absent (:mod:`npu_pool.outputs`)."""
+    traces = snapshot.get("device_traces", [])
+    rest = {k: v for k, v in snapshot.items() if k != "device_traces"}
+    return write_parts(path, [iter(t) for t in traces], rest)
+
+
+_BATCH = 8192  # trace entries pickled at a time: the memory the writer needs beyond one entry
+
+
+def _fragment(obj: Any) -> bytes:
+    """``obj`` pickled (protocol 2, so no framing) without the protocol header and STOP."""
+    buf = io.BytesIO()
+    pickle.Pickler(buf, protocol=2).dump(obj)
+    return buf.getbuffer()[2:-1].tobytes()
+
+
+def _append_batch(f: IO[bytes], batch: list[dict[str, Any]]) -> None:
+    """Append ``batch``'s items to the list on top of the unpickler's stack: the batch pickled
+    as a list, its list-creating opcodes (EMPTY_LIST, BINPUT) dropped. Each batch is pickled
+    by a fresh pickler: its memo indices restart at 0 and only its own opcodes refer to them."""
+    body = _fragment(batch)
+    skip = 1 + (2 if body[1:2] == pickle.BINPUT else 5 if body[1:2] == pickle.LONG_BINPUT else 0)
+    assert body[:1] == pickle.EMPTY_LIST and skip > 1, "unexpected pickle of a list"
+    f.write(body[skip:])
+
+
+def write_parts(path: str | Path, device_traces: Iterable[Iterable[dict[str, Any]]],
+                rest: Mapping[str, Any]) -> Path:
+    """Write a snapshot whose ``device_traces`` come one entry at a time: memory stays bounded
+    by :data:`_BATCH` entries and ``rest`` (segments, annotations, settings; small) whatever
+    the length of the traces. The file reads back with ``pickle.load`` as the dict
+    ``{"device_traces": [...], **rest}``; it is whole or absent (:mod:`npu_pool.outputs`)."""
+    from .outputs import output
+
     p = Path(path)
-    with open(p, "wb") as f:
-        pickle.dump(snapshot, f, protocol=4)
+    with output(p, "wb") as f:
+        f.write(pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + _fragment("device_traces") + pickle.EMPTY_LIST)
+        for entries in device_traces:
+            f.write(pickle.EMPTY_LIST)
+            batch: list[dict[str, Any]] = []
+            for e in entries:
+                batch.append(e)
+                if len(batch) == _BATCH:
+                    _append_batch(f, batch)
+                    batch = []
+            if batch:
+                _append_batch(f, batch)
+            f.write(pickle.APPEND)  # this device's list onto device_traces
+        f.write(pickle.SETITEM)
+        for key, value in rest.items():
+            f.write(_fragment(key) + _fragment(value) + pickle.SETITEM)
+        f.write(pickle.STOP)
     return p

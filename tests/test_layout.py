@@ -93,9 +93,10 @@ def test_the_binding_is_the_bottom_layer():
     # pool.py: the binding, the vocabulary and the OOM snapshot writer, which import nothing above them
     assert graph["npu_pool.pool"] <= {"npu_pool.vocab", "npu_pool.oom"}
     assert graph["npu_pool.vocab"] == set()
-    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab", "npu_pool.units"}
+    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab", "npu_pool.units", "npu_pool.outputs"}
     assert graph["npu_pool.units"] == set()
-    assert graph["npu_pool.snapshot"] <= {"npu_pool.vocab"}
+    assert graph["npu_pool.outputs"] == set()  # whole-or-absent files: every writer uses it
+    assert graph["npu_pool.snapshot"] <= {"npu_pool.vocab", "npu_pool.outputs"}
     # the trace format and the recorder need nothing of the tools; the product needs no demo code
     for name, deps in graph.items():
         if name.startswith(("npu_pool.trace", "npu_pool.recorder")):

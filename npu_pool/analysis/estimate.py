@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError, load_yaml, show
+
 __all__ = ["ModelConfig", "Estimate", "StageEstimate", "estimate", "load_config", "config_from_dict",
            "config_from_trace", "compare", "ComparisonRow", "DTYPE_BYTES", "ALIASES"]
 
@@ -94,26 +96,39 @@ class ModelConfig:
     tied_embeddings: bool = False
 
     def checked(self) -> "ModelConfig":
-        """Normalise spellings and check ranges; raise ValueError naming the field."""
+        """Normalise spellings and check types and ranges; raise ValueError naming the field
+        (values are shown cut short)."""
         c = self
+        for name in _STR_FIELDS:
+            v = getattr(c, name)
+            if v is not None and not isinstance(v, (str, bool)):
+                raise ValueError(f"{name} must be a word, not {show(v)}")
         if isinstance(c.recompute, bool) or c.recompute in ("on", "off", "true", "false", "uniform", "block"):
             c = replace(c, recompute="full" if c.recompute in (True, "on", "true", "uniform", "block") else "none")
         if c.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {c.optimizer!r}")
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {show(c.optimizer)}")
         if c.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} (or on/off), not {c.recompute!r}")
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} (or on/off), not {show(c.recompute)}")
         for name in ("dtype", "act_dtype"):
             v = getattr(c, name)
-            if v is not None and v not in DTYPE_BYTES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, not {v!r}")
+            if v is not None and (not isinstance(v, str) or v not in DTYPE_BYTES):
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, not {show(v)}")
+        for name in _BOOL_FIELDS:
+            v = getattr(c, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be true or false, not {show(v)}")
+        for name in _INT_FIELDS:
+            v = getattr(c, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _INT_MAX):
+                raise ValueError(f"{name} must be a whole number in 0..{_INT_MAX - 1}, not {show(v)}")
         if c.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be 0, 1, 2 or 3, not {c.zero!r}")
+            raise ValueError(f"zero must be 0, 1, 2 or 3, not {show(c.zero)}")
         if c.norm not in ("layernorm", "rmsnorm") or c.position not in ("learned", "rope"):
             raise ValueError("norm must be layernorm or rmsnorm; position learned or rope")
         for name in ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep"):
             v = getattr(c, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, not {v!r}")
+                raise ValueError(f"{name} must be a positive integer, not {show(v)}")
         if c.hidden % c.heads:
             raise ValueError(f"hidden={c.hidden} is not divisible by heads={c.heads}")
         if c.heads % c.tp or (c.kv_heads or c.heads) % c.tp:
@@ -284,19 +299,27 @@ def estimate(config: ModelConfig) -> Estimate:
 
 # -- configs --------------------------------------------------------------------------------
 _FIELDS = {f.name for f in fields(ModelConfig)}
+_STR_FIELDS = ("dtype", "act_dtype", "optimizer", "recompute", "norm", "position")
+_BOOL_FIELDS = ("mixed_precision", "sequence_parallel", "flash_attention", "dropout", "gated_mlp", "bias",
+                "tied_embeddings")
+_INT_FIELDS = ("hidden", "layers", "heads", "vocab", "ffn", "kv_heads", "seq", "micro_batch", "micro_batches",
+               "zero", "dp", "tp", "pp", "ep", "experts", "top_k", "max_positions")
+_INT_MAX = 1 << 40  # no model dimension or parallel size comes near it
 
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases."""
     out: dict[str, Any] = {}
     for key, value in d.items():
+        if not isinstance(key, str):
+            raise ValueError(f"config key {show(key)} is not a name; known: {', '.join(sorted(_FIELDS))}")
         k = key.replace("-", "_")
         k = ALIASES.get(k, k)
         if k == "_untie":
             out["tied_embeddings"] = not value
             continue
         if k not in _FIELDS:
-            raise ValueError(f"unknown config key {key!r}; known: {', '.join(sorted(_FIELDS))}")
+            raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
         out[k] = value
     missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in out]
     if missing:
@@ -305,22 +328,18 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read a YAML (or JSON) file of config keys; a ``model:`` section is used when present."""
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        d = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({e})") from None
+    """Read a YAML (or JSON) file of config keys; a ``model:`` section is used when present.
+    The file is read by :func:`npu_pool.config.load_yaml` (no aliases, bounded depth, size and
+    integers); every problem is a ValueError naming the file."""
+    d = load_yaml(str(path), "")
     if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a mapping of config keys")
+        raise ConfigError(f"{path}: expected a mapping of config keys")
     if isinstance(d.get("model"), dict):
         d = {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}
-    return config_from_dict(d)
+    try:
+        return config_from_dict(d)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
@@ -330,9 +349,15 @@ def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
         return None
     from ..workloads import MODEL_NAMES, make_config  # imports torch: only here
 
-    if cap["model"] not in MODEL_NAMES:  # e.g. a Hugging Face model of an older capture
+    if not isinstance(cap["model"], str) or cap["model"] not in MODEL_NAMES:  # e.g. a Hugging Face model
         return None
+    try:
+        return _capture_config(cap, make_config)
+    except (TypeError, KeyError, AttributeError, OverflowError) as e:  # a trace's meta is input like any other
+        raise ValueError(f"the trace's meta['capture'] is malformed ({type(e).__name__}: {str(e)[:80]})") from None
 
+
+def _capture_config(cap: dict[str, Any], make_config: Any) -> ModelConfig:
     over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
                 vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))
     g = make_config(cap["model"], cap.get("shape") if cap.get("fake") else None,

@@ -18,11 +18,16 @@ Two sources of addresses:
 
 Event ``size`` is the requested size; ``time_us`` is the event index (traces carry
 no clock). Phase markers become ``external_annotations`` (START/END pairs).
+
+:func:`export` writes the snapshot as it is made: the trace entries stream from the core's
+compact history (or the trace's columns) into the file, so memory stays a small multiple
+of the trace, whatever its length (``benchmarks/io_memory.py`` measures it).
 """
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 from .. import snapshot as _snap
 from ..pool import POLICIES as _POOL_POLICIES
@@ -31,7 +36,8 @@ from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, O
                             Trace, TraceError)
 from ..vocab import ROUND
 
-__all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames"]
+__all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames",
+           "export", "Exported"]
 
 POLICIES = tuple(_POOL_POLICIES) + ("recorded",)
 
@@ -75,88 +81,111 @@ def _annotations(trace: Trace, device: int) -> list[dict[str, Any]]:
     return _snap.annotations(marks, device)
 
 
+def _replayed_parts(trace: Trace, policy: str, device: int, hints: str) -> tuple[Iterator[dict[str, Any]], dict]:
+    """(trace entries, one at a time; the rest of the snapshot) of ``trace`` replayed through ``policy``."""
+    tl = timeline(trace, policy, hints=hints)
+    frames = _Frames(trace)
+    sites = trace.site
+    entries = _snap.iter_device_trace(tl.events, lambda e: frames(sites[e["time"]]) if e["time"] < len(sites)
+                                      else [])
+    rest = {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
+            "external_annotations": _annotations(trace, device),
+            "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
+                                   "round_size": ROUND}}
+    return entries, rest
+
+
 def snapshot_replayed(trace: Trace, policy: str, device: int = 0, devices: int = 1, *,
                       hints: str = "markers") -> dict[str, Any]:
     """Snapshot of ``trace`` replayed through ``policy``: the core's events (every allocation,
     free, segment change and the failed request, if any) and its memory at the end."""
-    tl = timeline(trace, policy, hints=hints)
-    frames = _Frames(trace)
-    sites = trace.site
+    entries, rest = _replayed_parts(trace, policy, device, hints)
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
-    traces[device] = _snap.device_trace(tl.events, lambda e: frames(sites[e["time"]]) if e["time"] < len(sites)
-                                        else [])
-    return {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
-            "device_traces": traces, "external_annotations": _annotations(trace, device),
-            "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
-                                   "round_size": ROUND}}
+    traces[device] = list(entries)
+    return dict(rest, device_traces=traces)
+
+
+class _Recorded:
+    """The trace's own addresses: its entries (iterate once), then the end state they leave."""
+
+    def __init__(self, trace: Trace, device: int) -> None:
+        if not any(a for op, a in zip(trace.op, trace.addr) if op == OP_ALLOC):
+            raise TraceError("the trace has no recorded addresses (a capture, not an imported snapshot); "
+                             "export it replayed under a policy instead")
+        self.trace, self.device, self.frames = trace, device, _Frames(trace)
+        self.segs: dict[int, tuple[int, int, int]] = {}  # addr -> (size, stream, pool)
+        self.live: dict[int, tuple[int, int, int]] = {}  # id -> (addr, size, site)
+        self.done = False
+
+    def entries(self) -> Iterator[dict[str, Any]]:
+        segs, live, frames = self.segs, self.live, self.frames
+        for i, (op, cat, site, id_, size, stream, addr) in enumerate(self.trace.events()):
+            if op == OP_INIT_SEGMENT:
+                segs[addr] = (size, stream, cat)
+            elif op == OP_INIT_ALLOC:
+                live[id_] = (addr, size, site)
+            elif op == OP_ALLOC:
+                live[id_] = (addr, size, site)
+                yield _event("alloc", addr, size, stream, i, frames(site))
+            elif op == OP_FREE:
+                a, _, _ = live.pop(id_, (addr, size, site))
+                fr = frames(site)
+                yield _event("free_requested", a, size, stream, i, fr)
+                yield _event("free_completed", a, size, stream, i, fr)
+            elif op == OP_SEG_HINT:
+                segs[addr] = (size, stream, cat)
+                yield _event("segment_alloc", addr, size, stream, i)
+            elif op == OP_SEG_FREE:
+                seg_size, seg_stream, _ = segs.pop(addr, (size, stream, 0))
+                yield _event("segment_free", addr, seg_size, seg_stream, i)
+        self.done = True
+
+    def rest(self) -> dict[str, Any]:
+        """Segments (the end state), annotations and settings; after :meth:`entries` ran out."""
+        assert self.done, "the entries must be read first"
+        segs, live, frames, device = self.segs, self.live, self.frames, self.device
+        blocks = []
+        starts = sorted(segs)
+        for a, size, site in sorted(live.values()):
+            k = bisect.bisect_right(starts, a) - 1
+            if k < 0 or a >= starts[k] + segs[starts[k]][0]:
+                continue  # outside every segment: cannot be placed in the end state
+            blocks.append((starts[k], a, size, site))
+        segments = []
+        for start in starts:
+            size, stream, pool = segs[start]
+            mine = [b for b in blocks if b[0] == start]
+            bl, cur = [], start
+            for n, (_, a, req, site) in enumerate(mine):
+                if a < cur:
+                    continue  # overlaps the previous block: recorded addresses disagree, keep the first
+                if a > cur:
+                    bl.append(_snap.block_entry(cur, a - cur, 0, False, []))
+                nxt = mine[n + 1][1] if n + 1 < len(mine) else start + size
+                bsize = min(-(-max(req, 1) // ROUND) * ROUND, max(nxt, a + req) - a, start + size - a)
+                bl.append(_snap.block_entry(a, bsize, min(req, bsize), True, frames(site)))
+                cur = a + bsize
+            if cur < start + size:
+                bl.append(_snap.block_entry(cur, start + size - cur, 0, False, []))
+            segments.append(_snap.segment_entry(device, start, size, stream, "small" if pool == 0 else "large",
+                                                False, bl))
+        return {"segments": segments, "external_annotations": _annotations(self.trace, device),
+                "allocator_settings": {"npu_pool_policy": "recorded"}}
 
 
 def snapshot_recorded(trace: Trace, device: int = 0, devices: int = 1) -> dict[str, Any]:
     """Snapshot from the trace's own recorded addresses and segment events."""
-    if not any(a for op, a in zip(trace.op, trace.addr) if op == OP_ALLOC):
-        raise TraceError("the trace has no recorded addresses (a capture, not an imported snapshot); "
-                         "export it replayed under a policy instead")
-    frames = _Frames(trace)
-    segs: dict[int, tuple[int, int, int]] = {}  # addr -> (size, stream, pool)
-    live: dict[int, tuple[int, int, int]] = {}  # id -> (addr, size, site)
-    evs: list[dict[str, Any]] = []
-    for i, (op, cat, site, id_, size, stream, addr) in enumerate(trace.events()):
-        if op == OP_INIT_SEGMENT:
-            segs[addr] = (size, stream, cat)
-        elif op == OP_INIT_ALLOC:
-            live[id_] = (addr, size, site)
-        elif op == OP_ALLOC:
-            live[id_] = (addr, size, site)
-            evs.append(_event("alloc", addr, size, stream, i, frames(site)))
-        elif op == OP_FREE:
-            a, _, _ = live.pop(id_, (addr, size, site))
-            fr = frames(site)
-            evs.append(_event("free_requested", a, size, stream, i, fr))
-            evs.append(_event("free_completed", a, size, stream, i, fr))
-        elif op == OP_SEG_HINT:
-            segs[addr] = (size, stream, cat)
-            evs.append(_event("segment_alloc", addr, size, stream, i))
-        elif op == OP_SEG_FREE:
-            seg_size, seg_stream, _ = segs.pop(addr, (size, stream, 0))
-            evs.append(_event("segment_free", addr, seg_size, seg_stream, i))
-    blocks = []
-    starts = sorted(segs)
-    for a, size, site in sorted(live.values()):
-        k = bisect.bisect_right(starts, a) - 1
-        if k < 0 or a >= starts[k] + segs[starts[k]][0]:
-            continue  # outside every segment: cannot be placed in the end state
-        blocks.append((starts[k], a, size, site))
-    segments = []
-    for start in starts:
-        size, stream, pool = segs[start]
-        mine = [b for b in blocks if b[0] == start]
-        bl, cur = [], start
-        for n, (_, a, req, site) in enumerate(mine):
-            if a < cur:
-                continue  # overlaps the previous block: recorded addresses disagree, keep the first
-            if a > cur:
-                bl.append(_snap.block_entry(cur, a - cur, 0, False, []))
-            nxt = mine[n + 1][1] if n + 1 < len(mine) else start + size
-            bsize = min(-(-max(req, 1) // ROUND) * ROUND, max(nxt, a + req) - a, start + size - a)
-            bl.append(_snap.block_entry(a, bsize, min(req, bsize), True, frames(site)))
-            cur = a + bsize
-        if cur < start + size:
-            bl.append(_snap.block_entry(cur, start + size - cur, 0, False, []))
-        segments.append(_snap.segment_entry(device, start, size, stream, "small" if pool == 0 else "large", False, bl))
+    rec = _Recorded(trace, device)
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
-    traces[device] = evs
-    return {"segments": segments, "device_traces": traces, "external_annotations": _annotations(trace, device),
-            "allocator_settings": {"npu_pool_policy": "recorded"}}
+    traces[device] = list(rec.entries())
+    return dict(rec.rest(), device_traces=traces)
 
 
 def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> dict[str, Any]:
     """One snapshot for the traces of one process: trace ``k`` becomes device ``meta['device']`` (or ``k``)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    devs = [int(t.meta.get("device", k)) if isinstance(t.meta.get("device", k), int) else k
-            for k, t in enumerate(traces)]
-    if len(set(devs)) != len(devs):
-        devs = list(range(len(traces)))
+    devs = _devices(traces)
     n = max(devs) + 1 if devs else 1
     out: dict[str, Any] = {"segments": [], "device_traces": [[] for _ in range(n)], "external_annotations": []}
     for dev, t in zip(devs, traces):
@@ -171,4 +200,56 @@ def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> 
     return out
 
 
+def _devices(traces: list[Trace]) -> list[int]:
+    """The device each trace becomes: ``meta['device']`` (or its position when they clash)."""
+    devs = [t.meta["device"] if isinstance(t.meta.get("device"), int) and not isinstance(t.meta["device"], bool)
+            and 0 <= t.meta["device"] < 1 << 16 else k for k, t in enumerate(traces)]
+    return devs if len(set(devs)) == len(devs) else list(range(len(traces)))
+
+
 write_snapshot = _snap.write  # pickle a snapshot (plain data only, so restricted unpicklers read it back)
+
+
+class Exported:
+    """What :func:`export` wrote: the file, trace entries, segments and bytes they reserve."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.entries, self.segments, self.reserved = path, 0, 0, 0
+
+
+def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "markers") -> Exported:
+    """Write the snapshot :func:`snapshot_of` makes straight to ``path``, streaming the trace
+    entries (whole or absent: :mod:`npu_pool.outputs`). One trace is replayed at a time."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    devs = _devices(traces)
+    n = max(devs) + 1 if devs else 1
+    by_dev = dict(zip(devs, traces))
+    out = Exported(Path(path))
+    rest: dict[str, Any] = {"segments": [], "external_annotations": [], "allocator_settings": {}}
+
+    def one(dev: int) -> Iterator[dict[str, Any]]:
+        t = by_dev.get(dev)
+        if t is None:
+            return
+        if policy == "recorded":
+            rec = _Recorded(t, dev)
+            entries: Iterator[dict[str, Any]] = rec.entries()
+        else:
+            entries, part = _replayed_parts(t, policy, dev, hints)
+        for e in entries:
+            out.entries += 1
+            yield e
+        if policy == "recorded":
+            part = rec.rest()
+        rest["segments"].extend(part["segments"])
+        rest["external_annotations"].extend(part["external_annotations"])
+        rest["allocator_settings"] = part["allocator_settings"]
+
+    if policy == "recorded":  # refuse a trace without addresses before anything is written
+        for t in traces:
+            _Recorded(t, 0)
+    _snap.write_parts(path, (one(dev) for dev in range(n)), rest)
+    out.segments = len(rest["segments"])
+    out.reserved = sum(s["total_size"] for s in rest["segments"])
+    return out

@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if out is None:
         sys.stdout.write(text)
     else:
-        out.write_text(text)
+        from ..outputs import write_text
+
+        write_text(out, text)  # whole or absent
         print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = _md(est, rows)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        from ..outputs import write_text
+
+        write_text(args.out, text)  # whole or absent
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)

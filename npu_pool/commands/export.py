@@ -17,16 +17,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..analysis.memviz import snapshot_of, write_snapshot
+    from ..analysis.memviz import export
     from ..trace.files import open_traces
 
     named = open_traces(args.trace)
-    snap = snapshot_of([t for _, t in named], args.policy, hints=args.hints)
-    path = write_snapshot(snap, args.out)
-    n_ev = sum(len(d) for d in snap["device_traces"])
-    reserved = sum(s["total_size"] for s in snap["segments"])
-    print(f"wrote {path}: {len(named)} device trace(s), {n_ev} events, {len(snap['segments'])} segments "
-          f"({reserved / 2**30:.3f} GiB reserved at the end) under {args.policy}", file=sys.stderr)
+    done = export([t for _, t in named], args.policy, args.out, hints=args.hints)  # streamed, whole or absent
+    path = done.path
+    print(f"wrote {path}: {len(named)} device trace(s), {done.entries} events, {done.segments} segments "
+          f"({done.reserved / 2**30:.3f} GiB reserved at the end) under {args.policy}", file=sys.stderr)
     print(f"view: python -m torch.cuda._memory_viz trace_plot {path} -o {path}.html  (or drop it on "
           "https://pytorch.org/memory_viz)", file=sys.stderr)
     return 0

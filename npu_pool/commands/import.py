@@ -36,17 +36,33 @@ def _summary(path: Path, t: Trace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Import every snapshot; stop at the first one that cannot be read."""
+    """Import every snapshot; stop at the first one that cannot be read. Each trace file is
+    whole or absent; the output folder is made only when there is something to put in it."""
     out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise TraceError(f"{out}: exists and is not a folder; --out names the folder for the traces")
+    made = False
+    written = 0
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TraceError(f"{out}: cannot create output folder ({e.strerror or e})") from None
-    for snap in args.snapshots:
-        traces = load_snapshot(snap)
-        for t in traces:
-            t.validate()
-            dest = out / f"{snap.stem}.dev{t.meta['device']}.npt"
-            t.save(dest)
-            print(_summary(dest, t))
+        for snap in args.snapshots:
+            traces = load_snapshot(snap)  # checks the file's first bytes before reading the rest
+            if not out.exists():
+                try:
+                    out.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise TraceError(f"{out}: cannot create output folder ({e.strerror or e})") from None
+                made = True
+            while traces:
+                t = traces.pop(0)  # each trace freed once written
+                t.validate()
+                dest = out / f"{snap.stem}.dev{t.meta['device']}.npt"
+                t.save(dest)
+                written += 1
+                print(_summary(dest, t))
+    finally:
+        if made and not written:
+            try:
+                out.rmdir()  # a folder made for nothing: leave no trace of the failed run
+            except OSError:
+                pass
     return 0

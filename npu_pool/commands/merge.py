@@ -22,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
     reports = report.load(args.directory)
     print(report.merge_table(reports))
     if args.json:
-        with open(args.json, "w") as f:
+        from ..outputs import output
+
+        with output(args.json, "w") as f:  # whole or absent
             json.dump({"ranks": reports, "imbalance": report.imbalance(reports)}, f, indent=1)
         print(f"wrote {len(reports)} rank reports to {args.json}", file=sys.stderr)
     return 0

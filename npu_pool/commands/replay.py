@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
     for line in online:
         print(line)
     if args.json:
-        with open(args.json, "w") as f:
+        from ..outputs import output
+
+        with output(args.json, "w") as f:  # whole or absent
             json.dump([r.as_dict() for r in results], f, indent=1)
         print(f"wrote {len(results)} records to {args.json}", file=sys.stderr)
     return 0

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import array
 import json
+import os
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -57,8 +59,10 @@ def plan_bytes(plan: Plan) -> bytes:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write ``plan`` to ``path`` (verify it first: make_plan's plans already are)."""
-    Path(path).write_bytes(plan_bytes(plan))
+    """Write ``plan`` to ``path``, whole or not at all (verify it first: make_plan's plans already are)."""
+    from ..outputs import write_bytes
+
+    write_bytes(path, plan_bytes(plan))
 
 
 def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
@@ -109,10 +113,33 @@ def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
     return plan
 
 
+_MAX_HEADER = 1 << 24  # a plan's JSON header is a few KiB (its meta); more is no plan
+
+
 def load_plan(path: str | Path) -> Plan:
-    """Read and verify the plan file at ``path``."""
+    """Read and verify the plan file at ``path``. Only a regular file is read; its first
+    bytes are checked (a trace or any other file is refused at once, naming what it is), and
+    the rest is read only when the header's counts match the file's size."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise PlanError(f"{path}: not a regular file (a device, FIFO or socket); give a plan file")
+            head = f.read(24)
+            if len(head) < 24 or head[:8] != MAGIC:
+                plan_from_bytes(head, str(path))  # raises, naming what the file is
+            (hlen,) = struct.unpack_from("<Q", head, 16)
+            if hlen > min(_MAX_HEADER, st.st_size - 24):
+                raise PlanError(f"{path}: header length {hlen} runs past the end of the file")
+            data = head + f.read(hlen)
+            try:
+                n = json.loads(data[24:]).get("positions")
+            except (ValueError, AttributeError, RecursionError):
+                n = None  # plan_from_bytes names the problem
+            if isinstance(n, int) and not isinstance(n, bool) and st.st_size != 24 + hlen + n * _ROW.size:
+                raise PlanError(f"{path}: {st.st_size - 24 - hlen} bytes of rows, expected {n} x {_ROW.size}: "
+                                "truncated or corrupt")
+            data += f.read(st.st_size - len(data))
     except OSError as e:
         raise PlanError(f"{path}: cannot read ({e.strerror or e})") from None
     return plan_from_bytes(data, str(path))

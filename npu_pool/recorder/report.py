@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 VERSION = 1
 FILE_PATTERN = "npu_pool_rank*.json"
 GiB = float(1 << 30)
+_MAX_REPORT = 1 << 24  # bytes of one rank report read at most
 
 
 def memory_of(stats: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +56,9 @@ def rank_and_world() -> tuple[int, Optional[int]]:
     """(rank, world size): torchrun's RANK/WORLD_SIZE, else torch.distributed's, else (0, None):
     a process that is not part of a distributed run has no world size to check reports against."""
     env = os.environ
-    if env.get("RANK", "").isdigit():
-        return int(env["RANK"]), int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE", "").isdigit() else None
+    rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+    if rank is not None:
+        return rank, world
     dist = getattr(sys.modules.get("torch"), "distributed", None)
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -64,6 +66,23 @@ def rank_and_world() -> tuple[int, Optional[int]]:
     except Exception:
         pass
     return 0, None
+
+
+def _env_int(env: Any, name: str) -> Optional[int]:
+    """A whole number from the environment; None when unset or not one (a warning says so:
+    the report is still written, under the rank torch.distributed or the default gives)."""
+    from ..config import ConfigError, parse_int
+
+    value = env.get(name, "")
+    if not value.strip():
+        return None
+    try:
+        return parse_int(value, name, 0, (1 << 31) - 1)
+    except ConfigError as e:
+        import warnings
+
+        warnings.warn(f"npu_pool: {e}; ignored", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _gib(b: Optional[float]) -> str:
@@ -91,10 +110,9 @@ def write(report: dict[str, Any], directory: str | os.PathLike[str]) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"npu_pool_rank{report['rank']}.json"
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(report, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path
+    from ..outputs import write_text
+
+    return write_text(path, json.dumps(report, indent=1, sort_keys=True))
 
 
 def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -107,11 +125,22 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if not path.is_file():  # a FIFO or device named like a report would block forever
             raise ValueError(f"{path}: not a regular file (expected an npu_pool rank report)")
         try:
-            r = json.loads(path.read_text())
+            if not path.is_file():
+                raise ValueError("not a regular file")
+            with open(path, "rb") as f:
+                raw = f.read(_MAX_REPORT + 1)
+            if len(raw) > _MAX_REPORT:
+                raise ValueError(f"more than {_MAX_REPORT} bytes; a rank report is a few KiB")
+            r = json.loads(raw)
+        except RecursionError:
+            raise ValueError(f"{path}: not a readable npu_pool rank report (nested too deeply)") from None
         except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable npu_pool rank report ({e})") from None
+            raise ValueError(f"{path}: not a readable npu_pool rank report ({str(e)[:160]})") from None
         if not isinstance(r, dict) or r.get("version") != VERSION or not isinstance(r.get("rank"), int):
             raise ValueError(f"{path}: not an npu_pool rank report of version {VERSION}")
+        problem = _shape_problem(r)
+        if problem:
+            raise ValueError(f"{path}: not a valid npu_pool rank report ({problem})")
         reports.append(r)
     if not reports:
         raise ValueError(f"{d}: no rank reports ({FILE_PATTERN}); run with NPU_POOL_REPORT_DIR={d}")
@@ -119,6 +148,43 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{d}: two reports for one rank ({sorted(ranks)})")
     return sorted(reports, key=lambda r: r["rank"])
+
+
+def _number(v: Any) -> bool:
+    return v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and abs(v) < 1 << 63)
+
+
+def _shape_problem(r: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the fields the table reads (None: nothing), so that a hand-edited or
+    foreign file is refused with its field named instead of failing half-way."""
+    if isinstance(r["rank"], bool) or not 0 <= r["rank"] < 1 << 31:
+        return "rank should be a whole number >= 0"
+    if not (r.get("world_size") is None or (isinstance(r["world_size"], int) and not isinstance(r["world_size"], bool)
+                                            and 0 < r["world_size"] < 1 << 31)):
+        return "world_size should be a whole number > 0 or null"
+    if not isinstance(r.get("mode", "?"), str):
+        return "mode should be a string"
+    for key in ("iterations", "host_peak_rss_bytes"):
+        if not _number(r.get(key)):
+            return f"{key} should be a number"
+    steps = r.get("step_seconds", {})
+    if not isinstance(steps, dict):
+        return f"step_seconds should be an object, not {type(steps).__name__}"
+    if not all(_number(steps.get(k)) for k in ("mean", "max", "last")):
+        return "step_seconds values should be numbers"
+    mem = r.get("memory")
+    if mem is None:
+        return None
+    if not isinstance(mem, dict):
+        return f"memory should be an object or null, not {type(mem).__name__}"
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "utilization", "device_mallocs", "ooms"):
+        if not _number(mem.get(key)):
+            return f"memory.{key} should be a number"
+    pools = mem.get("pools", {})
+    if not isinstance(pools, dict) or not all(isinstance(p, dict) and _number(p.get("reserved_bytes"))
+                                              for p in pools.values()):
+        return "memory.pools should map pool names to objects with numeric reserved_bytes"
+    return None
 
 
 # column title, getter, formatter

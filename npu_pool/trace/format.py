@@ -156,7 +156,9 @@ class Trace:
         """Write the trace: magic, header length, JSON header, then each column's bytes."""
         header = json.dumps({"meta": self.meta, "n": len(self.op), "byteorder": "little",
                              "columns": [c for c, _ in COLUMNS]}).encode()
-        with open(path, "wb") as f:
+        from ..outputs import output
+
+        with output(path) as f:  # whole or absent
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)
             for name, _ in COLUMNS:
                 col = getattr(self, name)

@@ -25,20 +25,21 @@ npu_pool's own markers) become phase markers where their names say which phase
 from __future__ import annotations
 
 import bisect
-import io
-import json
+import os
 import pickle
 import re
+import stat
+import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable
 
-from .format import (CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
-                     MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
+from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
+                     PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
-__all__ = ["load_snapshot", "snapshot_to_traces", "marker_of"]
+__all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 
 _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
@@ -66,31 +67,93 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed")
 
 
-def _unpickle(data: bytes, name: str) -> Any:
+def _unpickle(f: Any, name: str) -> Any:
+    """Unpickle from the file-like ``f`` with every global refused."""
     try:
-        return _NoGlobals(io.BytesIO(data)).load()
+        return _NoGlobals(f).load()
     except _RefusedGlobal as e:
         raise TraceError(f"{name}: not a PyTorch memory snapshot: the pickle needs the global {e} "
                          "(refused, nothing was executed)") from None
     except RecursionError:
         raise TraceError(f"{name}: pickle nests too deeply; not a memory snapshot") from None
+    except MemoryError:
+        raise TraceError(f"{name}: the pickle asks for more memory than this machine has; corrupt or hostile") from None
     except Exception as e:  # truncated/corrupt pickles raise many different types
-        raise TraceError(f"{name}: not a valid pickle; corrupt or truncated ({type(e).__name__}: {e})") from None
+        raise TraceError(f"{name}: not a valid pickle; corrupt or truncated "
+                         f"({type(e).__name__}: {str(e)[:120]})") from None
+
+
+class _Bounded:
+    """A file the unpickler may not read past its size: a length in the pickle larger than what
+    is left is cut to it (and fails as truncated) instead of allocating what it claims."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self.f, self.left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        limit = self.left if limit is None or limit < 0 else min(limit, self.left)
+        data = self.f.readline(limit)
+        self.left -= len(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = self.f.readinto(view[:min(len(view), self.left)])
+        self.left -= n
+        return n
+
+    def peek(self, n: int = 0) -> bytes:
+        """What the unpickler may read ahead (it reads in large pieces this way, not opcode by opcode)."""
+        return self.f.peek(n)[:self.left]
+
+
+def check_head(path: Path, head: bytes) -> None:
+    """Refuse a file whose first bytes say it is no snapshot pickle, naming what it is (other
+    files are left to the unpickler, which stops at the first byte that is no pickle opcode)."""
+    if head[:7] == MAGIC[:7]:
+        what = "already an npu_pool trace (.npt): replay, analyze or plan it directly; there is nothing to import"
+    elif head[:8] == PLAN_MAGIC:
+        what = "an npu_pool plan (give it with --plan), not a memory snapshot"
+    elif not head:
+        what = "empty file: truncated, or not a memory snapshot"
+    elif head[:1] == pickle.PROTO and (len(head) < 2 or head[1] > pickle.HIGHEST_PROTOCOL):
+        what = ("truncated pickle" if len(head) < 2 else
+                f"not a valid pickle; corrupt (protocol {head[1]}; this Python reads up to {pickle.HIGHEST_PROTOCOL})")
+    else:
+        return
+    raise TraceError(f"{path}: {what}")
 
 
 def load_snapshot(path: str | Path) -> list[Trace]:
-    """Read a snapshot pickle; one Trace per device with recorded events."""
+    """Read a snapshot pickle; one Trace per device with recorded events. The first bytes are
+    checked before anything else is read (a trace, a plan, any other file is refused at once,
+    naming what it is); only regular files are read, and never past their size."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise TraceError(f"{path}: not a regular file (a device, FIFO or socket); give a snapshot file")
+            check_head(path, f.read(8))
+            f.seek(0)
+            obj = _unpickle(_Bounded(f, st.st_size), str(path))
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
-    return snapshot_to_traces(_unpickle(data, str(path)), str(path), max_elements=len(data))
+    return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
 
 
-def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None) -> list[Trace]:
+def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None, *,
+                       _consume: bool = False) -> list[Trace]:
     """Convert an already-unpickled snapshot dict; ``name`` goes into messages and meta["origin"].
-    ``max_elements``: refuse to walk more list elements than this (the file's size in bytes)."""
+    ``max_elements``: refuse to walk more list elements than this (the file's size in bytes).
+    (``_consume``: the dict is the caller's no more: each entry is replaced by its compact
+    record as it is read, so the unpickled dicts are freed as the conversion goes.)"""
     if not isinstance(obj, dict):
         raise TraceError(f"{name}: not a PyTorch memory snapshot (top level is {type(obj).__name__}, not dict)")
     segments = obj.get("segments", [])
@@ -120,13 +183,26 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
     out = []
+    consumed: set[int] = set()  # ids of the event lists converted in place
     for dev, events in enumerate(traces):
         where = f"device_traces[{dev}]"
         if not events:
             continue
-        evs = [_event(e, name, f"{where}[{i}]") for i, e in enumerate(events)]
+        sites = _Sites(name)
+        if _consume:  # in place: each dict is dropped as its record replaces it
+            if id(events) in consumed:
+                raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
+            consumed.add(id(events))
+            evs = events
+            for i, e in enumerate(events):
+                evs[i] = _event(e, name, f"{where}[{i}]", sites)
+            traces[dev] = []
+        else:
+            evs = [_event(e, name, f"{where}[{i}]", sites) for i, e in enumerate(events)]
         dev_segs = [s for s in segs if s["device"] == dev]
-        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, [])).build()
+        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
+                     sites=sites).build()
+        del evs, events
         t.meta["origin"] = name
         t.meta["device"] = dev
         expandable = any(s["is_expandable"] for s in segs)
@@ -238,14 +314,17 @@ def _frames(d: dict, name: str, where: str) -> list:
     return frames
 
 
-def _event(e: Any, name: str, where: str) -> tuple:
-    """Check one trace entry; return (action, addr, size, stream, frames, time_us or -1, device_free)."""
+def _event(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
+    """Check one trace entry; return (action, addr, size, stream, site, time_us or -1, device_free):
+    the site (of an alloc or a failed request) interned in ``sites``, the frames not kept."""
     _expect(isinstance(e, dict), name, where, "a dict", e)
     action = e.get("action")
     _expect(isinstance(action, str), name, f"{where}.action", "a string", action)
     oom = action == "oom"  # a failed request: no address, the device's free bytes instead
-    return (action, _int(e, "addr", name, where, 0 if oom else None), _int(e, "size", name, where),
-            _int(e, "stream", name, where, 0, signed=True), _frames(e, name, where),
+    frames = _frames(e, name, where)
+    site = sites.site(frames, where) if action == "alloc" or oom else -1
+    return (sys.intern(action) if len(action) < 40 else action, _int(e, "addr", name, where, 0 if oom else None),
+            _int(e, "size", name, where), _int(e, "stream", name, where, 0, signed=True), site,
             _int(e, "time_us", name, where, -1, signed=True), _int(e, "device_free", name, where, 0) if oom else 0)
 
 
@@ -322,12 +401,12 @@ class _Builder:
     """Builds one device's Trace: window events, then the rebuilt initial state in front."""
 
     def __init__(self, name: str, dev: int, events: list[tuple], segments: list[dict], check_segments: bool,
-                 marks: list[tuple[int, int, int]] = ()):
+                 marks: list[tuple[int, int, int]] = (), sites: "_Sites | None" = None):
         self.name, self.dev, self.events, self.segments = name, dev, events, segments
         self.check_segments = check_segments
         self.marks = list(marks)  # (time_us, code, arg) in time order
         self.ooms: list[dict[str, int]] = []
-        self.sites = _Sites(name)
+        self.sites = sites if sites is not None else _Sites(name)
         self.warnings: list[str] = []
         self.n_warnings = 0
         self.ignored: dict[str, int] = {}
@@ -374,7 +453,7 @@ class _Builder:
         if marks and any(ev[5] < 0 for ev in self.events):
             self.warn("events carry no time_us: the annotations cannot be placed among them; left out")
             marks = []
-        for i, (action, addr, size, stream, frames, time_us, device_free) in enumerate(self.events):
+        for i, (action, addr, size, stream, site, time_us, device_free) in enumerate(self.events):
             while m < len(marks) and marks[m][0] < time_us:  # phases that began or ended before this event
                 rows.append([OP_MARK, marks[m][1], -1, marks[m][2], 0, 0, 0])
                 m += 1
@@ -382,8 +461,7 @@ class _Builder:
                 if addr in live:
                     self.warn(f"event {i}: alloc at {addr:#x} which is still live; freeing the old block first")
                     self._free(live.pop(addr))
-                row = [OP_ALLOC, CAT_UNKNOWN, self.sites.site(frames, f"device_traces[{self.dev}][{i}]"),
-                       self.n_window_ids, size, stream, addr]
+                row = [OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr]
                 self.n_window_ids += 1
                 rows.append(row)
                 live[addr] = row
@@ -409,8 +487,7 @@ class _Builder:
             elif action == "oom":
                 if size:
                     self.ooms.append({"event": len(rows), "size": size, "device_free": device_free})
-                    rows.append([OP_OOM, CAT_UNKNOWN, self.sites.site(frames, f"device_traces[{self.dev}][{i}]"), -1,
-                                 size, stream, 0])
+                    rows.append([OP_OOM, CAT_UNKNOWN, site, -1, size, stream, 0])
             else:
                 if action not in _IGNORED:
                     self.warn(f"event {i}: unknown action {action!r:.40}; ignored")

@@ -1,0 +1,158 @@
+"""Files the tools write are whole or absent.
+
+Every output (traces, snapshots, plans, reports, OOM snapshots) goes through :func:`output`:
+the bytes are written to a hidden partial file in the destination's folder
+(``.<name>.partial``), flushed and synced, then renamed over the destination. A failure of
+any kind (disk full, a bad value half-way, Ctrl-C, SIGTERM in the main thread) removes the
+partial file and leaves the destination as it was. The partial file is also a lock: a
+second writer of the same destination, in this process or another, is refused with
+:class:`OutputBusy` while the first is writing (two writers never interleave; the last
+to finish wins).
+
+Pure Python, imports nothing of the package.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import os
+import signal
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+__all__ = ["output", "write_bytes", "write_text", "OutputBusy", "partial_path"]
+
+PARTIAL = ".partial"
+
+
+class OutputBusy(OSError):
+    """Another writer holds the destination."""
+
+
+def partial_path(path: str | os.PathLike[str]) -> Path:
+    """The hidden file a write of ``path`` goes to before it is renamed into place."""
+    p = Path(path)
+    return p.with_name(f".{p.name}{PARTIAL}")
+
+
+def _fail(path: Path, e: OSError, what: str = "cannot write") -> OSError:
+    reason = e.strerror or str(e)
+    return OSError(e.errno, f"{path}: {what} ({reason}); nothing was written")
+
+
+def _claim(path: Path) -> int:
+    """Open and lock the partial file of ``path``; its descriptor. OutputBusy when held."""
+    part = partial_path(path)
+    for _ in range(8):  # a finished writer may rename the file we opened: open again
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            raise _fail(path, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputBusy(errno.EBUSY, f"{path}: another process is writing it right now; "
+                                 "not overwritten (try again when it is done)") from None
+            raise _fail(path, e) from None
+        try:
+            same = os.stat(part).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            return fd
+        os.close(fd)  # locked an inode that is no longer the partial file
+    raise OutputBusy(errno.EBUSY, f"{path}: other processes keep writing it; not overwritten")
+
+
+class _Term(BaseException):
+    """SIGTERM while an output was being written (raised in the main thread only)."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """In the main thread, turn a default SIGTERM into an exception for the duration, so the
+    partial file is removed; elsewhere (or with a handler installed) change nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        old = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        old = None
+    if old is not signal.SIG_DFL:
+        yield
+        return
+
+    def raise_term(signum: int, frame: Any) -> None:
+        raise _Term()
+
+    signal.signal(signal.SIGTERM, raise_term)
+    try:
+        yield
+    except _Term:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # die as the signal asked, the output already cleaned up
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextmanager
+def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "utf-8") -> Iterator[IO[Any]]:
+    """Open ``path`` for writing whole-or-nothing (``mode`` ``"wb"`` or ``"w"``). The
+    destination appears, complete, only when the ``with`` block ends without an exception."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"output mode {mode!r}: use 'wb' or 'w'")
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
+    with _sigterm_raises():
+        fd = _claim(p)
+        part = partial_path(p)
+        raw = os.fdopen(fd, "wb", closefd=True)
+        f: IO[Any] = raw if mode == "wb" else io.TextIOWrapper(raw, encoding=encoding, newline="")
+        done = False
+        try:
+            try:
+                yield f
+                f.flush()
+                os.fsync(raw.fileno())
+            except OSError as e:
+                if isinstance(e, OutputBusy) or e.filename is not None:  # not this file's: another file's error
+                    raise
+                raise _fail(p, e) from None
+            try:
+                os.replace(part, p)
+            except OSError as e:
+                raise _fail(p, e, "cannot rename into place") from None
+            done = True
+        finally:
+            if not done:
+                try:
+                    os.unlink(part)  # still locked by us: no other writer uses this name now
+                except OSError:
+                    pass
+            try:
+                f.close()  # releases the lock
+            except OSError:
+                pass
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` whole or not at all."""
+    with output(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all."""
+    with output(path, "w") as f:
+        f.write(text)
+    return Path(path)

@@ -1,0 +1,551 @@
+"""Files and settings an attacker (or an accident) hands the tools: outputs torn by a full disk,
+Ctrl-C, SIGTERM or a second writer; YAML bombs; files that are not what their name says;
+long inputs that must stream; OOM snapshots of a long run; numbers and shapes that used to
+raise tracebacks. Each ends in a whole file or none, and a one-line error."""
+from __future__ import annotations
+
+import array
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from npu_pool import config, oom, outputs
+from npu_pool.cli import main
+from npu_pool.config import ConfigError
+from npu_pool.planner import PlanError, load_plan, make_plan, save_plan
+from npu_pool.pool import OutOfMemoryError, Pool
+from npu_pool.trace.format import MARK_ITER_BEGIN, OP_ALLOC, OP_FREE, OP_MARK, Trace, TraceError
+from npu_pool.trace.snapshot import load_snapshot
+from test_planner import training
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def _one_line(capsys: pytest.CaptureFixture, argv: list[str], *words: str, seconds: float = 10.0) -> str:
+    """The CLI fails fast with exit 1 and one line on stderr naming the problem, no traceback."""
+    t0 = time.perf_counter()
+    assert main(argv) == 1
+    assert time.perf_counter() - t0 < seconds
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and len(err) < 600, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def _no_partials(folder: Path) -> None:
+    assert not [p for p in folder.rglob("*") if p.name.endswith(outputs.PARTIAL)]
+
+
+def synthetic(n: int, seed: int = 0, live_max: int = 2000) -> Trace:
+    """``n`` events of allocations (1 B .. 64 MiB) and frees, at most ``live_max`` live, 50 sites."""
+    rng = random.Random(seed)
+    cols = {c: array.array(code) for c, code in (("op", "B"), ("cat", "B"), ("site", "i"), ("id", "q"),
+                                                    ("size", "Q"), ("stream", "q"), ("addr", "Q"))}
+    live: list[tuple[int, int, int]] = []
+    nid = 0
+    for i in range(n):
+        if i % 5000 == 0:
+            row = (OP_MARK, MARK_ITER_BEGIN, -1, i // 5000, 0)
+        elif live and (len(live) >= live_max or rng.random() < 0.5):
+            id_, size, site = live.pop(rng.randrange(len(live)))
+            row = (OP_FREE, 0, site, id_, size)
+        else:
+            size = rng.choice((rng.randint(1, 4096), rng.randint(4096, 2 * MiB), rng.randint(2 * MiB, 64 * MiB)))
+            site = rng.randrange(50)
+            row = (OP_ALLOC, 0, site, nid, size)
+            live.append((nid, size, site))
+            nid += 1
+        for c, v in zip(("op", "cat", "site", "id", "size"), row):
+            cols[c].append(v)
+        cols["stream"].append(0)
+        cols["addr"].append(0)
+    t = Trace(meta={"origin": "synthetic", "n_ids": nid, "device": 0,
+                    "sites": [f"model/layer{k}.py:{10 + k}:forward" for k in range(50)]}, **cols)
+    t.validate()
+    return t
+
+
+# -- 1. outputs are whole or absent ------------------------------------------------------------
+
+def _limited(argv: list[str], limit: int, cwd: Path) -> subprocess.CompletedProcess:
+    """Run the CLI in a process whose files may not grow past ``limit`` bytes (RLIMIT_FSIZE: the
+    kernel fails the write past it, as a full disk does)."""
+    code = textwrap.dedent(f"""
+        import resource, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        from npu_pool.cli import main
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+        sys.exit(main({argv!r}))
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(cwd), timeout=300)
+
+
+def test_a_full_disk_leaves_no_file_under_any_writers_name(tmp_path: Path) -> None:
+    trace = tmp_path / "t.npt"
+    training(layers=2, iters=3).save(trace)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "npu_pool_rank0.json").write_text(json.dumps({"version": 1, "rank": 0, "step_seconds": {}}))
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text("hidden: 1024\nlayers: 4\nheads: 16\nvocab: 32000\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    old = out / "kept.html"
+    old.write_text("the previous report")
+    cases = {
+        "export": ["export", str(trace), "--out", str(out / "x.pickle")],
+        "analyze html": ["analyze", str(trace), "--format", "html", "--policy", "npu_pool", "--no-progress",
+                         "--out", str(old)],
+        "plan": ["plan", str(trace), "--out", str(out / "p.npplan")],
+        "estimate": ["estimate", "--config", str(cfg), "--format", "json", "--out", str(out / "e.json")],
+        "merge": ["merge", str(reports), "--json", str(out / "m.json")],
+        "replay": ["replay", str(trace), "--policy", "npu_pool", "--no-min-capacity", "--json", str(out / "r.json")],
+    }
+    for name, argv in cases.items():
+        r = _limited(argv, 64, tmp_path)  # 64 bytes: every output is larger
+        assert r.returncode == 1, (name, r.returncode, r.stderr[-2000:])
+        err = r.stderr.strip().splitlines()
+        assert err and "Traceback" not in r.stderr and "nothing was written" in err[-1], (name, r.stderr[-2000:])
+    assert sorted(p.name for p in out.iterdir()) == ["kept.html"] and old.read_text() == "the previous report"
+    _no_partials(tmp_path)
+
+
+def test_a_full_disk_during_import_leaves_no_trace(tmp_path: Path) -> None:
+    snap = tmp_path / "s.pickle"
+    from npu_pool.analysis.memviz import export
+
+    export([training(layers=2, iters=2)], "npu_pool", snap)
+    r = _limited(["import", str(snap), "--out", str(tmp_path / "imported")], 64, tmp_path)
+    assert r.returncode == 1 and "nothing was written" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list((tmp_path / "imported").glob("*.npt"))
+    _no_partials(tmp_path)
+
+
+def test_an_oom_snapshot_on_a_full_disk_is_not_left_torn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = Pool("npu_pool", capacity=64 * MiB)
+    monkeypatch.setenv(oom.ENV, str(tmp_path / "snaps"))
+    real = outputs.os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "fsync", full)
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.malloc(1 << 40)
+    assert "cannot write" in str(e.value) and "No space left on device" in str(e.value)
+    monkeypatch.setattr(outputs.os, "fsync", real)
+    assert list((tmp_path / "snaps").iterdir()) == []
+
+
+def test_ctrl_c_during_export_leaves_no_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    from npu_pool import snapshot
+
+    trace = tmp_path / "t.npt"
+    synthetic(40_000).save(trace)
+    dest = tmp_path / "x.pickle"
+    dest.write_bytes(b"an older export")
+    calls = []
+    real = snapshot._append_batch
+
+    def interrupted(f, batch):  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 2:  # the first batch is on disk: the file is half written
+            raise KeyboardInterrupt
+        real(f, batch)
+
+    monkeypatch.setattr(snapshot, "_append_batch", interrupted)
+    assert main(["export", str(trace), "--out", str(dest)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert dest.read_bytes() == b"an older export"
+    _no_partials(tmp_path)
+
+
+def test_sigterm_during_a_write_removes_the_partial_file(tmp_path: Path) -> None:
+    dest = tmp_path / "big.bin"
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from npu_pool.outputs import output
+        with output({str(dest)!r}) as f:
+            f.write(b"x" * 100000)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
+            f.write(b"never")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGTERM, r.stderr
+    assert not dest.exists() and not outputs.partial_path(dest).exists()
+
+
+def test_a_second_writer_is_refused_while_the_first_writes(tmp_path: Path) -> None:
+    dest = tmp_path / "t.npt"
+    with outputs.output(dest) as f:
+        f.write(b"first")
+        with pytest.raises(outputs.OutputBusy, match="another process is writing it"):
+            with outputs.output(dest) as g:
+                g.write(b"second")
+    assert dest.read_bytes() == b"first"
+    # from another process too, and through a command
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from npu_pool.outputs import output
+        with output({str(dest)!r}) as f:
+            f.write(b"held"); f.flush(); print("holding", flush=True); time.sleep(30)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(outputs.OutputBusy):
+            training(layers=1, iters=1).save(dest)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert dest.read_bytes() == b"first"  # the killed writer left the old file
+
+
+def test_two_imports_to_one_folder_leave_a_file_that_reads_back(tmp_path: Path) -> None:
+    from npu_pool.analysis.memviz import export
+
+    snap = tmp_path / "s.pickle"
+    export([synthetic(30_000)], "npu_pool", snap)
+    argv = [sys.executable, "-m", "npu_pool.cli", "import", str(snap), "--out", str(tmp_path / "o")]
+    procs = [subprocess.Popen(argv, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert any(rc == 0 for rc, _ in results), results
+    for rc, err in results:
+        assert rc == 0 or ("another process is writing it" in err and len(err.strip().splitlines()) == 1), err
+    (npt,) = (tmp_path / "o").glob("*.npt")
+    assert len(Trace.load(npt)) > 30_000
+    _no_partials(tmp_path)
+
+
+# -- 2. costs without bounds: YAML bombs -------------------------------------------------------
+
+_BOMB = "".join([
+    'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n',
+    *(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefg", "bcdefgh")),
+])
+
+
+@pytest.mark.parametrize("key", ["npu_pool_policy", "npu_pool_fraction", "npu_pool_plan"])
+def test_a_billion_laughs_config_is_refused_at_once(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_BOMB + f"{key}: [*h, *h, *h, *h, *h, *h, *h, *h, *h]\n")
+    assert path.stat().st_size < 1100
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="aliases") as e:
+        config.load({config.CONFIG_FILE: str(path)})
+    assert time.perf_counter() - t0 < 2 and len(str(e.value)) < 300
+
+
+def test_a_billion_laughs_model_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_BOMB + "hidden: 1024\nlayers: 2\nheads: 8\nvocab: 100\ndtype: [*h, *h, *h, *h, *h, *h]\n")
+    tracemalloc.start()
+    try:
+        _one_line(capsys, ["estimate", "--config", str(path)], "bomb.yaml", "aliases", seconds=5)
+        assert tracemalloc.get_traced_memory()[1] < 20 * MiB
+    finally:
+        tracemalloc.stop()
+
+
+def test_messages_never_expand_a_large_value() -> None:
+    big = list(range(10 ** 6))
+    for parse in (config.parse_policy, config.parse_fraction, config.parse_enabled, config.parse_plan):
+        with pytest.raises(ConfigError) as e:
+            parse(big)
+        assert len(str(e.value)) < 200
+    from npu_pool.analysis.estimate import config_from_dict
+
+    with pytest.raises(ValueError) as e:
+        config_from_dict({"hidden": 8, "layers": 1, "heads": 1, "vocab": 8, "optimizer": "x" * 10 ** 6})
+    assert len(str(e.value)) < 200
+
+
+# -- 3. export and import stream -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_export_and_import_memory_is_a_small_multiple_of_the_input(tmp_path: Path) -> None:
+    """Python-side peak memory (tracemalloc) against the input file's size: the export streams
+    from the core's compact history (~3.8x; building the whole snapshot in memory took ~29x), the
+    import reads the file once and replaces each entry by its compact record (~9x; ~12.7x when it
+    held the file's bytes and every record beside the entries). benchmarks/io_memory.py measures
+    RSS and time on larger traces."""
+    from npu_pool.analysis.memviz import export
+
+    npt, out = tmp_path / "t.npt", tmp_path / "t.pickle"
+    trace = synthetic(40_000)
+    trace.save(npt)
+    del trace
+    tracemalloc.start()
+    try:
+        export([Trace.load(npt)], "npu_pool", out)
+        export_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        (back,) = load_snapshot(out)
+        import_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert export_peak < 8 * npt.stat().st_size, (export_peak, npt.stat().st_size)
+    assert import_peak < 11 * out.stat().st_size, (import_peak, out.stat().st_size)
+    assert sum(op == OP_ALLOC for op in back.op) == sum(op == OP_ALLOC for op in Trace.load(npt).op)
+
+
+def test_a_streamed_export_is_the_snapshot(tmp_path: Path) -> None:
+    from npu_pool.analysis.memviz import export, snapshot_of
+
+    traces = [training(layers=2, iters=3)]
+    for policy in ("npu_pool", "torch"):
+        done = export(traces, policy, tmp_path / "x.pickle")
+        back = pickle.loads((tmp_path / "x.pickle").read_bytes())
+        snap = snapshot_of(traces, policy)
+        assert back == snap and done.entries == len(snap["device_traces"][0]) > 0
+        assert done.segments == len(snap["segments"])
+
+
+# -- 4. the first bytes say what a file is ------------------------------------------------------
+
+def test_import_checks_what_a_file_is_before_reading_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    npt = tmp_path / "t.npt"
+    training(layers=1, iters=1).save(npt)
+    out = tmp_path / "out"
+    _one_line(capsys, ["import", str(npt), "--out", str(out)], "already an npu_pool trace")
+    _one_line(capsys, ["import", "/dev/zero", "--out", str(out)], "/dev/zero", "not a regular file")
+    _one_line(capsys, ["import", str(tmp_path / "missing.pickle"), "--out", str(out)], "cannot read")
+    junk = tmp_path / "junk.pickle"
+    with open(junk, "wb") as f:  # 200 MB of zeros (sparse): no pickle
+        f.truncate(200 * MiB)
+    tracemalloc.start()
+    try:
+        _one_line(capsys, ["import", str(junk), "--out", str(out)], "junk.pickle", "not a valid pickle")
+        assert tracemalloc.get_traced_memory()[1] < 4 * MiB
+    finally:
+        tracemalloc.stop()
+    huge = tmp_path / "huge.pickle"  # a BINBYTES8 claiming 1 TiB in a 1 KB file
+    huge.write_bytes(b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + bytes(1000))
+    _one_line(capsys, ["import", str(huge), "--out", str(out)], "huge.pickle")
+    assert not out.exists()  # no empty output folder for a failed import
+
+
+def test_plans_are_checked_before_they_are_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = training(layers=2, iters=3)
+    npt = tmp_path / "t.npt"
+    trace.save(npt)
+    plan = tmp_path / "p.npplan"
+    save_plan(make_plan(trace), plan)
+    assert load_plan(plan).n > 0
+    with pytest.raises(PlanError, match="trace, not a plan"):
+        load_plan(npt)
+    with pytest.raises(PlanError, match="not a regular file"):
+        load_plan("/dev/zero")
+    data = plan.read_bytes()
+    (tmp_path / "cut.npplan").write_bytes(data[:-5])
+    with pytest.raises(PlanError, match="truncated or corrupt"):
+        load_plan(tmp_path / "cut.npplan")
+    grown = tmp_path / "grown.npplan"
+    with open(grown, "wb") as f:  # a plan's header followed by 300 MB (sparse): refused unread
+        f.write(data)
+        f.truncate(300 * MiB)
+    tracemalloc.start()
+    try:
+        with pytest.raises(PlanError, match="truncated or corrupt"):
+            load_plan(grown)
+        assert tracemalloc.get_traced_memory()[1] < 4 * MiB
+    finally:
+        tracemalloc.stop()
+    _one_line(capsys, ["replay", str(npt), "--policy", "planned", "--plan", str(npt), "--no-min-capacity"],
+              "not a plan")
+
+
+# -- 5. an OOM with snapshots on stays fast ------------------------------------------------------
+
+def test_an_oom_snapshot_of_a_long_run_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = Pool("npu_pool", capacity=1 << 30)
+    pool.set_history(oom.HISTORY_WHEN_ENABLED)
+    for _ in range(oom.HISTORY_WRITTEN):  # twice the history a snapshot writes
+        pool.free(pool.malloc(4096))
+    monkeypatch.setenv(oom.ENV, str(tmp_path))
+    t0 = time.perf_counter()
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.malloc(1 << 40)
+    took = time.perf_counter() - t0
+    (pkl,) = tmp_path.glob("oom_snapshot_*.pickle")
+    (js,) = tmp_path.glob("oom_snapshot_*.json")
+    assert str(pkl) in str(e.value) and js.stem == pkl.stem
+    snap = pickle.loads(pkl.read_bytes())
+    entries = snap["device_traces"][0]
+    assert entries[-1]["action"] == "oom" and len(entries) <= 2 * oom.HISTORY_WRITTEN
+    doc = json.loads(js.read_text())
+    assert doc["snapshot"] == pkl.name and len(doc["history"]) == oom.HISTORY_IN_JSON
+    assert doc["history"][-1]["kind"] == "oom" and js.stat().st_size < 64 * 1024
+    assert took < 10, took  # ~0.2 s (benchmarks/oom_snapshot.py); seconds of slack for a loaded machine
+
+
+# -- 6. a user's mistake is a ConfigError or a one-line error, never a traceback -----------------
+
+@pytest.mark.parametrize("content,words", [
+    (bytes(range(128, 256)) * 8, "not UTF-8"),
+    ("npu_pool_policy: café\n".encode("latin-1"), "not UTF-8"),
+    ("npu_pool_policy: torch\n".encode("utf-16"), "not UTF-8"),
+    (b"npu_pool_policy: " + b"[" * 100_000, "nested too deeply"),
+    (b"npu_pool_fraction: " + b"9" * 5000, "5000 digits"),
+    (b"npu_pool_policy: {a: 1}\n", "is not valid"),
+    (b"? [1, 2]\n: 3\n", "not valid YAML"),
+    (b"1: 2\n", "unknown key"),
+    (b"\x00\x01", "not valid YAML"),
+], ids=["bytes", "latin-1", "utf-16", "deep", "5000-digits", "mapping", "list-key", "int-key", "control"])
+def test_bad_config_files_are_config_errors(tmp_path: Path, content: bytes, words: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=words) as e:
+        config.load({config.CONFIG_FILE: str(path)})
+    assert str(path) in str(e.value) or "NPU_POOL_POLICY" in str(e.value) or "npu_pool_policy" in str(e.value)
+    assert len(str(e.value)) < 400
+
+
+def test_a_random_config_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(ConfigError, match="r.yaml"):
+        config.load({config.CONFIG_FILE: str(path)})
+
+
+@pytest.mark.parametrize("text", ["²", "١٢", "1e3", "-1", "0x10", "1_000", " ", "9" * 30])
+def test_numbers_from_the_environment_are_ascii_digits(text: str) -> None:
+    with pytest.raises(ConfigError, match="ASCII digits|whole number"):
+        config.parse_int(text, "X")
+    assert config.parse_int(" 12 ", "X") == 12
+
+
+def test_a_bad_rank_or_log_interval_never_loses_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mindspeed_patch.megatron import parse_log_every
+    from npu_pool.recorder import report
+
+    with pytest.raises(ConfigError, match="NPU_POOL_LOG_EVERY"):
+        parse_log_every("²")
+    assert parse_log_every("10") == 10
+    monkeypatch.setenv("RANK", "²")
+    monkeypatch.setenv("WORLD_SIZE", "²")
+    with pytest.warns(RuntimeWarning, match="RANK"):
+        assert report.rank_and_world() == (0, None)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert report.rank_and_world() == (3, 8)
+
+
+@pytest.mark.parametrize("body,words", [
+    ("dtype: {a: 1}\n", "dtype must be"),
+    ("optimizer: [adam]\n", "optimizer must be"),
+    ("hidden: true\n", "hidden must be"),
+    ("layers: 100000000000000000000000\n", "layers must be"),
+    ("1: 2\n", "not a name"),
+    ("model: " + "{a: " * 100 + "1" + "}" * 100 + "\n", "nested too deeply"),
+], ids=["dtype-mapping", "optimizer-list", "bool-int", "huge-int", "int-key", "deep"])
+def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, words: str) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text("hidden: 1024\nlayers: 4\nheads: 16\nvocab: 32000\n" + body)
+    _one_line(capsys, ["estimate", "--config", str(path)], "m.yaml", words)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"step_seconds": [1, 2]}, "step_seconds should be an object"),
+    ({"step_seconds": {"mean": "slow"}}, "step_seconds values"),
+    ({"memory": [1]}, "memory should be"),
+    ({"memory": {"peak_reserved_bytes": "x"}}, "memory.peak_reserved_bytes"),
+    ({"memory": {"pools": {"long": 3}}}, "memory.pools"),
+    ({"iterations": 1e400}, "iterations"),
+    ({"rank": -1}, "rank should be"),
+])
+def test_merge_refuses_malformed_reports_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict,
+                                                     words: str) -> None:
+    good = {"version": 1, "rank": 0, "mode": "device", "iterations": 3,
+            "step_seconds": {"mean": 1.0, "max": 1.0, "last": 1.0},
+            "memory": {"peak_allocated_bytes": 1, "peak_reserved_bytes": 2, "utilization": 0.5,
+                       "device_mallocs": 1, "ooms": 0, "pools": {}}}
+    (tmp_path / "npu_pool_rank0.json").write_text(json.dumps({**good, **change}).replace("Infinity", "1e400"))
+    _one_line(capsys, ["merge", str(tmp_path)], "npu_pool_rank0.json", words)
+    (tmp_path / "npu_pool_rank0.json").write_text(json.dumps(good))
+    assert main(["merge", str(tmp_path)]) == 0
+
+
+def test_outputs_refuse_a_directory_and_name_a_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        outputs.write_bytes(tmp_path, b"x")
+    with pytest.raises(OSError, match="nothing was written"):
+        outputs.write_bytes(tmp_path / "no" / "such" / "f.bin", b"x")
+    threads = [threading.Thread(target=outputs.write_text, args=(tmp_path / f"f{i}.txt", "x" * i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.read_text() for p in tmp_path.glob("f*.txt")) == sorted("x" * i for i in range(8))
+    _no_partials(tmp_path)
+
+
+def test_a_fifo_or_device_as_a_config_or_report_is_refused_without_blocking(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero"), tmp_path):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            config.load({config.CONFIG_FILE: str(path)})
+    _one_line(capsys, ["estimate", "--config", str(fifo)], "not a regular file", seconds=5)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    os.mkfifo(reports / "npu_pool_rank0.json")
+    _one_line(capsys, ["merge", str(reports)], "npu_pool_rank0.json", "not a regular file", seconds=5)
+
+
+def test_one_event_list_for_two_devices_is_refused_and_shared_entries_are_read(tmp_path: Path) -> None:
+    """The import converts each device's entries in place; a list given to two devices (no real
+    snapshot does that) is refused, entries shared between two lists are read for both."""
+    entries = [{"action": "alloc", "addr": 4096 * (i + 1), "size": 100, "stream": 0, "frames": []} for i in range(5)]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [entries, entries]}))
+    with pytest.raises(TraceError, match=r"device_traces\[1\] is the same list"):
+        load_snapshot(path)
+    path.write_bytes(pickle.dumps({"device_traces": [entries, list(entries)]}))
+    assert [len(t) for t in load_snapshot(path)] == [5, 5]
+
+
+def test_a_trace_with_a_malformed_capture_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = training(layers=1, iters=1)
+    trace.meta["capture"] = {"model": "llama", "seq": [1], "batch": 1}
+    path = tmp_path / "t.npt"
+    trace.save(path)
+    _one_line(capsys, ["estimate", "--trace", str(path)], "meta['capture'] is malformed")
+
+
+@pytest.mark.slow
+def test_a_real_ctrl_c_while_the_export_is_written_leaves_nothing(tmp_path: Path) -> None:
+    trace, dest = tmp_path / "t.npt", tmp_path / "x.pickle"
+    synthetic(150_000).save(trace)
+    proc = subprocess.Popen([sys.executable, "-m", "npu_pool.cli", "export", str(trace), "--out", str(dest)],
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    part = outputs.partial_path(dest)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if part.exists() and part.stat().st_size > 1 << 20:  # a megabyte of the snapshot is on disk
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
+    assert not dest.exists() and not part.exists()
