@@ -29,6 +29,9 @@ Event ops (column ``op``):
 ====================  ============================================================
 
 All ``OP_INIT_*`` events come first, segments then allocations, both in address order.
+
+``meta["device_type"]`` (``"npu"`` or ``"cuda"``, absent when unknown) says which runtime
+recorded the trace: replays apply that runtime's request rules (:func:`device_type`).
 """
 from __future__ import annotations
 
@@ -62,6 +65,21 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("op", "B"), ("cat", "B"), ("site", "i"), ("id", "q"), ("size", "Q"), ("stream", "q"), ("addr", "Q"),
 )
 _EVENT_BYTES = sum(array.array(code).itemsize for _, code in COLUMNS)  # one event across every column
+
+
+DEVICE_TYPES = ("npu", "cuda")  # runtimes whose request rules a replay applies (npu_pool.vocab.DEVICES)
+
+
+def device_type(trace: "Trace", override: str | None = None) -> str:
+    """The runtime whose request rules a replay of ``trace`` applies: ``override`` when given,
+    else the trace's ``meta["device_type"]``, else ``"cuda"`` (no padding: what a trace that
+    does not say how it was recorded has always been replayed with)."""
+    if override is not None:
+        if override not in DEVICE_TYPES:
+            raise ValueError(f"unknown device {override!r}; choose one of {', '.join(DEVICE_TYPES)}")
+        return override
+    recorded = trace.meta.get("device_type") if isinstance(trace.meta, dict) else None
+    return recorded if recorded in DEVICE_TYPES else "cuda"
 
 
 class TraceError(ValueError):

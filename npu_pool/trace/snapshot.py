@@ -134,8 +134,39 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
             t.meta["allocator_settings"] = settings
             expandable = expandable or settings.get("expandable_segments") is True
         t.meta["expandable_segments"] = expandable
+        kind = _device_type(obj)
+        if kind:
+            t.meta["device_type"] = kind
         out.append(t)
     return out
+
+
+# Which runtime recorded a snapshot, from the allocator named in its C++ frames (torch_npu's
+# NPUCachingAllocator in c10_npu, or CUDA's in c10::cuda) or, without frames, from the
+# "allocator_settings" CUDA's snapshots carry and torch_npu's do not (torch_npu/csrc/npu/Module.cpp
+# writes segments and device_traces only). Looks at no more than _DEVICE_PROBE frames.
+_DEVICE_PROBE = 4096
+_DEVICE_MARKS = (("npu", ("NPUCachingAllocator", "c10_npu::", "torch_npu")),
+                 ("cuda", ("CUDACachingAllocator", "c10::cuda::")))
+
+
+def _device_type(obj: dict) -> str | None:
+    """"npu", "cuda", or None when the snapshot does not say."""
+    budget = _DEVICE_PROBE
+    sources = [e for t in obj.get("device_traces") or [] if isinstance(t, list) for e in t[:64]]
+    sources += [s for s in obj.get("segments") or [] if isinstance(s, dict)][:64]
+    for entry in sources:
+        frames = entry.get("frames") if isinstance(entry, dict) else None
+        for f in frames[:budget] if isinstance(frames, list) else ():
+            name = f.get("name") if isinstance(f, dict) else None
+            if isinstance(name, str):
+                for kind, marks in _DEVICE_MARKS:
+                    if any(m in name for m in marks):
+                        return kind
+        budget -= len(frames) if isinstance(frames, list) else 0
+        if budget <= 0:
+            break
+    return "cuda" if isinstance(obj.get("allocator_settings"), dict) else None
 
 
 def _bounded(obj: Any) -> Any:
