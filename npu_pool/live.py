@@ -39,6 +39,8 @@ VENDOR_CALLS = {
     "cuda": ("cudaMalloc", "cudaFree", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease",
              "cuMemMap", "cuMemUnmap", "cudaDeviceSynchronize"),
 }
+# Of those, the calls that take device memory: one per segment, or one per mapped page.
+ALLOC_CALLS = {"npu": ("aclrtMalloc", "aclrtMapMem"), "cuda": ("cudaMalloc", "cuMemMap")}
 _RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
 
 
@@ -65,6 +67,13 @@ class LiveResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def vendor_allocs(self) -> Optional[int]:
+        """Vendor calls that took device memory (segments, or mapped pages), where counted."""
+        if self.vendor_calls is None:
+            return None
+        return sum(self.vendor_calls.get(n, 0) for n in ALLOC_CALLS[self.device])
 
 
 # ---- the parent: one process per allocator -------------------------------------------------
@@ -286,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["replay_live", "LiveResult", "LiveError", "ALLOCATORS", "run_worker"]
+__all__ = ["replay_live", "LiveResult", "LiveError", "ALLOCATORS", "VENDOR_CALLS", "ALLOC_CALLS", "run_worker"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,7 @@ import sys
 
 from ..replay import HINTS, PolicyResult, evaluate, policies_from, validate
 from ..trace.files import expand, open_traces
+from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
 
 GiB = float(1 << 30)
@@ -23,7 +24,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
     p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
     p.add_argument("--validate", action="store_true",
-                   help="check the torch model against the recorded run instead (snapshots only)")
+                   help="check the torch model against the recorded run instead (snapshots only); with --live, "
+                        "set each live figure beside the simulation's")
+    add_device_argument(p)
+    p.add_argument("--live", action="store_true",
+                   help="replay on this machine's real device (torch_npu's npu, else CUDA) as tensors in trace "
+                        "order, under the framework's allocator and under npu_pool, each in its own process")
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """``--device npu|cuda``: whose request rules the simulated replays apply."""
+    p.add_argument("--device", choices=DEVICE_TYPES, default=None,
+                   help="the runtime whose rules the simulation applies: npu (torch_npu pads every request to "
+                        "round_up(r, 32) + 32 bytes) or cuda (none); default: the trace's own device type "
+                        "(cuda when the trace does not say)")
 
 
 def format_table(results: list[PolicyResult]) -> str:
@@ -79,6 +93,13 @@ def _validate(named: list) -> int:
 
 def run(args: argparse.Namespace) -> int:
     named = [nt for path in expand(args.traces) for nt in open_traces(path)]
+    if args.live:
+        return _live(named, args)
+    with forced_device(args.device):
+        return _simulate(named, args)
+
+
+def _simulate(named: list, args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(named)
     policies = policies_from(args.policy)
@@ -103,3 +124,63 @@ def run(args: argparse.Namespace) -> int:
             json.dump([r.as_dict() for r in results], f, indent=1)
         print(f"wrote {len(results)} records to {args.json}", file=sys.stderr)
     return 0
+
+
+LIVE_LEGEND = """\
+Live replay on this machine's device: every allocation of the trace as a tensor, in trace order,
+under the framework's own caching allocator (native) and under npu_pool, each in its own process.
+  peak rsvd / peak alloc  the framework's max_memory_reserved / max_memory_allocated (GiB)
+  min cap     the smallest memory fraction (2 MiB steps of the device) under which the trace runs
+  dev allocs  device allocations the framework counts (num_device_alloc: segments, or mapped pages)
+  vendor      the runtime's own count of the calls that took memory (aclrtMalloc + aclrtMapMem, or
+              cudaMalloc + cuMemMap), where it keeps one (the tests' fake runtime); --json has each call
+  seconds     wall time of one replay
+With --validate each live row has the simulation's beside it (sim: the torch model for native,
+the npu_pool policy for npu_pool, with the same device's rules); 'same' compares peak reserved."""
+
+
+def _live(named: list, args: argparse.Namespace) -> int:
+    """``--live [--validate]``: the trace on the real device, each allocator in its own process."""
+    from ..live import LiveError, replay_live
+    from ..replay import min_capacity, run as simulate
+
+    rows, records, mismatches = [], [], 0
+    for name, trace in named:
+        try:
+            live = replay_live(trace, name, device=args.device, min_capacity=not args.no_min_capacity)
+        except LiveError as e:
+            print(f"npu-pool replay --live: error: {e}", file=sys.stderr)
+            return 1
+        for r in live:
+            rows.append((name, r.allocator, "live", r.peak_reserved_bytes, r.peak_allocated_bytes, r.min_capacity_bytes,
+                         r.device_allocs, r.vendor_allocs, f"{r.seconds:.3f}", ""))
+            rec = r.as_dict()
+            if args.validate:
+                policy = "torch" if r.allocator == "native" else "npu_pool"
+                sim = simulate(trace, policy, hints=args.hints, device=r.device)
+                cap = None
+                if not args.no_min_capacity:
+                    cap, _ = min_capacity(trace, policy, hints=args.hints, device=r.device)
+                same = sim.peak_reserved_bytes == r.peak_reserved_bytes
+                mismatches += not same
+                rows.append((name, r.allocator, "sim", sim.peak_reserved_bytes, sim.stats["total"]["allocated"]["peak"],
+                             cap, sim.device_mallocs, None, f"{sim.ns / 1e9:.3f}", "yes" if same else "NO"))
+                rec["simulated"] = {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
+                                    "peak_allocated_bytes": sim.stats["total"]["allocated"]["peak"],
+                                    "min_capacity_bytes": cap, "device_mallocs": sim.device_mallocs,
+                                    "device_frees": sim.stats["device_frees"]}
+            records.append(rec)
+    gib = lambda b: "-" if b is None else f"{b / GiB:.3f}"  # noqa: E731
+    head = (f"{'trace':25} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
+            f"{'dev allocs':>10} {'vendor':>7} {'seconds':>8} {'same':>4}")
+    print(head)
+    print("-" * len(head))
+    for name, alloc, where, rsvd, peak, cap, devs, vendor, secs, same in rows:
+        print(f"{name[:25]:25} {alloc:9} {where:5} {gib(rsvd):>9} {gib(peak):>10} {gib(cap):>9} "
+              f"{'-' if devs is None else devs:>10} {'-' if vendor is None else vendor:>7} {secs:>8} {same:>4}")
+    print(LIVE_LEGEND)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
+    return 1 if mismatches else 0
