@@ -45,6 +45,7 @@ enum {
 };
 
 static __thread char recent[256]; /* the latest failure, for aclGetRecentErrMsg */
+static char soc_name[64] = "Ascend910B1", cann_version[128] = ""; /* what runtime this is (fake_reset restores) */
 
 /* Remember a failure the way ACL does, for aclGetRecentErrMsg. */
 static acl_err fail(const char *fn, acl_err e, const char *why) {
@@ -70,6 +71,8 @@ EXPORT void fake_reset(void) {
   pthread_mutex_lock(&mu);
   reset_locked();
   recent[0] = '\0';
+  snprintf(soc_name, sizeof soc_name, "Ascend910B1");
+  cann_version[0] = '\0';
   pthread_mutex_unlock(&mu);
 }
 EXPORT void fake_set_flags_reserved(int on) { pthread_mutex_lock(&mu); st.flags_reserved = on; pthread_mutex_unlock(&mu); }
@@ -280,7 +283,6 @@ EXPORT acl_err aclrtUnmapMem(void *ptr) {
 
 /* ---- what runtime this is (the request-padding rule reads it) ----------------- */
 
-static char soc_name[64] = "Ascend910B1", cann_version[128] = "";
 EXPORT void fake_set_soc_name(const char *name) { snprintf(soc_name, sizeof soc_name, "%s", name ? name : ""); }
 EXPORT void fake_set_cann_version(const char *v) { snprintf(cann_version, sizeof cann_version, "%s", v ? v : ""); }
 EXPORT const char *aclrtGetSocName(void) { return soc_name; }
