@@ -172,3 +172,29 @@ def test_acl_backend_pads_as_torch_npu(fake_acl: tuple[str, ctypes.CDLL], soc: s
         with Pool("torch", backend="acl", lib_path=path, rules=rules) as p:
             a = p.malloc(512)
             assert {x["addr"]: x["size"] for x in p.blocks()}[a] == expected
+
+
+def test_other_commands_take_the_device(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """analyze, export and plan replay under the rules --device names (plan's also takes npu:N)."""
+    path = tmp_path / "mib.npt"
+    _mib_trace().save(path)
+    reports = {}
+    for device in ("cuda", "npu"):
+        out = tmp_path / f"{device}.json"
+        assert cli(["analyze", str(path), "--format", "json", "--policy", "torch", "--no-progress", "--device", device,
+                    "-o", str(out)]) == 0
+        reports[device] = out.read_text()
+        assert cli(["export", str(path), "--policy", "torch", "--device", device, "-o",
+                    str(tmp_path / f"{device}.pickle")]) == 0
+    assert str(8 * MiB) in reports["cuda"] and str(20 * MiB) in reports["npu"]
+    import pickle
+
+    segs = {d: sum(s["total_size"] for s in pickle.loads((tmp_path / f"{d}.pickle").read_bytes())["segments"])
+            for d in ("cuda", "npu")}
+    assert segs == {"cuda": 8 * MiB, "npu": 20 * MiB}
+    for device in ("npu", "npu:0", "cuda", "0"):
+        assert cli(["plan", str(path), "--device", device, "--json"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli(["plan", str(path), "--device", "tpu:0"])
+    assert "expected npu, cuda, a device index N" in capsys.readouterr().err

@@ -5,6 +5,8 @@ import argparse
 import sys
 
 from ..analysis.memviz import POLICIES
+from ..trace.format import forced_device
+from .replay import add_device_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the trace's own addresses (imported snapshots)")
     p.add_argument("--hints", choices=("markers", "sites", "none"), default="markers", help="hints for the replay")
     p.add_argument("--out", "-o", required=True, metavar="FILE.pickle", help="snapshot to write")
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from ..trace.files import open_traces
 
     named = open_traces(args.trace)
-    snap = snapshot_of([t for _, t in named], args.policy, hints=args.hints)
+    with forced_device(args.device):
+        snap = snapshot_of([t for _, t in named], args.policy, hints=args.hints)
     path = write_snapshot(snap, args.out)
     n_ev = sum(len(d) for d in snap["device_traces"])
     reserved = sum(s["total_size"] for s in snap["segments"])
