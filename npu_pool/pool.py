@@ -10,7 +10,8 @@ from typing import Any, Optional, Sequence, Union
 
 from . import oom
 from ._core import ffi, lib
-from .vocab import BACKENDS as _BACKEND_NAMES, DEVICES as _DEVICE_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
+from .vocab import BACKENDS as _BACKEND_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
+from .vocab import DEVICES as _DEVICE_NAMES
 from .vocab import POLICIES as _POLICY_NAMES, POOL_NAMES
 
 POLICIES: dict[str, int] = {name: i for i, name in enumerate(_POLICY_NAMES)}

@@ -72,7 +72,7 @@ enum {
 enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_COUNT = 4 };
 /* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed. */
 enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
-/* Whose request rules a context applies (np_config.device): the backend's own (ACL pads where
+/* Whose request rules a context applies (np_config.device_rules): the backend's own (ACL pads where
  * torch_npu pads, sim and CUDA do not), torch_npu's on an Ascend NPU (every request rounds up to
  * NP_NPU_PAD bytes and gets NP_NPU_PAD more before the policy sees it), CUDA's (none). */
 enum { NP_DEVICE_AUTO = 0, NP_DEVICE_NPU = 1, NP_DEVICE_CUDA = 2, NP_DEVICE_COUNT = 3 };

@@ -80,8 +80,8 @@ def _check_device(device: str) -> str:
 
 @contextmanager
 def forced_device(device: str | None) -> Iterator[None]:
-    """Inside the block every replay applies ``device``'s request rules whatever its trace says
-    (the commands' ``--device``); None changes nothing."""
+    """Inside the block every replay of this process applies ``device``'s request rules whatever
+    its trace says (the commands' ``--device``); None changes nothing."""
     if device is None:
         yield
         return

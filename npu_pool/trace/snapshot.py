@@ -119,6 +119,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
         settings = _bounded(settings)
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
+    kind = _device_type(obj)
     out = []
     for dev, events in enumerate(traces):
         where = f"device_traces[{dev}]"
@@ -134,7 +135,6 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
             t.meta["allocator_settings"] = settings
             expandable = expandable or settings.get("expandable_segments") is True
         t.meta["expandable_segments"] = expandable
-        kind = _device_type(obj)
         if kind:
             t.meta["device_type"] = kind
         out.append(t)
