@@ -136,7 +136,8 @@ under the framework's own caching allocator (native) and under npu_pool, each in
               cudaMalloc + cuMemMap), where it keeps one (the tests' fake runtime); --json has each call
   seconds     wall time of one replay
 With --validate each live row has the simulation's beside it (sim: the torch model for native,
-the npu_pool policy for npu_pool, with the same device's rules); 'same' compares peak reserved."""
+the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
+same device's rules); 'same' compares peak reserved. --policy and --hints do not apply to --live."""
 
 
 def _live(named: list, args: argparse.Namespace) -> int:
@@ -157,10 +158,10 @@ def _live(named: list, args: argparse.Namespace) -> int:
             rec = r.as_dict()
             if args.validate:
                 policy = "torch" if r.allocator == "native" else "npu_pool"
-                sim = simulate(trace, policy, hints=args.hints, device=r.device)
+                sim = simulate(trace, policy, device=r.device)  # phase markers: what the live pool is given
                 cap = None
                 if not args.no_min_capacity:
-                    cap, _ = min_capacity(trace, policy, hints=args.hints, device=r.device)
+                    cap, _ = min_capacity(trace, policy, device=r.device)
                 same = sim.peak_reserved_bytes == r.peak_reserved_bytes
                 mismatches += not same
                 rows.append((name, r.allocator, "sim", sim.peak_reserved_bytes, sim.stats["total"]["allocated"]["peak"],
