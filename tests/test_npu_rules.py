@@ -91,8 +91,8 @@ def test_replay_follows_the_trace_device_unless_told() -> None:
         device_type(_mib_trace(), "tpu")
 
 
-def _snapshot(frame_name: str | None, settings: bool = False) -> dict:
-    frames = [{"filename": "x.cpp", "line": 0, "name": frame_name}] if frame_name else []
+def _snapshot(frame_name: str | None, settings: bool = False, filename: str = "x.cpp") -> dict:
+    frames = [{"filename": filename, "line": 0, "name": frame_name}] if frame_name else []
     ev = lambda action, addr, size: {"action": action, "addr": addr, "size": size, "stream": 0,  # noqa: E731
                                      "frames": frames}
     snap = {"segments": [], "device_traces": [[ev("segment_alloc", 1 << 30, 2 * MiB), ev("alloc", 1 << 30, 512),
@@ -113,6 +113,15 @@ def _snapshot(frame_name: str | None, settings: bool = False) -> dict:
 def test_importer_reads_the_device_type(frame: str | None, settings: bool, expected: str | None) -> None:
     (t,) = snapshot_to_traces(_snapshot(frame, settings), "snap")
     assert t.meta.get("device_type") == expected
+
+
+def test_importer_reads_torch_npu_python_frames() -> None:
+    """A snapshot recorded with Python frames only: a frame in torch_npu's code says NPU."""
+    snap = _snapshot("empty_with_format", filename="/venv/site-packages/torch_npu/utils/_tensor.py")
+    (t,) = snapshot_to_traces(snap, "snap")
+    assert t.meta["device_type"] == "npu"
+    (t,) = snapshot_to_traces(_snapshot("train_step", filename="/home/u/train.py"), "snap")
+    assert "device_type" not in t.meta
 
 
 def test_cli_device_option(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -142,9 +142,10 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
 
 
 # Which runtime recorded a snapshot, from the allocator named in its C++ frames (torch_npu's
-# NPUCachingAllocator in c10_npu, or CUDA's in c10::cuda) or, without frames, from the
-# "allocator_settings" CUDA's snapshots carry and torch_npu's do not (torch_npu/csrc/npu/Module.cpp
-# writes segments and device_traces only). Looks at no more than _DEVICE_PROBE frames.
+# NPUCachingAllocator in c10_npu, or CUDA's in c10::cuda) or a Python frame in torch_npu's code;
+# without those, from the "allocator_settings" CUDA's snapshots carry and torch_npu's do not
+# (torch_npu/csrc/npu/Module.cpp writes segments and device_traces only). Looks at no more than
+# _DEVICE_PROBE frames.
 _DEVICE_PROBE = 4096
 _DEVICE_MARKS = (("npu", ("NPUCachingAllocator", "c10_npu::", "torch_npu")),
                  ("cuda", ("CUDACachingAllocator", "c10::cuda::")))
@@ -158,11 +159,12 @@ def _device_type(obj: dict) -> str | None:
     for entry in sources:
         frames = entry.get("frames") if isinstance(entry, dict) else None
         for f in frames[:budget] if isinstance(frames, list) else ():
-            name = f.get("name") if isinstance(f, dict) else None
-            if isinstance(name, str):
-                for kind, marks in _DEVICE_MARKS:
-                    if any(m in name for m in marks):
-                        return kind
+            if not isinstance(f, dict):
+                continue
+            text = " ".join(v for v in (f.get("name"), f.get("filename")) if isinstance(v, str))
+            for kind, marks in _DEVICE_MARKS:
+                if any(m in text for m in marks):
+                    return kind
         budget -= len(frames) if isinstance(frames, list) else 0
         if budget <= 0:
             break
