@@ -109,6 +109,59 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
     return out
 
 
+# ---- beside the simulation ------------------------------------------------------------------
+
+SIMULATED = {"native": "torch", "npu_pool": "npu_pool"}  # the policy that models each allocator
+GiB = float(1 << 30)
+LEGEND = """\
+Live replay on this machine's device: every allocation of the trace as a tensor, in trace order,
+under the framework's own caching allocator (native) and under npu_pool, each in its own process.
+  peak rsvd / peak alloc  the framework's max_memory_reserved / max_memory_allocated (GiB)
+  min cap     the smallest memory fraction (2 MiB steps of the device) under which the trace runs
+  dev allocs  device allocations the framework counts (num_device_alloc: segments, or mapped ranges)
+  vendor      the runtime's own count of the calls that took memory (aclrtMalloc + aclrtMapMem, or
+              cudaMalloc + cuMemMap), where it keeps one (the tests' fake runtime); --json has each call
+  seconds     wall time of one replay
+With --validate each live row has the simulation's beside it (sim: the torch model for native,
+the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
+same device's rules); 'same' compares peak reserved. --policy and --hints do not apply to --live."""
+
+
+def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> dict[str, Any]:
+    """The simulator's figures for what ``r`` measured: the model of its allocator under the rules
+    of its device, learning from the phase markers as the live pool does; ``same``: equal peaks."""
+    from .replay import min_capacity, run
+
+    policy = SIMULATED[r.allocator]
+    sim = run(trace, policy, device=r.device)
+    cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity else None
+    return {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
+            "peak_allocated_bytes": sim.stats["total"]["allocated"]["peak"], "min_capacity_bytes": cap,
+            "device_mallocs": sim.device_mallocs, "device_frees": sim.stats["device_frees"],
+            "seconds": sim.ns / 1e9, "same": sim.peak_reserved_bytes == r.peak_reserved_bytes}
+
+
+def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> str:
+    """The live figures (GiB), each followed by the simulation's when given: :data:`LEGEND`."""
+    def gib(b: Optional[int]) -> str:
+        return "-" if b is None else f"{b / GiB:.3f}"
+
+    head = (f"{'trace':25} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
+            f"{'dev allocs':>10} {'vendor':>7} {'seconds':>8} {'same':>4}")
+    lines = [head, "-" * len(head)]
+    for r, sim in rows:
+        vendor = "-" if r.vendor_allocs is None else str(r.vendor_allocs)
+        devs = "-" if r.device_allocs is None else str(r.device_allocs)
+        lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'live':5} {gib(r.peak_reserved_bytes):>9} "
+                     f"{gib(r.peak_allocated_bytes):>10} {gib(r.min_capacity_bytes):>9} {devs:>10} {vendor:>7} "
+                     f"{r.seconds:8.3f} {'':>4}")
+        if sim is not None:
+            lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
+                         f"{gib(sim['peak_allocated_bytes']):>10} {gib(sim['min_capacity_bytes']):>9} "
+                         f"{sim['device_mallocs']:>10} {'-':>7} {sim['seconds']:8.3f} {'yes' if sim['same'] else 'NO':>4}")
+    return "\n".join(lines)
+
+
 # ---- the worker: one allocator, in this process ------------------------------------------------
 
 def _framework(device: str) -> tuple[str, Any, Any]:
@@ -295,7 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["replay_live", "LiveResult", "LiveError", "ALLOCATORS", "VENDOR_CALLS", "ALLOC_CALLS", "run_worker"]
+__all__ = ["replay_live", "simulated", "format_live", "LiveResult", "LiveError", "ALLOCATORS", "VENDOR_CALLS",
+           "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -126,62 +126,22 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
     return 0
 
 
-LIVE_LEGEND = """\
-Live replay on this machine's device: every allocation of the trace as a tensor, in trace order,
-under the framework's own caching allocator (native) and under npu_pool, each in its own process.
-  peak rsvd / peak alloc  the framework's max_memory_reserved / max_memory_allocated (GiB)
-  min cap     the smallest memory fraction (2 MiB steps of the device) under which the trace runs
-  dev allocs  device allocations the framework counts (num_device_alloc: segments, or mapped pages)
-  vendor      the runtime's own count of the calls that took memory (aclrtMalloc + aclrtMapMem, or
-              cudaMalloc + cuMemMap), where it keeps one (the tests' fake runtime); --json has each call
-  seconds     wall time of one replay
-With --validate each live row has the simulation's beside it (sim: the torch model for native,
-the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
-same device's rules); 'same' compares peak reserved. --policy and --hints do not apply to --live."""
-
-
 def _live(named: list, args: argparse.Namespace) -> int:
     """``--live [--validate]``: the trace on the real device, each allocator in its own process."""
-    from ..live import LiveError, replay_live
-    from ..replay import min_capacity, run as simulate
+    from ..live import LEGEND as LIVE_LEGEND, LiveError, format_live, replay_live, simulated
 
-    rows, records, mismatches = [], [], 0
+    rows = []
     for name, trace in named:
         try:
             live = replay_live(trace, name, device=args.device, min_capacity=not args.no_min_capacity)
         except LiveError as e:
             print(f"npu-pool replay --live: error: {e}", file=sys.stderr)
             return 1
-        for r in live:
-            rows.append((name, r.allocator, "live", r.peak_reserved_bytes, r.peak_allocated_bytes, r.min_capacity_bytes,
-                         r.device_allocs, r.vendor_allocs, f"{r.seconds:.3f}", ""))
-            rec = r.as_dict()
-            if args.validate:
-                policy = "torch" if r.allocator == "native" else "npu_pool"
-                sim = simulate(trace, policy, device=r.device)  # phase markers: what the live pool is given
-                cap = None
-                if not args.no_min_capacity:
-                    cap, _ = min_capacity(trace, policy, device=r.device)
-                same = sim.peak_reserved_bytes == r.peak_reserved_bytes
-                mismatches += not same
-                rows.append((name, r.allocator, "sim", sim.peak_reserved_bytes, sim.stats["total"]["allocated"]["peak"],
-                             cap, sim.device_mallocs, None, f"{sim.ns / 1e9:.3f}", "yes" if same else "NO"))
-                rec["simulated"] = {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
-                                    "peak_allocated_bytes": sim.stats["total"]["allocated"]["peak"],
-                                    "min_capacity_bytes": cap, "device_mallocs": sim.device_mallocs,
-                                    "device_frees": sim.stats["device_frees"]}
-            records.append(rec)
-    gib = lambda b: "-" if b is None else f"{b / GiB:.3f}"  # noqa: E731
-    head = (f"{'trace':25} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
-            f"{'dev allocs':>10} {'vendor':>7} {'seconds':>8} {'same':>4}")
-    print(head)
-    print("-" * len(head))
-    for name, alloc, where, rsvd, peak, cap, devs, vendor, secs, same in rows:
-        print(f"{name[:25]:25} {alloc:9} {where:5} {gib(rsvd):>9} {gib(peak):>10} {gib(cap):>9} "
-              f"{'-' if devs is None else devs:>10} {'-' if vendor is None else vendor:>7} {secs:>8} {same:>4}")
+        rows += [(r, simulated(trace, r, not args.no_min_capacity) if args.validate else None) for r in live]
+    print(format_live(rows))
     print(LIVE_LEGEND)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
-    return 1 if mismatches else 0
+            json.dump([dict(r.as_dict(), **({"simulated": sim} if sim else {})) for r, sim in rows], f, indent=1)
+        print(f"wrote {len(rows)} records to {args.json}", file=sys.stderr)
+    return 1 if any(sim and not sim["same"] for _, sim in rows) else 0
