@@ -9,11 +9,12 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, TorchNpu
-from npu_pool.live import ALLOC_CALLS, replay_live
+from npu_pool.live import ALLOC_CALLS, LiveResult, replay_live
 from npu_pool.replay import min_capacity, run
 from npu_pool.trace.files import open_traces
 from npu_pool.trace.format import (MARK_BACKWARD_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC,
@@ -74,19 +75,35 @@ def _live(torch_npu: TorchNpu, name: str, trace: Trace, **kw):
                                                 env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY), timeout=300, **kw)}
 
 
+def _cli(torch_npu: TorchNpu, tmp: Path, trace: Trace) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`npu-pool replay TRACE --live --validate --json OUT` (minimum capacity included) in the torch_npu venv."""
+    path, out = tmp / "synthetic.npt", tmp / "live.json"
+    trace.save(path)
+    r = subprocess.run([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live", "--validate",
+                        "--json", str(out)], env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY), capture_output=True,
+                       text=True, timeout=300, cwd=str(ROOT))
+    return r, json.loads(out.read_text()) if out.exists() else []
+
+
 @pytest.fixture(scope="module")
-def played(torch_npu: TorchNpu, traces) -> list:
-    """(name, trace, {allocator: LiveResult}) per trace; the first (synthetic, small) with its
-    minimum capacity too. Two traces play at once: each process has a fake device of its own
-    (on a real device live replays run one at a time)."""
+def played(torch_npu: TorchNpu, traces, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """((name, trace, {allocator: LiveResult}) per trace, the CLI's run): the first trace (synthetic,
+    small) is played through the command, with its minimum capacity, the others through the API.
+    Two play at once: each process has a fake device of its own (on a real device live replays run
+    one at a time)."""
+    (name0, trace0), rest = traces[0], traces[1:]
     with ThreadPoolExecutor(max_workers=2) as ex:
-        jobs = [ex.submit(_live, torch_npu, name, trace, min_capacity=k == 0) for k, (name, trace) in enumerate(traces)]
-        return [(name, trace, job.result()) for (name, trace), job in zip(traces, jobs)]
+        cli = ex.submit(_cli, torch_npu, tmp_path_factory.mktemp("cli"), trace0)
+        jobs = [ex.submit(_live, torch_npu, name, trace) for name, trace in rest]
+        r, records = cli.result()
+        assert r.returncode == 0, r.stderr[-3000:]
+        first = {rec["allocator"]: LiveResult(**{k: v for k, v in rec.items() if k != "simulated"}) for rec in records}
+        return [(name0, trace0, first)] + [(n, t, job.result()) for (n, t), job in zip(rest, jobs)], (r, records)
 
 
 def test_live_replay_equals_the_npu_simulation(played) -> None:
-    assert len(played) >= 4
-    for name, trace, live in played:
+    assert len(played[0]) >= 4
+    for name, trace, live in played[0]:
         for allocator, policy in (("native", "torch"), ("npu_pool", "npu_pool")):
             r = live[allocator]
             sim = run(trace, policy, device="npu")
@@ -104,36 +121,31 @@ def test_live_replay_equals_the_npu_simulation(played) -> None:
 
 def test_cuda_rules_would_mispredict_the_npu(played) -> None:
     """torch_npu pads: with CUDA's rules the simulation misses what the NPU allocated on every trace."""
-    for name, trace, live in played:
+    for name, trace, live in played[0]:
         cuda = run(trace, "torch", device="cuda")
         assert cuda.stats["total"]["allocated"]["peak"] < live["native"].peak_allocated_bytes, name
 
 
 def test_live_minimum_capacity_equals_the_simulation(played) -> None:
-    name, trace, live = played[0]
+    name, trace, live = played[0][0]
     for allocator, policy in (("native", "torch"), ("npu_pool", "npu_pool")):
         cap, _ = min_capacity(trace, policy, device="npu")
         assert live[allocator].min_capacity_bytes == cap, allocator
         assert live[allocator].peak_allocated_bytes <= cap <= live[allocator].peak_reserved_bytes
 
 
-def test_cli_live_validate(torch_npu: TorchNpu, tmp_path, traces) -> None:
-    path = tmp_path / "synthetic.npt"
-    traces[0][1].save(path)
-    out = tmp_path / "live.json"
-    r = subprocess.run([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live", "--validate",
-                        "--no-min-capacity", "--json", str(out)], env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY),
-                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_cli_live_validate(played) -> None:
+    _, (r, records) = played
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("synthetic")]
     assert [(x[1], x[2]) for x in rows] == [("native", "live"), ("native", "sim"), ("npu_pool", "live"),
                                             ("npu_pool", "sim")]
     assert [x[-1] for x in rows if x[2] == "sim"] == ["yes", "yes"]
-    records = json.loads(out.read_text())
     assert [rec["allocator"] for rec in records] == ["native", "npu_pool"]
     for rec in records:
-        assert rec["simulated"]["device"] == "npu"
-        assert rec["simulated"]["peak_reserved_bytes"] == rec["peak_reserved_bytes"]
+        sim = rec["simulated"]
+        assert sim["device"] == "npu" and sim["same"]
+        assert sim["peak_reserved_bytes"] == rec["peak_reserved_bytes"]
+        assert sim["min_capacity_bytes"] == rec["min_capacity_bytes"]
 
 
 def test_cli_live_without_a_device_says_so(tmp_path) -> None:
