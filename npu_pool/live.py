@@ -159,6 +159,10 @@ def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> 
             lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
                          f"{gib(sim['peak_allocated_bytes']):>10} {gib(sim['min_capacity_bytes']):>9} "
                          f"{sim['device_mallocs']:>10} {'-':>7} {sim['seconds']:8.3f} {'yes' if sim['same'] else 'NO':>4}")
+    for r, _ in rows:
+        if not r.ok:
+            lines.append(f"{r.trace}: under {r.allocator} the device ran out of memory at event {r.fail_index}; "
+                         "its figures are those up to there")
     return "\n".join(lines)
 
 

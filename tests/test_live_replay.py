@@ -157,3 +157,14 @@ def test_cli_live_without_a_device_says_so(tmp_path) -> None:
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert "no NPU (torch_npu) or CUDA GPU on this machine" in r.stderr
+
+
+def test_a_live_run_out_of_memory_is_said() -> None:
+    from npu_pool.live import format_live
+
+    r = LiveResult(trace="t", allocator="native", device="npu", ok=False, fail_index=12, peak_reserved_bytes=1 << 30,
+                   peak_allocated_bytes=1 << 29, min_capacity_bytes=None, device_allocs=3, device_frees=0,
+                   vendor_calls=None, seconds=0.1)
+    text = format_live([(r, None)])
+    assert "t: under native the device ran out of memory at event 12" in text
+    assert text.splitlines()[2].split()[3:6] == ["1.000", "0.500", "-"]
