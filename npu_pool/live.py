@@ -300,14 +300,12 @@ def _min_capacity(player: _Player, module: Any, lo: int, hi: int) -> Optional[in
 def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> dict[str, Any]:
     """Play the trace at ``path`` under ``allocator`` in this process; the figures as a dict."""
     trace = Trace.load(path)
+    kind, torch, module = _framework(device)
     pool = None
-    if allocator == "npu_pool":  # before the framework's allocator starts
+    if allocator == "npu_pool":  # installed before the framework's own allocator serves anything
         from .install import install
 
-        kind, torch, module = _framework(device)
         pool = install(kind).get(0)
-    else:
-        kind, torch, module = _framework(device)
     module.set_device(0)
     player = _Player(trace, torch, module, kind, pool)
     counter = _vendor_counter(kind)
