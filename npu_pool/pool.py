@@ -11,11 +11,13 @@ from typing import Any, Optional, Sequence, Union
 from . import oom
 from ._core import ffi, lib
 from .vocab import BACKENDS as _BACKEND_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
+from .vocab import DEVICES as _DEVICE_NAMES
 from .vocab import POLICIES as _POLICY_NAMES, POOL_NAMES
 
 POLICIES: dict[str, int] = {name: i for i, name in enumerate(_POLICY_NAMES)}
 BACKENDS: dict[str, int] = {name: i for i, name in enumerate(_BACKEND_NAMES)}
 LIFETIMES: dict[str, int] = {name: i for i, name in enumerate(_LIFE_NAMES)}
+DEVICE_RULES: dict[str, int] = {name: i for i, name in enumerate(_DEVICE_NAMES)}
 GiB = 1 << 30
 PLAN_COUNTS = ("served", "fallback", "idle", "resyncs")  # np_set_plan's counters, in order
 _U64 = (1 << 64) - 1
@@ -168,12 +170,15 @@ class Pool:
     PyTorch's caching allocator), ``"expandable"`` (PyTorch's expandable segments) or
     ``"planned"`` (a plan made offline; ``npu_pool.planner.install``). ``capacity`` is the
     simulated device's memory; ``host_backed`` puts real host memory behind it; ``vmm`` lets
-    memory grow page by page where the backend can map pages.
+    memory grow page by page where the backend can map pages. ``rules``: whose request rules
+    apply -- ``"npu"`` (torch_npu's: every request rounds up to 32 bytes and gets 32 more),
+    ``"cuda"`` (none) or ``"auto"`` (the backend's own: ACL pads where torch_npu does).
     """
 
     def __init__(self, policy: str = "npu_pool", capacity: int = 64 * GiB, backend: str = "sim", *,
                  host_backed: bool = False, vmm: bool = True, fraction: float = 1.0,
-                 max_split_size: Optional[int] = None, device: int = 0, lib_path: Optional[str] = None):
+                 max_split_size: Optional[int] = None, device: int = 0, lib_path: Optional[str] = None,
+                 rules: str = "auto"):
         self._ctx = None
         cfg = ffi.new("np_config *")
         lib.np_config_init(cfg)
@@ -189,6 +194,7 @@ class Pool:
         cfg.device = _uint(device, "device", 1 << 30)
         path = ffi.new("char[]", lib_path.encode()) if lib_path else ffi.NULL
         cfg.lib_path = path
+        cfg.device_rules = _lookup(DEVICE_RULES, rules, "device rules")
         out = ffi.new("np_ctx **")
         _check(lib.np_create(cfg, out))
         self._ctx = out[0]

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 from ._core import ffi, lib
 from . import vocab
 from .pool import POLICIES, Pool, _check, _event_dicts
-from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace
+from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type
 from .trace.stats import live_profile
 
 UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
@@ -76,7 +76,7 @@ class PolicyResult:
 
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "markers",
         placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
-        history: bool = False, **pool_kwargs: Any) -> RunResult:
+        history: bool = False, device: str | None = None, **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
@@ -93,6 +93,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         plan = as_plan(plan)
         check_made_for(plan, trace, str(trace.meta.get("origin") or "the replayed trace"))
     trace.validate(str(trace.meta.get("origin") or "trace"))
+    pool_kwargs.setdefault("rules", device_type(trace, device))
     with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
         if plan is not None:
             from .planner.runtime import install
@@ -174,27 +175,28 @@ def _as_plan(plan: Any) -> Any:
 
 
 def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int | None = None,
-                 hi: int | None = None, no_retries: bool = False, plan: Any = None) -> tuple[int, RunResult]:
+                 hi: int | None = None, no_retries: bool = False, plan: Any = None,
+                 device: str | None = None) -> tuple[int, RunResult]:
     """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run.
 
     With ``no_retries`` the run must also need no release-and-retry event."""
     plan = _as_plan(plan)
     lo = live_profile(trace).peak_bytes if lo is None else lo
     if hi is None:
-        hi = run(trace, policy, hints=hints, plan=plan).peak_reserved_bytes
+        hi = run(trace, policy, hints=hints, plan=plan, device=device).peak_reserved_bytes
 
     def fits(r: RunResult) -> bool:
         return r.ok and (r.retries == 0 or not no_retries)
 
     step = CAPACITY_STEP
     k_lo, k_hi = max(1, -(-lo // step)), max(1, -(-hi // step))
-    best = run(trace, policy, k_hi * step, hints=hints, plan=plan)
+    best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device)
     while not fits(best):  # a capped device may behave differently from the unlimited one
         k_lo, k_hi = k_hi + 1, k_hi * 2
-        best = run(trace, policy, k_hi * step, hints=hints, plan=plan)
+        best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device)
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
-        r = run(trace, policy, mid * step, hints=hints, plan=plan)
+        r = run(trace, policy, mid * step, hints=hints, plan=plan, device=device)
         if fits(r):
             k_hi, best = mid, r
         else:
@@ -203,16 +205,17 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int |
 
 
 def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
-             plan: Any = None) -> PolicyResult:
-    """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy)."""
+             plan: Any = None, device: str | None = None) -> PolicyResult:
+    """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
+    ``device``: whose request rules apply, default the trace's own)."""
     plan = _as_plan(plan)
-    free_run = run(trace, policy, hints=hints, plan=plan)
+    free_run = run(trace, policy, hints=hints, plan=plan, device=device)
     if not free_run.ok:
         raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
     cap = retries = trims = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
-                                   hi=free_run.peak_reserved_bytes, plan=plan)
+                                   hi=free_run.peak_reserved_bytes, plan=plan, device=device)
         retries, trims = at_cap.retries, at_cap.stats["trims"]
     reserved = free_run.peak_reserved_bytes
     return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,

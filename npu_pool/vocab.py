@@ -14,7 +14,7 @@ from typing import Optional
 
 from ._core import ffi, lib
 
-__all__ = ["ROUND", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
+__all__ = ["ROUND", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
            "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
@@ -36,6 +36,7 @@ HISTORY_MAX: int = lib.np_history_max()        # the largest history bound the c
 
 BACKENDS = _names(lib.NP_VOCAB_BACKEND, lib.NP_BACKEND_COUNT)
 LIFETIMES = _names(lib.NP_VOCAB_LIFE, lib.NP_LIFE_COUNT)
+DEVICES = _names(lib.NP_VOCAB_DEVICE, lib.NP_DEVICE_COUNT)  # whose request rules: "auto" (the backend's), "npu", "cuda"
 MARK_NAMES = _names(lib.NP_VOCAB_MARK, lib.NP_MARK_COUNT)
 OP_NAMES = _names(lib.NP_VOCAB_OP, lib.NP_OP_COUNT)
 CAT_NAMES = _names(lib.NP_VOCAB_CAT, lib.NP_CAT_COUNT)

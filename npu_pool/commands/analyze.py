@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from ..replay import HINTS, policies_from
+from ..trace.format import forced_device
+from .replay import add_device_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add the static estimate vs the trace (config from --config, or the capture's own)")
     p.add_argument("--config", metavar="YAML", help="model config for --estimate (implies it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_device_argument(p)
 
 
 def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
@@ -49,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
 
     policies = policies_from(args.policy)
     show = None if not args.no_progress else False
-    analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",
-                             hints=args.hints, show_progress=show)
+    with forced_device(args.device):
+        analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",
+                                 hints=args.hints, show_progress=show)
     rows = _estimate_rows(args, analysis)
     if args.format == "html":
         from ..analysis.html import render_html

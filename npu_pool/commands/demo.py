@@ -15,11 +15,13 @@ from typing import Any
 
 from ..progress import progress
 from ..replay import evaluate, min_capacity, policies_from, run as replay_run
-from .replay import LEGEND, format_table
+from ..trace.format import forced_device
+from .replay import LEGEND, add_device_argument, format_table
 
 GiB = float(1 << 30)
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-DEVICE = 64 << 30  # an Ascend 910B-sized device
+DEVICE = 64 << 30  # an Ascend 910B-sized device ...
+CASE_RULES = "npu"  # ... with torch_npu's request rules (every request padded to round_up(r, 32) + 32)
 # the case: one rank of Llama-7B with tensor parallelism 2, 3 steps of 1 x 1792 tokens (fake tensors)
 CASE = dict(model_name="llama", shape="7b", steps=3, tp=2, batch=1, seq=1792)
 # real CPU training captured with torch.profiler: a dense GPT, a Llama-style model with recompute, an MoE
@@ -37,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared", default=str(SHARED), help="folder of real snapshots to replay too (skipped if absent)")
     p.add_argument("--no-capture", action="store_true", help="skip the CPU captures")
     p.add_argument("--no-case", action="store_true", help="skip the 7B case")
+    add_device_argument(p)
 
 
 def _case() -> list[str]:
@@ -46,6 +49,7 @@ def _case() -> list[str]:
     from ..trace.stats import live_profile
 
     trace = fake_capture(progress=False, **CASE)
+    trace.meta["device_type"] = CASE_RULES  # the case is an Ascend card (--device overrides)
     plan = make_plan(trace, "llama-7b tp2")
     live = live_profile(trace).peak_bytes
     rows, needs = [], {}
@@ -62,7 +66,8 @@ def _case() -> list[str]:
         "npu_pool demo: where does the memory go?",
         "",
         "One rank of Llama-7B training (tensor parallel 2, fp32 weights + AdamW, 3 steps of 1 x 1792",
-        "tokens), traced on fake tensors (shapes only, no memory used), on a simulated 64 GiB device.",
+        "tokens), traced on fake tensors (shapes only, no memory used), on a simulated 64 GiB Ascend",
+        "device with torch_npu's request rules (each request padded to round_up(r, 32) + 32 bytes).",
         "",
         f"  peak live {live / GiB:.2f} GiB: the most bytes of tensors alive at once (the lower bound)",
         "",
@@ -84,6 +89,11 @@ def _case() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    with forced_device(args.device):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if not args.no_case:
         print("tracing a Llama-7B training step on fake tensors ...", flush=True)
         print("\n".join(_case()), flush=True)

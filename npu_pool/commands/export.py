@@ -5,6 +5,8 @@ import argparse
 import sys
 
 from ..analysis.memviz import POLICIES
+from ..trace.format import forced_device
+from .replay import add_device_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the trace's own addresses (imported snapshots)")
     p.add_argument("--hints", choices=("markers", "sites", "none"), default="markers", help="hints for the replay")
     p.add_argument("--out", "-o", required=True, metavar="FILE.pickle", help="snapshot to write")
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from ..trace.files import open_traces
 
     named = open_traces(args.trace)
-    done = export([t for _, t in named], args.policy, args.out, hints=args.hints)  # streamed, whole or absent
+    with forced_device(args.device):
+        done = export([t for _, t in named], args.policy, args.out, hints=args.hints)  # streamed, whole or absent
     path = done.path
     print(f"wrote {path}: {len(named)} device trace(s), {done.entries} events, {done.segments} segments "
           f"({done.reserved / 2**30:.3f} GiB reserved at the end) under {args.policy}", file=sys.stderr)

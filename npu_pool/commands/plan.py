@@ -5,15 +5,29 @@ import argparse
 import json
 import sys
 
+from ..trace.format import forced_device
+
 GiB = float(1 << 30)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE", nargs="?", help="an .npt trace or a PyTorch snapshot pickle")
     p.add_argument("--out", "-o", metavar="PLAN", help="write the plan here (.npplan)")
-    p.add_argument("--device", type=int, help="which device of a multi-device snapshot")
+    p.add_argument("--device", type=_device, metavar="npu|cuda|N|npu:N",
+                   help="npu or cuda: whose request rules the planner's replays apply (default: the trace's own "
+                        "device type); N: which device of a multi-device snapshot; npu:N both")
     p.add_argument("--json", action="store_true", help="print the plan's figures as JSON")
     p.add_argument("--check", metavar="PLAN", help="verify an existing plan file instead and print its figures")
+
+
+def _device(text: str) -> tuple[str | None, int | None]:
+    """``--device``: "npu", "cuda", "N" or "npu:N" -> (device type or None, index or None)."""
+    kind, sep, index = text.partition(":")
+    if not sep and kind.isdigit():
+        kind, index = "", kind
+    if kind not in ("", "npu", "cuda") or not (index.isdigit() if sep or not kind else True):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected npu, cuda, a device index N, or npu:N / cuda:N")
+    return kind or None, int(index) if index else None
 
 
 def _pick(path: str, device: int | None):
@@ -61,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.trace:
         raise ValueError("give a TRACE to plan (or --check PLAN)")
-    name, trace = _pick(args.trace, args.device)
-    plan = make_plan(trace, name)
+    kind, index = args.device or (None, None)
+    name, trace = _pick(args.trace, index)
+    with forced_device(kind):
+        plan = make_plan(trace, name)
     if args.out:
         save_plan(plan, args.out)
     print(json.dumps(plan.meta, indent=1) if args.json else _summary(plan.meta))

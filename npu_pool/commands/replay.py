@@ -7,6 +7,7 @@ import sys
 
 from ..replay import HINTS, PolicyResult, evaluate, policies_from, validate
 from ..trace.files import expand, open_traces
+from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
 
 GiB = float(1 << 30)
@@ -23,7 +24,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
     p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
     p.add_argument("--validate", action="store_true",
-                   help="check the torch model against the recorded run instead (snapshots only)")
+                   help="check the torch model against the recorded run instead (snapshots only); with --live, "
+                        "set each live figure beside the simulation's")
+    add_device_argument(p)
+    p.add_argument("--live", action="store_true",
+                   help="replay on this machine's real device (torch_npu's npu, else CUDA) as tensors in trace "
+                        "order, under the framework's allocator and under npu_pool, each in its own process")
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """``--device npu|cuda``: whose request rules the simulated replays apply."""
+    p.add_argument("--device", choices=DEVICE_TYPES, default=None,
+                   help="the runtime whose rules the simulation applies: npu (torch_npu pads every request to "
+                        "round_up(r, 32) + 32 bytes) or cuda (none); default: the trace's own device type "
+                        "(cuda when the trace does not say)")
 
 
 def format_table(results: list[PolicyResult]) -> str:
@@ -79,6 +93,13 @@ def _validate(named: list) -> int:
 
 def run(args: argparse.Namespace) -> int:
     named = [nt for path in expand(args.traces) for nt in open_traces(path)]
+    if args.live:
+        return _live(named, args)
+    with forced_device(args.device):
+        return _simulate(named, args)
+
+
+def _simulate(named: list, args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(named)
     policies = policies_from(args.policy)
@@ -105,3 +126,24 @@ def run(args: argparse.Namespace) -> int:
             json.dump([r.as_dict() for r in results], f, indent=1)
         print(f"wrote {len(results)} records to {args.json}", file=sys.stderr)
     return 0
+
+
+def _live(named: list, args: argparse.Namespace) -> int:
+    """``--live [--validate]``: the trace on the real device, each allocator in its own process."""
+    from ..live import LEGEND as LIVE_LEGEND, LiveError, format_live, replay_live, simulated
+
+    rows = []
+    for name, trace in named:
+        try:
+            live = replay_live(trace, name, device=args.device, min_capacity=not args.no_min_capacity)
+        except LiveError as e:
+            print(f"npu-pool replay --live: error: {e}", file=sys.stderr)
+            return 1
+        rows += [(r, simulated(trace, r, not args.no_min_capacity) if args.validate else None) for r in live]
+    print(format_live(rows))
+    print(LIVE_LEGEND)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(r.as_dict(), **({"simulated": sim} if sim else {})) for r, sim in rows], f, indent=1)
+        print(f"wrote {len(rows)} records to {args.json}", file=sys.stderr)
+    return 1 if any(sim and not sim["same"] for _, sim in rows) else 0

@@ -54,6 +54,8 @@ int np_create(const np_config *cfg, np_ctx **out) {
   }
   int rc = check_fraction(cfg->fraction);
   if (rc != NP_OK) return rc;
+  if (cfg->device_rules < 0 || cfg->device_rules >= NP_DEVICE_COUNT)
+    return np_error(NP_ERR_INVALID, "unknown device rules %d (auto=0, npu=1, cuda=2)", cfg->device_rules);
   np_ctx *ctx = calloc(1, sizeof *ctx);
   if (!ctx) return np_error(NP_ERR_HOST, "host out of memory creating a context");
   ctx->cfg = *cfg;
@@ -72,6 +74,9 @@ int np_create(const np_config *cfg, np_ctx **out) {
   if (!ctx->be) {
     rc = np_last_code() ? np_last_code() : NP_ERR_BACKEND; /* a bad capacity is INVALID, a missing library BACKEND */
     goto fail;
+  }
+  if (cfg->device_rules == NP_DEVICE_NPU || cfg->device_rules == NP_DEVICE_CUDA) { /* the runtime's request rules */
+    ctx->be->request_align = ctx->be->request_tail = cfg->device_rules == NP_DEVICE_NPU ? NP_NPU_PAD : 0;
   }
   ctx->limit = (uint64_t)floor(cfg->fraction * (double)ctx->be->total);
   rc = ctx->policy->init(ctx);

@@ -10,8 +10,10 @@
  * granularity page each (aclrtUnmapMem unmaps whole mappings only); the core's VMM
  * layer (vmm.h) keeps the page table.
  *
- * Vendor rule: Ascend kernels may read or write up to 32 bytes past a tensor, so every
- * request is rounded up to 32 bytes and given 32 more (aclrtMalloc's own rule).
+ * Vendor rule: Ascend kernels may read or write up to 32 bytes past a tensor, so a request
+ * is rounded up to 32 bytes and given 32 more -- under torch_npu's condition (AddPadSize in
+ * NPUCachingAllocator.cpp): always, except on an Ascend950 SoC (aclrtGetSocName) with CANN
+ * 9.1.0 or later (aclsysGetCANNVersion); an unknown SoC or version pads, as torch_npu does.
  *
  * Invariant: every vendor call runs with this backend's device current (the
  * caller's device is restored after, when it had one; page calls rely on the
@@ -26,12 +28,15 @@
 #include "backend.h"
 #include "dl.h"
 
-#define ACL_PAD 32 /* bytes Ascend kernels may touch past a tensor; requests round to it too */
+#define ACL_PAD NP_NPU_PAD /* bytes Ascend kernels may touch past a tensor; requests round to it too */
+#define ACL_PKG_NAME_CANN 0 /* aclCANNPackageName */
 
 typedef int acl_err; /* aclError; 0 is ACL_SUCCESS */
 
 /* Layouts of aclrtMemLocation and aclrtPhysicalMemProp in acl_rt.h. */
 typedef struct acl_location { uint32_t id; int type; } acl_location;
+/* aclCANNPackageVersion in acl_rt.h: version, then major, minor, release, patch, reserved. */
+typedef struct acl_pkg_version { char version[128]; char parts[4][64]; char reserved[128]; } acl_pkg_version;
 typedef struct acl_phys_prop {
   int handle_type;      /* ACL_MEM_HANDLE_TYPE_NONE */
   int allocation_type;  /* ACL_MEM_ALLOCATION_TYPE_PINNED */
@@ -84,6 +89,8 @@ typedef struct acl_api {
   acl_err (*aclrtMapMem)(void *ptr, size_t size, size_t offset, void *handle, uint64_t flags);
   acl_err (*aclrtUnmapMem)(void *ptr);
   acl_err (*aclrtMemGetAllocationGranularity)(acl_phys_prop *prop, int option, size_t *granularity);
+  const char *(*aclrtGetSocName)(void);
+  acl_err (*aclsysGetCANNVersion)(int name, acl_pkg_version *version);
 } acl_api;
 
 #define SYM(fn, group) NP_DL_SYM(acl_api, fn, group)
@@ -108,6 +115,8 @@ static const np_dl_sym acl_syms[] = {
     SYM(aclrtMapMem, NP_DL_VMM),
     SYM(aclrtUnmapMem, NP_DL_VMM),
     SYM(aclrtMemGetAllocationGranularity, NP_DL_OPTIONAL), /* 2 MiB when absent */
+    SYM(aclrtGetSocName, NP_DL_OPTIONAL),                  /* the padding rule: unknown pads */
+    SYM(aclsysGetCANNVersion, NP_DL_OPTIONAL),
 };
 #undef SYM
 
@@ -318,6 +327,32 @@ static int acl_release(np_backend *be, uintptr_t addr, uint64_t size) {
   return rc;
 }
 
+/* ---- request rule ----------------------------------------------------------- */
+
+/* Whether torch_npu pads requests on this runtime: yes unless the SoC is an Ascend950 and the
+ * CANN package is 9.1.0 or later (version "major.minor.patch...", compared number by number). */
+static bool pads_requests(acl_backend *a) {
+  const char *soc = a->api.aclrtGetSocName ? a->api.aclrtGetSocName() : NULL;
+  if (!soc || strncmp(soc, "Ascend950", 9) != 0) return true;
+  acl_pkg_version v;
+  memset(&v, 0, sizeof v);
+  if (!a->api.aclsysGetCANNVersion || a->api.aclsysGetCANNVersion(ACL_PKG_NAME_CANN, &v) != 0) {
+    if (a->api.aclGetRecentErrMsg) a->api.aclGetRecentErrMsg(); /* drop the message */
+    return true;
+  }
+  v.version[sizeof v.version - 1] = '\0';
+  static const long want[3] = {9, 1, 0};
+  const char *p = v.version;
+  for (int i = 0; i < 3; i++) {
+    if (*p < '0' || *p > '9') return true; /* "9.1.RC1" and the like: not a release at least 9.1.0 */
+    char *end;
+    long n = strtol(p, &end, 10);
+    if (n != want[i]) return n < want[i];
+    p = *end == '.' ? end + 1 : end;
+  }
+  return false;
+}
+
 /* ---- life cycle ------------------------------------------------------------ */
 
 static void acl_destroy(np_backend *be) { /* the context returned its memory first */
@@ -402,6 +437,7 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
     a->base.stream_wait = acl_stream_wait;
     a->base.stream_idle = acl_stream_idle;
   }
+  if (!pads_requests(a)) a->base.request_align = a->base.request_tail = 0;
   probe_vmm(a, cfg, missing);
   leave(a, prev);
   return &a->base;

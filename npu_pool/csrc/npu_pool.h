@@ -72,10 +72,15 @@ enum {
 enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_COUNT = 4 };
 /* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed. */
 enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
+/* Whose request rules a context applies (np_config.device_rules): the backend's own (ACL pads where
+ * torch_npu pads, sim and CUDA do not), torch_npu's on an Ascend NPU (every request rounds up to
+ * NP_NPU_PAD bytes and gets NP_NPU_PAD more before the policy sees it), CUDA's (none). */
+enum { NP_DEVICE_AUTO = 0, NP_DEVICE_NPU = 1, NP_DEVICE_CUDA = 2, NP_DEVICE_COUNT = 3 };
 /* Tables of np_vocab_name. */
 enum {
   NP_VOCAB_BACKEND = 0, NP_VOCAB_LIFE = 1, NP_VOCAB_MARK = 2, NP_VOCAB_OP = 3, NP_VOCAB_CAT = 4, NP_VOCAB_HINTS = 5,
-  NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_STAGE = 9, NP_VOCAB_COUNT = 10
+  NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_STAGE = 9, NP_VOCAB_DEVICE = 10,
+  NP_VOCAB_COUNT = 11
 };
 #define NP_MAX_REQUEST 0x1000000000000ULL /* 2^48: larger requests (and capacities) are absurd */
 enum {
@@ -83,7 +88,8 @@ enum {
   NP_SIM_PAGE = 2097152,        /* the simulated device's mapping page */
   NP_POOLS = 2,                 /* pools per policy, besides the total */
   NP_NAME_LEN = 16,
-  NP_HISTORY_DEFAULT = 4096     /* history events a context keeps unless np_set_history says otherwise */
+  NP_HISTORY_DEFAULT = 4096,    /* history events a context keeps unless np_set_history says otherwise */
+  NP_NPU_PAD = 32               /* torch_npu's request padding (NP_DEVICE_NPU): round up to it, add it */
 };
 
 /* ---- configuration and statistics ------------------------------------------------------- */
@@ -98,6 +104,7 @@ typedef struct np_config {
   double fraction;          /* reserved bytes <= fraction * device total; 0 < f <= 1 */
   uint64_t max_split_size;  /* torch policy: blocks at least this big are never split; 0 = unlimited */
   const char *lib_path;     /* vendor backends: library to dlopen (NULL = default name) */
+  int device_rules;         /* NP_DEVICE_*: whose request rules apply (AUTO: the backend's own) */
 } np_config;
 
 /* A figure with its high-water mark and, as in PyTorch's Stat, the sums of all its

@@ -13,6 +13,11 @@
  *  - on failure it frees cached oversize blocks (max_split_size only), then
  *    every cached segment, and retries once; freed blocks merge with free
  *    neighbours of their segment.
+ * Under torch_npu's rules (np_config.device_rules = NP_DEVICE_NPU) the context pads every
+ * request to round_up(r, 32) + 32 before it reaches this policy, as torch_npu's round_size()
+ * does: rounding and pool choice below then see the padded size, and the model is torch_npu's
+ * NPUCachingAllocator, whose defaults are otherwise CUDA's (docs/policies.md lists each
+ * difference and where it lives).
  * Invariant: every free block is in its pool's tree; no two free neighbours.
  */
 #include <stdlib.h>

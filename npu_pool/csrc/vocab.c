@@ -20,6 +20,7 @@ static const char *const errors[] = {"ok",      "out_of_memory", "invalid", "dou
                                      "unknown_pointer", "backend", "host", "state"};
 
 static const char *const ooms[NP_OOM_COUNT] = {"none", "too_large", "fragmentation", "shortage"};
+static const char *const devices[NP_DEVICE_COUNT] = {"auto", "npu", "cuda"};
 static const char *const stages[NP_STAGE_COUNT] = {"outside", "setup", "forward", "backward", "optimizer", "eval"};
 
 static const struct {
@@ -31,6 +32,7 @@ static const struct {
     [NP_VOCAB_CAT] = {cats, NP_CAT_COUNT},             [NP_VOCAB_HINTS] = {hints, NP_HINTS_COUNT},
     [NP_VOCAB_EVENT] = {events, NP_EV_COUNT},          [NP_VOCAB_ERROR] = {errors, NP_ERR_STATE + 1},
     [NP_VOCAB_OOM] = {ooms, NP_OOM_COUNT},             [NP_VOCAB_STAGE] = {stages, NP_STAGE_COUNT},
+    [NP_VOCAB_DEVICE] = {devices, NP_DEVICE_COUNT},
 };
 
 const char *np_vocab_name(int vocab, int code) {

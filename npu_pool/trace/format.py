@@ -29,6 +29,9 @@ Event ops (column ``op``):
 ====================  ============================================================
 
 All ``OP_INIT_*`` events come first, segments then allocations, both in address order.
+
+``meta["device_type"]`` (``"npu"`` or ``"cuda"``, absent when unknown) says which runtime
+recorded the trace: replays apply that runtime's request rules (:func:`device_type`).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import json
 import os
 import struct
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NamedTuple
@@ -62,6 +66,42 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("op", "B"), ("cat", "B"), ("site", "i"), ("id", "q"), ("size", "Q"), ("stream", "q"), ("addr", "Q"),
 )
 _EVENT_BYTES = sum(array.array(code).itemsize for _, code in COLUMNS)  # one event across every column
+
+
+DEVICE_TYPES = ("npu", "cuda")  # runtimes whose request rules a replay applies (npu_pool.vocab.DEVICES)
+_forced: list[str] = []         # forced_device blocks, innermost last
+
+
+def _check_device(device: str) -> str:
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICE_TYPES)}")
+    return device
+
+
+@contextmanager
+def forced_device(device: str | None) -> Iterator[None]:
+    """Inside the block every replay of this process applies ``device``'s request rules whatever
+    its trace says (the commands' ``--device``); None changes nothing."""
+    if device is None:
+        yield
+        return
+    _forced.append(_check_device(device))
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def device_type(trace: "Trace", override: str | None = None) -> str:
+    """The runtime whose request rules a replay of ``trace`` applies: ``override`` when given, else
+    the innermost :func:`forced_device`, else the trace's ``meta["device_type"]``, else ``"cuda"``
+    (no padding: what a trace that does not say how it was recorded has always been replayed with)."""
+    if override is not None:
+        return _check_device(override)
+    if _forced:
+        return _forced[-1]
+    recorded = trace.meta.get("device_type") if isinstance(trace.meta, dict) else None
+    return recorded if recorded in DEVICE_TYPES else "cuda"
 
 
 class TraceError(ValueError):

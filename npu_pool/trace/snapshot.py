@@ -182,6 +182,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
         settings = _bounded(settings)
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
+    kind = _device_type(obj)
     out = []
     consumed: set[int] = set()  # ids of the event lists converted in place
     for dev, events in enumerate(traces):
@@ -210,8 +211,40 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
             t.meta["allocator_settings"] = settings
             expandable = expandable or settings.get("expandable_segments") is True
         t.meta["expandable_segments"] = expandable
+        if kind:
+            t.meta["device_type"] = kind
         out.append(t)
     return out
+
+
+# Which runtime recorded a snapshot, from the allocator named in its C++ frames (torch_npu's
+# NPUCachingAllocator in c10_npu, or CUDA's in c10::cuda) or a Python frame in torch_npu's code;
+# without those, from the "allocator_settings" CUDA's snapshots carry and torch_npu's do not
+# (torch_npu/csrc/npu/Module.cpp writes segments and device_traces only). Looks at no more than
+# _DEVICE_PROBE frames.
+_DEVICE_PROBE = 4096
+_DEVICE_MARKS = (("npu", ("NPUCachingAllocator", "c10_npu::", "torch_npu")),
+                 ("cuda", ("CUDACachingAllocator", "c10::cuda::")))
+
+
+def _device_type(obj: dict) -> str | None:
+    """"npu", "cuda", or None when the snapshot does not say."""
+    budget = _DEVICE_PROBE
+    sources = [e for t in obj.get("device_traces") or [] if isinstance(t, list) for e in t[:64]]
+    sources += [s for s in obj.get("segments") or [] if isinstance(s, dict)][:64]
+    for entry in sources:
+        frames = entry.get("frames") if isinstance(entry, dict) else None
+        for f in frames[:budget] if isinstance(frames, list) else ():
+            if not isinstance(f, dict):
+                continue
+            text = " ".join(v for v in (f.get("name"), f.get("filename")) if isinstance(v, str))
+            for kind, marks in _DEVICE_MARKS:
+                if any(m in text for m in marks):
+                    return kind
+        budget -= len(frames) if isinstance(frames, list) else 0
+        if budget <= 0:
+            break
+    return "cuda" if isinstance(obj.get("allocator_settings"), dict) else None
 
 
 def _bounded(obj: Any) -> Any:

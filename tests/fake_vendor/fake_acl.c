@@ -15,11 +15,14 @@
  * fake_fail(fn, skip, count, code), fake_calls(fn), fake_used, fake_mapped,
  * fake_live, fake_set_busy(stream, on) (aclrtStreamQuery reports unfinished
  * work), fake_current_device, fake_set_current_device, fake_last_device,
- * fake_last_policy. Build with -DFAKE_NO_VMM to leave the virtual-memory
+ * fake_last_policy, fake_set_soc_name(name) (aclrtGetSocName; default "Ascend910B1"),
+ * fake_set_cann_version(v) (aclsysGetCANNVersion's CANN version; default none: the call
+ * fails, as where the runtime lacks it). Build with -DFAKE_NO_VMM to leave the virtual-memory
  * symbols out, and with -DFAKE_OMIT_FREE to leave aclrtFree out.
  */
 #define _GNU_SOURCE
 #define FAKE_FIRST_DEVICE -1 /* no current device until aclrtSetDevice */
+#define FAKE_VA_BASE ((uintptr_t)0x100000000000ull) /* 16 TiB */
 #include "fake_device.h"
 
 typedef int acl_err;
@@ -42,6 +45,7 @@ enum {
 };
 
 static __thread char recent[256]; /* the latest failure, for aclGetRecentErrMsg */
+static char soc_name[64] = "Ascend910B1", cann_version[128] = ""; /* what runtime this is (fake_reset restores) */
 
 /* Remember a failure the way ACL does, for aclGetRecentErrMsg. */
 static acl_err fail(const char *fn, acl_err e, const char *why) {
@@ -67,6 +71,8 @@ EXPORT void fake_reset(void) {
   pthread_mutex_lock(&mu);
   reset_locked();
   recent[0] = '\0';
+  snprintf(soc_name, sizeof soc_name, "Ascend910B1");
+  cann_version[0] = '\0';
   pthread_mutex_unlock(&mu);
 }
 EXPORT void fake_set_flags_reserved(int on) { pthread_mutex_lock(&mu); st.flags_reserved = on; pthread_mutex_unlock(&mu); }
@@ -102,7 +108,7 @@ EXPORT acl_err aclrtMalloc(void **ptr, size_t size, int policy) {
     else if (!ptr || !size) _e = fail("aclrtMalloc", INVALID_PARAM, "size 0");
     else if (!charge(size)) _e = fail("aclrtMalloc", RT_MEMORY_ALLOCATION, "out of device memory");
     else {
-      void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      void *p = fake_map(size, PROT_READ | PROT_WRITE);
       add((uintptr_t)p, size, ALLOC);
       st.last_device = current;
       st.last_policy = policy;
@@ -193,7 +199,7 @@ EXPORT acl_err aclrtReserveMemAddress(void **ptr, size_t size, size_t alignment,
     else if (!size || size % PAGE || alignment || expect || flags > 1 || (st.flags_reserved && flags))
       _e = fail("aclrtReserveMemAddress", RT_PARAM_INVALID, "bad size, alignment, address or flags");
     else {
-      char *p = mmap(NULL, size + PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      char *p = fake_map(size + PAGE, PROT_NONE); /* page-aligned whichever way it came */
       uintptr_t a = ((uintptr_t)p + PAGE - 1) / PAGE * PAGE;
       if (a > (uintptr_t)p) munmap(p, a - (uintptr_t)p);
       munmap((void *)(a + size), (uintptr_t)p + size + PAGE - (a + size));
@@ -274,3 +280,21 @@ EXPORT acl_err aclrtUnmapMem(void *ptr) {
   });
 }
 #endif
+
+/* ---- what runtime this is (the request-padding rule reads it) ----------------- */
+
+EXPORT void fake_set_soc_name(const char *name) { snprintf(soc_name, sizeof soc_name, "%s", name ? name : ""); }
+EXPORT void fake_set_cann_version(const char *v) { snprintf(cann_version, sizeof cann_version, "%s", v ? v : ""); }
+EXPORT const char *aclrtGetSocName(void) { return soc_name; }
+/* aclCANNPackageVersion: version, major, minor, release, patch, reserved */
+typedef struct acl_pkg_version { char version[128]; char parts[4][64]; char reserved[128]; } acl_pkg_version;
+EXPORT acl_err aclsysGetCANNVersion(int name, acl_pkg_version *v) {
+  LOCKED("aclsysGetCANNVersion", {
+    if (!v || name < 0 || name > 7) _e = fail("aclsysGetCANNVersion", INVALID_PARAM, "bad package or output");
+    else if (!cann_version[0]) _e = fail("aclsysGetCANNVersion", RT_NOT_SUPPORT, "no version information");
+    else {
+      memset(v, 0, sizeof *v);
+      snprintf(v->version, sizeof v->version, "%s", cann_version);
+    }
+  });
+}

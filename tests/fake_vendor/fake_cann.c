@@ -86,7 +86,6 @@ EXPORT acl_err aclrtResetDevice(int32_t d) {
   });
 }
 
-EXPORT const char *aclrtGetSocName(void) { return "Ascend910B1"; }
 
 EXPORT acl_err aclrtGetCurrentContext(void **ctx) {
   LOCKED("aclrtGetCurrentContext", {

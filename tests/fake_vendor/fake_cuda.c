@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #define FAKE_FIRST_DEVICE 0
+#define FAKE_VA_BASE ((uintptr_t)0x200000000000ull) /* 32 TiB */
 #include "fake_device.h"
 
 typedef int cu_err;
@@ -69,7 +70,7 @@ EXPORT cu_err cudaMalloc(void **ptr, size_t size) {
   LOCKED("cudaMalloc", {
     if (!ptr || !size) _e = INVALID_VALUE;
     else if (!(_e = charge(size) ? OK : OOM)) {
-      void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      void *p = fake_map(size, PROT_READ | PROT_WRITE);
       if (p == MAP_FAILED) {
         st.used -= size;
         _e = OOM;
@@ -218,7 +219,7 @@ EXPORT cu_err cuMemAddressReserve(cu_ptr *ptr, size_t size, size_t alignment, cu
     else if (!size || size % PAGE || addr || flags || (alignment && alignment % PAGE)) _e = INVALID_VALUE;
     else {
       /* PAGE-aligned PROT_NONE address space: over-reserve, then trim */
-      char *p = mmap(NULL, size + PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      char *p = fake_map(size + PAGE, PROT_NONE);
       if (p == MAP_FAILED) _e = OOM;
       else {
         uintptr_t a = ((uintptr_t)p + PAGE - 1) / PAGE * PAGE;

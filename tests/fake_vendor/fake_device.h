@@ -9,6 +9,11 @@
  * first. Invariants: st.used <= st.capacity - st.others; every region in st.r is a
  * live allocation, reservation or mapping; everything here runs with `mu` held
  * unless it takes the lock itself.
+ *
+ * Addresses: allocations and reservations take fresh address space bottom-up, 2 MiB aligned,
+ * never reusing a range (fake_map), as the simulated device does (backend_sim.c): best fit's
+ * ties, broken by the lower address, then fall the same way in a replay on the fake and in the
+ * simulator. FAKE_VA_BASE (defined before including) is where each fake's range starts.
  */
 #ifndef FAKE_DEVICE_H
 #define FAKE_DEVICE_H
@@ -40,6 +45,7 @@ static struct {
   void *busy[16];
   counter c[64];
   int nc;
+  uintptr_t va;      /* next fresh address (fake_map); 0 until first use */
 } st;
 static __thread int current = FAKE_FIRST_DEVICE;
 
@@ -121,6 +127,23 @@ static int charge(size_t size) {
   return 1;
 }
 
+/* `size` bytes of fresh address space with protection `prot`, above every range handed out
+ * before (see the header); MAP_FAILED if the host has none. */
+static void *fake_map(size_t size, int prot) {
+  size_t span = (size + PAGE - 1) / PAGE * PAGE;
+  if (!st.va) st.va = FAKE_VA_BASE;
+  for (int tries = 0; tries < 64; tries++) {
+    void *p = mmap((void *)st.va, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    if (p == (void *)st.va) {
+      st.va += span;
+      return p;
+    }
+    if (p != MAP_FAILED) munmap(p, size); /* a kernel without MAP_FIXED_NOREPLACE placed it elsewhere */
+    st.va += span;                      /* taken by someone else: step over */
+  }
+  return mmap(NULL, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+}
+
 static int is_busy(void *stream) {
   for (int i = 0; i < 16; i++)
     if (st.busy[i] && st.busy[i] == stream) return 1;
@@ -139,6 +162,7 @@ static void reset_locked(void) {
   st.live_phys = st.live_events = 0;
   memset(st.busy, 0, sizeof st.busy);
   st.nc = 0;
+  st.va = 0;
   st.vmm = 1;
   st.flags_reserved = 0;
   st.last_device = st.last_policy = -1;

@@ -1,0 +1,357 @@
+"""Live replay: a trace's allocations as real tensors, in trace order, on this machine's device.
+
+Each allocation event becomes ``torch.empty(size, dtype=uint8)`` on the device (torch_npu's
+``npu``, or CUDA), each free drops that tensor, ``empty_cache`` events call the framework's
+``empty_cache``, phase markers reach npu_pool's pool; nothing else runs. The trace is played
+once under the framework's own caching allocator (``native``) and once under npu_pool, each in
+a process of its own (a process chooses its allocator once). Each process reports peak
+reserved and allocated bytes (the framework's ``max_memory_*``), the device calls the
+framework counts (``num_device_alloc`` / ``num_device_free``), the vendor runtime's own
+per-function call counts where the runtime exposes them (the tests' fake CANN does:
+``fake_calls``), the replay's wall time and, on request, the minimum capacity: the smallest
+memory fraction (in 2 MiB steps of the device) under which the whole trace still runs, found
+by bisection inside the same process.
+
+``npu-pool replay TRACE --live [--validate]`` is the command; :func:`replay_live` the API;
+``python -m npu_pool.live`` the worker each process runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .trace.format import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, Trace
+
+ALLOCATORS = ("native", "npu_pool")
+STEP = 2 << 20  # resolution of the minimum-capacity search, as in the simulator's
+# The vendor calls reported when the runtime counts them (the fake runtimes of tests/fake_vendor).
+VENDOR_CALLS = {
+    "npu": ("aclrtMalloc", "aclrtFree", "aclrtReserveMemAddress", "aclrtReleaseMemAddress", "aclrtMallocPhysical",
+            "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem", "aclrtSynchronizeDevice"),
+    "cuda": ("cudaMalloc", "cudaFree", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease",
+             "cuMemMap", "cuMemUnmap", "cudaDeviceSynchronize"),
+}
+# Of those, the calls that take device memory: one per segment, or one per mapped page.
+ALLOC_CALLS = {"npu": ("aclrtMalloc", "aclrtMapMem"), "cuda": ("cudaMalloc", "cuMemMap")}
+_RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
+
+
+class LiveError(RuntimeError):
+    """A live replay could not run (no device, the framework failed); the message says why."""
+
+
+@dataclass
+class LiveResult:
+    """One trace played live under one allocator."""
+
+    trace: str
+    allocator: str                 # "native" (the framework's caching allocator) or "npu_pool"
+    device: str                    # "npu" or "cuda"
+    ok: bool                       # every request was served (with room to spare)
+    fail_index: Optional[int]      # the event that failed when not ok
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    min_capacity_bytes: Optional[int]
+    device_allocs: Optional[int]   # the framework's num_device_alloc / num_device_free
+    device_frees: Optional[int]
+    vendor_calls: Optional[dict[str, int]]  # per vendor function (runtimes that count them)
+    seconds: float                 # wall time of one replay (the room-to-spare one)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def vendor_allocs(self) -> Optional[int]:
+        """Vendor calls that took device memory (segments, or mapped pages), where counted."""
+        if self.vendor_calls is None:
+            return None
+        return sum(self.vendor_calls.get(n, 0) for n in ALLOC_CALLS[self.device])
+
+
+# ---- the parent: one process per allocator -------------------------------------------------
+
+def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, allocators: Sequence[str] = ALLOCATORS,
+                min_capacity: bool = False, python: Optional[str] = None, timeout: float = 3600.0,
+                env: Optional[dict[str, str]] = None) -> list[LiveResult]:
+    """Play ``trace`` live under each allocator, each in a fresh process of ``python`` (default this
+    interpreter); ``device``: ``"npu"``, ``"cuda"`` or None (an NPU if torch_npu has one, else CUDA)."""
+    if device not in (None, "npu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; choose npu or cuda")
+    bad = [a for a in allocators if a not in ALLOCATORS]
+    if bad or not allocators:
+        raise ValueError(f"unknown allocator {', '.join(bad) or '(none)'}; choose from {', '.join(ALLOCATORS)}")
+    out = []
+    with tempfile.TemporaryDirectory(prefix="npu_pool_live_") as d:
+        path = Path(d) / "trace.npt"
+        trace.save(path)
+        for allocator in allocators:
+            cmd = [python or sys.executable, "-m", "npu_pool.live", str(path), "--allocator", allocator,
+                   "--device", device or "auto"] + (["--min-capacity"] if min_capacity else [])
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                   env=env if env is not None else dict(os.environ))
+            except subprocess.TimeoutExpired:
+                raise LiveError(f"{name}: the live replay under {allocator} ran past {timeout:.0f} s") from None
+            lines = r.stdout.strip().splitlines()
+            if r.returncode or not lines:
+                why = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
+                raise LiveError(f"{name}: the live replay under {allocator} failed (exit {r.returncode}): {why}")
+            rec = json.loads(lines[-1])
+            out.append(LiveResult(trace=name, **rec))
+    return out
+
+
+# ---- beside the simulation ------------------------------------------------------------------
+
+SIMULATED = {"native": "torch", "npu_pool": "npu_pool"}  # the policy that models each allocator
+GiB = float(1 << 30)
+LEGEND = """\
+Live replay on this machine's device: every allocation of the trace as a tensor, in trace order,
+under the framework's own caching allocator (native) and under npu_pool, each in its own process.
+  peak rsvd / peak alloc  the framework's max_memory_reserved / max_memory_allocated (GiB)
+  min cap     the smallest memory fraction (2 MiB steps of the device) under which the trace runs
+  dev allocs  device allocations the framework counts (num_device_alloc: segments, or mapped ranges)
+  vendor      the runtime's own count of the calls that took memory (aclrtMalloc + aclrtMapMem, or
+              cudaMalloc + cuMemMap), where it keeps one (the tests' fake runtime); --json has each call
+  seconds     wall time of one replay
+With --validate each live row has the simulation's beside it (sim: the torch model for native,
+the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
+same device's rules); 'same' compares peak reserved. --policy and --hints do not apply to --live."""
+
+
+def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> dict[str, Any]:
+    """The simulator's figures for what ``r`` measured: the model of its allocator under the rules
+    of its device, learning from the phase markers as the live pool does; ``same``: equal peaks."""
+    from .replay import min_capacity, run
+
+    policy = SIMULATED[r.allocator]
+    sim = run(trace, policy, device=r.device)
+    cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity else None
+    return {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
+            "peak_allocated_bytes": sim.stats["total"]["allocated"]["peak"], "min_capacity_bytes": cap,
+            "device_mallocs": sim.device_mallocs, "device_frees": sim.stats["device_frees"],
+            "seconds": sim.ns / 1e9, "same": sim.peak_reserved_bytes == r.peak_reserved_bytes}
+
+
+def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> str:
+    """The live figures (GiB), each followed by the simulation's when given: :data:`LEGEND`."""
+    def gib(b: Optional[int]) -> str:
+        return "-" if b is None else f"{b / GiB:.3f}"
+
+    head = (f"{'trace':25} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
+            f"{'dev allocs':>10} {'vendor':>7} {'seconds':>8} {'same':>4}")
+    lines = [head, "-" * len(head)]
+    for r, sim in rows:
+        vendor = "-" if r.vendor_allocs is None else str(r.vendor_allocs)
+        devs = "-" if r.device_allocs is None else str(r.device_allocs)
+        lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'live':5} {gib(r.peak_reserved_bytes):>9} "
+                     f"{gib(r.peak_allocated_bytes):>10} {gib(r.min_capacity_bytes):>9} {devs:>10} {vendor:>7} "
+                     f"{r.seconds:8.3f} {'':>4}")
+        if sim is not None:
+            lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
+                         f"{gib(sim['peak_allocated_bytes']):>10} {gib(sim['min_capacity_bytes']):>9} "
+                         f"{sim['device_mallocs']:>10} {'-':>7} {sim['seconds']:8.3f} {'yes' if sim['same'] else 'NO':>4}")
+    for r, _ in rows:
+        if not r.ok:
+            lines.append(f"{r.trace}: under {r.allocator} the device ran out of memory at event {r.fail_index}; "
+                         "its figures are those up to there")
+    return "\n".join(lines)
+
+
+# ---- the worker: one allocator, in this process ------------------------------------------------
+
+def _framework(device: str) -> tuple[str, Any, Any]:
+    """(device type, torch, its device module) of the device asked for (auto: NPU first)."""
+    import torch
+
+    if device in ("npu", "auto"):
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            if device == "npu":
+                raise LiveError("--device npu: torch_npu is not installed in this Python") from None
+        else:
+            if torch.npu.is_available():
+                return "npu", torch, torch.npu
+            if device == "npu":
+                raise LiveError("--device npu: torch_npu sees no NPU on this machine")
+    if torch.cuda.is_available():
+        return "cuda", torch, torch.cuda
+    raise LiveError("no NPU (torch_npu) or CUDA GPU on this machine: a live replay needs the real device "
+                    "(the simulator needs none: drop --live)")
+
+
+def _vendor_counter(kind: str) -> Any:
+    """The runtime's ``fake_calls(name)`` when the loaded runtime counts its calls, else None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(_RUNTIME_LIB[kind], mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    fn = getattr(lib, "fake_calls", None)
+    if fn is None:
+        return None
+    fn.restype, fn.argtypes = ctypes.c_long, [ctypes.c_char_p]
+    return lambda name: int(fn(name.encode()))
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+
+
+class _Player:
+    """Plays one trace as tensors; replays repeat (minimum capacity) in the same process."""
+
+    def __init__(self, trace: Trace, torch: Any, module: Any, kind: str, pool: Any):
+        self.trace, self.torch, self.module, self.pool = trace, torch, module, pool
+        self.dev = torch.device(kind, 0)
+        self.streams: dict[int, Any] = {}
+
+    def _stream(self, s: int) -> Any:
+        if s not in self.streams:
+            self.streams[s] = self.module.Stream(device=self.dev)
+        return self.streams[s]
+
+    def _alloc(self, size: int, stream: int) -> Any:
+        torch = self.torch
+        if stream == 0:
+            return torch.empty(size, dtype=torch.uint8, device=self.dev)
+        with self.module.stream(self._stream(stream)):
+            return torch.empty(size, dtype=torch.uint8, device=self.dev)
+
+    def play(self) -> Optional[int]:
+        """Replay every event; None when all were served, else the index of the one that failed."""
+        t = self.trace
+        op, cat, ids, size, stream = t.op, t.cat, t.id, t.size, t.stream
+        live: list[Any] = [None] * t.n_ids
+        failed = None
+        try:
+            for i in range(len(op)):
+                o = op[i]
+                if o == OP_ALLOC or o == OP_INIT_ALLOC:
+                    try:
+                        live[ids[i]] = self._alloc(size[i], stream[i])
+                    except (RuntimeError, MemoryError) as e:
+                        if not _is_oom(e):
+                            raise
+                        failed = i
+                        break
+                elif o == OP_FREE:
+                    live[ids[i]] = None
+                elif o == OP_MARK:
+                    if self.pool is not None:
+                        self.pool.mark(cat[i], ids[i])
+                elif o == OP_OOM:  # the recorded run could not serve it: try, and free at once
+                    try:
+                        self._alloc(size[i], stream[i])
+                    except (RuntimeError, MemoryError) as e:
+                        if not _is_oom(e):
+                            raise
+                elif o == OP_EMPTY_CACHE:
+                    self.module.empty_cache()
+        finally:
+            live.clear()
+            self.module.synchronize()
+        return failed
+
+    def reset(self) -> None:
+        self.module.empty_cache()
+        self.module.reset_peak_memory_stats(self.dev)
+
+
+def _min_capacity(player: _Player, module: Any, lo: int, hi: int) -> Optional[int]:
+    """Smallest multiple of STEP under which the trace runs, by bisecting the memory fraction."""
+    total = int(module.mem_get_info(player.dev)[1])
+
+    def fits(k: int) -> bool:
+        if k * STEP > total:
+            return False
+        module.set_per_process_memory_fraction(min(1.0, (k * STEP + STEP // 2) / total), player.dev)
+        player.reset()
+        ok = player.play() is None
+        player.reset()
+        return ok
+
+    k_lo, k_hi = max(1, -(-lo // STEP)), max(1, -(-hi // STEP))
+    while not fits(k_hi):  # a capped device may behave differently from the free one
+        if k_hi * STEP > total:
+            module.set_per_process_memory_fraction(1.0, player.dev)
+            return None
+        k_lo, k_hi = k_hi + 1, k_hi * 2
+    while k_lo < k_hi:
+        mid = (k_lo + k_hi) // 2
+        if fits(mid):
+            k_hi = mid
+        else:
+            k_lo = mid + 1
+    module.set_per_process_memory_fraction(1.0, player.dev)
+    return k_hi * STEP
+
+
+def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> dict[str, Any]:
+    """Play the trace at ``path`` under ``allocator`` in this process; the figures as a dict."""
+    trace = Trace.load(path)
+    kind, torch, module = _framework(device)
+    pool = None
+    if allocator == "npu_pool":  # installed before the framework's own allocator serves anything
+        from .install import install
+
+        pool = install(kind).get(0)
+    module.set_device(0)
+    player = _Player(trace, torch, module, kind, pool)
+    counter = _vendor_counter(kind)
+    names = VENDOR_CALLS[kind]
+    before = {n: counter(n) for n in names} if counter else {}
+    stats0 = module.memory_stats(player.dev)
+    module.reset_peak_memory_stats(player.dev)
+    t0 = time.perf_counter()
+    failed = player.play()
+    seconds = time.perf_counter() - t0
+    stats = module.memory_stats(player.dev)
+    calls = {n: counter(n) - before[n] for n in names} if counter else None
+
+    def delta(key: str) -> Optional[int]:
+        return int(stats[key]) - int(stats0.get(key, 0)) if key in stats else None
+
+    rec = dict(allocator=allocator, device=kind, ok=failed is None, fail_index=failed,
+               peak_reserved_bytes=int(module.max_memory_reserved(player.dev)),
+               peak_allocated_bytes=int(module.max_memory_allocated(player.dev)), min_capacity_bytes=None,
+               device_allocs=delta("num_device_alloc"), device_frees=delta("num_device_free"), vendor_calls=calls,
+               seconds=seconds)
+    if min_capacity and failed is None:
+        player.reset()
+        rec["min_capacity_bytes"] = _min_capacity(player, module, rec["peak_allocated_bytes"],
+                                                  rec["peak_reserved_bytes"])
+    return rec
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m npu_pool.live", description="one live replay (the worker)")
+    p.add_argument("trace", help="an .npt trace")
+    p.add_argument("--allocator", choices=ALLOCATORS, default="native")
+    p.add_argument("--device", choices=("auto", "npu", "cuda"), default="auto")
+    p.add_argument("--min-capacity", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        rec = run_worker(args.trace, args.allocator, args.device, args.min_capacity)
+    except LiveError as e:
+        print(f"npu-pool replay --live: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rec))
+    return 0
+
+
+__all__ = ["replay_live", "simulated", "format_live", "LiveResult", "LiveError", "ALLOCATORS", "VENDOR_CALLS",
+           "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
+
+if __name__ == "__main__":
+    sys.exit(main())

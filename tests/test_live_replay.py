@@ -1,0 +1,170 @@
+"""`npu-pool replay --live` inside the real torch_npu 2.13.0 over the fake CANN runtime: every trace
+played as tensors in trace order, once under torch_npu's own caching allocator and once under
+npu_pool, each in its own process; the simulator with torch_npu's rules (`--device npu`) must
+predict both to the byte (the fake hands out addresses in the simulator's order, so even ties
+of best fit fall the same way)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TorchNpu
+from npu_pool.live import ALLOC_CALLS, LiveResult, replay_live
+from npu_pool.replay import min_capacity, run
+from npu_pool.trace.files import open_traces
+from npu_pool.trace.format import (MARK_BACKWARD_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC,
+                                   OP_EMPTY_CACHE, OP_FREE, OP_MARK, Trace)
+
+MiB = 1 << 20
+FAKE_CAPACITY = str(64 << 30)  # the fake device: address space only, nothing touches it
+SHARED = ("cnn-adam-train", "cs336-forward-fp32")
+
+
+def _synthetic() -> Trace:
+    """Requests on both sides of every boundary torch_npu's padding moves (512-byte rounding, the
+    1 MiB small/large split, the 10 MiB segment rule), on two streams, with markers and an
+    empty_cache: two iterations of a made-up step."""
+    t = Trace(meta={"origin": "synthetic"})
+    ids = 0
+    sizes = [1, 480, 481, 512, 992, 1024, MiB - 64, MiB - 32, MiB - 31, MiB, 3 * MiB - 20, 10 * MiB - 40,
+             10 * MiB - 31, 10 * MiB, 33 * MiB + 7]
+    t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=0)
+    keep = []
+    for step in range(2):
+        t.append(OP_MARK, cat=MARK_FORWARD_BEGIN, id=-1)
+        live = []
+        for k, size in enumerate(sizes * 2):
+            stream = 1 if k % 5 == 4 else 0
+            t.append(OP_ALLOC, id=ids, size=size + step, stream=stream)
+            live.append((ids, size + step, stream))
+            ids += 1
+            if k % 3 == 2:  # free one in three at once: holes for best fit
+                i, s, st = live.pop(0)
+                t.append(OP_FREE, id=i, size=s, stream=st)
+        t.append(OP_MARK, cat=MARK_BACKWARD_BEGIN, id=-1)
+        keep.append(live.pop())
+        for i, s, st in live:
+            t.append(OP_FREE, id=i, size=s, stream=st)
+        t.append(OP_MARK, cat=MARK_ITER_END, id=step)
+        if step == 0:
+            t.append(OP_EMPTY_CACHE)
+    for i, s, st in keep:
+        t.append(OP_FREE, id=i, size=s, stream=st)
+    t.meta["n_ids"] = ids
+    t.validate("synthetic")
+    return t
+
+
+@pytest.fixture(scope="module")
+def traces(shared_traces) -> list[tuple[str, Trace]]:
+    from npu_pool.capture import capture
+
+    out = [("synthetic", _synthetic()), ("capture-gpt", capture(steps=2, progress=False))]
+    for name in SHARED:
+        out.extend(open_traces(shared_traces / f"{name}.pickle"))
+    return out
+
+
+def _live(torch_npu: TorchNpu, name: str, trace: Trace, **kw):
+    return {r.allocator: r for r in replay_live(trace, name, device="npu", python=torch_npu.python,
+                                                env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY), timeout=300, **kw)}
+
+
+def _cli(torch_npu: TorchNpu, tmp: Path, trace: Trace) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`npu-pool replay TRACE --live --validate --json OUT` (minimum capacity included) in the torch_npu venv."""
+    path, out = tmp / "synthetic.npt", tmp / "live.json"
+    trace.save(path)
+    r = subprocess.run([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live", "--validate",
+                        "--json", str(out)], env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY), capture_output=True,
+                       text=True, timeout=300, cwd=str(ROOT))
+    return r, json.loads(out.read_text()) if out.exists() else []
+
+
+@pytest.fixture(scope="module")
+def played(torch_npu: TorchNpu, traces, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """((name, trace, {allocator: LiveResult}) per trace, the CLI's run): the first trace (synthetic,
+    small) is played through the command, with its minimum capacity, the others through the API.
+    Two play at once: each process has a fake device of its own (on a real device live replays run
+    one at a time)."""
+    (name0, trace0), rest = traces[0], traces[1:]
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        cli = ex.submit(_cli, torch_npu, tmp_path_factory.mktemp("cli"), trace0)
+        jobs = [ex.submit(_live, torch_npu, name, trace) for name, trace in rest]
+        r, records = cli.result()
+        assert r.returncode == 0, r.stderr[-3000:]
+        first = {rec["allocator"]: LiveResult(**{k: v for k, v in rec.items() if k != "simulated"}) for rec in records}
+        return [(name0, trace0, first)] + [(n, t, job.result()) for (n, t), job in zip(rest, jobs)], (r, records)
+
+
+def test_live_replay_equals_the_npu_simulation(played) -> None:
+    assert len(played[0]) >= 4
+    for name, trace, live in played[0]:
+        for allocator, policy in (("native", "torch"), ("npu_pool", "npu_pool")):
+            r = live[allocator]
+            sim = run(trace, policy, device="npu")
+            assert r.ok and sim.ok, (name, allocator)
+            assert r.device == "npu"
+            assert r.peak_reserved_bytes == sim.peak_reserved_bytes, (name, allocator)
+            assert r.peak_allocated_bytes == sim.stats["total"]["allocated"]["peak"], (name, allocator)
+            assert r.device_allocs == sim.device_mallocs, (name, allocator)
+            assert r.vendor_calls is not None and set(r.vendor_calls) >= set(ALLOC_CALLS["npu"])
+        # the fake runtime's own books agree with the framework's
+        assert live["native"].vendor_calls["aclrtMalloc"] == live["native"].device_allocs  # one per segment
+        assert live["npu_pool"].vendor_calls["aclrtMalloc"] == 0  # npu_pool maps pages instead
+        assert live["npu_pool"].vendor_calls["aclrtMapMem"] >= live["npu_pool"].device_allocs
+
+
+def test_cuda_rules_would_mispredict_the_npu(played) -> None:
+    """torch_npu pads: with CUDA's rules the simulation misses what the NPU allocated on every trace."""
+    for name, trace, live in played[0]:
+        cuda = run(trace, "torch", device="cuda")
+        assert cuda.stats["total"]["allocated"]["peak"] < live["native"].peak_allocated_bytes, name
+
+
+def test_live_minimum_capacity_equals_the_simulation(played) -> None:
+    name, trace, live = played[0][0]
+    for allocator, policy in (("native", "torch"), ("npu_pool", "npu_pool")):
+        cap, _ = min_capacity(trace, policy, device="npu")
+        assert live[allocator].min_capacity_bytes == cap, allocator
+        assert live[allocator].peak_allocated_bytes <= cap <= live[allocator].peak_reserved_bytes
+
+
+def test_cli_live_validate(played) -> None:
+    _, (r, records) = played
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("synthetic")]
+    assert [(x[1], x[2]) for x in rows] == [("native", "live"), ("native", "sim"), ("npu_pool", "live"),
+                                            ("npu_pool", "sim")]
+    assert [x[-1] for x in rows if x[2] == "sim"] == ["yes", "yes"]
+    assert [rec["allocator"] for rec in records] == ["native", "npu_pool"]
+    for rec in records:
+        sim = rec["simulated"]
+        assert sim["device"] == "npu" and sim["same"]
+        assert sim["peak_reserved_bytes"] == rec["peak_reserved_bytes"]
+        assert sim["min_capacity_bytes"] == rec["min_capacity_bytes"]
+
+
+def test_cli_live_without_a_device_says_so(tmp_path) -> None:
+    """Plain torch on a CPU machine: one clear line, exit 1, no traceback."""
+    path = tmp_path / "t.npt"
+    _synthetic().save(path)
+    r = subprocess.run([sys.executable, "-m", "npu_pool.cli", "replay", str(path), "--live"], capture_output=True,
+                       text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert "no NPU (torch_npu) or CUDA GPU on this machine" in r.stderr
+
+
+def test_a_live_run_out_of_memory_is_said() -> None:
+    from npu_pool.live import format_live
+
+    r = LiveResult(trace="t", allocator="native", device="npu", ok=False, fail_index=12, peak_reserved_bytes=1 << 30,
+                   peak_allocated_bytes=1 << 29, min_capacity_bytes=None, device_allocs=3, device_frees=0,
+                   vendor_calls=None, seconds=0.1)
+    text = format_live([(r, None)])
+    assert "t: under native the device ran out of memory at event 12" in text
+    assert text.splitlines()[2].split()[3:6] == ["1.000", "0.500", "-"]
