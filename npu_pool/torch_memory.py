@@ -57,7 +57,8 @@ def stats_dict(pool: Any) -> dict[str, Any]:
         out[key] = {"all": _stat(st["total"][field]),
                     "small_pool": _stat(pools["small"][field]) if small_large else dict(_ZERO),
                     "large_pool": _stat(pools["large"][field]) if small_large else dict(_ZERO)}
-    free = int(st["total"]["reserved"]["current"] - st["total"]["active"]["current"])
+    # paused tags' blocks are active but not reserved (their pages went back to the device)
+    free = max(0, int(st["total"]["reserved"]["current"] + st.get("paused", 0) - st["total"]["active"]["current"]))
     out["inactive_split_bytes"] = {"all": dict(_ZERO, current=free, peak=free), "small_pool": dict(_ZERO),
                                    "large_pool": dict(_ZERO)}
     out["inactive_split"] = {"all": dict(_ZERO), "small_pool": dict(_ZERO), "large_pool": dict(_ZERO)}
@@ -66,6 +67,7 @@ def stats_dict(pool: Any) -> dict[str, Any]:
     out.update(num_alloc_retries=int(st["retries"]), num_ooms=int(st["ooms"]), max_split_size=0,
                num_sync_all_streams=int(st["syncs"]), num_device_alloc=int(st["device_mallocs"]),
                num_device_free=int(st["device_frees"]), num_oom_rejections=0)
+    out.update(paused_bytes=int(st.get("paused", 0)), backup_bytes=int(st.get("backup", 0)))
     return out
 
 
