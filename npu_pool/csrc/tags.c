@@ -46,7 +46,7 @@ void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a) {
   uint64_t others = main == a ? 0 : mapped_of(main);
   for (int i = 0; i < t->n; i++)
     if (&t->at[i]->arena != a) others += mapped_of(&t->at[i]->arena);
-  a->outside = others;
+  a->set_aside = a->outside = others; /* the cap less the others' bytes; its own reserved bytes */
 }
 
 np_arena *np_tags_owner(np_tagset *t, const np_block *b) {
@@ -362,11 +362,13 @@ void np_tags_fill_stats(np_ctx *ctx, np_tagset *t, np_arena *main, np_stats *st)
   for (int i = 0; i < t->n; i++) {
     np_tag *g = t->at[i];
     uint64_t need = 0;
+    np_tags_budget(ctx, t, main, &g->arena);
     if (g->paused) runs(&g->arena, NULL, &need);
     else if (g->arena.seg) np_arena_fill_stats(ctx, &g->arena, st);
     st->paused += need;
   }
   st->backup = t->backup_bytes;
+  np_tags_budget(ctx, t, main, main);
   np_arena_fill_stats(ctx, main, st); /* last: the arena high-water mark is the main arena's */
 }
 

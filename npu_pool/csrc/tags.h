@@ -11,8 +11,8 @@
  * Invariants: a paused tag's reservation has nothing mapped and the tag takes no requests; a
  * backup entry names a block of its tag allocated when the tag was paused (freed since: skipped
  * at resume); `backup_bytes` is the sum of the backups' sizes and never exceeds `backup_limit`;
- * `current` is -1 or a tag index. Every arena's `outside` is set (np_tags_budget) before a call
- * into it, so that each arena sees the others' mapped bytes as its owner's.
+ * `current` is -1 or a tag index. Every arena's budget is set (np_tags_budget) before a call
+ * into it: the others' mapped bytes are both set aside from its cap and outside its reserved.
  */
 #ifndef NP_TAGS_H
 #define NP_TAGS_H
@@ -45,7 +45,7 @@ typedef struct np_tagset {
 void np_tags_init(np_ctx *ctx, np_tagset *t);
 /* Return every tag's memory and free its backups. */
 void np_tags_drop(np_ctx *ctx, np_tagset *t);
-/* Set a's view of the budget: the other arenas' mapped bytes are outside it. */
+/* Set a's view of the budget: the other arenas' mapped bytes are set aside and outside it. */
 void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a);
 /* The tag arena that owns b, or NULL (the main arena's, or no arena's). */
 np_arena *np_tags_owner(np_tagset *t, const np_block *b);
