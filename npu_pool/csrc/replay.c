@@ -50,8 +50,9 @@ typedef struct replay {
 static void tag_name(int64_t tag, char *buf) { snprintf(buf, NP_TAG_NAME, "tag%lld", (long long)tag); }
 
 /* NP_OP_REGION / PAUSE / RESUME. With a policy that pauses tags, its hooks; with any other, what
- * a user of the stock allocator does (explicit offload): pause frees the tag's live tensors (to
- * host), resume allocates them again. A resume the device cannot serve ends the replay (ok 0). */
+ * a user of the stock allocator does (explicit offload): pause frees the tag's live tensors (their
+ * contents copied to host) and empties the cache, resume allocates them again. A resume the device
+ * cannot serve ends the replay (ok 0). */
 static int tag_op(replay *r, uint64_t i, uint8_t op, int64_t tag) {
   np_ctx *ctx = r->ctx;
   const np_policy *p = ctx->policy;
@@ -88,7 +89,8 @@ static int tag_op(replay *r, uint64_t i, uint8_t op, int64_t tag) {
       r->out->ops++;
     }
   }
-  return NP_OK;
+  /* what offloading users do next (verl, MindSpeed-RL): return the freed memory to the device */
+  return op == NP_OP_PAUSE ? np_ctx_empty_cache(ctx) : NP_OK;
 }
 
 static int bad_id(uint64_t i, int64_t id, const char *what) {
