@@ -342,3 +342,68 @@ def test_replay_pauses_with_npu_pool_and_offloads_with_the_others() -> None:
     assert res["npu_pool"].ok and res["expandable"].ok
     assert res["npu_pool"].peak_live_bytes == res["expandable"].peak_live_bytes
     assert res["npu_pool"].peak_reserved_bytes <= res["expandable"].peak_reserved_bytes
+
+
+# ---- the real torch_npu over the fake CANN runtime --------------------------------------------------
+
+def test_torch_npu_pause_frees_the_device_and_resume_restores_pointers_and_contents(torch_npu) -> None:
+    out, err = torch_npu.results("""
+import ctypes, json
+fake = ctypes.CDLL("libascendcl.so")
+fake.fake_used.restype = ctypes.c_ulonglong
+import torch, torch_npu, npu_pool
+npu_pool.install()
+MiB = 1 << 20
+r = {}
+host = torch.arange(150 * MiB, dtype=torch.int64).remainder(251).to(torch.uint8)
+with npu_pool.region("train"):
+    w = host.to("npu")
+    small = torch.full((1000,), 7, dtype=torch.int32).to("npu")   # (no kernels run here: copies only)
+ptrs = [w.data_ptr(), small.data_ptr()]
+try:                                   # the device cannot hold the weights and as much again
+    torch.empty(150 * MiB, dtype=torch.uint8, device="npu")
+    r["both_fit"] = True
+except torch.OutOfMemoryError:
+    r["both_fit"] = False
+torch.npu.empty_cache()
+used, reserved = fake.fake_used(), torch.npu.memory_reserved()
+free_before = torch.npu.mem_get_info()[0]
+paused = npu_pool.pause("train", backup=True)
+r["paused"] = paused
+r["used_drop"] = used - fake.fake_used()
+r["reserved_drop"] = reserved - torch.npu.memory_reserved()
+r["free_rise"] = torch.npu.mem_get_info()[0] - free_before
+st = npu_pool.installed()[0].stats()
+r["stats"] = [st["paused"], st["backup"], npu_pool.colocate.tags()["train"]["is_paused"]]
+kv = torch.empty(paused, dtype=torch.uint8, device="npu")   # as large as the paused bytes: fits now
+kv.copy_(torch.full((paused,), 3, dtype=torch.uint8))
+r["kv_ok"] = bool((kv.cpu() == 3).all())
+del kv                                  # idle in the pool: resume gives it back first
+try:
+    with npu_pool.region("train"):
+        torch.empty(10, device="npu")
+    r["alloc_paused"] = "allowed"
+except RuntimeError as e:
+    r["alloc_paused"] = "paused; resume it first" in str(e)
+r["resumed"] = npu_pool.resume("train")
+r["same_ptrs"] = [w.data_ptr(), small.data_ptr()] == ptrs
+r["contents"] = bool(torch.equal(w.cpu(), host)) and bool((small.cpu() == 7).all())
+p = npu_pool.installed()[0]
+p.check()
+r["books"] = [p.stats()["total"]["reserved"]["current"], fake.fake_used(), torch.npu.memory_reserved()]
+try:
+    npu_pool.resume("train")
+except RuntimeError as e:
+    r["resume_twice"] = str(e)
+print(json.dumps(r))
+""", FAKE_CAPACITY=str(256 << 20))
+    MiB_ = 1 << 20
+    assert out["both_fit"] is False
+    assert out["paused"] >= 150 * MiB_
+    assert out["used_drop"] == out["reserved_drop"] == out["free_rise"] == out["paused"]
+    assert out["stats"][0] >= 150 * MiB_ and out["stats"][1] >= 150 * MiB_ and out["stats"][2]
+    assert out["kv_ok"] and out["alloc_paused"] is True
+    assert out["resumed"] == out["stats"][0]
+    assert out["same_ptrs"] and out["contents"]
+    assert out["books"][0] == out["books"][2] and out["books"][1] >= out["books"][0]
+    assert "not paused" in out["resume_twice"]
