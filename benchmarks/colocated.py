@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from npu_pool.capture.colocated import colocated_capture, cycle_bounds  # noqa: E402
+from npu_pool.capture.colocated import colocated_capture, cycle_bounds, resident  # noqa: E402
 from npu_pool.replay import CAPACITY_STEP, min_capacity  # noqa: E402
 from npu_pool.timeline import timeline  # noqa: E402
 from npu_pool.trace.format import OP_ALLOC, Trace  # noqa: E402
@@ -48,17 +48,37 @@ def prefix(trace: Trace, end: int) -> Trace:
 def measure(trace: Trace, ks: list[int]) -> dict:
     bounds = cycle_bounds(trace)
     out: dict = {"events": len(trace), "cycles": len(bounds), "policies": {}}
-    for pol in POLICIES:
+    # what pausing saves: the same program keeping everything resident (pause/resume removed)
+    kept = resident(trace)
+    runs = [(pol, pol, trace) for pol in POLICIES] + [("torch, nothing offloaded", "torch", kept)]
+    for name, pol, t in runs:
         t0 = time.perf_counter()
-        tl = timeline(trace, pol)
-        per_cycle = [max(tl.reserved[s:e]) for s, e in bounds]
+        tl = timeline(t, pol)
+        b = bounds if t is trace else _shift(trace, bounds)
+        per_cycle = [max(tl.reserved[s:e]) for s, e in b]
         mins = {}
         for k in ks:
-            cap, _ = min_capacity(prefix(trace, bounds[k - 1][1]), pol, lo=CAPACITY_STEP)
+            cap, _ = min_capacity(prefix(t, b[k - 1][1]), pol, lo=CAPACITY_STEP)
             mins[k] = cap
-        out["policies"][pol] = {"ok": tl.ok, "peak_reserved": tl.peak_reserved, "peak_per_cycle": per_cycle,
+        out["policies"][name] = {"ok": tl.ok, "peak_reserved": tl.peak_reserved, "peak_per_cycle": per_cycle,
                                 "min_capacity": mins, "device_mallocs": tl.stats["device_mallocs"],
                                 "device_frees": tl.stats["device_frees"], "s": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def _shift(trace: Trace, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The cycle bounds of `trace` in its resident copy (pause and resume events removed)."""
+    from npu_pool.trace.format import OP_PAUSE, OP_RESUME
+
+    removed, k, out = 0, 0, []
+    marks = []
+    for i, op in enumerate(trace.op):
+        marks.append(removed)
+        if op in (OP_PAUSE, OP_RESUME):
+            removed += 1
+    marks.append(removed)
+    for s, e in bounds:
+        out.append((s - marks[s], e - marks[e]))
     return out
 
 

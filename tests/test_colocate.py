@@ -172,7 +172,7 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "pause", "backup", "r
                          st.integers(0, 2), st.integers(1, 6 * MiB)), min_size=1, max_size=60)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seq=ops)
 def test_random_pause_resume_sequences_keep_the_books(seq: list) -> None:
     tags = ["t0", "t1", None]
@@ -407,3 +407,25 @@ print(json.dumps(r))
     assert out["same_ptrs"] and out["contents"]
     assert out["books"][0] == out["books"][2] and out["books"][1] >= out["books"][0]
     assert "not paused" in out["resume_twice"]
+
+
+def test_colocated_capture_replays_without_growth_from_cycle_to_cycle() -> None:
+    from npu_pool.capture.colocated import TAGS, colocated_capture, cycle_bounds, resident
+
+    t = colocated_capture(cycles=4, layers=2, seq=256, rollout_batch=8, prompt=64, response=64, decode_steps=4)
+    bounds = cycle_bounds(t)
+    assert len(bounds) == 4 and t.meta["capture"]["tags"] == TAGS
+
+    def first(k: int) -> Trace:
+        u = Trace(meta=dict(t.meta))
+        for col in ("op", "cat", "site", "id", "size", "stream", "addr"):
+            getattr(u, col).extend(getattr(t, col)[:bounds[k - 1][1]])
+        u.meta["n_ids"] = sum(1 for op in u.op if op == OP_ALLOC)
+        return u
+
+    caps = [replay.min_capacity(first(k), "npu_pool", lo=PAGE)[0] for k in (1, 4)]
+    assert caps[0] == caps[1]  # no memory lost to fragmentation cycle after cycle
+    kept = replay.min_capacity(resident(t), "npu_pool", lo=PAGE)[0]
+    assert caps[1] < kept  # pausing frees what the other side needs
+    r = replay.run(t, "npu_pool", caps[1])
+    assert r.ok and r.stats["paused"] > 0  # ends with the trainer paused

@@ -26,7 +26,7 @@ from typing import Any
 from ..trace.format import (CAT_ACTIVATION, CAT_PARAMETER, CAT_TEMPORARY, MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC,
                             OP_FREE, OP_MARK, OP_PAUSE, OP_REGION, OP_RESUME, Trace)
 
-__all__ = ["colocated_capture", "TAGS", "cycle_bounds"]
+__all__ = ["colocated_capture", "TAGS", "cycle_bounds", "resident"]
 
 TAGS = {"train": 0, "rollout_weights": 1, "kv_cache": 2}
 _ROLLOUT_TAGS = (("rollout_weights", 1), ("kv_cache", 0))  # (tag, backup)
@@ -107,17 +107,17 @@ def _rollout(b: _Builder, cfg: Any, batch: int, prompt: int, response: int, step
 
 def colocated_capture(cycles: int = 12, model: str = "llama", shape: str = "7b", *, tp: int = 8, seq: int = 2048,
                       batch: int = 1, rollout_batch: int = 64, prompt: int = 512, response: int = 1024,
-                      decode_steps: int = 32, progress: bool = False) -> Trace:
+                      decode_steps: int = 32, layers: int | None = None, progress: bool = False) -> Trace:
     """The trace of ``cycles`` colocated-RL iterations at ``model``/``shape`` on one rank of ``tp``
-    (see the module's docstring); no real memory is used."""
+    (see the module's docstring; ``layers`` overrides the shape's depth); no real memory is used."""
     from ..workloads import make_config, param_count
     from .fake import fake_capture
 
     if cycles < 1 or rollout_batch < 1 or prompt < 1 or response < 1 or decode_steps < 1:
         raise ValueError("cycles, rollout_batch, prompt, response and decode_steps must be >= 1")
     train = fake_capture(model, shape, steps=2, batch=batch, seq=seq, tp=tp, mixed_precision="bf16",
-                         progress=progress)
-    cfg = make_config(model, shape, tp=tp)
+                         layers=layers, progress=progress)
+    cfg = make_config(model, shape, tp=tp, **({"n_layers": layers} if layers else {}))
     lo, hi = _split_step(train)
     b = _Builder(list(train.meta.get("sites", [])))
     # set-up: the trainer (its first step creates the optimizer states), then the rollout engine
@@ -182,3 +182,12 @@ def cycle_bounds(trace: Trace) -> list[tuple[int, int]]:
     the next one (the last runs to the end)."""
     starts = [k for k, (op, i) in enumerate(zip(trace.op, trace.id)) if op == OP_RESUME and i == TAGS["rollout_weights"]]
     return [(s, e) for s, e in zip(starts, starts[1:] + [len(trace)])]
+
+
+def resident(trace: Trace) -> Trace:
+    """The same program with nothing paused or offloaded: every tensor stays on the device."""
+    t = Trace(meta=dict(trace.meta))
+    for ev in trace.events():
+        if ev.op not in (OP_PAUSE, OP_RESUME):
+            t.append(ev.op, id=ev.id, size=ev.size, stream=ev.stream, site=ev.site, cat=ev.cat, addr=ev.addr)
+    return t
