@@ -1,6 +1,6 @@
 """Colocated RL: npu_pool's pause/resume against explicit offload; writes the figures of docs/colocated.md.
 
-    python benchmarks/colocated.py [--cycles 12] [--trace FILE] [--out docs/colocated_results.md]
+    python benchmarks/colocated.py [--cycles 12] [--trace FILE] [--doc docs/colocated.md]
 
 The trace is :func:`npu_pool.capture.colocated.colocated_capture` (a 7B Llama training step on
 fake tensors, one rank of tp 8, and a modelled vLLM-style rollout; saved to ``--trace`` and reused
@@ -33,6 +33,7 @@ from npu_pool.timeline import timeline  # noqa: E402
 from npu_pool.trace.format import OP_ALLOC, Trace  # noqa: E402
 
 POLICIES = ["npu_pool", "torch", "expandable"]
+BEGIN, END = "<!-- figures begin -->", "<!-- figures end -->"
 GiB = float(1 << 30)
 
 
@@ -110,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=12)
     ap.add_argument("--trace", default="/tmp/npu_pool_colocated_7b.nptrace", help="trace file (made if absent)")
-    ap.add_argument("--out", help="write the Markdown tables here (default: stdout)")
+    ap.add_argument("--doc", help="replace the figures between the markers of this Markdown file (docs/colocated.md)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
     path = Path(a.trace)
@@ -124,8 +125,11 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     text = markdown(res, "python benchmarks/colocated.py" + (f" --cycles {a.cycles}" if a.cycles != 12 else ""))
-    if a.out:
-        Path(a.out).write_text(text)
+    if a.doc:
+        doc = Path(a.doc).read_text()
+        head, rest = doc.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        Path(a.doc).write_text(head + BEGIN + "\n" + text + END + tail)
     print(text)
 
 
