@@ -10,6 +10,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "policy.h"
@@ -63,7 +64,14 @@ static int tag_op(replay *r, uint64_t i, uint8_t op, int64_t tag) {
     r->region = (int)tag;
     return p->region ? p->region(ctx, tag < 0 ? NULL : name) : NP_OK;
   }
-  if (p->pause && p->resume) {
+  if (p->pause && p->resume && p->region) {
+    if (op == NP_OP_PAUSE) { /* a tag paused before any allocation in it: make it, stay in the region */
+      char cur[NP_TAG_NAME];
+      tag_name(r->region, cur);
+      int rc = p->region(ctx, name);
+      if (rc == NP_OK) rc = p->region(ctx, r->region < 0 ? NULL : cur);
+      if (rc != NP_OK) return rc;
+    }
     int rc = op == NP_OP_PAUSE ? p->pause(ctx, name, r->in->cat[i] != 0, &bytes) : p->resume(ctx, name, &bytes);
     if (rc == NP_ERR_OOM && op == NP_OP_RESUME) {
       r->out->fail_index = i;
@@ -224,6 +232,7 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     return np_error(NP_ERR_INVALID, "replay: hints must be one of NP_HINTS_* (0..%d)", NP_HINTS_COUNT - 1);
   uint64_t m = in->n_ids ? in->n_ids : 1;
   replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, malloc(m), calloc(m, 1), -1};
+  if (r.tag) memset(r.tag, -1, m); /* no tag */
   if (!r.ptrs || !r.sizes || !r.tag || !r.off) {
     free(r.ptrs);
     free(r.sizes);

@@ -315,9 +315,9 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
     snprintf(cause, sizeof cause, "%s", np_last_error());
     if (rc == NP_ERR_OOM) ctx->st.ooms++;
     return np_error(rc, "resume of tag '%s' failed: its blocks need %s mapped again at their addresses; the pool "
-                    "holds %s of the %s cap after returning its idle memory; nothing was mapped, the tag stays "
-                    "paused [%s]", name, np_fmt_bytes(need, x), np_fmt_bytes(ctx->st.total.reserved.current, y),
-                    np_fmt_bytes(ctx->limit, z), cause);
+                    "holds %s of the %s cap%s; nothing was mapped, the tag stays paused [%s]", name, np_fmt_bytes(need, x), np_fmt_bytes(ctx->st.total.reserved.current, y),
+                    np_fmt_bytes(ctx->limit, z),
+                    rc == NP_ERR_OOM ? " after returning its idle memory" : "", cause);
   }
   free_backup(ctx, t, g);
   g->paused = false;
