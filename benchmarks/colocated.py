@@ -31,6 +31,7 @@ from npu_pool.capture.colocated import colocated_capture, cycle_bounds, resident
 from npu_pool.replay import CAPACITY_STEP, min_capacity  # noqa: E402
 from npu_pool.timeline import timeline  # noqa: E402
 from npu_pool.trace.format import OP_ALLOC, Trace  # noqa: E402
+from npu_pool.trace.stats import live_profile  # noqa: E402
 
 POLICIES = ["npu_pool", "torch", "expandable"]
 BEGIN, END = "<!-- figures begin -->", "<!-- figures end -->"
@@ -48,7 +49,8 @@ def prefix(trace: Trace, end: int) -> Trace:
 
 def measure(trace: Trace, ks: list[int]) -> dict:
     bounds = cycle_bounds(trace)
-    out: dict = {"events": len(trace), "cycles": len(bounds), "policies": {}}
+    out: dict = {"events": len(trace), "cycles": len(bounds), "policies": {},
+                 "peak_live": live_profile(trace).peak_bytes}
     # what pausing saves: the same program keeping everything resident (pause/resume removed)
     kept = resident(trace)
     runs = [(pol, pol, trace) for pol in POLICIES] + [("torch, nothing offloaded", "torch", kept)]
@@ -88,7 +90,9 @@ def markdown(res: dict, cmd: str) -> str:
     ks = list(next(iter(pols.values()))["min_capacity"])
     lines = [f"<!-- written by `{cmd}` -->", "",
              f"Trace: {res['events']} events, {res['cycles']} cycles "
-             "(7B Llama, one rank of tp 8, bf16; rollout batch 64, prompt 512, response 1024).", "",
+             "(7B Llama, one rank of tp 8, bf16; rollout batch 64, prompt 512, response 1024); "
+             f"peak live on the device (a paused tag's tensors are not): {res['peak_live'] / GiB:.3f} GiB, "
+             "the lower bound.", "",
              "Minimum capacity (GiB) for the first k cycles:", "",
              "| policy | " + " | ".join(f"k={k}" for k in ks) + " | growth k=1 -> k=" + str(ks[-1]) + " |",
              "|---|" + "---|" * (len(ks) + 1)]

@@ -67,7 +67,6 @@ def stats_dict(pool: Any) -> dict[str, Any]:
     out.update(num_alloc_retries=int(st["retries"]), num_ooms=int(st["ooms"]), max_split_size=0,
                num_sync_all_streams=int(st["syncs"]), num_device_alloc=int(st["device_mallocs"]),
                num_device_free=int(st["device_frees"]), num_oom_rejections=0)
-    out.update(paused_bytes=int(st.get("paused", 0)), backup_bytes=int(st.get("backup", 0)))
     return out
 
 

@@ -161,7 +161,7 @@ typedef struct np_replay_out {
   uint64_t fail_index;      /* event that failed when ok == 0 */
   uint64_t ops;             /* alloc + free calls made */
   uint64_t ns;              /* wall time of the loop */
-  uint64_t peak_live;       /* peak of requested live bytes */
+  uint64_t peak_live;       /* peak of requested live bytes (a paused tag's are off the device) */
   uint64_t same_addr;       /* window allocations placed at their recorded address */
   uint64_t compared;        /* window allocations with a recorded address */
   uint64_t recorded_ooms;   /* NP_OP_OOM events: requests the recorded run could not serve */

@@ -45,6 +45,7 @@ typedef struct replay {
   int8_t *tag;       /* id -> tag of the region it was allocated in, -1 none */
   uint8_t *off;      /* id -> 1 while offloaded (policies without pause: freed at pause, re-allocated at resume) */
   int region;        /* the region entered (NP_OP_REGION), -1 none */
+  bool paused[NP_TAG_MAX]; /* live bytes of a paused tag are off the device: not in `live` */
 } replay;
 
 /* Trace tags are numbers; the pool's tags are their names. */
@@ -64,6 +65,12 @@ static int tag_op(replay *r, uint64_t i, uint8_t op, int64_t tag) {
     r->region = (int)tag;
     return p->region ? p->region(ctx, tag < 0 ? NULL : name) : NP_OK;
   }
+  uint64_t tag_live = 0; /* the tag's live bytes leave the device at pause, come back at resume */
+  for (uint64_t id = 0; id < r->in->n_ids; id++)
+    if (r->tag[id] == tag && (r->ptrs[id] || r->off[id])) tag_live += r->sizes[id];
+  r->paused[tag] = op == NP_OP_PAUSE;
+  if (op == NP_OP_PAUSE) r->live -= tag_live;
+  else if ((r->live += tag_live) > r->out->peak_live) r->out->peak_live = r->live;
   if (p->pause && p->resume && p->region) {
     if (op == NP_OP_PAUSE) { /* a tag paused before any allocation in it: make it, stay in the region */
       char cur[NP_TAG_NAME];
@@ -175,7 +182,6 @@ static int run(replay *r) {
       case NP_OP_FREE:
         if (id >= 0 && (uint64_t)id < in->n_ids && r->off[id]) { /* offloaded: its host copy is dropped */
           r->off[id] = 0;
-          r->live -= r->sizes[id];
           r->out->ops++;
           break;
         }
@@ -183,7 +189,7 @@ static int run(replay *r) {
         rc = np_ctx_free(ctx, r->ptrs[id]);
         if (rc != NP_OK) return rc;
         r->ptrs[id] = NULL;
-        r->live -= r->sizes[id];
+        if (r->tag[id] < 0 || !r->paused[r->tag[id]]) r->live -= r->sizes[id];
         r->out->ops++;
         break;
       case NP_OP_MARK:
@@ -231,7 +237,7 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
   if (in->hints < 0 || in->hints >= NP_HINTS_COUNT)
     return np_error(NP_ERR_INVALID, "replay: hints must be one of NP_HINTS_* (0..%d)", NP_HINTS_COUNT - 1);
   uint64_t m = in->n_ids ? in->n_ids : 1;
-  replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, malloc(m), calloc(m, 1), -1};
+  replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, malloc(m), calloc(m, 1), -1, {0}};
   if (r.tag) memset(r.tag, -1, m); /* no tag */
   if (!r.ptrs || !r.sizes || !r.tag || !r.off) {
     free(r.ptrs);
