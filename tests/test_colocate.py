@@ -429,3 +429,15 @@ def test_colocated_capture_replays_without_growth_from_cycle_to_cycle() -> None:
     assert caps[1] < kept  # pausing frees what the other side needs
     r = replay.run(t, "npu_pool", caps[1])
     assert r.ok and r.stats["paused"] > 0  # ends with the trainer paused
+    # peak live counts a paused tag's tensors off the device, in the replay (C) and in Python alike
+    from npu_pool.trace.stats import live_profile
+
+    assert r.peak_live_bytes == live_profile(t).peak_bytes <= caps[1]
+    assert live_profile(resident(t)).peak_bytes > r.peak_live_bytes
+
+
+def test_capture_command_colocated_needs_a_shape(capsys: pytest.CaptureFixture) -> None:
+    from npu_pool.cli import main
+
+    assert main(["capture", "--colocated", "3"]) == 2
+    assert "--colocated needs --shape" in capsys.readouterr().err
