@@ -252,6 +252,35 @@ def test_vendor_device_memory_goes_back_and_comes_back(builds: dict, backend: st
         p.check()
 
 
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+@pytest.mark.parametrize("op", ["map", "create", "unmap"])
+def test_vendor_failing_half_way_leaves_the_books_right(builds: dict, backend: str, op: str) -> None:  # noqa: F811
+    v = _vendor(builds, backend, capacity=128 * MiB)
+    with v.pool() as p:
+        with p.region("train"):
+            a = p.malloc(20 * MiB - v.pad)
+            b = p.malloc(10 * MiB - v.pad)
+        if op == "unmap":  # a page that refuses to unmap is held, counted, and retried
+            v.fail(op, skip=3)
+            with pytest.raises(PoolError):
+                p.pause("train")
+            assert p.tags()["train"]["is_paused"] and p.stats()["unreleased"] > 0
+        else:
+            p.pause("train")
+            v.fail(op, skip=7)  # the resume fails after mapping some pages: all of them are undone
+            with pytest.raises(PoolError, match="resume of tag 'train'"):
+                p.resume("train")
+            assert p.tags()["train"]["is_paused"] and p.tags()["train"]["mapped"] == 0
+        p.check()
+        assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+        p.empty_cache()
+        assert p.resume("train") >= 30 * MiB
+        _fill(a, 20 * MiB - v.pad, 1)
+        _fill(b, 10 * MiB - v.pad, 2)
+        p.check()
+        assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+
+
 @pytest.fixture(scope="module")
 def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> str:
     cc = _compiler()
