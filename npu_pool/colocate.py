@@ -10,11 +10,12 @@ Each function acts on the installed allocator's pool of torch's current device, 
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Optional
 
-from .install import current_pool
-from .pool import Pool, PoolError, _Region
 from ._core import lib
+from .install import current_pool
+from .pool import Pool, PoolError
 
 __all__ = ["region", "pause", "resume", "tags", "set_backup_limit"]
 
@@ -29,7 +30,7 @@ def _pool(pool: Optional[Pool]) -> Pool:
     return p
 
 
-def region(tag: str, pool: Optional[Pool] = None) -> _Region:
+def region(tag: str, pool: Optional[Pool] = None) -> AbstractContextManager[Any]:
     """``with npu_pool.region(tag):`` -- tensors allocated inside belong to ``tag``."""
     return _pool(pool).region(tag)
 

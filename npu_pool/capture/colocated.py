@@ -55,8 +55,7 @@ class _Builder:
 
 def _split_step(trace: Trace) -> tuple[int, int]:
     """[begin, end) of the second iteration of a two-step capture (its ITER markers included)."""
-    begins = [i for i, (op, cat, iid) in enumerate(zip(trace.op, trace.cat, trace.id))
-              if op == OP_MARK and cat == MARK_ITER_BEGIN]
+    begins = [i for i, (op, cat) in enumerate(zip(trace.op, trace.cat)) if op == OP_MARK and cat == MARK_ITER_BEGIN]
     ends = [i for i, (op, cat) in enumerate(zip(trace.op, trace.cat)) if op == OP_MARK and cat == MARK_ITER_END]
     if len(begins) < 2 or len(ends) < 2:
         raise ValueError("the training capture needs two iterations with their markers")

@@ -294,7 +294,7 @@ int np_plan_place(uint32_t n_pos, uint64_t n, const uint64_t *size, const uint32
  * the device is short) and restores the contents. The region is the context's, not the
  * thread's: torch's backward threads allocate into it too. np_region(ctx, NULL) leaves it. */
 typedef struct np_tag_info {
-  char name[64];
+  char name[64];            /* NP_TAG_NAME */
   uint64_t allocated;       /* bytes of the tag's allocated blocks */
   uint64_t blocks;          /* its allocated blocks */
   uint64_t mapped;          /* bytes of its address range backed by physical memory now */
