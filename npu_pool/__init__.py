@@ -18,6 +18,9 @@ _LAZY = {
     "install": "npu_pool.install",
     "installed": "npu_pool.install",
     "set_fraction": "npu_pool.install",
+    "region": "npu_pool.colocate",
+    "pause": "npu_pool.colocate",
+    "resume": "npu_pool.colocate",
 }
 
 __all__ = ["__version__", *_LAZY]

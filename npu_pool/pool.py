@@ -385,3 +385,72 @@ class Pool:
     def check(self) -> None:
         """Verify the core's invariants; raises PoolError naming the first violation."""
         _check(lib.np_check(self.ctx))
+
+    # -- tagged regions: pause and resume (docs/colocated.md) ------------------------------
+    def region(self, tag: str) -> "_Region":
+        """``with pool.region(tag):`` -- requests made inside belong to ``tag`` (its own address
+        range; npu_pool policy with a virtual-memory API). Regions nest; the region is the pool's,
+        not the thread's, so torch's backward threads allocate into it too."""
+        return _Region(self, _tag(tag))
+
+    def pause(self, tag: str, backup: bool = False) -> int:
+        """Return ``tag``'s physical memory to the device, keeping its blocks and addresses; with
+        ``backup``, first copy their contents to pinned host memory (within the bound of
+        :meth:`set_backup_limit`). Returns the bytes given back."""
+        out = ffi.new("uint64_t *")
+        _check(lib.np_pause(self.ctx, _tag(tag), bool(backup), out))
+        return int(out[0])
+
+    def resume(self, tag: str) -> int:
+        """Map ``tag``'s blocks again at their addresses (returning the pool's idle memory first if
+        the device is short) and restore its backup. Returns the bytes mapped again."""
+        out = ffi.new("uint64_t *")
+        _check(lib.np_resume(self.ctx, _tag(tag), out))
+        return int(out[0])
+
+    def tags(self) -> dict[str, dict[str, Any]]:
+        """``{tag: {allocated, blocks, mapped, paused, backup, pauses, is_paused, current}}``."""
+        n = ffi.new("size_t *")
+        _check(lib.np_tags(self.ctx, ffi.NULL, 0, n))
+        buf = ffi.new("np_tag_info[]", max(n[0], 1))
+        _check(lib.np_tags(self.ctx, buf, n[0], n))
+        out = {}
+        for i in range(n[0]):
+            d = _as_dict(buf[i])
+            name = d.pop("name")
+            d["is_paused"], d["current"] = bool(d["is_paused"]), bool(d["current"])
+            out[name] = d
+        return out
+
+    def set_backup_limit(self, nbytes: int) -> None:
+        """Bound the host bytes that backups of paused tags may hold (default: the device's memory)."""
+        _check(lib.np_set_backup_limit(self.ctx, _uint(nbytes, "backup limit")))
+
+
+def _tag(tag: object) -> bytes:
+    if not isinstance(tag, str) or not tag:
+        raise _invalid(f"a tag is a non-empty string, got {tag!r:.60}")
+    try:
+        return tag.encode("ascii")
+    except UnicodeEncodeError:
+        raise _invalid(f"tag {tag!r:.60} is not ASCII") from None
+
+
+class _Region:
+    """The context manager of :meth:`Pool.region`: enters the tag, and on exit the region that
+    was entered before (regions nest)."""
+
+    def __init__(self, pool: Pool, tag: bytes):
+        self.pool, self.tag = pool, tag
+
+    def __enter__(self) -> "_Region":
+        stack = self.pool.__dict__.setdefault("_regions", [])
+        _check(lib.np_region(self.pool.ctx, self.tag))
+        stack.append(self.tag)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = self.pool.__dict__.setdefault("_regions", [])
+        if stack:
+            stack.pop()
+        _check(lib.np_region(self.pool.ctx, stack[-1] if stack else ffi.NULL))

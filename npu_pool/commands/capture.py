@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages to divide the layers by (fake)")
     p.add_argument("--keep-host-scalars", action="store_true",
                    help="keep 0-dim host scalars (wrapped Python numbers) in real captures")
+    p.add_argument("--colocated", type=int, default=0, metavar="CYCLES",
+                   help="colocated RL: CYCLES iterations of rollout (modelled) and one training step of --shape, "
+                        "with pause/resume of the trainer's and the rollout's tags (docs/colocated.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", "-o", help="write the trace here (.npt)")
@@ -48,7 +51,16 @@ def run(args: argparse.Namespace) -> int:
     mp = "bf16" if args.bf16 else None
     progress = not args.no_progress
     try:
-        if fake:
+        if args.colocated > 0 and fake:
+            from ..capture.colocated import colocated_capture
+
+            trace = colocated_capture(args.colocated, args.model, args.shape, tp=args.tp, batch=args.batch,
+                                      seq=args.seq or _FAKE_SEQ, layers=args.layers, progress=progress)
+        elif args.colocated:
+            print("npu-pool capture: error: --colocated needs --shape (one of 7b, 13b, 70b) and a cycle count >= 1",
+                  file=sys.stderr)
+            return 2
+        elif fake:
             from ..capture import fake_capture
 
             trace = fake_capture(args.model, args.shape, args.steps, args.batch, args.seq or _FAKE_SEQ,
@@ -70,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"captured {what}: {c['steps']} steps x {c['grad_accum']} micro-batches of {c['batch']}x{c['seq']} tokens,"
           f" recompute {'on' if c['recompute'] else 'off'}, {c['mixed_precision'] or 'fp32'},"
           f" {c['total_s']:.1f} s")
+    if c.get("colocated"):
+        print(f"colocated RL: {c['cycles']} cycles of rollout (batch {c['rollout_batch']}, {c['prompt']}+{c['response']}"
+              f" tokens) and one training step; tags {', '.join(c['tags'])}")
     print(f"events {s['events']}  allocs {s['allocs']}  frees {s['frees']}  marks {s['marks']}"
           f"  sites {len(trace.meta.get('sites', []))}  host scalars left out {trace.meta.get('host_scalars_dropped', 0)}")
     print(f"peak live {fmt_bytes(s['peak_bytes'])} at event {s['peak_event']}; live at end {fmt_bytes(s['end_bytes'])}")

@@ -46,6 +46,11 @@ struct np_backend {
   /* optional: 1 if every piece of work queued on `stream` so far has finished, else 0 */
   int (*stream_idle)(np_backend *be, intptr_t stream);
   void (*destroy)(np_backend *be);
+  /* optional, backups of paused tags: copy `size` bytes between device and host memory
+   * (to_device 0: device -> host), synchronously; pinned host memory for such copies */
+  int (*copy)(np_backend *be, void *dst, const void *src, uint64_t size, int to_device);
+  int (*host_alloc)(np_backend *be, uint64_t size, void **out);
+  void (*host_free)(np_backend *be, void *p);
 };
 
 /* Create a backend for cfg->backend; NULL with np_error() set on failure. */

@@ -91,6 +91,9 @@ typedef struct acl_api {
   acl_err (*aclrtMemGetAllocationGranularity)(acl_phys_prop *prop, int option, size_t *granularity);
   const char *(*aclrtGetSocName)(void);
   acl_err (*aclsysGetCANNVersion)(int name, acl_pkg_version *version);
+  acl_err (*aclrtMemcpy)(void *dst, size_t dest_max, const void *src, size_t count, int kind);
+  acl_err (*aclrtMallocHost)(void **ptr, size_t size);
+  acl_err (*aclrtFreeHost)(void *ptr);
 } acl_api;
 
 #define SYM(fn, group) NP_DL_SYM(acl_api, fn, group)
@@ -117,6 +120,9 @@ static const np_dl_sym acl_syms[] = {
     SYM(aclrtMemGetAllocationGranularity, NP_DL_OPTIONAL), /* 2 MiB when absent */
     SYM(aclrtGetSocName, NP_DL_OPTIONAL),                  /* the padding rule: unknown pads */
     SYM(aclsysGetCANNVersion, NP_DL_OPTIONAL),
+    SYM(aclrtMemcpy, NP_DL_OPTIONAL), /* backups of paused tags: all three, or none */
+    SYM(aclrtMallocHost, NP_DL_OPTIONAL),
+    SYM(aclrtFreeHost, NP_DL_OPTIONAL),
 };
 #undef SYM
 
@@ -399,6 +405,30 @@ static void probe_vmm(acl_backend *a, const np_config *cfg, const char *missing)
   a->base.page_unmap = page_unmap;
 }
 
+/* ---- copies for backups of paused tags ----------------------------------- */
+
+enum { ACL_MEMCPY_HOST_TO_DEVICE = 1, ACL_MEMCPY_DEVICE_TO_HOST = 2 };
+
+static int acl_copy(np_backend *be, void *dst, const void *src, uint64_t size, int to_device) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  acl_err e = a->api.aclrtMemcpy(dst, size, src, size, to_device ? ACL_MEMCPY_HOST_TO_DEVICE : ACL_MEMCPY_DEVICE_TO_HOST);
+  char s[32];
+  if (e) rc = acl_fail(a, "aclrtMemcpy", np_fmt_bytes(size, s), e);
+  leave(a, prev);
+  return rc;
+}
+
+static int acl_host_alloc(np_backend *be, uint64_t size, void **out) {
+  acl_backend *a = (acl_backend *)be;
+  acl_err e = a->api.aclrtMallocHost(out, size);
+  char s[32];
+  return e ? acl_fail(a, "aclrtMallocHost", np_fmt_bytes(size, s), e) : NP_OK;
+}
+
+static void acl_host_free(np_backend *be, void *p) { ((acl_backend *)be)->api.aclrtFreeHost(p); }
+
 np_backend *np_backend_acl_create(const np_config *cfg) {
   if (cfg->device < 0) {
     np_error(NP_ERR_INVALID, "acl: device index must be >= 0, got %d", cfg->device);
@@ -438,6 +468,11 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
     a->base.stream_idle = acl_stream_idle;
   }
   if (!pads_requests(a)) a->base.request_align = a->base.request_tail = 0;
+  if (a->api.aclrtMemcpy && a->api.aclrtMallocHost && a->api.aclrtFreeHost) {
+    a->base.copy = acl_copy;
+    a->base.host_alloc = acl_host_alloc;
+    a->base.host_free = acl_host_free;
+  }
   probe_vmm(a, cfg, missing);
   leave(a, prev);
   return &a->base;

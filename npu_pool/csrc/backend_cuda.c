@@ -71,6 +71,9 @@ typedef struct cuda_api {
   cu_err (*cudaStreamWaitEvent)(void *stream, void *event, unsigned flags);
   cu_err (*cudaEventDestroy)(void *event);
   cu_err (*cudaStreamQuery)(void *stream);
+  cu_err (*cudaMemcpy)(void *dst, const void *src, size_t count, int kind);
+  cu_err (*cudaMallocHost)(void **ptr, size_t size);
+  cu_err (*cudaFreeHost)(void *ptr);
   cu_err (*cuInit)(unsigned flags);
   cu_err (*cuDeviceGet)(int *dev, int ordinal);
   cu_err (*cuDeviceGetAttribute)(int *value, int attribute, int dev);
@@ -97,6 +100,8 @@ static const np_dl_sym runtime_syms[] = {
     RT(cudaEventCreateWithFlags, NP_DL_OPTIONAL), RT(cudaEventRecord, NP_DL_OPTIONAL),
     RT(cudaStreamWaitEvent, NP_DL_OPTIONAL), RT(cudaEventDestroy, NP_DL_OPTIONAL),
     RT(cudaStreamQuery, NP_DL_OPTIONAL),
+    /* backups of paused tags (all three, or none) */
+    RT(cudaMemcpy, NP_DL_OPTIONAL), RT(cudaMallocHost, NP_DL_OPTIONAL), RT(cudaFreeHost, NP_DL_OPTIONAL),
 };
 static const np_dl_sym driver_syms[] = {
     RT(cuInit, NP_DL_VMM),
@@ -212,6 +217,30 @@ static int cuda_free(np_backend *be, uintptr_t addr, uint64_t size) {
   leave(c, prev);
   return rc;
 }
+
+/* ---- copies for backups of paused tags ------------------------------------ */
+
+enum { CUDA_MEMCPY_HOST_TO_DEVICE = 1, CUDA_MEMCPY_DEVICE_TO_HOST = 2 };
+
+static int cuda_copy(np_backend *be, void *dst, const void *src, uint64_t size, int to_device) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  cu_err e = c->api.cudaMemcpy(dst, src, size, to_device ? CUDA_MEMCPY_HOST_TO_DEVICE : CUDA_MEMCPY_DEVICE_TO_HOST);
+  char a[32];
+  if (e) rc = rt_fail(c, "cudaMemcpy", bytes_arg(size, a), e);
+  leave(c, prev);
+  return rc;
+}
+
+static int cuda_host_alloc(np_backend *be, uint64_t size, void **out) {
+  cuda_backend *c = (cuda_backend *)be;
+  cu_err e = c->api.cudaMallocHost(out, size);
+  char a[32];
+  return e ? rt_fail(c, "cudaMallocHost", bytes_arg(size, a), e) : NP_OK;
+}
+
+static void cuda_host_free(np_backend *be, void *p) { ((cuda_backend *)be)->api.cudaFreeHost(p); }
 
 static int cuda_synchronize(np_backend *be, intptr_t stream) {
   cuda_backend *c = (cuda_backend *)be;
@@ -446,6 +475,11 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
       c->api.cudaEventDestroy && c->api.cudaStreamQuery) {
     c->base.stream_wait = cuda_stream_wait;
     c->base.stream_idle = cuda_stream_idle;
+  }
+  if (c->api.cudaMemcpy && c->api.cudaMallocHost && c->api.cudaFreeHost) {
+    c->base.copy = cuda_copy;
+    c->base.host_alloc = cuda_host_alloc;
+    c->base.host_free = cuda_host_free;
   }
   probe_vmm(c, cfg, missing);
   leave(c, prev);

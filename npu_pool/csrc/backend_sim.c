@@ -192,6 +192,25 @@ static int sim_stream_idle(np_backend *be, intptr_t stream) {
   return 1; /* simulated work finishes as it is queued */
 }
 
+/* Host-backed: device memory is host memory, so copies are plain ones (there is no pinned kind). */
+static int sim_copy(np_backend *be, void *dst, const void *src, uint64_t size, int to_device) {
+  (void)be;
+  (void)to_device;
+  memcpy(dst, src, size);
+  return NP_OK;
+}
+
+static int sim_host_alloc(np_backend *be, uint64_t size, void **out) {
+  (void)be;
+  *out = malloc(size ? size : 1);
+  return *out ? NP_OK : np_error(NP_ERR_HOST, "sim: host out of memory for a backup of %llu bytes", (unsigned long long)size);
+}
+
+static void sim_host_free(np_backend *be, void *p) {
+  (void)be;
+  free(p);
+}
+
 static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint = addr; }
 
 static void sim_destroy(np_backend *be) {
@@ -229,6 +248,9 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .stream_wait = sim_stream_wait,
       .stream_idle = sim_stream_idle,
       .destroy = sim_destroy,
+      .copy = cfg->host_backed ? sim_copy : NULL,
+      .host_alloc = cfg->host_backed ? sim_host_alloc : NULL,
+      .host_free = cfg->host_backed ? sim_host_free : NULL,
   };
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;

@@ -53,7 +53,8 @@ enum {
 /* Trace event ops (npu_pool.trace.format: one per event). */
 enum {
   NP_OP_ALLOC = 0, NP_OP_FREE = 1, NP_OP_MARK = 2, NP_OP_EMPTY_CACHE = 3, NP_OP_SEG_HINT = 4, NP_OP_SEG_FREE = 5,
-  NP_OP_INIT_SEGMENT = 6, NP_OP_INIT_ALLOC = 7, NP_OP_OOM = 8, NP_OP_COUNT = 9
+  NP_OP_INIT_SEGMENT = 6, NP_OP_INIT_ALLOC = 7, NP_OP_OOM = 8, NP_OP_REGION = 9, NP_OP_PAUSE = 10,
+  NP_OP_RESUME = 11, NP_OP_COUNT = 12
 };
 /* Tensor categories (torch.profiler's, plus unknown). */
 enum {
@@ -89,7 +90,9 @@ enum {
   NP_POOLS = 2,                 /* pools per policy, besides the total */
   NP_NAME_LEN = 16,
   NP_HISTORY_DEFAULT = 4096,    /* history events a context keeps unless np_set_history says otherwise */
-  NP_NPU_PAD = 32               /* torch_npu's request padding (NP_DEVICE_NPU): round up to it, add it */
+  NP_NPU_PAD = 32,              /* torch_npu's request padding (NP_DEVICE_NPU): round up to it, add it */
+  NP_TAG_MAX = 32,              /* tags (np_region) a context can hold */
+  NP_TAG_NAME = 64              /* bytes of a tag's name, with its terminating 0 */
 };
 
 /* ---- configuration and statistics ------------------------------------------------------- */
@@ -140,6 +143,8 @@ typedef struct np_stats {
   uint64_t unreleased;      /* bytes still held by the device because returning them failed (retried) */
   int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
   int policy;
+  uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */
+  uint64_t backup;          /* host bytes holding paused tags' contents (np_pause with backup) */
 } np_stats;
 
 typedef struct np_replay_in {
@@ -163,7 +168,7 @@ typedef struct np_replay_out {
   uint64_t fail_index;      /* event that failed when ok == 0 */
   uint64_t ops;             /* alloc + free calls made */
   uint64_t ns;              /* wall time of the loop */
-  uint64_t peak_live;       /* peak of requested live bytes */
+  uint64_t peak_live;       /* peak of requested live bytes (a paused tag's are off the device) */
   uint64_t same_addr;       /* window allocations placed at their recorded address */
   uint64_t compared;        /* window allocations with a recorded address */
   uint64_t recorded_ooms;   /* NP_OP_OOM events: requests the recorded run could not serve */
@@ -294,6 +299,32 @@ int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, co
  * (lo, hi, lo2, hi2); offset and *peak receive the result. */
 int np_plan_place(uint32_t n_pos, uint64_t n, const uint64_t *size, const uint32_t *span, const uint32_t *order,
                   uint64_t *offset, uint64_t *peak);
+/* Tagged regions (docs/colocated.md; the npu_pool policy over a virtual-memory API). Requests
+ * made while a region is entered go to that tag's own arena (its own address reservation);
+ * np_pause returns the tag's physical memory to the device keeping its blocks and addresses
+ * (with `backup`, their contents are first copied to pinned host memory, within the backup
+ * bound), np_resume maps the same addresses again (first returning the pool's idle memory if
+ * the device is short) and restores the contents. The region is the context's, not the
+ * thread's: torch's backward threads allocate into it too. np_region(ctx, NULL) leaves it. */
+typedef struct np_tag_info {
+  char name[64];            /* NP_TAG_NAME */
+  uint64_t allocated;       /* bytes of the tag's allocated blocks */
+  uint64_t blocks;          /* its allocated blocks */
+  uint64_t mapped;          /* bytes of its address range backed by physical memory now */
+  uint64_t paused;          /* paused: bytes np_resume will map again (pages under allocated blocks) */
+  uint64_t backup;          /* host bytes holding its contents while paused */
+  uint64_t pauses;          /* times it was paused */
+  uint8_t is_paused;
+  uint8_t current;          /* the region now entered */
+} np_tag_info;
+int np_region(np_ctx *ctx, const char *tag);
+/* *bytes (may be NULL) gets the device bytes returned (pause) or mapped again (resume). */
+int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes);
+int np_resume(np_ctx *ctx, const char *tag, uint64_t *bytes);
+/* Up to cap tags into out; *n gets how many there are. */
+int np_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n);
+/* Host bytes np_pause may hold as backups, over all tags (default: the device's memory). */
+int np_set_backup_limit(np_ctx *ctx, uint64_t bytes);
 /* CDEF END */
 
 #ifdef __cplusplus

@@ -32,6 +32,12 @@ struct np_policy {
   /* optional, fidelity replays (torch policy): a recorded segment, a block at a recorded address */
   int (*prime_segment)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, int pool);
   int (*alloc_at)(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, np_block **out);
+  /* optional, tagged regions (npu_pool.h: np_region, np_pause, np_resume, np_tags) */
+  int (*region)(np_ctx *ctx, const char *tag);
+  int (*pause)(np_ctx *ctx, const char *tag, bool backup, uint64_t *bytes);
+  int (*resume)(np_ctx *ctx, const char *tag, uint64_t *bytes);
+  int (*tags)(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n);
+  int (*set_backup_limit)(np_ctx *ctx, uint64_t bytes);
 };
 
 /* The registry (policies.c): NULL outside 0..np_policy_count()-1. */

@@ -5,40 +5,68 @@
  * inference traces and hurts training ones about as much, so there is one. */
 #include <stdlib.h>
 
-#include "arena.h"
 #include "policy.h"
+#include "tags.h"
 
 enum { LONG_POOL = 0, SHORT_POOL = 1 };
 
-static np_arena *arena(np_ctx *ctx) { return (np_arena *)ctx->pstate; }
+/* The main arena, and the tags' arenas (tags.h: tagged regions, pause and resume). */
+typedef struct npu_pool_state {
+  np_arena main;
+  np_tagset tags;
+} npu_pool_state;
+
+static npu_pool_state *state(np_ctx *ctx) { return (npu_pool_state *)ctx->pstate; }
+static np_arena *arena(np_ctx *ctx) { return &state(ctx)->main; }
+static np_tagset *tags(np_ctx *ctx) { return &state(ctx)->tags; }
+/* The arena that owns b. */
+static np_arena *owner(np_ctx *ctx, const np_block *b) {
+  np_arena *a = np_tags_owner(tags(ctx), b);
+  return a ? a : arena(ctx);
+}
 
 static int npu_pool_init(np_ctx *ctx) {
-  np_arena *a = calloc(1, sizeof *a);
-  if (!a) return np_error(NP_ERR_HOST, "host out of memory");
-  np_arena_init(ctx, a);
-  ctx->pstate = a;
+  npu_pool_state *s = calloc(1, sizeof *s);
+  if (!s) return np_error(NP_ERR_HOST, "host out of memory");
+  np_arena_init(ctx, &s->main);
+  np_tags_init(ctx, &s->tags);
+  ctx->pstate = s;
   return NP_OK;
 }
 
 static void npu_pool_destroy(np_ctx *ctx) {
+  np_tags_drop(ctx, tags(ctx));
   np_arena_drop(ctx, arena(ctx));
   free(ctx->pstate);
 }
 
 static int npu_pool_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, np_block **out) {
-  int rc = np_arena_malloc(ctx, arena(ctx), size, stream, lifetime != NP_LIFE_SHORT, out);
+  int rc = np_tags_malloc(ctx, tags(ctx), arena(ctx), size, stream, lifetime != NP_LIFE_SHORT, out);
   if (rc == NP_OK) (*out)->pool = lifetime == NP_LIFE_SHORT ? SHORT_POOL : LONG_POOL;
   return rc;
 }
 
-static void npu_pool_free(np_ctx *ctx, np_block *b) { np_arena_free(ctx, arena(ctx), b); }
-static int npu_pool_empty_cache(np_ctx *ctx) { return np_arena_empty_cache(ctx, arena(ctx)); }
+static void npu_pool_free(np_ctx *ctx, np_block *b) { np_arena_free(ctx, owner(ctx, b), b); }
+static int npu_pool_empty_cache(np_ctx *ctx) { return np_tags_empty_cache(ctx, tags(ctx), arena(ctx)); }
 static int npu_pool_set_limit(np_ctx *ctx, uint64_t limit) { (void)limit; return np_arena_set_limit(ctx, arena(ctx)); }
-static void npu_pool_fill_stats(np_ctx *ctx, np_stats *st) { np_arena_fill_stats(ctx, arena(ctx), st); }
-static int npu_pool_check(np_ctx *ctx) { return np_arena_check(ctx, arena(ctx)); }
+static void npu_pool_fill_stats(np_ctx *ctx, np_stats *st) { np_tags_fill_stats(ctx, tags(ctx), arena(ctx), st); }
+static int npu_pool_check(np_ctx *ctx) { return np_tags_check(ctx, tags(ctx), arena(ctx)); }
 static void npu_pool_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
-  (void)b;
-  np_arena_record_stream(arena(ctx), stream);
+  np_arena_record_stream(owner(ctx, b), stream);
+}
+static int npu_pool_region(np_ctx *ctx, const char *tag) { return np_tags_region(ctx, tags(ctx), tag); }
+static int npu_pool_pause(np_ctx *ctx, const char *tag, bool backup, uint64_t *bytes) {
+  return np_tags_pause(ctx, tags(ctx), tag, backup, bytes);
+}
+static int npu_pool_resume(np_ctx *ctx, const char *tag, uint64_t *bytes) {
+  return np_tags_resume(ctx, tags(ctx), arena(ctx), tag, bytes);
+}
+static int npu_pool_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n) {
+  return np_tags_info(ctx, tags(ctx), out, cap, n);
+}
+static int npu_pool_set_backup_limit(np_ctx *ctx, uint64_t bytes) {
+  tags(ctx)->backup_limit = bytes;
+  return NP_OK;
 }
 
 const np_policy np_policy_npu_pool = {
@@ -58,4 +86,9 @@ const np_policy np_policy_npu_pool = {
     .fill_stats = npu_pool_fill_stats,
     .check = npu_pool_check,
     .record_stream = npu_pool_record_stream,
+    .region = npu_pool_region,
+    .pause = npu_pool_pause,
+    .resume = npu_pool_resume,
+    .tags = npu_pool_tags,
+    .set_backup_limit = npu_pool_set_backup_limit,
 };

@@ -8,7 +8,9 @@
  * serve) is tried and, if served, freed at once: replay_out counts both. History
  * entries carry the trace event's index as their time.
  */
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "policy.h"
@@ -40,7 +42,71 @@ typedef struct replay {
   void **ptrs;       /* id -> live pointer */
   uint64_t *sizes;   /* id -> requested size */
   uint64_t live;
+  int8_t *tag;       /* id -> tag of the region it was allocated in, -1 none */
+  uint8_t *off;      /* id -> 1 while offloaded (policies without pause: freed at pause, re-allocated at resume) */
+  int region;        /* the region entered (NP_OP_REGION), -1 none */
+  bool paused[NP_TAG_MAX]; /* live bytes of a paused tag are off the device: not in `live` */
 } replay;
+
+/* Trace tags are numbers; the pool's tags are their names. */
+static void tag_name(int64_t tag, char *buf) { snprintf(buf, NP_TAG_NAME, "tag%lld", (long long)tag); }
+
+/* NP_OP_REGION / PAUSE / RESUME. With a policy that pauses tags, its hooks; with any other, what
+ * a user of the stock allocator does (explicit offload): pause frees the tag's live tensors (their
+ * contents copied to host) and empties the cache, resume allocates them again. A resume the device
+ * cannot serve ends the replay (ok 0). */
+static int tag_op(replay *r, uint64_t i, uint8_t op, int64_t tag) {
+  np_ctx *ctx = r->ctx;
+  const np_policy *p = ctx->policy;
+  char name[NP_TAG_NAME];
+  tag_name(tag, name);
+  uint64_t bytes;
+  if (op == NP_OP_REGION) {
+    r->region = (int)tag;
+    return p->region ? p->region(ctx, tag < 0 ? NULL : name) : NP_OK;
+  }
+  uint64_t tag_live = 0; /* the tag's live bytes leave the device at pause, come back at resume */
+  for (uint64_t id = 0; id < r->in->n_ids; id++)
+    if (r->tag[id] == tag && (r->ptrs[id] || r->off[id])) tag_live += r->sizes[id];
+  r->paused[tag] = op == NP_OP_PAUSE;
+  if (op == NP_OP_PAUSE) r->live -= tag_live;
+  else if ((r->live += tag_live) > r->out->peak_live) r->out->peak_live = r->live;
+  if (p->pause && p->resume && p->region) {
+    if (op == NP_OP_PAUSE) { /* a tag paused before any allocation in it: make it, stay in the region */
+      char cur[NP_TAG_NAME];
+      tag_name(r->region, cur);
+      int rc = p->region(ctx, name);
+      if (rc == NP_OK) rc = p->region(ctx, r->region < 0 ? NULL : cur);
+      if (rc != NP_OK) return rc;
+    }
+    int rc = op == NP_OP_PAUSE ? p->pause(ctx, name, r->in->cat[i] != 0, &bytes) : p->resume(ctx, name, &bytes);
+    if (rc == NP_ERR_OOM && op == NP_OP_RESUME) {
+      r->out->fail_index = i;
+      return NP_ERR_OOM;
+    }
+    return rc;
+  }
+  for (uint64_t id = 0; id < r->in->n_ids; id++) {
+    if (r->tag[id] != tag) continue;
+    if (op == NP_OP_PAUSE && r->ptrs[id]) {
+      int rc = np_ctx_free(ctx, r->ptrs[id]);
+      if (rc != NP_OK) return rc;
+      r->ptrs[id] = NULL;
+      r->off[id] = 1;
+      r->out->ops++;
+    } else if (op == NP_OP_RESUME && r->off[id]) {
+      void *q;
+      int rc = np_ctx_malloc(ctx, r->sizes[id], 0, NP_LIFE_LONG, -1, &q);
+      if (rc == NP_ERR_OOM) r->out->fail_index = i;
+      if (rc != NP_OK) return rc;
+      r->ptrs[id] = q;
+      r->off[id] = 0;
+      r->out->ops++;
+    }
+  }
+  /* what offloading users do next (verl, MindSpeed-RL): return the freed memory to the device */
+  return op == NP_OP_PAUSE ? np_ctx_empty_cache(ctx) : NP_OK;
+}
 
 static int bad_id(uint64_t i, int64_t id, const char *what) {
   return np_error(NP_ERR_INVALID, "trace event %llu: %s id %lld", (unsigned long long)i, what, (long long)id);
@@ -110,14 +176,20 @@ static int run(replay *r) {
         }
         if (rc != NP_OK) return rc;
         placed(r, i, p, id);
+        r->tag[id] = (int8_t)r->region;
         break;
       }
       case NP_OP_FREE:
+        if (id >= 0 && (uint64_t)id < in->n_ids && r->off[id]) { /* offloaded: its host copy is dropped */
+          r->off[id] = 0;
+          r->out->ops++;
+          break;
+        }
         if (id < 0 || (uint64_t)id >= in->n_ids || !r->ptrs[id]) return bad_id(i, id, "free of bad or dead");
         rc = np_ctx_free(ctx, r->ptrs[id]);
         if (rc != NP_OK) return rc;
         r->ptrs[id] = NULL;
-        r->live -= r->sizes[id];
+        if (r->tag[id] < 0 || !r->paused[r->tag[id]]) r->live -= r->sizes[id];
         r->out->ops++;
         break;
       case NP_OP_MARK:
@@ -143,6 +215,13 @@ static int run(replay *r) {
         if (fidelity) rc = ctx->policy->prime_segment(ctx, in->addr[i], in->size[i], in->stream[i], in->cat[i]);
         break;
       case NP_OP_SEG_FREE: break;
+      case NP_OP_REGION:
+      case NP_OP_PAUSE:
+      case NP_OP_RESUME:
+        if (id < (op == NP_OP_REGION ? -1 : 0) || id >= NP_TAG_MAX) return bad_id(i, id, "region, pause or resume of bad tag");
+        rc = tag_op(r, i, op, id);
+        if (rc == NP_ERR_OOM && r->out->fail_index == i) return NP_OK; /* ok stays 0 */
+        break;
       default: return np_error(NP_ERR_INVALID, "trace event %llu: unknown op %u", (unsigned long long)i, op);
     }
     if (rc != NP_OK) return rc;
@@ -157,11 +236,14 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     return np_error(NP_ERR_INVALID, "replay: a trace column is missing");
   if (in->hints < 0 || in->hints >= NP_HINTS_COUNT)
     return np_error(NP_ERR_INVALID, "replay: hints must be one of NP_HINTS_* (0..%d)", NP_HINTS_COUNT - 1);
-  replay r = {ctx, in, out, calloc(in->n_ids ? in->n_ids : 1, sizeof(void *)),
-              calloc(in->n_ids ? in->n_ids : 1, sizeof(uint64_t)), 0};
-  if (!r.ptrs || !r.sizes) {
+  uint64_t m = in->n_ids ? in->n_ids : 1;
+  replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, malloc(m), calloc(m, 1), -1, {0}};
+  if (r.tag) memset(r.tag, -1, m); /* no tag */
+  if (!r.ptrs || !r.sizes || !r.tag || !r.off) {
     free(r.ptrs);
     free(r.sizes);
+    free(r.tag);
+    free(r.off);
     return np_error(NP_ERR_HOST, "replay: host out of memory for %llu ids", (unsigned long long)in->n_ids);
   }
   pthread_mutex_lock(&ctx->lock);
@@ -169,9 +251,12 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
   int rc = run(&r);
   out->ns = now_ns() - t0;
   ctx->replay_time = -1;
+  if (ctx->policy->region) ctx->policy->region(ctx, NULL); /* leave the trace's region */
   pthread_mutex_unlock(&ctx->lock);
   free(r.ptrs);
   free(r.sizes);
+  free(r.tag);
+  free(r.off);
   return rc;
 }
 
@@ -191,7 +276,8 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
                     "in 0..%llu", (unsigned long long)in->n_ids, (unsigned long long)allocs, (unsigned long long)allocs);
   uint8_t *state = calloc(in->n_ids ? in->n_ids : 1, 1); /* 0 never seen, 1 live, 2 freed */
   if (!state) return np_error(NP_ERR_HOST, "host out of memory validating %llu ids", (unsigned long long)in->n_ids);
-  int rc = NP_OK;
+  int rc = NP_OK, region = -1;
+  bool paused[NP_TAG_MAX] = {false};
   for (uint64_t i = 0; i < in->n && rc == NP_OK; i++) {
     uint8_t op = in->op[i], cat = in->cat[i];
     int64_t id = in->id[i];
@@ -209,9 +295,26 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
         rc = np_error(NP_ERR_INVALID, "event %llu: free of id %lld which is not live", ui, (long long)id);
       else
         state[id] = 2;
+    } else if (op == NP_OP_REGION || op == NP_OP_PAUSE || op == NP_OP_RESUME) {
+      int64_t lo = op == NP_OP_REGION ? -1 : 0;
+      if (id < lo || id >= NP_TAG_MAX)
+        rc = np_error(NP_ERR_INVALID, "event %llu: %s of tag %lld (tags are %lld..%d)", ui, op_name(op), (long long)id,
+                      (long long)lo, NP_TAG_MAX - 1);
+      else if (op == NP_OP_REGION)
+        region = (int)id;
+      else if (op == NP_OP_PAUSE && (paused[id] || cat > 1))
+        rc = np_error(NP_ERR_INVALID, paused[id] ? "event %llu: pause of tag %lld, already paused"
+                                                 : "event %llu: pause of tag %lld with backup flag %u (0 or 1)",
+                      ui, (long long)id, cat);
+      else if (op == NP_OP_RESUME && !paused[id])
+        rc = np_error(NP_ERR_INVALID, "event %llu: resume of tag %lld, which is not paused", ui, (long long)id);
+      else
+        paused[id] = op == NP_OP_PAUSE;
     } else if (op >= NP_OP_COUNT) {
       rc = np_error(NP_ERR_INVALID, "event %llu: unknown op %u", ui, op);
     }
+    if (rc == NP_OK && op == NP_OP_ALLOC && region >= 0 && paused[region])
+      rc = np_error(NP_ERR_INVALID, "event %llu: alloc inside region %d, which is paused", ui, region);
     if (rc == NP_OK && (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC || op == NP_OP_FREE || op == NP_OP_OOM)) {
       if (cat >= NP_CAT_COUNT)
         rc = np_error(NP_ERR_INVALID, "event %llu: unknown tensor category %u (0..%d)", ui, cat, NP_CAT_COUNT - 1);

@@ -9,7 +9,8 @@ static const char *const marks[NP_MARK_COUNT] = {
     "backward_begin", "backward_end", "layer_enter", "layer_exit", "optimizer_begin", "optimizer_end",
     "eval_begin",     "eval_end"};
 static const char *const ops[NP_OP_COUNT] = {"alloc",    "free",         "mark",       "empty_cache", "seg_hint",
-                                             "seg_free", "init_segment", "init_alloc", "oom"};
+                                             "seg_free", "init_segment", "init_alloc", "oom",
+                                             "region",   "pause",        "resume"};
 static const char *const cats[NP_CAT_COUNT] = {"unknown",    "parameter", "gradient", "optimizer_state",
                                                "activation", "temporary", "input",    "autograd_detail"};
 static const char *const hints[NP_HINTS_COUNT] = {"none", "sites", "oracle", "markers"};

@@ -96,7 +96,10 @@ DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   fill(out.requested_bytes, st, &np_pool_stats::requested, small_large);
   // free bytes the pool holds (reserved, not active): what torch calls inactive and split
   Stat &inactive = out.inactive_split_bytes[static_cast<size_t>(StatType::AGGREGATE)];
-  inactive.current = static_cast<int64_t>(st.total.reserved.current - st.total.active.current);
+  // (paused tags' blocks are active but not reserved: their pages went back to the device)
+  inactive.current = static_cast<int64_t>(st.total.reserved.current + st.paused) -
+                     static_cast<int64_t>(st.total.active.current);
+  if (inactive.current < 0) inactive.current = 0;
   inactive.peak = inactive.current;
   out.num_alloc_retries = static_cast<int64_t>(st.retries);
   out.num_ooms = static_cast<int64_t>(st.ooms);

@@ -26,6 +26,12 @@ Event ops (column ``op``):
 ``OP_OOM``            the recorded program asked for ``size`` bytes on ``stream``
                       and the allocator could not serve them (``addr`` 0); replays
                       try the request and free it at once if it is served
+``OP_REGION``         allocations that follow belong to tag ``id`` (0..31), until the
+                      next ``OP_REGION``; ``id`` -1 leaves the region
+``OP_PAUSE``          the program paused tag ``id`` (``cat`` 1: with a backup of its
+                      contents); its live allocations stay live, none is made inside
+                      a paused tag's region
+``OP_RESUME``         the program resumed tag ``id`` (paused before)
 ====================  ============================================================
 
 All ``OP_INIT_*`` events come first, segments then allocations, both in address order.
@@ -55,6 +61,7 @@ from ..vocab import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPU
                      MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC,
                      OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_NAMES, OP_OOM, OP_SEG_FREE,
                      OP_SEG_HINT, MAX_REQUEST)
+from ..vocab import OP_PAUSE, OP_REGION, OP_RESUME  # noqa: F401  (tagged regions: docs/colocated.md)
 
 # Pool kinds carried by segment events in ``cat``.
 POOL_SMALL, POOL_LARGE = 0, 1

@@ -7,6 +7,7 @@ import sys
 from typing import NamedTuple
 
 from .format import CAT_NAMES, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_NAMES, Trace
+from .format import OP_PAUSE, OP_REGION, OP_RESUME  # tagged regions (docs/colocated.md)
 
 __all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint", "contains",
            "summarize"]
@@ -20,7 +21,10 @@ class LiveProfile(NamedTuple):
 
 
 def live_profile(trace: Trace) -> LiveProfile:
-    """Peak live bytes (requested sizes, initial allocations included) and the first event reaching it."""
+    """Peak live bytes (requested sizes, initial allocations included) and the first event reaching it.
+    Tensors of a paused tag (``OP_PAUSE``) are not on the device until their ``OP_RESUME``."""
+    if OP_REGION in trace.op:
+        return _paused_live_profile(trace)
     live = peak = 0
     at = -1
     for i, (op, size) in enumerate(zip(trace.op, trace.size)):
@@ -30,6 +34,36 @@ def live_profile(trace: Trace) -> LiveProfile:
                 peak, at = live, i
         elif op == OP_FREE:
             live -= size
+    return LiveProfile(peak, at)
+
+
+def _paused_live_profile(trace: Trace) -> LiveProfile:
+    """live_profile of a trace with tagged regions: a paused tag's live bytes leave the device."""
+    live = peak = 0
+    at, region = -1, -1
+    tag_of: dict[int, int] = {}
+    tag_live: dict[int, int] = {}
+    paused: set[int] = set()
+    for i, (op, iid, size) in enumerate(zip(trace.op, trace.id, trace.size)):
+        if op == OP_ALLOC or op == OP_INIT_ALLOC:
+            tag_of[iid] = region
+            tag_live[region] = tag_live.get(region, 0) + size
+            live += size
+        elif op == OP_FREE:
+            t = tag_of.pop(iid, -1)
+            tag_live[t] = tag_live.get(t, 0) - size
+            if t not in paused:
+                live -= size
+        elif op == OP_REGION:
+            region = iid
+        elif op == OP_PAUSE and iid not in paused:
+            paused.add(iid)
+            live -= tag_live.get(iid, 0)
+        elif op == OP_RESUME and iid in paused:
+            paused.discard(iid)
+            live += tag_live.get(iid, 0)
+        if live > peak:
+            peak, at = live, i
     return LiveProfile(peak, at)
 
 

@@ -83,6 +83,21 @@ EXPORT cu_err cudaMalloc(void **ptr, size_t size) {
   });
 }
 
+/* Copies and pinned host memory (backups of paused tags): device memory is host memory here. */
+EXPORT cu_err cudaMemcpy(void *dst, const void *src, size_t count, int kind) {
+  LOCKED("cudaMemcpy", {
+    if (kind < 0 || kind > 4 || (count && (!dst || !src))) _e = INVALID_VALUE;
+    else if (count) memmove(dst, src, count);
+  });
+}
+EXPORT cu_err cudaMallocHost(void **ptr, size_t size) {
+  LOCKED("cudaMallocHost", {
+    if (!ptr || !size) _e = INVALID_VALUE;
+    else if (!(*ptr = malloc(size))) _e = OOM;
+  });
+}
+EXPORT cu_err cudaFreeHost(void *ptr) { LOCKED("cudaFreeHost", { free(ptr); }); }
+
 #ifndef FAKE_OMIT_FREE
 EXPORT cu_err cudaFree(void *ptr) {
   LOCKED("cudaFree", {

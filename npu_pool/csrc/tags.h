@@ -1,0 +1,66 @@
+/* tags.h -- tagged regions of the npu_pool policy: pause and resume a tag's memory (colocated RL).
+ *
+ * Each tag is its own arena (arena.h): its own address reservation, best fit and lifetime
+ * classes inside it, so that pausing it returns whole physical chunks and touches no other
+ * tag's memory. Pausing unmaps every mapped chunk of the tag's reservation and keeps its blocks
+ * (addresses stay valid, tensors keep their data_ptr()); resuming maps the pages under the
+ * blocks still allocated again, at the same addresses, and restores the backup if one was
+ * taken. Only the range-level VMM entry points (np_vmm_map / np_vmm_unmap) and the arena's
+ * public functions are used.
+ *
+ * Invariants: a paused tag's reservation has nothing mapped and the tag takes no requests; a
+ * backup entry names a block of its tag allocated when the tag was paused (freed since: skipped
+ * at resume); `backup_bytes` is the sum of the backups' sizes and never exceeds `backup_limit`;
+ * `current` is -1 or a tag index. Every arena's budget is set (np_tags_budget) before a call
+ * into it: the others' mapped bytes are both set aside from its cap and outside its reserved.
+ */
+#ifndef NP_TAGS_H
+#define NP_TAGS_H
+
+#include "arena.h"
+
+typedef struct np_backup {
+  uintptr_t addr;       /* the block */
+  uint64_t size;        /* bytes copied (the block's requested size) */
+  void *host;           /* pinned host copy; NULL on a device without contents (sim, not host-backed) */
+} np_backup;
+
+typedef struct np_tag {
+  char name[NP_TAG_NAME];
+  np_arena arena;
+  bool paused;
+  uint64_t pauses;
+  np_backup *backup;
+  size_t n_backup;
+} np_tag;
+
+typedef struct np_tagset {
+  np_tag *at[NP_TAG_MAX];
+  int n;
+  int current;              /* the region entered: index into at, or -1 (the main arena) */
+  uint64_t backup_limit;    /* host bytes backups may hold, over all tags */
+  uint64_t backup_bytes;
+} np_tagset;
+
+void np_tags_init(np_ctx *ctx, np_tagset *t);
+/* Return every tag's memory and free its backups. */
+void np_tags_drop(np_ctx *ctx, np_tagset *t);
+/* Set a's view of the budget: the other arenas' mapped bytes are set aside and outside it. */
+void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a);
+/* The tag arena that owns b, or NULL (the main arena's, or no arena's). */
+np_arena *np_tags_owner(np_tagset *t, const np_block *b);
+/* Place a request in the current region's arena (or main); on failure, return the other
+ * arenas' idle pages and retry once. */
+int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, intptr_t stream, bool long_lived,
+                   np_block **out);
+/* Return idle pages of every arena but `skip` (the device is synchronised). */
+void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip);
+int np_tags_region(np_ctx *ctx, np_tagset *t, const char *name);
+int np_tags_pause(np_ctx *ctx, np_tagset *t, const char *name, bool backup, uint64_t *bytes);
+int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, uint64_t *bytes);
+int np_tags_info(np_ctx *ctx, np_tagset *t, np_tag_info *out, size_t cap, size_t *n);
+int np_tags_empty_cache(np_ctx *ctx, np_tagset *t, np_arena *main);
+void np_tags_fill_stats(np_ctx *ctx, np_tagset *t, np_arena *main, np_stats *st);
+int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main);
+
+#endif

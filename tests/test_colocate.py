@@ -1,0 +1,472 @@
+"""Tagged regions: pause and resume (docs/colocated.md) on the simulated device, over the fake
+vendor runtimes (plain Pool and the pluggable-allocator entry points), and in replays."""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import subprocess
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import npu_pool
+from npu_pool import Pool
+from npu_pool._core import ffi, lib as so
+from npu_pool.pool import BACKENDS, POLICIES, InvalidArgumentError, OutOfMemoryError, PoolError
+from npu_pool.trace.format import OP_ALLOC, OP_FREE, OP_PAUSE, OP_REGION, OP_RESUME, Trace, TraceError
+from npu_pool import replay
+
+from test_backends import FAKES, MiB, Vendor, _compiler, _vendor, builds  # noqa: F401  (fixture)
+
+inst = importlib.import_module("npu_pool.install")
+PAGE = 2 * MiB
+
+
+def _fill(addr: int, size: int, byte: int) -> None:
+    ctypes.memset(addr, byte, size)
+
+
+def _holds(addr: int, size: int, byte: int) -> bool:
+    return ctypes.string_at(addr, size) == bytes([byte]) * size
+
+
+def _books_match(p: Pool) -> None:
+    """The core's invariants hold, and reserved bytes are exactly the mapped ranges."""
+    p.check()
+    assert p.stats()["total"]["reserved"]["current"] == sum(n for _, n in p.mapped_ranges())
+
+
+# ---- the simulated device -------------------------------------------------------------------------
+
+def test_pause_returns_the_tag_keeps_addresses_and_resume_restores_contents() -> None:
+    with Pool(capacity=256 * MiB, host_backed=True) as p:
+        with p.region("train"):
+            w = [p.malloc(n) for n in (40 * MiB, 3 * MiB + 5, 1000)]
+        other = p.malloc(8 * MiB)  # outside the region: stays mapped
+        for i, (a, n) in enumerate(zip(w, (40 * MiB, 3 * MiB + 5, 1000))):
+            _fill(a, n, i + 1)
+        _fill(other, 8 * MiB, 9)
+        assert {r for r in p.tags()} == {"train"}
+        reserved = p.stats()["total"]["reserved"]["current"]
+        given_back = p.pause("train", backup=True)
+        st_ = p.stats()
+        assert given_back >= 40 * MiB + 3 * MiB and st_["total"]["reserved"]["current"] == reserved - given_back
+        assert st_["paused"] == p.tags()["train"]["paused"] > 0
+        assert st_["backup"] == 40 * MiB + 3 * MiB + 5 + 1000
+        assert _holds(other, 8 * MiB, 9)
+        _books_match(p)
+        # the freed device memory serves others
+        big = p.malloc(given_back)
+        _fill(big, given_back, 7)
+        p.free(big)
+        mapped = p.resume("train")
+        assert mapped == st_["paused"]
+        for i, (a, n) in enumerate(zip(w, (40 * MiB, 3 * MiB + 5, 1000))):
+            assert _holds(a, n, i + 1), f"block {i} lost its contents"
+        assert p.stats()["paused"] == 0 and p.stats()["backup"] == 0
+        _books_match(p)
+        assert p.block_size(w[0]) >= 40 * MiB  # same blocks, same addresses
+
+
+def test_errors_are_errors_not_corruption() -> None:
+    with Pool(capacity=64 * MiB, host_backed=True) as p:
+        with pytest.raises(InvalidArgumentError, match="no tag 'x'"):
+            p.pause("x")
+        with pytest.raises(InvalidArgumentError, match="no tag 'x'"):
+            p.resume("x")
+        with p.region("rollout"):
+            a = p.malloc(4 * MiB)
+        with pytest.raises(PoolError, match="not paused"):
+            p.resume("rollout")
+        p.pause("rollout")
+        with pytest.raises(PoolError, match="already paused"):
+            p.pause("rollout")
+        with p.region("rollout"):
+            with pytest.raises(PoolError, match="paused; resume it first"):
+                p.malloc(1)
+        p.free(a)  # allowed: its pages stay released
+        assert p.tags()["rollout"]["paused"] == 0 and p.tags()["rollout"]["blocks"] == 0
+        _books_match(p)
+        assert p.resume("rollout") == 0
+        for bad in ("", 3, "é", "x" * 64):
+            with pytest.raises(InvalidArgumentError):
+                p.pause(bad)  # type: ignore[arg-type]
+        _books_match(p)
+    with Pool("torch", capacity=64 * MiB) as p, pytest.raises(PoolError, match="need policy npu_pool"):
+        with p.region("t"):
+            pass
+    with Pool(capacity=64 * MiB, vmm=False) as p, pytest.raises(PoolError, match="virtual-memory API"):
+        with p.region("t"):
+            pass
+
+
+def test_regions_nest_and_tags_get_their_own_address_range() -> None:
+    with Pool(capacity=64 * MiB) as p:
+        with p.region("a"):
+            x = p.malloc(1 * MiB)
+            with p.region("b"):
+                y = p.malloc(1 * MiB)
+            x2 = p.malloc(1 * MiB)
+        z = p.malloc(1 * MiB)
+        t = p.tags()
+        assert t["a"]["blocks"] == 2 and t["b"]["blocks"] == 1 and not t["a"]["current"]
+        segs = {b["addr"]: b["segment"] for b in p.blocks() if b["allocated"]}
+        assert len({segs[x], segs[y], segs[z]}) == 3 and segs[x] == segs[x2]
+        _books_match(p)
+
+
+def test_resume_gives_back_idle_memory_first_and_fails_whole_when_short() -> None:
+    with Pool(capacity=64 * MiB, host_backed=True) as p:
+        with p.region("train"):
+            w = p.malloc(30 * MiB)
+        _fill(w, 30 * MiB, 5)
+        p.pause("train", backup=True)
+        kv = p.malloc(50 * MiB)
+        p.free(kv)  # idle in the main arena: must not block the resume
+        assert p.stats()["total"]["reserved"]["current"] >= 50 * MiB
+        p.resume("train")
+        assert _holds(w, 30 * MiB, 5)
+        _books_match(p)
+        # now a live rollout tensor leaves no room: a clear OOM naming the tag, nothing half-mapped
+        p.pause("train", backup=True)
+        kv = p.malloc(50 * MiB)
+        reserved = p.stats()["total"]["reserved"]["current"]
+        with pytest.raises(OutOfMemoryError, match="resume of tag 'train'"):
+            p.resume("train")
+        assert p.stats()["total"]["reserved"]["current"] == reserved and p.tags()["train"]["is_paused"]
+        _books_match(p)
+        p.free(kv)
+        p.resume("train")
+        assert _holds(w, 30 * MiB, 5)
+        _books_match(p)
+
+
+def test_backup_is_bounded() -> None:
+    with Pool(capacity=64 * MiB, host_backed=True) as p:
+        with p.region("train"):
+            p.malloc(10 * MiB)
+        p.set_backup_limit(8 * MiB)
+        reserved = p.stats()["total"]["reserved"]["current"]
+        with pytest.raises(OutOfMemoryError, match="backup bound"):
+            p.pause("train", backup=True)
+        assert not p.tags()["train"]["is_paused"] and p.stats()["total"]["reserved"]["current"] == reserved
+        p.pause("train")  # without backup: fine
+        _books_match(p)
+
+
+def test_module_api_needs_an_installed_pool_or_a_pool() -> None:
+    inst._reset()
+    with pytest.raises(PoolError, match="no npu_pool allocator is installed"):
+        npu_pool.pause("train")
+    with Pool(capacity=64 * MiB) as p:
+        with npu_pool.region("train", pool=p):
+            p.malloc(MiB)
+        assert npu_pool.pause("train", pool=p) == PAGE
+        assert npu_pool.resume("train", pool=p) == PAGE
+
+
+# ---- property test: random pause/resume/alloc/free keep the books equal to the device -------------
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "pause", "backup", "resume", "region", "empty"]),
+                         st.integers(0, 2), st.integers(1, 6 * MiB)), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq=ops)
+def test_random_pause_resume_sequences_keep_the_books(seq: list) -> None:
+    tags = ["t0", "t1", None]
+    with Pool(capacity=48 * MiB, host_backed=True) as p:
+        live: dict[int, tuple[int, int, str | None]] = {}  # addr -> (size, byte, tag)
+        paused: set[str] = set()
+        byte = 0
+        for op, k, size in seq:
+            tag = tags[k]
+            try:
+                if op == "region":
+                    so.np_region(p.ctx, tag.encode() if tag else ffi.NULL)
+                    current = tag
+                elif op == "alloc":
+                    current = next((t for t in p.tags() if p.tags()[t]["current"]), None)
+                    a = p.malloc(size)
+                    byte = byte % 250 + 1
+                    _fill(a, size, byte)
+                    live[a] = (size, byte, current)
+                elif op == "free" and live:
+                    a = sorted(live)[size % len(live)]
+                    p.free(a)
+                    del live[a]
+                elif op in ("pause", "backup") and tag:
+                    p.pause(tag, backup=op == "backup")
+                    paused.add(tag)
+                elif op == "resume" and tag:
+                    p.resume(tag)
+                    paused.discard(tag)
+                elif op == "empty":
+                    p.empty_cache()
+            except (PoolError, OutOfMemoryError):
+                pass
+            paused = {t for t, d in p.tags().items() if d["is_paused"]}
+            _books_match(p)
+            assert p.stats()["paused"] == sum(d["paused"] for d in p.tags().values())
+        # every tensor of a tag that is not paused kept its contents... once its tag is resumed
+        for t in list(paused):
+            try:
+                p.resume(t)
+            except OutOfMemoryError:
+                continue
+        resumed = {t for t, d in p.tags().items() if not d["is_paused"]}
+        for a, (size, b, tag) in live.items():
+            if tag is None or tag in resumed:
+                # tensors paused without backup lose their contents (pages were released)
+                if tag is None:
+                    assert _holds(a, size, b)
+        _books_match(p)
+
+
+# ---- the fake vendor runtimes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_vendor_device_memory_goes_back_and_comes_back(builds: dict, backend: str) -> None:  # noqa: F811
+    v = _vendor(builds, backend, capacity=128 * MiB)
+    with v.pool() as p:
+        with p.region("train"):
+            w = p.malloc(60 * MiB - v.pad)
+        _fill(w, 60 * MiB - v.pad, 3)
+        # the device could not hold both
+        with pytest.raises(OutOfMemoryError):
+            p.malloc(70 * MiB)
+        used = v.lib.fake_used()  # (pages the failed request mapped stay, counted, until reused or released)
+        if backend == "acl":  # the plain fake ACL has no aclrtMemcpy: backups are refused clearly
+            with pytest.raises(PoolError, match="cannot copy device memory"):
+                p.pause("train", backup=True)
+            assert v.lib.fake_used() == used
+        back = p.pause("train", backup=backend == "cuda")
+        assert v.lib.fake_used() == used - back and back >= 60 * MiB
+        kv = p.malloc(70 * MiB)
+        p.free(kv)
+        assert p.resume("train") == back
+        assert v.lib.fake_used() <= 128 * MiB and p.stats()["total"]["reserved"]["current"] == v.lib.fake_mapped()
+        if backend == "cuda":
+            assert _holds(w, 60 * MiB - v.pad, 3)
+        p.check()
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+@pytest.mark.parametrize("op", ["map", "create", "unmap"])
+def test_vendor_failing_half_way_leaves_the_books_right(builds: dict, backend: str, op: str) -> None:  # noqa: F811
+    v = _vendor(builds, backend, capacity=128 * MiB)
+    with v.pool() as p:
+        with p.region("train"):
+            a = p.malloc(20 * MiB - v.pad)
+            b = p.malloc(10 * MiB - v.pad)
+        if op == "unmap":  # a page that refuses to unmap is held, counted, and retried
+            v.fail(op, skip=3)
+            with pytest.raises(PoolError):
+                p.pause("train")
+            assert p.tags()["train"]["is_paused"] and p.stats()["unreleased"] > 0
+        else:
+            p.pause("train")
+            v.fail(op, skip=7)  # the resume fails after mapping some pages: all of them are undone
+            with pytest.raises(PoolError, match="resume of tag 'train'"):
+                p.resume("train")
+            assert p.tags()["train"]["is_paused"] and p.tags()["train"]["mapped"] == 0
+        p.check()
+        assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+        p.empty_cache()
+        assert p.resume("train") >= 30 * MiB
+        _fill(a, 20 * MiB - v.pad, 1)
+        _fill(b, 10 * MiB - v.pad, 2)
+        p.check()
+        assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the fake vendor libraries")
+    path = tmp_path_factory.mktemp("fake_cuda") / "libfake_cuda_colocate.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(path), str(FAKES / "fake_cuda.c"), "-lpthread"],
+                   check=True, capture_output=True)
+    return str(path)
+
+
+def test_through_the_pluggable_entry_points_on_fake_cuda(fake_cuda: str) -> None:
+    inst._reset()
+    v = Vendor("cuda", fake_cuda, ctypes.CDLL(fake_cuda))
+    v.lib.fake_set_capacity(128 * MiB)
+    try:
+        assert so.npu_pool_configure(POLICIES["npu_pool"], BACKENDS["cuda"], 1.0, 1, fake_cuda.encode()) == 0
+        pool = inst._DevicePool(0, "npu_pool", "cuda")
+        with pool.region("train"):
+            w = int(ffi.cast("uintptr_t", so.npu_pool_malloc(80 * MiB, 0, ffi.NULL)))
+        assert w
+        _fill(w, 80 * MiB, 0x5A)
+        assert not so.npu_pool_malloc(80 * MiB, 0, ffi.NULL)  # no room for both
+        used = v.lib.fake_used()
+        assert pool.pause("train", backup=True) == 80 * MiB and v.lib.fake_used() == used - 80 * MiB
+        kv = so.npu_pool_malloc(80 * MiB, 0, ffi.NULL)
+        assert kv
+        so.npu_pool_free(kv, 0, 0, ffi.NULL)  # idle in the pool: resume returns it first
+        assert pool.resume("train") == 80 * MiB
+        assert _holds(w, 80 * MiB, 0x5A) and v.lib.fake_used() == 80 * MiB
+        pool.check()
+        so.npu_pool_free(ffi.cast("void *", w), 0, 0, ffi.NULL)
+    finally:
+        inst._reset()
+
+
+# ---- traces and replays --------------------------------------------------------------------------
+
+def _cycle_trace(cycles: int = 3) -> Trace:
+    t = Trace()
+    ids = 0
+    t.append(OP_REGION, id=0)
+    weights = []
+    for _ in range(4):
+        t.append(OP_ALLOC, id=ids, size=24 * MiB); weights.append(ids); ids += 1
+    t.append(OP_REGION, id=-1)
+    for _ in range(cycles):
+        t.append(OP_PAUSE, id=0, cat=1)
+        kv = []
+        for k in range(10):
+            t.append(OP_ALLOC, id=ids, size=(7 + k) * MiB + 4096); kv.append(ids); ids += 1
+        for k, i in enumerate(kv):
+            t.append(OP_FREE, id=i, size=(7 + k) * MiB + 4096)
+        t.append(OP_RESUME, id=0)
+        t.append(OP_REGION, id=0)
+        g = ids
+        t.append(OP_ALLOC, id=g, size=5 * MiB); ids += 1
+        t.append(OP_FREE, id=g, size=5 * MiB)
+        t.append(OP_REGION, id=-1)
+    t.meta["n_ids"] = ids
+    return t
+
+
+def test_trace_ops_are_validated() -> None:
+    t = _cycle_trace(1)
+    t.validate()
+    for bad in ([(OP_RESUME, 0)], [(OP_PAUSE, 0), (OP_PAUSE, 0)], [(OP_PAUSE, 40)], [(OP_REGION, -2)]):
+        u = Trace()
+        for op, i in bad:
+            u.append(op, id=i)
+        with pytest.raises(TraceError):
+            u.validate()
+    u = Trace()
+    u.append(OP_REGION, id=1); u.append(OP_PAUSE, id=1); u.append(OP_ALLOC, id=0, size=10)
+    u.meta["n_ids"] = 1
+    with pytest.raises(TraceError, match="paused"):
+        u.validate()
+
+
+def test_replay_pauses_with_npu_pool_and_offloads_with_the_others() -> None:
+    t = _cycle_trace(4)
+    kv = sum((7 + k) * MiB + 4096 for k in range(10))
+    cap = 140 * MiB  # less than the weights (96 MiB) and the rollout's KV cache together
+    res = {pol: replay.run(t, pol, cap) for pol in ("npu_pool", "torch", "expandable")}
+    # paused (npu_pool) or offloaded (the others): the weights leave the device while the rollout runs
+    assert res["npu_pool"].peak_reserved_bytes < 96 * MiB + kv
+    assert res["npu_pool"].stats["paused"] == 0 and res["npu_pool"].stats["ooms"] == 0
+    assert res["npu_pool"].ok and res["expandable"].ok
+    assert res["npu_pool"].peak_live_bytes == res["expandable"].peak_live_bytes
+    assert res["npu_pool"].peak_reserved_bytes <= res["expandable"].peak_reserved_bytes
+
+
+# ---- the real torch_npu over the fake CANN runtime --------------------------------------------------
+
+def test_torch_npu_pause_frees_the_device_and_resume_restores_pointers_and_contents(torch_npu) -> None:
+    out, err = torch_npu.results("""
+import ctypes, json
+fake = ctypes.CDLL("libascendcl.so")
+fake.fake_used.restype = ctypes.c_ulonglong
+import torch, torch_npu, npu_pool
+npu_pool.install()
+MiB = 1 << 20
+r = {}
+host = torch.arange(150 * MiB, dtype=torch.int64).remainder(251).to(torch.uint8)
+with npu_pool.region("train"):
+    w = host.to("npu")
+    small = torch.full((1000,), 7, dtype=torch.int32).to("npu")   # (no kernels run here: copies only)
+ptrs = [w.data_ptr(), small.data_ptr()]
+try:                                   # the device cannot hold the weights and as much again
+    torch.empty(150 * MiB, dtype=torch.uint8, device="npu")
+    r["both_fit"] = True
+except torch.OutOfMemoryError:
+    r["both_fit"] = False
+torch.npu.empty_cache()
+used, reserved = fake.fake_used(), torch.npu.memory_reserved()
+free_before = torch.npu.mem_get_info()[0]
+paused = npu_pool.pause("train", backup=True)
+r["paused"] = paused
+r["used_drop"] = used - fake.fake_used()
+r["reserved_drop"] = reserved - torch.npu.memory_reserved()
+r["free_rise"] = torch.npu.mem_get_info()[0] - free_before
+st = npu_pool.installed()[0].stats()
+r["stats"] = [st["paused"], st["backup"], npu_pool.colocate.tags()["train"]["is_paused"]]
+kv = torch.empty(paused, dtype=torch.uint8, device="npu")   # as large as the paused bytes: fits now
+kv.copy_(torch.full((paused,), 3, dtype=torch.uint8))
+r["kv_ok"] = bool((kv.cpu() == 3).all())
+del kv                                  # idle in the pool: resume gives it back first
+try:
+    with npu_pool.region("train"):
+        torch.empty(10, device="npu")
+    r["alloc_paused"] = "allowed"
+except RuntimeError as e:
+    r["alloc_paused"] = "paused; resume it first" in str(e)
+r["resumed"] = npu_pool.resume("train")
+r["same_ptrs"] = [w.data_ptr(), small.data_ptr()] == ptrs
+r["contents"] = bool(torch.equal(w.cpu(), host)) and bool((small.cpu() == 7).all())
+p = npu_pool.installed()[0]
+p.check()
+r["books"] = [p.stats()["total"]["reserved"]["current"], fake.fake_used(), torch.npu.memory_reserved()]
+try:
+    npu_pool.resume("train")
+except RuntimeError as e:
+    r["resume_twice"] = str(e)
+print(json.dumps(r))
+""", FAKE_CAPACITY=str(256 << 20))
+    MiB_ = 1 << 20
+    assert out["both_fit"] is False
+    assert out["paused"] >= 150 * MiB_
+    assert out["used_drop"] == out["reserved_drop"] == out["free_rise"] == out["paused"]
+    assert out["stats"][0] >= 150 * MiB_ and out["stats"][1] >= 150 * MiB_ and out["stats"][2]
+    assert out["kv_ok"] and out["alloc_paused"] is True
+    assert out["resumed"] == out["stats"][0]
+    assert out["same_ptrs"] and out["contents"]
+    assert out["books"][0] == out["books"][2] and out["books"][1] >= out["books"][0]
+    assert "not paused" in out["resume_twice"]
+
+
+def test_colocated_capture_replays_without_growth_from_cycle_to_cycle() -> None:
+    from npu_pool.capture.colocated import TAGS, colocated_capture, cycle_bounds, resident
+
+    t = colocated_capture(cycles=4, layers=2, seq=256, rollout_batch=8, prompt=64, response=64, decode_steps=4)
+    bounds = cycle_bounds(t)
+    assert len(bounds) == 4 and t.meta["capture"]["tags"] == TAGS
+
+    def first(k: int) -> Trace:
+        u = Trace(meta=dict(t.meta))
+        for col in ("op", "cat", "site", "id", "size", "stream", "addr"):
+            getattr(u, col).extend(getattr(t, col)[:bounds[k - 1][1]])
+        u.meta["n_ids"] = sum(1 for op in u.op if op == OP_ALLOC)
+        return u
+
+    caps = [replay.min_capacity(first(k), "npu_pool", lo=PAGE)[0] for k in (1, 4)]
+    assert caps[0] == caps[1]  # no memory lost to fragmentation cycle after cycle
+    kept = replay.min_capacity(resident(t), "npu_pool", lo=PAGE)[0]
+    assert caps[1] < kept  # pausing frees what the other side needs
+    r = replay.run(t, "npu_pool", caps[1])
+    assert r.ok and r.stats["paused"] > 0  # ends with the trainer paused
+    # peak live counts a paused tag's tensors off the device, in the replay (C) and in Python alike
+    from npu_pool.trace.stats import live_profile
+
+    assert r.peak_live_bytes == live_profile(t).peak_bytes <= caps[1]
+    assert live_profile(resident(t)).peak_bytes > r.peak_live_bytes
+
+
+def test_capture_command_colocated_needs_a_shape(capsys: pytest.CaptureFixture) -> None:
+    from npu_pool.cli import main
+
+    assert main(["capture", "--colocated", "3"]) == 2
+    assert "--colocated needs --shape" in capsys.readouterr().err
