@@ -203,11 +203,14 @@ print(json.dumps(r))
 
 
 def test_kernels_fail_loudly_on_the_fake_runtime(torch_npu: TorchNpu) -> None:
-    """No operator runs on the fake runtime: a kernel is an error naming it, never silent success."""
+    """No operator runs on the fake runtime: a kernel is an error naming it, never silent success.
+    torch_npu launches operators from its task queue, as a device runs them asynchronously: the
+    failure surfaces at the next synchronisation (without one, a script that ends first exits 0)."""
     r = torch_npu.run("""
 import mindspeed_patch, torch, torch_npu
 x = torch.empty(3, device="npu")
 torch.ones(3, device="npu")
+torch.npu.synchronize()
 print("NOT REACHED")
 """, MEMORY_FRAGMENTATION="1")
     assert r.returncode != 0 and "NOT REACHED" not in r.stdout
