@@ -359,6 +359,8 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         inst.pools = {d: _DevicePool(d, policy, backend) for d in range(int(module.device_count()))}
         _current = inst
     lib.npu_pool_set_oom_handler(lib._npu_pool_on_oom)
+    from .alloc_conf import warn_ignored
+    warn_ignored()  # PYTORCH_NPU_ALLOC_CONF and friends no longer apply: say so, once, naming each
     if oom.snapshot_dir():  # OOM snapshots asked for: keep the run's history, as torch_npu would
         lib.npu_pool_set_history(-1, oom.HISTORY_WHEN_ENABLED)
     from . import torch_memory

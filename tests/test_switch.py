@@ -77,8 +77,15 @@ def _run(python: Path, code: str, env: dict[str, str], timeout: int = 300) -> li
 def test_the_variable_alone_puts_a_script_on_the_pool_under_real_torch_npu(torch_npu: TorchNpu,
                                                                           tmp_path: Path) -> None:
     python = hooked_python(torch_npu.python, tmp_path)
-    script, check = _run(python, SCRIPT + CHECK, torch_npu.env(MEMORY_FRAGMENTATION="1"))
+    conf = "expandable_segments:True,max_split_size_mb:128"
+    r = subprocess.run([str(python), "-c", SCRIPT + CHECK], capture_output=True, text=True, timeout=300,
+                       env=torch_npu.env(MEMORY_FRAGMENTATION="1", PYTORCH_NPU_ALLOC_CONF=conf), cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-4000:]
+    script, check = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert script["device"] == "npu" and script["roundtrip"]
+    # torch_npu's allocator settings: one line at install naming each and what npu_pool does instead
+    (line,) = [ln for ln in r.stderr.splitlines() if "allocator settings are ignored" in ln]
+    assert "PYTORCH_NPU_ALLOC_CONF: expandable_segments:True (" in line and "max_split_size_mb:128 (" in line
     assert "npu_pool_startup" in script["modules"] and "npu_pool.install" in script["modules"]
     # x, served by the pool (torch_npu pads each request by 32 bytes, rounded to 512), as torch reports
     assert check["pool_allocated"] == (3 << 20) + 512 == check["torch_allocated"]
@@ -186,3 +193,16 @@ def test_the_pth_line_imports_nothing_while_the_switch_is_off() -> None:
                            capture_output=True, text=True, timeout=60)
         assert (r.returncode, r.stdout.strip()) == (0, "[]"), r.stderr
     assert sysconfig.get_paths()["purelib"]  # (the .pth's home)
+
+
+def test_torch_allocator_settings_are_named_with_what_npu_pool_does_instead() -> None:
+    from npu_pool.alloc_conf import INSTEAD, ignored_message
+
+    assert ignored_message({}) is None and ignored_message({"PYTORCH_ALLOC_CONF": "  "}) is None
+    msg = ignored_message({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6, weird",
+                           "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert msg is not None and "\n" not in msg
+    assert f"PYTORCH_ALLOC_CONF: garbage_collection_threshold:0.6 ({INSTEAD['garbage_collection_threshold']})" in msg
+    assert "weird (not an npu_pool setting)" in msg and "PYTORCH_CUDA_ALLOC_CONF: backend:cudaMallocAsync" in msg
+    hostile = ignored_message({"PYTORCH_NPU_ALLOC_CONF": ",".join(["x" * 10_000] * 10_000)})
+    assert hostile is not None and len(hostile) < 5_000  # bounded, whatever the value
