@@ -26,7 +26,8 @@ class BuildPyWithPth(build_py):
             _write_pth(self.build_lib)
 
     def get_outputs(self, include_bytecode: bool = True) -> list:
-        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+        extra = [] if getattr(self, "editable_mode", False) else [os.path.join(self.build_lib, PTH)]
+        return super().get_outputs(include_bytecode) + extra
 
 
 class EditableWheelWithPth(editable_wheel):

@@ -25,10 +25,13 @@ def as_plan(plan: PlanLike) -> Plan:
         return plan
     loaded = load_plan(plan)
     _files[id(loaded)] = (loaded, str(plan))  # the file, for messages (the plan is kept alive with it)
+    while len(_files) > _FILES_KEPT:
+        _files.pop(next(iter(_files)))
     return loaded
 
 
-_files: dict[int, tuple[Plan, str]] = {}
+_files: dict[int, tuple[Plan, str]] = {}  # the plans read last, by id: the file each came from
+_FILES_KEPT = 8
 
 
 def _file_of(plan: Plan) -> str:
