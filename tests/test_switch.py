@@ -211,3 +211,25 @@ def test_torch_allocator_settings_are_named_with_what_npu_pool_does_instead() ->
     assert "weird (not an npu_pool setting)" in msg and "PYTORCH_CUDA_ALLOC_CONF: backend:cudaMallocAsync" in msg
     hostile = ignored_message({"PYTORCH_NPU_ALLOC_CONF": ",".join(["x" * 10_000] * 10_000)})
     assert hostile is not None and len(hostile) < 5_000  # bounded, whatever the value
+
+
+MINDSPEED = SHARED / "clients" / "mindspeed" / "mindspeed" / "patch_utils.py"
+
+
+@pytest.mark.parametrize("order", ["mindspeed-first", "patch-first"])
+def test_real_mindspeed_applies_its_patches_with_the_hook_armed(tmp_path: Path, order: str) -> None:
+    """The hook patches Megatron at `import torch`, before MindSpeed applies its patches: its
+    apply_patches() then imports megatron.training.training, and our wrapper registers with
+    its manager while it iterates its patches. MindSpeed's replacement and wrapper run, and ours."""
+    if not (MEGATRON_LM.is_file() and MINDSPEED.is_file()):
+        pytest.skip("../shared/clients is absent (fresh clone)")
+    python = hooked_python(sys.executable, tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMORY_FRAGMENTATION", "NPU_POOL_"))}
+    env.update(MEMORY_FRAGMENTATION="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NPU_POOL_SHARED=str(SHARED))
+    r = subprocess.run([str(python), str(ROOT / "tests" / "megatron_real.py"), "mindspeed", order], env=env,
+                       capture_output=True, text=True, timeout=240, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert out["calls"] == ["mindspeed wrapper", "replacement"] * 2
+    assert out["marks"] == [["iter_begin", 4], ["iter_end", 4], ["iter_begin", 5], ["iter_end", 5]]
+    assert out["iterations"] == 2 and "npu_pool_train_step_wrapper" in out["wrappers"]
