@@ -2,7 +2,7 @@
 
 Installing the package puts ``npu_pool_startup.pth`` into site-packages. Python runs its one
 line in every process it starts (torchrun's workers included); the line reads one variable
-and imports nothing, so it costs a few microseconds (``benchmarks/startup_hook.py``). Only
+and imports nothing, so it costs microseconds (``benchmarks/startup_hook.py``). Only
 when ``MEMORY_FRAGMENTATION`` (or ``NPU_POOL_CONFIG``) is set does it import this module and
 call :func:`arm`, which adds an import hook and returns. When ``torch`` has finished
 importing (and ``torch_npu`` with it, whether torch's device-backend autoload or the script
