@@ -7,6 +7,10 @@ tensor is moved to the device. Without an NPU or GPU it warns and leaves torch a
 bad settings, or an import that comes too late, raise. It also patches Megatron's
 training loop (``mindspeed_patch.megatron``): phases for the pool, a per-iteration line
 (``NPU_POOL_LOG_EVERY``) and per-rank reports (``NPU_POOL_REPORT_DIR``).
+
+With the package installed, the start-up hook (``npu_pool_startup``) imports this module by
+itself when torch has been imported and ``MEMORY_FRAGMENTATION`` is set: the explicit import
+is then not needed, and harmless (installing and patching happen once per process).
 """
 from __future__ import annotations
 

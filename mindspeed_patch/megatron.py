@@ -309,6 +309,12 @@ def _register_with_mindspeed(manager: Any, module: ModuleType, name: str) -> Non
         wrapper.__name__ = wrapper.__qualname__ = f"npu_pool_{name}_wrapper"  # MindSpeed's wrapper rule
         _registered[key] = wrapper
     full = f"{module.__name__}.{name}"
+    info = getattr(manager, "patches_info", None)
+    if isinstance(info, dict) and full not in info:
+        # A new entry goes into a copy: this may run inside MindSpeed's apply_patches(), which
+        # iterates the dict and imports the module we wait for (mindspeed_patch, or the start-up
+        # hook, came first); adding to the dict it iterates would break it.
+        manager.patches_info = dict(info)
     manager.register_patch(full, _registered[key])
     manager.patches_info[full].apply_patch()
 

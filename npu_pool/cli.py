@@ -13,7 +13,8 @@ import sys
 
 # name -> one-line help. The module is npu_pool.commands.<name with - replaced by _>.
 COMMANDS: dict[str, str] = {
-    "demo": "capture a small model on CPU and replay it (and ../shared/traces) through every policy",
+    "demo": ("a Llama-7B training step (fake tensors) on a simulated 64 GiB device through every policy, then "
+             "small models trained on this CPU (and ../shared/traces) replayed the same way"),
     "import": "convert PyTorch memory snapshots (.pickle) into npu_pool traces",
     "capture": "run real training steps of a small model on CPU and record its allocation trace",
     "replay": "replay traces through allocator policies on the simulated device",

@@ -362,6 +362,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
                 raise _too_late(kind) from e
             raise
         _current = inst
+    from .alloc_conf import warn_ignored
+
+    warn_ignored()  # PYTORCH_NPU_ALLOC_CONF and friends no longer apply: say so, once, naming each
     if plan is not None and not all(inst.plan_used):
         warnings.warn(f"{config.PLAN}={settings.plan}: the planner found this plan worse than the online pool "
                       f"({plan.meta.get('online', '')}); the planned policy serves every request online, "

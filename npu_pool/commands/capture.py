@@ -79,14 +79,19 @@ def run(args: argparse.Namespace) -> int:
     s = summarize(trace)
     c = trace.meta["capture"]
     what = f"{c['model']}-{c['shape']} (fake, tp {c['tp']}, {c['layers']} layers)" if fake else c["model"]
-    print(f"captured {what}: {c['steps']} steps x {c['grad_accum']} micro-batches of {c['batch']}x{c['seq']} tokens,"
+    micro = "1 micro-batch" if c["grad_accum"] == 1 else f"{c['grad_accum']} micro-batches"
+    print(f"captured {what}: {c['steps']} steps x {micro} of {c['batch']}x{c['seq']} tokens,"
           f" recompute {'on' if c['recompute'] else 'off'}, {c['mixed_precision'] or 'fp32'},"
           f" {c['total_s']:.1f} s")
     if c.get("colocated"):
         print(f"colocated RL: {c['cycles']} cycles of rollout (batch {c['rollout_batch']}, {c['prompt']}+{c['response']}"
               f" tokens) and one training step; tags {', '.join(c['tags'])}")
     print(f"events {s['events']}  allocs {s['allocs']}  frees {s['frees']}  marks {s['marks']}"
-          f"  sites {len(trace.meta.get('sites', []))}  host scalars left out {trace.meta.get('host_scalars_dropped', 0)}")
+          f"  sites {len(trace.meta.get('sites', []))}")
+    dropped = trace.meta.get("host_scalars_dropped", 0)
+    if dropped:
+        print(f"left out {dropped} host scalars: 0-dim CPU tensors (Python numbers torch wraps, the optimizer's "
+              "per-tensor scalars) that a run on a device keeps in host memory (--keep-host-scalars keeps them)")
     print(f"peak live {fmt_bytes(s['peak_bytes'])} at event {s['peak_event']}; live at end {fmt_bytes(s['end_bytes'])}")
     print("bytes by category at the peak:")
     for name, b in sorted(s["peak_by_category"].items(), key=lambda kv: -kv[1]):

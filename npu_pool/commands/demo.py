@@ -10,6 +10,7 @@ the real PyTorch snapshots in ../shared/traces when present, through every polic
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def _case() -> list[str]:
         rows.append(f"  {policy:11} {fits:18} {on_device.peak_reserved_bytes / GiB:8.2f} {on_device.retries:8d} "
                     f"{needs[policy] / GiB:8.2f}   {ABOUT[policy]}")
     head = f"  {'policy':11} {'fits 64 GiB?':18} {'reserved':>8} {'retries':>8} {'needs':>8}"
-    over = {p: (n - live) / GiB for p, n in needs.items()}
+    over = {p: round(n / GiB, 2) - round(live / GiB, 2) for p, n in needs.items()}  # as the table shows them
     return [
         "npu_pool demo: where does the memory go?",
         "",
@@ -104,8 +105,11 @@ def _run(args: argparse.Namespace) -> int:
 
         print("\nThe recorder on real training: small models trained on this CPU, captured with torch.profiler",
               flush=True)
-        for name, kwargs in progress(WORKLOADS, desc="capture", unit="model"):
+        for i, (name, kwargs) in enumerate(WORKLOADS, 1):  # a line per model: each takes seconds
+            print(f"  capturing {name} ({i}/{len(WORKLOADS)}) ...", end="", flush=True)
+            t0 = time.perf_counter()
             named.append((name, capture(progress=False, **kwargs)))
+            print(f" {time.perf_counter() - t0:.1f} s", flush=True)
     shared = Path(args.shared)
     if shared.is_dir():
         from ..trace.files import open_traces

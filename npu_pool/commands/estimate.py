@@ -91,6 +91,19 @@ def _md(est, rows) -> str:
     return "\n".join(out) + "\n"
 
 
+def _warn_mismatch(rows: list, from_config: bool) -> None:
+    """One line on stderr when the trace's peak live bytes are off the estimate by more than 10x
+    either way: the trace is then not a run of the estimated model, and its ratios say nothing."""
+    total = rows[-1] if rows else None
+    ratio = total.ratio if total is not None else None
+    if ratio is not None and not 0.1 <= ratio <= 10:
+        hint = ("the --config describes another model than the traced one: compare a trace of that model, or "
+                "leave out --config to estimate the traced model" if from_config else
+                "the model flags describe another model than the traced one")
+        print(f"npu-pool estimate: warning: the trace's peak live bytes are {ratio:.3g} x the estimate; {hint}",
+              file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..analysis.estimate import compare, estimate
 
@@ -107,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
         prof = max((profile_trace(t, n) for n, t in named), key=lambda p: p.peak_live)
         rows = compare(est, prof)
+        _warn_mismatch(rows, bool(args.config))
     if args.format == "json":
         d = est.as_dict()
         if rows is not None:

@@ -15,7 +15,9 @@ GiB = float(1 << 30)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help=".npt traces, snapshot pickles, or directories of them")
-    p.add_argument("--policy", default="torch,expandable,npu_pool", help="comma-separated policies (default: all)")
+    p.add_argument("--policy", default="torch,expandable,npu_pool",
+                   help="comma-separated policies (default: torch,expandable,npu_pool; add planned to plan each "
+                   "trace and replay its plan, or give --plan)")
     p.add_argument("--json", metavar="OUT", help="write the records as a JSON list")
     p.add_argument("--hints", choices=list(HINTS), default="markers",
                    help="what npu_pool learns lifetimes from: phase markers (default: what a device running the "

@@ -43,11 +43,13 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));
   else if (why == NP_OOM_FRAGMENTED)
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "
-             "but not in one piece of %s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n));
+             "but not in one piece of %s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),
+             f->needed > size ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
   else
-    snprintf(what, sizeof what, "a real shortage: %s has only %s it could use for a request of %s, even "
-             "with no fragmentation (lower the batch, recompute, shard more, or raise the fraction)",
-             pool, np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n));
+    snprintf(what, sizeof what, "a real shortage: %s has only %s it could use, and the request needs %s in one piece%s, "
+             "even with no fragmentation (lower the batch, recompute, shard more, or raise the fraction)",
+             pool, np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n),
+             f->needed > size ? " (rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
   return np_error(NP_ERR_OOM,
                   "out of memory on device %d (policy %s): tried to allocate %s; reserved %s of the %s cap "
                   "(fraction %.3g of %s), allocated %s, largest free block %s; %s [%s]",

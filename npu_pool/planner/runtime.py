@@ -21,7 +21,22 @@ PlanLike = Union[Plan, str, Path]
 
 def as_plan(plan: PlanLike) -> Plan:
     """``plan`` itself, or the plan file it names."""
-    return plan if isinstance(plan, Plan) else load_plan(plan)
+    if isinstance(plan, Plan):
+        return plan
+    loaded = load_plan(plan)
+    _files[id(loaded)] = (loaded, str(plan))  # the file, for messages (the plan is kept alive with it)
+    while len(_files) > _FILES_KEPT:
+        _files.pop(next(iter(_files)))
+    return loaded
+
+
+_files: dict[int, tuple[Plan, str]] = {}  # the plans read last, by id: the file each came from
+_FILES_KEPT = 8
+
+
+def _file_of(plan: Plan) -> str:
+    entry = _files.get(id(plan))
+    return entry[1] if entry is not None and entry[0] is plan else ""
 
 
 def check_made_for(plan: Plan, trace: Trace, name: str = "the trace") -> None:
@@ -31,8 +46,12 @@ def check_made_for(plan: Plan, trace: Trace, name: str = "the trace") -> None:
     body = plan.size[plan.loop:]
     if not contains(alloc_sizes(trace), body):
         source = plan.meta.get("source") or "another trace"
-        raise PlanError(f"the plan was made for {source} (iteration fingerprint {fingerprint(body)}), whose "
-                        f"iteration {name} never runs: make a plan from it with `npu-pool plan`")
+        if name == trace.meta.get("origin"):  # the caller knows the trace by the origin it records
+            name = f"the trace (recorded by {name})"
+        which = f"the plan {_file_of(plan)}" if _file_of(plan) else "the plan"
+        raise PlanError(f"{which} was made for {source}: its training iteration (the allocation sizes in order, "
+                        f"fingerprint {fingerprint(body)}) never runs in {name}. Make a plan from this trace "
+                        "itself: `npu-pool plan TRACE --out PLAN`")
 
 
 def install(pool: Any, plan: PlanLike) -> bool:

@@ -98,11 +98,22 @@ def format_line(report: dict[str, Any], iteration: int) -> str:
     if mem is None:
         return (f"{head}{timing} | host peak RSS {_gib(report['host_peak_rss_bytes'])} GiB | "
                 "recorder mode (no device allocator): no device memory figures")
-    pools = " ".join(f"{n} {_gib(p['allocated_bytes'])}/{_gib(p['reserved_bytes'])}" for n, p in mem["pools"].items())
     return (f"{head}{timing} | allocated {_gib(mem['allocated_bytes'])} GiB"
             f" | reserved {_gib(mem['reserved_bytes'])} GiB | peak {_gib(mem['peak_reserved_bytes'])} GiB"
-            f" | util {mem['utilization']:.1%} | {pools} GiB (allocated/reserved)"
+            f" | util {mem['utilization']:.1%} | {_pools(mem)}"
             f" | device mallocs {mem['device_mallocs']}")
+
+
+def _pools(mem: dict[str, Any]) -> str:
+    """The pools' part of the line. Pools that hold memory of their own (torch's small/large)
+    show allocated/reserved each; pools that share one arena (npu_pool's long/short: the
+    arena's bytes belong to no pool) show what each has allocated, and say they share it."""
+    pools = mem["pools"]
+    own = sum(p["reserved_bytes"] for p in pools.values())
+    if mem["reserved_bytes"] and own < mem["reserved_bytes"]:
+        return " ".join(f"{n} {_gib(p['allocated_bytes'])}" for n, p in pools.items()) + " GiB allocated (one shared arena)"
+    return " ".join(f"{n} {_gib(p['allocated_bytes'])}/{_gib(p['reserved_bytes'])}" for n, p in pools.items()) + \
+        " GiB (allocated/reserved)"
 
 
 def write(report: dict[str, Any], directory: str | os.PathLike[str]) -> Path:
