@@ -114,6 +114,13 @@ def _u64_column(values: Sequence[int], what: str) -> array.array:
         raise _invalid(f"{what}: every entry must be an int in 0..2^64-1 ({e})") from None
 
 
+def _calls(counts: Any) -> dict[str, int]:
+    """Device calls by kind, ``{name: count}`` in the vocabulary's order (``vocab.CALL_NAMES``)."""
+    from .vocab import CALL_NAMES
+
+    return {name: int(counts[k]) for k, name in enumerate(CALL_NAMES)}
+
+
 def _as_dict(obj: Any) -> Any:
     """Convert a cffi struct (nested) into plain dicts."""
     if not isinstance(obj, ffi.CData):
@@ -283,6 +290,7 @@ class Pool:
         d["total"].pop("name")
         d["policy"] = self.policy
         d["vmm"] = bool(d["vmm"])
+        d["calls"] = _calls(d["calls"])
         return d
 
     def blocks(self) -> list[dict[str, Any]]:

@@ -90,6 +90,7 @@ struct np_ctx {
   uint64_t n_events;         /* events recorded so far */
   uint64_t t0_ns;            /* creation time */
   int64_t replay_time;       /* inside np_replay: the trace event's index, else -1 */
+  uint64_t calls_base[NP_CALL_COUNT]; /* be->calls at the latest np_reset_accumulated (stats.calls: since) */
 };
 
 /* Internal (lock held) versions of the public calls, used by replay. */
