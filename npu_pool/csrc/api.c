@@ -41,6 +41,9 @@ void np_device_cache_set(int device) {
   tl_gen = __atomic_load_n(&device_gen, __ATOMIC_RELAXED);
 }
 
+int np_cached_device(void) { return np_device_cache_get(); }
+void np_forget_device(void) { np_device_cache_set(-1); }
+
 np_backend *np_backend_create(const np_config *cfg) {
   switch (cfg->backend) {
     case NP_BACKEND_SIM: return np_backend_sim_create(cfg);

@@ -21,6 +21,7 @@ void np_arena_init(np_ctx *ctx, np_arena *a) {
   memset(a, 0, sizeof *a);
   a->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
   a->page = a->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
+  a->growth = NP_ARENA_GROWTH;
   ctx->st.vmm = a->vmm;
 }
 
@@ -76,7 +77,7 @@ void np_arena_drop(np_ctx *ctx, np_arena *a) {
   }
   np_segment_destroy(ctx, a->seg); /* unmaps what is mapped */
   /* what outlives the memory: the settings, the owner's budget and the streams seen */
-  *a = (np_arena){.vmm = a->vmm, .page = a->page, .set_aside = a->set_aside, .outside = a->outside,
+  *a = (np_arena){.vmm = a->vmm, .page = a->page, .growth = a->growth, .set_aside = a->set_aside, .outside = a->outside,
                   .streams = a->streams};
 }
 
@@ -102,7 +103,7 @@ static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t ne
  * growth is one chunk, so a training run's arena grows in few of them and never maps again once
  * its high-water mark is reached. */
 static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t room) {
-  uint64_t pages = a->seg->size / a->page, want = r0 + np_max_u64(end - r0, (NP_ARENA_GROWTH + a->page - 1) / a->page);
+  uint64_t pages = a->seg->size / a->page, want = r0 + np_max_u64(end - r0, (a->growth + a->page - 1) / a->page);
   uint64_t cap = end + room / a->page, e = end;
   want = np_min_u64(np_min_u64(want, pages), cap);
   while (e < want && !a->seg->pages[e]) e++;
@@ -125,11 +126,11 @@ static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
   }
   uint64_t off = b->addr - a->seg->addr, end = (off + b->size + a->page - 1) / a->page, r0 = end;
   while (r0 > off / a->page && !a->seg->pages[r0 - 1]) r0--;
-  /* Near the cap (past NP_ARENA_NEAR of it) a growth is exactly the shortfall, mapped page by
+  /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it) a growth is exactly the shortfall, mapped page by
    * page: there, free memory must go back in small pieces when the cap presses (a trim), and a
    * chunk is unmapped only whole. Far from it, the last unmapped run under b is one chunk grown
    * to the granule, never past a granule below the cap. (docs/device_calls.md: the trade-off.) */
-  uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, NP_ARENA_GROWTH);
+  uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
   bool near = after > limit / NP_ARENA_NEAR_DIV;
   if (r0 < end && !near) end = grow_end(a, r0, end, after < limit - keep ? limit - keep - after : 0);
   /* chunks mapped before a failure stay mapped */

@@ -53,6 +53,7 @@ typedef struct np_arena {
   bool vmm;
   uint64_t page;        /* mapping granularity (VMM) or NP_MIN_BLOCK */
   uint64_t page_hwm;    /* pages at or above this index have never been mapped */
+  uint64_t growth;      /* least bytes a growth maps far from the cap (NP_ARENA_GROWTH; 0: exactly the shortfall) */
   uint64_t set_aside;   /* bytes of the cap the arena must leave to its owner */
   uint64_t outside;     /* reserved bytes that are not the arena's */
   np_streams streams;   /* streams that allocated or were recorded, for waits on mixed memory */

@@ -271,6 +271,13 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
  * NP_ERR_INVALID naming the first bad event (*bad: its index). */
 int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad);
 
+/* The current device the vendor backends keep for the calling thread (as torch_npu keeps it: no
+ * aclrtGetDevice per request), -1 when unknown (a new thread, a forked child). A caller that made
+ * another device current behind the pool's back (a raw aclrtSetDevice / cudaSetDevice) calls
+ * np_forget_device() so that the next device call looks it up again. */
+int np_cached_device(void);
+void np_forget_device(void);
+
 const char *np_last_error(void);
 /* Names of the vocabulary: np_vocab_name(NP_VOCAB_MARK, NP_MARK_SETUP_BEGIN) is "setup_begin";
  * NULL outside the table. */
