@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "device_calls.md"))
     ap.add_argument("--costs", metavar="FILE", help="JSON {call kind: microseconds} over the default costs")
     ap.add_argument("--baseline", metavar="CHECKOUT", help="a built checkout whose min-capacity waste to compare")
+    ap.add_argument("--baseline-name", metavar="TEXT", help="what the baseline is, for the page (default: its path)")
     ap.add_argument("--no-capture", action="store_true")
     args = ap.parse_args(argv)
     costs = load_costs(args.costs)
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r, _ in rows if q == p) for p in POLICIES}
     if before:
         btot = {p: sum(v for k, v in before.items() if k.endswith("|" + p)) for p in POLICIES}
-        out += [f"Before: `{args.baseline}`; after: this checkout.", "",
+        out += [f"Before: {args.baseline_name or args.baseline} (built checkout `{args.baseline}`); after: this "
+                "checkout. Measured by each version's own code on the same traces.", "",
                 "| policy | before | after | after / before |", "|---|---:|---:|---:|"]
         for p in POLICIES:
             ratio = f"{tot[p] / btot[p]:.2f}" if btot[p] else "-"

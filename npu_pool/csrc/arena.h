@@ -41,8 +41,9 @@
 #include "tree.h"
 
 /* The least an arena grows by (VMM): one chunk of PyTorch's large-pool segment size (20 MiB),
- * rounded to the granularity, while its reserved bytes stay within 1 / NP_ARENA_NEAR_DIV of the
- * cap; past that, growths are exact, one chunk per page, so that trims can return free pages. */
+ * rounded to the granularity, while its reserved bytes stay under cap / NP_ARENA_NEAR_DIV and a
+ * granule below the cap; past that, growths are exact, one chunk per page, so that trims can
+ * return free pages (docs/device_calls.md: the trade-off). */
 #define NP_ARENA_GROWTH (20 * NP_MIB)
 #define NP_ARENA_NEAR_DIV 2
 

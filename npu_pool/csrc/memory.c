@@ -199,10 +199,10 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
     }
     if (whole && rc == NP_OK) fresh[n_fresh++] = p;
     if (rc != NP_OK) { /* no room to remember it: undo it now */
-      uint64_t dummy = 0;
+      uint64_t ignored = 0;
       np_saved_error s;
       np_save_error(&s, rc);
-      unmap_chunk(ctx, seg, p, true, &dummy);
+      unmap_chunk(ctx, seg, p, true, &ignored);
       np_restore_error(&s);
     }
     p = q;
@@ -210,7 +210,7 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
   if (rc != NP_OK && whole) { /* as it was: unmap the chunks this call mapped */
     np_saved_error s;
     np_save_error(&s, rc);
-    for (uint64_t i = 0, dummy = 0; i < n_fresh; i++) unmap_chunk(ctx, seg, fresh[i], true, &dummy);
+    for (uint64_t i = 0, ignored = 0; i < n_fresh; i++) unmap_chunk(ctx, seg, fresh[i], true, &ignored);
     np_restore_error(&s);
   }
   free(fresh);
