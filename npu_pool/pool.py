@@ -149,6 +149,13 @@ def _event_dicts(buf: Any, n: int, kinds: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _calls(counts: Any) -> dict[str, int]:
+    """Device calls by kind, ``{name: count}`` in the vocabulary's order (``vocab.CALL_NAMES``)."""
+    from .vocab import CALL_NAMES
+
+    return {name: int(counts[k]) for k, name in enumerate(CALL_NAMES)}
+
+
 def _as_dict(obj: Any) -> Any:
     """Convert a cffi struct (nested) into plain dicts."""
     if not isinstance(obj, ffi.CData):
@@ -330,6 +337,7 @@ class Pool:
         d["total"].pop("name")
         d["policy"] = self.policy
         d["vmm"] = bool(d["vmm"])
+        d["calls"] = _calls(d["calls"])
         return d
 
     def blocks(self) -> list[dict[str, Any]]:

@@ -48,6 +48,8 @@ class RunResult:
     history: Sequence[dict[str, Any]] | None = None  # with history=True: the core's events (as Pool.history) ...
     blocks: list[dict[str, Any]] | None = None    # ... and the end state: Pool.blocks() ...
     ranges: list[tuple[int, int]] | None = None   # ... and Pool.mapped_ranges()
+    calls: dict[str, int] | None = None           # device calls by kind made by the replay (vocab.CALL_NAMES)
+    iteration_calls: list[dict[str, int]] | None = None  # with bounds: the calls of each stretch (see run)
 
 
 @dataclass
@@ -65,18 +67,44 @@ class PolicyResult:
     ops: int
     ns_per_op: float
     trims_at_min_capacity: int | None = None  # npu_pool: pages moved without a synchronisation (not in JSON)
+    calls: dict[str, int] | None = None                   # device calls by kind, given room to spare
+    calls_at_min_capacity: dict[str, int] | None = None   # ... and at the minimum capacity
 
     JSON_KEYS: ClassVar[tuple[str, ...]] = ("trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
-                 "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op")
+                 "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {k: d[k] for k in self.JSON_KEYS}
 
 
+def iteration_bounds(trace: Trace) -> list[int]:
+    """Event indices where iterations start: the ``MARK_ITER_BEGIN`` markers, or without them the
+    repeats of the period the planner finds (``planner.find_window``); [] when the trace does not
+    repeat."""
+    marks = [i for i, (op, cat) in enumerate(zip(trace.op, trace.cat)) if op == vocab.OP_MARK and cat == vocab.MARK_ITER_BEGIN]
+    if len(marks) >= 2:
+        return marks
+    from .planner.iteration import find_window
+
+    w = find_window(trace)
+    period = w.end - w.start
+    if w.method != "period" or period <= 0:
+        return []
+    return list(range(w.start, len(trace), period))
+
+
+def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict[str, int]) -> list[dict[str, int]]:
+    """Calls of each stretch between consecutive snapshots: before the first bound (set-up and
+    whatever precedes the first iteration), each iteration, and the last one up to the end."""
+    points = [before, *snaps, after]
+    return [{k: b[k] - a[k] for k in a} for a, b in zip(points, points[1:])]
+
+
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "markers",
         placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
-        history: bool = False, device: str | None = None, **pool_kwargs: Any) -> RunResult:
+        history: bool = False, device: str | None = None, bounds: "list[int] | None" = None,
+        **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
@@ -84,7 +112,10 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     ``array("B")``, the lifetime class (1 long, 2 short) each allocation was placed as.
     ``plan`` (a ``npu_pool.planner.Plan`` or plan file) is installed on a ``"planned"`` pool;
     its counters land in ``stats["plan"]``. ``history``: record every event in the pool's
-    history (stamped with its trace event's index) and return it with the end state."""
+    history (stamped with its trace event's index) and return it with the end state.
+    ``bounds`` (increasing event indices, e.g. :func:`iteration_bounds`): ``iteration_calls`` gets
+    the device calls made before the first bound, between each bound and the next, and after the
+    last (len(bounds) + 1 dicts)."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     if plan is not None:
@@ -114,9 +145,24 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
                 raise ValueError("classes must be an array('B') with one entry per event")
             keep.append(ffi.from_buffer("uint8_t[]", classes))
             inp.classes = keep[-1]
+        if bounds:
+            if any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[0] < 0:
+                raise ValueError("bounds must be increasing event indices")
+            keep.append(ffi.new("uint64_t[]", list(bounds)))
+            inp.bounds = keep[-1]
+            inp.n_bounds = len(bounds)
+            keep.append(ffi.new("uint64_t[]", len(bounds) * lib.NP_CALL_COUNT))
+            inp.bound_calls = keep[-1]
+        start = pool.stats()["calls"]  # what creating the device asked
         out = ffi.new("np_replay_out *")
         _check(lib.np_replay(pool.ctx, inp, out))
         st = pool.stats()
+        calls = {k: st["calls"][k] - start[k] for k in start}
+        iteration_calls = None
+        if bounds:
+            snaps = [{name: int(inp.bound_calls[i * lib.NP_CALL_COUNT + k]) - start[name]
+                      for k, name in enumerate(vocab.CALL_NAMES)} for i in range(len(bounds))]
+            iteration_calls = split_calls({k: 0 for k in start}, snaps, calls)
         if plan is not None:
             st["plan"] = pool.plan_counts()
         end = (_EventLog(pool, len(trace)), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
@@ -124,7 +170,8 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
                      peak_live_bytes=int(out.peak_live), peak_reserved_bytes=st["total"]["reserved"]["peak"],
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
                      compared=int(out.compared), stats=st, recorded_ooms=int(out.recorded_ooms),
-                     ooms_served=int(out.ooms_served), history=end[0], blocks=end[1], ranges=end[2])
+                     ooms_served=int(out.ooms_served), history=end[0], blocks=end[1], ranges=end[2],
+                     calls=calls, iteration_calls=iteration_calls)
 
 
 class _EventLog(Sequence):
@@ -212,11 +259,11 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
     free_run = run(trace, policy, hints=hints, plan=plan, device=device)
     if not free_run.ok:
         raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
-    cap = retries = trims = None
+    cap = retries = trims = cap_calls = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
                                    hi=free_run.peak_reserved_bytes, plan=plan, device=device)
-        retries, trims = at_cap.retries, at_cap.stats["trims"]
+        retries, trims, cap_calls = at_cap.retries, at_cap.stats["trims"], at_cap.calls
     reserved = free_run.peak_reserved_bytes
     return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,
                         peak_reserved_bytes=reserved,
@@ -224,7 +271,7 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
                         min_capacity_bytes=cap, retries_at_min_capacity=retries,
                         device_mallocs=free_run.device_mallocs, ops=free_run.ops,
                         ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0,
-                        trims_at_min_capacity=trims)
+                        trims_at_min_capacity=trims, calls=free_run.calls, calls_at_min_capacity=cap_calls)
 
 
 @dataclass
@@ -300,5 +347,5 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
     return names
 
 
-__all__ = ["run", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
+__all__ = ["run", "iteration_bounds", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
            "PolicyResult", "Fidelity", "OP_ALLOC"]

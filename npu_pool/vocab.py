@@ -15,7 +15,7 @@ from typing import Optional
 from ._core import ffi, lib
 
 __all__ = ["ROUND", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
-           "EVENT_NAMES", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
+           "EVENT_NAMES", "CALL_NAMES", "CALL_VENDOR", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
            "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
 
@@ -44,6 +44,11 @@ HINTS = _names(lib.NP_VOCAB_HINTS, lib.NP_HINTS_COUNT)
 EVENT_NAMES = _names(lib.NP_VOCAB_EVENT, lib.NP_EV_COUNT)
 OOM_REASONS = _names(lib.NP_VOCAB_OOM, lib.NP_OOM_COUNT)
 STAGE_NAMES = _names(lib.NP_VOCAB_STAGE, lib.NP_STAGE_COUNT)  # "outside", "setup", "forward", ...
+# device calls by kind (Pool.stats()["calls"]), and the vendor function each kind is ("" where none)
+CALL_NAMES = _names(lib.NP_VOCAB_CALL, lib.NP_CALL_COUNT)  # "malloc", "free", "reserve", ...
+CALL_VENDOR: dict[str, dict[str, str]] = {
+    vendor: {name: _text(lib.np_vocab_name(table, k)) for k, name in enumerate(CALL_NAMES)}
+    for vendor, table in (("acl", lib.NP_VOCAB_CALL_ACL), ("cuda", lib.NP_VOCAB_CALL_CUDA))}
 # the stage table: begin marker -> the stage it opens; end marker -> the stage it closes
 STAGE_OPENED: dict[int, str] = {c: STAGE_NAMES[lib.np_mark_opens(c)] for c in range(lib.NP_MARK_COUNT)
                                 if lib.np_mark_opens(c) > lib.NP_STAGE_OUTSIDE}

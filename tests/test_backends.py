@@ -140,21 +140,22 @@ def test_malloc_free_patterns_on_device_memory(vendor: Vendor) -> None:
     assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
 
 
-def test_empty_cache_unmaps_a_sub_range_of_one_mapping(vendor: Vendor) -> None:
+def test_empty_cache_returns_only_whole_free_chunks(vendor: Vendor) -> None:
     with vendor.pool() as p:
-        a = p.malloc(5 * MiB - vendor.pad)  # one map call: pages 0..2
-        b = p.malloc(3 * MiB - vendor.pad)  # pages 2..3 (page 2 shared with a)
+        a = p.malloc(5 * MiB - vendor.pad)  # the first growth: one chunk of 20 MiB (one create, one map)
+        b = p.malloc(3 * MiB - vendor.pad)  # in the same chunk
         _fill(b, 3 * MiB, 0x5A)
-        assert vendor.lib.fake_mapped() == 4 * PAGE
+        assert vendor.lib.fake_mapped() == 20 * MiB and vendor.calls("map") == 1
         p.free(a)
         unmaps = vendor.calls("unmap")
         p.empty_cache()
-        # pages 0 and 1 lie wholly in freed memory: unmapped page by page; page 2 still holds b
-        assert vendor.calls("unmap") - unmaps == 2
-        assert vendor.lib.fake_mapped() == 2 * PAGE == p.stats()["total"]["reserved"]["current"]
+        # the chunk still holds b, and no vendor unmaps part of a mapping: nothing goes back
+        assert vendor.calls("unmap") - unmaps == 0
+        assert vendor.lib.fake_mapped() == 20 * MiB == p.stats()["total"]["reserved"]["current"]
         assert _holds(b, 3 * MiB, 0x5A)
         p.free(b)
-        p.empty_cache()
+        p.empty_cache()  # now the whole chunk is free: one unmap
+        assert vendor.calls("unmap") - unmaps == 1
         assert vendor.lib.fake_mapped() == 0 and p.stats()["total"]["reserved"]["current"] == 0
         assert vendor.calls("sync") > 0  # memory goes back only after a device synchronisation
         p.check()
@@ -163,7 +164,7 @@ def test_empty_cache_unmaps_a_sub_range_of_one_mapping(vendor: Vendor) -> None:
 def test_device_oom_is_a_clean_out_of_memory_error(vendor: Vendor) -> None:
     with vendor.pool() as p:
         keep = p.malloc(8 * MiB)
-        vendor.lib.fake_set_used(240 * MiB)  # another process holds most of the device
+        vendor.lib.fake_set_used(240 * MiB - vendor.lib.fake_used())  # another process holds most of the device
         with pytest.raises(OutOfMemoryError) as e:
             p.malloc(32 * MiB)
         msg = str(e.value)
@@ -242,42 +243,44 @@ def test_vmm_probe_failure_falls_back_to_a_fixed_arena(vendor: Vendor) -> None:
 
 def test_vendor_error_is_readable_and_the_books_match_the_device(vendor: Vendor) -> None:
     with vendor.pool() as p:
-        vendor.fail("map", skip=2)  # the third page of a 4-page request fails
+        keep = p.malloc(MiB)  # the first chunk (20 MiB)
+        vendor.fail("map")  # the second chunk's map fails
         with pytest.raises(PoolError) as e:
-            p.malloc(7 * MiB)
+            p.malloc(30 * MiB)
         msg = str(e.value)
         assert vendor.name("map") in msg and NAMES[vendor.backend]["internal_name"] in msg
         assert str(NAMES[vendor.backend]["internal"]) in msg
         if vendor.backend == "acl":
             assert "[fake ACL] aclrtMapMem failed" in msg  # aclGetRecentErrMsg's text
-        # the two pages mapped before the failure stay mapped, and are counted: the books match
+        # the first chunk stays mapped and counted, the failed one's memory went back: the books match
         st = p.stats()
-        assert vendor.lib.fake_mapped() == vendor.lib.fake_used() == 2 * PAGE == st["total"]["reserved"]["current"]
+        assert vendor.lib.fake_mapped() == vendor.lib.fake_used() == 20 * MiB == st["total"]["reserved"]["current"]
         assert st["unreleased"] == 0
-        a = p.malloc(7 * MiB)
-        _fill(a, 7 * MiB, 1)
+        a = p.malloc(30 * MiB)
+        _fill(a, 30 * MiB, 1)
         p.check()
         p.free(a)
+        p.free(keep)
 
 
-def test_unmap_failure_keeps_that_page_mapped_and_says_so(vendor: Vendor) -> None:
+def test_unmap_failure_keeps_that_chunk_mapped_and_says_so(vendor: Vendor) -> None:
     with vendor.pool() as p:
-        a = p.malloc(8 * MiB)
-        b = p.malloc(MiB)
+        a = p.malloc(40 * MiB - vendor.pad)  # one chunk of exactly 40 MiB
+        b = p.malloc(MiB)  # the next chunk (20 MiB)
         _fill(b, MiB, 0x77)
         p.free(a)
-        vendor.fail("unmap", skip=1)  # the second of the four free pages refuses to unmap
+        vendor.fail("unmap")  # a's chunk refuses to unmap
         with pytest.raises(PoolError, match=vendor.name("unmap")):
             p.empty_cache()  # the caller hears about it ...
-        # ... the other three went back, the refused one is still mapped and counted
-        assert vendor.lib.fake_mapped() == 2 * PAGE == p.stats()["total"]["reserved"]["current"]
+        # ... and the chunk is still mapped and counted
+        assert vendor.lib.fake_mapped() == 60 * MiB == p.stats()["total"]["reserved"]["current"]
         p.check()
-        c = p.malloc(8 * MiB - vendor.pad)  # the free range is usable again (its pages mapped anew)
-        _fill(c, 8 * MiB - vendor.pad, 0x33)
+        c = p.malloc(40 * MiB - vendor.pad)  # the free range is usable again
+        _fill(c, 40 * MiB - vendor.pad, 0x33)
         assert _holds(b, MiB, 0x77)
         p.free(c)
-        p.empty_cache()  # this time every free page goes back
-        assert vendor.lib.fake_mapped() == PAGE == p.stats()["total"]["reserved"]["current"]
+        p.empty_cache()  # this time the free chunk goes back
+        assert vendor.lib.fake_mapped() == 20 * MiB == p.stats()["total"]["reserved"]["current"]
         p.check()
         p.free(b)
 

@@ -116,38 +116,42 @@ def test_a_failed_free_is_held_counted_and_retried(builds: dict, backend: str) -
 def test_a_failed_page_release_is_held_and_close_says_what_is_lost(builds: dict, backend: str) -> None:
     v = _vendor(builds, backend)
     p = v.pool("npu_pool")
-    p.free(p.malloc(4 * MiB - v.pad))
-    v.fail("release", count=1000)  # the physical pages never go back
+    p.free(p.malloc(4 * MiB - v.pad))  # one chunk of 20 MiB (the arena's growth granule)
+    v.fail("release", count=1000)  # the physical chunk never goes back
     with pytest.raises(BackendError, match="still holds"):
         p.empty_cache()
     st_ = p.stats()
-    assert v.lib.fake_mapped() == 0 and st_["unreleased"] == 4 * MiB == st_["total"]["reserved"]["current"]
-    assert v.lib.fake_used() == 4 * MiB  # held, not forgotten
-    with pytest.raises(BackendError, match="still holds 4.00 MiB"):
+    assert v.lib.fake_mapped() == 0 and st_["unreleased"] == 20 * MiB == st_["total"]["reserved"]["current"]
+    assert v.lib.fake_used() == 20 * MiB  # held, not forgotten
+    with pytest.raises(BackendError, match="still holds 20.00 MiB"):
         p.close()  # retried once more at close, then reported
     _clear_faults(v)
 
 
 @pytest.mark.parametrize("backend", ["acl", "cuda"])
 def test_a_failed_unmap_then_remap_never_hands_out_a_lost_page(builds: dict, backend: str) -> None:
-    """Unmap fails on a page, and the mapping of a new page fails too: the page whose state is
+    """Unmap fails on a chunk, and the mapping of a new chunk fails too: a chunk whose state is
     unknown to nobody any more (the page table says what is mapped) is never handed out unmapped,
     and the caller hears about both failures."""
     v = _vendor(builds, backend)
     p = v.pool("npu_pool")
-    keep = p.malloc(MiB)
-    a = p.malloc(8 * MiB)
+    keep = p.malloc(MiB)  # the first chunk [0, 20 MiB) holds keep
+    a = p.malloc(20 * MiB)  # the next growths are chunks that free up whole
+    c = p.malloc(30 * MiB)
+    d = p.malloc(80 * MiB)
     p.free(a)
-    v.fail("unmap", skip=1)
+    p.free(c)
+    p.free(d)
+    v.fail("unmap", skip=1)  # the first free chunk goes, the next refuses
     with pytest.raises(BackendError):
         p.empty_cache()
     v.fail("map", skip=0, count=1)
     with pytest.raises(BackendError):
-        p.malloc(8 * MiB)
+        p.malloc(60 * MiB)  # more than the mapped free memory: a new chunk
     _books_match(p, v, {})
-    b = p.malloc(8 * MiB)  # now it maps what it needs
-    ctypes.memset(b, 0x42, 8 * MiB)
-    assert ctypes.string_at(b + 8 * MiB - 16, 16) == b"\x42" * 16
+    b = p.malloc(60 * MiB)  # now it maps what it needs
+    ctypes.memset(b, 0x42, 60 * MiB)
+    assert ctypes.string_at(b + 60 * MiB - 16, 16) == b"\x42" * 16
     _books_match(p, v, {})
     p.free(b)
     p.free(keep)

@@ -116,7 +116,7 @@ def test_cli_replay_json(tmp_path, capsys):
     records = json.loads(out.read_text())
     assert [r["policy"] for r in records] == ["torch", "npu_pool"]
     keys = {"trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
-            "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op"}
+            "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity"}
     for r in records:
         assert set(r) == keys
         assert r["utilization"] == pytest.approx(r["peak_live_bytes"] / r["peak_reserved_bytes"])

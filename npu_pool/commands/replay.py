@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "categories), none")
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
     p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
+    p.add_argument("--costs", metavar="FILE",
+                   help="JSON {call kind: microseconds} over the default per-call costs of the device-time estimate")
     p.add_argument("--validate", action="store_true",
                    help="check the torch model against the recorded run instead (snapshots only); with --live, "
                         "set each live figure beside the simulation's")
@@ -68,6 +70,40 @@ All sizes in GiB, each trace replayed on the simulated device:
   mallocs    device allocations made (cudaMalloc / aclrtMalloc or page maps), given room to spare
 Timings are left out: `python benchmarks/micro.py` measures them, side by side and repeated."""
 
+CALLS_LEGEND = """\
+Device calls, given room to spare (and at min cap), each a stall on a real card:
+  physical   physical memory taken and given back: malloc + free (segments), phys_create + phys_release (chunks)
+  map/unmap  mappings made and removed (virtual-memory policies)
+  syncs      device and stream synchronisations
+  other      events, stream queries, device look-ups, reservations
+  est ms     the calls' estimated device time from the per-call cost table (docs/device_calls.md; --costs)"""
+
+
+def _call_groups(c: dict[str, int]) -> tuple[int, int, int, int]:
+    physical = c["malloc"] + c["free"] + c["phys_create"] + c["phys_release"]
+    maps = c["map"] + c["unmap"]
+    syncs = c["sync_device"] + c["sync_stream"]
+    return physical, maps, syncs, sum(c.values()) - physical - maps - syncs
+
+
+def format_calls(results: list[PolicyResult], costs: dict) -> str:
+    """Device calls by group for each result, with the estimated device time (ms)."""
+    from ..device_costs import estimate_us
+
+    head = (f"{'trace':25} {'policy':10} {'physical':>9} {'map/unmap':>9} {'syncs':>6} {'other':>6} {'est ms':>8}"
+            f" {'@min cap: phys':>14} {'map/unmap':>9} {'est ms':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.calls is None:
+            continue
+        p, m, sy, o = _call_groups(r.calls)
+        line = f"{r.trace[:25]:25} {r.policy:10} {p:9d} {m:9d} {sy:6d} {o:6d} {estimate_us(r.calls, costs) / 1e3:8.1f}"
+        if r.calls_at_min_capacity is not None:
+            cp, cm, _, _ = _call_groups(r.calls_at_min_capacity)
+            line += f" {cp:14d} {cm:9d} {estimate_us(r.calls_at_min_capacity, costs) / 1e3:8.1f}"
+        lines.append(line)
+    return "\n".join(lines)
+
 VALIDATE_LEGEND = """\
   rec peak / sim peak  peak reserved of the recorded run / of the torch model replaying it (GiB)
   rec segs / sim segs  segment allocations (cudaMalloc calls) made while the recording ran, in the
@@ -105,6 +141,9 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(named)
     policies = policies_from(args.policy)
+    from ..device_costs import load_costs
+
+    costs = load_costs(args.costs)
     results, online = [], []
     for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
         for policy in policies:
@@ -119,6 +158,9 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
                                     with_min_capacity=not args.no_min_capacity, plan=plan))
     print(format_table(results))
     print(LEGEND)
+    print()
+    print(format_calls(results, costs))
+    print(CALLS_LEGEND)
     for line in online:
         print(line)
     if args.json:

@@ -28,6 +28,28 @@ static int check_fraction(double f) {
   return NP_OK;
 }
 
+/* The per-thread current device of the vendor backends (backend.h): valid while its generation
+ * is the process's; a forked child starts a new generation (its runtime is not the parent's). */
+static __thread int tl_device = -1;
+static __thread unsigned tl_gen;
+static unsigned device_gen = 1;
+static pthread_once_t device_once = PTHREAD_ONCE_INIT;
+static void forked_child(void) { __atomic_add_fetch(&device_gen, 1, __ATOMIC_RELAXED); }
+static void register_fork(void) { pthread_atfork(NULL, NULL, forked_child); }
+
+int np_device_cache_get(void) {
+  return tl_gen == __atomic_load_n(&device_gen, __ATOMIC_RELAXED) ? tl_device : -1;
+}
+
+void np_device_cache_set(int device) {
+  pthread_once(&device_once, register_fork);
+  tl_device = device;
+  tl_gen = __atomic_load_n(&device_gen, __ATOMIC_RELAXED);
+}
+
+int np_cached_device(void) { return np_device_cache_get(); }
+void np_forget_device(void) { np_device_cache_set(-1); }
+
 np_backend *np_backend_create(const np_config *cfg) {
   switch (cfg->backend) {
     case NP_BACKEND_SIM: return np_backend_sim_create(cfg);
@@ -229,6 +251,7 @@ void np_reset_accumulated(np_ctx *ctx) {
   for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->allocated = c[i]->freed = 0;
   np_stats *st = &ctx->st;
   st->ooms = st->retries = st->syncs = st->device_mallocs = st->device_frees = 0;
+  for (int k = 0; k < NP_CALL_COUNT; k++) ctx->calls_base[k] = ctx->be->calls[k];
   pthread_mutex_unlock(&ctx->lock);
 }
 

@@ -21,6 +21,7 @@ void np_arena_init(np_ctx *ctx, np_arena *a) {
   memset(a, 0, sizeof *a);
   a->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
   a->page = a->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
+  a->growth = NP_ARENA_GROWTH;
   ctx->st.vmm = a->vmm;
 }
 
@@ -76,7 +77,7 @@ void np_arena_drop(np_ctx *ctx, np_arena *a) {
   }
   np_segment_destroy(ctx, a->seg); /* unmaps what is mapped */
   /* what outlives the memory: the settings, the owner's budget and the streams seen */
-  *a = (np_arena){.vmm = a->vmm, .page = a->page, .set_aside = a->set_aside, .outside = a->outside,
+  *a = (np_arena){.vmm = a->vmm, .page = a->page, .growth = a->growth, .set_aside = a->set_aside, .outside = a->outside,
                   .streams = a->streams};
 }
 
@@ -96,7 +97,20 @@ static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t ne
   return before - a->seg->mapped;
 }
 
-/* Map every unmapped page under block b; trims settled free pages when the budget would be
+/* How far the chunk mapped for the unmapped run of pages [r0, end) under a block extends: to
+ * at least the growth granule (NP_ARENA_GROWTH, PyTorch's large-pool segment) over pages that
+ * are unmapped, within `room` more bytes of the budget -- exactly the shortfall near the cap. A
+ * growth is one chunk, so a training run's arena grows in few of them and never maps again once
+ * its high-water mark is reached. */
+static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t room) {
+  uint64_t pages = a->seg->size / a->page, want = r0 + np_max_u64(end - r0, (a->growth + a->page - 1) / a->page);
+  uint64_t cap = end + room / a->page, e = end;
+  want = np_min_u64(np_min_u64(want, pages), cap);
+  while (e < want && !a->seg->pages[e]) e++;
+  return e;
+}
+
+/* Map every unmapped page under block b; trims settled free chunks when the budget would be
  * exceeded, and fails whole if that is not enough. */
 static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
   if (!a->vmm) return NP_OK;
@@ -110,8 +124,17 @@ static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
     return np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s", np_fmt_bytes(need, x),
                     np_fmt_bytes(limit, y));
   }
-  uint64_t end = (b->addr + b->size - a->seg->addr + a->page - 1) / a->page;
-  int rc = np_vmm_map(ctx, a->seg, b->addr, b->size, false); /* pages mapped before a failure stay mapped */
+  uint64_t off = b->addr - a->seg->addr, end = (off + b->size + a->page - 1) / a->page, r0 = end;
+  while (r0 > off / a->page && !a->seg->pages[r0 - 1]) r0--;
+  /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it) a growth is exactly the shortfall, mapped page by
+   * page: there, free memory must go back in small pieces when the cap presses (a trim), and a
+   * chunk is unmapped only whole. Far from it, the last unmapped run under b is one chunk grown
+   * to the granule, never past a granule below the cap. (docs/device_calls.md: the trade-off.) */
+  uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
+  bool near = after > limit / NP_ARENA_NEAR_DIV;
+  if (r0 < end && !near) end = grow_end(a, r0, end, after < limit - keep ? limit - keep - after : 0);
+  /* chunks mapped before a failure stay mapped */
+  int rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * a->page - off, near ? a->page : 0, false);
   if (end > a->page_hwm) a->page_hwm = end;
   return rc;
 }

@@ -1,8 +1,9 @@
 /* arena.h -- one arena: the npu_pool policy's memory, and the planned policy's fallback.
  *
- * With a virtual-memory API the arena is an address reservation of twice the device, whose
- * pages are mapped as its high-water mark grows and unmapped when free (the page table is
- * the segment's, vmm.h); without one it is a single device allocation of the cap.
+ * With a virtual-memory API the arena is an address reservation of twice the device, mapped in
+ * chunks as its high-water mark grows (one physical allocation and one map per growth: at least
+ * NP_ARENA_GROWTH far from the cap, a page at a time near it) and unmapped in whole free chunks
+ * (the page table is the segment's, vmm.h); without one it is a single device allocation of the cap.
  *
  *  - blocks are exact (512-byte rounded): no segment rounding, no boundaries;
  *  - a request takes the smallest hole that fits (O(log n) tree by stream, size, address),
@@ -18,10 +19,10 @@
  *    makes its stream wait for that stream's queued work: memory serves every stream
  *    without a host synchronisation. Without that hook, holes stay with their stream until
  *    a synchronisation (empty_cache, or the retry after a failure) clears the tags;
- *  - when mapping would pass the budget, it first trims: unmaps whole free pages whose
+ *  - when mapping would pass the budget, it first trims: unmaps whole free chunks whose
  *    streams have finished all queued work (no synchronisation needed); only if that is
  *    not enough does the request fail into the retry, which synchronises the device and
- *    unmaps every whole free page, as empty_cache.
+ *    unmaps every whole free chunk, as empty_cache.
  *
  * The arena's budget is the context's cap less `set_aside` (promised to its owner, e.g. the
  * planned region) and the reserved bytes `outside` it (held by its owner): its owner keeps
@@ -39,6 +40,13 @@
 #include "streams.h"
 #include "tree.h"
 
+/* The least an arena grows by (VMM): one chunk of PyTorch's large-pool segment size (20 MiB),
+ * rounded to the granularity, while its reserved bytes stay under cap / NP_ARENA_NEAR_DIV and a
+ * granule below the cap; past that, growths are exact, one chunk per page, so that trims can
+ * return free pages (docs/device_calls.md: the trade-off). */
+#define NP_ARENA_GROWTH (20 * NP_MIB)
+#define NP_ARENA_NEAR_DIV 2
+
 typedef struct np_arena {
   np_tree holes;
   np_segment *seg;      /* NULL until the first request */
@@ -46,6 +54,7 @@ typedef struct np_arena {
   bool vmm;
   uint64_t page;        /* mapping granularity (VMM) or NP_MIN_BLOCK */
   uint64_t page_hwm;    /* pages at or above this index have never been mapped */
+  uint64_t growth;      /* least bytes a growth maps far from the cap (NP_ARENA_GROWTH; 0: exactly the shortfall) */
   uint64_t set_aside;   /* bytes of the cap the arena must leave to its owner */
   uint64_t outside;     /* reserved bytes that are not the arena's */
   np_streams streams;   /* streams that allocated or were recorded, for waits on mixed memory */

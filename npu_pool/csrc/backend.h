@@ -2,10 +2,15 @@
  *
  * Plain allocation (malloc / free) is mandatory. The virtual-memory group is present only
  * where the vendor has it (granularity > 0): reserve / release an address range, and the
- * calls on one physical page of `granularity` bytes (create, map at an address, unmap,
- * release). Everything above one page -- which pages of a reservation are mapped, and to
- * which handle, what failed and is still held -- is the core's VMM layer (vmm.h), the same
- * for every vendor. Vendor rules stay here: `request_align` / `request_tail` pad every
+ * calls on one physical chunk of a multiple of `granularity` bytes (create, map at an
+ * address, unmap, release). A chunk is mapped whole and unmapped whole: the vendors unmap
+ * whole mappings only (aclrtUnmapMem takes no size; cuMemUnmap of part of a mapping is
+ * refused), and the simulated device refuses what they refuse. Everything above one chunk --
+ * which chunks of a reservation are mapped, what failed and is still held -- is the core's
+ * VMM layer (vmm.h), the same for every vendor.
+ *
+ * Every vendor call is counted in `calls` (NP_CALL_*) at the one place it is made, failed
+ * calls too, so the counts equal the vendor's own. Vendor rules stay here: `request_align` / `request_tail` pad every
  * request (Ascend kernels may touch 32 bytes past a tensor: round up to 32, add 32).
  *
  * Functions return NP_OK or an NP_ERR_* code after setting np_error(). A call that fails
@@ -27,15 +32,17 @@ struct np_backend {
   uint64_t granularity;    /* physical page size of the page calls; 0 = no virtual-memory API */
   uint32_t request_align;  /* requests round up to a multiple of this (0: no rule) */
   uint32_t request_tail;   /* ... and get this many bytes more */
+  uint64_t calls[NP_CALL_COUNT]; /* vendor calls made, by kind */
   int (*malloc)(np_backend *be, uint64_t size, uintptr_t *out);
   int (*free)(np_backend *be, uintptr_t addr, uint64_t size);
   int (*reserve)(np_backend *be, uint64_t size, uintptr_t *out);
   int (*release)(np_backend *be, uintptr_t addr, uint64_t size);
-  int (*page_create)(np_backend *be, uint64_t *handle);  /* a physical page; handles are never 0 */
-  int (*page_release)(np_backend *be, uint64_t handle);
-  int (*page_map)(np_backend *be, uintptr_t va, uint64_t handle);
-  int (*page_unmap)(np_backend *be, uintptr_t va);
-  int (*page_access)(np_backend *be, uintptr_t va, uint64_t size); /* optional: enable access to a mapped run */
+  /* a physical chunk of `size` bytes (a multiple of the granularity); handles are never 0 */
+  int (*page_create)(np_backend *be, uint64_t size, uint64_t *handle);
+  int (*page_release)(np_backend *be, uint64_t handle, uint64_t size);
+  int (*page_map)(np_backend *be, uintptr_t va, uint64_t size, uint64_t handle); /* the whole chunk at va */
+  int (*page_unmap)(np_backend *be, uintptr_t va, uint64_t size);               /* the whole mapping at va */
+  int (*page_access)(np_backend *be, uintptr_t va, uint64_t size); /* optional: enable access to a mapped chunk */
   int (*enter)(np_backend *be, int *prev);                          /* optional: make the device current */
   void (*leave)(np_backend *be, int prev);
   int (*synchronize)(np_backend *be, intptr_t stream);              /* NP_STREAM_ANY: whole device */
@@ -52,6 +59,14 @@ struct np_backend {
   int (*host_alloc)(np_backend *be, uint64_t size, void **out);
   void (*host_free)(np_backend *be, void *p);
 };
+
+/* The current device of the calling thread as the vendor backends last saw or set it (-1:
+ * unknown), kept per thread as torch_npu keeps it, so a request costs no aclrtGetDevice.
+ * Forgotten in a forked child (np_device_cache_get answers -1 there) and by np_device_cache_set(-1).
+ * A device made current behind the cache's back (a raw vendor call) is seen at the next
+ * request of that thread that makes a device call only if the caller forgets the cache. */
+int np_device_cache_get(void);
+void np_device_cache_set(int device);
 
 /* Create a backend for cfg->backend; NULL with np_error() set on failure. */
 np_backend *np_backend_create(const np_config *cfg);

@@ -6,9 +6,9 @@
  * memory (aclrtReserveMemAddress, aclrtMallocPhysical, aclrtMapMem,
  * aclrtUnmapMem, aclrtFreePhysical, aclrtReleaseMemAddress) is used when the
  * library exports all of it and a one-page reservation succeeds; otherwise
- * granularity is 0 and the arena makes one aclrtMalloc. The page calls work on one
- * granularity page each (aclrtUnmapMem unmaps whole mappings only); the core's VMM
- * layer (vmm.h) keeps the page table.
+ * granularity is 0 and the arena makes one aclrtMalloc. The chunk calls work on one
+ * physical chunk each, mapped and unmapped whole (aclrtUnmapMem unmaps whole mappings
+ * only); the core's VMM layer (vmm.h) keeps the chunk table.
  *
  * Vendor rule: Ascend kernels may read or write up to 32 bytes past a tensor, so a request
  * is rounded up to 32 bytes and given 32 more -- under torch_npu's condition (AddPadSize in
@@ -128,6 +128,9 @@ static const np_dl_sym acl_syms[] = {
 
 static const char *const acl_names[] = {"libascendcl.so", NULL};
 
+/* Make a vendor call, counted by kind (NP_CALL_*) where it is made: the one place each call is. */
+#define ACL(a, kind, call) ((a)->base.calls[NP_CALL_##kind]++, (a)->api.call)
+
 typedef struct acl_backend {
   np_backend base;
   acl_api api;
@@ -163,32 +166,46 @@ static const char *addr_arg(uintptr_t addr, char *buf) {
 
 /* ---- device guard ---------------------------------------------------------- */
 
-/* Make the backend's device current; *prev is the device to restore, or -1
- * when the thread had none (it then keeps ours, as torch_npu's threads do). */
-static int enter(acl_backend *a, int *prev) {
+/* Make the backend's device current; *prev is the device to restore, or -1 when the thread
+ * had none (it then keeps ours, as torch_npu's threads do). The thread's current device is
+ * cached (np_device_cache_get, as torch_npu keeps it): no vendor call while it is ours. Calls
+ * whose effect depends on which device is current and that a stale cache would misdirect
+ * (malloc, free, synchronise, reserve, release: each rare, and a device call itself) pass
+ * `check` and ask the runtime. */
+static int enter_ex(acl_backend *a, int *prev, bool check) {
   int32_t cur = -1;
   *prev = -1;
-  bool has = a->api.aclrtGetDevice(&cur) == 0;
-  if (has && cur == a->device) return NP_OK;
-  acl_err e = a->api.aclrtSetDevice(a->device);
+  if (!check && np_device_cache_get() == a->device) return NP_OK;
+  bool has = ACL(a, GET_DEVICE, aclrtGetDevice(&cur)) == 0;
+  if (has && cur == a->device) {
+    np_device_cache_set(cur);
+    return NP_OK;
+  }
+  acl_err e = ACL(a, SET_DEVICE, aclrtSetDevice(a->device));
   if (e) {
     char s[16];
+    np_device_cache_set(-1);
     snprintf(s, sizeof s, "%d", a->device);
     return acl_fail(a, "aclrtSetDevice", s, e);
   }
+  np_device_cache_set(a->device);
   if (has) *prev = cur;
   return NP_OK;
 }
 
+static int enter(acl_backend *a, int *prev) { return enter_ex(a, prev, true); }
+
 static void leave(acl_backend *a, int prev) {
-  if (prev >= 0) a->api.aclrtSetDevice(prev);
+  if (prev < 0) return;
+  np_device_cache_set(ACL(a, SET_DEVICE, aclrtSetDevice(prev)) ? -1 : prev);
 }
 
-static int acl_enter(np_backend *be, int *prev) { return enter((acl_backend *)be, prev); }
+/* The chunk calls: the device is known current from the cache. */
+static int acl_enter(np_backend *be, int *prev) { return enter_ex((acl_backend *)be, prev, false); }
 static void acl_leave(np_backend *be, int prev) { leave((acl_backend *)be, prev); }
 
 static int sync_device(acl_backend *a) {
-  acl_err e = a->api.aclrtSynchronizeDevice();
+  acl_err e = ACL(a, SYNC_DEVICE, aclrtSynchronizeDevice());
   return e ? acl_fail(a, "aclrtSynchronizeDevice", "", e) : NP_OK;
 }
 
@@ -199,7 +216,7 @@ static int acl_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
   void *p = NULL;
-  acl_err e = a->api.aclrtMalloc(&p, size, ACL_MEM_MALLOC_HUGE_FIRST);
+  acl_err e = ACL(a, MALLOC, aclrtMalloc(&p, size, ACL_MEM_MALLOC_HUGE_FIRST));
   if (e) {
     char s[32];
     rc = acl_fail(a, "aclrtMalloc", np_fmt_bytes(size, s), e);
@@ -217,7 +234,7 @@ static int acl_free(np_backend *be, uintptr_t addr, uint64_t size) {
   if (rc != NP_OK) return rc;
   rc = sync_device(a);
   if (rc == NP_OK) {
-    acl_err e = a->api.aclrtFree((void *)addr);
+    acl_err e = ACL(a, FREE, aclrtFree((void *)addr));
     char s[32];
     if (e) rc = acl_fail(a, "aclrtFree", addr_arg(addr, s), e);
   }
@@ -232,7 +249,7 @@ static int acl_synchronize(np_backend *be, intptr_t stream) {
   if (stream == NP_STREAM_ANY) {
     rc = sync_device(a);
   } else {
-    acl_err e = a->api.aclrtSynchronizeStream((void *)stream);
+    acl_err e = ACL(a, SYNC_STREAM, aclrtSynchronizeStream((void *)stream));
     char s[32];
     if (e) rc = acl_fail(a, "aclrtSynchronizeStream", addr_arg((uintptr_t)stream, s), e);
   }
@@ -244,20 +261,20 @@ static int acl_synchronize(np_backend *be, intptr_t stream) {
  * is destroyed at once: ACL frees it when the wait has consumed it. */
 static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   acl_backend *a = (acl_backend *)be;
-  int prev, rc = enter(a, &prev);
+  int prev, rc = enter_ex(a, &prev, false); /* per request: the cached device */
   if (rc != NP_OK) return rc;
   void *ev = NULL;
   const char *call = "aclrtCreateEvent";
-  acl_err e = a->api.aclrtCreateEvent(&ev);
+  acl_err e = ACL(a, EVENT_CREATE, aclrtCreateEvent(&ev));
   if (e) ev = NULL;
-  else if ((e = a->api.aclrtRecordEvent(ev, (void *)on))) call = "aclrtRecordEvent";
-  else if ((e = a->api.aclrtStreamWaitEvent((void *)waiter, ev))) call = "aclrtStreamWaitEvent";
+  else if ((e = ACL(a, EVENT_RECORD, aclrtRecordEvent(ev, (void *)on)))) call = "aclrtRecordEvent";
+  else if ((e = ACL(a, EVENT_WAIT, aclrtStreamWaitEvent((void *)waiter, ev)))) call = "aclrtStreamWaitEvent";
   if (e) {
     char s[64];
     snprintf(s, sizeof s, "waiter %#lx, on %#lx", (unsigned long)waiter, (unsigned long)on);
     rc = acl_fail(a, call, s, e);
   }
-  if (ev) a->api.aclrtDestroyEvent(ev);
+  if (ev) ACL(a, EVENT_DESTROY, aclrtDestroyEvent(ev));
   leave(a, prev);
   return rc;
 }
@@ -266,41 +283,43 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
 static int acl_stream_idle(np_backend *be, intptr_t stream) {
   acl_backend *a = (acl_backend *)be;
   int prev, status = -1;
-  if (enter(a, &prev) != NP_OK) return 0;
-  acl_err e = a->api.aclrtStreamQuery((void *)stream, &status);
+  if (enter_ex(a, &prev, false) != NP_OK) return 0;
+  acl_err e = ACL(a, STREAM_QUERY, aclrtStreamQuery((void *)stream, &status));
   if (e && a->api.aclGetRecentErrMsg) a->api.aclGetRecentErrMsg(); /* drop the message */
   leave(a, prev);
   return !e && status == ACL_STREAM_STATUS_COMPLETE;
 }
 
-/* ---- virtual memory: one page per vendor call (the device is current) ------- */
+/* ---- virtual memory: one chunk per vendor call (the device is current) ------ */
 
-static int page_create(np_backend *be, uint64_t *handle) {
+static int page_create(np_backend *be, uint64_t size, uint64_t *handle) {
   acl_backend *a = (acl_backend *)be;
   void *h = NULL;
-  acl_err e = a->api.aclrtMallocPhysical(&h, be->granularity, &a->prop, 0);
+  acl_err e = ACL(a, PHYS_CREATE, aclrtMallocPhysical(&h, size, &a->prop, 0));
   char s[32];
-  if (e) return acl_fail(a, "aclrtMallocPhysical", np_fmt_bytes(be->granularity, s), e);
+  if (e) return acl_fail(a, "aclrtMallocPhysical", np_fmt_bytes(size, s), e);
   *handle = (uint64_t)(uintptr_t)h;
   return NP_OK;
 }
 
-static int page_release(np_backend *be, uint64_t handle) {
+static int page_release(np_backend *be, uint64_t handle, uint64_t size) {
   acl_backend *a = (acl_backend *)be;
-  acl_err e = a->api.aclrtFreePhysical((void *)(uintptr_t)handle);
+  (void)size;
+  acl_err e = ACL(a, PHYS_RELEASE, aclrtFreePhysical((void *)(uintptr_t)handle));
   return e ? acl_fail(a, "aclrtFreePhysical", "handle", e) : NP_OK;
 }
 
-static int page_map(np_backend *be, uintptr_t va, uint64_t handle) {
+static int page_map(np_backend *be, uintptr_t va, uint64_t size, uint64_t handle) {
   acl_backend *a = (acl_backend *)be;
-  acl_err e = a->api.aclrtMapMem((void *)va, be->granularity, 0, (void *)(uintptr_t)handle, 0);
+  acl_err e = ACL(a, MAP, aclrtMapMem((void *)va, size, 0, (void *)(uintptr_t)handle, 0));
   char s[32];
   return e ? acl_fail(a, "aclrtMapMem", addr_arg(va, s), e) : NP_OK;
 }
 
-static int page_unmap(np_backend *be, uintptr_t va) {
+static int page_unmap(np_backend *be, uintptr_t va, uint64_t size) {
   acl_backend *a = (acl_backend *)be;
-  acl_err e = a->api.aclrtUnmapMem((void *)va);
+  (void)size; /* aclrtUnmapMem unmaps the whole mapping at va */
+  acl_err e = ACL(a, UNMAP, aclrtUnmapMem((void *)va));
   char s[32];
   return e ? acl_fail(a, "aclrtUnmapMem", addr_arg(va, s), e) : NP_OK;
 }
@@ -310,7 +329,7 @@ static int acl_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
   void *p = NULL;
-  acl_err e = a->api.aclrtReserveMemAddress(&p, size, 0, NULL, a->reserve_flags);
+  acl_err e = ACL(a, RESERVE, aclrtReserveMemAddress(&p, size, 0, NULL, a->reserve_flags));
   if (e) {
     char s[32];
     rc = acl_fail(a, "aclrtReserveMemAddress", np_fmt_bytes(size, s), e);
@@ -326,7 +345,7 @@ static int acl_release(np_backend *be, uintptr_t addr, uint64_t size) {
   (void)size;
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
-  acl_err e = a->api.aclrtReleaseMemAddress((void *)addr);
+  acl_err e = ACL(a, RELEASE, aclrtReleaseMemAddress((void *)addr));
   char s[32];
   if (e) rc = acl_fail(a, "aclrtReleaseMemAddress", addr_arg(addr, s), e);
   leave(a, prev);
@@ -379,17 +398,17 @@ static void probe_vmm(acl_backend *a, const np_config *cfg, const char *missing)
   if (!cfg->vmm) snprintf(why, sizeof why, "disabled by the configuration");
   else if (missing[0]) snprintf(why, sizeof why, "the library has no %s", missing);
   else if (a->api.aclrtMemGetAllocationGranularity &&
-           ((e = a->api.aclrtMemGetAllocationGranularity(&a->prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &gran)) ||
+           ((e = ACL(a, GRANULARITY, aclrtMemGetAllocationGranularity(&a->prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &gran))) ||
             gran == 0))
     snprintf(why, sizeof why, "aclrtMemGetAllocationGranularity failed with error %d", e);
   if (!why[0]) {
-    e = a->api.aclrtReserveMemAddress(&p, gran, 0, NULL, a->reserve_flags);
+    e = ACL(a, RESERVE, aclrtReserveMemAddress(&p, gran, 0, NULL, a->reserve_flags));
     if (is_bad_param(e)) { /* runtimes where flags is reserved and must be 0 */
       a->reserve_flags = 0;
-      e = a->api.aclrtReserveMemAddress(&p, gran, 0, NULL, 0);
+      e = ACL(a, RESERVE, aclrtReserveMemAddress(&p, gran, 0, NULL, 0));
     }
     if (e) snprintf(why, sizeof why, "the probe aclrtReserveMemAddress failed with error %d", e);
-    else a->api.aclrtReleaseMemAddress(p);
+    else ACL(a, RELEASE, aclrtReleaseMemAddress(p));
   }
   if (a->api.aclGetRecentErrMsg && why[0]) a->api.aclGetRecentErrMsg(); /* drop the probe's message */
   if (why[0]) {
@@ -454,7 +473,7 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
   int prev;
   if (enter(a, &prev) != NP_OK) goto fail;
   size_t free_bytes = 0, total = 0;
-  acl_err e = a->api.aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
+  acl_err e = ACL(a, MEM_INFO, aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total));
   if (e || total == 0) {
     if (e) acl_fail(a, "aclrtGetMemInfo", "ACL_HBM_MEM", e);
     else np_error(NP_ERR_BACKEND, "acl: aclrtGetMemInfo reports 0 bytes of HBM on device %d", a->device);

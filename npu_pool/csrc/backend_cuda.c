@@ -9,8 +9,8 @@
  * cuMemUnmap, cuMemRelease, cuMemAddressFree) is used when the driver exports
  * all of it and a probe succeeds (device attribute, granularity, a one-page
  * reservation); otherwise granularity is 0 and the arena makes one cudaMalloc.
- * The page calls work on one granularity page each; the core's VMM layer (vmm.h)
- * keeps the page table.
+ * The chunk calls work on one physical chunk (a multiple of the granularity) each; the
+ * core's VMM layer (vmm.h) keeps the chunk table.
  *
  * Invariant: every vendor call runs with this backend's device current and the
  * caller's device is restored after (page calls rely on the VMM layer's enter/leave). cudaFree synchronises the device by itself;
@@ -164,28 +164,41 @@ static const char *addr_arg(uintptr_t addr, char *buf) {
   return buf;
 }
 
+/* Make a vendor call, counted by kind (NP_CALL_*) where it is made. */
+#define CU(c, kind, call) ((c)->base.calls[NP_CALL_##kind]++, (c)->api.call)
+
 /* ---- device guard ---------------------------------------------------------- */
 
-/* Make the backend's device current; *prev is the device to restore, or -1. */
-static int enter(cuda_backend *c, int *prev) {
+/* Make the backend's device current; *prev is the device to restore, or -1. The thread's
+ * current device is cached (np_device_cache_get); `check` asks the runtime anyway (the calls
+ * a stale cache would misdirect: malloc, free, synchronise, reserve, release). */
+static int enter_ex(cuda_backend *c, int *prev, bool check) {
   int cur = -1;
   *prev = -1;
-  if (c->api.cudaGetDevice(&cur) == 0 && cur == c->device) return NP_OK;
-  cu_err e = c->api.cudaSetDevice(c->device);
+  if (!check && np_device_cache_get() == c->device) return NP_OK;
+  if (CU(c, GET_DEVICE, cudaGetDevice(&cur)) == 0 && cur == c->device) {
+    np_device_cache_set(cur);
+    return NP_OK;
+  }
+  cu_err e = CU(c, SET_DEVICE, cudaSetDevice(c->device));
   if (e) {
     char a[16];
+    np_device_cache_set(-1);
     snprintf(a, sizeof a, "%d", c->device);
     return rt_fail(c, "cudaSetDevice", a, e);
   }
+  np_device_cache_set(c->device);
   *prev = cur;
   return NP_OK;
 }
 
+static int enter(cuda_backend *c, int *prev) { return enter_ex(c, prev, true); }
+
 static void leave(cuda_backend *c, int prev) {
-  if (prev >= 0) c->api.cudaSetDevice(prev);
+  if (prev >= 0) np_device_cache_set(CU(c, SET_DEVICE, cudaSetDevice(prev)) ? -1 : prev);
 }
 
-static int cuda_enter(np_backend *be, int *prev) { return enter((cuda_backend *)be, prev); }
+static int cuda_enter(np_backend *be, int *prev) { return enter_ex((cuda_backend *)be, prev, false); }
 static void cuda_leave(np_backend *be, int prev) { leave((cuda_backend *)be, prev); }
 
 /* ---- plain allocation ------------------------------------------------------ */
@@ -195,7 +208,7 @@ static int cuda_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
   void *p = NULL;
-  cu_err e = c->api.cudaMalloc(&p, size);
+  cu_err e = CU(c, MALLOC, cudaMalloc(&p, size));
   if (e) {
     char a[32];
     rc = rt_fail(c, "cudaMalloc", bytes_arg(size, a), e);
@@ -211,7 +224,7 @@ static int cuda_free(np_backend *be, uintptr_t addr, uint64_t size) {
   (void)size;
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
-  cu_err e = c->api.cudaFree((void *)addr); /* synchronises the device first */
+  cu_err e = CU(c, FREE, cudaFree((void *)addr)); /* synchronises the device first */
   char a[32];
   if (e) rc = rt_fail(c, "cudaFree", addr_arg(addr, a), e);
   leave(c, prev);
@@ -247,10 +260,10 @@ static int cuda_synchronize(np_backend *be, intptr_t stream) {
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
   if (stream == NP_STREAM_ANY) {
-    cu_err e = c->api.cudaDeviceSynchronize();
+    cu_err e = CU(c, SYNC_DEVICE, cudaDeviceSynchronize());
     if (e) rc = rt_fail(c, "cudaDeviceSynchronize", "", e);
   } else {
-    cu_err e = c->api.cudaStreamSynchronize((void *)stream);
+    cu_err e = CU(c, SYNC_STREAM, cudaStreamSynchronize((void *)stream));
     char a[32];
     if (e) rc = rt_fail(c, "cudaStreamSynchronize", addr_arg((uintptr_t)stream, a), e);
   }
@@ -261,13 +274,13 @@ static int cuda_synchronize(np_backend *be, intptr_t stream) {
 /* Make `waiter` wait on the device for the work queued so far on `on`. */
 static int cuda_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   cuda_backend *c = (cuda_backend *)be;
-  int prev, rc = enter(c, &prev);
+  int prev, rc = enter_ex(c, &prev, false); /* per request: the cached device */
   if (rc != NP_OK) return rc;
   const char *call = "cudaEventCreateWithFlags";
   cu_err e = 0;
-  if (!c->event && (e = c->api.cudaEventCreateWithFlags(&c->event, CUDA_EVENT_DISABLE_TIMING))) c->event = NULL;
-  if (!e && (e = c->api.cudaEventRecord(c->event, (void *)on))) call = "cudaEventRecord";
-  else if (!e && (e = c->api.cudaStreamWaitEvent((void *)waiter, c->event, 0))) call = "cudaStreamWaitEvent";
+  if (!c->event && (e = CU(c, EVENT_CREATE, cudaEventCreateWithFlags(&c->event, CUDA_EVENT_DISABLE_TIMING)))) c->event = NULL;
+  if (!e && (e = CU(c, EVENT_RECORD, cudaEventRecord(c->event, (void *)on)))) call = "cudaEventRecord";
+  else if (!e && (e = CU(c, EVENT_WAIT, cudaStreamWaitEvent((void *)waiter, c->event, 0)))) call = "cudaStreamWaitEvent";
   if (e) {
     char a[64];
     snprintf(a, sizeof a, "waiter %#lx, on %#lx", (unsigned long)waiter, (unsigned long)on);
@@ -281,41 +294,42 @@ static int cuda_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
 static int cuda_stream_idle(np_backend *be, intptr_t stream) {
   cuda_backend *c = (cuda_backend *)be;
   int prev;
-  if (enter(c, &prev) != NP_OK) return 0;
-  cu_err e = c->api.cudaStreamQuery((void *)stream);
+  if (enter_ex(c, &prev, false) != NP_OK) return 0;
+  cu_err e = CU(c, STREAM_QUERY, cudaStreamQuery((void *)stream));
   if (e && c->api.cudaGetLastError) c->api.cudaGetLastError(); /* cudaErrorNotReady is no failure */
   leave(c, prev);
   return e == 0;
 }
 
-/* ---- virtual memory: one page per vendor call (the device is current) ------- */
+/* ---- virtual memory: one chunk per vendor call (the device is current) ------ */
 
-static int page_create(np_backend *be, uint64_t *handle) {
+static int page_create(np_backend *be, uint64_t size, uint64_t *handle) {
   cuda_backend *c = (cuda_backend *)be;
   cu_handle h = 0;
-  cu_err e = c->api.cuMemCreate(&h, be->granularity, &c->prop, 0);
+  cu_err e = CU(c, PHYS_CREATE, cuMemCreate(&h, size, &c->prop, 0));
   char a[32];
-  if (e) return cu_fail(c, "cuMemCreate", bytes_arg(be->granularity, a), e);
+  if (e) return cu_fail(c, "cuMemCreate", bytes_arg(size, a), e);
   *handle = h;
   return NP_OK;
 }
 
-static int page_release(np_backend *be, uint64_t handle) {
+static int page_release(np_backend *be, uint64_t handle, uint64_t size) {
   cuda_backend *c = (cuda_backend *)be;
-  cu_err e = c->api.cuMemRelease(handle);
+  (void)size;
+  cu_err e = CU(c, PHYS_RELEASE, cuMemRelease(handle));
   return e ? cu_fail(c, "cuMemRelease", "handle", e) : NP_OK;
 }
 
-static int page_map(np_backend *be, uintptr_t va, uint64_t handle) {
+static int page_map(np_backend *be, uintptr_t va, uint64_t size, uint64_t handle) {
   cuda_backend *c = (cuda_backend *)be;
-  cu_err e = c->api.cuMemMap(va, be->granularity, 0, handle, 0);
+  cu_err e = CU(c, MAP, cuMemMap(va, size, 0, handle, 0));
   char a[32];
   return e ? cu_fail(c, "cuMemMap", addr_arg(va, a), e) : NP_OK;
 }
 
-static int page_unmap(np_backend *be, uintptr_t va) {
+static int page_unmap(np_backend *be, uintptr_t va, uint64_t size) {
   cuda_backend *c = (cuda_backend *)be;
-  cu_err e = c->api.cuMemUnmap(va, be->granularity);
+  cu_err e = CU(c, UNMAP, cuMemUnmap(va, size));
   char a[32];
   return e ? cu_fail(c, "cuMemUnmap", addr_arg(va, a), e) : NP_OK;
 }
@@ -323,7 +337,7 @@ static int page_unmap(np_backend *be, uintptr_t va) {
 static int page_access(np_backend *be, uintptr_t va, uint64_t size) {
   cuda_backend *c = (cuda_backend *)be;
   cu_access_desc d = {.location = c->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  cu_err e = c->api.cuMemSetAccess(va, size, &d, 1);
+  cu_err e = CU(c, SET_ACCESS, cuMemSetAccess(va, size, &d, 1));
   if (!e) return NP_OK;
   char a[64], b[32];
   snprintf(a, sizeof a, "%#lx, %s", (unsigned long)va, np_fmt_bytes(size, b));
@@ -335,7 +349,7 @@ static int cuda_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
   cu_ptr p = 0;
-  cu_err e = c->api.cuMemAddressReserve(&p, size, 0, 0, 0);
+  cu_err e = CU(c, RESERVE, cuMemAddressReserve(&p, size, 0, 0, 0));
   if (e) {
     char a[32];
     rc = cu_fail(c, "cuMemAddressReserve", bytes_arg(size, a), e);
@@ -350,7 +364,7 @@ static int cuda_release(np_backend *be, uintptr_t addr, uint64_t size) {
   cuda_backend *c = (cuda_backend *)be;
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
-  cu_err e = c->api.cuMemAddressFree(addr, size);
+  cu_err e = CU(c, RELEASE, cuMemAddressFree(addr, size));
   char a[32];
   if (e) rc = cu_fail(c, "cuMemAddressFree", bytes_arg(size, a), e);
   leave(c, prev);
@@ -361,7 +375,7 @@ static int cuda_release(np_backend *be, uintptr_t addr, uint64_t size) {
 
 static void cuda_destroy(np_backend *be) { /* the context returned its memory first */
   cuda_backend *c = (cuda_backend *)be;
-  if (c->event) c->api.cudaEventDestroy(c->event);
+  if (c->event) CU(c, EVENT_DESTROY, cudaEventDestroy(c->event));
   np_dl_close(c->driver);
   np_dl_close(c->runtime);
   free(c);
@@ -387,12 +401,12 @@ static void probe_vmm(cuda_backend *c, const np_config *cfg, const char *missing
     c->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     c->prop.location.id = dev;
-    if ((e = c->api.cuMemGetAllocationGranularity(&gran, &c->prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) || gran == 0)
+    if ((e = CU(c, GRANULARITY, cuMemGetAllocationGranularity(&gran, &c->prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM))) || gran == 0)
       snprintf(why, sizeof why, "cuMemGetAllocationGranularity failed with error %d", e);
-    else if ((e = c->api.cuMemAddressReserve(&p, gran, 0, 0, 0)))
+    else if ((e = CU(c, RESERVE, cuMemAddressReserve(&p, gran, 0, 0, 0))))
       snprintf(why, sizeof why, "the probe cuMemAddressReserve failed with error %d", e);
     else
-      c->api.cuMemAddressFree(p, gran);
+      CU(c, RELEASE, cuMemAddressFree(p, gran));
   }
   if (why[0]) {
     snprintf(c->name, sizeof c->name, "cuda (no VMM: %s)", why);
@@ -458,8 +472,8 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   int prev;
   if (enter(c, &prev) != NP_OK) goto fail;
   size_t free_bytes = 0, total = 0;
-  cu_err e = c->api.cudaFree(NULL); /* creates the device's primary context if needed */
-  if (!e) e = c->api.cudaMemGetInfo(&free_bytes, &total);
+  cu_err e = CU(c, FREE, cudaFree(NULL)); /* creates the device's primary context if needed */
+  if (!e) e = CU(c, MEM_INFO, cudaMemGetInfo(&free_bytes, &total));
   if (e) {
     rt_fail(c, "cudaMemGetInfo", "", e);
     leave(c, prev);

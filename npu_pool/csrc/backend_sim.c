@@ -5,8 +5,16 @@
  * (so replays of 80 GiB traces cost no memory); with host_backed, every
  * allocation or mapping is real host memory, so tests can write patterns.
  *
- * Invariant: `ranges` holds every live allocation and reservation, sorted by
- * address and pairwise disjoint; used = allocated bytes + physical pages' bytes.
+ * It refuses what the vendors refuse: a chunk is unmapped whole (an unmap must name the start
+ * and size of a mapping, as cuMemUnmap does; aclrtUnmapMem takes the start only), a mapping may
+ * not overlap another, a handle is released once. It counts the calls the ACL backend would
+ * make for the same requests (np_stats.calls): the device looked up (aclrtGetDevice) before
+ * each malloc, free, synchronisation, reservation and release, and once per thread for the
+ * chunk calls; free synchronises the device first.
+ *
+ * Invariant: `ranges` holds every live allocation and reservation, `maps` every mapping, each
+ * sorted by address and pairwise disjoint; used = allocated bytes + the bytes of live handles
+ * (handle_size[h] != 0).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -27,18 +35,37 @@ typedef struct sim_range {
   uint64_t size;
 } sim_range;
 
+typedef struct sim_table {
+  sim_range *ranges;
+  size_t n, cap;
+} sim_table;
+
 typedef struct sim_backend {
   np_backend base;
   uint64_t used;
   bool host;
+  int device;
   uintptr_t next;      /* bump pointer for virtual addresses */
   uintptr_t hint;      /* one-shot address for the next malloc, 0 if none */
-  sim_range *ranges;
-  size_t n, cap;
-  uint64_t next_handle;
+  sim_table alloc;     /* allocations and reservations */
+  sim_table maps;      /* mappings of physical chunks */
+  uint64_t *handle_size; /* bytes of each live handle (index: handle), 0 once released */
+  uint64_t n_handles, cap_handles;
 } sim_backend;
 
-static size_t find_pos(const sim_backend *s, uintptr_t addr) {
+/* The device the calling thread last made current through a simulated device (-1: none),
+ * like the vendor backends' per-thread cache: what the ACL backend would look up. */
+static __thread int sim_current = -1;
+
+/* Count what the ACL backend's device guard calls before a call: a lookup always (`check`),
+ * or only while the thread's cached device is not ours. */
+static void sim_enter(sim_backend *s, bool check) {
+  if (!check && sim_current == s->device) return;
+  s->base.calls[NP_CALL_GET_DEVICE]++;
+  sim_current = s->device; /* the caller made it current (torch_npu does) */
+}
+
+static size_t find_pos(const sim_table *s, uintptr_t addr) {
   size_t lo = 0, hi = s->n;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
@@ -48,14 +75,14 @@ static size_t find_pos(const sim_backend *s, uintptr_t addr) {
   return lo;
 }
 
-static bool overlaps(const sim_backend *s, uintptr_t addr, uint64_t size) {
+static bool overlaps(const sim_table *s, uintptr_t addr, uint64_t size) {
   size_t i = find_pos(s, addr);
   if (i < s->n && s->ranges[i].addr < addr + size) return true;
   if (i > 0 && s->ranges[i - 1].addr + s->ranges[i - 1].size > addr) return true;
   return false;
 }
 
-static int add_range(sim_backend *s, uintptr_t addr, uint64_t size) {
+static int add_range(sim_table *s, uintptr_t addr, uint64_t size) {
   if (s->n == s->cap) {
     size_t cap = s->cap ? s->cap * 2 : 64;
     sim_range *r = realloc(s->ranges, cap * sizeof *r);
@@ -70,11 +97,11 @@ static int add_range(sim_backend *s, uintptr_t addr, uint64_t size) {
   return NP_OK;
 }
 
-static int del_range(sim_backend *s, uintptr_t addr, uint64_t size) {
+static int del_range(sim_table *s, uintptr_t addr, uint64_t size, const char *what) {
   size_t i = find_pos(s, addr);
   if (i == s->n || s->ranges[i].addr != addr || s->ranges[i].size != size)
-    return np_error(NP_ERR_BACKEND, "sim: free of %#lx (%llu bytes) which the device never handed out",
-                    (unsigned long)addr, (unsigned long long)size);
+    return np_error(NP_ERR_BACKEND, "sim: %s of %#lx (%llu bytes) which is not one whole %s the device handed out",
+                    what, (unsigned long)addr, (unsigned long long)size, what[0] == 'u' ? "mapping" : "range");
   memmove(&s->ranges[i], &s->ranges[i + 1], (s->n - i - 1) * sizeof *s->ranges);
   s->n--;
   return NP_OK;
@@ -96,14 +123,14 @@ static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
     void *p = mmap(NULL, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return np_error(NP_ERR_HOST, "sim: host mmap of %llu bytes failed", (unsigned long long)size);
     *out = (uintptr_t)p;
-  } else if (s->hint && !overlaps(s, s->hint, size)) {
+  } else if (s->hint && !overlaps(&s->alloc, s->hint, size)) {
     *out = s->hint;
   } else {
     *out = s->next;
     s->next = np_round_up(s->next + size, SIM_ALIGN);
   }
   s->hint = 0;
-  int rc = add_range(s, *out, size);
+  int rc = add_range(&s->alloc, *out, size);
   if (rc != NP_OK && s->host) munmap((void *)*out, size);
   return rc;
 }
@@ -114,6 +141,8 @@ static void drop_addr(sim_backend *s, uintptr_t addr, uint64_t size) {
 
 static int sim_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
   sim_backend *s = (sim_backend *)be;
+  sim_enter(s, true);
+  be->calls[NP_CALL_MALLOC]++;
   int rc = charge(s, size);
   if (rc != NP_OK) return rc;
   rc = take_addr(s, size, PROT_READ | PROT_WRITE, out);
@@ -123,7 +152,10 @@ static int sim_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
 
 static int sim_free(np_backend *be, uintptr_t addr, uint64_t size) {
   sim_backend *s = (sim_backend *)be;
-  int rc = del_range(s, addr, size);
+  sim_enter(s, true);
+  be->calls[NP_CALL_SYNC_DEVICE]++; /* as the ACL backend: synchronise, then free */
+  be->calls[NP_CALL_FREE]++;
+  int rc = del_range(&s->alloc, addr, size, "free");
   if (rc != NP_OK) return rc;
   drop_addr(s, addr, size);
   s->used -= size;
@@ -132,62 +164,102 @@ static int sim_free(np_backend *be, uintptr_t addr, uint64_t size) {
 
 static int sim_reserve(np_backend *be, uint64_t size, uintptr_t *out) {
   sim_backend *s = (sim_backend *)be;
+  sim_enter(s, true);
+  be->calls[NP_CALL_RESERVE]++;
   if (size % SIM_PAGE) return np_error(NP_ERR_INVALID, "sim: reserve size not a multiple of the page size");
   return take_addr(s, size, PROT_NONE, out);
 }
 
 static int sim_release(np_backend *be, uintptr_t addr, uint64_t size) {
   sim_backend *s = (sim_backend *)be;
-  int rc = del_range(s, addr, size);
+  sim_enter(s, true);
+  be->calls[NP_CALL_RELEASE]++;
+  if (overlaps(&s->maps, addr, size))
+    return np_error(NP_ERR_BACKEND, "sim: release of the reservation at %#lx while chunks are still mapped in it",
+                    (unsigned long)addr);
+  int rc = del_range(&s->alloc, addr, size, "release");
   if (rc == NP_OK) drop_addr(s, addr, size);
   return rc;
 }
 
-static int sim_page_create(np_backend *be, uint64_t *handle) {
+static int sim_page_create(np_backend *be, uint64_t size, uint64_t *handle) {
   sim_backend *s = (sim_backend *)be;
-  int rc = charge(s, be->granularity);
-  if (rc == NP_OK) *handle = ++s->next_handle;
+  be->calls[NP_CALL_PHYS_CREATE]++;
+  if (size == 0 || size % be->granularity)
+    return np_error(NP_ERR_BACKEND, "sim: a physical chunk of %llu bytes is not a multiple of the %llu-byte granularity",
+                    (unsigned long long)size, (unsigned long long)be->granularity);
+  if (s->n_handles + 1 >= s->cap_handles) {
+    uint64_t cap = s->cap_handles ? 2 * s->cap_handles : 256;
+    uint64_t *t = realloc(s->handle_size, cap * sizeof *t);
+    if (!t) return np_error(NP_ERR_HOST, "sim: host out of memory for the handle table");
+    s->handle_size = t;
+    s->cap_handles = cap;
+  }
+  int rc = charge(s, size);
+  if (rc != NP_OK) return rc;
+  *handle = ++s->n_handles;
+  s->handle_size[*handle] = size;
+  return NP_OK;
+}
+
+static bool live_handle(const sim_backend *s, uint64_t handle) {
+  return handle && handle <= s->n_handles && s->handle_size[handle];
+}
+
+static int sim_page_release(np_backend *be, uint64_t handle, uint64_t size) {
+  sim_backend *s = (sim_backend *)be;
+  be->calls[NP_CALL_PHYS_RELEASE]++;
+  (void)size; /* the vendors release a handle whole, whatever was mapped of it */
+  if (!live_handle(s, handle)) return np_error(NP_ERR_BACKEND, "sim: release of handle %llu which is not live", (unsigned long long)handle);
+  s->used -= s->handle_size[handle];
+  s->handle_size[handle] = 0;
+  return NP_OK;
+}
+
+static int sim_page_map(np_backend *be, uintptr_t va, uint64_t size, uint64_t handle) {
+  sim_backend *s = (sim_backend *)be;
+  be->calls[NP_CALL_MAP]++;
+  if (!live_handle(s, handle) || size > s->handle_size[handle] || size % be->granularity || !size)
+    return np_error(NP_ERR_BACKEND, "sim: map of %llu bytes at %#lx from handle %llu which is not live or smaller",
+                    (unsigned long long)size, (unsigned long)va, (unsigned long long)handle);
+  if (overlaps(&s->maps, va, size))
+    return np_error(NP_ERR_BACKEND, "sim: map at %#lx overlaps a mapping", (unsigned long)va);
+  if (s->host && mprotect((void *)va, size, PROT_READ | PROT_WRITE) != 0)
+    return np_error(NP_ERR_HOST, "sim: mprotect failed while mapping");
+  int rc = add_range(&s->maps, va, size);
+  if (rc != NP_OK && s->host) mprotect((void *)va, size, PROT_NONE);
   return rc;
 }
 
-static int sim_page_release(np_backend *be, uint64_t handle) {
-  (void)handle;
-  ((sim_backend *)be)->used -= be->granularity;
-  return NP_OK;
-}
-
-static int sim_page_map(np_backend *be, uintptr_t va, uint64_t handle) {
+static int sim_page_unmap(np_backend *be, uintptr_t va, uint64_t size) {
   sim_backend *s = (sim_backend *)be;
-  (void)handle;
-  if (s->host && mprotect((void *)va, be->granularity, PROT_READ | PROT_WRITE) != 0)
-    return np_error(NP_ERR_HOST, "sim: mprotect failed while mapping");
-  return NP_OK;
-}
-
-static int sim_page_unmap(np_backend *be, uintptr_t va) {
-  sim_backend *s = (sim_backend *)be;
+  be->calls[NP_CALL_UNMAP]++;
+  int rc = del_range(&s->maps, va, size, "unmap"); /* whole mappings only, as the vendors */
+  if (rc != NP_OK) return rc;
   if (s->host) {
-    madvise((void *)va, be->granularity, MADV_DONTNEED);
-    mprotect((void *)va, be->granularity, PROT_NONE);
+    madvise((void *)va, size, MADV_DONTNEED);
+    mprotect((void *)va, size, PROT_NONE);
   }
   return NP_OK;
 }
 
 static int sim_synchronize(np_backend *be, intptr_t stream) {
-  (void)be;
-  (void)stream;
+  sim_enter((sim_backend *)be, true);
+  be->calls[stream == NP_STREAM_ANY ? NP_CALL_SYNC_DEVICE : NP_CALL_SYNC_STREAM]++;
   return NP_OK; /* the simulated device runs nothing asynchronously */
 }
 
 static int sim_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
-  (void)be;
+  sim_enter((sim_backend *)be, false);
+  for (int k = NP_CALL_EVENT_CREATE; k <= NP_CALL_EVENT_DESTROY; k++) be->calls[k]++; /* create, record, wait, destroy */
   (void)waiter;
   (void)on;
   return NP_OK; /* nothing runs asynchronously: the order already holds */
 }
 
 static int sim_stream_idle(np_backend *be, intptr_t stream) {
-  (void)be;
+  sim_enter((sim_backend *)be, false);
+  be->calls[NP_CALL_STREAM_QUERY]++;
   (void)stream;
   return 1; /* simulated work finishes as it is queued */
 }
@@ -211,12 +283,25 @@ static void sim_host_free(np_backend *be, void *p) {
   free(p);
 }
 
+static int sim_chunk_enter(np_backend *be, int *prev) {
+  *prev = -1;
+  sim_enter((sim_backend *)be, false);
+  return NP_OK;
+}
+
+static void sim_chunk_leave(np_backend *be, int prev) {
+  (void)be;
+  (void)prev;
+}
+
 static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint = addr; }
 
 static void sim_destroy(np_backend *be) {
   sim_backend *s = (sim_backend *)be;
-  for (size_t i = 0; i < s->n; i++) drop_addr(s, s->ranges[i].addr, s->ranges[i].size);
-  free(s->ranges);
+  for (size_t i = 0; i < s->alloc.n; i++) drop_addr(s, s->alloc.ranges[i].addr, s->alloc.ranges[i].size);
+  free(s->alloc.ranges);
+  free(s->maps.ranges);
+  free(s->handle_size);
   free(s);
 }
 
@@ -247,6 +332,8 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .hint_addr = sim_hint,
       .stream_wait = sim_stream_wait,
       .stream_idle = sim_stream_idle,
+      .enter = cfg->vmm ? sim_chunk_enter : NULL,
+      .leave = cfg->vmm ? sim_chunk_leave : NULL,
       .destroy = sim_destroy,
       .copy = cfg->host_backed ? sim_copy : NULL,
       .host_alloc = cfg->host_backed ? sim_host_alloc : NULL,
@@ -254,5 +341,14 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   };
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
+  s->device = cfg->device;
+  /* what the ACL backend asks at creation: the device, its memory, the granularity and a probe reservation */
+  sim_enter(s, true);
+  s->base.calls[NP_CALL_MEM_INFO]++;
+  if (cfg->vmm) {
+    s->base.calls[NP_CALL_GRANULARITY]++;
+    s->base.calls[NP_CALL_RESERVE]++;
+    s->base.calls[NP_CALL_RELEASE]++;
+  }
   return &s->base;
 }

@@ -97,6 +97,7 @@ struct np_ctx {
   bool closed;
   bool inherited;
   np_ctx *fork_prev, *fork_next;
+  uint64_t calls_base[NP_CALL_COUNT]; /* be->calls at the latest np_reset_accumulated (stats.calls: since) */
 };
 
 /* NP_ERR_STATE saying why a closed (or inherited) context refuses a call; np_ctx_usable is

@@ -1,5 +1,7 @@
 /* memory.c -- the device memory a context holds: segments, the one accounting path for
- * reserved bytes, and memory whose return the device refused (held and retried). */
+ * reserved bytes, memory whose return the device refused (held and retried), and the range
+ * calls of the VMM layer (vmm.h), which account what its chunk calls did. Calls go one way:
+ * here -> vmm.c -> the backend; vmm.c never calls back. */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -21,11 +23,9 @@ void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, u
   change_reserved(ctx, seg->pool, bytes, add);
   if (add) {
     seg->mapped += bytes;
-    ctx->st.device_mallocs++;
   } else {
     NP_ASSERT(seg->mapped >= bytes);
     seg->mapped -= bytes;
-    ctx->st.device_frees++;
   }
   np_ctx_record(ctx, action, addr, bytes, seg->stream, -1, seg->pool, 0);
 }
@@ -57,24 +57,20 @@ void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t 
 /* Try to return one held item; NP_OK when it is gone. */
 static int retry_one(np_ctx *ctx, np_held *h) {
   np_backend *be = ctx->be;
-  int rc, prev = -1;
+  int rc;
   switch (h->kind) {
     case NP_HELD_SEGMENT:
       rc = be->free(be, h->addr, h->size);
       if (rc == NP_OK) {
-        ctx->st.device_frees++;
         np_ctx_record(ctx, NP_EV_SEGMENT_FREE, h->addr, h->size, 0, -1, h->pool, 0);
       }
       return rc;
-    case NP_HELD_PAGE:
-      rc = be->enter ? be->enter(be, &prev) : NP_OK;
-      if (rc == NP_OK && h->addr) {
-        rc = be->page_unmap(be, h->addr);
-        if (rc == NP_OK) h->addr = 0;
-      }
-      if (rc == NP_OK) rc = be->page_release(be, h->handle);
-      if (be->leave) be->leave(be, prev);
+    case NP_HELD_PAGE: {
+      np_vmm_left left = {h->addr, h->size, h->handle};
+      rc = np_vmm_chunk_return(be, &left);
+      h->addr = left.addr; /* unmapped even if the release failed */
       return rc;
+    }
     default:
       return be->release(be, h->addr, h->size);
   }
@@ -116,6 +112,121 @@ int np_ctx_retry_held(np_ctx *ctx) {
 
 int np_ctx_new_holds(np_ctx *ctx, uint64_t holds_before) {
   return ctx->holds == holds_before ? NP_OK : still_held(ctx, NP_ERR_BACKEND, ctx->hold_error);
+}
+
+/* ---- the VMM layer's range calls: chunks mapped and unmapped, accounted ------------------ */
+
+/* Hold what a chunk call left with the device. `from`: the segment whose mapped bytes counted it. */
+static void hold_left(np_ctx *ctx, const np_vmm_left *left, np_segment *from) {
+  if (left->handle) np_ctx_hold(ctx, NP_HELD_PAGE, left->addr, left->size, left->handle, from);
+}
+
+/* Unmap the chunk at page p (accounted); see np_vmm_unmap for `whole`. */
+static int unmap_chunk(np_ctx *ctx, np_segment *seg, uint64_t p, bool whole, uint64_t *unmapped) {
+  uint64_t f, n, g = ctx->be->granularity;
+  np_vmm_chunk_at(ctx->be, seg, p, &f, &n);
+  np_vmm_left left;
+  int rc = np_vmm_chunk_unmap(ctx->be, seg, f, whole, &left);
+  if (rc == NP_OK) {
+    np_ctx_reserved(ctx, NP_EV_SEGMENT_UNMAP, seg, seg->addr + f * g, n * g);
+    *unmapped += n * g;
+    if (left.handle) { /* unmapped, but the handle was not released: held, counted reserved again */
+      np_saved_error s;
+      np_save_error(&s, NP_ERR_BACKEND);
+      hold_left(ctx, &left, NULL);
+      np_restore_error(&s);
+    }
+  } else if (left.handle) { /* whole: out of the page table, held while still mapped */
+    hold_left(ctx, &left, seg);
+    *unmapped += n * g;
+  }
+  return rc;
+}
+
+int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped) {
+  uint64_t g = ctx->be->granularity, bytes = 0;
+  uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g;
+  np_saved_error s = {0};
+  int rc = NP_OK;
+  for (uint64_t p = first; p < end;) {
+    if (!seg->pages[p]) {
+      p++;
+      continue;
+    }
+    uint64_t f, n;
+    np_vmm_chunk_at(ctx->be, seg, p, &f, &n);
+    if (f >= first && f + n <= end) { /* the whole chunk is in the range */
+      int urc = unmap_chunk(ctx, seg, f, whole, &bytes);
+      if (urc != NP_OK && rc == NP_OK) np_save_error(&s, rc = urc);
+    }
+    p = f + n;
+  }
+  if (unmapped) *unmapped = bytes;
+  return rc == NP_OK ? NP_OK : np_restore_error(&s);
+}
+
+int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
+  return np_vmm_unmap_ex(ctx, seg, addr, size, whole, NULL);
+}
+
+int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, uint64_t unit, bool whole) {
+  uint64_t g = ctx->be->granularity, u = unit ? np_max_u64(unit / g, 1) : 0;
+  uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
+  uint64_t *fresh = NULL, n_fresh = 0, cap_fresh = 0; /* first pages of the chunks this call mapped (whole) */
+  int rc = NP_OK;
+  for (uint64_t p = first; p < end && rc == NP_OK;) {
+    if (seg->pages[p]) {
+      p++;
+      continue;
+    }
+    uint64_t q = p + 1; /* the chunk: the unmapped run from p, cut at the next multiple of the unit */
+    uint64_t stop = u ? np_min_u64(end, (p / u + 1) * u) : end;
+    while (q < stop && !seg->pages[q]) q++;
+    np_vmm_left left;
+    rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, &left);
+    if (rc != NP_OK) {
+      np_saved_error s;
+      np_save_error(&s, rc);
+      hold_left(ctx, &left, NULL);
+      np_restore_error(&s);
+      break;
+    }
+    np_ctx_reserved(ctx, NP_EV_SEGMENT_MAP, seg, seg->addr + p * g, (q - p) * g);
+    if (whole && n_fresh == cap_fresh) {
+      uint64_t *f = realloc(fresh, (cap_fresh = cap_fresh ? 2 * cap_fresh : 8) * sizeof *f);
+      if (!f) rc = np_error(NP_ERR_HOST, "host out of memory mapping a range");
+      else fresh = f;
+    }
+    if (whole && rc == NP_OK) fresh[n_fresh++] = p;
+    if (rc != NP_OK) { /* no room to remember it: undo it now */
+      uint64_t ignored = 0;
+      np_saved_error s;
+      np_save_error(&s, rc);
+      unmap_chunk(ctx, seg, p, true, &ignored);
+      np_restore_error(&s);
+    }
+    p = q;
+  }
+  if (rc != NP_OK && whole) { /* as it was: unmap the chunks this call mapped */
+    np_saved_error s;
+    np_save_error(&s, rc);
+    for (uint64_t i = 0, ignored = 0; i < n_fresh; i++) unmap_chunk(ctx, seg, fresh[i], true, &ignored);
+    np_restore_error(&s);
+  }
+  free(fresh);
+  return rc;
+}
+
+int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
+  return np_vmm_map_by(ctx, seg, addr, size, 0, whole);
+}
+
+void np_vmm_release(np_ctx *ctx, np_segment *seg) {
+  if (seg->mapped) np_vmm_unmap(ctx, seg, seg->addr, seg->size, true); /* what refuses is held */
+  if (ctx->be->release(ctx->be, seg->addr, seg->size) != NP_OK)
+    np_ctx_hold(ctx, NP_HELD_RESERVATION, seg->addr, seg->size, 0, NULL);
+  free(seg->pages);
+  seg->pages = NULL;
 }
 
 /* ---- segments ------------------------------------------------------------------------------ */

@@ -77,11 +77,22 @@ enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
  * torch_npu pads, sim and CUDA do not), torch_npu's on an Ascend NPU (every request rounds up to
  * NP_NPU_PAD bytes and gets NP_NPU_PAD more before the policy sees it), CUDA's (none). */
 enum { NP_DEVICE_AUTO = 0, NP_DEVICE_NPU = 1, NP_DEVICE_CUDA = 2, NP_DEVICE_COUNT = 3 };
+/* Device calls by kind (np_stats.calls): each backend counts a call where it makes it, failed
+ * ones too, so a live run's counts equal the vendor's own per-function counts (NP_VOCAB_CALL_ACL
+ * and NP_VOCAB_CALL_CUDA name the vendor function of each kind; NULL: that vendor has none). The
+ * simulated device counts the calls the ACL backend would make for the same requests. */
+enum {
+  NP_CALL_MALLOC = 0, NP_CALL_FREE = 1, NP_CALL_RESERVE = 2, NP_CALL_RELEASE = 3, NP_CALL_PHYS_CREATE = 4,
+  NP_CALL_PHYS_RELEASE = 5, NP_CALL_MAP = 6, NP_CALL_UNMAP = 7, NP_CALL_SET_ACCESS = 8, NP_CALL_SYNC_DEVICE = 9,
+  NP_CALL_SYNC_STREAM = 10, NP_CALL_EVENT_CREATE = 11, NP_CALL_EVENT_RECORD = 12, NP_CALL_EVENT_WAIT = 13,
+  NP_CALL_EVENT_DESTROY = 14, NP_CALL_STREAM_QUERY = 15, NP_CALL_GET_DEVICE = 16, NP_CALL_SET_DEVICE = 17,
+  NP_CALL_MEM_INFO = 18, NP_CALL_GRANULARITY = 19, NP_CALL_COUNT = 20
+};
 /* Tables of np_vocab_name. */
 enum {
   NP_VOCAB_BACKEND = 0, NP_VOCAB_LIFE = 1, NP_VOCAB_MARK = 2, NP_VOCAB_OP = 3, NP_VOCAB_CAT = 4, NP_VOCAB_HINTS = 5,
   NP_VOCAB_EVENT = 6, NP_VOCAB_ERROR = 7, NP_VOCAB_OOM = 8, NP_VOCAB_STAGE = 9, NP_VOCAB_DEVICE = 10,
-  NP_VOCAB_COUNT = 11
+  NP_VOCAB_CALL = 11, NP_VOCAB_CALL_ACL = 12, NP_VOCAB_CALL_CUDA = 13, NP_VOCAB_COUNT = 14
 };
 #define NP_MAX_REQUEST 0x1000000000000ULL /* 2^48: larger requests (and capacities) are absurd */
 enum {
@@ -131,8 +142,8 @@ typedef struct np_stats {
   uint64_t limit;           /* fraction * device_total */
   np_counter arena_hwm;     /* arena policies: highest byte offset in use in the arena */
   uint64_t largest_free;    /* largest free block (arena policies: including the arena's unused top) */
-  uint64_t device_mallocs;  /* backend malloc and map calls */
-  uint64_t device_frees;    /* backend free and unmap calls */
+  uint64_t device_mallocs;  /* calls[NP_CALL_MALLOC] + calls[NP_CALL_MAP]: segments and chunks taken */
+  uint64_t device_frees;    /* calls[NP_CALL_FREE] + calls[NP_CALL_UNMAP]: segments and chunks given back */
   uint64_t ooms;            /* requests that failed for lack of memory */
   uint64_t retries;         /* release-cache-and-retry events */
   uint64_t syncs;           /* device synchronisations the pool asked for */
@@ -145,6 +156,8 @@ typedef struct np_stats {
   int policy;
   uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */
   uint64_t backup;          /* host bytes holding paused tags' contents (np_pause with backup) */
+  uint64_t calls[20];       /* device calls by kind (NP_CALL_*, NP_CALL_COUNT of them) since creation or
+                               np_reset_accumulated */
 } np_stats;
 
 typedef struct np_replay_in {
@@ -161,6 +174,9 @@ typedef struct np_replay_in {
   int hints;                /* NP_HINTS_* */
   uint64_t *placed;         /* optional (NULL): per event, the address an allocation got */
   uint8_t *classes;         /* optional (NULL): per event, NP_LIFE_LONG/SHORT an allocation was placed as */
+  const uint64_t *bounds;   /* optional (NULL): n_bounds increasing event indices (iteration starts) ... */
+  uint64_t n_bounds;
+  uint64_t *bound_calls;    /* ... and n_bounds x NP_CALL_COUNT: the device calls by kind made before each */
 } np_replay_in;
 
 typedef struct np_replay_out {
@@ -271,6 +287,13 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
  * and freed once while live; requests of 1..NP_MAX_REQUEST bytes; sites -1..n_sites-1.
  * NP_ERR_INVALID naming the first bad event (*bad: its index). */
 int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad);
+
+/* The current device the vendor backends keep for the calling thread (as torch_npu keeps it: no
+ * aclrtGetDevice per request), -1 when unknown (a new thread, a forked child). A caller that made
+ * another device current behind the pool's back (a raw aclrtSetDevice / cudaSetDevice) calls
+ * np_forget_device() so that the next device call looks it up again. */
+int np_cached_device(void);
+void np_forget_device(void);
 
 const char *np_last_error(void);
 /* Names of the vocabulary: np_vocab_name(NP_VOCAB_MARK, NP_MARK_SETUP_BEGIN) is "setup_begin";

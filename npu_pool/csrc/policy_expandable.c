@@ -3,7 +3,8 @@
  *
  *  - one virtual range per stream and pool (small: requests <= 1 MiB), sized
  *    like PyTorch's (1.125 x device memory), backed by physical pages of
- *    2 MiB (small) or 20 MiB (large) mapped as it grows;
+ *    2 MiB (small) or 20 MiB (large) mapped as it grows: each page is one physical
+ *    handle and one map (and one unmap and release), as in ExpandableSegment;
  *  - rounding and pools as in the torch policy; a block always splits when at
  *    least 512 bytes remain;
  *  - a request takes the best-fitting mapped free block of its stream; among
@@ -159,7 +160,9 @@ static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
     *rc = np_error(NP_ERR_HOST, "host out of memory splitting a block");
     return NULL;
   }
-  *rc = np_vmm_map(ctx, seg, b->addr, bytes, true); /* all or nothing: on failure b is unmapped as before */
+  /* one physical handle per page, as PyTorch's ExpandableSegment::map creates one handle of the
+   * segment size (2 MiB small, 20 MiB large) per page and maps each: all or nothing */
+  *rc = np_vmm_map_by(ctx, seg, b->addr, bytes, page_size[seg->pool], true);
   if (*rc != NP_OK) {
     if (split) np_block_merge_next(&ctx->blocks, b);
     return NULL;

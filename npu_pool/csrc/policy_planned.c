@@ -507,6 +507,9 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
   region_drop(ctx, st);
   np_plan_free(&st->plan);
   st->plan = plan;
+  /* with a plan the fallback maps exactly what the plan left out (reserved stays the plan's peak);
+   * without one it is the online pool's arena, growing as it does */
+  st->fb.growth = plan.n ? 0 : NP_ARENA_GROWTH;
   st->flags = flags;
   st->seg_failed = false;
   st->synced = (flags & NP_PLAN_AT_START) != 0; /* tentatively: one mismatch ends it */

@@ -145,7 +145,11 @@ static int run(replay *r) {
   const np_replay_in *in = r->in;
   np_ctx *ctx = r->ctx;
   bool fidelity = in->fidelity && ctx->policy->alloc_at;
+  uint64_t bound = 0;
   for (uint64_t i = 0; i < in->n; i++) {
+    for (; bound < in->n_bounds && in->bounds[bound] <= i; bound++) /* an iteration starts: the calls so far */
+      for (int k = 0; k < NP_CALL_COUNT; k++)
+        in->bound_calls[bound * NP_CALL_COUNT + k] = ctx->be->calls[k] - ctx->calls_base[k];
     uint8_t op = in->op[i];
     ctx->replay_time = (int64_t)i;
     int64_t id = in->id[i];
@@ -236,6 +240,11 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     return np_error(NP_ERR_INVALID, "replay: a trace column is missing");
   if (in->hints < 0 || in->hints >= NP_HINTS_COUNT)
     return np_error(NP_ERR_INVALID, "replay: hints must be one of NP_HINTS_* (0..%d)", NP_HINTS_COUNT - 1);
+  if (in->n_bounds && (!in->bounds || !in->bound_calls))
+    return np_error(NP_ERR_INVALID, "replay: %llu iteration bounds without their buffers", (unsigned long long)in->n_bounds);
+  for (uint64_t b = 1; b < in->n_bounds; b++)
+    if (in->bounds[b] < in->bounds[b - 1])
+      return np_error(NP_ERR_INVALID, "replay: iteration bound %llu is before the one ahead of it", (unsigned long long)b);
   uint64_t m = in->n_ids ? in->n_ids : 1;
   replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, malloc(m), calloc(m, 1), -1, {0}};
   if (r.tag) memset(r.tag, -1, m); /* no tag */

@@ -1,17 +1,16 @@
-/* vmm.c -- page tables of reservations over the backend's page calls (see vmm.h). */
+/* vmm.c -- chunks of reservations over the backend's chunk calls (see vmm.h). Nothing here
+ * accounts: the range calls in memory.c do, from what these functions report. */
 #include <stdlib.h>
 
 #include "vmm.h"
 
-static uint64_t gran(const np_ctx *ctx) { return ctx->be->granularity; }
-
-static int enter(np_ctx *ctx, int *prev) {
+static int enter(np_backend *be, int *prev) {
   *prev = -1;
-  return ctx->be->enter ? ctx->be->enter(ctx->be, prev) : NP_OK;
+  return be->enter ? be->enter(be, prev) : NP_OK;
 }
 
-static void leave(np_ctx *ctx, int prev) {
-  if (ctx->be->leave) ctx->be->leave(ctx->be, prev);
+static void leave(np_backend *be, int prev) {
+  if (be->leave) be->leave(be, prev);
 }
 
 int np_vmm_reserve(np_ctx *ctx, uint64_t size, uintptr_t *addr, uint64_t **pages) {
@@ -34,122 +33,78 @@ int np_vmm_reserve(np_ctx *ctx, uint64_t size, uintptr_t *addr, uint64_t **pages
   return NP_OK;
 }
 
-/* Return a physical page no longer mapped; one the device refuses is held. */
-static void release_page(np_ctx *ctx, uint64_t handle) {
-  if (ctx->be->page_release(ctx->be, handle) != NP_OK) np_ctx_hold(ctx, NP_HELD_PAGE, 0, gran(ctx), handle, NULL);
+/* Release a handle no longer mapped; one the device refuses goes to *left. */
+static void release_handle(np_backend *be, uint64_t handle, uint64_t size, np_vmm_left *left) {
+  if (be->page_release(be, handle, size) != NP_OK) *left = (np_vmm_left){0, size, handle};
 }
 
-/* Undo mapped pages [p, q) of seg that never became usable (access failed): unmapped again, or
- * held while still mapped (never handed out: the page table says unmapped). Nothing was
- * accounted for them yet. */
-static void drop_fresh(np_ctx *ctx, np_segment *seg, uint64_t p, uint64_t q) {
-  np_saved_error s;
-  np_save_error(&s, NP_ERR_BACKEND);
-  for (uint64_t k = p; k < q; k++) {
-    uintptr_t va = seg->addr + k * gran(ctx);
-    if (ctx->be->page_unmap(ctx->be, va) == NP_OK) release_page(ctx, seg->pages[k]);
-    else np_ctx_hold(ctx, NP_HELD_PAGE, va, gran(ctx), seg->pages[k], NULL);
-    seg->pages[k] = 0;
-  }
-  np_restore_error(&s);
-}
-
-int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
-  np_backend *be = ctx->be;
-  uint64_t g = gran(ctx);
-  uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
-  uint8_t *fresh = whole ? calloc(end - first, 1) : NULL; /* pages this call mapped */
-  if (whole && !fresh) return np_error(NP_ERR_HOST, "host out of memory mapping %llu pages", (unsigned long long)(end - first));
-  int prev, rc = enter(ctx, &prev);
-  for (uint64_t p = first; p < end && rc == NP_OK;) {
-    if (seg->pages[p]) {
-      p++;
-      continue;
-    }
-    uint64_t q = p;
-    for (; q < end && !seg->pages[q]; q++) {
-      uint64_t h = 0;
-      rc = be->page_create(be, &h);
-      if (rc != NP_OK) break;
-      rc = be->page_map(be, seg->addr + q * g, h);
-      if (rc != NP_OK) {
-        np_saved_error s;
-        np_save_error(&s, rc);
-        release_page(ctx, h);
-        np_restore_error(&s);
-        break;
-      }
-      seg->pages[q] = h;
-      if (fresh) fresh[q - first] = 1;
-    }
-    if (q > p && be->page_access) {
-      int arc = be->page_access(be, seg->addr + p * g, (q - p) * g);
-      if (arc != NP_OK) {
-        drop_fresh(ctx, seg, p, q);
-        rc = arc;
-        break;
-      }
-    }
-    if (q > p) np_ctx_reserved(ctx, NP_EV_SEGMENT_MAP, seg, seg->addr + p * g, (q - p) * g);
-    p = q;
-  }
-  leave(ctx, prev);
-  if (rc != NP_OK && fresh) { /* as it was: unmap what this call mapped */
+int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n, np_vmm_left *left) {
+  uint64_t g = be->granularity, size = n * g, h = 0;
+  uintptr_t va = seg->addr + first * g;
+  *left = (np_vmm_left){0};
+  NP_ASSERT(n > 0 && (first + n) * g <= seg->size);
+  int prev, rc = enter(be, &prev);
+  if (rc != NP_OK) return rc;
+  bool mapped = false;
+  rc = be->page_create(be, size, &h);
+  if (rc == NP_OK) mapped = (rc = be->page_map(be, va, size, h)) == NP_OK;
+  if (rc == NP_OK && be->page_access) rc = be->page_access(be, va, size);
+  if (rc == NP_OK) {
+    for (uint64_t p = first; p < first + n; p++) seg->pages[p] = h;
+  } else if (h) { /* undo what was done, keeping the first failure's message */
     np_saved_error s;
     np_save_error(&s, rc);
-    for (uint64_t p = first; p < end; p++)
-      if (fresh[p - first]) np_vmm_unmap(ctx, seg, seg->addr + p * g, g, true);
+    if (mapped && be->page_unmap(be, va, size) != NP_OK) *left = (np_vmm_left){va, size, h};
+    else release_handle(be, h, size, left);
     np_restore_error(&s);
   }
-  free(fresh);
+  leave(be, prev);
   return rc;
 }
 
-int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
-  uint64_t g = gran(ctx);
-  uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g;
-  np_saved_error s = {0};
-  int prev, rc = enter(ctx, &prev);
-  if (rc != NP_OK) return rc;
-  for (uint64_t p = first; p < end; p++) {
-    if (!seg->pages[p]) continue;
-    uint64_t q = p; /* a run of mapped pages, unmapped page by page */
-    for (; q < end && seg->pages[q]; q++) {
-      int urc = ctx->be->page_unmap(ctx->be, seg->addr + q * g);
-      if (urc != NP_OK) { /* still mapped: the next release tries it again */
-        if (rc == NP_OK) np_save_error(&s, rc = urc);
-        if (whole) { /* ... held, out of the page table: the range counts as unmapped */
-          np_ctx_hold(ctx, NP_HELD_PAGE, seg->addr + q * g, g, seg->pages[q], seg);
-          seg->pages[q] = 0;
-        }
-        break;
-      }
-      uint64_t h = seg->pages[q];
-      seg->pages[q] = 0;
-      release_page(ctx, h);
-    }
-    if (q > p) np_ctx_reserved(ctx, NP_EV_SEGMENT_UNMAP, seg, seg->addr + p * g, (q - p) * g);
-    p = q; /* the loop steps over q: unmapped, or refused */
-  }
-  leave(ctx, prev);
-  return rc == NP_OK ? NP_OK : np_restore_error(&s);
+void np_vmm_chunk_at(const np_backend *be, const np_segment *seg, uint64_t p, uint64_t *first, uint64_t *n) {
+  uint64_t h = seg->pages[p], pages = seg->size / be->granularity, a = p, b = p + 1;
+  NP_ASSERT(h != 0);
+  while (a > 0 && seg->pages[a - 1] == h) a--;
+  while (b < pages && seg->pages[b] == h) b++;
+  *first = a;
+  *n = b - a;
 }
 
-void np_vmm_release(np_ctx *ctx, np_segment *seg) {
-  if (seg->mapped) np_vmm_unmap(ctx, seg, seg->addr, seg->size, true); /* what refuses is held */
-  if (ctx->be->release(ctx->be, seg->addr, seg->size) != NP_OK)
-    np_ctx_hold(ctx, NP_HELD_RESERVATION, seg->addr, seg->size, 0, NULL);
-  free(seg->pages);
-  seg->pages = NULL;
+int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool forget, np_vmm_left *left) {
+  uint64_t f, n, g = be->granularity, h = seg->pages[first];
+  *left = (np_vmm_left){0};
+  np_vmm_chunk_at(be, seg, first, &f, &n);
+  NP_ASSERT(f == first);
+  uintptr_t va = seg->addr + first * g;
+  int prev, rc = enter(be, &prev);
+  if (rc == NP_OK) rc = be->page_unmap(be, va, n * g);
+  if (rc == NP_OK || forget)
+    for (uint64_t p = first; p < first + n; p++) seg->pages[p] = 0;
+  if (rc == NP_OK) release_handle(be, h, n * g, left);
+  else if (forget) *left = (np_vmm_left){va, n * g, h};
+  leave(be, prev);
+  return rc;
+}
+
+int np_vmm_chunk_return(np_backend *be, np_vmm_left *left) {
+  int prev, rc = enter(be, &prev);
+  if (rc == NP_OK && left->addr) {
+    rc = be->page_unmap(be, left->addr, left->size);
+    if (rc == NP_OK) left->addr = 0;
+  }
+  if (rc == NP_OK) rc = be->page_release(be, left->handle, left->size);
+  leave(be, prev);
+  return rc;
 }
 
 uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size) {
-  uint64_t g = gran(ctx), n = 0;
+  uint64_t g = ctx->be->granularity, n = 0;
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
   for (uint64_t p = first; p < end; p++) n += !seg->pages[p];
   return n * g;
 }
 
 bool np_vmm_page_mapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr) {
-  return seg->pages[(addr - seg->addr) / gran(ctx)] != 0;
+  return seg->pages[(addr - seg->addr) / ctx->be->granularity] != 0;
 }

@@ -1,32 +1,73 @@
-/* vmm.h -- the one virtual-memory layer: which pages of a reservation are mapped, and to which
- * physical handle, over any backend's page calls (backend.h).
+/* vmm.h -- the one virtual-memory layer: which chunks of a reservation are mapped, over any
+ * backend's chunk calls (backend.h).
  *
- * Every page is mapped and unmapped on its own (one physical handle per page of the backend's
- * granularity), so any page-aligned sub-range can be returned, and a vendor failure touches one
- * page: the page table (np_segment.pages) always says exactly which pages are mapped, and a
- * policy asks it instead of keeping its own copy. A page whose unmap failed is still mapped
- * (and retried by the next release); a handle whose release failed is held by the context
- * (np_ctx_hold) and retried. Mapped bytes go through np_ctx_reserved: reserved bytes, device
- * call counters and the history follow every page.
+ * A chunk is one physical allocation mapped once, at a place and of a size (a multiple of the
+ * backend's granularity) its caller chooses: a growth of an arena is one chunk, whatever its
+ * size, so the device calls follow the growths, not the bytes. A chunk is unmapped whole (the
+ * vendors unmap whole mappings only), so memory returns to the device in whole chunks.
+ *
+ * The page table (np_segment.pages, one entry per granularity page) is the only record of
+ * what is mapped: pages[i] is the handle of the chunk mapped over page i (0: unmapped); a
+ * chunk's pages hold its handle and its neighbours' differ, so a chunk's extent is the run of
+ * its handle. A policy asks the page table instead of keeping its own copy.
+ *
+ * Two levels, calls going one way (accounting -> vmm -> backend):
+ *  - the chunk calls below (np_vmm_chunk_*) make the vendor calls and keep the page table;
+ *    they account nothing: they say what they did and what the device refused to take back;
+ *  - the range calls (np_vmm_map, np_vmm_unmap, np_vmm_release, defined in memory.c) loop over
+ *    chunks and account every change (reserved bytes, history) and every refusal (held memory,
+ *    retried at empty_cache and close).
  */
 #ifndef NP_VMM_H
 #define NP_VMM_H
 
 #include "context.h"
 
+/* What the device refused to take back during a chunk call: a handle (size bytes) still
+ * mapped at addr (addr != 0), or unmapped but not released (addr == 0). handle == 0: none. */
+typedef struct np_vmm_left {
+  uintptr_t addr;
+  uint64_t size;
+  uint64_t handle;
+} np_vmm_left;
+
 /* Reserve address space of `size` bytes (a multiple of the granularity) and its page table. */
 int np_vmm_reserve(np_ctx *ctx, uint64_t size, uintptr_t *addr, uint64_t **pages);
+/* Map pages [first, first + n) of seg, all unmapped, as one chunk: one physical allocation, one
+ * map (and access where the vendor needs it). On failure the page table is unchanged and *left
+ * says what the device kept. */
+int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n, np_vmm_left *left);
+/* The chunk over mapped page p of seg: its first page and its page count. */
+void np_vmm_chunk_at(const np_backend *be, const np_segment *seg, uint64_t p, uint64_t *first, uint64_t *n);
+/* Unmap the chunk starting at page `first` and release its handle. If the unmap fails the chunk
+ * stays mapped (in the page table) unless `forget`, which drops it from the page table and
+ * reports it in *left (still mapped); a failed release reports the handle in *left. */
+int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool forget, np_vmm_left *left);
+/* Retry returning what *left describes; NP_OK when it is gone (left->addr is cleared once unmapped). */
+int np_vmm_chunk_return(np_backend *be, np_vmm_left *left);
+
+/* ---- range calls, accounted (memory.c) ---------------------------------------------------- */
+
+/* Map every unmapped run of pages under [addr, addr+size) of reservation seg, each run as one
+ * chunk. On failure the chunks mapped so far stay mapped (and accounted); with `whole`, they are
+ * unmapped again, so that the range is as it was (a chunk that refuses is held: np_ctx_hold).
+ * The error names the vendor call. */
+int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
+/* np_vmm_map with runs cut into chunks of `unit` bytes at multiples of `unit` from the segment's
+ * start (unit 0: one chunk per run), as PyTorch's expandable segments map one handle per page. */
+int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, uint64_t unit, bool whole);
+/* Unmap every mapped chunk that lies entirely in [addr, addr+size) (chunks reaching outside stay
+ * mapped: no vendor unmaps part of a mapping). Tries every chunk; returns the first failure. A
+ * chunk that refuses stays mapped and in the page table; with `whole` it is held instead
+ * (counted, retried at empty_cache and close), so that it is unmapped in the page table's view.
+ * *unmapped (optional) gets the bytes taken out of the page table. */
+int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped);
+int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
 /* Unmap what is still mapped in seg and release its address range (failures are held). */
 void np_vmm_release(np_ctx *ctx, np_segment *seg);
-/* Map every unmapped page under [addr, addr+size) of reservation seg. On failure the pages
- * mapped so far stay mapped (and accounted); with `whole`, they are unmapped again, so that the
- * range is as it was (a page that refuses is held: np_ctx_hold). The error names the vendor call. */
-int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
-/* Unmap every mapped page in [addr, addr+size) (page-aligned). Tries every page; returns the
- * first failure. A page that refuses stays mapped and in the page table; with `whole` it is held
- * instead (counted, retried at empty_cache and close), so that the whole range is unmapped in
- * the page table's view -- for policies that keep runs of pages mapped or unmapped together. */
-int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
+
+/* ---- queries -------------------------------------------------------------------------------- */
+
 /* Bytes of the pages under [addr, addr+size) that are not mapped. */
 uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size);
 /* Whether the page holding addr is mapped. */

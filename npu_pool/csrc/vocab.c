@@ -22,6 +22,22 @@ static const char *const errors[] = {"ok",      "out_of_memory", "invalid", "dou
 
 static const char *const ooms[NP_OOM_COUNT] = {"none", "too_large", "fragmentation", "shortage"};
 static const char *const devices[NP_DEVICE_COUNT] = {"auto", "npu", "cuda"};
+static const char *const calls[NP_CALL_COUNT] = {
+    "malloc",       "free",         "reserve",      "release",       "phys_create", "phys_release", "map",
+    "unmap",        "set_access",   "sync_device",  "sync_stream",   "event_create", "event_record", "event_wait",
+    "event_destroy", "stream_query", "get_device",  "set_device",    "mem_info",    "granularity"};
+static const char *const acl_calls[NP_CALL_COUNT] = {
+    "aclrtMalloc",           "aclrtFree",           "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
+    "aclrtMallocPhysical",   "aclrtFreePhysical",   "aclrtMapMem",            "aclrtUnmapMem",
+    NULL,                    "aclrtSynchronizeDevice", "aclrtSynchronizeStream", "aclrtCreateEvent",
+    "aclrtRecordEvent",      "aclrtStreamWaitEvent", "aclrtDestroyEvent",     "aclrtStreamQuery",
+    "aclrtGetDevice",        "aclrtSetDevice",      "aclrtGetMemInfo",        "aclrtMemGetAllocationGranularity"};
+static const char *const cuda_calls[NP_CALL_COUNT] = {
+    "cudaMalloc",          "cudaFree",           "cuMemAddressReserve", "cuMemAddressFree",     "cuMemCreate",
+    "cuMemRelease",        "cuMemMap",           "cuMemUnmap",          "cuMemSetAccess",       "cudaDeviceSynchronize",
+    "cudaStreamSynchronize", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventDestroy",
+    "cudaStreamQuery",     "cudaGetDevice",      "cudaSetDevice",       "cudaMemGetInfo",       "cuMemGetAllocationGranularity"};
+_Static_assert(NP_CALL_COUNT == sizeof ((np_stats *)0)->calls / sizeof(uint64_t), "np_stats.calls has NP_CALL_COUNT entries");
 static const char *const stages[NP_STAGE_COUNT] = {"outside", "setup", "forward", "backward", "optimizer", "eval"};
 
 static const struct {
@@ -34,6 +50,8 @@ static const struct {
     [NP_VOCAB_EVENT] = {events, NP_EV_COUNT},          [NP_VOCAB_ERROR] = {errors, NP_ERR_STATE + 1},
     [NP_VOCAB_OOM] = {ooms, NP_OOM_COUNT},             [NP_VOCAB_STAGE] = {stages, NP_STAGE_COUNT},
     [NP_VOCAB_DEVICE] = {devices, NP_DEVICE_COUNT},
+    [NP_VOCAB_CALL] = {calls, NP_CALL_COUNT},          [NP_VOCAB_CALL_ACL] = {acl_calls, NP_CALL_COUNT},
+    [NP_VOCAB_CALL_CUDA] = {cuda_calls, NP_CALL_COUNT},
 };
 
 const char *np_vocab_name(int vocab, int code) {

@@ -1,0 +1,290 @@
+"""Device calls: counted by kind where the backends make them, physical memory in chunks sized to
+the demand, none in steady iterations (docs/device_calls.md)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from npu_pool import Pool
+from npu_pool import vocab
+from npu_pool.device_costs import DEFAULT_COSTS, estimate_us, load_costs
+from npu_pool.replay import iteration_bounds, min_capacity, run
+from npu_pool.trace.files import open_traces
+from npu_pool.trace.format import OP_EMPTY_CACHE, Trace
+from test_backends import builds  # noqa: F401  (the fake vendor libraries, a fixture)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def _physical(calls: dict[str, int]) -> int:
+    """Physical allocations taken and given back: segments (malloc/free) and chunks."""
+    return calls["malloc"] + calls["free"] + calls["phys_create"] + calls["phys_release"]
+
+
+def test_the_vocabulary_names_every_kind_and_its_vendor_function() -> None:
+    assert vocab.CALL_NAMES[:8] == ("malloc", "free", "reserve", "release", "phys_create", "phys_release", "map", "unmap")
+    acl = vocab.CALL_VENDOR["acl"]
+    assert acl["map"] == "aclrtMapMem" and acl["phys_create"] == "aclrtMallocPhysical"
+    assert acl["get_device"] == "aclrtGetDevice" and acl["set_access"] == ""  # ACL has no separate access call
+    assert vocab.CALL_VENDOR["cuda"]["set_access"] == "cuMemSetAccess"
+    with Pool("npu_pool", capacity=GiB) as p:
+        assert list(p.stats()["calls"]) == list(vocab.CALL_NAMES)
+
+
+def test_a_growth_is_one_chunk_and_empty_cache_returns_whole_chunks() -> None:
+    with Pool("npu_pool", capacity=64 * GiB) as p:
+        before = p.stats()["calls"]
+        ptrs = [p.malloc(MiB) for _ in range(10)]  # 10 MiB: one 20 MiB chunk
+        c = p.stats()["calls"]
+        assert (c["phys_create"] - before["phys_create"], c["map"] - before["map"]) == (1, 1)
+        assert p.stats()["total"]["reserved"]["current"] == 20 * MiB
+        big = p.malloc(100 * MiB)  # past the chunk: one more chunk for the shortfall
+        c = p.stats()["calls"]
+        assert c["phys_create"] - before["phys_create"] == 2 and c["map"] - before["map"] == 2
+        for x in ptrs:
+            p.free(x)
+        p.empty_cache()  # the first chunk still holds the start of `big`: nothing partial goes back
+        assert p.stats()["calls"]["unmap"] == 0
+        p.free(big)
+        p.empty_cache()
+        c = p.stats()["calls"]
+        assert c["unmap"] == c["phys_release"] == 2 and p.stats()["total"]["reserved"]["current"] == 0
+        assert c["sync_device"] >= 2  # memory goes back after a synchronisation
+        assert p.stats()["device_mallocs"] == c["map"] and p.stats()["device_frees"] == c["unmap"]
+        p.check()
+
+
+def test_the_simulated_device_refuses_to_unmap_part_of_a_mapping() -> None:
+    """The sim refuses what the vendors refuse: the pool's books stay whole because it never asks."""
+    with Pool("expandable", capacity=4 * GiB) as p:
+        a = p.malloc(30 * MiB)  # large pool: 20 MiB pages, each one handle and one map
+        c = p.stats()["calls"]
+        assert c["phys_create"] == c["map"] == 2
+        p.free(a)
+        p.empty_cache()
+        c = p.stats()["calls"]
+        assert c["unmap"] == c["phys_release"] == 2
+        small = [p.malloc(4096) for _ in range(3)]  # small pool: a 2 MiB page
+        assert p.stats()["calls"]["map"] == 3
+        for x in small:
+            p.free(x)
+        p.check()
+
+
+def test_reset_accumulated_restarts_the_call_counts() -> None:
+    with Pool("torch", capacity=GiB) as p:
+        p.free(p.malloc(3 * MiB))
+        assert p.stats()["calls"]["malloc"] == 1
+        p.reset_accumulated()
+        assert sum(p.stats()["calls"].values()) == 0
+        p.empty_cache()
+        c = p.stats()["calls"]
+        assert c["free"] == 1 and c["sync_device"] >= 1  # a free synchronises first, as aclrtFree's backend does
+
+
+def test_the_cost_table_has_a_source_for_every_kind_and_takes_overrides(tmp_path) -> None:
+    assert set(DEFAULT_COSTS) == set(vocab.CALL_NAMES) and all(src for _, src in DEFAULT_COSTS.values())
+    f = tmp_path / "costs.json"
+    f.write_text('{"map": 7}')
+    costs = load_costs(str(f))
+    assert costs["map"] == (7.0, f"given in {f}") and costs["unmap"] == DEFAULT_COSTS["unmap"]
+    assert estimate_us({"map": 3, "unmap": 1}, costs) == 21 + DEFAULT_COSTS["unmap"][0]
+    for bad in ('{"mapp": 1}', '{"map": -1}', '{"map": "x"}', "[1]", "{"):
+        f.write_text(bad)
+        with pytest.raises(ValueError, match="cost table"):
+            load_costs(str(f))
+
+
+def _bound_holds(trace: Trace, name: str, at_min_capacity: bool = False) -> None:
+    """npu_pool's chunks created + released <= the torch model's device mallocs + frees, given room
+    to spare or each at its minimum capacity."""
+    torch = min_capacity(trace, "torch")[1] if at_min_capacity else run(trace, "torch")
+    ours = min_capacity(trace, "npu_pool")[1] if at_min_capacity else run(trace, "npu_pool")
+    assert torch.ok and ours.ok
+    assert _physical(ours.calls) <= _physical(torch.calls), (name, ours.calls, torch.calls)
+
+
+def _steady(trace: Trace, policy: str = "npu_pool") -> list[int]:
+    """Device calls in each iteration of a replay given room to spare (iteration_bounds)."""
+    b = iteration_bounds(trace)
+    r = run(trace, policy, bounds=b)
+    assert r.ok
+    return [sum(d.values()) for d in r.iteration_calls] if b else []
+
+
+def test_unlimited_bound_and_steady_iterations_on_every_shared_trace(shared_traces) -> None:
+    for path in sorted(shared_traces.glob("*.pickle")):
+        for name, t in open_traces(path):
+            _bound_holds(t, name)
+            per_iter = _steady(t)
+            # stretches: before the first iteration, the first, then the repeats (steady)
+            assert all(n == 0 for n in per_iter[2:]), (name, per_iter)
+
+
+@pytest.fixture(scope="module")
+def captures() -> dict[str, Trace]:
+    from npu_pool.capture import capture
+
+    size = dict(dim=256, seq=256, batch=8)
+    return {"gpt": capture(progress=False, model_name="gpt", steps=4, **size),
+            "moe-accum2": capture(progress=False, model_name="moe", steps=4, grad_accum=2, **size)}
+
+
+def _with_empty_cache(t: Trace) -> Trace:
+    """The trace with an empty_cache before every iteration (as offloading runs do)."""
+    out = Trace(meta=dict(t.meta))
+    starts = set(iteration_bounds(t))
+    for i, e in enumerate(t.events()):
+        if i in starts:
+            out.append(OP_EMPTY_CACHE)
+        out.append(e.op, id=e.id, size=e.size, stream=e.stream, site=e.site, cat=e.cat, addr=e.addr)
+    return out
+
+
+def test_captures_bound_and_steady_iterations(captures) -> None:
+    for name, t in captures.items():
+        _bound_holds(t, name)
+        per_iter = _steady(t)
+        assert len(per_iter) == 5, per_iter  # set-up, then 4 steps
+        # the first two steps learn the lifetimes (the second places by what the first taught and
+        # may grow the arena once more); every later step makes no device call
+        assert per_iter[3:] == [0, 0], (name, per_iter)
+        assert per_iter[1] > 0  # the first step grows the arena
+
+
+def test_a_capture_with_empty_cache_between_iterations(captures) -> None:
+    t = _with_empty_cache(captures["gpt"])
+    _bound_holds(t, "gpt + empty_cache")
+    r = run(t, "npu_pool", bounds=iteration_bounds(t))
+    assert r.ok and r.calls["unmap"] > 0  # every empty_cache returns the free chunks ...
+    assert r.calls["unmap"] <= r.calls["map"]
+
+
+def test_min_capacity_bound_on_a_capture(captures) -> None:
+    _bound_holds(captures["gpt"], "gpt", at_min_capacity=True)
+
+
+@pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool maps page by page past half the cap and "
+                   "trims free pages every iteration (docs/device_calls.md): more chunks than the torch model")
+def test_min_capacity_bound_on_every_shared_trace(shared_traces) -> None:
+    for path in sorted(shared_traces.glob("*.pickle")):
+        for name, t in open_traces(path):
+            _bound_holds(t, name, at_min_capacity=True)
+
+
+def test_four_threads_make_no_device_call_after_warm_up() -> None:
+    """Four long-lived threads (as torch's are) allocate and free mixed sizes; once warm, the
+    pool serves them from the memory it holds. Not yet zero: interleavings that fragment the
+    arena more than the warm-up did still grow it now and then, by a chunk each (docs/device_calls.md);
+    nothing is unmapped, synchronised or looked up per request."""
+    sizes = [512, 4096, 100_000, MiB, 3 * MiB, 9 * MiB]
+    warm, timed = threading.Barrier(5), threading.Barrier(5)
+
+    def work(p: Pool, seed: int) -> None:
+        for barrier in (warm, timed):
+            for _ in range(3):
+                held: list[int] = []
+                for i in range(2000):
+                    held.append(p.malloc(sizes[(i * 7 + seed) % len(sizes)]))
+                    if len(held) > 16:
+                        p.free(held.pop((i * 5 + seed) % len(held)))
+                for x in held:
+                    p.free(x)
+            barrier.wait()
+
+    with Pool("npu_pool", capacity=64 * GiB) as p:
+        ts = [threading.Thread(target=work, args=(p, s)) for s in range(4)]
+        for t in ts:
+            t.start()
+        warm.wait()
+        before = p.stats()["calls"]
+        timed.wait()
+        after = p.stats()["calls"]
+        for t in ts:
+            t.join()
+        grew = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+        assert set(grew) <= {"phys_create", "map", "get_device"}, grew  # only growths ...
+        assert grew.get("phys_create", 0) <= 8 and grew.get("get_device", 0) <= 4, grew  # ... few, of 72000 requests
+        p.check()
+
+
+def test_iteration_bounds_come_from_markers_or_the_period(captures) -> None:
+    t = captures["gpt"]
+    b = iteration_bounds(t)
+    assert len(b) == 4 and all(t.op[i] == vocab.OP_MARK and t.cat[i] == vocab.MARK_ITER_BEGIN for i in b)
+    r = run(t, "torch", bounds=b)
+    assert len(r.iteration_calls) == 5
+    total = {k: sum(d[k] for d in r.iteration_calls) for k in r.calls}
+    assert total == r.calls
+    with pytest.raises(ValueError, match="increasing"):
+        run(t, "torch", bounds=[5, 3])
+
+
+def test_the_current_device_is_cached_per_thread_and_forgotten_after_fork(builds) -> None:
+    """As torch_npu keeps it: no aclrtGetDevice per request; a forked child looks it up again."""
+    import os
+
+    from npu_pool._core import lib
+    from test_backends import _vendor
+
+    v = _vendor(builds, "acl")
+    with v.pool() as p:
+        p.free(p.malloc(MiB))
+        looked_up = v.lib.fake_calls(b"aclrtGetDevice")
+        keep = p.malloc(MiB)
+        for i in range(200):
+            p.free(p.malloc((i % 40 + 1) * MiB))  # growths: chunk calls on the cached device
+        assert v.lib.fake_calls(b"aclrtGetDevice") == looked_up  # none per request
+        assert lib.np_cached_device() == 0
+        p.free(keep)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, bytes([lib.np_cached_device() + 1]))
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(r, 1) == bytes([0])  # -1 + 1: unknown in the child
+        assert lib.np_cached_device() == 0  # the parent keeps it
+        lib.np_forget_device()
+        assert lib.np_cached_device() == -1
+        p.free(p.malloc(MiB))
+
+
+def _workload(p: Pool, pad: int = 0) -> None:
+    """Growths, frees, cross-stream reuse, page-by-page growth near the cap and empty_cache. `pad`:
+    bytes the backend adds to each request (ACL's rule), asked for less so that every backend
+    places the same bytes."""
+    keep = p.malloc(MiB - pad, stream=1)
+    a = p.malloc(30 * MiB - pad, stream=1)
+    b = p.malloc(5 * MiB - pad, stream=1)
+    p.free(a)
+    c = p.malloc(20 * MiB - pad, stream=2)  # stream 2 reuses stream 1's memory after an event wait
+    big = p.malloc(120 * MiB - pad)
+    p.free(big)
+    for x in (c, b):
+        p.free(x)
+    p.empty_cache()
+    p.free(keep)
+    p.empty_cache()
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_counts_equal_the_vendors_own_and_the_simulator_counts_what_acl_calls(builds, backend: str) -> None:
+    from test_backends import _vendor
+
+    v = _vendor(builds, backend)
+    v.lib.fake_set_current_device(0)  # as torch_npu does before the allocator runs
+    names = vocab.CALL_VENDOR[backend]
+    with v.pool(fraction=0.75) as p:
+        _workload(p, v.pad)
+        ours = p.stats()["calls"]
+        vendor = {k: v.lib.fake_calls(fn.encode()) for k, fn in names.items() if fn}
+    assert {k: ours[k] for k in vendor} == vendor
+    assert ours["map"] > 0 and ours["unmap"] > 0 and ours["event_wait"] == 1
+    if backend == "acl":
+        with Pool("npu_pool", capacity=256 * MiB, fraction=0.75) as p:
+            _workload(p)
+            sim = p.stats()["calls"]
+        assert sim == ours
