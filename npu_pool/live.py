@@ -28,18 +28,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .vocab import CALL_VENDOR
 from .trace.format import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, Trace
 
 ALLOCATORS = ("native", "npu_pool")
 STEP = 2 << 20  # resolution of the minimum-capacity search, as in the simulator's
-# The vendor calls reported when the runtime counts them (the fake runtimes of tests/fake_vendor).
-VENDOR_CALLS = {
-    "npu": ("aclrtMalloc", "aclrtFree", "aclrtReserveMemAddress", "aclrtReleaseMemAddress", "aclrtMallocPhysical",
-            "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem", "aclrtSynchronizeDevice"),
-    "cuda": ("cudaMalloc", "cudaFree", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease",
-             "cuMemMap", "cuMemUnmap", "cudaDeviceSynchronize"),
-}
-# Of those, the calls that take device memory: one per segment, or one per mapped page.
+# The vendor calls reported when the runtime counts them (the fake runtimes of tests/fake_vendor):
+# the device-memory calls of the core's vocabulary (what npu_pool's stats count by kind, so a live
+# run and its simulation compare kind by kind) and the device synchronisation.
+MEMORY_KINDS = ("malloc", "free", "reserve", "release", "phys_create", "phys_release", "map", "unmap", "sync_device")
+VENDOR_CALLS = {device: tuple(CALL_VENDOR[vendor][k] for k in MEMORY_KINDS)
+                for device, vendor in (("npu", "acl"), ("cuda", "cuda"))}
+# Of those, the calls that take device memory: one per segment, or one per mapped chunk.
 ALLOC_CALLS = {"npu": ("aclrtMalloc", "aclrtMapMem"), "cuda": ("cudaMalloc", "cuMemMap")}
 _RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
 
@@ -265,6 +265,8 @@ class _Player:
 
     def reset(self) -> None:
         self.module.empty_cache()
+        if self.pool is not None:  # each play as a first run, as the simulator's (a new process's pool)
+            self.pool.forget()
         self.module.reset_peak_memory_stats(self.dev)
 
 
@@ -275,7 +277,8 @@ def _min_capacity(player: _Player, module: Any, lo: int, hi: int) -> Optional[in
     def fits(k: int) -> bool:
         if k * STEP > total:
             return False
-        module.set_per_process_memory_fraction(min(1.0, (k * STEP + STEP // 2) / total), player.dev)
+        # the cap is exactly k * STEP: the pool floors fraction * total, and half a byte survives float error
+        module.set_per_process_memory_fraction(min(1.0, (k * STEP + 0.5) / total), player.dev)
         player.reset()
         ok = player.play() is None
         player.reset()

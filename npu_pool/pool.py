@@ -390,6 +390,12 @@ class Pool:
         synchronisations, device calls."""
         lib.np_reset_accumulated(self.ctx)
 
+    def forget(self) -> None:
+        """Forget what the pool learned from its requests (per-site lifetimes, the phase markers'
+        state): later requests are placed as a new pool's would be. Memory and statistics stay.
+        For replaying a trace repeatedly on one pool, each run as a first run."""
+        _check(lib.np_forget(self.ctx))
+
     def check(self) -> None:
         """Verify the core's invariants; raises PoolError naming the first violation."""
         _check(lib.np_check(self.ctx))

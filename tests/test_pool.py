@@ -318,3 +318,4 @@ def test_closed_pool_raises():
     p.close()
     with pytest.raises(PoolError, match="closed"):
         p.malloc(10)
+

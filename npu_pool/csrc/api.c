@@ -255,6 +255,23 @@ void np_reset_accumulated(np_ctx *ctx) {
   pthread_mutex_unlock(&ctx->lock);
 }
 
+int np_forget(np_ctx *ctx) {
+  np_lifetime fresh;
+  if (!np_lifetime_init(&fresh)) return np_error(NP_ERR_HOST, "host out of memory for a lifetime table");
+  pthread_mutex_lock(&ctx->lock);
+  int rc = np_ctx_usable(ctx, "forget");
+  if (rc == NP_OK) {
+    np_lifetime_destroy(&ctx->life);
+    ctx->life = fresh;
+    ctx->marks = (np_marks){0};
+    ctx->phase = 0;
+    ctx->default_life = ctx->base_life = NP_LIFE_LONG; /* as np_create leaves them */
+  }
+  pthread_mutex_unlock(&ctx->lock);
+  if (rc != NP_OK) np_lifetime_destroy(&fresh);
+  return rc;
+}
+
 int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime) {
   if (default_lifetime < NP_LIFE_AUTO || default_lifetime > NP_LIFE_SHORT)
     return np_error(NP_ERR_INVALID, "default lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d",

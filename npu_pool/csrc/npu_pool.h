@@ -247,6 +247,10 @@ void np_get_stats(np_ctx *ctx, np_stats *out);
 void np_reset_peak(np_ctx *ctx);
 /* Zero the accumulated figures (every counter's allocated/freed, ooms, retries, device calls). */
 void np_reset_accumulated(np_ctx *ctx);
+/* Forget what the context learned from its requests (per-site lifetimes, the marker state: stage,
+ * optimizer steps seen): later requests are classed as a new context's would be. Memory, blocks
+ * and statistics are kept. For repeated replays that must each behave as a first run. */
+int np_forget(np_ctx *ctx);
 
 /* Lifetime hints: the phase counter advances at phase boundaries; once phases are in
  * use, a block that outlives the phase it was born in teaches its site to be
