@@ -1,6 +1,7 @@
 """Settings of the installed allocator, from environment variables and an optional YAML file.
 
-``MEMORY_FRAGMENTATION`` (0/1) turns the pool on when ``mindspeed_patch`` is imported;
+``MEMORY_FRAGMENTATION`` (0/1) turns the pool on: the start-up hook the package installs then
+installs it as torch imports, in every process (``import mindspeed_patch`` does the same by hand);
 ``NPU_POOL_FRACTION`` (a number in (0, 1]) caps the memory it may reserve;
 ``NPU_POOL_POLICY`` (torch, npu_pool, expandable, planned) picks the placement policy;
 ``NPU_POOL_PLAN`` names the plan file the ``planned`` policy serves (``npu-pool plan``);

@@ -7,9 +7,9 @@ signatures match what torch calls, swaps it in, and routes torch's memory APIs
 ``_record_memory_history``, ``_snapshot``, ...) to the pool (``npu_pool.torch_memory``). On
 an NPU, the hooks that take C++ types (device statistics, ``record_stream``, an out-of-memory
 error torch can raise) come from a small C++ library built against the installed torch_npu
-(``npu_pool.npu_hooks``). It must run before torch allocates device memory: import
-``mindspeed_patch`` (with ``MEMORY_FRAGMENTATION=1``) or call ``npu_pool.install()`` at the top
-of the training script.
+(``npu_pool.npu_hooks``). It must run before torch allocates device memory:
+``MEMORY_FRAGMENTATION=1`` in the environment does that in every process (the package's
+start-up hook), or call ``npu_pool.install()`` at the top of the training script.
 """
 from __future__ import annotations
 
@@ -236,8 +236,9 @@ def _too_late(kind: str) -> TooLateError:
     return TooLateError(
         f"npu_pool.install() came too late: torch has already initialised its own {name} allocator "
         f"(a tensor was moved to the device, or torch.{kind} was initialised, e.g. by torch.{kind}.set_device), "
-        "and an initialised allocator cannot be swapped. Import mindspeed_patch (with MEMORY_FRAGMENTATION=1) or call "
-        "npu_pool.install() at the top of the training script: before the model is built and before any tensor "
+        "and an initialised allocator cannot be swapped. Set MEMORY_FRAGMENTATION=1 in the environment of the launch "
+        "(the package's start-up hook installs the pool as torch imports) or call npu_pool.install() at the top of the "
+        "training script: before the model is built and before any tensor "
         "is moved to the device.")
 
 

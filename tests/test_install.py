@@ -383,7 +383,7 @@ def test_install_too_late_says_what_to_move(fakes: dict, fake_cuda_torch: list,
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", refuse)
-    with pytest.raises(inst.TooLateError, match="Import mindspeed_patch"):
+    with pytest.raises(inst.TooLateError, match="Set MEMORY_FRAGMENTATION=1 in the environment of the launch"):
         npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
     assert not inst.installed()
 

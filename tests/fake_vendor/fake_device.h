@@ -122,7 +122,8 @@ static UNUSED int overlaps_mapping(uintptr_t a, size_t s) {
 
 /* Take `size` bytes of the device's capacity; 0 if they are not there. */
 static int charge(size_t size) {
-  if (size > st.capacity - st.others - st.used) return 0;
+  size_t taken = st.others + st.used; /* others may be set past the capacity: nothing is free then */
+  if (taken > st.capacity || size > st.capacity - taken) return 0;
   st.used += size;
   return 1;
 }
