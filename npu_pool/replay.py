@@ -104,7 +104,7 @@ def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "markers",
         placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
         history: bool = False, device: str | None = None, bounds: "list[int] | None" = None,
-        **pool_kwargs: Any) -> RunResult:
+        name: str | None = None, **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
@@ -122,7 +122,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         from .planner.runtime import as_plan, check_made_for
 
         plan = as_plan(plan)
-        check_made_for(plan, trace, str(trace.meta.get("origin") or "the replayed trace"))
+        check_made_for(plan, trace, name or str(trace.meta.get("origin") or "the replayed trace"))
     trace.validate(str(trace.meta.get("origin") or "trace"))
     pool_kwargs.setdefault("rules", device_type(trace, device))
     with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
@@ -256,7 +256,7 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
     ``device``: whose request rules apply, default the trace's own)."""
     plan = _as_plan(plan)
-    free_run = run(trace, policy, hints=hints, plan=plan, device=device)
+    free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name)  # a wrong plan: named by file
     if not free_run.ok:
         raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
     cap = retries = trims = cap_calls = None
