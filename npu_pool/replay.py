@@ -122,9 +122,10 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         from .planner.runtime import as_plan, check_made_for
 
         plan = as_plan(plan)
-        check_made_for(plan, trace, name or str(trace.meta.get("origin") or "the replayed trace"))
-    trace.validate(str(trace.meta.get("origin") or "trace"))
     pool_kwargs.setdefault("rules", device_type(trace, device))
+    if plan is not None:
+        check_made_for(plan, trace, name or str(trace.meta.get("origin") or "the replayed trace"), pool_kwargs["rules"])
+    trace.validate(str(trace.meta.get("origin") or "trace"))
     with Pool(policy, capacity=capacity, **pool_kwargs) as pool:
         if plan is not None:
             from .planner.runtime import install

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ._core import ffi, lib
 
-__all__ = ["ROUND", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
+__all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "CALL_NAMES", "CALL_VENDOR", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
            "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
@@ -28,6 +28,7 @@ def _text(ptr: object) -> str:
 
 
 ROUND: int = lib.NP_ROUND          # every block is a multiple of this many bytes
+NPU_PAD: int = lib.NP_NPU_PAD      # torch_npu pads each request: round up to this many bytes, add as many
 MAX_REQUEST: int = lib.NP_MAX_REQUEST  # larger requests (and capacities) are absurd
 SIM_PAGE: int = lib.NP_SIM_PAGE    # the simulated device's mapping page
 POOLS: int = lib.NP_POOLS          # pools per policy, besides the total

@@ -207,3 +207,23 @@ def test_other_commands_take_the_device(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         cli(["plan", str(path), "--device", "tpu:0"])
     assert "expected npu, cuda, a device index N" in capsys.readouterr().err
+
+
+def test_a_plan_made_under_npu_rules_serves_the_padded_requests() -> None:
+    """torch_npu pads every request before the planned policy sees it: the planner plans the padded
+    sizes (and records whose rules), so the plan serves the NPU's requests instead of running online;
+    replayed under other rules than its own it is refused, not silently ignored."""
+    from npu_pool.capture import capture
+    from npu_pool.planner import PlanError, make_plan
+
+    trace = capture(steps=3, progress=False)
+    for device in ("npu", "cuda"):
+        with forced_device(device):
+            plan = make_plan(trace, "capture")
+            assert plan.meta["device"] == device
+            assert not plan.meta.get("online"), plan.meta.get("online")
+            planned, online = run(trace, "planned", plan=plan), run(trace, "npu_pool")
+            assert planned.ok and planned.stats["plan"]["served"] > 0, device
+            assert planned.peak_reserved_bytes <= online.peak_reserved_bytes, device
+    with pytest.raises(PlanError, match="was made with cuda's request rules and would replay under npu's"):
+        run(trace, "planned", plan=plan, device="npu")

@@ -5,8 +5,8 @@ import array
 import time
 from typing import Sequence
 
-from ..trace.format import Trace
-from ..trace.stats import fingerprint
+from ..trace.format import Trace, device_type
+from ..trace.stats import device_requests, fingerprint
 from .check import ONLINE, compare_online
 from .iteration import find_window
 from .lifetimes import build_layout
@@ -27,8 +27,10 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     ``outside_peak_bytes`` (static and unplanned bytes, held by the fallback),
     ``planned_peak_bytes`` (region + outside) and ``ratio`` (planned / peak live)."""
     t0 = time.perf_counter()
-    w = find_window(trace)
-    lay = build_layout(trace, w)
+    device = device_type(trace)  # whose request rules the device applies: the plan holds what it is asked
+    asked = device_requests(trace, device)
+    w = find_window(asked)
+    lay = build_layout(asked, w)
     n = lay.n
     rects = Rects(n)
     who: list[int] = []  # position of each rectangle, -1 for a ghost
@@ -48,7 +50,7 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
             offset[p] = placed.offset[r]
     planned_peak = placed.peak + lay.outside_peak
     meta = {
-        "source": name or str(trace.meta.get("origin", "")),
+        "source": name or str(trace.meta.get("origin", "")), "device": device,
         "iteration_fingerprint": fingerprint(lay.size[lay.loop:]),
         "method": w.method, "window": [w.start, w.end], "loop_event": w.body, "repeats": w.repeats,
         "positions": n, "prologue": lay.loop, "unplanned": lay.unplanned, "ghosts": len(lay.ghosts), "order": placed.order,

@@ -7,7 +7,7 @@ from typing import Any, Union
 
 from ..pool import PLAN_COUNTS
 from ..trace.format import Trace
-from ..trace.stats import alloc_sizes, contains, fingerprint
+from ..trace.stats import alloc_sizes, contains, device_requests, fingerprint
 from .plan import ONLINE, Plan, PlanError
 from .planfile import load_plan
 
@@ -39,12 +39,16 @@ def _file_of(plan: Plan) -> str:
     return entry[1] if entry is not None and entry[0] is plan else ""
 
 
-def check_made_for(plan: Plan, trace: Trace, name: str = "the trace") -> None:
+def check_made_for(plan: Plan, trace: Trace, name: str = "the trace", device: str | None = None) -> None:
     """PlanError unless ``trace`` runs the iteration ``plan`` was made for: its allocation sizes
     hold the plan's loop body, in order. (A run may differ from the planned trace in the ways a
     plan copes with -- more iterations, an evaluation, a prologue -- but not in its iteration.)"""
+    made = plan.meta.get("device", "cuda")  # plans before device rules were made unpadded
+    if device in ("npu", "cuda") and device != made:
+        raise PlanError(f"the plan {_file_of(plan) or ''} was made with {made}'s request rules and would replay under "
+                        f"{device}'s: its sizes never match; make it with `npu-pool plan TRACE --device {device}`")
     body = plan.size[plan.loop:]
-    if not contains(alloc_sizes(trace), body):
+    if not contains(alloc_sizes(device_requests(trace, made)), body):
         source = plan.meta.get("source") or "another trace"
         if name == trace.meta.get("origin"):  # the caller knows the trace by the origin it records
             name = f"the trace (recorded by {name})"

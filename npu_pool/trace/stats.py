@@ -4,9 +4,11 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
+import dataclasses
 from typing import NamedTuple
 
-from .format import CAT_NAMES, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_NAMES, Trace
+from ..vocab import NPU_PAD
+from .format import CAT_NAMES, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_NAMES, OP_OOM, Trace
 from .format import OP_PAUSE, OP_REGION, OP_RESUME  # tagged regions (docs/colocated.md)
 
 __all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint", "contains",
@@ -78,6 +80,20 @@ def op_counts(trace: Trace) -> dict[str, int]:
     for op in trace.op:
         counts[op] += 1
     return {OP_NAMES[op] if op < len(OP_NAMES) else str(op): n for op, n in enumerate(counts) if n}
+
+
+_REQUESTS = (OP_ALLOC, OP_INIT_ALLOC, OP_FREE, OP_OOM)  # events whose size is a request's
+
+
+def device_requests(trace: Trace, device: str) -> Trace:
+    """``trace`` as ``device``'s allocator is asked: under torch_npu's rules (``"npu"``) every
+    request (allocation, its free, a failed request) is rounded up to NPU_PAD bytes and NPU_PAD
+    more, as the simulator pads it before a policy sees it; on any other device ``trace`` itself."""
+    if device != "npu":
+        return trace
+    size = array.array("Q", ((s + NPU_PAD - 1) // NPU_PAD * NPU_PAD + NPU_PAD if op in _REQUESTS else s
+                             for op, s in zip(trace.op, trace.size)))
+    return dataclasses.replace(trace, size=size)
 
 
 def alloc_sizes(trace: Trace) -> array.array:
