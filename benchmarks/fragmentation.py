@@ -32,9 +32,7 @@ DEVICES = [("npu", "On an Ascend NPU (torch_npu's rules: `--device npu`)",
             "Every request padded to round_up(r, 32) + 32 bytes before the allocator rounds it, as torch_npu's "
             "NPUCachingAllocator does (docs/policies.md); the `torch` row is then a model of torch_npu's allocator, "
             "checked live against torch_npu 2.13.0 (`npu-pool replay --live --validate`, tests/test_live_replay.py). "
-            "The `planned` rows are `npu_pool`'s: the planned policy matches each request by its size against the "
-            "plan's, the plan holds the recorded (unpadded) sizes and the policy sees padded ones, so it serves "
-            "everything online -- the planner does not apply the device's padding yet."),
+            "The `planned` rows plan the padded sizes the device is asked for (the planner applies the same rules)."),
            ("cuda", "On CUDA (`--device cuda`)", "Requests as recorded; the `torch` row is PyTorch's CUDA caching "
             "allocator (validated against the recorded snapshots, `npu-pool replay --validate`).")]
 GiB = float(1 << 30)
