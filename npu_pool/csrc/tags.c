@@ -381,6 +381,8 @@ int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main) {
     if (!g->paused) rc = np_arena_check(ctx, &g->arena);
     else if (!np_tree_check(&g->arena.holes)) rc = np_error(NP_ERR_STATE, "check: tag '%s': hole tree is corrupt", g->name);
     else if (mapped_of(&g->arena)) rc = np_error(NP_ERR_STATE, "check: paused tag '%s' has memory mapped", g->name);
+    else if (g->arena.seg && np_vmm_unmapped(ctx, g->arena.seg, g->arena.seg->addr, g->arena.seg->size) != g->arena.seg->size)
+      rc = np_error(NP_ERR_STATE, "check: paused tag '%s' has chunks in its page table", g->name); /* the record */
     if (rc == NP_OK && !g->paused && g->n_backup)
       rc = np_error(NP_ERR_STATE, "check: tag '%s' is not paused but holds a backup", g->name);
   }
