@@ -162,8 +162,12 @@ def test_module_api_needs_an_installed_pool_or_a_pool() -> None:
     with Pool(capacity=64 * MiB) as p:
         with npu_pool.region("train", pool=p):
             p.malloc(MiB)
-        assert npu_pool.pause("train", pool=p) == PAGE
+        mapped = p.tags()["train"]["mapped"]  # the chunk the tag's arena grew by: at least the block's page
+        assert mapped >= PAGE
+        assert npu_pool.pause("train", pool=p) == mapped  # pausing returns the whole chunk
+        assert p.tags()["train"]["paused"] == PAGE  # what resume maps again: the page under the block
         assert npu_pool.resume("train", pool=p) == PAGE
+        assert p.tags()["train"]["mapped"] == PAGE
 
 
 # ---- property test: random pause/resume/alloc/free keep the books equal to the device -------------
@@ -259,22 +263,44 @@ def test_vendor_failing_half_way_leaves_the_books_right(builds: dict, backend: s
     with v.pool() as p:
         with p.region("train"):
             a = p.malloc(20 * MiB - v.pad)
+            c = p.malloc(4 * MiB - v.pad)
             b = p.malloc(10 * MiB - v.pad)
-        if op == "unmap":  # a page that refuses to unmap is held, counted, and retried
-            v.fail(op, skip=3)
+        p.free(c)  # two runs of allocated blocks: a resume maps two chunks, a pause unmaps two
+        p.pause("train")
+        p.resume("train")  # from here on the tag's chunks are its runs, the same at every cycle
+        # count the vendor calls of one cycle, then fail the last call of that kind in the next one,
+        # so that the failure lands half-way: after earlier calls of the same kind succeeded
+        before = v.calls(op)
+        p.pause("train")
+        in_pause = v.calls(op) - before
+        p.resume("train")
+        in_resume = v.calls(op) - before - in_pause
+        if op == "unmap":  # a chunk that refuses to unmap is held, counted, and retried
+            assert in_pause == 2 and in_resume == 0  # one unmap per chunk: the two runs resume mapped
+            v.fail(op, skip=in_pause - 1, count=2)  # and again when the resume retries it
             with pytest.raises(PoolError):
                 p.pause("train")
+            assert v.calls(op) - before == 2 * in_pause  # every chunk was tried
             assert p.tags()["train"]["is_paused"] and p.stats()["unreleased"] > 0
+            p.check()  # (reserved counts the held chunk: the device still has it)
+            assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+            # the chunk still mapped at the tag's address blocks the resume: an error, nothing mapped
+            with pytest.raises(PoolError, match="resume of tag 'train'.*still holds"):
+                p.resume("train")
+            assert p.tags()["train"]["is_paused"] and p.mapped_ranges() == []
         else:
+            assert in_pause == 0 and in_resume == 2  # one chunk per run of allocated blocks
             p.pause("train")
-            v.fail(op, skip=7)  # the resume fails after mapping some pages: all of them are undone
+            v.fail(op, skip=in_resume - 1)  # the chunks mapped before the failure are undone
             with pytest.raises(PoolError, match="resume of tag 'train'"):
                 p.resume("train")
+            assert v.calls(op) - before == 2 * in_resume
             assert p.tags()["train"]["is_paused"] and p.tags()["train"]["mapped"] == 0
+            assert p.mapped_ranges() == []
         p.check()
         assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
-        p.empty_cache()
-        assert p.resume("train") >= 30 * MiB
+        # the resume first returns the chunk the pause could not (still mapped at the tag's address)
+        assert p.resume("train") == 30 * MiB and p.stats()["unreleased"] == 0
         _fill(a, 20 * MiB - v.pad, 1)
         _fill(b, 10 * MiB - v.pad, 2)
         p.check()

@@ -285,6 +285,11 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   np_tag *g = find(t, name);
   if (!g) return unknown(t, "resume", name);
   if (!g->paused) return np_error(NP_ERR_STATE, "resume: tag '%s' is not paused", name);
+  /* a chunk that refused to unmap at the pause is held, still mapped at its address: return it
+   * first (as empty_cache would), or mapping the tag's runs over it fails; what stays held is
+   * named in the error */
+  char held[320] = "";
+  if (ctx->n_held && np_ctx_retry_held(ctx) != NP_OK) snprintf(held, sizeof held, " (%s)", np_last_error());
   uint64_t need = 0;
   size_t n = runs(&g->arena, NULL, &need);
   uint64_t *r = n ? malloc(2 * n * sizeof *r) : NULL;
@@ -315,9 +320,9 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
     snprintf(cause, sizeof cause, "%s", np_last_error());
     if (rc == NP_ERR_OOM) ctx->st.ooms++;
     return np_error(rc, "resume of tag '%s' failed: its blocks need %s mapped again at their addresses; the pool "
-                    "holds %s of the %s cap%s; nothing was mapped, the tag stays paused [%s]", name, np_fmt_bytes(need, x), np_fmt_bytes(ctx->st.total.reserved.current, y),
-                    np_fmt_bytes(ctx->limit, z),
-                    rc == NP_ERR_OOM ? " after returning its idle memory" : "", cause);
+                    "holds %s of the %s cap%s; nothing was mapped, the tag stays paused [%s]%s", name, np_fmt_bytes(need, x),
+                    np_fmt_bytes(ctx->st.total.reserved.current, y), np_fmt_bytes(ctx->limit, z),
+                    rc == NP_ERR_OOM ? " after returning its idle memory" : "", cause, held);
   }
   free_backup(ctx, t, g);
   g->paused = false;
@@ -381,6 +386,8 @@ int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main) {
     if (!g->paused) rc = np_arena_check(ctx, &g->arena);
     else if (!np_tree_check(&g->arena.holes)) rc = np_error(NP_ERR_STATE, "check: tag '%s': hole tree is corrupt", g->name);
     else if (mapped_of(&g->arena)) rc = np_error(NP_ERR_STATE, "check: paused tag '%s' has memory mapped", g->name);
+    else if (g->arena.seg && np_vmm_unmapped(ctx, g->arena.seg, g->arena.seg->addr, g->arena.seg->size) != g->arena.seg->size)
+      rc = np_error(NP_ERR_STATE, "check: paused tag '%s' has chunks in its page table", g->name); /* the record */
     if (rc == NP_OK && !g->paused && g->n_backup)
       rc = np_error(NP_ERR_STATE, "check: tag '%s' is not paused but holds a backup", g->name);
   }

@@ -2,13 +2,15 @@
  *
  * Each tag is its own arena (arena.h): its own address reservation, best fit and lifetime
  * classes inside it, so that pausing it returns whole physical chunks and touches no other
- * tag's memory. Pausing unmaps every mapped chunk of the tag's reservation and keeps its blocks
- * (addresses stay valid, tensors keep their data_ptr()); resuming maps the pages under the
- * blocks still allocated again, at the same addresses, and restores the backup if one was
- * taken. Only the range-level VMM entry points (np_vmm_map / np_vmm_unmap) and the arena's
+ * tag's memory. Pausing unmaps every mapped chunk of the tag's reservation (the chunks its
+ * arena grew by, and those a resume mapped) and keeps its blocks (addresses stay valid, tensors
+ * keep their data_ptr()); resuming maps the pages under the blocks still allocated again, at the
+ * same addresses, one physical chunk per run of touching blocks, and restores the backup if one
+ * was taken. Only the range-level VMM entry points (np_vmm_map / np_vmm_unmap) and the arena's
  * public functions are used.
  *
- * Invariants: a paused tag's reservation has nothing mapped and the tag takes no requests; a
+ * Invariants: a paused tag's reservation has nothing mapped (its page table is empty, its
+ * segment's mapped bytes 0; what refused to unmap is held by the context) and the tag takes no requests; a
  * backup entry names a block of its tag allocated when the tag was paused (freed since: skipped
  * at resume); `backup_bytes` is the sum of the backups' sizes and never exceeds `backup_limit`;
  * `current` is -1 or a tag index. Every arena's budget is set (np_tags_budget) before a call
