@@ -67,7 +67,7 @@ All sizes in GiB, each trace replayed on the simulated device:
   over live  min cap - peak live: what the policy needs beyond the tensors themselves
   retries    at min cap, how often a request failed, the policy gave its free cache back to the
              device (a device-wide synchronisation) and retried: each one stalls training
-  mallocs    device allocations made (cudaMalloc / aclrtMalloc or page maps), given room to spare
+  mallocs    device allocations made (cudaMalloc / aclrtMalloc, or chunk maps), given room to spare
 Timings are left out: `python benchmarks/micro.py` measures them, side by side and repeated."""
 
 CALLS_LEGEND = """\
