@@ -150,7 +150,7 @@ except TooLateError as e:
 r["installed"] = installed()
 print(json.dumps(r))
 """)
-    assert out["raised"] and "came too late" in out["raised"] and "Import mindspeed_patch" in out["raised"]
+    assert out["raised"] and "came too late" in out["raised"] and "Set MEMORY_FRAGMENTATION=1" in out["raised"]
     assert out["installed"] == {}
 
 
