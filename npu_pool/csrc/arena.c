@@ -217,8 +217,82 @@ static void explain(np_ctx *ctx, np_arena *a, uint64_t size) {
   ctx->fail.usable = free_bytes + room;
 }
 
+/* Would carving `size` bytes from hole h at its high (else low) end overlap a mapped chunk lying
+ * wholly inside h without covering it? Such a chunk is wholly free; the block would pin it (a
+ * chunk is unmapped only whole, so it could not be trimmed while the block lives). Steps over
+ * the carve's pages one chunk or one unmapped page at a time. */
+static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64_t size, bool high) {
+  uintptr_t lo = high ? h->addr + h->size - size : h->addr, hi = lo + size;
+  uint64_t g = a->page, p = (lo - a->seg->addr) / g, end = (hi - a->seg->addr + g - 1) / g;
+  while (p < end) {
+    if (!a->seg->pages[p]) {
+      p++;
+      continue;
+    }
+    uint64_t first, n;
+    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+    uintptr_t cs = a->seg->addr + first * g, ce = cs + n * g;
+    if (cs >= h->addr && ce <= h->addr + h->size && !(cs >= lo && ce <= hi)) return true;
+    p = first + n;
+  }
+  return false;
+}
+
+/* The smallest hole tagged s that fits `size` and has an end whose carve pins no chunk and maps
+ * at most `need` bytes (*high: that end), looking at *budget holes at most (each one looked at is
+ * taken from it); NULL if none. */
+static np_block *unpinned_hole(const np_ctx *ctx, const np_arena *a, intptr_t s, uint64_t size, uint64_t need,
+                               int *budget, bool *high) {
+  for (np_block *b = np_tree_lower_bound(&a->holes, s, size); b && b->stream == s && *budget > 0;
+       b = np_tree_next(&a->holes, b), (*budget)--)
+    for (int e = 0; e < 2; e++)
+      if (!pins(ctx, a, b, size, e) &&
+          np_vmm_unmapped(ctx, a->seg, e ? b->addr + b->size - size : b->addr, size) <= need) {
+        *high = e;
+        return b;
+      }
+  return NULL;
+}
+
+/* Under cap pressure (reserved + size past budget / NP_ARENA_NEAR_DIV), keep free chunks whole so
+ * trims can return them: when carving best fit h at its usual end would pin a wholly free chunk,
+ * carve at its other end, or failing that take the smallest compatible hole with an end that
+ * pins nothing, is at most one growth (a->growth) larger than h and maps no more than h's carve
+ * would (*long_lived then names the end): avoiding a pin never costs more than a granule of
+ * fragmentation nor any extra mapping. This is the arena's only walk over holes: it runs only
+ * in that case and looks at NP_ARENA_PIN_WALK holes at most; when none qualifies, h stays.
+ * Invariant: the hole returned fits `size` and is compatible with `stream` (it is h or comes
+ * from a tag best_hole may take from). */
+static np_block *avoid_pin(np_ctx *ctx, np_arena *a, np_block *h, intptr_t stream, uint64_t size, bool *long_lived) {
+  if (!a->vmm || !h || reserved_of(ctx, a) + size <= limit_of(ctx, a) / NP_ARENA_NEAR_DIV ||
+      !pins(ctx, a, h, size, !*long_lived))
+    return h;
+  if (!pins(ctx, a, h, size, *long_lived)) {
+    *long_lived = !*long_lived;
+    return h;
+  }
+  /* the tags best_hole may take from, own stream first */
+  int budget = NP_ARENA_PIN_WALK, tags = cross(ctx, a) ? 3 + a->streams.n : 2;
+  uint64_t need = np_vmm_unmapped(ctx, a->seg, *long_lived ? h->addr : h->addr + h->size - size, size);
+  np_block *best = NULL;
+  bool high = false;
+  for (int i = 0; i < tags && budget > 0; i++) {
+    intptr_t s = i == 0 ? stream : i == 1 ? NP_STREAM_ANY : i == 2 ? NP_STREAM_MIXED : a->streams.ids[i - 3];
+    if (i > 0 && s == stream) continue;
+    bool e;
+    np_block *b = unpinned_hole(ctx, a, s, size, need, &budget, &e);
+    if (b && b->size <= h->size + a->growth && (!best || b->size < best->size)) {
+      best = b;
+      high = e;
+    }
+  }
+  if (!best) return h;
+  *long_lived = !high;
+  return best;
+}
+
 static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
-  np_block *h = best_hole(ctx, a, stream, size);
+  np_block *h = avoid_pin(ctx, a, best_hole(ctx, a, stream, size), stream, size, &long_lived);
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
     np_tree_remove(&a->holes, h);

@@ -10,6 +10,10 @@
  *    long-lived at the hole's low end, short-lived at its high end, so short-lived churn
  *    stays away from long-lived neighbours and the hole that remains is contiguous with
  *    other free memory;
+ *  - under cap pressure (reserved past cap / NP_ARENA_NEAR_DIV) a carve that would put the block
+ *    inside a mapped chunk that is wholly free ("pin" it: it could no longer be trimmed) takes
+ *    the hole's other end, or else the smallest compatible hole whose carve pins nothing (at
+ *    most one growth larger, mapping no more), among NP_ARENA_PIN_WALK holes at most;
  *  - when no hole fits it extends the top (the free memory above the highest allocation),
  *    first taking a hole of its stream that touches the top;
  *  - freed memory keeps the tag of the stream that used it (or "mixed" once memory of two
@@ -46,6 +50,9 @@
  * return free pages (docs/device_calls.md: the trade-off). */
 #define NP_ARENA_GROWTH (20 * NP_MIB)
 #define NP_ARENA_NEAR_DIV 2
+/* The most holes a placement looks at to avoid pinning a wholly free chunk under cap pressure
+ * (arena.c, avoid_pin): the walk is bounded, the hot path keeps best fit's O(log n). */
+#define NP_ARENA_PIN_WALK 32
 
 typedef struct np_arena {
   np_tree holes;
