@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from .inputs import NotRegularFile, open_regular
 
 ENABLE = "MEMORY_FRAGMENTATION"
 FRACTION = "NPU_POOL_FRACTION"
@@ -91,13 +92,12 @@ def load_yaml(path: str, source: str) -> Any:
 
     where = f"{source}={path!r}" if source else str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
+        f = open_regular(path)  # a FIFO must not block
+    except NotRegularFile:
+        raise ConfigError(f"{where}: not a regular file (a device, FIFO or directory); name a YAML file") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: cannot read the file ({getattr(e, 'strerror', None) or e})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(f"{where}: not a regular file (a device, FIFO or directory); name a YAML file")
-    with os.fdopen(fd, "rb") as f:
+    with f:
         try:
             raw = f.read(YAML_MAX_BYTES + 1)
         except OSError as e:

@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ._core import ffi, lib
+from .inputs import open_regular
 
 SOURCE = Path(__file__).resolve().parent / "shim" / "torch_npu_hooks.cpp"
 CACHE_ENV = "NPU_POOL_CACHE"
@@ -136,9 +136,7 @@ def _digest(path: Path) -> tuple[int, str]:
     """(size, SHA-256) of a regular file; OSError otherwise."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(0, "not a regular file")
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
             size += len(chunk)

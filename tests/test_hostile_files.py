@@ -549,3 +549,46 @@ def test_a_real_ctrl_c_while_the_export_is_written_leaves_nothing(tmp_path: Path
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
     assert not dest.exists() and not part.exists()
+
+
+def test_a_fifo_as_a_plan_or_snapshot_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Every reader opens through npu_pool.inputs.open_regular: a FIFO without a writer given as
+    a plan (--plan, load_plan) or a snapshot (import, load_snapshot) is refused at once, where a
+    plain open() would wait for a writer forever. Run in a child with a time limit: a regression
+    hangs there, not here."""
+    for name in ("p.npplan", "s.pickle"):
+        os.mkfifo(tmp_path / name)
+    trace = tmp_path / "t.npt"
+    training(iters=3).save(trace)
+    script = textwrap.dedent(f"""
+        import json
+        from pathlib import Path
+        from npu_pool.cli import main
+        from npu_pool.inputs import NotRegularFile, open_regular
+        from npu_pool.planner import PlanError, load_plan
+        from npu_pool.trace.format import TraceError
+        from npu_pool.trace.snapshot import load_snapshot
+        d, out = Path({str(tmp_path)!r}), {{}}
+        for what, call, err in (("plan", lambda: load_plan(d / "p.npplan"), PlanError),
+                                ("snapshot", lambda: load_snapshot(d / "s.pickle"), TraceError),
+                                ("directory", lambda: open_regular(d), NotRegularFile)):
+            try:
+                call()
+                out[what] = "no error"
+            except err as e:
+                out[what] = str(e)
+        out["replay"] = main(["replay", str(d / "t.npt"), "--policy", "planned", "--plan", str(d / "p.npplan"),
+                              "--no-min-capacity"])
+        out["import"] = main(["import", str(d / "s.pickle"), "--out", str(d / "imported")])
+        print(json.dumps(out))
+        """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["plan"] == f"{tmp_path / 'p.npplan'}: not a regular file (a device, FIFO or socket); give a plan file"
+    assert out["snapshot"] == f"{tmp_path / 's.pickle'}: not a regular file (a device, FIFO or socket); give a snapshot file"
+    assert out["directory"] == f"{tmp_path}: not a regular file (a directory)"
+    assert out["replay"] == 1 and out["import"] == 1
+    assert "Traceback" not in r.stderr and "not a regular file" in r.stderr
+    assert not (tmp_path / "imported").exists()

@@ -96,6 +96,7 @@ def test_the_binding_is_the_bottom_layer():
     assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab", "npu_pool.units", "npu_pool.outputs"}
     assert graph["npu_pool.units"] == set()
     assert graph["npu_pool.outputs"] == set()  # whole-or-absent files: every writer uses it
+    assert graph["npu_pool.inputs"] == set()  # regular files only, opened without blocking: every reader uses it
     assert graph["npu_pool.snapshot"] <= {"npu_pool.vocab", "npu_pool.outputs"}
     # the trace format and the recorder need nothing of the tools; the product needs no demo code
     for name, deps in graph.items():

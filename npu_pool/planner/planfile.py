@@ -25,11 +25,11 @@ from __future__ import annotations
 import array
 import json
 import os
-import stat
 import struct
 import zlib
 from pathlib import Path
 
+from ..inputs import NotRegularFile, open_regular
 from ..trace.format import MAGIC as TRACE_MAGIC, PLAN_MAGIC
 from ..vocab import MAX_REQUEST
 from .plan import ALIGN, NONE, Plan, PlanError
@@ -121,10 +121,8 @@ def load_plan(path: str | Path) -> Plan:
     bytes are checked (a trace or any other file is refused at once, naming what it is), and
     the rest is read only when the header's counts match the file's size."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise PlanError(f"{path}: not a regular file (a device, FIFO or socket); give a plan file")
             head = f.read(24)
             if len(head) < 24 or head[:8] != MAGIC:
                 plan_from_bytes(head, str(path))  # raises, naming what the file is
@@ -140,6 +138,8 @@ def load_plan(path: str | Path) -> Plan:
                 raise PlanError(f"{path}: {st.st_size - 24 - hlen} bytes of rows, expected {n} x {_ROW.size}: "
                                 "truncated or corrupt")
             data += f.read(st.st_size - len(data))
+    except NotRegularFile:
+        raise PlanError(f"{path}: not a regular file (a device, FIFO or socket); give a plan file") from None
     except OSError as e:
         raise PlanError(f"{path}: cannot read ({e.strerror or e})") from None
     return plan_from_bytes(data, str(path))

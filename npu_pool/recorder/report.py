@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ..inputs import NotRegularFile, open_regular
+
 VERSION = 1
 FILE_PATTERN = "npu_pool_rank*.json"
 GiB = float(1 << 30)
@@ -133,16 +135,14 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         raise ValueError(f"{d}: not a directory (expected the NPU_POOL_REPORT_DIR of a run)")
     reports = []
     for path in sorted(d.glob(FILE_PATTERN)):
-        if not path.is_file():  # a FIFO or device named like a report would block forever
-            raise ValueError(f"{path}: not a regular file (expected an npu_pool rank report)")
         try:
-            if not path.is_file():
-                raise ValueError("not a regular file")
-            with open(path, "rb") as f:
+            with open_regular(path) as f:  # a FIFO or device named like a report would block forever
                 raw = f.read(_MAX_REPORT + 1)
             if len(raw) > _MAX_REPORT:
                 raise ValueError(f"more than {_MAX_REPORT} bytes; a rank report is a few KiB")
             r = json.loads(raw)
+        except NotRegularFile:
+            raise ValueError(f"{path}: not a regular file (expected an npu_pool rank report)") from None
         except RecursionError:
             raise ValueError(f"{path}: not a readable npu_pool rank report (nested too deeply)") from None
         except (OSError, ValueError) as e:

@@ -5,10 +5,9 @@ in a directory with a trace's suffix) is refused before it is opened for reading
 block forever or never end."""
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
+from ..inputs import NotRegularFile, open_regular
 from .format import MAGIC, PLAN_MAGIC, Trace, TraceError
 
 
@@ -16,13 +15,12 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     """(name, trace) pairs from one file: an ``.npt`` trace, or a snapshot pickle (one per device)."""
     p = Path(path)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer opens at once, then is refused
+        f = open_regular(p)  # a FIFO without a writer is refused at once, never waited on
+    except NotRegularFile as e:
+        raise TraceError(f"{p}: not a regular file ({e.kind}); traces are read from files") from None
     except OSError as e:
         raise TraceError(f"{p}: cannot read ({e.strerror})") from None
-    with open(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise TraceError(f"{p}: not a regular file ({_kind(mode)}); traces are read from files")
+    with f:
         try:
             head = f.read(len(MAGIC))
         except OSError as e:
@@ -40,13 +38,6 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
         return [(p.stem, traces[0])]
     return [(f"{p.stem}.dev{t.meta.get('device', i)}", t) for i, t in enumerate(traces)]
 
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def expand(paths: list[str]) -> list[Path]:

@@ -28,7 +28,6 @@ import bisect
 import os
 import pickle
 import re
-import stat
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
@@ -37,6 +36,7 @@ from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, M
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
+from ..inputs import NotRegularFile, open_regular
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
@@ -136,13 +136,13 @@ def load_snapshot(path: str | Path) -> list[Trace]:
     naming what it is); only regular files are read, and never past their size."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise TraceError(f"{path}: not a regular file (a device, FIFO or socket); give a snapshot file")
             check_head(path, f.read(8))
             f.seek(0)
             obj = _unpickle(_Bounded(f, st.st_size), str(path))
+    except NotRegularFile:
+        raise TraceError(f"{path}: not a regular file (a device, FIFO or socket); give a snapshot file") from None
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
     return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
