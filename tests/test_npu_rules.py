@@ -227,3 +227,16 @@ def test_a_plan_made_under_npu_rules_serves_the_padded_requests() -> None:
             assert planned.peak_reserved_bytes <= online.peak_reserved_bytes, device
     with pytest.raises(PlanError, match="was made with cuda's request rules and would replay under npu's"):
         run(trace, "planned", plan=plan, device="npu")
+
+
+def test_plan_device_index_takes_ascii_digits_only(capsys: pytest.CaptureFixture) -> None:
+    """`plan --device`: a superscript passes str.isdigit but is no index: the usage line names the
+    forms taken, not a conversion failure."""
+    from npu_pool.commands.plan import _device
+
+    assert _device("npu:1") == ("npu", 1) and _device("2") == (None, 2) and _device("cuda") == ("cuda", None)
+    for bad in ("²", "npu:²", "npu:", "tpu"):
+        with pytest.raises(SystemExit):
+            cli(["plan", "x.npt", "--device", bad])
+        err = capsys.readouterr().err
+        assert f"{bad!r}: expected npu, cuda, a device index N, or npu:N / cuda:N" in err, err

@@ -23,9 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _device(text: str) -> tuple[str | None, int | None]:
     """``--device``: "npu", "cuda", "N" or "npu:N" -> (device type or None, index or None)."""
     kind, sep, index = text.partition(":")
-    if not sep and kind.isdigit():
+    digits = lambda s: s.isascii() and s.isdigit()  # noqa: E731  (str.isdigit alone takes "²", which int() refuses)
+    if not sep and digits(kind):
         kind, index = "", kind
-    if kind not in ("", "npu", "cuda") or not (index.isdigit() if sep or not kind else True):
+    if kind not in ("", "npu", "cuda") or not (digits(index) if sep or not kind else True):
         raise argparse.ArgumentTypeError(f"{text!r}: expected npu, cuda, a device index N, or npu:N / cuda:N")
     return kind or None, int(index) if index else None
 
