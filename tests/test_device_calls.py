@@ -81,7 +81,31 @@ def test_reset_accumulated_restarts_the_call_counts() -> None:
         assert sum(p.stats()["calls"].values()) == 0
         p.empty_cache()
         c = p.stats()["calls"]
-        assert c["free"] == 1 and c["sync_device"] >= 1  # a free synchronises first, as aclrtFree's backend does
+        assert c["free"] == 1 and c["sync_device"] == 1  # one synchronisation, then the free
+
+
+def test_the_torch_model_synchronises_once_per_release_as_torch_npu() -> None:
+    """torch_npu synchronises the device once and then frees every cached segment (aclrtFree does
+    not wait for the device); cudaFree waits by itself, so PyTorch on CUDA adds no call. The model
+    makes the same calls under each runtime's rules (checked live in tests/test_live_replay.py)."""
+    for rules, extra in (("npu", 1), ("cuda", 0)):
+        with Pool("torch", capacity=GiB, rules=rules) as p:
+            xs = [p.malloc(30 * MiB) for _ in range(4)]  # four large segments
+            for x in xs:
+                p.free(x)
+            p.empty_cache()  # the pool synchronises once, whatever the runtime, then four frees
+            c = p.stats()["calls"]
+            assert (c["free"], c["sync_device"]) == (4, 1), (rules, c)
+            p.reset_accumulated()
+            held = [p.malloc(300 * MiB) for _ in range(2)]  # cached: 2 x 300 MiB, then freed
+            for x in held:
+                p.free(x)
+            big = p.malloc(700 * MiB)  # no room beside the cache: release it all and retry
+            c = p.stats()["calls"]
+            assert c["free"] == 2 and c["sync_device"] == extra, (rules, c)
+            assert p.stats()["retries"] == 1
+            p.free(big)
+            p.check()
 
 
 def test_the_cost_table_has_a_source_for_every_kind_and_takes_overrides(tmp_path) -> None:

@@ -128,9 +128,8 @@ def test_live_device_calls_equal_the_simulation_kind_by_kind(played) -> None:
     Two differences are accounted for, not hidden: the ACL backend's probe reservation (reserve
     and release one page) is made when torch's first request creates the pool, inside the live
     play, where the simulator counts it at creation (so reservations compare net); and the live
-    player synchronises once at its end. Synchronisations of torch_npu's own allocator are not
-    compared: the torch model counts one before every segment free (what npu_pool's ACL backend
-    does), torch_npu one per cache release (docs/device_calls.md)."""
+    player synchronises once at its end (on both allocators: torch_npu's own synchronises once per
+    cache release, as the torch model does)."""
     acl = CALL_VENDOR["acl"]
     exact = ("malloc", "free", "phys_create", "phys_release", "map", "unmap")
     for name, trace, live in played[0]:
@@ -145,6 +144,7 @@ def test_live_device_calls_equal_the_simulation_kind_by_kind(played) -> None:
         assert pool[acl["reserve"]] - sim["reserve"] in (0, 1), name  # the probe, when it fell in the play
         assert pool[acl["sync_device"]] == sim["sync_device"] + 1, name  # + the player's final synchronize
         native = live["native"].vendor_calls
+        assert native[acl["sync_device"]] == run(trace, "torch", device="npu").calls["sync_device"] + 1, name
         chunks = pool[acl["phys_create"]] + pool[acl["phys_release"]]
         assert chunks <= native[acl["malloc"]] + native[acl["free"]], name
         assert pool[acl["map"]] == pool[acl["phys_create"]], name  # one map per chunk, never one per page

@@ -99,6 +99,8 @@ int np_create(const np_config *cfg, np_ctx **out) {
   }
   if (cfg->device_rules == NP_DEVICE_NPU || cfg->device_rules == NP_DEVICE_CUDA) { /* the runtime's request rules */
     ctx->be->request_align = ctx->be->request_tail = cfg->device_rules == NP_DEVICE_NPU ? NP_NPU_PAD : 0;
+    if (ctx->be->simulated) /* count as the rules' vendor: cudaFree waits for the device, aclrtFree does not */
+      ctx->be->free_synchronizes = cfg->device_rules == NP_DEVICE_CUDA;
   }
   ctx->limit = (uint64_t)floor(cfg->fraction * (double)ctx->be->total);
   rc = ctx->policy->init(ctx);
@@ -159,7 +161,7 @@ static int close_locked(np_ctx *ctx) {
 
 int np_close(np_ctx *ctx) {
   if (!ctx) return NP_OK;
-  pthread_mutex_lock(&ctx->lock); /* waits for the call in flight; those queued behind it see `closed` */
+  np_ctx_lock(ctx); /* waits for the call in flight; those queued behind it see `closed` */
   int rc = ctx->closed ? NP_OK : close_locked(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
@@ -180,21 +182,21 @@ int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out) {
 }
 
 int np_malloc_ex(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = np_ctx_malloc(ctx, size, stream, lifetime, site, out);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
 
 int np_free(np_ctx *ctx, void *ptr) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = np_ctx_free(ctx, ptr);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
 
 int np_empty_cache(np_ctx *ctx) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = np_ctx_empty_cache(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
@@ -203,7 +205,7 @@ int np_empty_cache(np_ctx *ctx) {
 int np_set_fraction(np_ctx *ctx, double fraction) {
   int rc = check_fraction(fraction);
   if (rc != NP_OK) return rc;
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   if (np_ctx_usable(ctx, "set_fraction") != NP_OK) {
     pthread_mutex_unlock(&ctx->lock);
     return NP_ERR_STATE;
@@ -219,7 +221,7 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
 }
 
 void np_get_stats(np_ctx *ctx, np_stats *out) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   if (ctx->closed) *out = ctx->st; /* zeros: nothing is held any more */
   else np_get_stats_locked(ctx, out);
   pthread_mutex_unlock(&ctx->lock);
@@ -239,14 +241,14 @@ static int counters(np_ctx *ctx, np_counter **c) {
 }
 
 void np_reset_peak(np_ctx *ctx) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   np_counter *c[6 * (NP_POOLS + 1) + 1];
   for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->peak = c[i]->current;
   pthread_mutex_unlock(&ctx->lock);
 }
 
 void np_reset_accumulated(np_ctx *ctx) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   np_counter *c[6 * (NP_POOLS + 1) + 1];
   for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->allocated = c[i]->freed = 0;
   np_stats *st = &ctx->st;
@@ -258,7 +260,7 @@ void np_reset_accumulated(np_ctx *ctx) {
 int np_forget(np_ctx *ctx) {
   np_lifetime fresh;
   if (!np_lifetime_init(&fresh)) return np_error(NP_ERR_HOST, "host out of memory for a lifetime table");
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "forget");
   if (rc == NP_OK) {
     np_lifetime_destroy(&ctx->life);
@@ -276,7 +278,7 @@ int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime) {
   if (default_lifetime < NP_LIFE_AUTO || default_lifetime > NP_LIFE_SHORT)
     return np_error(NP_ERR_INVALID, "default lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d",
                     default_lifetime);
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->closed ? np_ctx_refuse(ctx, "set_phase") : NP_OK;
   if (rc == NP_OK) np_ctx_set_phase(ctx, phase, default_lifetime == NP_LIFE_AUTO ? NP_LIFE_LONG : default_lifetime);
   pthread_mutex_unlock(&ctx->lock);
@@ -284,7 +286,7 @@ int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime) {
 }
 
 int np_mark(np_ctx *ctx, int code, int64_t arg) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->closed ? np_ctx_refuse(ctx, "mark") : np_ctx_mark(ctx, code, arg);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
@@ -292,7 +294,7 @@ int np_mark(np_ctx *ctx, int code, int64_t arg) {
 
 int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
   *size = 0;
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   if (ctx->closed) {
     pthread_mutex_unlock(&ctx->lock);
     return np_ctx_refuse(ctx, "block_size");
@@ -304,7 +306,7 @@ int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
 }
 
 int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   if (np_ctx_usable(ctx, "record_stream") != NP_OK) {
     pthread_mutex_unlock(&ctx->lock);
     return NP_ERR_STATE;
@@ -319,7 +321,7 @@ int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
 }
 
 int np_check(np_ctx *ctx) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->closed ? np_ctx_refuse(ctx, "check") : np_ctx_check(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
@@ -355,7 +357,7 @@ static np_segment **sorted_segments(const np_ctx *ctx, size_t *nseg) {
 
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   *n = 0;
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   if (ctx->closed) {
     pthread_mutex_unlock(&ctx->lock);
     return np_ctx_refuse(ctx, "blocks");
@@ -403,7 +405,7 @@ static size_t segment_runs(const np_ctx *ctx, const np_segment *s, uint64_t *out
 
 int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
   *n = 0;
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   if (ctx->closed) {
     pthread_mutex_unlock(&ctx->lock);
     return np_ctx_refuse(ctx, "mapped_ranges");

@@ -32,6 +32,9 @@ struct np_backend {
   uint64_t granularity;    /* physical page size of the page calls; 0 = no virtual-memory API */
   uint32_t request_align;  /* requests round up to a multiple of this (0: no rule) */
   uint32_t request_tail;   /* ... and get this many bytes more */
+  bool simulated;          /* the simulated device: it counts what the rules' vendor would be called for */
+  bool free_synchronizes;  /* `free` waits for the device by itself (cudaFree); otherwise (aclrtFree) the
+                            * caller synchronises the device once before the frees of one call (memory.c) */
   uint64_t calls[NP_CALL_COUNT]; /* vendor calls made, by kind */
   int (*malloc)(np_backend *be, uint64_t size, uintptr_t *out);
   int (*free)(np_backend *be, uintptr_t addr, uint64_t size);

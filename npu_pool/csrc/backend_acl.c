@@ -232,12 +232,9 @@ static int acl_free(np_backend *be, uintptr_t addr, uint64_t size) {
   (void)size;
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
-  rc = sync_device(a);
-  if (rc == NP_OK) {
-    acl_err e = ACL(a, FREE, aclrtFree((void *)addr));
-    char s[32];
-    if (e) rc = acl_fail(a, "aclrtFree", addr_arg(addr, s), e);
-  }
+  acl_err e = ACL(a, FREE, aclrtFree((void *)addr)); /* the caller synchronised the device (memory.c) */
+  char s[32];
+  if (e) rc = acl_fail(a, "aclrtFree", addr_arg(addr, s), e);
   leave(a, prev);
   return rc;
 }

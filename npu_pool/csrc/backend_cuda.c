@@ -453,7 +453,8 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   c->device = cfg->device;
   snprintf(c->name, sizeof c->name, "cuda");
   c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free, .enter = cuda_enter,
-                         .leave = cuda_leave, .synchronize = cuda_synchronize, .destroy = cuda_destroy};
+                         .leave = cuda_leave, .synchronize = cuda_synchronize, .destroy = cuda_destroy,
+                         .free_synchronizes = true};
   char rt_buf[1024], drv_buf[1024], where[1024], libname[1100], missing[64] = "";
   const char *rt_path, *drv_path;
   split_paths(cfg->lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);

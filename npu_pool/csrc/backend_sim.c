@@ -153,7 +153,6 @@ static int sim_malloc(np_backend *be, uint64_t size, uintptr_t *out) {
 static int sim_free(np_backend *be, uintptr_t addr, uint64_t size) {
   sim_backend *s = (sim_backend *)be;
   sim_enter(s, true);
-  be->calls[NP_CALL_SYNC_DEVICE]++; /* as the ACL backend: synchronise, then free */
   be->calls[NP_CALL_FREE]++;
   int rc = del_range(&s->alloc, addr, size, "free");
   if (rc != NP_OK) return rc;
@@ -318,6 +317,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   }
   s->base = (np_backend){
       .name = cfg->host_backed ? "sim-host" : "sim",
+      .simulated = true,
       .total = cfg->capacity,
       .granularity = cfg->vmm ? SIM_PAGE : 0,
       .malloc = sim_malloc,

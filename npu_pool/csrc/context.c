@@ -87,6 +87,7 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size) {
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out) {
   *out = NULL;
   if (np_ctx_usable(ctx, "malloc") != NP_OK) return NP_ERR_STATE;
+  ctx->synced = false; /* one request: a replay holds the lock across many */
   if (size == 0) return np_error(NP_ERR_INVALID, "malloc of 0 bytes: a size of at least 1 byte is required");
   if (size > NP_MAX_REQUEST) {
     char a[32];
@@ -121,6 +122,7 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
 int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, void **out) {
   *out = NULL;
   if (np_ctx_usable(ctx, "malloc") != NP_OK) return NP_ERR_STATE;
+  ctx->synced = false; /* one request: a replay holds the lock across many */
   if (!ctx->policy->alloc_at) return np_error(NP_ERR_STATE, "policy %s cannot place blocks at given addresses", ctx->policy->name);
   if (size == 0 || size > NP_MAX_REQUEST) return np_error(NP_ERR_INVALID, "bad size %llu", (unsigned long long)size);
   np_block *b = NULL;
@@ -153,12 +155,15 @@ static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **o
 
 int np_ctx_synchronize(np_ctx *ctx) {
   ctx->st.syncs++;
-  return ctx->be->synchronize(ctx->be, NP_STREAM_ANY);
+  int rc = ctx->be->synchronize(ctx->be, NP_STREAM_ANY);
+  ctx->synced = rc == NP_OK;
+  return rc;
 }
 
 int np_ctx_free(np_ctx *ctx, void *ptr) {
   if (!ptr) return np_error(NP_ERR_INVALID, "free of a NULL pointer");
   if (np_ctx_usable(ctx, "free") != NP_OK) return NP_ERR_STATE;
+  ctx->synced = false;
   np_block *b = np_ptrmap_remove(&ctx->live, (uintptr_t)ptr);
   if (!b) {
     /* Tell a double free (inside a segment of ours) from a foreign pointer. */
@@ -187,6 +192,7 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
 
 int np_ctx_empty_cache(np_ctx *ctx) {
   if (np_ctx_usable(ctx, "empty_cache") != NP_OK) return NP_ERR_STATE;
+  ctx->synced = false;
   np_ctx_record(ctx, NP_EV_EMPTY_CACHE, 0, 0, 0, -1, -1, 0);
   int rc = np_ctx_synchronize(ctx);
   if (rc != NP_OK) return rc;

@@ -79,6 +79,8 @@ struct np_ctx {
   int base_life;             /* default_life outside set-up and the first optimizer step */
   uint64_t clock;            /* allocations so far */
   bool trimming;             /* unmaps now are trims (history) */
+  bool synced;               /* the device was synchronised during the current call (cleared at every entry
+                              * under the lock: work may have been queued between calls) */
   np_fail fail;              /* the policy's account of the latest failed request */
   np_held *held;             /* memory whose return failed */
   size_t n_held, cap_held;
@@ -121,7 +123,13 @@ int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream,
 void np_get_stats_locked(np_ctx *ctx, np_stats *out);
 int np_ctx_check(np_ctx *ctx);
 /* Synchronise the device (counted in stats.syncs). */
+/* Synchronise the device (counted); sets `synced` for the rest of the call. */
 int np_ctx_synchronize(np_ctx *ctx);
+/* Take the context's lock for one call: what the device ran before is not known synchronised. */
+static inline void np_ctx_lock(np_ctx *ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  ctx->synced = false;
+}
 
 /* Segments: a device malloc (or an address reservation) and its first block. */
 int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, bool reserve_only, np_segment **out);

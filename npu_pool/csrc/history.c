@@ -93,7 +93,7 @@ void np_ctx_history_free(np_ctx *ctx) {
 }
 
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   uint64_t kept = np_min_u64(ctx->n_events, ctx->hist_slots);
   if (cap > kept) cap = kept;
   for (size_t i = 0; i < cap; i++) out[i] = ctx->hist[(ctx->n_events - cap + i) % ctx->hist_slots];
@@ -103,7 +103,7 @@ int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
 }
 
 int np_set_history(np_ctx *ctx, uint64_t max_entries) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = np_ctx_set_history(ctx, max_entries);
   pthread_mutex_unlock(&ctx->lock);
   return rc;

@@ -54,13 +54,24 @@ void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t 
   ctx->held[ctx->n_held++] = (np_held){kind, pool, addr, size, handle};
 }
 
+/* Give a device allocation back. Where the vendor's free does not wait for the device (aclrtFree),
+ * the device is synchronised first, once per call: torch_npu too synchronises once and then frees
+ * every cached segment (release_cached_blocks). */
+static int free_device(np_ctx *ctx, uintptr_t addr, uint64_t size) {
+  if (!ctx->be->free_synchronizes && !ctx->synced) {
+    int rc = np_ctx_synchronize(ctx);
+    if (rc != NP_OK) return rc;
+  }
+  return ctx->be->free(ctx->be, addr, size);
+}
+
 /* Try to return one held item; NP_OK when it is gone. */
 static int retry_one(np_ctx *ctx, np_held *h) {
   np_backend *be = ctx->be;
   int rc;
   switch (h->kind) {
     case NP_HELD_SEGMENT:
-      rc = be->free(be, h->addr, h->size);
+      rc = free_device(ctx, h->addr, h->size);
       if (rc == NP_OK) {
         np_ctx_record(ctx, NP_EV_SEGMENT_FREE, h->addr, h->size, 0, -1, h->pool, 0);
       }
@@ -253,6 +264,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
   if (!b) {
     free(seg);
     free(pages);
+    /* never used by the device: no synchronisation needed */
     int frc = reserve_only ? ctx->be->release(ctx->be, addr, size) : ctx->be->free(ctx->be, addr, size);
     if (frc != NP_OK) { /* the device keeps it: hold it, counted */
       if (reserve_only) np_ctx_hold(ctx, NP_HELD_RESERVATION, addr, size, 0, NULL);
@@ -288,7 +300,7 @@ void np_segment_destroy(np_ctx *ctx, np_segment *seg) {
   else ctx->segments = seg->next;
   if (seg->next) seg->next->prev = seg->prev;
   if (seg->reserved_only) np_vmm_release(ctx, seg);
-  else if (ctx->be->free(ctx->be, seg->addr, seg->size) == NP_OK)
+  else if (free_device(ctx, seg->addr, seg->size) == NP_OK)
     np_ctx_reserved(ctx, NP_EV_SEGMENT_FREE, seg, seg->addr, seg->size);
   else
     np_ctx_hold(ctx, NP_HELD_SEGMENT, seg->addr, seg->size, 0, seg);

@@ -524,7 +524,7 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
 
 int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
                 const uint64_t *end, uint64_t region, int flags, uint64_t *counts) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = NP_OK;
   if (ctx->policy != &np_policy_planned)
     rc = np_error(NP_ERR_STATE, "np_set_plan: the pool's policy is %s, not planned", ctx->policy->name);

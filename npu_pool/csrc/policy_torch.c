@@ -101,10 +101,18 @@ static void release_block(np_ctx *ctx, np_block *b) {
   np_segment_destroy(ctx, b->seg);
 }
 
+/* Where the vendor's free does not wait for the device (aclrtFree), torch_npu synchronises it once
+ * before releasing cached segments (release_available_cached_blocks, release_cached_blocks), whether
+ * or not any is then freed; PyTorch on CUDA leaves that to cudaFree. */
+static void sync_before_release(np_ctx *ctx) {
+  if (!ctx->be->free_synchronizes) np_ctx_synchronize(ctx); /* a failure shows in the free that follows */
+}
+
 /* Free cached oversize blocks of this pool and stream, largest first, until `size` is covered. */
 static bool release_available(np_ctx *ctx, int pool, intptr_t stream, uint64_t size) {
   torch_state *ts = state(ctx);
   if (ts->max_split == UINT64_MAX) return false;
+  sync_before_release(ctx);
   uint64_t key = size < ts->max_split ? ts->max_split : size;
   np_block *b = np_tree_best_fit(&ts->pools[pool], stream, key);
   if (b) {
@@ -162,6 +170,7 @@ static int torch_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime
   if (!b) rc = alloc_block(ctx, pool, stream, asize, &b);
   if (!b && rc == NP_ERR_OOM && release_available(ctx, pool, stream, size)) rc = alloc_block(ctx, pool, stream, asize, &b);
   if (!b && rc == NP_ERR_OOM) {
+    sync_before_release(ctx);
     release_cached(ctx);
     ctx->st.retries++;
     rc = alloc_block(ctx, pool, stream, asize, &b);

@@ -255,7 +255,7 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     free(r.off);
     return np_error(NP_ERR_HOST, "replay: host out of memory for %llu ids", (unsigned long long)in->n_ids);
   }
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   uint64_t t0 = now_ns();
   int rc = run(&r);
   out->ns = now_ns() - t0;

@@ -417,7 +417,7 @@ static int no_tags(np_ctx *ctx) {
 }
 
 int np_region(np_ctx *ctx, const char *tag) {
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->policy->region ? ctx->policy->region(ctx, tag) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
@@ -425,7 +425,7 @@ int np_region(np_ctx *ctx, const char *tag) {
 
 int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes) {
   uint64_t b = 0;
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->policy->pause ? ctx->policy->pause(ctx, tag, backup != 0, &b) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   if (bytes) *bytes = b;
@@ -434,7 +434,7 @@ int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes) {
 
 int np_resume(np_ctx *ctx, const char *tag, uint64_t *bytes) {
   uint64_t b = 0;
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->policy->resume ? ctx->policy->resume(ctx, tag, &b) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   if (bytes) *bytes = b;
@@ -444,7 +444,7 @@ int np_resume(np_ctx *ctx, const char *tag, uint64_t *bytes) {
 int np_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n) {
   *n = 0;
   if (cap && !out) return np_error(NP_ERR_INVALID, "np_tags: no buffer for %zu entries", cap);
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->policy->tags ? ctx->policy->tags(ctx, out, cap, n) : NP_OK;
   pthread_mutex_unlock(&ctx->lock);
   return rc;
@@ -452,7 +452,7 @@ int np_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n) {
 
 int np_set_backup_limit(np_ctx *ctx, uint64_t bytes) {
   if (bytes > NP_MAX_REQUEST) return np_error(NP_ERR_INVALID, "a backup bound of %llu bytes is absurd", (unsigned long long)bytes);
-  pthread_mutex_lock(&ctx->lock);
+  np_ctx_lock(ctx);
   int rc = ctx->policy->set_backup_limit ? ctx->policy->set_backup_limit(ctx, bytes) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
