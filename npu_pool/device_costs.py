@@ -25,7 +25,8 @@ _SYNC = ("assumed: the host-side cost of a call that waits for the device to dra
 DEFAULT_COSTS: dict[str, tuple[float, str]] = {
     "malloc": (500.0, "assumed: cudaMalloc / aclrtMalloc of a segment, which the runtime maps page tables for; "
                       "PyTorch caches segments because it is slow (CUDACachingAllocator's notes)"),
-    "free": (500.0, "assumed: cudaFree / aclrtFree, each of which synchronises the device first"),
+    "free": (500.0, "assumed: cudaFree / aclrtFree (cudaFree waits for the device by itself; before "
+                    "aclrtFree the caller synchronises once, counted as sync_device)"),
     "reserve": (20.0, _ASSUMED),
     "release": (20.0, _ASSUMED),
     "phys_create": (200.0, "assumed: cuMemCreate / aclrtMallocPhysical take physical memory as cudaMalloc does"),
