@@ -338,6 +338,33 @@ def test_other_policies_run_on_vendor_backends(vendor: Vendor, policy: str) -> N
     assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
 
 
+def test_cached_segments_go_back_after_one_synchronisation_per_call(vendor: Vendor) -> None:
+    """aclrtFree does not wait for the device: the pool synchronises once, then frees every cached
+    segment of that call (as torch_npu does); cudaFree waits by itself: no explicit call is added."""
+    with vendor.pool("torch") as p:
+        for a in [p.malloc(12 * MiB) for _ in range(3)]:  # three segments, all cached
+            p.free(a)
+        before = vendor.calls("sync"), vendor.calls("free")
+        p.empty_cache()
+        frees = vendor.calls("free") - before[1]
+        assert frees == 3 and vendor.calls("sync") - before[0] == 1  # the empty_cache's own synchronisation
+        p.free(p.malloc(12 * MiB))
+        vendor.fail("sync")  # the synchronisation fails: nothing is freed under queued work
+        with pytest.raises(PoolError, match=vendor.name("sync")):
+            p.empty_cache()
+        assert vendor.calls("free") - before[1] == 3
+        p.empty_cache()  # once the device answers, the segment goes back
+        assert vendor.calls("free") - before[1] == 4
+        for a in [p.malloc(12 * MiB) for _ in range(3)]:
+            p.free(a)
+        p.check()
+        before = vendor.calls("sync"), vendor.calls("free")
+    # closing frees the three cached segments: first one synchronisation where the free does not wait
+    assert vendor.calls("free") - before[1] == 3
+    assert vendor.calls("sync") - before[0] == (1 if vendor.backend == "acl" else 0)
+    assert vendor.lib.fake_used() == 0
+
+
 def test_acl_reserve_flags_fall_back_to_zero(builds: dict) -> None:
     v = _vendor(builds, "acl")
     v.lib.fake_set_flags_reserved(1)  # a runtime where flags is reserved and must be 0
