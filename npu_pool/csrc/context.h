@@ -88,6 +88,7 @@ struct np_ctx {
   uint64_t hist_max;         /* np_set_history's bound */
   uint64_t hist_slots;       /* slots allocated (grows to hist_max) */
   uint64_t n_events;         /* events recorded so far */
+  uint64_t hist_next;        /* slot of the next event: n_events % hist_slots (no division per event) */
   uint64_t t0_ns;            /* creation time */
   int64_t replay_time;       /* inside np_replay: the trace event's index, else -1 */
   /* Lifecycle (api.c, fork.c). closed: np_close ran (device memory returned, the struct kept so

@@ -18,57 +18,47 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Make room for one more event; false if nothing may be recorded. */
-static bool room(np_ctx *ctx) {
-  /* grow only when exactly full and never wrapped: then the ring's order is the array's */
-  if (ctx->n_events == ctx->hist_slots && ctx->hist_slots < ctx->hist_max) {
-    uint64_t slots = ctx->hist_slots ? np_min_u64(2 * ctx->hist_slots, ctx->hist_max) : np_min_u64(64, ctx->hist_max);
-    np_event_info *h = realloc(ctx->hist, slots * sizeof *h);
-    if (h) {
-      ctx->hist = h;
-      ctx->hist_slots = slots;
-    }
-  }
-  return ctx->hist_slots > 0;
+/* The ring is exactly full and never wrapped (n_events == hist_slots): double it, up to
+ * hist_max, so that the ring's order stays the array's. A failure keeps the ring as it is.
+ * Out of line: it runs a few times in a context's life, entry() on every malloc and free. */
+__attribute__((noinline, cold)) static void grow(np_ctx *ctx) {
+  if (ctx->hist_slots >= ctx->hist_max) return;
+  uint64_t slots = ctx->hist_slots ? np_min_u64(2 * ctx->hist_slots, ctx->hist_max) : np_min_u64(64, ctx->hist_max);
+  np_event_info *h = realloc(ctx->hist, slots * sizeof *h);
+  if (!h) return;
+  ctx->hist = h;
+  ctx->hist_slots = slots;
+  ctx->hist_next = ctx->n_events; /* < slots: the slot after the old end */
 }
 
-static np_event_info *next_entry(np_ctx *ctx, int kind) {
-  if (!room(ctx)) {
+/* The next entry, written whole in one store, or NULL when nothing is recorded. Its slot is
+ * hist_next, kept equal to n_events % hist_slots without a division per event. */
+static inline np_event_info *entry(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream,
+                                   int32_t site, int pool, int lifetime, uint8_t detail) {
+  if (ctx->n_events == ctx->hist_slots) grow(ctx);
+  if (!ctx->hist_slots) {
     ctx->n_events++;
     return NULL;
   }
-  np_event_info *e = &ctx->hist[ctx->n_events % ctx->hist_slots];
+  NP_ASSERT(ctx->hist_next == ctx->n_events % ctx->hist_slots);
+  np_event_info *e = &ctx->hist[ctx->hist_next];
+  if (++ctx->hist_next == ctx->hist_slots) ctx->hist_next = 0;
   uint64_t t = ctx->replay_time >= 0 ? (uint64_t)ctx->replay_time : (now_ns() - ctx->t0_ns) / 1000;
-  *e = (np_event_info){.seq = ctx->n_events++, .time = t, .kind = (uint8_t)kind, .pool = NP_POOLS};
-  return e;
-}
-
-/* The next entry with the fields every kind has, or NULL when nothing is recorded. */
-static np_event_info *entry(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site,
-                            int pool, int lifetime) {
-  np_event_info *e = next_entry(ctx, kind);
-  if (!e) return NULL;
-  e->addr = addr;
-  e->size = size;
-  e->stream = stream;
-  e->site = site;
-  e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
-  e->lifetime = (uint8_t)lifetime;
+  *e = (np_event_info){.seq = ctx->n_events++, .time = t, .addr = addr, .size = size, .stream = stream, .site = site,
+                       .kind = (uint8_t)kind, .pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS),
+                       .lifetime = (uint8_t)lifetime, .detail = detail};
   return e;
 }
 
 void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
                    int lifetime) {
-  np_event_info *e = entry(ctx, kind, addr, size, stream, site, pool, lifetime);
-  if (e) e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming;
+  entry(ctx, kind, addr, size, stream, site, pool, lifetime, kind == NP_EV_SEGMENT_UNMAP && ctx->trimming);
 }
 
 void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
                        uint64_t device_free) {
-  np_event_info *e = entry(ctx, NP_EV_OOM, 0, size, stream, site, pool, lifetime);
-  if (!e) return;
-  e->detail = (uint8_t)why;
-  e->device_free = device_free;
+  np_event_info *e = entry(ctx, NP_EV_OOM, 0, size, stream, site, pool, lifetime, (uint8_t)why);
+  if (e) e->device_free = device_free;
 }
 
 uint64_t np_history_max(void) { return ((uint64_t)1 << 40) / sizeof(np_event_info); }
@@ -79,7 +69,7 @@ int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries) {
                     (unsigned long long)max_entries);
   free(ctx->hist);
   ctx->hist = NULL;
-  ctx->hist_slots = 0;
+  ctx->hist_slots = ctx->hist_next = 0;
   ctx->hist_max = max_entries;
   ctx->n_events = 0;
   if (!ctx->t0_ns) ctx->t0_ns = now_ns();
@@ -89,7 +79,7 @@ int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries) {
 void np_ctx_history_free(np_ctx *ctx) {
   free(ctx->hist);
   ctx->hist = NULL;
-  ctx->hist_slots = ctx->hist_max = 0;
+  ctx->hist_slots = ctx->hist_max = ctx->hist_next = 0;
 }
 
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
