@@ -2,9 +2,11 @@
  * TraceEntry list (allocations, frees, segments allocated, mapped, unmapped and freed, cache
  * releases, failed requests, markers). Reports, memory_viz snapshots and OOM snapshots read it.
  *
- * A ring of the latest hist_max events (entry seq % hist_slots); its slots grow by doubling up
- * to hist_max as events come, so a large bound costs memory only when used. A failure to grow
- * keeps the ring as it is (older events are overwritten sooner). hist_max 0 records nothing.
+ * A ring of the latest hist_max events (entry seq % hist_slots); its slots are allocated at the
+ * first event (NP_HISTORY_DEFAULT of them, or hist_max if less: the default ring is never copied)
+ * and grow by doubling up to hist_max as events come, so a large bound costs memory only when
+ * used. A failure to grow keeps the ring as it is (older events are overwritten sooner).
+ * hist_max 0 records nothing.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -18,12 +20,15 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Microseconds since the context was created (out of line: entry() stays a leaf in replays). */
+__attribute__((noinline)) static uint64_t clock_us(const np_ctx *ctx) { return (now_ns() - ctx->t0_ns) / 1000; }
+
 /* The ring is exactly full and never wrapped (n_events == hist_slots): double it, up to
  * hist_max, so that the ring's order stays the array's. A failure keeps the ring as it is.
  * Out of line: it runs a few times in a context's life, entry() on every malloc and free. */
 __attribute__((noinline, cold)) static void grow(np_ctx *ctx) {
   if (ctx->hist_slots >= ctx->hist_max) return;
-  uint64_t slots = ctx->hist_slots ? np_min_u64(2 * ctx->hist_slots, ctx->hist_max) : np_min_u64(64, ctx->hist_max);
+  uint64_t slots = np_min_u64(ctx->hist_slots ? 2 * ctx->hist_slots : NP_HISTORY_DEFAULT, ctx->hist_max);
   np_event_info *h = realloc(ctx->hist, slots * sizeof *h);
   if (!h) return;
   ctx->hist = h;
@@ -43,10 +48,10 @@ static inline np_event_info *entry(np_ctx *ctx, int kind, uintptr_t addr, uint64
   NP_ASSERT(ctx->hist_next == ctx->n_events % ctx->hist_slots);
   np_event_info *e = &ctx->hist[ctx->hist_next];
   if (++ctx->hist_next == ctx->hist_slots) ctx->hist_next = 0;
-  uint64_t t = ctx->replay_time >= 0 ? (uint64_t)ctx->replay_time : (now_ns() - ctx->t0_ns) / 1000;
-  *e = (np_event_info){.seq = ctx->n_events++, .time = t, .addr = addr, .size = size, .stream = stream, .site = site,
+  *e = (np_event_info){.seq = ctx->n_events++, .time = (uint64_t)ctx->replay_time, .addr = addr, .size = size, .stream = stream, .site = site,
                        .kind = (uint8_t)kind, .pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS),
                        .lifetime = (uint8_t)lifetime, .detail = detail};
+  if (ctx->replay_time < 0) e->time = clock_us(ctx); /* in replays, the trace event's index */
   return e;
 }
 
