@@ -20,12 +20,12 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Microseconds since the context was created (out of line: entry() stays a leaf in replays). */
+/* Microseconds since the context was created (out of line: the clock is read outside replays only). */
 __attribute__((noinline)) static uint64_t clock_us(const np_ctx *ctx) { return (now_ns() - ctx->t0_ns) / 1000; }
 
 /* The ring is exactly full and never wrapped (n_events == hist_slots): double it, up to
  * hist_max, so that the ring's order stays the array's. A failure keeps the ring as it is.
- * Out of line: it runs a few times in a context's life, entry() on every malloc and free. */
+ * Out of line: it runs a few times in a context's life, np_ctx_event on every malloc and free. */
 __attribute__((noinline, cold)) static void grow(np_ctx *ctx) {
   if (ctx->hist_slots >= ctx->hist_max) return;
   uint64_t slots = np_min_u64(ctx->hist_slots ? 2 * ctx->hist_slots : NP_HISTORY_DEFAULT, ctx->hist_max);
@@ -36,34 +36,31 @@ __attribute__((noinline, cold)) static void grow(np_ctx *ctx) {
   ctx->hist_next = ctx->n_events; /* < slots: the slot after the old end */
 }
 
-/* The next entry, written whole in one store, or NULL when nothing is recorded. Its slot is
- * hist_next, kept equal to n_events % hist_slots without a division per event. */
-static inline np_event_info *entry(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream,
-                                   int32_t site, int pool, int lifetime, uint8_t detail) {
+np_event_info *np_ctx_event(np_ctx *ctx, int kind) {
   if (ctx->n_events == ctx->hist_slots) grow(ctx);
   if (!ctx->hist_slots) {
     ctx->n_events++;
     return NULL;
   }
   NP_ASSERT(ctx->hist_next == ctx->n_events % ctx->hist_slots);
-  np_event_info *e = &ctx->hist[ctx->hist_next];
+  np_event_info *e = &ctx->hist[ctx->hist_next]; /* hist_next: n_events % hist_slots, kept without a division */
   if (++ctx->hist_next == ctx->hist_slots) ctx->hist_next = 0;
-  *e = (np_event_info){.seq = ctx->n_events++, .time = (uint64_t)ctx->replay_time, .addr = addr, .size = size, .stream = stream, .site = site,
-                       .kind = (uint8_t)kind, .pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS),
-                       .lifetime = (uint8_t)lifetime, .detail = detail};
+  *e = (np_event_info){.seq = ctx->n_events++, .time = (uint64_t)ctx->replay_time, .kind = (uint8_t)kind};
   if (ctx->replay_time < 0) e->time = clock_us(ctx); /* in replays, the trace event's index */
   return e;
 }
 
-void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
-                   int lifetime) {
-  entry(ctx, kind, addr, size, stream, site, pool, lifetime, kind == NP_EV_SEGMENT_UNMAP && ctx->trimming);
-}
-
 void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
                        uint64_t device_free) {
-  np_event_info *e = entry(ctx, NP_EV_OOM, 0, size, stream, site, pool, lifetime, (uint8_t)why);
-  if (e) e->device_free = device_free;
+  np_event_info *e = np_ctx_event(ctx, NP_EV_OOM);
+  if (!e) return;
+  e->size = size;
+  e->stream = stream;
+  e->site = site;
+  e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
+  e->lifetime = (uint8_t)lifetime;
+  e->detail = (uint8_t)why;
+  e->device_free = device_free;
 }
 
 uint64_t np_history_max(void) { return ((uint64_t)1 << 40) / sizeof(np_event_info); }
