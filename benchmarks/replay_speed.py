@@ -49,7 +49,7 @@ print(json.dumps([r.ops, rates]))
 
 
 def _label(checkout: Path) -> str:
-    """The checkout's commit (with '+' when its tree differs from it), else its path."""
+    """The checkout's commit (with '+' when its tree differs from it), else its folder's name."""
     try:
         rev = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, check=True).stdout.strip()
@@ -57,7 +57,7 @@ def _label(checkout: Path) -> str:
                                capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("+" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return str(checkout)
+        return checkout.name
 
 
 def _child(checkout: Path, trace: Path, policy: str, repeats: int, wrap: list[str] | None = None) -> list:
