@@ -140,7 +140,8 @@ def measure(builds: list[Path], trace: Path, policies: list[str], rounds: int, r
 def render(name: str, ops: int, builds: list[Path], labels: dict, policies: list[str], got: dict, instr: dict,
            args: argparse.Namespace, seconds: float) -> str:
     cmd = "python benchmarks/replay_speed.py" + "".join(
-        f" {k} {v}" for k, v in [("--builds", args.builds), ("--rounds", args.rounds), ("--repeats", args.repeats)] if v)
+        f" {k} {v}" for k, v in [("--builds", args.builds), ("--trace", args.trace), ("--policies", args.policies if args.policies != "npu_pool,torch" else ""),
+                                 ("--rounds", args.rounds), ("--repeats", args.repeats)] if v)
     cmd += " --instructions" if args.instructions else ""
     lines = [
         "# Replay speed: the hot path, side by side",
@@ -200,10 +201,9 @@ def functions_table(builds: list[Path], labels: dict, policy: str, instr: dict, 
 
 NOTES = """## What the hot path costs, and what was fixed (issue 19, point 6)
 
-The one-arena redesign (009ef62) made a replay of a training trace about 30% slower than the build
-before it (fe97307), with every placement the same. The instruction counts above say why (run
-with `--builds` naming fe97307, 009ef62 and the commit before the fix to see them side by side);
-per op, the extra instructions went to:
+The one-arena redesign (009ef62) made a replay of a training trace slower than the build before
+it (fe97307) with every placement the same: the rows of 009ef62 and 84ba63c (main before the fix)
+against fe97307's, when the script is given those builds. Per op, the extra instructions went to:
 
 - statistics: `account()` updated the eight block counters through loops over on-stack tables of
   pointers, which the compiler did not unroll (the `account` rows; the allocated/freed sums that
@@ -226,7 +226,10 @@ too, faster. Every placement, peak, retry, trim and device call of the shared tr
 (torch, expandable and npu_pool, with room to spare and at a tight cap).
 
 What remains above fe97307 is what the redesign added on purpose: the history's time, pool and
-trim flag per event, the accumulated sums, the arena's checks for cap pressure.
+trim flag per event, PyTorch's accumulated allocated/freed sums, the arena's check for cap
+pressure, and growths made as whole chunks through the VMM layer (accounted and recorded, where
+fe97307 mapped one page per call): a replay with room to spare grows the arena often, a steady
+training iteration not at all.
 """
 
 
@@ -251,7 +254,12 @@ def main() -> int:
     labels = {b: "this tree" if b == ROOT else _label(b) for b in builds}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        name, trace = pick_trace(Path(args.shared), args.trace, Path(tmp))
+        from npu_pool.trace.format import TraceError
+
+        try:
+            name, trace = pick_trace(Path(args.shared), args.trace, Path(tmp))
+        except TraceError as e:
+            ap.error(str(e))
         res = measure(builds, trace, policies, args.rounds, args.repeats)
         instr = {}
         if args.instructions:
