@@ -252,7 +252,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
   np_block *b = seg ? np_block_new(&ctx->blocks) : NULL;
   if (!b) {
     free(seg);
-    if (pages) np_vmm_table_free(pages, size / ctx->be->granularity);
+    np_vmm_table_free(pages, size / ctx->be->granularity); /* NULL without a reservation */
     int frc = reserve_only ? ctx->be->release(ctx->be, addr, size) : ctx->be->free(ctx->be, addr, size);
     if (frc != NP_OK) { /* the device keeps it: hold it, counted */
       if (reserve_only) np_ctx_hold(ctx, NP_HELD_RESERVATION, addr, size, 0, NULL);

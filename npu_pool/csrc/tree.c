@@ -50,10 +50,9 @@ void np_tree_insert(np_tree *t, np_block *b) {
 void np_tree_remove(np_tree *t, np_block *b) {
   NP_ASSERT(b->in_tree);
   np_block **link = &t->root;
-  while (*link != b) {
-    NP_ASSERT(*link);
-    link = key_cmp(t, b, *link) < 0 ? &(*link)->left : &(*link)->right;
-  }
+  while (*link && *link != b) link = key_cmp(t, b, *link) < 0 ? &(*link)->left : &(*link)->right;
+  NP_ASSERT(*link);
+  if (!*link) return; /* not in this tree: nothing to remove (np_tree_check reports the flag) */
   np_block *l = b->left, *r = b->right;
   while (l && r) { /* zip: the higher priority of the two subtrees' roots goes up */
     if (l->prio > r->prio) {
