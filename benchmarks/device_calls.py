@@ -198,8 +198,11 @@ NOTES = """
   and raises the minimum-capacity waste in proportion; no rule tried met both bounds.
 - The first two iterations of a training capture may grow the arena: the second places by the
   lifetimes the first taught. Later iterations make no device call.
-- Four threads allocating concurrently still grow the arena now and then after warm-up (a chunk at
-  a time, when an interleaving fragments more than the warm-up did).
+- Four threads allocating concurrently make no device call once warm (tests/test_device_calls.py),
+  where warm means the pool has held the most the threads can hold at once (each at its own live
+  peak together). How threads interleave decides their live peak: after a warm-up of a few rounds
+  alone, a later interleaving that holds more than the warm-up did grows any allocator, the torch
+  model too (a chunk or a segment at a time).
 - The default per-call costs are stated assumptions, not measurements: pass measured ones with
   `--costs`.
 """

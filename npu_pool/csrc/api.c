@@ -222,8 +222,12 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
 
 void np_get_stats(np_ctx *ctx, np_stats *out) {
   np_ctx_lock(ctx);
-  if (ctx->closed) *out = ctx->st; /* zeros: nothing is held any more */
-  else np_get_stats_locked(ctx, out);
+  if (ctx->closed) { /* zeros: nothing is held any more */
+    *out = ctx->st;
+    np_stats_fill_active(out);
+  } else {
+    np_get_stats_locked(ctx, out);
+  }
   pthread_mutex_unlock(&ctx->lock);
 }
 

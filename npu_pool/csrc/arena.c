@@ -291,6 +291,15 @@ static np_block *avoid_pin(np_ctx *ctx, np_arena *a, np_block *h, intptr_t strea
   return best;
 }
 
+/* Whether every page under block b is surely mapped, in O(1): b ends at or below the high-water
+ * mark and no page under the mark is unmapped (mapped bytes == the mark's). The common case of a
+ * block carved from a hole, where map_range's page-table walk would find nothing to map. */
+static bool surely_mapped(const np_arena *a, const np_block *b) {
+  if (!a->vmm) return true;
+  uint64_t hwm = a->page_hwm * a->page;
+  return a->seg->mapped == hwm && b->addr + b->size - a->seg->addr <= hwm;
+}
+
 static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
   np_block *h = avoid_pin(ctx, a, best_hole(ctx, a, stream, size), stream, size, &long_lived);
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
@@ -324,7 +333,7 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
     put_free(ctx, a, h);
     return rc;
   }
-  rc = map_range(ctx, a, b);
+  rc = surely_mapped(a, b) ? NP_OK : map_range(ctx, a, b);
   if (rc == NP_OK) rc = np_order_after(ctx, &a->streams, stream, used_by);
   if (rc != NP_OK) {
     b->stream = np_tag_merge(b->stream, used_by);

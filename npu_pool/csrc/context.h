@@ -90,6 +90,7 @@ struct np_ctx {
   uint64_t hist_max;         /* np_set_history's bound */
   uint64_t hist_slots;       /* slots allocated (grows to hist_max) */
   uint64_t n_events;         /* events recorded so far */
+  uint64_t hist_next;        /* slot of the next event: n_events % hist_slots (no division per event) */
   uint64_t t0_ns;            /* creation time */
   int64_t replay_time;       /* inside np_replay: the trace event's index, else -1 */
   /* Lifecycle (api.c, fork.c). closed: np_close ran (device memory returned, the struct kept so
@@ -121,6 +122,11 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg);
 /* Place a block at a recorded address (fidelity replays; policies with alloc_at). */
 int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream, void **out);
 void np_get_stats_locked(np_ctx *ctx, np_stats *out);
+/* `active` equals `allocated` in this core (context.c, account): set it in a copy of the statistics. */
+static inline void np_stats_fill_active(np_stats *st) {
+  st->total.active = st->total.allocated;
+  for (int i = 0; i < NP_POOLS; i++) st->pool[i].active = st->pool[i].allocated;
+}
 int np_ctx_check(np_ctx *ctx);
 /* Synchronise the device (counted in stats.syncs). */
 /* Synchronise the device (counted); sets `synced` for the rest of the call. */
@@ -150,9 +156,22 @@ int np_ctx_retry_held(np_ctx *ctx);
  * (a value of ctx->holds), else NP_OK. */
 int np_ctx_new_holds(np_ctx *ctx, uint64_t holds_before);
 
-/* History (history.c). */
-void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
-                   int lifetime);
+/* History (history.c). np_ctx_event takes the next entry of the ring (its seq and time set, the
+ * rest zero) or returns NULL when nothing is recorded; np_ctx_record, on every malloc and free,
+ * fills it inline. */
+np_event_info *np_ctx_event(np_ctx *ctx, int kind);
+static inline void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site,
+                                 int pool, int lifetime) {
+  np_event_info *e = np_ctx_event(ctx, kind);
+  if (!e) return;
+  e->addr = addr;
+  e->size = size;
+  e->stream = stream;
+  e->site = site;
+  e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
+  e->lifetime = (uint8_t)lifetime;
+  e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming; /* a trim */
+}
 void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
                        uint64_t device_free);
 int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries);

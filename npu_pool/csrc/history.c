@@ -2,9 +2,11 @@
  * TraceEntry list (allocations, frees, segments allocated, mapped, unmapped and freed, cache
  * releases, failed requests, markers). Reports, memory_viz snapshots and OOM snapshots read it.
  *
- * A ring of the latest hist_max events (entry seq % hist_slots); its slots grow by doubling up
- * to hist_max as events come, so a large bound costs memory only when used. A failure to grow
- * keeps the ring as it is (older events are overwritten sooner). hist_max 0 records nothing.
+ * A ring of the latest hist_max events (entry seq % hist_slots); its slots are allocated at the
+ * first event (NP_HISTORY_DEFAULT of them, or hist_max if less: the default ring is never copied)
+ * and grow by doubling up to hist_max as events come, so a large bound costs memory only when
+ * used. A failure to grow keeps the ring as it is (older events are overwritten sooner).
+ * hist_max 0 records nothing.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -18,55 +20,45 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Make room for one more event; false if nothing may be recorded. */
-static bool room(np_ctx *ctx) {
-  /* grow only when exactly full and never wrapped: then the ring's order is the array's */
-  if (ctx->n_events == ctx->hist_slots && ctx->hist_slots < ctx->hist_max) {
-    uint64_t slots = ctx->hist_slots ? np_min_u64(2 * ctx->hist_slots, ctx->hist_max) : np_min_u64(64, ctx->hist_max);
-    np_event_info *h = realloc(ctx->hist, slots * sizeof *h);
-    if (h) {
-      ctx->hist = h;
-      ctx->hist_slots = slots;
-    }
-  }
-  return ctx->hist_slots > 0;
+/* Microseconds since the context was created (out of line: the clock is read outside replays only). */
+__attribute__((noinline)) static uint64_t clock_us(const np_ctx *ctx) { return (now_ns() - ctx->t0_ns) / 1000; }
+
+/* The ring is exactly full and never wrapped (n_events == hist_slots): double it, up to
+ * hist_max, so that the ring's order stays the array's. A failure keeps the ring as it is.
+ * Out of line: it runs a few times in a context's life, np_ctx_event on every malloc and free. */
+__attribute__((noinline, cold)) static void grow(np_ctx *ctx) {
+  if (ctx->hist_slots >= ctx->hist_max) return;
+  uint64_t slots = np_min_u64(ctx->hist_slots ? 2 * ctx->hist_slots : NP_HISTORY_DEFAULT, ctx->hist_max);
+  np_event_info *h = realloc(ctx->hist, slots * sizeof *h);
+  if (!h) return;
+  ctx->hist = h;
+  ctx->hist_slots = slots;
+  ctx->hist_next = ctx->n_events; /* < slots: the slot after the old end */
 }
 
-static np_event_info *next_entry(np_ctx *ctx, int kind) {
-  if (!room(ctx)) {
+np_event_info *np_ctx_event(np_ctx *ctx, int kind) {
+  if (ctx->n_events == ctx->hist_slots) grow(ctx);
+  if (!ctx->hist_slots) {
     ctx->n_events++;
     return NULL;
   }
-  np_event_info *e = &ctx->hist[ctx->n_events % ctx->hist_slots];
-  uint64_t t = ctx->replay_time >= 0 ? (uint64_t)ctx->replay_time : (now_ns() - ctx->t0_ns) / 1000;
-  *e = (np_event_info){.seq = ctx->n_events++, .time = t, .kind = (uint8_t)kind, .pool = NP_POOLS};
+  NP_ASSERT(ctx->hist_next == ctx->n_events % ctx->hist_slots);
+  np_event_info *e = &ctx->hist[ctx->hist_next]; /* hist_next: n_events % hist_slots, kept without a division */
+  if (++ctx->hist_next == ctx->hist_slots) ctx->hist_next = 0;
+  *e = (np_event_info){.seq = ctx->n_events++, .time = (uint64_t)ctx->replay_time, .kind = (uint8_t)kind};
+  if (ctx->replay_time < 0) e->time = clock_us(ctx); /* in replays, the trace event's index */
   return e;
 }
 
-/* The next entry with the fields every kind has, or NULL when nothing is recorded. */
-static np_event_info *entry(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site,
-                            int pool, int lifetime) {
-  np_event_info *e = next_entry(ctx, kind);
-  if (!e) return NULL;
-  e->addr = addr;
+void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
+                       uint64_t device_free) {
+  np_event_info *e = np_ctx_event(ctx, NP_EV_OOM);
+  if (!e) return;
   e->size = size;
   e->stream = stream;
   e->site = site;
   e->pool = (uint8_t)(pool >= 0 && pool < NP_POOLS ? pool : NP_POOLS);
   e->lifetime = (uint8_t)lifetime;
-  return e;
-}
-
-void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, intptr_t stream, int32_t site, int pool,
-                   int lifetime) {
-  np_event_info *e = entry(ctx, kind, addr, size, stream, site, pool, lifetime);
-  if (e) e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming;
-}
-
-void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
-                       uint64_t device_free) {
-  np_event_info *e = entry(ctx, NP_EV_OOM, 0, size, stream, site, pool, lifetime);
-  if (!e) return;
   e->detail = (uint8_t)why;
   e->device_free = device_free;
 }
@@ -79,7 +71,7 @@ int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries) {
                     (unsigned long long)max_entries);
   free(ctx->hist);
   ctx->hist = NULL;
-  ctx->hist_slots = 0;
+  ctx->hist_slots = ctx->hist_next = 0;
   ctx->hist_max = max_entries;
   ctx->n_events = 0;
   if (!ctx->t0_ns) ctx->t0_ns = now_ns();
@@ -89,7 +81,7 @@ int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries) {
 void np_ctx_history_free(np_ctx *ctx) {
   free(ctx->hist);
   ctx->hist = NULL;
-  ctx->hist_slots = ctx->hist_max = 0;
+  ctx->hist_slots = ctx->hist_max = ctx->hist_next = 0;
 }
 
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {

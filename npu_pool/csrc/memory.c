@@ -159,7 +159,7 @@ int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size,
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g;
   np_saved_error s = {0};
   int rc = NP_OK;
-  for (uint64_t p = first; p < end;) {
+  for (uint64_t p = first; p < end && seg->mapped;) { /* nothing mapped left: the rest of the table is zero */
     if (!seg->pages[p]) {
       p++;
       continue;
@@ -236,7 +236,7 @@ void np_vmm_release(np_ctx *ctx, np_segment *seg) {
   if (seg->mapped) np_vmm_unmap(ctx, seg, seg->addr, seg->size, true); /* what refuses is held */
   if (ctx->be->release(ctx->be, seg->addr, seg->size) != NP_OK)
     np_ctx_hold(ctx, NP_HELD_RESERVATION, seg->addr, seg->size, 0, NULL);
-  free(seg->pages);
+  np_vmm_table_free(seg->pages, seg->size / ctx->be->granularity);
   seg->pages = NULL;
 }
 
@@ -263,7 +263,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
   np_block *b = seg ? np_block_new(&ctx->blocks) : NULL;
   if (!b) {
     free(seg);
-    free(pages);
+    np_vmm_table_free(pages, size / ctx->be->granularity); /* NULL without a reservation */
     /* never used by the device: no synchronisation needed */
     int frc = reserve_only ? ctx->be->release(ctx->be, addr, size) : ctx->be->free(ctx->be, addr, size);
     if (frc != NP_OK) { /* the device keeps it: hold it, counted */

@@ -68,8 +68,9 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
   }
 }
 
-int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, intptr_t stream, bool long_lived,
-                   np_block **out) {
+/* np_tags_malloc once a tag exists (out of line: without tags a request is a tail call). */
+__attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size,
+                                                   intptr_t stream, bool long_lived, np_block **out) {
   np_arena *a = main;
   if (t->current >= 0) {
     np_tag *g = t->at[t->current];
@@ -82,13 +83,20 @@ int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, int
   }
   np_tags_budget(ctx, t, main, a);
   int rc = np_arena_malloc(ctx, a, size, stream, long_lived, out);
-  if (rc != NP_ERR_OOM || t->n == 0) return rc;
+  if (rc != NP_ERR_OOM) return rc;
   /* the other arenas' idle pages count against the same cap: return them, retry once */
   rc = np_ctx_synchronize(ctx);
   if (rc != NP_OK) return rc;
   np_tags_release_idle(ctx, t, main, a);
   np_tags_budget(ctx, t, main, a);
   return np_arena_malloc(ctx, a, size, stream, long_lived, out);
+}
+
+int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, intptr_t stream, bool long_lived,
+                   np_block **out) {
+  if (t->n) return tagged_malloc(ctx, t, main, size, stream, long_lived, out);
+  main->set_aside = main->outside = 0; /* no tags (the common case): the main arena has the whole cap */
+  return np_arena_malloc(ctx, main, size, stream, long_lived, out);
 }
 
 int np_tags_region(np_ctx *ctx, np_tagset *t, const char *name) {

@@ -19,56 +19,29 @@ static uint32_t next_prio(np_tree *t) {
   return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
 }
 
-static np_block *rot_right(np_block *n) {
-  np_block *l = n->left;
-  n->left = l->right;
-  l->right = n;
-  return l;
-}
-
-static np_block *rot_left(np_block *n) {
-  np_block *r = n->right;
-  n->right = r->left;
-  r->left = n;
-  return r;
-}
-
-static np_block *insert(const np_tree *t, np_block *n, np_block *b) {
-  if (!n) return b;
-  if (key_cmp(t, b, n) < 0) {
-    n->left = insert(t, n->left, b);
-    if (n->left->prio > n->prio) n = rot_right(n);
-  } else {
-    n->right = insert(t, n->right, b);
-    if (n->right->prio > n->prio) n = rot_left(n);
-  }
-  return n;
-}
-
-static np_block *join(np_block *a, np_block *b) {
-  if (!a) return b;
-  if (!b) return a;
-  if (a->prio > b->prio) {
-    a->right = join(a->right, b);
-    return a;
-  }
-  b->left = join(a, b->left);
-  return b;
-}
-
-static np_block *remove_node(const np_tree *t, np_block *n, np_block *b) {
-  if (!n) return NULL;
-  if (n == b) return join(n->left, n->right);
-  if (key_cmp(t, b, n) < 0) n->left = remove_node(t, n->left, b);
-  else n->right = remove_node(t, n->right, b);
-  return n;
-}
-
+/* Insert and remove walk down from the root without recursion (they run on every malloc and
+ * free): insert descends while the nodes' priorities are at least b's, then splits the subtree
+ * found there around b's key into b's children; remove unlinks b and zips its two subtrees
+ * together by priority. Both keep BST order on keys and heap order on prio. */
 void np_tree_insert(np_tree *t, np_block *b) {
   NP_ASSERT(!b->in_tree);
-  b->left = b->right = NULL;
   b->prio = next_prio(t);
-  t->root = insert(t, t->root, b);
+  np_block **link = &t->root;
+  while (*link && (*link)->prio >= b->prio) link = key_cmp(t, b, *link) < 0 ? &(*link)->left : &(*link)->right;
+  np_block *n = *link, **l = &b->left, **r = &b->right;
+  while (n) { /* split: keys below b down b's left spine, the rest down its right */
+    if (key_cmp(t, n, b) < 0) {
+      *l = n;
+      l = &n->right;
+      n = n->right;
+    } else {
+      *r = n;
+      r = &n->left;
+      n = n->left;
+    }
+  }
+  *l = *r = NULL;
+  *link = b;
   b->in_tree = 1;
   t->count++;
   t->bytes += b->size;
@@ -76,7 +49,23 @@ void np_tree_insert(np_tree *t, np_block *b) {
 
 void np_tree_remove(np_tree *t, np_block *b) {
   NP_ASSERT(b->in_tree);
-  t->root = remove_node(t, t->root, b);
+  np_block **link = &t->root;
+  while (*link && *link != b) link = key_cmp(t, b, *link) < 0 ? &(*link)->left : &(*link)->right;
+  NP_ASSERT(*link);
+  if (!*link) return; /* not in this tree: nothing to remove (np_tree_check reports the flag) */
+  np_block *l = b->left, *r = b->right;
+  while (l && r) { /* zip: the higher priority of the two subtrees' roots goes up */
+    if (l->prio > r->prio) {
+      *link = l;
+      link = &l->right;
+      l = l->right;
+    } else {
+      *link = r;
+      link = &r->left;
+      r = r->left;
+    }
+  }
+  *link = l ? l : r;
   b->in_tree = 0;
   b->left = b->right = NULL;
   t->count--;

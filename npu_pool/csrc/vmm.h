@@ -33,6 +33,8 @@ typedef struct np_vmm_left {
 
 /* Reserve address space of `size` bytes (a multiple of the granularity) and its page table. */
 int np_vmm_reserve(np_ctx *ctx, uint64_t size, uintptr_t *addr, uint64_t **pages);
+/* Free a page table of n entries (NULL: nothing). */
+void np_vmm_table_free(uint64_t *table, uint64_t n);
 /* Map pages [first, first + n) of seg, all unmapped, as one chunk: one physical allocation, one
  * map (and access where the vendor needs it). On failure the page table is unchanged and *left
  * says what the device kept. */
