@@ -217,25 +217,24 @@ static void explain(np_ctx *ctx, np_arena *a, uint64_t size) {
   ctx->fail.usable = free_bytes + room;
 }
 
+/* Whether the mapped chunk over the page holding address x lies wholly inside hole h and reaches
+ * outside [lo, hi): then a block carved at [lo, hi) would pin it. */
+static bool pinned_at(const np_ctx *ctx, const np_arena *a, const np_block *h, uintptr_t x, uintptr_t lo, uintptr_t hi) {
+  uint64_t g = a->page, p = (x - a->seg->addr) / g, first, n;
+  if (!a->seg->pages[p]) return false;
+  np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+  uintptr_t cs = a->seg->addr + first * g, ce = cs + n * g;
+  return cs >= h->addr && ce <= h->addr + h->size && (cs < lo || ce > hi);
+}
+
 /* Would carving `size` bytes from hole h at its high (else low) end overlap a mapped chunk lying
  * wholly inside h without covering it? Such a chunk is wholly free; the block would pin it (a
- * chunk is unmapped only whole, so it could not be trimmed while the block lives). Steps over
- * the carve's pages one chunk or one unmapped page at a time. */
+ * chunk is unmapped only whole, so it could not be trimmed while the block lives). A chunk that
+ * overlaps the carve without lying inside it holds one of the carve's ends: two chunks to look
+ * at, whatever the carve's size. */
 static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64_t size, bool high) {
   uintptr_t lo = high ? h->addr + h->size - size : h->addr, hi = lo + size;
-  uint64_t g = a->page, p = (lo - a->seg->addr) / g, end = (hi - a->seg->addr + g - 1) / g;
-  while (p < end) {
-    if (!a->seg->pages[p]) {
-      p++;
-      continue;
-    }
-    uint64_t first, n;
-    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
-    uintptr_t cs = a->seg->addr + first * g, ce = cs + n * g;
-    if (cs >= h->addr && ce <= h->addr + h->size && !(cs >= lo && ce <= hi)) return true;
-    p = first + n;
-  }
-  return false;
+  return pinned_at(ctx, a, h, lo, lo, hi) || pinned_at(ctx, a, h, hi - 1, lo, hi);
 }
 
 /* The smallest hole tagged s that fits `size` and has an end whose carve pins no chunk and maps
