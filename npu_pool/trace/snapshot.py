@@ -30,12 +30,13 @@ import pickle
 import re
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
+from .pickle_stream import NotStreamable, stream_dict
 from ..inputs import NotRegularFile, open_regular
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
@@ -133,12 +134,22 @@ def check_head(path: Path, head: bytes) -> None:
 def load_snapshot(path: str | Path) -> list[Trace]:
     """Read a snapshot pickle; one Trace per device with recorded events. The first bytes are
     checked before anything else is read (a trace, a plan, any other file is refused at once,
-    naming what it is); only regular files are read, and never past their size."""
+    naming what it is); only regular files are read, and never past their size.
+
+    The file is streamed (:mod:`.pickle_stream`): each ``device_traces`` entry is converted to
+    its compact record as it is unpickled and then freed, so memory stays near the file's size
+    instead of the 3-9x of the whole object tree. A file the streamed reader does not follow, or
+    one it finds wrong in any way, is read again whole as before: that read gives the file's
+    own answer and the same message as ever (the streamed result equals it where both succeed)."""
     path = Path(path)
     try:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             check_head(path, f.read(8))
+            try:
+                return _streamed(f, st.st_size, str(path))
+            except (NotStreamable, TraceError, RecursionError, MemoryError):
+                pass  # read whole: the reference reading, with its own messages
             f.seek(0)
             obj = _unpickle(_Bounded(f, st.st_size), str(path))
     except NotRegularFile:
@@ -148,12 +159,71 @@ def load_snapshot(path: str | Path) -> list[Trace]:
     return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
 
 
+def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
+    """:func:`load_snapshot` of a file streamed entry by entry; NotStreamable or TraceError when
+    the file is to be read whole instead."""
+    devices: list[tuple[list[tuple], _Sites]] = []
+    probe = _Probe()
+
+    def on_list(dev: int) -> None:
+        devices.append(([], _Sites(name)))
+
+    def on_items(dev: int, items: list) -> None:
+        evs, sites = devices[dev]
+        for e in items:
+            if len(evs) < _PROBE_ENTRIES:
+                probe.look(e)
+            evs.append(_event(e, name, f"device_traces[{dev}][{len(evs)}]", sites))
+
+    f.seek(0)
+    rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items)
+    rest["device_traces"] = [evs for evs, _ in devices]
+    segments, traces, annotations, settings = _validated(rest, name, size)
+    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    marks = _annotations(annotations, name)
+    kind = probe.result(segments, rest.get("allocator_settings"))
+    del rest, traces, segments, annotations
+    converted = ((dev, evs, sites) for dev, (evs, sites) in enumerate(devices) if evs)
+    return _traces(name, converted, segs, marks, settings, kind, devices)
+
+
 def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None, *,
                        _consume: bool = False) -> list[Trace]:
     """Convert an already-unpickled snapshot dict; ``name`` goes into messages and meta["origin"].
     ``max_elements``: refuse to walk more list elements than this (the file's size in bytes).
     (``_consume``: the dict is the caller's no more: each entry is replaced by its compact
     record as it is read, so the unpickled dicts are freed as the conversion goes.)"""
+    segments, traces, annotations, settings = _validated(obj, name, max_elements)
+    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    marks = _annotations(annotations, name)
+    kind = _device_type(obj)
+
+    def converted() -> Iterator[tuple[int, list[tuple], _Sites]]:
+        consumed: set[int] = set()  # ids of the event lists converted in place
+        for dev, events in enumerate(traces):
+            where = f"device_traces[{dev}]"
+            if not events:
+                continue
+            sites = _Sites(name)
+            if _consume:  # in place: each dict is dropped as its record replaces it
+                if id(events) in consumed:
+                    raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
+                consumed.add(id(events))
+                evs = events
+                for i, e in enumerate(events):
+                    evs[i] = _event(e, name, f"{where}[{i}]", sites)
+                traces[dev] = []
+            else:
+                evs = [_event(e, name, f"{where}[{i}]", sites) for i, e in enumerate(events)]
+            del events
+            yield dev, evs, sites
+
+    return _traces(name, converted(), segs, marks, settings, kind)
+
+
+def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, list, list, Any]:
+    """The checks of a snapshot's top level: (segments, device_traces, external_annotations,
+    a bounded copy of allocator_settings or None)."""
     if not isinstance(obj, dict):
         raise TraceError(f"{name}: not a PyTorch memory snapshot (top level is {type(obj).__name__}, not dict)")
     segments = obj.get("segments", [])
@@ -180,30 +250,22 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     if settings is not None:
         _expect(isinstance(settings, dict), name, "allocator_settings", "a dict", settings)
         settings = _bounded(settings)
-    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
-    marks = _annotations(annotations, name)
-    kind = _device_type(obj)
+    return segments, traces, annotations, settings
+
+
+def _traces(name: str, devices: Iterable[tuple[int, list[tuple], "_Sites"]], segs: list[dict],
+            marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None,
+            held: list | None = None) -> list[Trace]:
+    """One Trace per device from its converted events (``held``: the caller's list of them,
+    each emptied once its trace is built)."""
     out = []
-    consumed: set[int] = set()  # ids of the event lists converted in place
-    for dev, events in enumerate(traces):
-        where = f"device_traces[{dev}]"
-        if not events:
-            continue
-        sites = _Sites(name)
-        if _consume:  # in place: each dict is dropped as its record replaces it
-            if id(events) in consumed:
-                raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
-            consumed.add(id(events))
-            evs = events
-            for i, e in enumerate(events):
-                evs[i] = _event(e, name, f"{where}[{i}]", sites)
-            traces[dev] = []
-        else:
-            evs = [_event(e, name, f"{where}[{i}]", sites) for i, e in enumerate(events)]
+    for dev, evs, sites in devices:
         dev_segs = [s for s in segs if s["device"] == dev]
         t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
                      sites=sites).build()
-        del evs, events
+        if held is not None:
+            held[dev] = ([], sites)
+        del evs
         t.meta["origin"] = name
         t.meta["device"] = dev
         expandable = any(s["is_expandable"] for s in segs)
@@ -227,24 +289,44 @@ _DEVICE_MARKS = (("npu", ("NPUCachingAllocator", "c10_npu::", "torch_npu")),
                  ("cuda", ("CUDACachingAllocator", "c10::cuda::")))
 
 
-def _device_type(obj: dict) -> str | None:
-    """"npu", "cuda", or None when the snapshot does not say."""
-    budget = _DEVICE_PROBE
-    sources = [e for t in obj.get("device_traces") or [] if isinstance(t, list) for e in t[:64]]
-    sources += [s for s in obj.get("segments") or [] if isinstance(s, dict)][:64]
-    for entry in sources:
+_PROBE_ENTRIES = 64  # entries looked at per device, and segments
+
+
+class _Probe:
+    """The device type, from entries seen in order: each device's first _PROBE_ENTRIES trace
+    entries, then the first _PROBE_ENTRIES segments; the first frame that names a runtime wins."""
+
+    def __init__(self) -> None:
+        self.budget, self.kind = _DEVICE_PROBE, None
+
+    def look(self, entry: Any) -> None:
+        if self.kind is not None or self.budget <= 0:
+            return
         frames = entry.get("frames") if isinstance(entry, dict) else None
-        for f in frames[:budget] if isinstance(frames, list) else ():
+        for f in frames[:self.budget] if isinstance(frames, list) else ():
             if not isinstance(f, dict):
                 continue
             text = " ".join(v for v in (f.get("name"), f.get("filename")) if isinstance(v, str))
             for kind, marks in _DEVICE_MARKS:
                 if any(m in text for m in marks):
-                    return kind
-        budget -= len(frames) if isinstance(frames, list) else 0
-        if budget <= 0:
-            break
-    return "cuda" if isinstance(obj.get("allocator_settings"), dict) else None
+                    self.kind = kind
+                    return
+        self.budget -= len(frames) if isinstance(frames, list) else 0
+
+    def result(self, segments: Any, settings: Any) -> str | None:
+        """"npu", "cuda", or None when the snapshot does not say."""
+        for s in [s for s in segments or [] if isinstance(s, dict)][:_PROBE_ENTRIES]:
+            self.look(s)
+        return self.kind or ("cuda" if isinstance(settings, dict) else None)
+
+
+def _device_type(obj: dict) -> str | None:
+    """"npu", "cuda", or None when the snapshot does not say."""
+    probe = _Probe()
+    for t in obj.get("device_traces") or []:
+        for e in t[:_PROBE_ENTRIES] if isinstance(t, list) else ():
+            probe.look(e)
+    return probe.result(obj.get("segments"), obj.get("allocator_settings"))
 
 
 def _bounded(obj: Any) -> Any:

@@ -1,0 +1,601 @@
+"""Reading a pickled ``{key: value, ...}`` dict piece by piece, one of its values being a list
+of lists whose items are handed over a few at a time: memory stays bounded by the pieces and
+by what the file really shares, not by the whole object tree.
+
+Why not ``pickle.load`` of the whole file: its memo keeps every object the pickler memoized
+alive to the end, and the pickler memoizes every dict and list -- each PyTorch TraceEntry and
+its frame list -- though almost none is referenced again (what is shared are the frame dicts
+and the key strings). So the whole tree, 3-9x the file, lives until the load returns.
+
+Two passes over the opcodes:
+
+1. :class:`_Scan` walks the opcode stream (a pickletools-like walk, with runs of the common
+   fixed-size opcodes and memo reads taken by a regular expression, in C). It follows the
+   structure only at the top: the dict, the list of lists named ``key`` and its lists' items;
+   everything inside an item or another value is stepped over, counting marks. It records
+   which memo stores are ever read back (a store is a position in the file, a memo read names
+   the latest store of its index), and cuts the file into ranges: the dict's keys and values,
+   and runs of complete items of a listed list of at most :data:`_PIECE` bytes.
+2. :func:`stream_dict` feeds those ranges, in file order, to one C unpickler (whose memo
+   carries over from range to range, so shared objects are the same objects as in a whole
+   load), each range wrapped as a small pickle of a list. Memo stores never read back are
+   rewritten to store ``None``: the objects they name are then freed as soon as the consumer
+   drops them.
+
+Anything outside that shape or outside plain data -- a global, a persistent id, an opcode
+the scan does not know, a truncated file, a structure it cannot follow exactly, a memo store
+on the dict or on the listed lists that is read back -- raises :class:`NotStreamable` before
+the offending range is unpickled; the caller then reads the file whole as before, which gives
+that file's own answer and message. The scan never executes anything and never allocates
+more than it has read.
+"""
+from __future__ import annotations
+
+import pickle
+import re
+from array import array
+from typing import Any, BinaryIO, Callable
+
+__all__ = ["stream_dict", "NotStreamable"]
+
+_PIECE = 32 << 10  # bytes of list items unpickled at a time: the memory the reader needs beyond one item
+_CHUNK = 1 << 20  # bytes read from the file at a time by the scan
+_MARGIN = 64  # bytes the scan keeps ahead of its position (the longest fixed-size opcode is 9)
+_MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
+
+# Runs of fixed-size opcodes that change nothing the scan follows inside an item: memo reads
+# (BINGET, LONG_BINGET), integers, floats, small longs, None/True/False, empty containers,
+# TUPLE1-3, APPEND, SETITEM, DUP. The same alternation with memo reads captured lists them.
+_SIMPLE = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8})"
+           rb"|[N\x88\x89\x85\x86\x87}\])\x8fas2]")
+_RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*", re.S).match
+_GETS = re.compile(rb"(h.|j....)|" + _SIMPLE, re.S).findall
+
+# opcodes
+_MARK, _STOP, _POP, _POP_MARK, _DUP = 0x28, 0x2E, 0x30, 0x31, 0x32
+_APPEND, _APPENDS, _SETITEM, _SETITEMS = 0x61, 0x65, 0x73, 0x75
+_EMPTY_DICT, _EMPTY_LIST = 0x7D, 0x5D
+_MEMOIZE, _BINPUT, _LONG_BINPUT, _PUT = 0x94, 0x71, 0x72, 0x70
+_BINGET, _LONG_BINGET, _GET = 0x68, 0x6A, 0x67
+_PROTO, _FRAME, _TUPLE1 = 0x80, 0x95, 0x85
+_SHORT_BINUNICODE, _BINUNICODE, _BINUNICODE8 = 0x8C, 0x58, 0x8D
+_STRINGS = (_SHORT_BINUNICODE, _BINUNICODE, _BINUNICODE8)
+_CLOSERS = frozenset(b"eu\x90tld\x911")  # APPENDS SETITEMS ADDITEMS TUPLE LIST DICT FROZENSET POP_MARK
+_NEW_ITEM = frozenset(b"tld\x91")  # closers that push a new object (the others fill the one below the mark)
+_FIXED = {o: n for ops, n in ((b"N\x88\x89}])\x8f\x85\x86\x87as2", 0), (b"Khq", 1), (b"M", 2), (b"Jjr", 4),
+                              (b"G", 8)) for o in ops}
+_LINE = frozenset(b"FILSV")  # FLOAT INT LONG STRING UNICODE: an argument up to a newline
+_SIZED = {0x8A: (1, False), 0x8B: (4, True), 0x54: (4, True), 0x55: (1, False), 0x42: (4, False), 0x43: (1, False),
+          0x8E: (8, False), 0x8C: (1, False), 0x58: (4, False), 0x8D: (8, False), 0x96: (8, False)}
+# LONG1 LONG4 BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES BINBYTES8 SHORT_BINUNICODE BINUNICODE
+# BINUNICODE8 BYTEARRAY8: (length bytes, signed); everything else (globals, REDUCE, BUILD, persistent
+# ids, out-of-band buffers, EXT*) is not plain data: NotStreamable.
+
+# roles of the entries of the followed structure: the dict, a key, a value, the followed list,
+# one of its lists, an item of those, a part of a value or item not yet merged into it, a mark
+_D, _K, _V, _T, _L, _E, _X, _M = range(8)
+
+
+class NotStreamable(Exception):
+    """The file is not in the shape the streamed reader follows (or not a valid pickle): read it whole."""
+
+
+class _Scan:
+    """Pass 1: the memo stores never read back, the FRAME opcodes, and the ranges to unpickle."""
+
+    def __init__(self, f: BinaryIO, size: int, key: str) -> None:
+        self.f, self.size, self.key = f, size, key
+        self.buf, self.base, self.i = b"", 0, 0
+        self.stores = array("Q")  # file position of each memo store, in order
+        self.read_back = bytearray()  # per store: 1 when some memo read names it
+        self.latest: dict[int, int] = {}  # memo index -> its latest store
+        self.pending: set[bytes] = set()  # BINGET/LONG_BINGET opcodes seen since their index was last stored
+        self.frames = array("Q")  # positions of FRAME opcodes (left out of the ranges)
+        # the ranges, in file order: role, start, end, number of items
+        self.roles, self.starts, self.ends, self.counts = array("B"), array("Q"), array("Q"), array("Q")
+        self.structural: list[int] = []  # stores made on the dict and the listed lists (must not be read back)
+        self.stack: list[list] = []  # [role, start, key name]: the followed structure
+        self.deep = 0  # marks open inside an item or a value
+        self.deep_mark = 0
+        self.open: list | None = None  # [role, start, count]: the range being gathered
+        self.seen_key = False
+
+    # -- input ------------------------------------------------------------------------------
+
+    def _refill(self) -> bool:
+        """Keep _MARGIN bytes ahead of the position when the file has them; False at its end."""
+        more = self.f.read(_CHUNK)
+        self.base += self.i
+        self.buf = self.buf[self.i:] + more
+        self.i = 0
+        return bool(more)
+
+    def _need(self, n: int) -> None:
+        """Make the n bytes from the position available (a longer argument is read on demand)."""
+        while len(self.buf) - self.i < n:
+            if self.base + self.i + n > self.size or not self._refill():
+                raise NotStreamable("truncated")
+
+    def _skip(self, n: int) -> None:
+        """Step over n bytes, reading past the ones not needed."""
+        if self.base + self.i + n > self.size:
+            raise NotStreamable("truncated")
+        if self.i + n <= len(self.buf):
+            self.i += n
+            return
+        target = self.base + self.i + n
+        self.f.seek(target)
+        self.buf, self.base, self.i = b"", target, 0
+
+    # -- the memo ---------------------------------------------------------------------------
+
+    def _store(self, pos: int, idx: int | None) -> None:
+        latest = self.latest
+        if idx is None:
+            idx = len(latest)  # MEMOIZE stores at the memo's length, as the C unpickler counts it
+        if idx in latest:  # stored again: the reads so far name the earlier store
+            hit = False
+            if idx < 256 and bytes((_BINGET, idx)) in self.pending:
+                self.pending.discard(bytes((_BINGET, idx)))
+                hit = True
+            if idx < 1 << 32:
+                tok = bytes((_LONG_BINGET,)) + idx.to_bytes(4, "little")
+                if tok in self.pending:
+                    self.pending.discard(tok)
+                    hit = True
+            if hit:
+                self.read_back[latest[idx]] = 1
+        latest[idx] = len(self.stores)
+        self.stores.append(pos)
+        self.read_back.append(0)
+        if self.deep == 0 and self.open is not None and self.open[0] in (_D, _T, _L):
+            self.structural.append(len(self.stores) - 1)
+
+    def _resolve(self) -> None:
+        for tok in self.pending:
+            if tok:
+                idx = tok[1] if tok[0] == _BINGET else int.from_bytes(tok[1:], "little")
+                s = self.latest.get(idx)
+                if s is not None:  # a read of nothing fails when unpickled
+                    self.read_back[s] = 1
+        self.pending.clear()
+
+    def _line(self) -> bytes:
+        """The argument of a text opcode at the position (up to its newline); steps past it."""
+        while True:
+            j = self.buf.find(b"\n", self.i + 1)
+            if j >= 0:
+                arg = self.buf[self.i + 1:j]
+                self.i = j + 1
+                return arg
+            if not self._refill():
+                raise NotStreamable("truncated")
+
+    def _text_memo(self, op: int, pos: int) -> None:
+        arg = self._line()
+        if not re.fullmatch(rb"0|[1-9][0-9]{0,17}", arg):
+            raise NotStreamable("memo index")
+        idx = int(arg)
+        if op == _PUT:
+            self._store(pos, idx)
+        elif idx in self.latest:
+            self.read_back[self.latest[idx]] = 1
+
+    # -- the walk ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._refill()
+        while True:
+            if self.deep:
+                self._deep()
+            elif self._shallow():
+                break
+        self._resolve()
+
+    def _op(self) -> tuple[int, int]:
+        """The next opcode and its file position, keeping _MARGIN bytes ahead."""
+        if len(self.buf) - self.i < _MARGIN:
+            self._refill()
+        if self.i >= len(self.buf):
+            raise NotStreamable("truncated")
+        return self.buf[self.i], self.base + self.i
+
+    def _step(self, op: int, pos: int) -> bool:
+        """Step over an opcode that is neither structure nor memo; False when it is not plain data."""
+        buf, i = self.buf, self.i
+        n = _FIXED.get(op)
+        if n is not None:
+            self._need(1 + n)
+            if op in (_BINGET, _LONG_BINGET):
+                self.pending.add(bytes(self.buf[self.i:self.i + 1 + n]))
+            self.i += 1 + n
+            return True
+        sized = _SIZED.get(op)
+        if sized is not None:
+            width, signed = sized
+            self._need(1 + width)
+            buf, i = self.buf, self.i
+            length = int.from_bytes(buf[i + 1:i + 1 + width], "little", signed=signed)
+            if length < 0:
+                raise NotStreamable("negative length")
+            self.i += 1 + width
+            self._skip(length)
+            return True
+        if op in _LINE:
+            self._line()
+            return True
+        if op == _PROTO:
+            self._need(2)
+            if self.buf[self.i + 1] > pickle.HIGHEST_PROTOCOL:
+                raise NotStreamable("protocol")
+            self.i += 2
+            return True
+        if op == _FRAME:
+            self._need(9)
+            length = int.from_bytes(self.buf[self.i + 1:self.i + 9], "little")
+            if pos + 9 + length > self.size:  # the C unpickler reads a frame whole before using it
+                raise NotStreamable("truncated frame")
+            self.frames.append(pos)
+            self.i += 9
+            return True
+        if op in (_GET, _PUT):
+            self._text_memo(op, pos)
+            return True
+        return False
+
+    def _deep(self) -> None:
+        """Inside an item or a value: count marks, note memo stores and reads, until the mark
+        that began it is closed."""
+        run, gets, pending = _RUN, _GETS, self.pending
+        while True:
+            if len(self.buf) - self.i < _MARGIN:
+                self._refill()
+            buf, i = self.buf, self.i
+            j = run(buf, i).end()
+            if j != i:
+                pending.update(gets(buf, i, j))
+                self.i = i = j
+                if len(buf) - i < _MARGIN:
+                    continue
+            if i >= len(buf):
+                raise NotStreamable("truncated")
+            op = buf[i]
+            pos = self.base + i
+            if op == _MEMOIZE:
+                self.i += 1
+                self._store(pos, None)
+            elif op == _MARK:
+                self.deep += 1
+                self.i += 1
+            elif op in _CLOSERS:
+                self.i += 1
+                self.deep -= 1
+                if self.deep == 0:
+                    self._closed(op)
+                    return
+            elif op == _BINPUT:
+                self.i += 2
+                self._store(pos, buf[i + 1])
+            elif op == _LONG_BINPUT:
+                self.i += 5
+                self._store(pos, int.from_bytes(buf[i + 1:i + 5], "little"))
+            elif op == _SHORT_BINUNICODE:
+                self.i += 2
+                self._skip(buf[i + 1])
+            elif not self._step(op, pos):
+                raise NotStreamable(f"opcode {op:#x}")
+
+    def _closed(self, op: int) -> None:
+        """The mark opened inside the top item closed: it filled that item, or made a new one."""
+        if op in _NEW_ITEM:
+            self._push(self.deep_mark, None)
+        elif op == _POP_MARK or not self.stack or self.stack[-1][0] not in (_V, _E, _X) or self.open is None:
+            raise NotStreamable("structure")
+
+    # -- the followed structure -------------------------------------------------------------
+
+    def _flush(self, end: int) -> None:
+        o = self.open
+        if o is not None:
+            self.roles.append(o[0])
+            self.starts.append(o[1])
+            self.ends.append(end)
+            self.counts.append(o[2])
+            self.open = None
+
+    def _role(self, op: int | None) -> int:
+        """The role of an object pushed on top of the followed structure by opcode ``op``."""
+        st = self.stack
+        if not st:
+            return _D
+        top = st[-1][0]
+        if top == _M:
+            return {_D: _K, _T: _L, _L: _E}[st[-2][0]]
+        if top == _D:
+            return _K
+        if top == _K:
+            return _T if st[-1][2] == self.key else _V
+        if top == _T:
+            if op == _EMPTY_LIST:
+                return _L  # a list appended alone (its APPEND follows)
+            if st[-3][0] != _D:
+                return _K  # the next key of a batch
+            raise NotStreamable("structure")
+        if top == _V:  # the next key of a batch, or a part of the value (a one-item list, a tuple)
+            return _K if op in _STRINGS and st[-3][0] != _D else _X
+        if top == _X:
+            return _X
+        if top == _L:
+            if op == _EMPTY_LIST and st[-2][0] in (_M, _L):
+                return _L  # the next list of a batch
+            return _E
+        return _E  # top == _E: the next item of a batch, or a part of this one (merged later)
+
+    def _push(self, pos: int, op: int | None) -> None:
+        role = self._role(op)
+        name = None
+        if role == _K:
+            name = self._key(op)
+        elif role in (_D, _T, _L) and op != (_EMPTY_DICT if role == _D else _EMPTY_LIST):
+            raise NotStreamable("structure")
+        o = self.open
+        if role == _X:
+            if o is None:
+                raise NotStreamable("structure")
+        elif role == _E and o is not None and o[0] == _E and pos - o[1] < _PIECE:
+            o[2] += 1  # one more item of the same list in the range
+        else:
+            self._flush(pos)
+            self.open = [role, pos, 1]
+        if len(self.stack) >= _MAX_SHALLOW:
+            raise NotStreamable("batch too long")
+        self.stack.append([role, pos, name])
+
+    def _merge(self, n: int) -> None:
+        """The top ``n`` objects become part of the one below them (APPEND, SETITEM, TUPLE2/3):
+        all of them must lie in the range being gathered."""
+        st, o = self.stack, self.open
+        if len(st) <= n or o is None:
+            raise NotStreamable("structure")
+        recv = st[-1 - n]
+        if recv[0] not in (_V, _E, _X) or recv[1] < o[1]:
+            raise NotStreamable("structure")
+        for e in st[-n:]:
+            if e[0] not in (_E, _X):
+                raise NotStreamable("structure")
+            if e[0] == _E:
+                o[2] -= 1
+        del st[-n:]
+
+    def _key(self, op: int | None) -> str:
+        """The key a string opcode at the position pushes (only literal strings are followed)."""
+        if op == _SHORT_BINUNICODE:
+            self._need(2)
+            width = 1
+        elif op in (_BINUNICODE, _BINUNICODE8):
+            width = 4 if op == _BINUNICODE else 8
+            self._need(1 + width)
+        else:
+            raise NotStreamable("key")
+        n = int.from_bytes(self.buf[self.i + 1:self.i + 1 + width], "little")
+        if n != len(self.key.encode()):
+            return ""  # not the followed key: what it is does not matter here
+        self._need(1 + width + n)
+        raw = self.buf[self.i + 1 + width:self.i + 1 + width + n]
+        try:
+            name = raw.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            raise NotStreamable("key") from None
+        if name == self.key:
+            if self.seen_key:
+                raise NotStreamable("key twice")
+            self.seen_key = True
+        return name
+
+    def _shallow(self) -> bool:
+        """One opcode of the followed structure; True at its STOP."""
+        op, pos = self._op()
+        st = self.stack
+        if op == _MARK:
+            self.i += 1
+            if not st:
+                raise NotStreamable("structure")
+            if st[-1][0] in (_D, _T, _L):
+                self._flush(pos)
+                st.append([_M, pos, None])
+            else:
+                self.deep, self.deep_mark = 1, pos
+            return False
+        if op in _CLOSERS:
+            self.i += 1
+            self._close_mark(op, pos)
+            return False
+        if op in (_MEMOIZE, _BINPUT, _LONG_BINPUT, _TUPLE1):
+            if not st or st[-1][0] == _M or self.open is None or (op == _TUPLE1 and st[-1][0] not in (_V, _E, _X)):
+                raise NotStreamable("structure")
+            n = {_MEMOIZE: 0, _BINPUT: 1, _LONG_BINPUT: 4, _TUPLE1: 0}[op]
+            self._need(1 + n)
+            arg = self.buf[self.i + 1:self.i + 1 + n]
+            self.i += 1 + n
+            if op != _TUPLE1:
+                self._store(pos, None if op == _MEMOIZE else int.from_bytes(arg, "little"))
+            return False
+        if op == _PUT:
+            if not st or st[-1][0] == _M or self.open is None:
+                raise NotStreamable("structure")
+            self._text_memo(op, pos)
+            return False
+        if op == _APPEND:
+            self.i += 1
+            if len(st) >= 2 and ((st[-1][0] == _E and st[-2][0] == _L) or (st[-1][0] == _L and st[-2][0] == _T)):
+                self._flush(pos)  # an item of a followed list, appended alone
+                st.pop()
+            else:
+                self._merge(1)
+            return False
+        if op == _SETITEM:
+            self.i += 1
+            if len(st) >= 3 and st[-3][0] == _D and st[-2][0] == _K and st[-1][0] in (_V, _T):
+                self._flush(pos)  # a key of the dict, set alone
+                del st[-2:]
+            else:
+                self._merge(2)
+            return False
+        if op in (0x86, 0x87):  # TUPLE2 TUPLE3
+            self.i += 1
+            self._merge(op - 0x85)
+            return False
+        if op == _STOP:
+            if len(st) != 1 or st[0][0] != _D:
+                raise NotStreamable("structure")
+            self._flush(pos)
+            return True
+        if op in (_POP, _DUP, _POP_MARK):  # not followed
+            raise NotStreamable("structure")
+        if op in (_PROTO, _FRAME):
+            if not self._step(op, pos):
+                raise NotStreamable("structure")
+            return False
+        # an object pushed: step over its opcode after reading what the role needs
+        self._push(pos, op)
+        if op == _SHORT_BINUNICODE:
+            self._need(2)
+            self.i += 2
+            self._skip(self.buf[self.i - 1])
+        elif not self._step(op, pos):
+            raise NotStreamable(f"opcode {op:#x}")
+        return False
+
+    def _close_mark(self, op: int, pos: int) -> None:
+        """A closer at the followed structure's level: the batch of a mark over the dict or a list."""
+        st = self.stack
+        k = len(st) - 1
+        while k >= 0 and st[k][0] != _M:
+            k -= 1
+        if k < 1:
+            raise NotStreamable("structure")
+        owner, items = st[k - 1][0], [e[0] for e in st[k + 1:]]
+        if owner == _D:
+            ok = op == _SETITEMS and len(items) % 2 == 0 and all(
+                r == _K if j % 2 == 0 else r in (_V, _T) for j, r in enumerate(items))
+        else:
+            ok = op == _APPENDS and all(r == (_L if owner == _T else _E) for r in items)
+        if not ok:
+            raise NotStreamable("structure")
+        self._flush(pos)
+        del st[k:]
+
+
+class _Feed:
+    """The file object of the C unpickler: the current range, whole (``peek`` gives all of it,
+    so the unpickler parses it in place)."""
+
+    def __init__(self) -> None:
+        self.data = memoryview(b"")
+        self.pos = 0
+
+    def set(self, data: bytes) -> None:
+        self.data, self.pos = memoryview(data), 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self.data) if n is None or n < 0 else min(len(self.data), self.pos + n)
+        out = self.data[self.pos:end]
+        self.pos = end
+        return out
+
+    def readinto(self, buf: Any) -> int:
+        out = self.read(len(memoryview(buf)))
+        memoryview(buf).cast("B")[:len(out)] = out
+        return len(out)
+
+    def readline(self, limit: int = -1) -> bytes:
+        rest = self.data[self.pos:].tobytes()
+        j = rest.find(b"\n")
+        n = len(rest) if j < 0 else j + 1
+        if limit is not None and limit >= 0:
+            n = min(n, limit)
+        self.pos += n
+        return rest[:n]
+
+    def peek(self, n: int = 0) -> memoryview:
+        return self.data[self.pos:]
+
+
+_LENGTH = {_MEMOIZE: 1, _BINPUT: 2, _LONG_BINPUT: 5}
+
+
+def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pickle.Unpickler],
+                on_list: Callable[[int], None], on_items: Callable[[int, list], None]) -> dict:
+    """Read the pickled dict in ``f`` (``size`` bytes, at its start): the dict of its entries
+    other than ``key``, unpickled whole; the lists in the list at ``key`` come through
+    ``on_list(i)`` (list ``i`` begins) and ``on_items(i, items)`` (its next items), in order.
+    ``unpickler(file)`` makes the unpickler (which must refuse globals). :class:`NotStreamable`
+    when the file is not such a dict in a shape this reader follows, when ``key`` is absent,
+    or when a range fails to unpickle: read the file whole then."""
+    scan = _Scan(f, size, key)
+    try:
+        scan.run()
+    except (IndexError, ValueError, OverflowError, KeyError) as e:  # an opcode cut by the file's end
+        raise NotStreamable(f"{type(e).__name__}") from None
+    if not scan.seen_key or any(scan.read_back[s] for s in scan.structural):
+        raise NotStreamable("structure")
+    drops = array("Q", (p for p, r in zip(scan.stores, scan.read_back) if not r))
+    frames = scan.frames
+    roles, starts, ends, counts = scan.roles, scan.starts, scan.ends, scan.counts
+    del scan  # the positions of all stores are not needed any more
+    feed = _Feed()
+    u = unpickler(feed)
+    out: dict = {}
+    name: Any = None
+    lists = -1
+    d = fi = 0  # next drop, next frame
+    for role, start, end, count in zip(roles, starts, ends, counts):
+        f.seek(start)
+        raw = f.read(end - start)
+        if len(raw) != end - start:
+            raise NotStreamable("truncated")
+        parts = [b"]("]  # the range's items become the items of a list
+        at = start
+        while (d < len(drops) and drops[d] < end) or (fi < len(frames) and frames[fi] < end):
+            if fi < len(frames) and (d >= len(drops) or frames[fi] < drops[d]):
+                p = frames[fi]
+                fi += 1
+                if p < start:  # between ranges: not unpickled
+                    continue
+                parts.append(raw[at - start:p - start])
+                at = p + 9
+                continue
+            p = drops[d]
+            d += 1
+            if p < start:  # a store outside every range would go unmade: the memo would drift
+                raise NotStreamable("structure")
+            op = raw[p - start]
+            n = _LENGTH.get(op) or raw.index(b"\n", p - start) + 1 - (p - start)
+            # store None instead, after checking as the store would that there is something to store
+            parts.append(raw[at - start:p - start])
+            parts.append(b"20N" + raw[p - start:p - start + n] + b"0")
+            at = p + n
+        parts.append(raw[at - start:])
+        parts.append(b"e.")
+        feed.set(b"".join(parts))
+        del parts, raw
+        try:
+            objs = u.load()
+        except Exception as e:
+            raise NotStreamable(f"unpickling: {type(e).__name__}") from None
+        if len(objs) != count or feed.pos != len(feed.data):
+            raise NotStreamable("range")
+        if role == _E:
+            on_items(lists, objs)
+        elif role == _K:
+            name = objs[0]
+        elif role == _V:
+            out[name] = objs[0]
+        elif role in (_D, _T, _L):
+            if objs[0] or type(objs[0]) is not (dict if role == _D else list):
+                raise NotStreamable("structure")
+            if role == _L:
+                lists += 1
+                on_list(lists)
+        del objs
+    return out
