@@ -50,6 +50,19 @@ _SIMPLE = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x
            rb"|[N\x88\x89\x85\x86\x87}\])\x8fas2]")
 _RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*", re.S).match
 _GETS = re.compile(rb"(h.|j....)|" + _SIMPLE, re.S).findall
+# Among the items of a followed list (the bulk of a snapshot), the runs also take short strings,
+# marks, memo stores and the opcodes that combine objects, and a mark filled with plain objects
+# and closed by APPENDS or SETITEMS (a frame list of memo reads: no depth change, nothing new);
+# then only the marks, closers, stores and combining opcodes are looked at, one by one.
+_PUSHES = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8})"
+           rb"|[N\x88\x89}\])\x8f]|\x8c(?:" + b"|".join(re.escape(bytes((n,))) + b"." * n for n in range(256)) + rb")")
+_FILLED = rb"\((?:h.|j....|" + _PUSHES + rb")*[eu]"
+_STRUCT = rb"[(eu\x90tld\x911\x94as\x85\x86\x8702]|q.|r...."
+_ITEMS_RUN = re.compile(rb"(?:h.|j....|" + _PUSHES + rb"|" + _FILLED + rb"|" + _STRUCT + rb")*", re.S).match
+_ITEMS_STRUCT = re.compile(rb"(?:h.|j....|" + _PUSHES + rb"|" + _FILLED + rb")*(?:(" + _STRUCT + rb")|\Z)",
+                           re.S).finditer
+_ITEMS_GETS = re.compile(rb"(h.|j....)|" + _PUSHES + rb"|" + _STRUCT, re.S).findall
+_PUSH_OPS = frozenset(b"KMJG\x8aN\x88\x89}])\x8fhjgFILSVTUBC\x8e\x8c\x58\x8d\x96\x8b")  # opcodes that push an object
 
 # opcodes
 _MARK, _STOP, _POP, _POP_MARK, _DUP = 0x28, 0x2E, 0x30, 0x31, 0x32
@@ -129,7 +142,7 @@ class _Scan:
 
     # -- the memo ---------------------------------------------------------------------------
 
-    def _store(self, pos: int, idx: int | None) -> None:
+    def _store(self, pos: int, idx: int | None, structural: bool = False) -> None:
         latest = self.latest
         if idx is None:
             idx = len(latest)  # MEMOIZE stores at the memo's length, as the C unpickler counts it
@@ -148,7 +161,7 @@ class _Scan:
         latest[idx] = len(self.stores)
         self.stores.append(pos)
         self.read_back.append(0)
-        if self.deep == 0 and self.open is not None and self.open[0] in (_D, _T, _L):
+        if structural:
             self.structural.append(len(self.stores) - 1)
 
     def _resolve(self) -> None:
@@ -186,11 +199,99 @@ class _Scan:
     def run(self) -> None:
         self._refill()
         while True:
+            items = self._at_items()
+            if items:
+                self._items()
             if self.deep:
-                self._deep()
+                self._deep(items)
             elif self._shallow():
                 break
         self._resolve()
+
+    def _at_items(self) -> bool:
+        """Whether the position is among the items of a batch of a followed list (or inside one)."""
+        st = self.stack
+        if len(st) < 3:
+            return False
+        if st[-1][0] == _E:
+            return st[-2][0] == _M and st[-3][0] == _L
+        return st[-1][0] == _M and st[-2][0] == _L
+
+    def _items(self) -> None:
+        """The fast walk among the items of a batch: a run of common opcodes is matched whole,
+        its memo reads gathered into ``pending``, and only its marks, closers, memo stores and
+        combining opcodes are looked at. An item begins where an opcode that pushes follows a
+        closed mark or a store at the batch's level: the ranges are cut there. Stops before
+        any other opcode (the slow walk takes it) and before the closer of the batch."""
+        d = self.deep
+        o = self.open
+        if len(self.buf) - self.i < _MARGIN:
+            self._refill()
+        if _ITEMS_RUN(self.buf, self.i).end() == self.i:
+            return  # the slow walk takes the next opcode
+        if d == 0 and (o is None or o[0] != _E):  # the batch's first item
+            if self.buf[self.i] not in _PUSH_OPS:
+                raise NotStreamable("structure")
+            self._push(self.base + self.i, self.buf[self.i])
+        elif o is None or o[0] != _E:
+            raise NotStreamable("structure")
+        pending = self.pending
+        while True:
+            if len(self.buf) - self.i < _MARGIN:
+                self._refill()
+            buf, i, base = self.buf, self.i, self.base
+            j = _ITEMS_RUN(buf, i).end()
+            if j == i:
+                break
+            got = i  # memo reads before this point are in pending
+            for m in _ITEMS_STRUCT(buf, i, j):
+                k = m.start(1)
+                if k < 0:
+                    break
+                op = buf[k]
+                after = m.end(1)
+                if op == _MARK:
+                    if d == 0:
+                        self.deep_mark = base + k
+                    d += 1
+                    continue
+                if op in _CLOSERS:
+                    if d == 0:  # the batch's own closer: the slow walk takes it
+                        pending.update(_ITEMS_GETS(buf, got, k))
+                        self.i, self.deep = k, 0
+                        return
+                    d -= 1
+                    if d:
+                        continue
+                    if op in _NEW_ITEM:  # a new item, begun at its mark
+                        self._cut(self.deep_mark)
+                    elif op == _POP_MARK:
+                        raise NotStreamable("structure")
+                elif op == _MEMOIZE or op == _BINPUT or op == _LONG_BINPUT:
+                    idx = len(self.latest) if op == _MEMOIZE else buf[k + 1] if op == _BINPUT else int.from_bytes(
+                        buf[k + 1:k + 5], "little")
+                    if idx in self.latest:  # stored again: the reads up to here name the old store
+                        pending.update(_ITEMS_GETS(buf, got, k))
+                        got = k
+                    self._store(base + k, idx)
+                    if d:
+                        continue
+                elif op == _POP or (d == 0 and op != _TUPLE1):
+                    raise NotStreamable("structure")  # items combined, or a mark popped: not followed
+                elif d:
+                    continue
+                if after < len(buf) and buf[after] in _PUSH_OPS:  # at the batch's level: an item begins
+                    self._cut(base + after)
+            pending.update(_ITEMS_GETS(buf, got, j))
+            self.i, self.deep = j, d
+        self.deep = d
+
+    def _cut(self, pos: int) -> None:
+        """An item begins at ``pos`` in the range being gathered: end the range there when long."""
+        o = self.open
+        if pos - o[1] >= _PIECE:
+            self._flush(pos)
+            self.open = [_E, pos, 0]
 
     def _op(self) -> tuple[int, int]:
         """The next opcode and its file position, keeping _MARGIN bytes ahead."""
@@ -243,9 +344,10 @@ class _Scan:
             return True
         return False
 
-    def _deep(self) -> None:
+    def _deep(self, one: bool = False) -> None:
         """Inside an item or a value: count marks, note memo stores and reads, until the mark
-        that began it is closed."""
+        that began it is closed (``one``: return after the first opcode outside a run, so that
+        the fast walk among items goes on)."""
         run, gets, pending = _RUN, _GETS, self.pending
         while True:
             if len(self.buf) - self.i < _MARGIN:
@@ -284,6 +386,8 @@ class _Scan:
                 self._skip(buf[i + 1])
             elif not self._step(op, pos):
                 raise NotStreamable(f"opcode {op:#x}")
+            if one:
+                return
 
     def _closed(self, op: int) -> None:
         """The mark opened inside the top item closed: it filled that item, or made a new one."""
@@ -329,7 +433,9 @@ class _Scan:
             if op == _EMPTY_LIST and st[-2][0] in (_M, _L):
                 return _L  # the next list of a batch
             return _E
-        return _E  # top == _E: the next item of a batch, or a part of this one (merged later)
+        if st[-2][0] == _L:  # a second object over an item appended alone: they would be combined
+            raise NotStreamable("structure")
+        return _E  # top == _E: the next item of a batch
 
     def _push(self, pos: int, op: int | None) -> None:
         role = self._role(op)
@@ -347,6 +453,9 @@ class _Scan:
         else:
             self._flush(pos)
             self.open = [role, pos, 1]
+        if role == _E and self.stack and self.stack[-1][0] == _E:
+            self.stack[-1][1] = pos  # items are never combined (below): the latest stands for them all
+            return
         if len(self.stack) >= _MAX_SHALLOW:
             raise NotStreamable("batch too long")
         self.stack.append([role, pos, name])
@@ -358,13 +467,8 @@ class _Scan:
         if len(st) <= n or o is None:
             raise NotStreamable("structure")
         recv = st[-1 - n]
-        if recv[0] not in (_V, _E, _X) or recv[1] < o[1]:
-            raise NotStreamable("structure")
-        for e in st[-n:]:
-            if e[0] not in (_E, _X):
-                raise NotStreamable("structure")
-            if e[0] == _E:
-                o[2] -= 1
+        if recv[0] not in (_V, _X) or recv[1] < o[1] or any(e[0] != _X for e in st[-n:]):
+            raise NotStreamable("structure")  # items of a followed list are cut apart: never combined
         del st[-n:]
 
     def _key(self, op: int | None) -> str:
@@ -418,10 +522,10 @@ class _Scan:
             arg = self.buf[self.i + 1:self.i + 1 + n]
             self.i += 1 + n
             if op != _TUPLE1:
-                self._store(pos, None if op == _MEMOIZE else int.from_bytes(arg, "little"))
+                self._store(pos, None if op == _MEMOIZE else int.from_bytes(arg, "little"), self.open[0] in (_D, _T, _L))
             return False
         if op == _PUT:
-            if not st or st[-1][0] == _M or self.open is None:
+            if not st or st[-1][0] == _M or self.open is None or self.open[0] in (_D, _T, _L):
                 raise NotStreamable("structure")
             self._text_memo(op, pos)
             return False
@@ -583,7 +687,7 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
             objs = u.load()
         except Exception as e:
             raise NotStreamable(f"unpickling: {type(e).__name__}") from None
-        if len(objs) != count or feed.pos != len(feed.data):
+        if (role != _E and len(objs) != count) or feed.pos != len(feed.data):
             raise NotStreamable("range")
         if role == _E:
             on_items(lists, objs)

@@ -45,6 +45,7 @@ __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
 _MAX_WARNINGS = 50
+_SITES_HELD = 4096  # distinct frames the site cache of a device keeps alive (then it stops growing)
 _ACTIVE = ("active_allocated", "active_pending_free")
 _SEG_NEW = ("segment_alloc", "segment_map")
 _SEG_GONE = ("segment_free", "segment_unmap")
@@ -414,6 +415,8 @@ def _expect(ok: bool, name: str, where: str, what: str, value: Any) -> None:
 
 def _int(d: dict, key: str, name: str, where: str, default: int | None = None, signed: bool = False) -> int:
     v = d.get(key, default)
+    if type(v) is int and ((-(1 << 63) <= v < 1 << 63) if signed else (0 <= v < 1 << 64)):
+        return v  # the common case, checked first
     if v is None:
         raise TraceError(f"{name}: {where} has no {key!r}")
     lo, hi = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
@@ -479,9 +482,25 @@ class _Sites:
         self.name = name
         self.strings: list[str] = []
         self._index: dict[str, int] = {}
+        # frame objects (by identity) -> site: PyTorch shares each distinct frame dict between the
+        # tracebacks that hold it, so a few hundred frame sequences stand for thousands of events.
+        # The entry keeps its frames alive, so their ids cannot be reused; bounded in frames held.
+        self._seen: dict[tuple[int, ...], tuple[int, tuple]] = {}
+        self._held: set[int] = set()  # ids of the frames the entries keep alive
 
     def site(self, frames: list, where: str) -> int:
         """Index of the site for ``frames`` (innermost first), -1 when there is no Python frame."""
+        key = tuple(map(id, frames))
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[0]
+        idx = self._site(frames, where)
+        if len(self._held) < _SITES_HELD:
+            self._seen[key] = (idx, tuple(frames))
+            self._held.update(key)
+        return idx
+
+    def _site(self, frames: list, where: str) -> int:
         user, lib = [], []
         for f in frames:
             if not isinstance(f, dict):
