@@ -40,7 +40,7 @@ __all__ = ["stream_dict", "NotStreamable"]
 
 _PIECE = 32 << 10  # bytes of list items unpickled at a time: the memory the reader needs beyond one item
 _CHUNK = 1 << 20  # bytes read from the file at a time by the scan
-_MARGIN = 64  # bytes the scan keeps ahead of its position (the longest fixed-size opcode is 9)
+_MARGIN = 512  # bytes the scan keeps ahead of its position (a fixed-size opcode or a short string)
 _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
 
 # Runs of fixed-size opcodes that change nothing the scan follows inside an item: memo reads
@@ -48,20 +48,24 @@ _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pick
 # TUPLE1-3, APPEND, SETITEM, DUP. The same alternation with memo reads captured lists them.
 _SIMPLE = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8})"
            rb"|[N\x88\x89\x85\x86\x87}\])\x8fas2]")
-_RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*", re.S).match
+_RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*+", re.S).match
 _GETS = re.compile(rb"(h.|j....)|" + _SIMPLE, re.S).findall
-# Among the items of a followed list (the bulk of a snapshot), the runs also take short strings,
-# marks, memo stores and the opcodes that combine objects, and a mark filled with plain objects
-# and closed by APPENDS or SETITEMS (a frame list of memo reads: no depth change, nothing new);
-# then only the marks, closers, stores and combining opcodes are looked at, one by one.
+# Among the items of a followed list (the bulk of a snapshot) the walk is one regular
+# expression: runs of opcodes that push plain objects (memo reads, numbers, short strings, empty
+# containers) and of marks filled with them and closed by APPENDS or SETITEMS (a frame list of
+# memo reads: no depth change, nothing new) are stepped over in C (possessive: the opcodes are
+# told apart by their first byte, so no backtracking is ever needed); only marks, closers, memo
+# stores and the opcodes that combine objects come back to Python, one by one. A second
+# expression gathers the memo reads of what was stepped over, as runs of consecutive reads.
 _PUSHES = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8})"
-           rb"|[N\x88\x89}\])\x8f]|\x8c(?:" + b"|".join(re.escape(bytes((n,))) + b"." * n for n in range(256)) + rb")")
-_FILLED = rb"\((?:h.|j....|" + _PUSHES + rb")*[eu]"
+           rb"|[N\x88\x89}\])\x8f]|\x8c(?:" + b"|".join(re.escape(bytes((n,))) + b"." * n for n in range(256)) + rb")"
+           rb"|X(?:" + b"|".join(re.escape(bytes((n,))) + rb"\x00\x00\x00" + b"." * n for n in range(256)) + rb")")
+_GET = rb"h.|j...."
 _STRUCT = rb"[(eu\x90tld\x911\x94as\x85\x86\x8702]|q.|r...."
-_ITEMS_RUN = re.compile(rb"(?:h.|j....|" + _PUSHES + rb"|" + _FILLED + rb"|" + _STRUCT + rb")*", re.S).match
-_ITEMS_STRUCT = re.compile(rb"(?:h.|j....|" + _PUSHES + rb"|" + _FILLED + rb")*(?:(" + _STRUCT + rb")|\Z)",
-                           re.S).finditer
-_ITEMS_GETS = re.compile(rb"(h.|j....)|" + _PUSHES + rb"|" + _STRUCT, re.S).findall
+_ITEMS = re.compile(rb"(?:" + _GET + rb"|" + _PUSHES + rb"|\((?:" + _GET + rb"|" + _PUSHES + rb")*+[eu])*+(?:("
+                    + _STRUCT + rb")|(.)|\Z)", re.S).finditer
+_GET_RUNS = re.compile(rb"(?:" + _PUSHES + rb"|" + _STRUCT + rb")*+((?:" + _GET + rb")*+)", re.S).findall
+_GET_TOKENS = re.compile(rb"h(.)|j(....)", re.S).findall
 _PUSH_OPS = frozenset(b"KMJG\x8aN\x88\x89}])\x8fhjgFILSVTUBC\x8e\x8c\x58\x8d\x96\x8b")  # opcodes that push an object
 
 # opcodes
@@ -100,9 +104,10 @@ class _Scan:
         self.f, self.size, self.key = f, size, key
         self.buf, self.base, self.i = b"", 0, 0
         self.stores = array("Q")  # file position of each memo store, in order
-        self.read_back = bytearray()  # per store: 1 when some memo read names it
-        self.latest: dict[int, int] = {}  # memo index -> its latest store
-        self.pending: set[bytes] = set()  # BINGET/LONG_BINGET opcodes seen since their index was last stored
+        self.indices = array("Q")  # the memo index each store writes
+        self.stored: set[int] = set()  # memo indices written so far (their number is the C memo's length)
+        self.pending: set[bytes] = set()  # runs of BINGET/LONG_BINGET opcodes met
+        self.read: set[int] = set()  # memo indices read by text GET opcodes
         self.frames = array("Q")  # positions of FRAME opcodes (left out of the ranges)
         # the ranges, in file order: role, start, end, number of items
         self.roles, self.starts, self.ends, self.counts = array("B"), array("Q"), array("Q"), array("Q")
@@ -143,35 +148,22 @@ class _Scan:
     # -- the memo ---------------------------------------------------------------------------
 
     def _store(self, pos: int, idx: int | None, structural: bool = False) -> None:
-        latest = self.latest
         if idx is None:
-            idx = len(latest)  # MEMOIZE stores at the memo's length, as the C unpickler counts it
-        if idx in latest:  # stored again: the reads so far name the earlier store
-            hit = False
-            if idx < 256 and bytes((_BINGET, idx)) in self.pending:
-                self.pending.discard(bytes((_BINGET, idx)))
-                hit = True
-            if idx < 1 << 32:
-                tok = bytes((_LONG_BINGET,)) + idx.to_bytes(4, "little")
-                if tok in self.pending:
-                    self.pending.discard(tok)
-                    hit = True
-            if hit:
-                self.read_back[latest[idx]] = 1
-        latest[idx] = len(self.stores)
+            idx = len(self.stored)  # MEMOIZE stores at the memo's length, as the C unpickler counts it
+        self.stored.add(idx)
         self.stores.append(pos)
-        self.read_back.append(0)
+        self.indices.append(idx)
         if structural:
-            self.structural.append(len(self.stores) - 1)
+            self.structural.append(idx)
 
-    def _resolve(self) -> None:
-        for tok in self.pending:
-            if tok:
-                idx = tok[1] if tok[0] == _BINGET else int.from_bytes(tok[1:], "little")
-                s = self.latest.get(idx)
-                if s is not None:  # a read of nothing fails when unpickled
-                    self.read_back[s] = 1
-        self.pending.clear()
+    def read_indices(self) -> set[int]:
+        """The memo indices some memo read names. A store is kept when its index is read anywhere:
+        where an index is stored again (a file written by several picklers), the later store
+        frees the earlier object in the unpickler's memo anyway, so this bound is cheap and safe."""
+        read = set(self.read)
+        for short, long in set(_GET_TOKENS(b"".join(self.pending))):
+            read.add(short[0] if short else int.from_bytes(long, "little"))
+        return read
 
     def _line(self) -> bytes:
         """The argument of a text opcode at the position (up to its newline); steps past it."""
@@ -191,8 +183,8 @@ class _Scan:
         idx = int(arg)
         if op == _PUT:
             self._store(pos, idx)
-        elif idx in self.latest:
-            self.read_back[self.latest[idx]] = 1
+        else:
+            self.read.add(idx)
 
     # -- the walk ---------------------------------------------------------------------------
 
@@ -206,7 +198,6 @@ class _Scan:
                 self._deep(items)
             elif self._shallow():
                 break
-        self._resolve()
 
     def _at_items(self) -> bool:
         """Whether the position is among the items of a batch of a followed list (or inside one)."""
@@ -218,38 +209,32 @@ class _Scan:
         return st[-1][0] == _M and st[-2][0] == _L
 
     def _items(self) -> None:
-        """The fast walk among the items of a batch: a run of common opcodes is matched whole,
-        its memo reads gathered into ``pending``, and only its marks, closers, memo stores and
-        combining opcodes are looked at. An item begins where an opcode that pushes follows a
-        closed mark or a store at the batch's level: the ranges are cut there. Stops before
-        any other opcode (the slow walk takes it) and before the closer of the batch."""
+        """The fast walk among the items of a batch (see _ITEMS). An item begins where an opcode
+        that pushes follows a closed mark or a store at the batch's level: the ranges are cut
+        there. Stops before an opcode the expression does not take (the slow walk takes it) and
+        before the closer of the batch."""
         d = self.deep
         o = self.open
         if len(self.buf) - self.i < _MARGIN:
             self._refill()
-        if _ITEMS_RUN(self.buf, self.i).end() == self.i:
-            return  # the slow walk takes the next opcode
+        if self.i >= len(self.buf):
+            return
         if d == 0 and (o is None or o[0] != _E):  # the batch's first item
             if self.buf[self.i] not in _PUSH_OPS:
-                raise NotStreamable("structure")
+                return
             self._push(self.base + self.i, self.buf[self.i])
         elif o is None or o[0] != _E:
             raise NotStreamable("structure")
-        pending = self.pending
+        pending, stored, stores, indices = self.pending, self.stored, self.stores, self.indices
         while True:
-            if len(self.buf) - self.i < _MARGIN:
-                self._refill()
             buf, i, base = self.buf, self.i, self.base
-            j = _ITEMS_RUN(buf, i).end()
-            if j == i:
-                break
-            got = i  # memo reads before this point are in pending
-            for m in _ITEMS_STRUCT(buf, i, j):
+            stop = len(buf)
+            for m in _ITEMS(buf, i):
                 k = m.start(1)
                 if k < 0:
+                    stop = m.start(2) if m.start(2) >= 0 else m.end()
                     break
                 op = buf[k]
-                after = m.end(1)
                 if op == _MARK:
                     if d == 0:
                         self.deep_mark = base + k
@@ -257,7 +242,7 @@ class _Scan:
                     continue
                 if op in _CLOSERS:
                     if d == 0:  # the batch's own closer: the slow walk takes it
-                        pending.update(_ITEMS_GETS(buf, got, k))
+                        pending.update(_GET_RUNS(buf, i, k))
                         self.i, self.deep = k, 0
                         return
                     d -= 1
@@ -268,23 +253,24 @@ class _Scan:
                     elif op == _POP_MARK:
                         raise NotStreamable("structure")
                 elif op == _MEMOIZE or op == _BINPUT or op == _LONG_BINPUT:
-                    idx = len(self.latest) if op == _MEMOIZE else buf[k + 1] if op == _BINPUT else int.from_bytes(
+                    idx = len(stored) if op == _MEMOIZE else buf[k + 1] if op == _BINPUT else int.from_bytes(
                         buf[k + 1:k + 5], "little")
-                    if idx in self.latest:  # stored again: the reads up to here name the old store
-                        pending.update(_ITEMS_GETS(buf, got, k))
-                        got = k
-                    self._store(base + k, idx)
+                    stored.add(idx)
+                    stores.append(base + k)
+                    indices.append(idx)
                     if d:
                         continue
                 elif op == _POP or (d == 0 and op != _TUPLE1):
                     raise NotStreamable("structure")  # items combined, or a mark popped: not followed
                 elif d:
                     continue
+                after = m.end(1)
                 if after < len(buf) and buf[after] in _PUSH_OPS:  # at the batch's level: an item begins
                     self._cut(base + after)
-            pending.update(_ITEMS_GETS(buf, got, j))
-            self.i, self.deep = j, d
-        self.deep = d
+            pending.update(_GET_RUNS(buf, i, stop))
+            self.i, self.deep = stop, d
+            if len(buf) - stop >= _MARGIN or not self._refill():
+                return
 
     def _cut(self, pos: int) -> None:
         """An item begins at ``pos`` in the range being gathered: end the range there when long."""
@@ -641,9 +627,10 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
         scan.run()
     except (IndexError, ValueError, OverflowError, KeyError) as e:  # an opcode cut by the file's end
         raise NotStreamable(f"{type(e).__name__}") from None
-    if not scan.seen_key or any(scan.read_back[s] for s in scan.structural):
+    read = scan.read_indices()
+    if not scan.seen_key or any(idx in read for idx in scan.structural):
         raise NotStreamable("structure")
-    drops = array("Q", (p for p, r in zip(scan.stores, scan.read_back) if not r))
+    drops = array("Q", (p for p, idx in zip(scan.stores, scan.indices) if idx not in read))
     frames = scan.frames
     roles, starts, ends, counts = scan.roles, scan.starts, scan.ends, scan.counts
     del scan  # the positions of all stores are not needed any more

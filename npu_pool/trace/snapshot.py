@@ -435,6 +435,20 @@ def _frames(d: dict, name: str, where: str) -> list:
 def _event(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
     """Check one trace entry; return (action, addr, size, stream, site, time_us or -1, device_free):
     the site (of an alloc or a failed request) interned in ``sites``, the frames not kept."""
+    if type(e) is dict:  # the common case at once; anything else through every check, in order
+        action, frames = e.get("action"), e.get("frames", [])
+        if type(action) is str and action != "oom" and type(frames) is list:
+            addr, size, stream, t = e.get("addr"), e.get("size"), e.get("stream", 0), e.get("time_us", -1)
+            if (type(addr) is int and type(size) is int and type(stream) is int and type(t) is int
+                    and 0 <= addr < 1 << 64 and 0 <= size < 1 << 64 and -(1 << 63) <= stream < 1 << 63
+                    and -(1 << 63) <= t < 1 << 63):
+                return (sys.intern(action) if len(action) < 40 else action, addr, size, stream,
+                        sites.site(frames, where) if action == "alloc" else -1, t, 0)
+    return _event_checked(e, name, where, sites)
+
+
+def _event_checked(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
+    """:func:`_event`, each field checked in turn with its message."""
     _expect(isinstance(e, dict), name, where, "a dict", e)
     action = e.get("action")
     _expect(isinstance(action, str), name, f"{where}.action", "a string", action)
