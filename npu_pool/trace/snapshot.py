@@ -30,6 +30,8 @@ import pickle
 import re
 import sys
 from pathlib import Path
+from array import array
+from itertools import repeat
 from typing import Any, BinaryIO, Iterable, Iterator
 
 from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
@@ -163,18 +165,18 @@ def load_snapshot(path: str | Path) -> list[Trace]:
 def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
     """:func:`load_snapshot` of a file streamed entry by entry; NotStreamable or TraceError when
     the file is to be read whole instead."""
-    devices: list[tuple[list[tuple], _Sites]] = []
+    devices: list[tuple[_Events, _Sites]] = []
     probe = _Probe()
 
     def on_list(dev: int) -> None:
-        devices.append(([], _Sites(name)))
+        devices.append((_Events(), _Sites(name)))
 
     def on_items(dev: int, items: list) -> None:
         evs, sites = devices[dev]
         for e in items:
             if len(evs) < _PROBE_ENTRIES:
                 probe.look(e)
-            evs.append(_event(e, name, f"device_traces[{dev}][{len(evs)}]", sites))
+            evs.add(_event(e, name, f"device_traces[{dev}][{len(evs)}]", sites))
 
     f.seek(0)
     rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items)
@@ -199,23 +201,25 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     marks = _annotations(annotations, name)
     kind = _device_type(obj)
 
-    def converted() -> Iterator[tuple[int, list[tuple], _Sites]]:
+    def converted() -> Iterator[tuple[int, _Events, _Sites]]:
         consumed: set[int] = set()  # ids of the event lists converted in place
         for dev, events in enumerate(traces):
             where = f"device_traces[{dev}]"
             if not events:
                 continue
             sites = _Sites(name)
-            if _consume:  # in place: each dict is dropped as its record replaces it
+            evs = _Events()
+            if _consume:  # each dict is dropped as its record is taken
                 if id(events) in consumed:
                     raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
                 consumed.add(id(events))
-                evs = events
                 for i, e in enumerate(events):
-                    evs[i] = _event(e, name, f"{where}[{i}]", sites)
+                    evs.add(_event(e, name, f"{where}[{i}]", sites))
+                    events[i] = None
                 traces[dev] = []
             else:
-                evs = [_event(e, name, f"{where}[{i}]", sites) for i, e in enumerate(events)]
+                for i, e in enumerate(events):
+                    evs.add(_event(e, name, f"{where}[{i}]", sites))
             del events
             yield dev, evs, sites
 
@@ -233,8 +237,8 @@ def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, lis
     _expect(traces is None or isinstance(traces, list), name, "device_traces", "a list", traces)
     if traces is not None:
         for i, t in enumerate(traces):
-            _expect(isinstance(t, list), name, f"device_traces[{i}]", "a list", t)
-    if traces is None or all(t == [] for t in traces):
+            _expect(isinstance(t, (list, _Events)), name, f"device_traces[{i}]", "a list", t)
+    if traces is None or all(len(t) == 0 for t in traces):
         if "segments" in obj:
             raise TraceError(f"{name}: snapshot has segments but no device_traces events; it was recorded "
                              "without torch.cuda.memory._record_memory_history()")
@@ -254,7 +258,7 @@ def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, lis
     return segments, traces, annotations, settings
 
 
-def _traces(name: str, devices: Iterable[tuple[int, list[tuple], "_Sites"]], segs: list[dict],
+def _traces(name: str, devices: Iterable[tuple[int, "_Events", "_Sites"]], segs: list[dict],
             marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None,
             held: list | None = None) -> list[Trace]:
     """One Trace per device from its converted events (``held``: the caller's list of them,
@@ -265,7 +269,7 @@ def _traces(name: str, devices: Iterable[tuple[int, list[tuple], "_Sites"]], seg
         t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
                      sites=sites).build()
         if held is not None:
-            held[dev] = ([], sites)
+            held[dev] = (_Events(), sites)
         del evs
         t.meta["origin"] = name
         t.meta["device"] = dev
@@ -489,6 +493,61 @@ def _pool(size: int) -> int:
 # -- sites ---------------------------------------------------------------------------------
 
 
+class _Events:
+    """One device's checked trace entries (:func:`_event`'s records) in columns: 40 bytes an
+    entry, where a tuple of Python ints takes about 200. Iterating or indexing gives the records."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # action code -> action
+        self._codes: dict[str, int] = {}
+        self.action, self.addr, self.size = array("I"), array("Q"), array("Q")
+        self.stream, self.site, self.time = array("q"), array("i"), array("q")
+        self.device_free: dict[int, int] = {}  # entry -> free bytes, of the failed requests that say it
+
+    def add(self, record: tuple) -> None:
+        action, addr, size, stream, site, time_us, device_free = record
+        code = self._codes.get(action)
+        if code is None:
+            code = self._codes[action] = len(self.names)
+            self.names.append(action)
+        if device_free:
+            self.device_free[len(self.action)] = device_free
+        self.action.append(code)
+        self.addr.append(addr)
+        self.size.append(size)
+        self.stream.append(stream)
+        self.site.append(site)
+        self.time.append(time_us)
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return zip(map(self.names.__getitem__, self.action), self.addr, self.size, self.stream, self.site,
+                   self.time, map(self.device_free.get, range(len(self.action)), repeat(0)))
+
+    def __getitem__(self, i: int) -> tuple:
+        return (self.names[self.action[i]], self.addr[i], self.size[i], self.stream[i], self.site[i], self.time[i],
+                self.device_free.get(i, 0))
+
+
+class _Rows:
+    """The window's rows [op, cat, site, id, size, stream, addr] in columns (a Trace's types)."""
+
+    def __init__(self) -> None:
+        self.cols = (array("B"), array("B"), array("i"), array("q"), array("Q"), array("q"), array("Q"))
+
+    def append(self, row: Iterable[int]) -> None:
+        for col, v in zip(self.cols, row):
+            col.append(v)
+
+    def __len__(self) -> int:
+        return len(self.cols[0])
+
+    def __getitem__(self, j: int) -> list[int]:
+        return [col[j] for col in self.cols]
+
+
 class _Sites:
     """Interns call-site strings built from an event's Python frames."""
 
@@ -559,7 +618,7 @@ class _Builder:
         self.n_warnings = 0
         self.ignored: dict[str, int] = {}
         # window events as rows [op, cat, site, id, size, stream, addr]; ids < 0 name initial allocs
-        self.rows: list[list[int]] = []
+        self.rows = _Rows()
         self.init_allocs: list[list[int]] = []  # rows with op OP_INIT_ALLOC, provisional ids -1, -2, ...
         self.n_window_ids = 0
 
@@ -591,10 +650,10 @@ class _Builder:
         use.update(pending.values())
         return use
 
-    def _window(self) -> dict[int, list[int]]:
+    def _window(self) -> dict[int, int]:
         """Translate the window's events; return the allocations live at its end (addr -> row)."""
         use_requested = self._free_points()
-        live: dict[int, list[int]] = {}
+        live: dict[int, int] = {}  # address -> row of its allocation
         self.seen: set[int] = set()  # addresses allocated or freed in the window
         rows, prev = self.rows, None
         marks, m = self.marks, 0
@@ -608,22 +667,23 @@ class _Builder:
             if action == "alloc":
                 if addr in live:
                     self.warn(f"event {i}: alloc at {addr:#x} which is still live; freeing the old block first")
-                    self._free(live.pop(addr))
-                row = [OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr]
+                    self._free(rows[live.pop(addr)])
+                live[addr] = len(rows)
+                rows.append((OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr))
                 self.n_window_ids += 1
-                rows.append(row)
-                live[addr] = row
                 self.seen.add(addr)
             elif action == "free_completed" or (action == "free_requested" and i in use_requested):
-                row = live.pop(addr, None)
-                if row is None and addr in self.seen:
+                j = live.pop(addr, None)
+                if j is None and addr in self.seen:
                     self.warn(f"event {i}: {action} at {addr:#x} which was already freed; ignored")
                 else:
-                    if row is None:  # allocated before the window began
+                    if j is None:  # allocated before the window began
                         row = [OP_INIT_ALLOC, CAT_UNKNOWN, -1, -1 - len(self.init_allocs), size, stream, addr]
                         self.init_allocs.append(row)
-                    elif row[4] != size:
-                        self.warn(f"event {i}: {action} size {size} differs from the alloc's {row[4]}")
+                    else:
+                        row = rows[j]
+                        if row[4] != size:
+                            self.warn(f"event {i}: {action} size {size} differs from the alloc's {row[4]}")
                     self.seen.add(addr)
                     self._free(row)
             elif action in _SEG_NEW:
@@ -648,7 +708,7 @@ class _Builder:
     def _free(self, alloc_row: list[int]) -> None:
         self.rows.append([OP_FREE, *alloc_row[1:]])
 
-    def _end_state(self, live: dict[int, list[int]]) -> None:
+    def _end_state(self, live: dict[int, int]) -> None:
         """Add end-state allocated blocks with no event in the window as initial allocations."""
         active = set()
         for seg in self.segments:
@@ -656,11 +716,12 @@ class _Builder:
                 if b["state"] not in _ACTIVE:
                     continue
                 active.add(b["addr"])
-                row = live.get(b["addr"])
-                if row is not None:
-                    if row[4] != b["requested"]:
+                j = live.get(b["addr"])
+                if j is not None:
+                    size = self.rows.cols[4][j]
+                    if size != b["requested"]:
                         self.warn(f"block {b['addr']:#x}: end-state requested size {b['requested']} "
-                                  f"differs from its alloc's {row[4]}")
+                                  f"differs from its alloc's {size}")
                 elif b["addr"] not in self.seen:
                     site = self.sites.site(b["frames"], f"block {b['addr']:#x}")
                     self.init_allocs.append([OP_INIT_ALLOC, CAT_UNKNOWN, site, -1 - len(self.init_allocs),
@@ -726,11 +787,12 @@ class _Builder:
         for row in self.init_allocs:
             row[3] = remap[row[3]]
             _put(cols, row)
-        for row in self.rows:
-            if row[0] in (OP_ALLOC, OP_FREE):
-                row = list(row)
-                row[3] = remap[row[3]] if row[3] < 0 else row[3] + k
-            _put(cols, row)
+        op, cat, site, ids, size, stream, addr = self.rows.cols
+        for col, part in zip(cols, (op, cat, site, None, size, stream, addr)):
+            if part is not None:
+                col.extend(part)
+        t.id.extend(i if o != OP_ALLOC and o != OP_FREE else remap[i] if i < 0 else i + k for o, i in zip(op, ids))
+        self.rows = _Rows()
         if self.n_warnings > len(self.warnings):
             self.warnings.append(f"... and {self.n_warnings - len(self.warnings)} more warnings")
         base = len(init_segs) + k  # window rows follow the initial segments and allocations
