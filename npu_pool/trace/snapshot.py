@@ -186,8 +186,15 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
     marks = _annotations(annotations, name)
     kind = probe.result(segments, rest.get("allocator_settings"))
     del rest, traces, segments, annotations
-    converted = ((dev, evs, sites) for dev, (evs, sites) in enumerate(devices) if evs)
-    return _traces(name, converted, segs, marks, settings, kind, devices)
+
+    def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
+        for dev in range(len(devices)):
+            box, sites = [devices[dev][0]], devices[dev][1]
+            devices[dev] = None  # the builder takes the entries over
+            if len(box[0]):
+                yield dev, box, sites
+
+    return _traces(name, converted(), segs, marks, settings, kind)
 
 
 def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None, *,
@@ -201,7 +208,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     marks = _annotations(annotations, name)
     kind = _device_type(obj)
 
-    def converted() -> Iterator[tuple[int, _Events, _Sites]]:
+    def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
         consumed: set[int] = set()  # ids of the event lists converted in place
         for dev, events in enumerate(traces):
             where = f"device_traces[{dev}]"
@@ -221,7 +228,9 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
                 for i, e in enumerate(events):
                     evs.add(_event(e, name, f"{where}[{i}]", sites))
             del events
-            yield dev, evs, sites
+            box = [evs]
+            del evs
+            yield dev, box, sites
 
     return _traces(name, converted(), segs, marks, settings, kind)
 
@@ -258,19 +267,17 @@ def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, lis
     return segments, traces, annotations, settings
 
 
-def _traces(name: str, devices: Iterable[tuple[int, "_Events", "_Sites"]], segs: list[dict],
-            marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None,
-            held: list | None = None) -> list[Trace]:
-    """One Trace per device from its converted events (``held``: the caller's list of them,
-    each emptied once its trace is built)."""
+def _traces(name: str, devices: Iterable[tuple[int, list["_Events"], "_Sites"]], segs: list[dict],
+            marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None) -> list[Trace]:
+    """One Trace per device from its converted events, each handed over in a list of one that
+    is emptied here (the builder frees them before it assembles the trace's columns)."""
     out = []
-    for dev, evs, sites in devices:
+    for dev, box, sites in devices:
         dev_segs = [s for s in segs if s["device"] == dev]
-        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
-                     sites=sites).build()
-        if held is not None:
-            held[dev] = (_Events(), sites)
-        del evs
+        builder = _Builder(name, dev, box.pop(), dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
+                           sites=sites)
+        t = builder.build()
+        del builder
         t.meta["origin"] = name
         t.meta["device"] = dev
         expandable = any(s["is_expandable"] for s in segs)
@@ -632,7 +639,9 @@ class _Builder:
         self._end_state(live)
         init_segs = self._initial_segments()
         self._check_inside(init_segs)
-        return self._assemble(init_segs)
+        recorded = self._recorded(init_segs)
+        self.events = None  # freed (when the caller let go of them too) before the columns are assembled
+        return self._assemble(init_segs, recorded)
 
     def _free_points(self) -> set[int]:
         """Indices of free_requested events that are a block's free point (no free_completed follows)."""
@@ -774,7 +783,7 @@ class _Builder:
         if outside > 1:
             self.warn(f"{outside} initial allocations lie in no initial segment")
 
-    def _assemble(self, init_segs: dict[int, tuple[int, int, int]]) -> Trace:
+    def _assemble(self, init_segs: dict[int, tuple[int, int, int]], recorded: dict[str, int]) -> Trace:
         # Initial allocs get ids 0..k-1 in address order, window allocs k.. in event order.
         self.init_allocs.sort(key=lambda r: r[6])
         k = len(self.init_allocs)
@@ -787,17 +796,20 @@ class _Builder:
         for row in self.init_allocs:
             row[3] = remap[row[3]]
             _put(cols, row)
-        op, cat, site, ids, size, stream, addr = self.rows.cols
-        for col, part in zip(cols, (op, cat, site, None, size, stream, addr)):
-            if part is not None:
-                col.extend(part)
-        t.id.extend(i if o != OP_ALLOC and o != OP_FREE else remap[i] if i < 0 else i + k for o, i in zip(op, ids))
+        # the window's columns become the trace's, behind what comes first: no second copy of them
+        window = list(self.rows.cols)
         self.rows = _Rows()
+        window[3] = array("q", (i if o != OP_ALLOC and o != OP_FREE else remap[i] if i < 0 else i + k
+                                for o, i in zip(window[0], window[3])))
+        for j, name in enumerate(("op", "cat", "site", "id", "size", "stream", "addr")):
+            window[j][0:0] = cols[j]
+            setattr(t, name, window[j])
+            window[j] = None
         if self.n_warnings > len(self.warnings):
             self.warnings.append(f"... and {self.n_warnings - len(self.warnings)} more warnings")
         base = len(init_segs) + k  # window rows follow the initial segments and allocations
         t.meta.update(sites=self.sites.strings, n_ids=k + self.n_window_ids, ignored_events=self.ignored,
-                      warnings=self.warnings, recorded=self._recorded(init_segs),
+                      warnings=self.warnings, recorded=recorded,
                       ooms=[dict(o, event=o["event"] + base) for o in self.ooms])
         return t
 
