@@ -39,8 +39,9 @@ from typing import Any, BinaryIO, Callable
 __all__ = ["stream_dict", "NotStreamable"]
 
 _PIECE = 32 << 10  # bytes of list items unpickled at a time: the memory the reader needs beyond one item
-_CHUNK = 1 << 20  # bytes read from the file at a time by the scan
+_CHUNK = 256 << 10  # bytes read from the file at a time by the scan
 _MARGIN = 512  # bytes the scan keeps ahead of its position (a fixed-size opcode or a short string)
+_PENDING = 4096  # distinct runs of memo reads gathered before they are folded into indices
 _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
 
 # Runs of fixed-size opcodes that change nothing the scan follows inside an item: memo reads
@@ -103,11 +104,11 @@ class _Scan:
     def __init__(self, f: BinaryIO, size: int, key: str) -> None:
         self.f, self.size, self.key = f, size, key
         self.buf, self.base, self.i = b"", 0, 0
-        self.stores = array("Q")  # file position of each memo store, in order
-        self.indices = array("Q")  # the memo index each store writes
-        self.stored: set[int] = set()  # memo indices written so far (their number is the C memo's length)
-        self.pending: set[bytes] = set()  # runs of BINGET/LONG_BINGET opcodes met
-        self.read: set[int] = set()  # memo indices read by text GET opcodes
+        self.stores = array("I" if size < 1 << 32 else "Q")  # file position of each memo store, in order
+        self.memo_len = 0  # MEMOIZE opcodes so far: the index the next one stores at
+        self.put = False  # whether the file stores with explicit indices (PUT, BINPUT, LONG_BINPUT)
+        self.pending: set[bytes] = set()  # runs of BINGET/LONG_BINGET opcodes met since the last fold
+        self.read: dict[int, int] = {}  # memo index read -> the range after which it is read no more
         self.frames = array("Q")  # positions of FRAME opcodes (left out of the ranges)
         # the ranges, in file order: role, start, end, number of items
         self.roles, self.starts, self.ends, self.counts = array("B"), array("Q"), array("Q"), array("Q")
@@ -148,22 +149,37 @@ class _Scan:
     # -- the memo ---------------------------------------------------------------------------
 
     def _store(self, pos: int, idx: int | None, structural: bool = False) -> None:
+        """A memo store at ``pos``: MEMOIZE (``idx`` None, at the memo's length) or an explicit index.
+        A file mixing the two (no pickler writes one) is read whole: the memo's length would need
+        every index stored so far."""
         if idx is None:
-            idx = len(self.stored)  # MEMOIZE stores at the memo's length, as the C unpickler counts it
-        self.stored.add(idx)
+            if self.put:
+                raise NotStreamable("memo")
+            idx = self.memo_len
+            self.memo_len += 1
+        elif self.memo_len:
+            raise NotStreamable("memo")
+        else:
+            self.put = True
         self.stores.append(pos)
-        self.indices.append(idx)
         if structural:
             self.structural.append(idx)
 
-    def read_indices(self) -> set[int]:
-        """The memo indices some memo read names. A store is kept when its index is read anywhere:
-        where an index is stored again (a file written by several picklers), the later store
-        frees the earlier object in the unpickler's memo anyway, so this bound is cheap and safe."""
-        read = set(self.read)
+    def _fold(self) -> None:
+        """The memo reads gathered so far, into ``read``: each is in a range before the one being
+        gathered, or in it; it counts as read up to the end of that one (never too early)."""
+        read, last = self.read, len(self.roles)
         for short, long in set(_GET_TOKENS(b"".join(self.pending))):
-            read.add(short[0] if short else int.from_bytes(long, "little"))
-        return read
+            read[short[0] if short else int.from_bytes(long, "little")] = last
+        self.pending.clear()
+
+    def read_indices(self) -> dict[int, int]:
+        """Memo index -> the last range that reads it. A store is kept when its index is read, and
+        freed after the last range that reads the index. Where an index is stored again (a file
+        written by several picklers, as npu_pool's export is), the later store frees the earlier
+        object in the unpickler's memo anyway, so this bound is cheap and safe."""
+        self._fold()
+        return self.read
 
     def _line(self) -> bytes:
         """The argument of a text opcode at the position (up to its newline); steps past it."""
@@ -184,7 +200,7 @@ class _Scan:
         if op == _PUT:
             self._store(pos, idx)
         else:
-            self.read.add(idx)
+            self.read[idx] = len(self.roles)
 
     # -- the walk ---------------------------------------------------------------------------
 
@@ -225,7 +241,7 @@ class _Scan:
             self._push(self.base + self.i, self.buf[self.i])
         elif o is None or o[0] != _E:
             raise NotStreamable("structure")
-        pending, stored, stores, indices = self.pending, self.stored, self.stores, self.indices
+        pending, stores = self.pending, self.stores
         while True:
             buf, i, base = self.buf, self.i, self.base
             stop = len(buf)
@@ -253,11 +269,13 @@ class _Scan:
                     elif op == _POP_MARK:
                         raise NotStreamable("structure")
                 elif op == _MEMOIZE or op == _BINPUT or op == _LONG_BINPUT:
-                    idx = len(stored) if op == _MEMOIZE else buf[k + 1] if op == _BINPUT else int.from_bytes(
-                        buf[k + 1:k + 5], "little")
-                    stored.add(idx)
+                    if (op == _MEMOIZE) == self.put:
+                        raise NotStreamable("memo")  # MEMOIZE mixed with explicit indices
+                    if op == _MEMOIZE:
+                        self.memo_len += 1
+                    else:
+                        self.put = True
                     stores.append(base + k)
-                    indices.append(idx)
                     if d:
                         continue
                 elif op == _POP or (d == 0 and op != _TUPLE1):
@@ -268,6 +286,8 @@ class _Scan:
                 if after < len(buf) and buf[after] in _PUSH_OPS:  # at the batch's level: an item begins
                     self._cut(base + after)
             pending.update(_GET_RUNS(buf, i, stop))
+            if len(pending) > _PENDING:
+                self._fold()
             self.i, self.deep = stop, d
             if len(buf) - stop >= _MARGIN or not self._refill():
                 return
@@ -392,6 +412,8 @@ class _Scan:
             self.ends.append(end)
             self.counts.append(o[2])
             self.open = None
+            if self.pending:
+                self._fold()
 
     def _role(self, op: int | None) -> int:
         """The role of an object pushed on top of the followed structure by opcode ``op``."""
@@ -611,9 +633,6 @@ class _Feed:
         return self.data[self.pos:]
 
 
-_LENGTH = {_MEMOIZE: 1, _BINPUT: 2, _LONG_BINPUT: 5}
-
-
 def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pickle.Unpickler],
                 on_list: Callable[[int], None], on_items: Callable[[int, list], None]) -> dict:
     """Read the pickled dict in ``f`` (``size`` bytes, at its start): the dict of its entries
@@ -630,8 +649,10 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
     read = scan.read_indices()
     if not scan.seen_key or any(idx in read for idx in scan.structural):
         raise NotStreamable("structure")
-    drops = array("Q", (p for p, idx in zip(scan.stores, scan.indices) if idx not in read))
-    frames = scan.frames
+    stores, frames = scan.stores, scan.frames
+    done: dict[int, list[int]] = {}  # range -> memo indices read no more after it: set to None then
+    for idx, last in read.items():
+        done.setdefault(last, []).append(idx)
     roles, starts, ends, counts = scan.roles, scan.starts, scan.ends, scan.counts
     del scan  # the positions of all stores are not needed any more
     feed = _Feed()
@@ -639,32 +660,46 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
     out: dict = {}
     name: Any = None
     lists = -1
-    d = fi = 0  # next drop, next frame
-    for role, start, end, count in zip(roles, starts, ends, counts):
+    d = fi = 0  # next store, next frame
+    memo = 0  # MEMOIZE opcodes passed: the index of the next one
+    n_stores, n_frames = len(stores), len(frames)
+    for r, (role, start, end, count) in enumerate(zip(roles, starts, ends, counts)):
         f.seek(start)
         raw = f.read(end - start)
         if len(raw) != end - start:
             raise NotStreamable("truncated")
         parts = [b"]("]  # the range's items become the items of a list
         at = start
-        while (d < len(drops) and drops[d] < end) or (fi < len(frames) and frames[fi] < end):
-            if fi < len(frames) and (d >= len(drops) or frames[fi] < drops[d]):
+        while (d < n_stores and stores[d] < end) or (fi < n_frames and frames[fi] < end):
+            if fi < n_frames and (d >= n_stores or frames[fi] < stores[d]):
                 p = frames[fi]
                 fi += 1
-                if p < start:  # between ranges: not unpickled
-                    continue
-                parts.append(raw[at - start:p - start])
-                at = p + 9
+                if p >= start:  # (one between ranges is not unpickled)
+                    parts.append(raw[at - start:p - start])
+                    at = p + 9
                 continue
-            p = drops[d]
+            p = stores[d]
             d += 1
             if p < start:  # a store outside every range would go unmade: the memo would drift
                 raise NotStreamable("structure")
-            op = raw[p - start]
-            n = _LENGTH.get(op) or raw.index(b"\n", p - start) + 1 - (p - start)
-            # store None instead, after checking as the store would that there is something to store
-            parts.append(raw[at - start:p - start])
-            parts.append(b"20N" + raw[p - start:p - start + n] + b"0")
+            j = p - start
+            op = raw[j]
+            if op == _MEMOIZE:
+                idx, n = memo, 1
+                memo += 1
+            elif op == _BINPUT:
+                idx, n = raw[j + 1], 2
+            elif op == _LONG_BINPUT:
+                idx, n = int.from_bytes(raw[j + 1:j + 5], "little"), 5
+            else:  # PUT: a decimal index and a newline
+                n = raw.index(b"\n", j) + 1 - j
+                idx = int(raw[j + 1:j + n - 1])
+            if idx in read:
+                continue
+            # a store never read back stores None instead, after checking as the store would that
+            # there is an object to store (DUP POP: an error on an empty stack, as the store's own)
+            parts.append(raw[at - start:j])
+            parts.append(b"20N" + raw[j:j + n] + b"0")
             at = p + n
         parts.append(raw[at - start:])
         parts.append(b"e.")
@@ -689,4 +724,8 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
                 lists += 1
                 on_list(lists)
         del objs
+        if r in done:  # objects no later range reads: out of the memo (LONG_BINPUT of None over them)
+            feed.set(b"".join(b"Nr" + idx.to_bytes(4, "little") + b"0" for idx in done.pop(r) if idx < 1 << 32)
+                     + b"N.")
+            u.load()
     return out
