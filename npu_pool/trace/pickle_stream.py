@@ -34,6 +34,8 @@ from __future__ import annotations
 import pickle
 import re
 from array import array
+from bisect import bisect_left
+from itertools import repeat
 from typing import Any, BinaryIO, Callable
 
 __all__ = ["stream_dict", "NotStreamable"]
@@ -598,6 +600,19 @@ class _Scan:
         del st[k:]
 
 
+_NONE_OVER = re.compile(rb"(.{4})", re.S)  # 4-byte little-endian indices -> LONG_BINPUT of None over each
+
+
+def _index_at(raw: bytes, j: int) -> int:
+    """The memo index of the explicit store at ``raw[j]`` (BINPUT, LONG_BINPUT or PUT)."""
+    op = raw[j]
+    if op == _BINPUT:
+        return raw[j + 1]
+    if op == _LONG_BINPUT:
+        return int.from_bytes(raw[j + 1:j + 5], "little")
+    return int(raw[j + 1:raw.index(b"\n", j)])
+
+
 class _Feed:
     """The file object of the C unpickler: the current range, whole (``peek`` gives all of it,
     so the unpickler parses it in place)."""
@@ -653,7 +668,7 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
     done: dict[int, list[int]] = {}  # range -> memo indices read no more after it: set to None then
     for idx, last in read.items():
         done.setdefault(last, []).append(idx)
-    roles, starts, ends, counts = scan.roles, scan.starts, scan.ends, scan.counts
+    roles, starts, ends, counts, put = scan.roles, scan.starts, scan.ends, scan.counts, scan.put
     del scan  # the positions of all stores are not needed any more
     feed = _Feed()
     u = unpickler(feed)
@@ -661,46 +676,30 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
     name: Any = None
     lists = -1
     d = fi = 0  # next store, next frame
-    memo = 0  # MEMOIZE opcodes passed: the index of the next one
-    n_stores, n_frames = len(stores), len(frames)
+    n_frames = len(frames)
     for r, (role, start, end, count) in enumerate(zip(roles, starts, ends, counts)):
         f.seek(start)
         raw = f.read(end - start)
         if len(raw) != end - start:
             raise NotStreamable("truncated")
+        if d < len(stores) and stores[d] < start:  # a store outside every range would go unmade
+            raise NotStreamable("structure")
+        d2 = bisect_left(stores, end, d)
+        # memo stores of this range that nothing reads: out of the memo once the range is read
+        if put:
+            dead = [idx for idx in map(_index_at, repeat(raw), (p - start for p in stores[d:d2])) if idx not in read]
+        else:
+            dead = [idx for idx in range(d, d2) if idx not in read]  # MEMOIZE: the n-th store is index n
+        dead += done.pop(r, ())
+        d = d2
         parts = [b"]("]  # the range's items become the items of a list
         at = start
-        while (d < n_stores and stores[d] < end) or (fi < n_frames and frames[fi] < end):
-            if fi < n_frames and (d >= n_stores or frames[fi] < stores[d]):
-                p = frames[fi]
-                fi += 1
-                if p >= start:  # (one between ranges is not unpickled)
-                    parts.append(raw[at - start:p - start])
-                    at = p + 9
-                continue
-            p = stores[d]
-            d += 1
-            if p < start:  # a store outside every range would go unmade: the memo would drift
-                raise NotStreamable("structure")
-            j = p - start
-            op = raw[j]
-            if op == _MEMOIZE:
-                idx, n = memo, 1
-                memo += 1
-            elif op == _BINPUT:
-                idx, n = raw[j + 1], 2
-            elif op == _LONG_BINPUT:
-                idx, n = int.from_bytes(raw[j + 1:j + 5], "little"), 5
-            else:  # PUT: a decimal index and a newline
-                n = raw.index(b"\n", j) + 1 - j
-                idx = int(raw[j + 1:j + n - 1])
-            if idx in read:
-                continue
-            # a store never read back stores None instead, after checking as the store would that
-            # there is an object to store (DUP POP: an error on an empty stack, as the store's own)
-            parts.append(raw[at - start:j])
-            parts.append(b"20N" + raw[j:j + n] + b"0")
-            at = p + n
+        while fi < n_frames and frames[fi] < end:
+            p = frames[fi]
+            fi += 1
+            if p >= start:  # (one between ranges is not unpickled)
+                parts.append(raw[at - start:p - start])
+                at = p + 9
         parts.append(raw[at - start:])
         parts.append(b"e.")
         feed.set(b"".join(parts))
@@ -724,8 +723,7 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
                 lists += 1
                 on_list(lists)
         del objs
-        if r in done:  # objects no later range reads: out of the memo (LONG_BINPUT of None over them)
-            feed.set(b"".join(b"Nr" + idx.to_bytes(4, "little") + b"0" for idx in done.pop(r) if idx < 1 << 32)
-                     + b"N.")
+        if dead:  # objects no later range reads: out of the memo (a LONG_BINPUT of None over each)
+            feed.set(_NONE_OVER.sub(rb"Nr\g<1>0", array("I", (i for i in dead if i < 1 << 32)).tobytes()) + b"N.")
             u.load()
     return out
