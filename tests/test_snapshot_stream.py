@@ -183,33 +183,45 @@ def test_truncation_at_every_few_bytes_gives_the_same_message(tmp_path: Path) ->
 
 
 def test_flipped_bytes_give_the_same_answer_or_message(tmp_path: Path) -> None:
+    """Every byte of a small snapshot replaced by a random one, in protocols 2 and 4. (Not by PUT or
+    LONG_BINPUT: a memo index of up to 2^32 makes the C unpickler size its memo to it, seconds and
+    gigabytes in either read.)"""
     rng = random.Random(7)
     for protocol in (2, 4):
         data = pickle.dumps(_snapshot(4), protocol=protocol)
         path = tmp_path / f"flip{protocol}.pickle"
         for pos in range(2, len(data)):
-            path.write_bytes(data[:pos] + bytes((rng.randrange(256),)) + data[pos + 1:])
+            value = rng.choice([v for v in range(256) if v not in b"pr"])
+            path.write_bytes(data[:pos] + bytes((value,)) + data[pos + 1:])
             _agree(path)
 
 
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def test_the_import_stays_near_the_files_size(tmp_path: Path) -> None:
-    """A 15000-entry snapshot as PyTorch pickles it (protocol 4; ~190 bytes an entry, ~1 KB as
-    dicts): the streamed import's Python allocations peak below the file's size, where the whole
-    read's pass 4x."""
-    path = tmp_path / "x.pickle"
-    path.write_bytes(pickle.dumps(_snapshot(5000, shared_frames=False), protocol=4))
-    size = path.stat().st_size
-    peaks, got = {}, {}
-    for name, read in (("streamed", load_snapshot), ("whole", _whole)):
-        tracemalloc.start()
-        try:
-            (got[name],) = read(path)
-            peaks[name] = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-    assert all(getattr(got["streamed"], c) == getattr(got["whole"], c) for c in _COLUMNS)
-    assert len(got["streamed"]) == 10_002
-    assert peaks["streamed"] < size < peaks["whole"] / 4, (peaks, size)
+def _peak(read, path: Path) -> int:
+    tracemalloc.start()
+    try:
+        read(path)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("shared_frames", [True, False])
+def test_the_import_grows_by_less_than_the_file(tmp_path: Path, shared_frames: bool) -> None:
+    """Snapshots as PyTorch pickles them (protocol 4) of 4500 and 18000 entries: what the streamed
+    import's Python allocations peak at grows by less than twice what the file does, a third of
+    what the whole read's grows by; the traces are the whole read's. (With the frames shared an
+    entry takes ~36 bytes of file, less than its 40-byte record and its row of the trace.)"""
+    sizes, streamed, whole = [], [], []
+    for n in (1500, 6000):
+        path = tmp_path / f"x{n}.pickle"
+        path.write_bytes(pickle.dumps(_snapshot(n, shared_frames=shared_frames), protocol=4))
+        sizes.append(path.stat().st_size)
+        streamed.append(_peak(load_snapshot, path))
+        whole.append(_peak(_whole, path))
+    assert _outcome(load_snapshot, path) == _outcome(_whole, path)
+    grown = sizes[1] - sizes[0]
+    assert streamed[1] - streamed[0] < 2 * grown, (sizes, streamed, whole)
+    assert 3 * (streamed[1] - streamed[0]) < whole[1] - whole[0], (sizes, streamed, whole)

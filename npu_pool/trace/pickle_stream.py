@@ -631,9 +631,10 @@ class _Feed:
         return out
 
     def readinto(self, buf: Any) -> int:
-        out = self.read(len(memoryview(buf)))
-        memoryview(buf).cast("B")[:len(out)] = out
-        return len(out)
+        with memoryview(buf) as view, view.cast("B") as target:
+            out = self.read(len(target))
+            target[:len(out)] = out
+            return len(out)
 
     def readline(self, limit: int = -1) -> bytes:
         rest = self.data[self.pos:].tobytes()
