@@ -110,7 +110,7 @@ class _Scan:
         self.memo_len = 0  # MEMOIZE opcodes so far: the index the next one stores at
         self.put = False  # whether the file stores with explicit indices (PUT, BINPUT, LONG_BINPUT)
         self.pending: set[bytes] = set()  # runs of BINGET/LONG_BINGET opcodes met since the last fold
-        self.read: dict[int, int] = {}  # memo index read -> the range after which it is read no more
+        self.last = array("I")  # memo index -> 1 + the range after which no memo read names it (0: none does)
         self.frames = array("Q")  # positions of FRAME opcodes (left out of the ranges)
         # the ranges, in file order: role, start, end, number of items
         self.roles, self.starts, self.ends, self.counts = array("B"), array("Q"), array("Q"), array("Q")
@@ -170,18 +170,25 @@ class _Scan:
     def _fold(self) -> None:
         """The memo reads gathered so far, into ``read``: each is in a range before the one being
         gathered, or in it; it counts as read up to the end of that one (never too early)."""
-        read, last = self.read, len(self.roles)
+        last = len(self.roles) + 1
         for short, long in set(_GET_TOKENS(b"".join(self.pending))):
-            read[short[0] if short else int.from_bytes(long, "little")] = last
+            self._read(short[0] if short else int.from_bytes(long, "little"), last)
         self.pending.clear()
 
-    def read_indices(self) -> dict[int, int]:
-        """Memo index -> the last range that reads it. A store is kept when its index is read, and
-        freed after the last range that reads the index. Where an index is stored again (a file
-        written by several picklers, as npu_pool's export is), the later store frees the earlier
-        object in the unpickler's memo anyway, so this bound is cheap and safe."""
+    def _read(self, idx: int, last: int) -> None:
+        if idx >= len(self.last):
+            if idx > 4 * len(self.stores) + 4096:  # a read of nothing: the unpickler fails on it
+                raise NotStreamable("memo index")
+            self.last.extend(array("I", bytes(4 * (idx + 1 - len(self.last)))))
+        self.last[idx] = last
+
+    def read_indices(self) -> array:
+        """Memo index -> 1 + the last range that reads it (0: never read). A store is kept when its
+        index is read, and freed after the last range that reads the index. Where an index is
+        stored again (a file written by several picklers, as npu_pool's export is), the later store
+        frees the earlier object in the unpickler's memo anyway, so this bound is cheap and safe."""
         self._fold()
-        return self.read
+        return self.last
 
     def _line(self) -> bytes:
         """The argument of a text opcode at the position (up to its newline); steps past it."""
@@ -202,7 +209,7 @@ class _Scan:
         if op == _PUT:
             self._store(pos, idx)
         else:
-            self.read[idx] = len(self.roles)
+            self._read(idx, len(self.roles) + 1)
 
     # -- the walk ---------------------------------------------------------------------------
 
@@ -662,13 +669,26 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
         scan.run()
     except (IndexError, ValueError, OverflowError, KeyError) as e:  # an opcode cut by the file's end
         raise NotStreamable(f"{type(e).__name__}") from None
-    read = scan.read_indices()
-    if not scan.seen_key or any(idx in read for idx in scan.structural):
+    last = scan.read_indices()
+    n_last = len(last)
+    if not scan.seen_key or any(idx < n_last and last[idx] for idx in scan.structural):
         raise NotStreamable("structure")
     stores, frames = scan.stores, scan.frames
-    done: dict[int, list[int]] = {}  # range -> memo indices read no more after it: set to None then
-    for idx, last in read.items():
-        done.setdefault(last, []).append(idx)
+    # the memo indices read for the last time in each range, bucketed by range (counting sort)
+    first = array("I", bytes(4 * (len(scan.roles) + 2)))
+    for v in last:
+        first[v] += 1
+    first[0] = 0
+    total = 0
+    for r in range(len(first)):
+        first[r], total = total, total + first[r]
+    done = array("I", bytes(4 * total))
+    fill = array("I", first)
+    for idx, v in enumerate(last):
+        if v:
+            done[fill[v]] = idx
+            fill[v] += 1
+    del fill
     roles, starts, ends, counts, put = scan.roles, scan.starts, scan.ends, scan.counts, scan.put
     del scan  # the positions of all stores are not needed any more
     feed = _Feed()
@@ -688,10 +708,11 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
         d2 = bisect_left(stores, end, d)
         # memo stores of this range that nothing reads: out of the memo once the range is read
         if put:
-            dead = [idx for idx in map(_index_at, repeat(raw), (p - start for p in stores[d:d2])) if idx not in read]
+            dead = [idx for idx in map(_index_at, repeat(raw), (p - start for p in stores[d:d2]))
+                    if idx >= n_last or not last[idx]]
         else:
-            dead = [idx for idx in range(d, d2) if idx not in read]  # MEMOIZE: the n-th store is index n
-        dead += done.pop(r, ())
+            dead = [idx for idx in range(d, d2) if idx >= n_last or not last[idx]]  # MEMOIZE: store n, index n
+        dead += done[first[r + 1]:first[r + 2]]  # (last[idx] == r + 1)
         d = d2
         parts = [b"]("]  # the range's items become the items of a list
         at = start

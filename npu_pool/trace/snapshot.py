@@ -47,7 +47,7 @@ __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
 _MAX_WARNINGS = 50
-_SITES_HELD = 2048  # frame sequences, and distinct frames, the site cache of a device keeps (then it stops growing)
+_SITES_HELD = 2048  # distinct frames (and a quarter as many sequences) the site cache of a device keeps, then stops growing
 _ACTIVE = ("active_allocated", "active_pending_free")
 _SEG_NEW = ("segment_alloc", "segment_map")
 _SEG_GONE = ("segment_free", "segment_unmap")
@@ -575,7 +575,7 @@ class _Sites:
         if hit is not None:
             return hit[0]
         idx = self._site(frames, where)
-        if len(self._held) < _SITES_HELD and len(self._seen) < _SITES_HELD:
+        if len(self._held) < _SITES_HELD and len(self._seen) < _SITES_HELD // 4:
             self._seen[key] = (idx, tuple(frames))
             self._held.update(key)
         return idx
