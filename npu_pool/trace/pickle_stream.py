@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import sys
 from array import array
 from bisect import bisect_left
 from itertools import repeat
@@ -46,13 +47,6 @@ _MARGIN = 512  # bytes the scan keeps ahead of its position (a fixed-size opcode
 _PENDING = 4096  # distinct runs of memo reads gathered before they are folded into indices
 _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
 
-# Runs of fixed-size opcodes that change nothing the scan follows inside an item: memo reads
-# (BINGET, LONG_BINGET), integers, floats, small longs, None/True/False, empty containers,
-# TUPLE1-3, APPEND, SETITEM, DUP. The same alternation with memo reads captured lists them.
-_SIMPLE = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8})"
-           rb"|[N\x88\x89\x85\x86\x87}\])\x8fas2]")
-_RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*+", re.S).match
-_GETS = re.compile(rb"(h.|j....)|" + _SIMPLE, re.S).findall
 # Among the items of a followed list (the bulk of a snapshot) the walk is one regular
 # expression: runs of opcodes that push plain objects (memo reads, numbers, short strings, empty
 # containers) and of marks filled with them and closed by APPENDS or SETITEMS (a frame list of
@@ -69,6 +63,11 @@ _ITEMS = re.compile(rb"(?:" + _GET + rb"|" + _PUSHES + rb"|\((?:" + _GET + rb"|"
                     + _STRUCT + rb")|(.)|\Z)", re.S).finditer
 _GET_RUNS = re.compile(rb"(?:" + _PUSHES + rb"|" + _STRUCT + rb")*+((?:" + _GET + rb")*+)", re.S).findall
 _GET_TOKENS = re.compile(rb"h(.)|j(....)", re.S).findall
+# Runs of opcodes that change nothing the scan follows inside an item or a value: the above, and
+# TUPLE1-3, APPEND, SETITEM, DUP. The same alternation with memo reads captured lists them.
+_SIMPLE = _PUSHES + rb"|[\x85\x86\x87as2]"
+_RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*+", re.S).match
+_GETS = re.compile(rb"(h.|j....)|" + _SIMPLE, re.S).findall
 _PUSH_OPS = frozenset(b"KMJG\x8aN\x88\x89}])\x8fhjgFILSVTUBC\x8e\x8c\x58\x8d\x96\x8b")  # opcodes that push an object
 
 # opcodes
@@ -170,9 +169,13 @@ class _Scan:
     def _fold(self) -> None:
         """The memo reads gathered so far, into ``read``: each is in a range before the one being
         gathered, or in it; it counts as read up to the end of that one (never too early)."""
-        last = len(self.roles) + 1
+        last, arr = len(self.roles) + 1, self.last
         for short, long in set(_GET_TOKENS(b"".join(self.pending))):
-            self._read(short[0] if short else int.from_bytes(long, "little"), last)
+            idx = short[0] if short else int.from_bytes(long, "little")
+            if idx < len(arr):
+                arr[idx] = last
+            else:
+                self._read(idx, last)
         self.pending.clear()
 
     def _read(self, idx: int, last: int) -> None:
@@ -607,7 +610,17 @@ class _Scan:
         del st[k:]
 
 
-_NONE_OVER = re.compile(rb"(.{4})", re.S)  # 4-byte little-endian indices -> LONG_BINPUT of None over each
+# NONE LONG_BINPUT <index> POP NONE as one 8-byte little-endian word: index << 16 plus this
+_NONE_OVER = 0x4E | 0x72 << 8 | 0x30 << 48 | 0x4E << 56
+
+
+def _none_over(indices: list[int]) -> bytes:
+    """A pickle that sets each of the memo ``indices`` (below 2^32) to None: NONE LONG_BINPUT POP
+    per index (and a None left on the stack each, dropped at the STOP)."""
+    words = array("Q", map(_NONE_OVER.__add__, map((1 << 16).__mul__, (i for i in indices if i < 1 << 32))))
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words.tobytes() + b"N."
 
 
 def _index_at(raw: bytes, j: int) -> int:
@@ -746,6 +759,6 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
                 on_list(lists)
         del objs
         if dead:  # objects no later range reads: out of the memo (a LONG_BINPUT of None over each)
-            feed.set(_NONE_OVER.sub(rb"Nr\g<1>0", array("I", (i for i in dead if i < 1 << 32)).tobytes()) + b"N.")
+            feed.set(_none_over(dead))
             u.load()
     return out

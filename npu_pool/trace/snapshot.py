@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from array import array
 from itertools import repeat
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
@@ -537,6 +537,11 @@ class _Events:
         return (self.names[self.action[i]], self.addr[i], self.size[i], self.stream[i], self.site[i], self.time[i],
                 self.device_free.get(i, 0))
 
+    def backwards(self) -> Iterator[tuple[int, str, int, int, int]]:
+        """(index, action, addr, size, stream) from the last entry to the first."""
+        return zip(range(len(self.action) - 1, -1, -1), map(self.names.__getitem__, reversed(self.action)),
+                   reversed(self.addr), reversed(self.size), reversed(self.stream))
+
 
 class _Rows:
     """The window's rows [op, cat, site, id, size, stream, addr] in columns (a Trace's types)."""
@@ -547,6 +552,14 @@ class _Rows:
     def append(self, row: Iterable[int]) -> None:
         for col, v in zip(self.cols, row):
             col.append(v)
+
+    def adder(self) -> Callable[[int, int, int, int, int, int, int], None]:
+        """append(row) for the hot loop: the seven values as arguments."""
+        op, cat, site, id_, size, stream, addr = (col.append for col in self.cols)
+
+        def add(o: int, c: int, s: int, i: int, z: int, t: int, a: int) -> None:
+            op(o), cat(c), site(s), id_(i), size(z), stream(t), addr(a)
+        return add
 
     def __len__(self) -> int:
         return len(self.cols[0])
@@ -665,6 +678,7 @@ class _Builder:
         live: dict[int, int] = {}  # address -> row of its allocation
         self.seen: set[int] = set()  # addresses allocated or freed in the window
         rows, prev = self.rows, None
+        add = rows.adder()
         marks, m = self.marks, 0
         if marks and any(ev[5] < 0 for ev in self.events):
             self.warn("events carry no time_us: the annotations cannot be placed among them; left out")
@@ -678,7 +692,7 @@ class _Builder:
                     self.warn(f"event {i}: alloc at {addr:#x} which is still live; freeing the old block first")
                     self._free(rows[live.pop(addr)])
                 live[addr] = len(rows)
-                rows.append((OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr))
+                add(OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr)
                 self.n_window_ids += 1
                 self.seen.add(addr)
             elif action == "free_completed" or (action == "free_requested" and i in use_requested):
@@ -749,8 +763,7 @@ class _Builder:
         segments) maps or unmaps a range, so undoing it removes or adds that range."""
         segs = {s["addr"]: (s["size"], s["stream"], s["pool"] if s["pool"] is not None else _pool(s["size"]))
                 for s in self.segments}
-        for i in range(len(self.events) - 1, -1, -1):
-            action, addr, size, stream, *_ = self.events[i]
+        for i, action, addr, size, stream in self.events.backwards():
             if action == "segment_unmap":
                 _add_range(segs, addr, size, stream)
             elif action == "segment_map":
