@@ -9,18 +9,21 @@ and the key strings). So the whole tree, 3-9x the file, lives until the load ret
 
 Two passes over the opcodes:
 
-1. :class:`_Scan` walks the opcode stream (a pickletools-like walk, with runs of the common
-   fixed-size opcodes and memo reads taken by a regular expression, in C). It follows the
-   structure only at the top: the dict, the list of lists named ``key`` and its lists' items;
-   everything inside an item or another value is stepped over, counting marks. It records
-   which memo stores are ever read back (a store is a position in the file, a memo read names
-   the latest store of its index), and cuts the file into ranges: the dict's keys and values,
-   and runs of complete items of a listed list of at most :data:`_PIECE` bytes.
-2. :func:`stream_dict` feeds those ranges, in file order, to one C unpickler (whose memo
-   carries over from range to range, so shared objects are the same objects as in a whole
-   load), each range wrapped as a small pickle of a list. Memo stores never read back are
-   rewritten to store ``None``: the objects they name are then freed as soon as the consumer
-   drops them.
+1. :class:`_Scan` walks the opcode stream (a pickletools-like walk; among the listed items,
+   the bulk of a snapshot, runs of common opcodes are matched by one regular expression, in
+   C, and only marks, closers and memo stores come back to Python). It follows the structure
+   only at the top: the dict, the list of lists named ``key`` and its lists' items; everything
+   inside an item or another value is stepped over, counting marks. It cuts the file into
+   ranges (the dict's keys and values, runs of whole items of a listed list of about
+   :data:`_PIECE` bytes), notes where each memo store is, and for each memo index the last
+   range that reads it (a memo read names its index; where a file stores an index again, the
+   later store replaces the earlier object in the memo anyway).
+2. :func:`stream_dict` feeds those ranges, in file order and as written, to one C unpickler
+   (whose memo carries over from range to range, so shared objects are the same objects as in
+   a whole load), each range wrapped as a small pickle of a list. After each range, the memo
+   indices it stored that nothing reads, and those it read for the last time, are set to None
+   by a small pickle of LONG_BINPUT opcodes: the objects are freed as soon as the consumer
+   drops them, and only what later ranges read stays.
 
 Anything outside that shape or outside plain data -- a global, a persistent id, an opcode
 the scan does not know, a truncated file, a structure it cannot follow exactly, a memo store
@@ -57,17 +60,17 @@ _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pick
 _PUSHES = (rb"K.|M..|J....|G.{8}|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8})"
            rb"|[N\x88\x89}\])\x8f]|\x8c(?:" + b"|".join(re.escape(bytes((n,))) + b"." * n for n in range(256)) + rb")"
            rb"|X(?:" + b"|".join(re.escape(bytes((n,))) + rb"\x00\x00\x00" + b"." * n for n in range(256)) + rb")")
-_GET = rb"h.|j...."
+_READS = rb"h.|j...."  # BINGET, LONG_BINGET
 _STRUCT = rb"[(eu\x90tld\x911\x94as\x85\x86\x8702]|q.|r...."
-_ITEMS = re.compile(rb"(?:" + _GET + rb"|" + _PUSHES + rb"|\((?:" + _GET + rb"|" + _PUSHES + rb")*+[eu])*+(?:("
+_ITEMS = re.compile(rb"(?:" + _READS + rb"|" + _PUSHES + rb"|\((?:" + _READS + rb"|" + _PUSHES + rb")*+[eu])*+(?:("
                     + _STRUCT + rb")|(.)|\Z)", re.S).finditer
-_GET_RUNS = re.compile(rb"(?:" + _PUSHES + rb"|" + _STRUCT + rb")*+((?:" + _GET + rb")*+)", re.S).findall
+_GET_RUNS = re.compile(rb"(?:" + _PUSHES + rb"|" + _STRUCT + rb")*+((?:" + _READS + rb")*+)", re.S).findall
 _GET_TOKENS = re.compile(rb"h(.)|j(....)", re.S).findall
 # Runs of opcodes that change nothing the scan follows inside an item or a value: the above, and
 # TUPLE1-3, APPEND, SETITEM, DUP. The same alternation with memo reads captured lists them.
 _SIMPLE = _PUSHES + rb"|[\x85\x86\x87as2]"
-_RUN = re.compile(rb"(?:h.|j....|" + _SIMPLE + rb")*+", re.S).match
-_GETS = re.compile(rb"(h.|j....)|" + _SIMPLE, re.S).findall
+_RUN = re.compile(rb"(?:" + _READS + rb"|" + _SIMPLE + rb")*+", re.S).match
+_GETS = re.compile(rb"(" + _READS + rb")|" + _SIMPLE, re.S).findall
 _PUSH_OPS = frozenset(b"KMJG\x8aN\x88\x89}])\x8fhjgFILSVTUBC\x8e\x8c\x58\x8d\x96\x8b")  # opcodes that push an object
 
 # opcodes
