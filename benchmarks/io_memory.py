@@ -105,7 +105,7 @@ base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 if {traced!r}:
     tracemalloc.start()
 t0 = time.perf_counter()
-if {mode!r} == "streamed":
+if {mode!r} in ("streamed", "before"):  # before: load_snapshot of another checkout (--before)
     traces = s.load_snapshot({path!r})
 else:  # the whole-file read: unpickled whole, then converted
     p = Path({path!r})
@@ -120,15 +120,15 @@ print(json.dumps({{"seconds": time.perf_counter() - t0, "base": base, "events": 
 """
 
 
-def read_snapshot(path: str, mode: str, traced: bool = False) -> dict:
-    code = _READ.format(root=str(ROOT), path=str(Path(path).resolve()), mode=mode, traced=traced)
+def read_snapshot(path: str, mode: str, traced: bool = False, root: Path = ROOT) -> dict:
+    code = _READ.format(root=str(root), path=str(Path(path).resolve()), mode=mode, traced=traced)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
     if r.returncode:
         raise SystemExit(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def snapshots(paths: list[str], repeat: int) -> None:
+def snapshots(paths: list[str], repeat: int, before: Path | None = None) -> None:
     print("peak RSS above the bare interpreter (0: under the interpreter's own import peak) and peak of "
           "the Python allocations (tracemalloc, a run apart), each against the file's size; seconds")
     print(f"{'snapshot':34} {'bytes':>11} {'RSS streamed':>13} {'whole':>7} {'traced streamed':>16} {'whole':>7} "
@@ -146,6 +146,21 @@ def snapshots(paths: list[str], repeat: int) -> None:
         print(f"{Path(p).name:34} {size:11,} {above['streamed']:12.2f}x {above['whole']:6.2f}x "
               f"{traced['streamed']:15.2f}x {traced['whole']:6.2f}x {secs['streamed']:10.2f} {secs['whole']:6.2f} "
               f"{secs['streamed'] / secs['whole']:6.2f}")
+    if before is None:
+        return
+    print(f"\nseconds against load_snapshot of {before} (best of {repeat}, alternated)")
+    total = {"streamed": 0.0, "before": 0.0}
+    for p in paths:
+        secs = {"streamed": [], "before": []}
+        for _ in range(repeat):
+            secs["streamed"].append(read_snapshot(p, "streamed")["seconds"])
+            secs["before"].append(read_snapshot(p, "before", root=before)["seconds"])
+        best = {m: min(v) for m, v in secs.items()}
+        for m in total:
+            total[m] += best[m]
+        print(f"{Path(p).name:34} {best['streamed']:8.3f} {best['before']:8.3f} "
+              f"{best['streamed'] / best['before']:6.2f}")
+    print(f"{'all':34} {total['streamed']:8.3f} {total['before']:8.3f} {total['streamed'] / total['before']:6.2f}")
 
 
 def main() -> None:
@@ -154,9 +169,12 @@ def main() -> None:
     ap.add_argument("--keep", metavar="DIR", help="write the files here (default: a temporary folder)")
     ap.add_argument("--snapshots", nargs="+", metavar="PICKLE", help="measure the import of these snapshots instead")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each way per snapshot (--snapshots)")
+    ap.add_argument("--before", type=Path, metavar="CHECKOUT",
+                    help="with --snapshots: also time load_snapshot of this other checkout (its core built), "
+                         "e.g. `git worktree add ../before 84ba63c`")
     args = ap.parse_args()
     if args.snapshots:
-        snapshots(args.snapshots, args.repeat)
+        snapshots(args.snapshots, args.repeat, args.before.resolve() if args.before else None)
         return
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(args.keep or tmp)

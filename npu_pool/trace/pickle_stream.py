@@ -545,7 +545,8 @@ class _Scan:
             arg = self.buf[self.i + 1:self.i + 1 + n]
             self.i += 1 + n
             if op != _TUPLE1:
-                self._store(pos, None if op == _MEMOIZE else int.from_bytes(arg, "little"), self.open[0] in (_D, _T, _L))
+                idx = None if op == _MEMOIZE else int.from_bytes(arg, "little")
+                self._store(pos, idx, self.open[0] in (_D, _T, _L))
             return False
         if op == _PUT:
             if not st or st[-1][0] == _M or self.open is None or self.open[0] in (_D, _T, _L):
