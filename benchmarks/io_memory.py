@@ -14,15 +14,19 @@ the package, their ratios to the input, and seconds.
 ``--snapshots``: instead, the import of each given PyTorch snapshot (or export), each read in a
 fresh process both ways: ``streamed`` (``load_snapshot``: the file read range by range, each
 entry converted and freed as it comes) and ``whole`` (the whole-file unpickle it replaced, still
-its fallback for files it does not follow). Printed: the file's bytes, peak RSS above the bare
-interpreter for each way and its ratio to the file, and seconds (best of ``--repeat`` runs, the
-two ways alternated).
+its fallback for files it does not follow). Printed: the file's bytes; for each way, peak RSS
+above the bare interpreter and the peak of the Python allocations (tracemalloc, a run apart),
+against the file's size; seconds (best of ``--repeat`` runs, the two ways alternated; the whole
+read's conversion is this tree's, which this change made faster). ``--before CHECKOUT`` also
+times ``load_snapshot`` of another checkout (its core built) side by side.
 
 Figures (2 shared cores, Python 3.11; `python benchmarks/io_memory.py --snapshots
-../shared/traces/*.pickle`): peak RSS above the bare interpreter 0.0-0.7x the file streamed (a
-few MB under the interpreter's own import peak on all but the 3.1-3.9 MB ones), 1.4-1.9x whole;
-`python benchmarks/io_memory.py --events 1000000`: the import of the 70 MB export needs 1.4x
-its size streamed, 8.7x before (commit 84ba63c).
+../shared/traces/*.pickle --before <a checkout of 84ba63c, its core built>`): peak RSS above
+the bare interpreter under the interpreter's own import peak streamed on all nine (whole: up to
+1.8x the file), Python allocations 1.0-2.0x the file streamed, 3.0-4.5x whole; 1.34x the time of
+84ba63c's import over the nine (1.0-2.0x each). `python benchmarks/io_memory.py --events
+1000000`: the import of the 70 MB export needs 1.4x its size above the bare interpreter
+streamed, 8.7x at 84ba63c.
 """
 from __future__ import annotations
 
