@@ -11,8 +11,22 @@ the package, their ratios to the input, and seconds.
     python benchmarks/io_memory.py [--events 2000000] [--keep DIR]
     python benchmarks/io_memory.py --snapshots ../shared/traces/*.pickle   # import of real snapshots
 
-``--snapshots``: instead, the import of each given PyTorch snapshot in this process: its
-peak Python-side memory (tracemalloc) against the file's size, and seconds.
+``--snapshots``: instead, the import of each given PyTorch snapshot (or export), each read in a
+fresh process both ways: ``streamed`` (``load_snapshot``: the file read range by range, each
+entry converted and freed as it comes) and ``whole`` (the whole-file unpickle it replaced, still
+its fallback for files it does not follow). Printed: the file's bytes; for each way, peak RSS
+above the bare interpreter and the peak of the Python allocations (tracemalloc, a run apart),
+against the file's size; seconds (best of ``--repeat`` runs, the two ways alternated; the whole
+read's conversion is this tree's, which this change made faster). ``--before CHECKOUT`` also
+times ``load_snapshot`` of another checkout (its core built) side by side.
+
+Figures (2 shared cores, Python 3.11; `python benchmarks/io_memory.py --snapshots
+../shared/traces/*.pickle --before <a checkout of 84ba63c, its core built>`): peak RSS above
+the bare interpreter under the interpreter's own import peak streamed on all nine (whole: up to
+1.8x the file), Python allocations 1.0-2.0x the file streamed, 3.0-4.5x whole; 1.34x the time of
+84ba63c's import over the nine (1.0-2.0x each). `python benchmarks/io_memory.py --events
+1000000`: the import of the 70 MB export needs 1.4x its size above the bare interpreter
+streamed, 8.7x at 84ba63c.
 """
 from __future__ import annotations
 
@@ -86,21 +100,71 @@ def measure(argv: list[str]) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def snapshots(paths: list[str]) -> None:
-    import tracemalloc
+_READ = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+import npu_pool.cli, npu_pool.trace.snapshot as s, tracemalloc
+from pathlib import Path
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+if {traced!r}:
+    tracemalloc.start()
+t0 = time.perf_counter()
+if {mode!r} in ("streamed", "before"):  # before: load_snapshot of another checkout (--before)
+    traces = s.load_snapshot({path!r})
+else:  # the whole-file read: unpickled whole, then converted
+    p = Path({path!r})
+    with open(p, "rb") as f:
+        s.check_head(p, f.read(8))
+        f.seek(0)
+        obj = s._unpickle(s._Bounded(f, p.stat().st_size), str(p))
+    traces = s.snapshot_to_traces(obj, str(p), max_elements=p.stat().st_size, _consume=True)
+print(json.dumps({{"seconds": time.perf_counter() - t0, "base": base, "events": sum(len(t) for t in traces),
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "traced": tracemalloc.get_traced_memory()[1] if {traced!r} else 0}}))
+"""
 
-    from npu_pool.trace.snapshot import load_snapshot
 
-    print(f"{'snapshot':40} {'bytes':>12} {'peak traced':>12} {'ratio':>6} {'seconds':>8}")
+def read_snapshot(path: str, mode: str, traced: bool = False, root: Path = ROOT) -> dict:
+    code = _READ.format(root=str(root), path=str(Path(path).resolve()), mode=mode, traced=traced)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    if r.returncode:
+        raise SystemExit(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def snapshots(paths: list[str], repeat: int, before: Path | None = None) -> None:
+    print("peak RSS above the bare interpreter (0: under the interpreter's own import peak) and peak of "
+          "the Python allocations (tracemalloc, a run apart), each against the file's size; seconds")
+    print(f"{'snapshot':34} {'bytes':>11} {'RSS streamed':>13} {'whole':>7} {'traced streamed':>16} {'whole':>7} "
+          f"{'s streamed':>10} {'whole':>6} {'ratio':>6}")
     for p in paths:
         size = Path(p).stat().st_size
-        tracemalloc.start()
-        t0 = time.perf_counter()
-        load_snapshot(p)
-        took = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        print(f"{Path(p).name:40} {size:12,} {peak:12,} {peak / size:6.1f} {took:8.2f}")
+        runs: dict[str, list[dict]] = {"streamed": [], "whole": []}
+        for _ in range(repeat):
+            for mode in runs:
+                runs[mode].append(read_snapshot(p, mode))
+        assert runs["streamed"][0]["events"] == runs["whole"][0]["events"]
+        above = {m: min(r["peak"] - r["base"] for r in rs) / size for m, rs in runs.items()}
+        traced = {m: read_snapshot(p, m, traced=True)["traced"] / size for m in runs}
+        secs = {m: min(r["seconds"] for r in rs) for m, rs in runs.items()}
+        print(f"{Path(p).name:34} {size:11,} {above['streamed']:12.2f}x {above['whole']:6.2f}x "
+              f"{traced['streamed']:15.2f}x {traced['whole']:6.2f}x {secs['streamed']:10.2f} {secs['whole']:6.2f} "
+              f"{secs['streamed'] / secs['whole']:6.2f}")
+    if before is None:
+        return
+    print(f"\nseconds against load_snapshot of {before} (best of {repeat}, alternated)")
+    total = {"streamed": 0.0, "before": 0.0}
+    for p in paths:
+        secs = {"streamed": [], "before": []}
+        for _ in range(repeat):
+            secs["streamed"].append(read_snapshot(p, "streamed")["seconds"])
+            secs["before"].append(read_snapshot(p, "before", root=before)["seconds"])
+        best = {m: min(v) for m, v in secs.items()}
+        for m in total:
+            total[m] += best[m]
+        print(f"{Path(p).name:34} {best['streamed']:8.3f} {best['before']:8.3f} "
+              f"{best['streamed'] / best['before']:6.2f}")
+    print(f"{'all':34} {total['streamed']:8.3f} {total['before']:8.3f} {total['streamed'] / total['before']:6.2f}")
 
 
 def main() -> None:
@@ -108,9 +172,13 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=2_000_000)
     ap.add_argument("--keep", metavar="DIR", help="write the files here (default: a temporary folder)")
     ap.add_argument("--snapshots", nargs="+", metavar="PICKLE", help="measure the import of these snapshots instead")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each way per snapshot (--snapshots)")
+    ap.add_argument("--before", type=Path, metavar="CHECKOUT",
+                    help="with --snapshots: also time load_snapshot of this other checkout (its core built), "
+                         "e.g. `git worktree add ../before 84ba63c`")
     args = ap.parse_args()
     if args.snapshots:
-        snapshots(args.snapshots)
+        snapshots(args.snapshots, args.repeat, args.before.resolve() if args.before else None)
         return
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(args.keep or tmp)

@@ -285,9 +285,8 @@ def test_messages_never_expand_a_large_value() -> None:
 def test_export_and_import_memory_is_a_small_multiple_of_the_input(tmp_path: Path) -> None:
     """Python-side peak memory (tracemalloc) against the input file's size: the export streams
     from the core's compact history (~3.8x; building the whole snapshot in memory took ~29x), the
-    import reads the file once and replaces each entry by its compact record (~9x; ~12.7x when it
-    held the file's bytes and every record beside the entries). benchmarks/io_memory.py measures
-    RSS and time on larger traces."""
+    import streams the file range by range (~2.1x; ~9x when it unpickled the file whole).
+    benchmarks/io_memory.py measures RSS and time on larger traces."""
     from npu_pool.analysis.memviz import export
 
     npt, out = tmp_path / "t.npt", tmp_path / "t.pickle"
@@ -304,7 +303,7 @@ def test_export_and_import_memory_is_a_small_multiple_of_the_input(tmp_path: Pat
     finally:
         tracemalloc.stop()
     assert export_peak < 8 * npt.stat().st_size, (export_peak, npt.stat().st_size)
-    assert import_peak < 11 * out.stat().st_size, (import_peak, out.stat().st_size)
+    assert import_peak < 3 * out.stat().st_size, (import_peak, out.stat().st_size)
     assert sum(op == OP_ALLOC for op in back.op) == sum(op == OP_ALLOC for op in Trace.load(npt).op)
 
 

@@ -30,12 +30,15 @@ import pickle
 import re
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from array import array
+from itertools import repeat
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
+from .pickle_stream import NotStreamable, stream_dict
 from ..inputs import NotRegularFile, open_regular
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
@@ -44,6 +47,7 @@ __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
 _MAX_WARNINGS = 50
+_SITES_HELD = 2048  # frames (and a quarter as many sequences) a device's site cache keeps before it stops growing
 _ACTIVE = ("active_allocated", "active_pending_free")
 _SEG_NEW = ("segment_alloc", "segment_map")
 _SEG_GONE = ("segment_free", "segment_unmap")
@@ -133,12 +137,22 @@ def check_head(path: Path, head: bytes) -> None:
 def load_snapshot(path: str | Path) -> list[Trace]:
     """Read a snapshot pickle; one Trace per device with recorded events. The first bytes are
     checked before anything else is read (a trace, a plan, any other file is refused at once,
-    naming what it is); only regular files are read, and never past their size."""
+    naming what it is); only regular files are read, and never past their size.
+
+    The file is streamed (:mod:`.pickle_stream`): each ``device_traces`` entry is converted to
+    its compact record as it is unpickled and then freed, so memory stays near the file's size
+    instead of the 3-9x of the whole object tree. A file the streamed reader does not follow, or
+    one it finds wrong in any way, is read again whole as before: that read gives the file's
+    own answer and the same message as ever (the streamed result equals it where both succeed)."""
     path = Path(path)
     try:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             check_head(path, f.read(8))
+            try:
+                return _streamed(f, st.st_size, str(path))
+            except (NotStreamable, TraceError, RecursionError, MemoryError):
+                pass  # read whole: the reference reading, with its own messages
             f.seek(0)
             obj = _unpickle(_Bounded(f, st.st_size), str(path))
     except NotRegularFile:
@@ -148,12 +162,82 @@ def load_snapshot(path: str | Path) -> list[Trace]:
     return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
 
 
+def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
+    """:func:`load_snapshot` of a file streamed entry by entry; NotStreamable or TraceError when
+    the file is to be read whole instead."""
+    devices: list[tuple[_Events, _Sites]] = []
+    probe = _Probe()
+
+    def on_list(dev: int) -> None:
+        devices.append((_Events(), _Sites(name)))
+
+    def on_items(dev: int, items: list) -> None:
+        evs, sites = devices[dev]
+        for e in items:
+            if len(evs) < _PROBE_ENTRIES:
+                probe.look(e)
+            evs.add(_event(e, name, f"device_traces[{dev}][{len(evs)}]", sites))
+
+    f.seek(0)
+    rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items)
+    rest["device_traces"] = [evs for evs, _ in devices]
+    segments, traces, annotations, settings = _validated(rest, name, size)
+    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    marks = _annotations(annotations, name)
+    kind = probe.result(segments, rest.get("allocator_settings"))
+    del rest, traces, segments, annotations
+
+    def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
+        for dev in range(len(devices)):
+            box, sites = [devices[dev][0]], devices[dev][1]
+            devices[dev] = None  # the builder takes the entries over
+            if len(box[0]):
+                yield dev, box, sites
+
+    return _traces(name, converted(), segs, marks, settings, kind)
+
+
 def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None, *,
                        _consume: bool = False) -> list[Trace]:
     """Convert an already-unpickled snapshot dict; ``name`` goes into messages and meta["origin"].
     ``max_elements``: refuse to walk more list elements than this (the file's size in bytes).
     (``_consume``: the dict is the caller's no more: each entry is replaced by its compact
     record as it is read, so the unpickled dicts are freed as the conversion goes.)"""
+    segments, traces, annotations, settings = _validated(obj, name, max_elements)
+    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    marks = _annotations(annotations, name)
+    kind = _device_type(obj)
+
+    def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
+        consumed: set[int] = set()  # ids of the event lists converted in place
+        for dev, events in enumerate(traces):
+            where = f"device_traces[{dev}]"
+            if not events:
+                continue
+            sites = _Sites(name)
+            evs = _Events()
+            if _consume:  # each dict is dropped as its record is taken
+                if id(events) in consumed:
+                    raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
+                consumed.add(id(events))
+                for i, e in enumerate(events):
+                    evs.add(_event(e, name, f"{where}[{i}]", sites))
+                    events[i] = None
+                traces[dev] = []
+            else:
+                for i, e in enumerate(events):
+                    evs.add(_event(e, name, f"{where}[{i}]", sites))
+            del events
+            box = [evs]
+            del evs
+            yield dev, box, sites
+
+    return _traces(name, converted(), segs, marks, settings, kind)
+
+
+def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, list, list, Any]:
+    """The checks of a snapshot's top level: (segments, device_traces, external_annotations,
+    a bounded copy of allocator_settings or None)."""
     if not isinstance(obj, dict):
         raise TraceError(f"{name}: not a PyTorch memory snapshot (top level is {type(obj).__name__}, not dict)")
     segments = obj.get("segments", [])
@@ -162,8 +246,8 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     _expect(traces is None or isinstance(traces, list), name, "device_traces", "a list", traces)
     if traces is not None:
         for i, t in enumerate(traces):
-            _expect(isinstance(t, list), name, f"device_traces[{i}]", "a list", t)
-    if traces is None or all(t == [] for t in traces):
+            _expect(isinstance(t, (list, _Events)), name, f"device_traces[{i}]", "a list", t)
+    if traces is None or all(len(t) == 0 for t in traces):
         if "segments" in obj:
             raise TraceError(f"{name}: snapshot has segments but no device_traces events; it was recorded "
                              "without torch.cuda.memory._record_memory_history()")
@@ -180,30 +264,20 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     if settings is not None:
         _expect(isinstance(settings, dict), name, "allocator_settings", "a dict", settings)
         settings = _bounded(settings)
-    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
-    marks = _annotations(annotations, name)
-    kind = _device_type(obj)
+    return segments, traces, annotations, settings
+
+
+def _traces(name: str, devices: Iterable[tuple[int, list["_Events"], "_Sites"]], segs: list[dict],
+            marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None) -> list[Trace]:
+    """One Trace per device from its converted events, each handed over in a list of one that
+    is emptied here (the builder frees them before it assembles the trace's columns)."""
     out = []
-    consumed: set[int] = set()  # ids of the event lists converted in place
-    for dev, events in enumerate(traces):
-        where = f"device_traces[{dev}]"
-        if not events:
-            continue
-        sites = _Sites(name)
-        if _consume:  # in place: each dict is dropped as its record replaces it
-            if id(events) in consumed:
-                raise TraceError(f"{name}: {where} is the same list as another device's; not a memory snapshot")
-            consumed.add(id(events))
-            evs = events
-            for i, e in enumerate(events):
-                evs[i] = _event(e, name, f"{where}[{i}]", sites)
-            traces[dev] = []
-        else:
-            evs = [_event(e, name, f"{where}[{i}]", sites) for i, e in enumerate(events)]
+    for dev, box, sites in devices:
         dev_segs = [s for s in segs if s["device"] == dev]
-        t = _Builder(name, dev, evs, dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
-                     sites=sites).build()
-        del evs, events
+        builder = _Builder(name, dev, box.pop(), dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
+                           sites=sites)
+        t = builder.build()
+        del builder
         t.meta["origin"] = name
         t.meta["device"] = dev
         expandable = any(s["is_expandable"] for s in segs)
@@ -227,24 +301,44 @@ _DEVICE_MARKS = (("npu", ("NPUCachingAllocator", "c10_npu::", "torch_npu")),
                  ("cuda", ("CUDACachingAllocator", "c10::cuda::")))
 
 
-def _device_type(obj: dict) -> str | None:
-    """"npu", "cuda", or None when the snapshot does not say."""
-    budget = _DEVICE_PROBE
-    sources = [e for t in obj.get("device_traces") or [] if isinstance(t, list) for e in t[:64]]
-    sources += [s for s in obj.get("segments") or [] if isinstance(s, dict)][:64]
-    for entry in sources:
+_PROBE_ENTRIES = 64  # entries looked at per device, and segments
+
+
+class _Probe:
+    """The device type, from entries seen in order: each device's first _PROBE_ENTRIES trace
+    entries, then the first _PROBE_ENTRIES segments; the first frame that names a runtime wins."""
+
+    def __init__(self) -> None:
+        self.budget, self.kind = _DEVICE_PROBE, None
+
+    def look(self, entry: Any) -> None:
+        if self.kind is not None or self.budget <= 0:
+            return
         frames = entry.get("frames") if isinstance(entry, dict) else None
-        for f in frames[:budget] if isinstance(frames, list) else ():
+        for f in frames[:self.budget] if isinstance(frames, list) else ():
             if not isinstance(f, dict):
                 continue
             text = " ".join(v for v in (f.get("name"), f.get("filename")) if isinstance(v, str))
             for kind, marks in _DEVICE_MARKS:
                 if any(m in text for m in marks):
-                    return kind
-        budget -= len(frames) if isinstance(frames, list) else 0
-        if budget <= 0:
-            break
-    return "cuda" if isinstance(obj.get("allocator_settings"), dict) else None
+                    self.kind = kind
+                    return
+        self.budget -= len(frames) if isinstance(frames, list) else 0
+
+    def result(self, segments: Any, settings: Any) -> str | None:
+        """"npu", "cuda", or None when the snapshot does not say."""
+        for s in [s for s in segments or [] if isinstance(s, dict)][:_PROBE_ENTRIES]:
+            self.look(s)
+        return self.kind or ("cuda" if isinstance(settings, dict) else None)
+
+
+def _device_type(obj: dict) -> str | None:
+    """"npu", "cuda", or None when the snapshot does not say."""
+    probe = _Probe()
+    for t in obj.get("device_traces") or []:
+        for e in t[:_PROBE_ENTRIES] if isinstance(t, list) else ():
+            probe.look(e)
+    return probe.result(obj.get("segments"), obj.get("allocator_settings"))
 
 
 def _bounded(obj: Any) -> Any:
@@ -332,6 +426,8 @@ def _expect(ok: bool, name: str, where: str, what: str, value: Any) -> None:
 
 def _int(d: dict, key: str, name: str, where: str, default: int | None = None, signed: bool = False) -> int:
     v = d.get(key, default)
+    if type(v) is int and ((-(1 << 63) <= v < 1 << 63) if signed else (0 <= v < 1 << 64)):
+        return v  # the common case, checked first
     if v is None:
         raise TraceError(f"{name}: {where} has no {key!r}")
     lo, hi = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
@@ -350,6 +446,20 @@ def _frames(d: dict, name: str, where: str) -> list:
 def _event(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
     """Check one trace entry; return (action, addr, size, stream, site, time_us or -1, device_free):
     the site (of an alloc or a failed request) interned in ``sites``, the frames not kept."""
+    if type(e) is dict:  # the common case at once; anything else through every check, in order
+        action, frames = e.get("action"), e.get("frames", [])
+        if type(action) is str and action != "oom" and type(frames) is list:
+            addr, size, stream, t = e.get("addr"), e.get("size"), e.get("stream", 0), e.get("time_us", -1)
+            if (type(addr) is int and type(size) is int and type(stream) is int and type(t) is int
+                    and 0 <= addr < 1 << 64 and 0 <= size < 1 << 64 and -(1 << 63) <= stream < 1 << 63
+                    and -(1 << 63) <= t < 1 << 63):
+                return (sys.intern(action) if len(action) < 40 else action, addr, size, stream,
+                        sites.site(frames, where) if action == "alloc" else -1, t, 0)
+    return _event_checked(e, name, where, sites)
+
+
+def _event_checked(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
+    """:func:`_event`, each field checked in turn with its message."""
     _expect(isinstance(e, dict), name, where, "a dict", e)
     action = e.get("action")
     _expect(isinstance(action, str), name, f"{where}.action", "a string", action)
@@ -390,6 +500,74 @@ def _pool(size: int) -> int:
 # -- sites ---------------------------------------------------------------------------------
 
 
+class _Events:
+    """One device's checked trace entries (:func:`_event`'s records) in columns: 40 bytes an
+    entry, where a tuple of Python ints takes about 200. Iterating or indexing gives the records."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # action code -> action
+        self._codes: dict[str, int] = {}
+        self.action, self.addr, self.size = array("I"), array("Q"), array("Q")
+        self.stream, self.site, self.time = array("q"), array("i"), array("q")
+        self.device_free: dict[int, int] = {}  # entry -> free bytes, of the failed requests that say it
+
+    def add(self, record: tuple) -> None:
+        action, addr, size, stream, site, time_us, device_free = record
+        code = self._codes.get(action)
+        if code is None:
+            code = self._codes[action] = len(self.names)
+            self.names.append(action)
+        if device_free:
+            self.device_free[len(self.action)] = device_free
+        self.action.append(code)
+        self.addr.append(addr)
+        self.size.append(size)
+        self.stream.append(stream)
+        self.site.append(site)
+        self.time.append(time_us)
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return zip(map(self.names.__getitem__, self.action), self.addr, self.size, self.stream, self.site,
+                   self.time, map(self.device_free.get, range(len(self.action)), repeat(0)))
+
+    def __getitem__(self, i: int) -> tuple:
+        return (self.names[self.action[i]], self.addr[i], self.size[i], self.stream[i], self.site[i], self.time[i],
+                self.device_free.get(i, 0))
+
+    def backwards(self) -> Iterator[tuple[int, str, int, int, int]]:
+        """(index, action, addr, size, stream) from the last entry to the first."""
+        return zip(range(len(self.action) - 1, -1, -1), map(self.names.__getitem__, reversed(self.action)),
+                   reversed(self.addr), reversed(self.size), reversed(self.stream))
+
+
+class _Rows:
+    """The window's rows [op, cat, site, id, size, stream, addr] in columns (a Trace's types)."""
+
+    def __init__(self) -> None:
+        self.cols = (array("B"), array("B"), array("i"), array("q"), array("Q"), array("q"), array("Q"))
+
+    def append(self, row: Iterable[int]) -> None:
+        for col, v in zip(self.cols, row):
+            col.append(v)
+
+    def adder(self) -> Callable[[int, int, int, int, int, int, int], None]:
+        """append(row) for the hot loop: the seven values as arguments."""
+        op, cat, site, id_, size, stream, addr = (col.append for col in self.cols)
+
+        def add(o: int, c: int, s: int, i: int, z: int, t: int, a: int) -> None:
+            op(o), cat(c), site(s), id_(i), size(z), stream(t), addr(a)
+        return add
+
+    def __len__(self) -> int:
+        return len(self.cols[0])
+
+    def __getitem__(self, j: int) -> list[int]:
+        return [col[j] for col in self.cols]
+
+
 class _Sites:
     """Interns call-site strings built from an event's Python frames."""
 
@@ -397,9 +575,25 @@ class _Sites:
         self.name = name
         self.strings: list[str] = []
         self._index: dict[str, int] = {}
+        # frame objects (by identity) -> site: PyTorch shares each distinct frame dict between the
+        # tracebacks that hold it, so a few hundred frame sequences stand for thousands of events.
+        # The entry keeps its frames alive, so their ids cannot be reused; bounded in frames held.
+        self._seen: dict[tuple[int, ...], tuple[int, tuple]] = {}
+        self._held: set[int] = set()  # ids of the frames the entries keep alive
 
     def site(self, frames: list, where: str) -> int:
         """Index of the site for ``frames`` (innermost first), -1 when there is no Python frame."""
+        key = tuple(map(id, frames))
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[0]
+        idx = self._site(frames, where)
+        if len(self._held) < _SITES_HELD and len(self._seen) < _SITES_HELD // 4:
+            self._seen[key] = (idx, tuple(frames))
+            self._held.update(key)
+        return idx
+
+    def _site(self, frames: list, where: str) -> int:
         user, lib = [], []
         for f in frames:
             if not isinstance(f, dict):
@@ -444,7 +638,7 @@ class _Builder:
         self.n_warnings = 0
         self.ignored: dict[str, int] = {}
         # window events as rows [op, cat, site, id, size, stream, addr]; ids < 0 name initial allocs
-        self.rows: list[list[int]] = []
+        self.rows = _Rows()
         self.init_allocs: list[list[int]] = []  # rows with op OP_INIT_ALLOC, provisional ids -1, -2, ...
         self.n_window_ids = 0
 
@@ -458,7 +652,9 @@ class _Builder:
         self._end_state(live)
         init_segs = self._initial_segments()
         self._check_inside(init_segs)
-        return self._assemble(init_segs)
+        recorded = self._recorded(init_segs)
+        self.events = None  # freed (when the caller let go of them too) before the columns are assembled
+        return self._assemble(init_segs, recorded)
 
     def _free_points(self) -> set[int]:
         """Indices of free_requested events that are a block's free point (no free_completed follows)."""
@@ -476,12 +672,13 @@ class _Builder:
         use.update(pending.values())
         return use
 
-    def _window(self) -> dict[int, list[int]]:
+    def _window(self) -> dict[int, int]:
         """Translate the window's events; return the allocations live at its end (addr -> row)."""
         use_requested = self._free_points()
-        live: dict[int, list[int]] = {}
+        live: dict[int, int] = {}  # address -> row of its allocation
         self.seen: set[int] = set()  # addresses allocated or freed in the window
         rows, prev = self.rows, None
+        add = rows.adder()
         marks, m = self.marks, 0
         if marks and any(ev[5] < 0 for ev in self.events):
             self.warn("events carry no time_us: the annotations cannot be placed among them; left out")
@@ -493,22 +690,23 @@ class _Builder:
             if action == "alloc":
                 if addr in live:
                     self.warn(f"event {i}: alloc at {addr:#x} which is still live; freeing the old block first")
-                    self._free(live.pop(addr))
-                row = [OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr]
+                    self._free(rows[live.pop(addr)])
+                live[addr] = len(rows)
+                add(OP_ALLOC, CAT_UNKNOWN, site, self.n_window_ids, size, stream, addr)
                 self.n_window_ids += 1
-                rows.append(row)
-                live[addr] = row
                 self.seen.add(addr)
             elif action == "free_completed" or (action == "free_requested" and i in use_requested):
-                row = live.pop(addr, None)
-                if row is None and addr in self.seen:
+                j = live.pop(addr, None)
+                if j is None and addr in self.seen:
                     self.warn(f"event {i}: {action} at {addr:#x} which was already freed; ignored")
                 else:
-                    if row is None:  # allocated before the window began
+                    if j is None:  # allocated before the window began
                         row = [OP_INIT_ALLOC, CAT_UNKNOWN, -1, -1 - len(self.init_allocs), size, stream, addr]
                         self.init_allocs.append(row)
-                    elif row[4] != size:
-                        self.warn(f"event {i}: {action} size {size} differs from the alloc's {row[4]}")
+                    else:
+                        row = rows[j]
+                        if row[4] != size:
+                            self.warn(f"event {i}: {action} size {size} differs from the alloc's {row[4]}")
                     self.seen.add(addr)
                     self._free(row)
             elif action in _SEG_NEW:
@@ -533,7 +731,7 @@ class _Builder:
     def _free(self, alloc_row: list[int]) -> None:
         self.rows.append([OP_FREE, *alloc_row[1:]])
 
-    def _end_state(self, live: dict[int, list[int]]) -> None:
+    def _end_state(self, live: dict[int, int]) -> None:
         """Add end-state allocated blocks with no event in the window as initial allocations."""
         active = set()
         for seg in self.segments:
@@ -541,11 +739,12 @@ class _Builder:
                 if b["state"] not in _ACTIVE:
                     continue
                 active.add(b["addr"])
-                row = live.get(b["addr"])
-                if row is not None:
-                    if row[4] != b["requested"]:
+                j = live.get(b["addr"])
+                if j is not None:
+                    size = self.rows.cols[4][j]
+                    if size != b["requested"]:
                         self.warn(f"block {b['addr']:#x}: end-state requested size {b['requested']} "
-                                  f"differs from its alloc's {row[4]}")
+                                  f"differs from its alloc's {size}")
                 elif b["addr"] not in self.seen:
                     site = self.sites.site(b["frames"], f"block {b['addr']:#x}")
                     self.init_allocs.append([OP_INIT_ALLOC, CAT_UNKNOWN, site, -1 - len(self.init_allocs),
@@ -564,8 +763,7 @@ class _Builder:
         segments) maps or unmaps a range, so undoing it removes or adds that range."""
         segs = {s["addr"]: (s["size"], s["stream"], s["pool"] if s["pool"] is not None else _pool(s["size"]))
                 for s in self.segments}
-        for i in range(len(self.events) - 1, -1, -1):
-            action, addr, size, stream, *_ = self.events[i]
+        for i, action, addr, size, stream in self.events.backwards():
             if action == "segment_unmap":
                 _add_range(segs, addr, size, stream)
             elif action == "segment_map":
@@ -598,7 +796,7 @@ class _Builder:
         if outside > 1:
             self.warn(f"{outside} initial allocations lie in no initial segment")
 
-    def _assemble(self, init_segs: dict[int, tuple[int, int, int]]) -> Trace:
+    def _assemble(self, init_segs: dict[int, tuple[int, int, int]], recorded: dict[str, int]) -> Trace:
         # Initial allocs get ids 0..k-1 in address order, window allocs k.. in event order.
         self.init_allocs.sort(key=lambda r: r[6])
         k = len(self.init_allocs)
@@ -611,16 +809,20 @@ class _Builder:
         for row in self.init_allocs:
             row[3] = remap[row[3]]
             _put(cols, row)
-        for row in self.rows:
-            if row[0] in (OP_ALLOC, OP_FREE):
-                row = list(row)
-                row[3] = remap[row[3]] if row[3] < 0 else row[3] + k
-            _put(cols, row)
+        # the window's columns become the trace's, behind what comes first: no second copy of them
+        window = list(self.rows.cols)
+        self.rows = _Rows()
+        window[3] = array("q", (i if o != OP_ALLOC and o != OP_FREE else remap[i] if i < 0 else i + k
+                                for o, i in zip(window[0], window[3])))
+        for j, name in enumerate(("op", "cat", "site", "id", "size", "stream", "addr")):
+            window[j][0:0] = cols[j]
+            setattr(t, name, window[j])
+            window[j] = None
         if self.n_warnings > len(self.warnings):
             self.warnings.append(f"... and {self.n_warnings - len(self.warnings)} more warnings")
         base = len(init_segs) + k  # window rows follow the initial segments and allocations
         t.meta.update(sites=self.sites.strings, n_ids=k + self.n_window_ids, ignored_events=self.ignored,
-                      warnings=self.warnings, recorded=self._recorded(init_segs),
+                      warnings=self.warnings, recorded=recorded,
                       ooms=[dict(o, event=o["event"] + base) for o in self.ooms])
         return t
 

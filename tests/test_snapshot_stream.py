@@ -1,0 +1,227 @@
+"""The streamed snapshot import (npu_pool/trace/pickle_stream.py) against the whole-file read it
+replaces: the same traces where both read a file, the same one-line refusal where the whole read
+refuses one, and memory bounded by the file."""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from npu_pool.snapshot import write_parts
+from npu_pool.trace import Trace, TraceError
+from npu_pool.trace.pickle_stream import NotStreamable
+from npu_pool.trace.snapshot import _Bounded, _streamed, _unpickle, check_head, load_snapshot, snapshot_to_traces
+
+M = 1 << 20
+_COLUMNS = ("op", "cat", "site", "id", "size", "stream", "addr")
+
+
+def _whole(path: Path) -> list[Trace]:
+    """The reference: the file unpickled whole, then converted (what load_snapshot did before)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        check_head(path, f.read(8))
+        f.seek(0)
+        obj = _unpickle(_Bounded(f, size), str(path))
+    return snapshot_to_traces(obj, str(path), max_elements=size, _consume=True)
+
+
+def _outcome(read, path: Path) -> tuple:
+    """What a read gives: ("ok", traces as plain data) or ("error", message)."""
+    try:
+        traces = read(path)
+    except TraceError as e:
+        return "error", str(e)
+    return "ok", [(t.meta, *(list(getattr(t, c)) for c in _COLUMNS)) for t in traces]
+
+
+def _stream_only(path: Path) -> list[Trace]:
+    """The streamed read alone: NotStreamable (or TraceError) where load_snapshot would read whole."""
+    with open(path, "rb") as f:
+        return _streamed(f, path.stat().st_size, str(path))
+
+
+def _agree(path: Path) -> tuple:
+    """load_snapshot agrees with the whole read; the streamed read alone never succeeds where the
+    whole read refuses, and never gives another answer."""
+    ref = _outcome(_whole, path)
+    assert _outcome(load_snapshot, path) == ref
+    try:
+        alone = _outcome(_stream_only, path)
+    except NotStreamable:
+        return ref
+    if alone[0] == "ok":  # (a TraceError of the streamed read only sends the file to the whole read)
+        assert alone == ref, path
+    return ref
+
+
+_FRAMES = [{"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"},
+           {"filename": "/home/u/model.py", "line": 12, "name": "forward"},
+           {"filename": "/home/u/train.py", "line": 40, "name": "main"}]
+
+
+def _snapshot(n: int = 40, shared_frames: bool = True) -> dict:
+    """A small snapshot in PyTorch's shape: frame dicts (and one frame list) shared between entries."""
+    events = []
+    for i in range(n):
+        frames = _FRAMES if shared_frames else [dict(f) for f in _FRAMES]
+        addr = (1 + i % 7) * M
+        events.append({"action": "alloc", "addr": addr, "size": 4096 + i, "stream": 0, "time_us": 10 * i,
+                       "frames": frames, "compile_context": "", "user_metadata": ""})
+        events.append({"action": "free_requested", "addr": addr, "size": 4096 + i, "stream": 0,
+                       "time_us": 10 * i + 1, "frames": frames})
+        events.append({"action": "free_completed", "addr": addr, "size": 4096 + i, "stream": 0,
+                       "time_us": 10 * i + 2, "frames": frames})
+    segments = [{"device": 0, "address": M, "total_size": 8 * M, "stream": 0, "segment_type": "large",
+                 "is_expandable": False, "frames": [],
+                 "blocks": [{"address": M, "size": 8 * M, "requested_size": 0, "state": "inactive", "frames": []}]}]
+    return {"segments": segments, "device_traces": [events],
+            "allocator_settings": {"expandable_segments": False, "max_split_size": -1},
+            "external_annotations": [{"stage": "START", "name": "ProfilerStep#1", "device": 0, "time_us": 5}]}
+
+
+# -- the same traces --------------------------------------------------------------------------
+
+
+def test_streamed_import_equals_the_whole_read_on_the_real_snapshots(shared_traces: Path) -> None:
+    for path in sorted(shared_traces.glob("*.pickle")):
+        ref = _outcome(_whole, path)
+        assert ref[0] == "ok", path
+        assert _outcome(_stream_only, path) == ref, path.name  # streamed (what load_snapshot returns): no fallback
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_every_pickle_protocol_reads_the_same(tmp_path: Path, protocol: int) -> None:
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(_snapshot(), protocol=protocol))
+    assert _agree(path)[0] == "ok"
+    if protocol >= 1:  # protocol 0 (text opcodes) is read whole
+        assert _outcome(_stream_only, path) == _outcome(_whole, path)
+
+
+def test_an_export_is_streamed_part_by_part(tmp_path: Path) -> None:
+    """npu_pool's own export (write_parts: batches pickled apart, memo indices reused) reads the same."""
+    snap = _snapshot(3000, shared_frames=False)
+    path = write_parts(tmp_path / "x.pickle", [iter(t) for t in snap.pop("device_traces")], snap)
+    assert _outcome(_stream_only, path) == _outcome(_whole, path)
+    assert _agree(path)[0] == "ok"
+
+
+def test_shapes_a_pickler_may_write_read_the_same(tmp_path: Path) -> None:
+    """Entries shared between devices and within a list, tuples, one-key dicts, one-item lists,
+    nested lists, an empty device, a 1-event device: the streamed read follows or hands over."""
+    one = {"action": "alloc", "addr": M, "size": 512, "stream": 0, "frames": []}
+    snaps = [
+        {"device_traces": [[one] * 50, [one, one]]},
+        {"device_traces": [[], [one]], "segments": []},
+        {"device_traces": [[one, ("x", 1)]]},
+        {"device_traces": [[{"action": "alloc"}]]},
+        {"device_traces": [[[1, 2]]]},
+        {"device_traces": [[one]], "allocator_settings": {"k": 1}},
+        {"device_traces": [[one]], "segments": [{"address": M, "total_size": M, "blocks": [{}]}]},
+        {"device_traces": [[one]], "device_traces2": ("a", "b")},
+        {"segments": [1], "device_traces": [[one] * 3], "external_annotations": ["x"]},
+    ]
+    for k, snap in enumerate(snaps):
+        for protocol in (2, 4, 5):
+            path = tmp_path / f"s{k}.{protocol}.pickle"
+            path.write_bytes(pickle.dumps(snap, protocol=protocol))
+            _agree(path)
+
+
+# -- hostile files: the same refusal -------------------------------------------------------------
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_global_inside_device_traces_is_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    snap = _snapshot(5)
+    snap["device_traces"][0][3]["frames"] = [_Evil(marker)]
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    with pytest.raises(NotStreamable):
+        _stream_only(path)
+    with pytest.raises(TraceError, match=r"evil\.pickle: not a PyTorch memory snapshot: the pickle needs the "
+                                         r"global posix\.system \(refused, nothing was executed\)"):
+        load_snapshot(path)
+    assert not marker.exists()
+
+
+def test_shared_reference_bombs_are_refused_as_before(tmp_path: Path) -> None:
+    events = _snapshot(300)["device_traces"][0]
+    path = tmp_path / "refs.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [events] * 2000}))  # one list for 2000 devices
+    assert _agree(path) == ("error", f"{path}: the snapshot references 1800000 events, segments and blocks in "
+                                     f"{path.stat().st_size} bytes: shared references repeated beyond what a real "
+                                     "snapshot holds; refused")
+    blocks = [{"address": M, "size": M, "requested_size": M, "state": "inactive", "frames": []}] * 1000
+    seg = {"device": 0, "address": M, "total_size": M, "blocks": blocks}
+    path.write_bytes(pickle.dumps({"device_traces": [events[:3]], "segments": [seg] * 1000}))
+    assert "shared references repeated" in _agree(path)[1]
+    path.write_bytes(pickle.dumps({"device_traces": [[events[0]] * 50_000]}))  # one entry, 50000 times
+    assert _agree(path)[0] == "ok"  # within the bound: read, the entry shared through the memo
+
+
+def test_truncation_at_every_few_bytes_gives_the_same_message(tmp_path: Path) -> None:
+    data = pickle.dumps(_snapshot(8))
+    path = tmp_path / "cut.pickle"
+    for keep in list(range(0, len(data), 7)) + [len(data) - 1]:
+        path.write_bytes(data[:keep])
+        kind, message = _agree(path)
+        assert kind == "error" and message.startswith(f"{path}: "), keep
+
+
+def test_flipped_bytes_give_the_same_answer_or_message(tmp_path: Path) -> None:
+    """Every byte of a small snapshot replaced by a random one, in protocols 2 and 4. (Not by PUT or
+    LONG_BINPUT: a memo index of up to 2^32 makes the C unpickler size its memo to it, seconds and
+    gigabytes in either read.)"""
+    rng = random.Random(7)
+    for protocol in (2, 4):
+        data = pickle.dumps(_snapshot(4), protocol=protocol)
+        path = tmp_path / f"flip{protocol}.pickle"
+        for pos in range(2, len(data)):
+            value = rng.choice([v for v in range(256) if v not in b"pr"])
+            path.write_bytes(data[:pos] + bytes((value,)) + data[pos + 1:])
+            _agree(path)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def _peak(read, path: Path) -> int:
+    tracemalloc.start()
+    try:
+        read(path)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("shared_frames", [True, False])
+def test_the_import_grows_by_less_than_the_file(tmp_path: Path, shared_frames: bool) -> None:
+    """Snapshots as PyTorch pickles them (protocol 4) of 4500 and 18000 entries: what the streamed
+    import's Python allocations peak at grows by at most 2.5x what the file does and by a third
+    of what the whole read's grows by; the traces are the whole read's. (With the frames shared
+    an entry takes ~36 bytes of file: less than its 40-byte record beside its row of the trace.)"""
+    sizes, streamed, whole = [], [], []
+    for n in (1500, 6000):
+        path = tmp_path / f"x{n}.pickle"
+        path.write_bytes(pickle.dumps(_snapshot(n, shared_frames=shared_frames), protocol=4))
+        sizes.append(path.stat().st_size)
+        streamed.append(_peak(load_snapshot, path))
+        whole.append(_peak(_whole, path))
+    assert _outcome(load_snapshot, path) == _outcome(_whole, path)
+    grown = sizes[1] - sizes[0]
+    assert streamed[1] - streamed[0] < 2.5 * grown, (sizes, streamed, whole)
+    assert 3 * (streamed[1] - streamed[0]) < whole[1] - whole[0], (sizes, streamed, whole)
