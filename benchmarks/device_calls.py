@@ -174,6 +174,11 @@ NOTES = """
   page, so that a trim under cap pressure can return free pages. A chunk is unmapped whole, only
   when it is entirely free (the vendors unmap whole mappings only; the simulated device refuses
   anything else).
+- A trim and the growth it makes room for are one call's work: the trimmed chunks' physical
+  allocations are kept, unmapped, and mapped again where the growth needs memory (a spare maps
+  whole, over an unmapped run at least its size); what the growth leaves is released before the
+  call returns. A chunk moved so costs an unmap and a map instead of an unmap, a release, a
+  creation and a map. The retry after an out-of-memory does the same.
 - The expandable model maps one handle per page of 2 MiB (small pool) or 20 MiB (large pool), as
   PyTorch's `ExpandableSegment::map` does.
 - The planned policy's region is one device allocation; its fallback arena maps exactly what the
@@ -189,9 +194,10 @@ NOTES = """
   device") and at the minimum capacity it makes more physical calls than the torch model on most
   traces: one per 2 MiB page it grows by past half the cap (once per run in training; after every
   `empty_cache` in an offloading run), and at the minimum capacity the trims under pressure
-  besides (tests/test_device_calls.py marks the bound at the minimum capacity as an expected
-  failure). That is the price of its small waste, and on Ascend it cannot be had for less: a
-  physical allocation is mapped whole, at offset 0 (`aclrtMapMem`: the size of the
+  besides (fewer since trimmed chunks are mapped again instead of released and recreated;
+  tests/test_device_calls.py marks the bound at the minimum capacity as an expected failure).
+  That is the price of its small waste, and on Ascend it cannot be had for less: a physical
+  allocation is mapped whole, at offset 0 (`aclrtMapMem`: the size of the
   `aclrtMallocPhysical` it maps, offset 0 only, CANN's documentation), so a chunk can be neither
   mapped nor returned in parts, and a chunk that holds one live block keeps all of its memory.
   Chunkier growth near the cap (one chunk per shortfall, or units of 4 to 20 MiB) cuts these calls

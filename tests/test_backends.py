@@ -325,6 +325,44 @@ def test_trim_unmaps_only_pages_of_finished_streams(vendor: Vendor, busy: bool) 
         p.check()
 
 
+def _counts(vendor: Vendor) -> dict[str, int]:
+    return {op: vendor.calls(op) for op in ("create", "release", "map", "unmap")}
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_trim_maps_its_chunks_again_instead_of_releasing_and_creating(vendor: Vendor, fault: bool) -> None:
+    """Under the cap, the growth that follows a trim in the same call maps the trimmed chunk's
+    physical allocation again (the vendor takes it at another address): an unmap and a map where
+    there were a release, an unmap, a creation and a map. A spare the growth does not use, or
+    whose map fails, goes back to the device in the same call: the books always match it."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB; past 16 MiB growth is page by page
+        a = p.malloc(16 * MiB - vendor.pad, lifetime="short")  # one chunk of 8 pages
+        b = p.malloc(8 * MiB - vendor.pad, lifetime="short")
+        p.free(a)
+        before = _counts(vendor)
+        if fault:
+            vendor.fail("map")  # the spare's map
+            with pytest.raises(PoolError, match=NAMES[vendor.backend]["map"]):
+                p.malloc(20 * MiB - vendor.pad, lifetime="short")
+            d = {op: n - before[op] for op, n in _counts(vendor).items()}
+            assert d["unmap"] == 1 and d["release"] == 1 and d["create"] == 0  # the spare is gone, not lost
+        c = p.malloc(20 * MiB - vendor.pad, lifetime="short")  # needs a's pages back under the cap
+        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        assert p.stats()["trims"] == 1 and d["unmap"] == 1
+        if not fault:
+            assert d["release"] == 0, "the trimmed chunk was released instead of mapped again"
+            assert d["map"] == d["create"] + 1  # one map of the spare, the rest new chunks
+        _fill(c, 20 * MiB - vendor.pad, 0x5A)
+        assert _holds(c, 20 * MiB - vendor.pad, 0x5A)
+        assert vendor.lib.fake_used() == p.stats()["total"]["reserved"]["current"] == vendor.lib.fake_mapped()
+        p.check()
+        p.free(b)
+        p.free(c)
+        p.empty_cache()
+        assert vendor.lib.fake_used() == 0 and p.stats()["unreleased"] == 0
+    assert vendor.lib.fake_live() == 0
+
+
 @pytest.mark.parametrize("policy", ["torch", "expandable"])
 def test_other_policies_run_on_vendor_backends(vendor: Vendor, policy: str) -> None:
     with vendor.pool(policy) as p:

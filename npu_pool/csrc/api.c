@@ -138,6 +138,7 @@ static int close_locked(np_ctx *ctx) {
     rc = np_ctx_retry_held(ctx);
     ctx->be->destroy(ctx->be);
     free(ctx->held);
+    free(ctx->spare);
     np_block_cache_destroy(&ctx->blocks);
     np_lifetime_destroy(&ctx->life);
     np_ptrmap_destroy(&ctx->live);
@@ -145,6 +146,8 @@ static int close_locked(np_ctx *ctx) {
   ctx->be = NULL;
   ctx->held = NULL;
   ctx->n_held = ctx->cap_held = 0;
+  ctx->spare = NULL;
+  ctx->n_spare = ctx->cap_spare = 0;
   ctx->segments = NULL;
   ctx->pstate = NULL;
   np_ctx_history_free(ctx);

@@ -110,13 +110,8 @@ static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t 
   return e;
 }
 
-/* Map every unmapped page under block b; trims settled free chunks when the budget would be
- * exceeded, and fails whole if that is not enough. */
-static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
-  if (!a->vmm) return NP_OK;
-  uint64_t need = np_vmm_unmapped(ctx, a->seg, b->addr, b->size);
-  if (!need) return NP_OK;
-  uint64_t limit = limit_of(ctx, a);
+/* map_range's work, inside a recycle window: trim if the budget presses, then map. */
+static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint64_t limit) {
   if (reserved_of(ctx, a) + need > limit) trim(ctx, a, b, reserved_of(ctx, a) + need - limit);
   if (reserved_of(ctx, a) + need > limit) {
     char x[32], y[32];
@@ -136,6 +131,20 @@ static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
   /* chunks mapped before a failure stay mapped */
   int rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * a->page - off, near ? a->page : 0, false);
   if (end > a->page_hwm) a->page_hwm = end;
+  return rc;
+}
+
+/* Map every unmapped page under block b; trims settled free chunks when the budget would be
+ * exceeded, and fails whole if that is not enough. The trimmed chunks' physical allocations are
+ * mapped again by the growth where they fit (a recycle window, vmm.h), the rest released. */
+static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
+  if (!a->vmm) return NP_OK;
+  uint64_t need = np_vmm_unmapped(ctx, a->seg, b->addr, b->size);
+  if (!need) return NP_OK;
+  uint64_t limit = limit_of(ctx, a);
+  bool was = np_vmm_recycle_begin(ctx); /* what the trim unmaps, the growth maps again */
+  int rc = grow(ctx, a, b, need, limit);
+  np_vmm_recycle_end(ctx, was);
   return rc;
 }
 
@@ -403,8 +412,10 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
     ctx->st.retries++;
     rc = np_ctx_synchronize(ctx);
     if (rc != NP_OK) return rc;
+    bool was = np_vmm_recycle_begin(ctx); /* the pages released, the retry maps again */
     release(ctx, a); /* a page the device refuses to unmap stays mapped and is counted */
     rc = try_place(ctx, a, size, stream, long_lived, out);
+    np_vmm_recycle_end(ctx, was);
     if (rc == NP_ERR_OOM) explain(ctx, a, size);
   }
   return rc;

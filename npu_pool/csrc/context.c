@@ -230,7 +230,8 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
 }
 
 /* Generic invariants: segments tiled by blocks, the map holds exactly the allocated ones,
- * reserved bytes are what the segments have mapped plus what the device still holds. */
+ * reserved bytes are what the segments have mapped plus what the device still holds, no spare
+ * chunk outlives the call that kept it. */
 int np_ctx_check(np_ctx *ctx) {
   size_t allocated_blocks = 0;
   uint64_t allocated_bytes = 0, reserved = ctx->st.unreleased;
@@ -259,6 +260,8 @@ int np_ctx_check(np_ctx *ctx) {
     }
     reserved += s->mapped;
   }
+  if (ctx->recycling || ctx->n_spare)
+    return np_error(NP_ERR_STATE, "check: %zu spare chunks kept outside a recycle window", ctx->n_spare);
   if (allocated_blocks != ctx->live.count || allocated_bytes != ctx->st.total.allocated.current)
     return np_error(NP_ERR_STATE, "check: %zu allocated blocks (%llu bytes) but the map has %zu and stats say %llu bytes",
                     allocated_blocks, (unsigned long long)allocated_bytes, ctx->live.count,

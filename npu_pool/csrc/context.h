@@ -52,6 +52,12 @@ typedef struct np_held {
   uint64_t handle;           /* page: the vendor handle */
 } np_held;
 
+/* A physical chunk unmapped by a trim and kept for the growth that follows in the same call. */
+typedef struct np_spare {
+  uint64_t handle;
+  uint64_t size;             /* bytes: the chunk maps again only over exactly this many */
+} np_spare;
+
 /* What a policy says about a request it could not serve (set on NP_ERR_OOM). */
 typedef struct np_fail {
   int pool;                  /* pool the request was for (NP_POOL_SHARED: memory both pools use) */
@@ -82,6 +88,12 @@ struct np_ctx {
   bool synced;               /* the device was synchronised during the current call (cleared at every entry
                               * under the lock: work may have been queued between calls) */
   np_fail fail;              /* the policy's account of the latest failed request */
+  /* Between np_vmm_recycle_begin and _end (one call, lock held): the handles of the chunks trims
+   * unmapped, not released yet, so that the growth that follows maps them again instead of
+   * releasing and creating as many. Not counted as reserved; empty outside that window. */
+  bool recycling;
+  np_spare *spare;
+  size_t n_spare, cap_spare;
   np_held *held;             /* memory whose return failed */
   size_t n_held, cap_held;
   uint64_t holds;            /* returns that failed so far (np_ctx_hold calls) */

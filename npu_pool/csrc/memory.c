@@ -132,15 +132,72 @@ static void hold_left(np_ctx *ctx, const np_vmm_left *left, np_segment *from) {
   if (left->handle) np_ctx_hold(ctx, NP_HELD_PAGE, left->addr, left->size, left->handle, from);
 }
 
-/* Unmap the chunk at page p (accounted); see np_vmm_unmap for `whole`. */
+/* ---- spare chunks: unmapped by a trim, mapped again by the growth that follows --------------- */
+
+bool np_vmm_recycle_begin(np_ctx *ctx) {
+  bool was = ctx->recycling;
+  ctx->recycling = true;
+  return was;
+}
+
+/* Give an unmapped handle back to the device; one it refuses is held (counted, retried). */
+static void release_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
+  np_vmm_left left = {0, size, handle};
+  if (np_vmm_chunk_return(ctx->be, &left) != NP_OK) hold_left(ctx, &left, NULL);
+}
+
+void np_vmm_recycle_end(np_ctx *ctx, bool was) {
+  if (was) return; /* an enclosing window gives the spares back */
+  ctx->recycling = false;
+  if (!ctx->n_spare) return;
+  np_saved_error s;
+  np_save_error(&s, NP_ERR_BACKEND); /* keep the caller's message */
+  for (size_t i = 0; i < ctx->n_spare; i++) release_spare(ctx, ctx->spare[i].handle, ctx->spare[i].size);
+  ctx->n_spare = 0;
+  np_restore_error(&s);
+}
+
+static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
+  if (ctx->n_spare == ctx->cap_spare) {
+    size_t cap = ctx->cap_spare ? 2 * ctx->cap_spare : 64;
+    np_spare *t = realloc(ctx->spare, cap * sizeof *t);
+    if (!t) { /* no room to keep it: give it back now */
+      release_spare(ctx, handle, size);
+      return;
+    }
+    ctx->spare = t;
+    ctx->cap_spare = cap;
+  }
+  ctx->spare[ctx->n_spare++] = (np_spare){handle, size};
+}
+
+/* The largest spare of `least` to `most` bytes, taken out of the spares: its handle, and its size
+ * in *size (0: none fits). A handle maps only over exactly its size, so a spare larger than the
+ * chunk asked for maps over more of the unmapped run, as one chunk. */
+static uint64_t take_spare(np_ctx *ctx, uint64_t least, uint64_t most, uint64_t *size) {
+  size_t best = ctx->n_spare;
+  for (size_t i = 0; i < ctx->n_spare; i++) {
+    uint64_t sz = ctx->spare[i].size;
+    if (sz >= least && sz <= most && (best == ctx->n_spare || sz > ctx->spare[best].size)) best = i;
+  }
+  if (best == ctx->n_spare) return 0;
+  uint64_t h = ctx->spare[best].handle;
+  *size = ctx->spare[best].size;
+  ctx->spare[best] = ctx->spare[--ctx->n_spare];
+  return h;
+}
+
+/* Unmap the chunk at page p (accounted); see np_vmm_unmap for `whole`. Inside a recycle window
+ * the unmapped handle is kept as a spare instead of released. */
 static int unmap_chunk(np_ctx *ctx, np_segment *seg, uint64_t p, bool whole, uint64_t *unmapped) {
-  uint64_t f, n, g = ctx->be->granularity;
+  uint64_t f, n, g = ctx->be->granularity, kept = 0;
   np_vmm_chunk_at(ctx->be, seg, p, &f, &n);
   np_vmm_left left;
-  int rc = np_vmm_chunk_unmap(ctx->be, seg, f, whole, &left);
+  int rc = np_vmm_chunk_unmap(ctx->be, seg, f, whole, ctx->recycling ? &kept : NULL, &left);
   if (rc == NP_OK) {
     np_ctx_reserved(ctx, NP_EV_SEGMENT_UNMAP, seg, seg->addr + f * g, n * g);
     *unmapped += n * g;
+    if (kept) keep_spare(ctx, kept, n * g);
     if (left.handle) { /* unmapped, but the handle was not released: held, counted reserved again */
       np_saved_error s;
       np_save_error(&s, NP_ERR_BACKEND);
@@ -194,7 +251,13 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
     uint64_t stop = u ? np_min_u64(end, (p / u + 1) * u) : end;
     while (q < stop && !seg->pages[q]) q++;
     np_vmm_left left;
-    rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, &left);
+    uint64_t spare = 0, bytes = 0;
+    if (ctx->n_spare) { /* a spare that fits in the whole unmapped run from p maps there */
+      uint64_t r = q;
+      while (r < end && !seg->pages[r]) r++;
+      if ((spare = take_spare(ctx, (q - p) * g, (r - p) * g, &bytes))) q = p + bytes / g;
+    }
+    rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, spare, &left);
     if (rc != NP_OK) {
       np_saved_error s;
       np_save_error(&s, rc);

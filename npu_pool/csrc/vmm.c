@@ -54,15 +54,15 @@ static void release_handle(np_backend *be, uint64_t handle, uint64_t size, np_vm
   if (be->page_release(be, handle, size) != NP_OK) *left = (np_vmm_left){0, size, handle};
 }
 
-int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n, np_vmm_left *left) {
-  uint64_t g = be->granularity, size = n * g, h = 0;
+int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n, uint64_t spare, np_vmm_left *left) {
+  uint64_t g = be->granularity, size = n * g, h = spare;
   uintptr_t va = seg->addr + first * g;
   *left = (np_vmm_left){0};
   NP_ASSERT(n > 0 && (first + n) * g <= seg->size);
   int prev, rc = enter(be, &prev);
   if (rc != NP_OK) return rc;
   bool mapped = false;
-  rc = be->page_create(be, size, &h);
+  if (!h) rc = be->page_create(be, size, &h);
   if (rc == NP_OK) mapped = (rc = be->page_map(be, va, size, h)) == NP_OK;
   if (rc == NP_OK && be->page_access) rc = be->page_access(be, va, size);
   if (rc == NP_OK) {
@@ -87,7 +87,7 @@ void np_vmm_chunk_at(const np_backend *be, const np_segment *seg, uint64_t p, ui
   *n = b - a;
 }
 
-int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool forget, np_vmm_left *left) {
+int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool forget, uint64_t *keep, np_vmm_left *left) {
   uint64_t f, n, g = be->granularity, h = seg->pages[first];
   *left = (np_vmm_left){0};
   np_vmm_chunk_at(be, seg, first, &f, &n);
@@ -97,7 +97,8 @@ int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool for
   if (rc == NP_OK) rc = be->page_unmap(be, va, n * g);
   if (rc == NP_OK || forget)
     for (uint64_t p = first; p < first + n; p++) seg->pages[p] = 0;
-  if (rc == NP_OK) release_handle(be, h, n * g, left);
+  if (rc == NP_OK && keep) *keep = h;
+  else if (rc == NP_OK) release_handle(be, h, n * g, left);
   else if (forget) *left = (np_vmm_left){va, n * g, h};
   leave(be, prev);
   return rc;

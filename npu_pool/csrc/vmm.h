@@ -35,16 +35,18 @@ typedef struct np_vmm_left {
 int np_vmm_reserve(np_ctx *ctx, uint64_t size, uintptr_t *addr, uint64_t **pages);
 /* Free a page table of n entries (NULL: nothing). */
 void np_vmm_table_free(uint64_t *table, uint64_t n);
-/* Map pages [first, first + n) of seg, all unmapped, as one chunk: one physical allocation, one
- * map (and access where the vendor needs it). On failure the page table is unchanged and *left
- * says what the device kept. */
-int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n, np_vmm_left *left);
+/* Map pages [first, first + n) of seg, all unmapped, as one chunk: one physical allocation (or
+ * `spare`, an unmapped handle of exactly n pages kept from an earlier unmap; 0: none), one map
+ * (and access where the vendor needs it). On failure the page table is unchanged, the handle
+ * (spare or new) is released, and *left says what the device kept. */
+int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n, uint64_t spare, np_vmm_left *left);
 /* The chunk over mapped page p of seg: its first page and its page count. */
 void np_vmm_chunk_at(const np_backend *be, const np_segment *seg, uint64_t p, uint64_t *first, uint64_t *n);
-/* Unmap the chunk starting at page `first` and release its handle. If the unmap fails the chunk
- * stays mapped (in the page table) unless `forget`, which drops it from the page table and
- * reports it in *left (still mapped); a failed release reports the handle in *left. */
-int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool forget, np_vmm_left *left);
+/* Unmap the chunk starting at page `first` and release its handle (with `keep`: hand the
+ * unmapped handle to the caller in *keep instead). If the unmap fails the chunk stays mapped (in
+ * the page table) unless `forget`, which drops it from the page table and reports it in *left
+ * (still mapped); a failed release reports the handle in *left. */
+int np_vmm_chunk_unmap(np_backend *be, np_segment *seg, uint64_t first, bool forget, uint64_t *keep, np_vmm_left *left);
 /* Retry returning what *left describes; NP_OK when it is gone (left->addr is cleared once unmapped). */
 int np_vmm_chunk_return(np_backend *be, np_vmm_left *left);
 
@@ -65,6 +67,13 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
  * *unmapped (optional) gets the bytes taken out of the page table. */
 int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped);
 int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
+/* A recycle window, for a trim followed by a growth in one call: chunks unmapped inside it keep
+ * their handles (spares, not counted as reserved), and a chunk mapped inside it over exactly a
+ * spare's size maps that handle again instead of a new one: an unmap and a map where there were
+ * a release, an unmap, a creation and a map. _end gives the spares left back to the device (a
+ * refusal is held). Windows nest: begin returns whether one was open, to pass to _end. */
+bool np_vmm_recycle_begin(np_ctx *ctx);
+void np_vmm_recycle_end(np_ctx *ctx, bool was);
 /* Unmap what is still mapped in seg and release its address range (failures are held). */
 void np_vmm_release(np_ctx *ctx, np_segment *seg);
 
