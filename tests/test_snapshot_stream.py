@@ -225,3 +225,18 @@ def test_the_import_grows_by_less_than_the_file(tmp_path: Path, shared_frames: b
     grown = sizes[1] - sizes[0]
     assert streamed[1] - streamed[0] < 2.5 * grown, (sizes, streamed, whole)
     assert 3 * (streamed[1] - streamed[0]) < whole[1] - whole[0], (sizes, streamed, whole)
+
+
+def test_many_devices_without_entries_cost_no_more_than_their_bytes(tmp_path: Path) -> None:
+    """A hostile snapshot of 50,000 empty device lists (2 bytes of file each) and one with
+    entries: the streamed read makes a device's books only at its first entry (they took 1.5 KB
+    a device, 700x the file), so its Python allocations stay near the whole read's (~40x the
+    file for either: a Python list and the reader's note of its range for every 2 bytes), and it
+    gives the whole read's traces."""
+    path = tmp_path / "many.pickle"
+    lists = [[] for _ in range(50_000)]
+    lists[-1] = _snapshot(3)["device_traces"][0]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": lists}, protocol=4))
+    assert _outcome(load_snapshot, path) == _outcome(_whole, path)
+    streamed, whole = _peak(load_snapshot, path), _peak(_whole, path)
+    assert streamed < 1.5 * whole and streamed < 60 * path.stat().st_size, (streamed, whole)

@@ -165,13 +165,15 @@ def load_snapshot(path: str | Path) -> list[Trace]:
 def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
     """:func:`load_snapshot` of a file streamed entry by entry; NotStreamable or TraceError when
     the file is to be read whole instead."""
-    devices: list[tuple[_Events, _Sites]] = []
+    devices: list[tuple[_Events, _Sites] | None] = []  # None: no entry yet (made on the first one)
     probe = _Probe()
 
     def on_list(dev: int) -> None:
-        devices.append((_Events(), _Sites(name)))
+        devices.append(None)
 
     def on_items(dev: int, items: list) -> None:
+        if devices[dev] is None:
+            devices[dev] = (_Events(), _Sites(name))
         evs, sites = devices[dev]
         for e in items:
             if len(evs) < _PROBE_ENTRIES:
@@ -180,7 +182,8 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
 
     f.seek(0)
     rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items)
-    rest["device_traces"] = [evs for evs, _ in devices]
+    none: list = []  # one empty list stands for every device without entries
+    rest["device_traces"] = [d[0] if d else none for d in devices]
     segments, traces, annotations, settings = _validated(rest, name, size)
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
@@ -189,6 +192,8 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
 
     def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
         for dev in range(len(devices)):
+            if devices[dev] is None:
+                continue
             box, sites = [devices[dev][0]], devices[dev][1]
             devices[dev] = None  # the builder takes the entries over
             if len(box[0]):
