@@ -158,3 +158,53 @@ def test_a_failed_unmap_then_remap_never_hands_out_a_lost_page(builds: dict, bac
     p.empty_cache()
     assert v.lib.fake_used() == 0
     p.close()
+
+
+full_steps = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), st.sampled_from([1000, 300_000, 3 * MiB + 5, 9 * MiB, 17 * MiB, 21 * MiB]),
+              st.sampled_from(["long", "short"]), st.sampled_from([1, 2])),
+    st.tuples(st.just("free"), st.integers(0, 1000)),
+    st.tuples(st.just("busy"), st.sampled_from([1, 2]), st.booleans()),
+    st.tuples(st.just("empty_cache")),
+), min_size=5, max_size=60)
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(seq=full_steps)
+def test_when_the_cap_is_the_whole_device_the_device_never_refuses_a_chunk(builds: dict, backend: str,
+                                                                          seq: list) -> None:
+    """No call fails and the cap is the device's memory (fraction 1): a request the pool cannot
+    serve is refused by its own cap, never by the device, so the pool never asks for physical
+    memory its books do not allow (a trim's unmapped chunks kept for the growth that follows go
+    back before a new chunk is created); through trims, retries and busy streams the books equal
+    the device after every step."""
+    v = _vendor(builds, backend, capacity=64 * MiB)
+    p = v.pool("npu_pool", fraction=1.0)
+    live: dict[int, tuple[int, int]] = {}
+    try:
+        for step in seq:
+            if step[0] == "alloc":
+                try:
+                    ptr = p.malloc(step[1], lifetime=step[2], stream=step[3])
+                except OutOfMemoryError as e:
+                    assert "cap" in str(e) and v.name("create") not in str(e), str(e)
+                else:
+                    byte = 1 + len(live) % 250
+                    ctypes.memset(ptr, byte, min(step[1], 64))
+                    live[ptr] = (step[1], byte)
+            elif step[0] == "free" and live:
+                ptr = sorted(live)[step[1] % len(live)]
+                p.free(ptr)
+                del live[ptr]
+            elif step[0] == "busy":
+                v.lib.fake_set_busy(step[1], int(step[2]))
+            elif step[0] == "empty_cache":
+                p.empty_cache()
+            _books_match(p, v, live)
+    finally:
+        v.lib.fake_set_busy(1, 0)
+        v.lib.fake_set_busy(2, 0)
+        p.close()
+    assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0

@@ -146,15 +146,20 @@ static void release_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
   if (np_vmm_chunk_return(ctx->be, &left) != NP_OK) hold_left(ctx, &left, NULL);
 }
 
-void np_vmm_recycle_end(np_ctx *ctx, bool was) {
-  if (was) return; /* an enclosing window gives the spares back */
-  ctx->recycling = false;
+/* Give every spare back to the device. */
+static void release_spares(np_ctx *ctx) {
   if (!ctx->n_spare) return;
   np_saved_error s;
   np_save_error(&s, NP_ERR_BACKEND); /* keep the caller's message */
   for (size_t i = 0; i < ctx->n_spare; i++) release_spare(ctx, ctx->spare[i].handle, ctx->spare[i].size);
   ctx->n_spare = 0;
   np_restore_error(&s);
+}
+
+void np_vmm_recycle_end(np_ctx *ctx, bool was) {
+  if (was) return; /* an enclosing window gives the spares back */
+  ctx->recycling = false;
+  release_spares(ctx);
 }
 
 static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
@@ -256,6 +261,8 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
       uint64_t r = q;
       while (r < end && !seg->pages[r]) r++;
       if ((spare = take_spare(ctx, (q - p) * g, (r - p) * g, &bytes))) q = p + bytes / g;
+      else release_spares(ctx); /* before a creation: the device never holds a spare and a new
+                                    chunk at once (a full device would refuse the chunk) */
     }
     rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, spare, &left);
     if (rc != NP_OK) {

@@ -70,7 +70,8 @@ int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bo
 /* A recycle window, for a trim followed by a growth in one call: chunks unmapped inside it keep
  * their handles (spares, not counted as reserved), and a chunk mapped inside it over exactly a
  * spare's size maps that handle again instead of a new one: an unmap and a map where there were
- * a release, an unmap, a creation and a map. _end gives the spares left back to the device (a
+ * a release, an unmap, a creation and a map. A chunk no spare fits gives the spares back before it
+ * is created (the device never holds both: a full device still takes it), and so does _end (a
  * refusal is held). Windows nest: begin returns whether one was open, to pass to _end. */
 bool np_vmm_recycle_begin(np_ctx *ctx);
 void np_vmm_recycle_end(np_ctx *ctx, bool was);
