@@ -190,6 +190,23 @@ def test_min_capacity_bound_on_a_capture(captures) -> None:
     _bound_holds(captures["gpt"], "gpt", at_min_capacity=True)
 
 
+def test_trims_at_the_minimum_capacity_map_their_chunks_again(shared_traces) -> None:
+    """Where npu_pool trims under pressure at its minimum capacity (every shared trace today), the
+    growth each trim makes room for maps the trimmed chunks' physical allocations again instead of
+    releasing them and creating new ones, and no allocation outlives its mapping (as many
+    created minus released as mapped minus unmapped)."""
+    moved = 0
+    for path in sorted(shared_traces.glob("*.pickle")):
+        for name, t in open_traces(path):
+            r = min_capacity(t, "npu_pool")[1]
+            c = r.calls
+            assert r.ok and c["phys_create"] - c["phys_release"] == c["map"] - c["unmap"], (name, c)
+            if r.stats["trims"] + r.retries:
+                assert c["phys_create"] < c["map"] and c["phys_release"] < c["unmap"], (name, c)
+                moved += c["map"] - c["phys_create"]
+    assert moved > 0
+
+
 @pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool maps page by page past half the cap and "
                    "trims free pages every iteration (docs/device_calls.md): more chunks than the torch model")
 def test_min_capacity_bound_on_every_shared_trace(shared_traces) -> None:
