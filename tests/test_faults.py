@@ -37,6 +37,20 @@ def _books_match(p: Pool, v: Vendor, live: dict[int, tuple[int, int]]) -> None:
         assert ctypes.string_at(ptr, min(size, 64)) == bytes([byte]) * min(size, 64)
 
 
+def _written(live: dict[int, tuple[int, int]], ptr: int, size: int) -> None:
+    """Write a byte over the new block's start and note it in `live` (read back by _books_match)."""
+    byte = 1 + len(live) % 250
+    ctypes.memset(ptr, byte, min(size, 64))
+    live[ptr] = (size, byte)
+
+
+def _free_one(p: Pool, live: dict[int, tuple[int, int]], k: int) -> None:
+    """Free the live block k-th by address (modulo their number)."""
+    ptr = sorted(live)[k % len(live)]
+    p.free(ptr)
+    del live[ptr]
+
+
 def _clear_faults(v: Vendor) -> None:
     for op in FAULTS + ("access",):
         if op in NAMES[v.backend]:
@@ -60,13 +74,9 @@ def test_books_match_the_device_under_random_vendor_faults(builds: dict, backend
                 except (OutOfMemoryError, BackendError):
                     pass  # a failure the vendor injected, or a full device: the pool stays consistent
                 else:
-                    byte = 1 + len(live) % 250
-                    ctypes.memset(ptr, byte, min(step[1], 64))
-                    live[ptr] = (step[1], byte)
+                    _written(live, ptr, step[1])
             elif step[0] == "free" and live:
-                ptr = sorted(live)[step[1] % len(live)]
-                p.free(ptr)  # a free never fails: the block goes back to the pool, not yet the device
-                del live[ptr]
+                _free_one(p, live, step[1])  # a free never fails: the block goes back to the pool
             elif step[0] == "empty_cache":
                 try:
                     p.empty_cache()
@@ -191,13 +201,9 @@ def test_when_the_cap_is_the_whole_device_the_device_never_refuses_a_chunk(build
                 except OutOfMemoryError as e:
                     assert "cap" in str(e) and v.name("create") not in str(e), str(e)
                 else:
-                    byte = 1 + len(live) % 250
-                    ctypes.memset(ptr, byte, min(step[1], 64))
-                    live[ptr] = (step[1], byte)
+                    _written(live, ptr, step[1])
             elif step[0] == "free" and live:
-                ptr = sorted(live)[step[1] % len(live)]
-                p.free(ptr)
-                del live[ptr]
+                _free_one(p, live, step[1])
             elif step[0] == "busy":
                 v.lib.fake_set_busy(step[1], int(step[2]))
             elif step[0] == "empty_cache":
