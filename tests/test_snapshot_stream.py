@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
 import random
 import tracemalloc
 from pathlib import Path
@@ -240,3 +241,75 @@ def test_many_devices_without_entries_cost_no_more_than_their_bytes(tmp_path: Pa
     assert _outcome(load_snapshot, path) == _outcome(_whole, path)
     streamed, whole = _peak(load_snapshot, path), _peak(_whole, path)
     assert streamed < 1.5 * whole and streamed < 60 * path.stat().st_size, (streamed, whole)
+
+
+# -- memo reads near a cut --------------------------------------------------------------------------
+
+
+def _s(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes((len(raw),)) + raw  # SHORT_BINUNICODE
+
+
+def _marked_entry(addr: int, frames: list[bytes]) -> bytes:
+    """A trace entry made by MARK ... DICT (a hostile writer's way), its frames likewise."""
+    return (b"(" + _s("action") + _s("alloc") + _s("addr") + b"J" + addr.to_bytes(4, "little") + _s("size")
+            + b"M\x00\x02" + _s("stream") + b"K\x00" + _s("frames") + b"(" + b"".join(frames) + b"ld")
+
+
+def _frame(filename: bytes, marked: bool = True) -> bytes:
+    """A frame dict whose filename is the pickle opcodes ``filename`` (a string, or a memo read)."""
+    body = _s("filename") + filename + _s("line") + b"K\x0c" + _s("name") + _s("fwd")
+    return b"(" + body + b"d" if marked else b"}(" + body + b"u"
+
+
+def _listed(entries: list[bytes]) -> bytes:
+    """A snapshot of one device's ``entries``, the top dict stored at memo 0 (as a pickler does)."""
+    return b"\x80\x04}q\x00(" + _s("device_traces") + b"](](" + b"".join(entries) + b"eeu."
+
+
+def test_a_text_memo_read_in_an_item_cut_at_its_mark_is_kept_for_it(tmp_path: Path) -> None:
+    """A memo read by GET (text) inside an entry made by MARK ... DICT, the entry that ends a range
+    at its mark: the read lies in the next range (it was counted in the one before, and the
+    string it reads was dropped from the memo before it: another site, silently)."""
+    from npu_pool.trace import pickle_stream
+    first = b"}(" + _s("action") + _s("alloc") + _s("addr") + b"K\x01" + _s("size") + b"K\x02" + _s("frames") + b"]" \
+        + _frame(_s("/home/u/model.py") + b"r\x05\x00\x00\x00", marked=False) + b"au"
+    entries, at = [first], len(first)
+    while at < pickle_stream._PIECE:  # entries with frames of their own, up to where a range is cut
+        entries.append(_marked_entry(4096 * len(entries), [_frame(_s("/home/u/other.py"))]))
+        at += len(entries[-1])
+    entries.append(_marked_entry(4096 * len(entries), [_frame(b"g5\n")]))  # the only read of memo 5
+    entries += [_marked_entry(4096 * (len(entries) + k), [_frame(_s("/home/u/other.py"))]) for k in range(3)]
+    path = tmp_path / "get.pickle"
+    path.write_bytes(_listed(entries))
+    ref = _outcome(_whole, path)
+    assert ref[0] == "ok" and ref[1][0][3][len(entries) - 4] == 0  # the site of model.py
+    assert _outcome(_stream_only, path) == ref  # streamed, not read whole
+    assert _agree(path) == ref
+
+
+def test_memo_reads_folded_inside_an_item_cut_at_its_mark_are_kept_for_it(tmp_path: Path) -> None:
+    """The same with binary reads: an entry made by MARK ... DICT, long enough that the reads met
+    inside it are folded (more than _PENDING runs, at a refill) before its DICT ends the range at
+    its mark. Its frames' filenames, stored by the entry before, were dropped from the memo."""
+    n = 6000  # 45 bytes a frame: the second entry spans a _CHUNK boundary with > _PENDING reads before it
+    first = b"}(" + _s("action") + _s("alloc") + _s("addr") + b"K\x01" + _s("size") + b"K\x02" + _s("frames") + b"](" \
+        + b"".join(_frame(_s(f"/home/u/f{i}.py") + b"r" + (10 + i).to_bytes(4, "little"), marked=False)
+                   for i in range(n)) + b"eu"
+    second = _marked_entry(8192, [_frame(b"j" + (10 + i).to_bytes(4, "little")) for i in range(n)])
+    path = tmp_path / "gets.pickle"
+    path.write_bytes(_listed([first, second]))
+    ref = _outcome(_whole, path)
+    assert ref[0] == "ok" and ref[1][0][3][:2] == [0, 0]  # both entries at the site of f0.py .. f3.py
+    assert _outcome(_stream_only, path) == ref
+    assert _agree(path) == ref
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])
+def test_an_optimized_pickle_is_streamed(tmp_path: Path, protocol: int) -> None:
+    """pickletools.optimize keeps only the memo stores read back: the first store (BINPUT) comes
+    among the items, where the scan took it for one mixed with MEMOIZE (and read the file whole)."""
+    path = tmp_path / "opt.pickle"
+    path.write_bytes(pickletools.optimize(pickle.dumps(_snapshot(50), protocol=protocol)))
+    assert _outcome(_stream_only, path) == _outcome(_whole, path)

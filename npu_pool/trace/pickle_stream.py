@@ -171,8 +171,10 @@ class _Scan:
 
     def _fold(self) -> None:
         """The memo reads gathered so far, into ``read``: each is in a range before the one being
-        gathered, or in it; it counts as read up to the end of that one (never too early)."""
-        last, arr = len(self.roles) + 1, self.last
+        gathered, or in it; it counts as read up to the end of that one (never too early). Inside
+        an item begun by a mark (``deep``) the range may yet be cut at that mark, when a closer
+        makes the item (TUPLE, LIST, DICT): the reads after the mark then lie in the next range."""
+        last, arr = len(self.roles) + 1 + (self.deep > 0), self.last
         for short, long in set(_GET_TOKENS(b"".join(self.pending))):
             idx = short[0] if short else int.from_bytes(long, "little")
             if idx < len(arr):
@@ -214,8 +216,10 @@ class _Scan:
         idx = int(arg)
         if op == _PUT:
             self._store(pos, idx)
-        else:
-            self._read(idx, len(self.roles) + 1)
+        elif idx >= 1 << 32:
+            raise NotStreamable("memo index")
+        else:  # gathered with the binary reads: in which range it lies is known when they are folded
+            self.pending.add(b"j" + idx.to_bytes(4, "little"))
 
     # -- the walk ---------------------------------------------------------------------------
 
@@ -284,8 +288,8 @@ class _Scan:
                     elif op == _POP_MARK:
                         raise NotStreamable("structure")
                 elif op == _MEMOIZE or op == _BINPUT or op == _LONG_BINPUT:
-                    if (op == _MEMOIZE) == self.put:
-                        raise NotStreamable("memo")  # MEMOIZE mixed with explicit indices
+                    if self.put if op == _MEMOIZE else self.memo_len:
+                        raise NotStreamable("memo")  # MEMOIZE mixed with explicit indices (as _store)
                     if op == _MEMOIZE:
                         self.memo_len += 1
                     else:
@@ -301,9 +305,9 @@ class _Scan:
                 if after < len(buf) and buf[after] in _PUSH_OPS:  # at the batch's level: an item begins
                     self._cut(base + after)
             pending.update(_GET_RUNS(buf, i, stop))
+            self.i, self.deep = stop, d  # (before the fold: the reads of an open item may move to the next range)
             if len(pending) > _PENDING:
                 self._fold()
-            self.i, self.deep = stop, d
             if len(buf) - stop >= _MARGIN or not self._refill():
                 return
 
@@ -311,6 +315,7 @@ class _Scan:
         """An item begins at ``pos`` in the range being gathered: end the range there when long."""
         o = self.open
         if pos - o[1] >= _PIECE:
+            self.deep = 0  # (at the batch's level: no item is open for the fold)
             self._flush(pos)
             self.open = [_E, pos, 0]
 
