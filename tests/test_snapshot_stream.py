@@ -313,3 +313,45 @@ def test_an_optimized_pickle_is_streamed(tmp_path: Path, protocol: int) -> None:
     path = tmp_path / "opt.pickle"
     path.write_bytes(pickletools.optimize(pickle.dumps(_snapshot(50), protocol=protocol)))
     assert _outcome(_stream_only, path) == _outcome(_whole, path)
+
+
+# -- values no message or site may format whole ----------------------------------------------------
+
+
+def test_values_python_cannot_or_should_not_format_give_one_line(tmp_path: Path) -> None:
+    """An integer of 5000 digits (str() of it raises ValueError), a step number beyond 64 bits
+    (OverflowError in the marks' column) or in digits int() refuses ("²"), a list of 2000
+    references to one 1 MB string (its repr: 2 GB) and a tuple nested 100,000 deep (repr:
+    RecursionError), where a message, a site or the copied allocator_settings show them: the
+    whole read's answer (a one-line TraceError or the traces), in time and memory near the file's."""
+    big = "x" * M
+    nested = b")" + b"\x85" * 100_000  # EMPTY_TUPLE, then TUPLE1 around it 100,000 times
+
+    def entry(**fields) -> dict:
+        e = _snapshot(2)
+        e["device_traces"][0][0].update(fields)
+        return e
+
+    snaps = {
+        "int-size": entry(size=10 ** 5000),
+        "int-line": entry(frames=[{"filename": "/home/u/a.py", "line": 10 ** 5000, "name": "f"}]),
+        "int-setting": dict(_snapshot(2), allocator_settings={"x": 10 ** 5000, 10 ** 5000: 1}),
+        "shared-size": entry(size=[big] * 2000),
+        "shared-name": entry(frames=[{"filename": "/home/u/a.py", "line": 1, "name": [big] * 2000}]),
+        "shared-setting": dict(_snapshot(2), allocator_settings={"x": {"y": [big] * 2000}, "z": {b"k": 1}}),
+    }
+    for step in ("ProfilerStep#" + "9" * 20, "ProfilerStep#" + "9" * 5000, "step " + "9" * 5000, "layer 99" + "9" * 30,
+                 "step ²"):
+        snaps[step[:14]] = dict(_snapshot(2), external_annotations=[
+            {"stage": "START", "name": step, "device": 0, "time_us": 5}])
+    for label, snap in snaps.items():
+        path = tmp_path / "v.pickle"
+        path.write_bytes(pickle.dumps(snap, protocol=4))
+        kind, message = _agree(path)
+        assert kind == "ok" or "\n" not in message and len(message) < 400, (label, message)
+        assert _peak(lambda p: _outcome(load_snapshot, p), path) < 20 * path.stat().st_size + 4 * M, label
+    for fields, field in ((dict(size="SIZE"), b"\x8c\x04SIZE"),  # the size, or a frame's line, nested
+                          (dict(frames=[{"filename": "/home/u/a.py", "line": "LINE", "name": "f"}]), b"\x8c\x04LINE")):
+        path.write_bytes(pickle.dumps(entry(**fields), protocol=4).replace(field, nested))
+        kind, message = _agree(path)
+        assert kind == "ok" or "\n" not in message and len(message) < 400, message

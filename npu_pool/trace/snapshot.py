@@ -28,6 +28,7 @@ import bisect
 import os
 import pickle
 import re
+import reprlib
 import sys
 from pathlib import Path
 from array import array
@@ -346,6 +347,22 @@ def _device_type(obj: dict) -> str | None:
     return probe.result(obj.get("segments"), obj.get("allocator_settings"))
 
 
+_REPR = reprlib.Repr()  # a few items and levels of a container, never all of it
+_REPR.maxstring = _REPR.maxother = 200
+
+
+def _shown(v: Any, width: int) -> str:
+    """``repr(v)`` in at most ``width`` characters, made without formatting what is cut off: an
+    untrusted value may be a list of a million references to one long string, a tuple nested a
+    million deep, or an integer of more digits than Python turns into text (ValueError)."""
+    if type(v) is str:
+        return repr(v[:width])[:width]
+    try:
+        return (repr(v) if v is None or type(v) in (bool, int, float) else _REPR.repr(v))[:width]
+    except (ValueError, RecursionError):
+        return f"<{type(v).__name__}>"
+
+
 def _bounded(obj: Any) -> Any:
     """A JSON-safe copy of untrusted settings: at most _SETTINGS_DEPTH levels and _SETTINGS_VALUES
     values; deeper or further parts become "...". Shared references are copied at most that often."""
@@ -356,14 +373,14 @@ def _bounded(obj: Any) -> Any:
         if budget[0] < 0 or depth > _SETTINGS_DEPTH:
             return "..."
         if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
-            return x if not isinstance(x, int) or -(1 << 63) <= x < 1 << 64 else str(x)[:40]
+            return x if not isinstance(x, int) or -(1 << 63) <= x < 1 << 64 else _shown(x, 40)
         if isinstance(x, str):
             return x[:200]
         if isinstance(x, dict):
-            return {str(k)[:100]: copy(v, depth + 1) for k, v in list(x.items())[:max(budget[0], 0)]}
+            return {k[:100] if type(k) is str else _shown(k, 100): copy(v, depth + 1) for k, v in list(x.items())[:max(budget[0], 0)]}
         if isinstance(x, (list, tuple)):
             return [copy(v, depth + 1) for v in list(x)[:max(budget[0], 0)]]
-        return str(x)[:200]
+        return _shown(x, 200)
 
     return copy(obj, 0)
 
@@ -394,11 +411,23 @@ def marker_of(name: str) -> tuple[int, int, bool] | None:
     for pattern, code in ((_STEP, MARK_ITER_BEGIN), (_LAYER, MARK_LAYER_ENTER)):
         m = pattern.match(n)
         if m:
-            return code, int(m.group(1)), False
+            arg = _number(m.group(1))
+            return (code, arg, False) if arg is not None else None
     word, _, rest = n.lower().partition(" ")
     if word in _PHASE_WORDS and (not rest or rest.lstrip("-").isdigit()):
-        return _PHASE_WORDS[word], int(rest) if rest else -1, False
+        arg = _number(rest) if rest else -1
+        return (_PHASE_WORDS[word], arg, False) if arg is not None else None
     return None
+
+
+def _number(text: str) -> int | None:
+    """The number a name ends with, None when it is none a marker holds (beyond 64 bits, or
+    digits ``int`` does not take, such as "²"): such a name names no phase."""
+    try:
+        v = int(text) if len(text) <= 20 else None
+    except ValueError:
+        return None
+    return v if v is not None and -(1 << 63) <= v < 1 << 63 else None
 
 
 def _annotations(annotations: list, name: str) -> dict[int, list[tuple[int, int, int]]]:
@@ -438,7 +467,7 @@ def _int(d: dict, key: str, name: str, where: str, default: int | None = None, s
     lo, hi = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
     if not isinstance(v, int) or not lo <= v < hi:
         raise TraceError(f"{name}: {where}.{key} should be a{'n' if signed else ' non-negative'} "
-                         f"64-bit integer, got {v!r:.60}")
+                         f"64-bit integer, got {_shown(v, 60)}")
     return v
 
 
@@ -612,12 +641,19 @@ class _Sites:
         chosen = user or lib[:_SITE_FRAMES]
         if not chosen:
             return -1
-        key = " < ".join(f"{_short(f['filename'])}:{f.get('line', 0)}:{f.get('name', '?')}" for f in chosen)
+        key = " < ".join(f"{_short(f['filename'])}:{_label(f.get('line', 0))}:{_label(f.get('name', '?'))}"
+                         for f in chosen)
         idx = self._index.get(key)
         if idx is None:
             idx = self._index[key] = len(self.strings)
             self.strings.append(key)
         return idx
+
+
+def _label(v: Any) -> str:
+    """A frame's line or name in a site: as ``str`` gives it for a string or a 64-bit integer,
+    else bounded (:func:`_shown`)."""
+    return v if type(v) is str else str(v) if type(v) is int and -(1 << 63) <= v < 1 << 64 else _shown(v, 60)
 
 
 def _short(filename: str) -> str:
