@@ -355,3 +355,28 @@ def test_values_python_cannot_or_should_not_format_give_one_line(tmp_path: Path)
         path.write_bytes(pickle.dumps(entry(**fields), protocol=4).replace(field, nested))
         kind, message = _agree(path)
         assert kind == "ok" or "\n" not in message and len(message) < 400, message
+
+
+def test_a_memo_index_far_beyond_the_stores_is_refused_before_the_unpickler_sizes_its_memo(tmp_path: Path) -> None:
+    """LONG_BINPUT 2^26 (or PUT 2^26) in a 1 KB snapshot: the C unpickler sizes its memo to twice
+    the index, 8 bytes an entry, zeroed, before anything fails (1 GB in either read; 2^30, 16 GB).
+    Refused in one line at once, in the streamed read's place and in the whole read's. (The test
+    stays at 2^26: where the refusal is lost, it costs 1 GB, not the machine.)"""
+    from npu_pool.trace.pickle_stream import memo_overreach
+    data = pickle.dumps(_snapshot(3), protocol=2)
+    at = data.index(b"X\x05\x00\x00\x00alloc") + 10  # its BINPUT, in the first entry
+    assert data[at] == pickle.BINPUT[0]
+    top = data.index(b"}") + 1  # the top dict's BINPUT
+    for where, store in ((at, b"r\x00\x00\x00\x04"), (at, b"p67108864\n"), (top, b"r\x00\x00\x00\x04"),
+                         (at, b"\x94r\x00\x00\x00\x04")):
+        path = tmp_path / "memo.pickle"
+        path.write_bytes(data[:where] + store + data[where + 2:])
+        with open(path, "rb") as f:
+            assert memo_overreach(f, path.stat().st_size)[1] == 1 << 26
+        kind, message = _outcome(load_snapshot, path)
+        assert kind == "error" and "corrupt or hostile (a memo store at byte" in message and "\n" not in message
+        assert _peak(lambda p: _outcome(load_snapshot, p), path) < 4 * M
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # what picklers write is never refused
+        path.write_bytes(pickle.dumps(_snapshot(40), protocol=protocol))
+        with open(path, "rb") as f:
+            assert memo_overreach(f, path.stat().st_size) is None

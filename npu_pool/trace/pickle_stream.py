@@ -35,6 +35,7 @@ more than it has read.
 from __future__ import annotations
 
 import pickle
+import pickletools
 import re
 import sys
 from array import array
@@ -42,13 +43,18 @@ from bisect import bisect_left
 from itertools import repeat
 from typing import Any, BinaryIO, Callable
 
-__all__ = ["stream_dict", "NotStreamable"]
+__all__ = ["stream_dict", "NotStreamable", "memo_overreach"]
 
 _PIECE = 32 << 10  # bytes of list items unpickled at a time: the memory the reader needs beyond one item
 _CHUNK = 256 << 10  # bytes read from the file at a time by the scan
 _MARGIN = 512  # bytes the scan keeps ahead of its position (a fixed-size opcode or a short string)
 _PENDING = 4096  # distinct runs of memo reads gathered before they are folded into indices
 _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
+# An explicit memo store (PUT, BINPUT, LONG_BINPUT) may name an index at most this far beyond the
+# stores before it (a pickler numbers its stores from 0; several picklers' parts reuse indices).
+# The C unpickler sizes its memo to twice the index, 8 bytes an entry, zeroed: unbounded, a
+# 5-byte LONG_BINPUT of 2^30 would take 16 GB.
+_MEMO_SLACK = 1 << 16
 
 # Among the items of a followed list (the bulk of a snapshot) the walk is one regular
 # expression: runs of opcodes that push plain objects (memo reads, numbers, short strings, empty
@@ -163,6 +169,8 @@ class _Scan:
             self.memo_len += 1
         elif self.memo_len:
             raise NotStreamable("memo")
+        elif idx > len(self.stores) + _MEMO_SLACK:
+            raise NotStreamable("memo index")  # (read whole, memo_overreach refuses it first)
         else:
             self.put = True
         self.stores.append(pos)
@@ -292,6 +300,8 @@ class _Scan:
                         raise NotStreamable("memo")  # MEMOIZE mixed with explicit indices (as _store)
                     if op == _MEMOIZE:
                         self.memo_len += 1
+                    elif op == _LONG_BINPUT and int.from_bytes(buf[k + 1:k + 5], "little") > len(stores) + _MEMO_SLACK:
+                        raise NotStreamable("memo index")  # (as _store)
                     else:
                         self.put = True
                     stores.append(base + k)
@@ -617,6 +627,78 @@ class _Scan:
             raise NotStreamable("structure")
         self._flush(pos)
         del st[k:]
+
+
+# opcode -> its argument: n > 0 bytes, or pickletools' codes for a line (-1) and for a length of
+# 1 byte, 4 signed, 4 or 8 unsigned (-2 .. -5); GLOBAL and INST take two lines (-6)
+_ARGS = {ord(o.code): -6 if o.code in "ci" else o.arg.n if o.arg else 0 for o in pickletools.opcodes}
+_LENGTHS = {-2: (1, False), -3: (4, True), -4: (4, False), -5: (8, False)}
+
+
+def memo_overreach(f: BinaryIO, size: int) -> tuple[int, int, int] | None:
+    """(position, index, stores before it) of the first explicit memo store in the pickle ``f``
+    (``size`` bytes) whose index lies more than _MEMO_SLACK beyond the stores before it, or None.
+    A walk over every opcode (runs of common ones matched in C), for a file read whole: the C
+    unpickler would size its memo to the index before anything else fails. It stops, with None,
+    where the unpickler stops anyway: STOP, the file's end, a byte that is no opcode."""
+    f.seek(0)
+    buf, base, i, stores, more = b"", 0, 0, 0, True
+    while True:
+        if len(buf) - i < _MARGIN and more:
+            more = f.read(_CHUNK)
+            base, buf, i = base + i, buf[i:] + more, 0
+        i = _RUN(buf, i).end()
+        if len(buf) - i < _MARGIN and more:
+            continue  # (a run up to the buffer's end: the next opcode may be cut)
+        if i >= len(buf):
+            return None
+        op, pos = buf[i], base + i
+        n = _ARGS.get(op)
+        if n is None or op == _STOP:
+            return None
+        if op in (_MEMOIZE, _BINPUT):  # (BINPUT: an index below 256)
+            stores += 1
+            i += 1 + (op == _BINPUT)
+            continue
+        if op == _LONG_BINPUT or op == _PUT:
+            if op == _PUT:
+                j = buf.find(b"\n", i + 1, i + _MARGIN)
+                if j < 0:
+                    return None  # a line longer than any index: the unpickler fails on it, allocating nothing
+                try:
+                    idx = int(buf[i + 1:j])
+                except ValueError:
+                    return None
+                i = j + 1
+            else:
+                idx = int.from_bytes(buf[i + 1:i + 5], "little")
+                i += 5
+            if idx > stores + _MEMO_SLACK:
+                return pos, idx, stores
+            stores += 1
+            continue
+        if n >= 0:
+            i += 1 + n
+        elif n in _LENGTHS:
+            width, signed = _LENGTHS[n]
+            length = int.from_bytes(buf[i + 1:i + 1 + width], "little", signed=signed)
+            if length < 0 or pos + 1 + width + length > size:
+                return None  # the unpickler fails on it (its allocation is the C reader's own)
+            i += 1 + width + length
+            if i > len(buf):
+                f.seek(base + i)
+                base, buf, i, more = base + i, b"", 0, True
+        else:
+            for _ in range(1 + (n == -6)):  # up to the newline(s), however far
+                j = buf.find(b"\n", i + 1)
+                while j < 0:
+                    more = f.read(_CHUNK)
+                    if not more:
+                        return None
+                    base, buf, i = base + len(buf), more, -1
+                    j = buf.find(b"\n")
+                i = j
+            i += 1
 
 
 # NONE LONG_BINPUT <index> POP NONE as one 8-byte little-endian word: index << 16 plus this

@@ -39,7 +39,7 @@ from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, M
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
-from .pickle_stream import NotStreamable, stream_dict
+from .pickle_stream import NotStreamable, memo_overreach, stream_dict
 from ..inputs import NotRegularFile, open_regular
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
@@ -73,7 +73,10 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def _unpickle(f: Any, name: str) -> Any:
-    """Unpickle from the file-like ``f`` with every global refused."""
+    """Unpickle from the file-like ``f`` with every global refused (a :class:`_Bounded` file is
+    first walked for a memo index the unpickler would size its memo to: refused)."""
+    if isinstance(f, _Bounded):
+        f.check_memo(name)
     try:
         return _NoGlobals(f).load()
     except _RefusedGlobal as e:
@@ -94,6 +97,17 @@ class _Bounded:
 
     def __init__(self, f: BinaryIO, size: int) -> None:
         self.f, self.left = f, size
+
+    def check_memo(self, name: str) -> None:
+        """Refuse a pickle with a memo store far beyond the stores before it (:func:`memo_overreach`:
+        the one count in a pickle the C unpickler allocates by unchecked, twice the index times 8
+        bytes, zeroed). The file is at its start before and after."""
+        over = memo_overreach(self.f, self.left)
+        self.f.seek(0)
+        if over is not None:
+            raise TraceError(f"{name}: not a valid pickle; corrupt or hostile (a memo store at byte {over[0]} names "
+                             f"index {over[1]} after {over[2]} stores: the unpickler would allocate {16 * over[1]} "
+                             "bytes for it; refused)")
 
     def read(self, n: int = -1) -> bytes:
         n = self.left if n is None or n < 0 else min(n, self.left)
