@@ -380,3 +380,25 @@ def test_a_memo_index_far_beyond_the_stores_is_refused_before_the_unpickler_size
         path.write_bytes(pickle.dumps(_snapshot(40), protocol=protocol))
         with open(path, "rb") as f:
             assert memo_overreach(f, path.stat().st_size) is None
+
+
+def test_frames_shared_or_long_cost_no_more_than_their_bytes(tmp_path: Path) -> None:
+    """One list of 20,000 frames shared by 2000 entries (96 KB: 40 million frames to look at, 1.8 s
+    and quadratic in the file) is refused in one line like the other shared-reference bombs; a
+    1 MB filename and a 1 MB function name shared by 1000 frames, each its own site (2 MB: 2 GB of
+    site strings and 40 s), give sites of bounded length: both reads agree, in time and memory
+    near the file's."""
+    frames = [{"filename": "??", "line": 0, "name": "c10::malloc"}] * 20_000
+    path = tmp_path / "frames.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[
+        {"action": "alloc", "addr": M * (i + 1), "size": 512, "stream": 0, "frames": frames} for i in range(2000)]]}))
+    assert _agree(path) == ("error", f"{path}: the entries and blocks hold more than 16 frames a byte of the file: "
+                                     "shared references repeated beyond what a real snapshot holds; refused")
+    for filename, name in (("/home/u/" + "a" * M + ".py", "f"), ("/home/u/a.py", "n" * M),
+                           ("/home/u/" + "d/" * 1900 + "a" * 95 + ".py", "f")):
+        path.write_bytes(pickle.dumps({"device_traces": [[
+            {"action": "alloc", "addr": M * (i + 1), "size": 512, "stream": 0,
+             "frames": [{"filename": filename, "line": i, "name": name}]} for i in range(1000)]]}))
+        kind, traces = _agree(path)
+        assert kind == "ok" and all(len(site) < 400 for site in traces[0][0]["sites"])
+        assert _peak(load_snapshot, path) < 4 * path.stat().st_size + 4 * M

@@ -49,6 +49,9 @@ _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
 _MAX_WARNINGS = 50
 _SITES_HELD = 2048  # frames (and a quarter as many sequences) a device's site cache keeps before it stops growing
+_FRAMES_PER_BYTE = 16  # frames the sites may look at per byte of file, all devices together (real snapshots: < 0.5)
+_PATH_MAX = 4096  # a longer "filename" is no source file: not looked into
+_LABEL = 100  # characters of a site's file (its end), name or line kept
 _ACTIVE = ("active_allocated", "active_pending_free")
 _SEG_NEW = ("segment_alloc", "segment_map")
 _SEG_GONE = ("segment_free", "segment_unmap")
@@ -182,13 +185,14 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
     the file is to be read whole instead."""
     devices: list[tuple[_Events, _Sites] | None] = []  # None: no entry yet (made on the first one)
     probe = _Probe()
+    frames_left = [_FRAMES_PER_BYTE * size]
 
     def on_list(dev: int) -> None:
         devices.append(None)
 
     def on_items(dev: int, items: list) -> None:
         if devices[dev] is None:
-            devices[dev] = (_Events(), _Sites(name))
+            devices[dev] = (_Events(), _Sites(name, frames_left))
         evs, sites = devices[dev]
         for e in items:
             if len(evs) < _PROBE_ENTRIES:
@@ -227,6 +231,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
     kind = _device_type(obj)
+    frames_left = [_FRAMES_PER_BYTE * max_elements] if max_elements is not None else None
 
     def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
         consumed: set[int] = set()  # ids of the event lists converted in place
@@ -234,7 +239,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
             where = f"device_traces[{dev}]"
             if not events:
                 continue
-            sites = _Sites(name)
+            sites = _Sites(name, frames_left)
             evs = _Events()
             if _consume:  # each dict is dropped as its record is taken
                 if id(events) in consumed:
@@ -619,8 +624,11 @@ class _Rows:
 class _Sites:
     """Interns call-site strings built from an event's Python frames."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, frames_left: list[int] | None = None) -> None:
         self.name = name
+        # frames the sites may still look at, shared by all devices (None: unbounded): a frame list
+        # shared by every entry costs the file a byte or two an entry, and would be walked each time
+        self.frames_left = frames_left
         self.strings: list[str] = []
         self._index: dict[str, int] = {}
         # frame objects (by identity) -> site: PyTorch shares each distinct frame dict between the
@@ -631,6 +639,11 @@ class _Sites:
 
     def site(self, frames: list, where: str) -> int:
         """Index of the site for ``frames`` (innermost first), -1 when there is no Python frame."""
+        if self.frames_left is not None:
+            self.frames_left[0] -= len(frames)
+            if self.frames_left[0] < 0:
+                raise TraceError(f"{self.name}: the entries and blocks hold more than {_FRAMES_PER_BYTE} frames a byte "
+                                 "of the file: shared references repeated beyond what a real snapshot holds; refused")
         key = tuple(map(id, frames))
         hit = self._seen.get(key)
         if hit is not None:
@@ -647,7 +660,7 @@ class _Sites:
             if not isinstance(f, dict):
                 raise TraceError(f"{self.name}: {where}.frames should hold dicts, got {type(f).__name__}")
             fn = f.get("filename", "")
-            if not isinstance(fn, str) or not fn.endswith(".py"):
+            if not isinstance(fn, str) or not fn.endswith(".py") or len(fn) > _PATH_MAX:
                 continue
             (lib if _LIB_FRAME.search(fn) else user).append(f)
             if len(user) == _SITE_FRAMES:
@@ -655,8 +668,8 @@ class _Sites:
         chosen = user or lib[:_SITE_FRAMES]
         if not chosen:
             return -1
-        key = " < ".join(f"{_short(f['filename'])}:{_label(f.get('line', 0))}:{_label(f.get('name', '?'))}"
-                         for f in chosen)
+        key = " < ".join(f"{_short(f['filename'])[-_LABEL:]}:{_label(f.get('line', 0))[:_LABEL]}:"
+                         f"{_label(f.get('name', '?'))[:_LABEL]}" for f in chosen)  # (each part bounded: a site per entry)
         idx = self._index.get(key)
         if idx is None:
             idx = self._index[key] = len(self.strings)
