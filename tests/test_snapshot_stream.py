@@ -362,7 +362,7 @@ def test_a_memo_index_far_beyond_the_stores_is_refused_before_the_unpickler_size
     the index, 8 bytes an entry, zeroed, before anything fails (1 GB in either read; 2^30, 16 GB).
     Refused in one line at once, in the streamed read's place and in the whole read's. (The test
     stays at 2^26: where the refusal is lost, it costs 1 GB, not the machine.)"""
-    from npu_pool.trace.pickle_stream import memo_overreach
+    from npu_pool.trace.pickle_stream import overreach
     data = pickle.dumps(_snapshot(3), protocol=2)
     at = data.index(b"X\x05\x00\x00\x00alloc") + 10  # its BINPUT, in the first entry
     assert data[at] == pickle.BINPUT[0]
@@ -372,14 +372,14 @@ def test_a_memo_index_far_beyond_the_stores_is_refused_before_the_unpickler_size
         path = tmp_path / "memo.pickle"
         path.write_bytes(data[:where] + store + data[where + 2:])
         with open(path, "rb") as f:
-            assert memo_overreach(f, path.stat().st_size)[1] == 1 << 26
+            assert f"names index {1 << 26} after" in overreach(f, path.stat().st_size)
         kind, message = _outcome(load_snapshot, path)
         assert kind == "error" and "corrupt or hostile (a memo store at byte" in message and "\n" not in message
         assert _peak(lambda p: _outcome(load_snapshot, p), path) < 4 * M
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # what picklers write is never refused
         path.write_bytes(pickle.dumps(_snapshot(40), protocol=protocol))
         with open(path, "rb") as f:
-            assert memo_overreach(f, path.stat().st_size) is None
+            assert overreach(f, path.stat().st_size) is None
 
 
 def test_frames_shared_or_long_cost_no_more_than_their_bytes(tmp_path: Path) -> None:
@@ -402,3 +402,17 @@ def test_frames_shared_or_long_cost_no_more_than_their_bytes(tmp_path: Path) -> 
         kind, traces = _agree(path)
         assert kind == "ok" and all(len(site) < 400 for site in traces[0][0]["sites"])
         assert _peak(load_snapshot, path) < 4 * path.stat().st_size + 4 * M
+
+
+def test_a_bytes_object_longer_than_the_file_is_refused_before_it_is_allocated(tmp_path: Path) -> None:
+    """BINBYTES8 or BYTEARRAY8 of 2^33 bytes in a 1 KB snapshot: the C unpickler allocates the
+    object at its declared length before reading into it (8 GB of address space, untouched:
+    tracemalloc counts it). Refused in one line first, in both reads."""
+    data = pickle.dumps(_snapshot(3), protocol=4)
+    at = data.index(b"\x8c\x05alloc")
+    path = tmp_path / "bytes.pickle"
+    for op in (b"\x8e", b"\x96"):
+        path.write_bytes(data[:at] + op + (1 << 33).to_bytes(8, "little") + data[at + 7:])
+        kind, message = _agree(path)
+        assert kind == "error" and f"declares {1 << 33} bytes where" in message and "\n" not in message
+        assert _peak(lambda p: _outcome(load_snapshot, p), path) < 4 * M

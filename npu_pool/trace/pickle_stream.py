@@ -43,7 +43,7 @@ from bisect import bisect_left
 from itertools import repeat
 from typing import Any, BinaryIO, Callable
 
-__all__ = ["stream_dict", "NotStreamable", "memo_overreach"]
+__all__ = ["stream_dict", "NotStreamable", "overreach"]
 
 _PIECE = 32 << 10  # bytes of list items unpickled at a time: the memory the reader needs beyond one item
 _CHUNK = 256 << 10  # bytes read from the file at a time by the scan
@@ -170,7 +170,7 @@ class _Scan:
         elif self.memo_len:
             raise NotStreamable("memo")
         elif idx > len(self.stores) + _MEMO_SLACK:
-            raise NotStreamable("memo index")  # (read whole, memo_overreach refuses it first)
+            raise NotStreamable("memo index")  # (read whole, overreach refuses it first)
         else:
             self.put = True
         self.stores.append(pos)
@@ -633,14 +633,17 @@ class _Scan:
 # 1 byte, 4 signed, 4 or 8 unsigned (-2 .. -5); GLOBAL and INST take two lines (-6)
 _ARGS = {ord(o.code): -6 if o.code in "ci" else o.arg.n if o.arg else 0 for o in pickletools.opcodes}
 _LENGTHS = {-2: (1, False), -3: (4, True), -4: (4, False), -5: (8, False)}
+_ALLOCATED = {0x42: "BINBYTES", 0x8E: "BINBYTES8", 0x96: "BYTEARRAY8"}  # made at their declared length, then read into
 
 
-def memo_overreach(f: BinaryIO, size: int) -> tuple[int, int, int] | None:
-    """(position, index, stores before it) of the first explicit memo store in the pickle ``f``
-    (``size`` bytes) whose index lies more than _MEMO_SLACK beyond the stores before it, or None.
-    A walk over every opcode (runs of common ones matched in C), for a file read whole: the C
-    unpickler would size its memo to the index before anything else fails. It stops, with None,
-    where the unpickler stops anyway: STOP, the file's end, a byte that is no opcode."""
+def overreach(f: BinaryIO, size: int) -> str | None:
+    """What in the pickle ``f`` (``size`` bytes) would make the C unpickler allocate by a count
+    the file does not hold, or None: the first explicit memo store whose index lies more than
+    _MEMO_SLACK beyond the stores before it (the memo is sized to twice the index), or the first
+    BINBYTES, BINBYTES8 or BYTEARRAY8 longer than the rest of the file (the object is allocated
+    at that length before it is read). A walk over every opcode (runs of common ones matched in
+    C), for a file read whole. It stops, with None, where the unpickler stops anyway: STOP, the
+    file's end, a byte that is no opcode."""
     f.seek(0)
     buf, base, i, stores, more = b"", 0, 0, 0, True
     while True:
@@ -674,7 +677,8 @@ def memo_overreach(f: BinaryIO, size: int) -> tuple[int, int, int] | None:
                 idx = int.from_bytes(buf[i + 1:i + 5], "little")
                 i += 5
             if idx > stores + _MEMO_SLACK:
-                return pos, idx, stores
+                return (f"a memo store at byte {pos} names index {idx} after {stores} stores: the unpickler would "
+                        f"allocate {16 * idx} bytes for it")
             stores += 1
             continue
         if n >= 0:
@@ -683,7 +687,10 @@ def memo_overreach(f: BinaryIO, size: int) -> tuple[int, int, int] | None:
             width, signed = _LENGTHS[n]
             length = int.from_bytes(buf[i + 1:i + 1 + width], "little", signed=signed)
             if length < 0 or pos + 1 + width + length > size:
-                return None  # the unpickler fails on it (its allocation is the C reader's own)
+                if op in _ALLOCATED and length > 0:
+                    return (f"a {_ALLOCATED[op]} at byte {pos} declares {length} bytes where {size - pos - 1 - width} "
+                            "are left: the unpickler would allocate them before reading")
+                return None  # the unpickler fails on it, allocating no more than it reads
             i += 1 + width + length
             if i > len(buf):
                 f.seek(base + i)

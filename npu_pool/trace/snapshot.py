@@ -32,14 +32,14 @@ import reprlib
 import sys
 from pathlib import Path
 from array import array
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
-from .pickle_stream import NotStreamable, memo_overreach, stream_dict
+from .pickle_stream import NotStreamable, overreach, stream_dict
 from ..inputs import NotRegularFile, open_regular
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
@@ -77,9 +77,9 @@ class _NoGlobals(pickle.Unpickler):
 
 def _unpickle(f: Any, name: str) -> Any:
     """Unpickle from the file-like ``f`` with every global refused (a :class:`_Bounded` file is
-    first walked for a memo index the unpickler would size its memo to: refused)."""
+    first walked for a count the unpickler would allocate by beyond the file: refused)."""
     if isinstance(f, _Bounded):
-        f.check_memo(name)
+        f.check_counts(name)
     try:
         return _NoGlobals(f).load()
     except _RefusedGlobal as e:
@@ -101,16 +101,14 @@ class _Bounded:
     def __init__(self, f: BinaryIO, size: int) -> None:
         self.f, self.left = f, size
 
-    def check_memo(self, name: str) -> None:
-        """Refuse a pickle with a memo store far beyond the stores before it (:func:`memo_overreach`:
-        the one count in a pickle the C unpickler allocates by unchecked, twice the index times 8
-        bytes, zeroed). The file is at its start before and after."""
-        over = memo_overreach(self.f, self.left)
+    def check_counts(self, name: str) -> None:
+        """Refuse a pickle with a count the C unpickler allocates by unchecked (:func:`overreach`: a
+        memo index far beyond the stores before it, a bytes object longer than the file). The file
+        is at its start before and after."""
+        over = overreach(self.f, self.left)
         self.f.seek(0)
         if over is not None:
-            raise TraceError(f"{name}: not a valid pickle; corrupt or hostile (a memo store at byte {over[0]} names "
-                             f"index {over[1]} after {over[2]} stores: the unpickler would allocate {16 * over[1]} "
-                             "bytes for it; refused)")
+            raise TraceError(f"{name}: not a valid pickle; corrupt or hostile ({over}; refused)")
 
     def read(self, n: int = -1) -> bytes:
         n = self.left if n is None or n < 0 else min(n, self.left)
@@ -396,9 +394,10 @@ def _bounded(obj: Any) -> Any:
         if isinstance(x, str):
             return x[:200]
         if isinstance(x, dict):
-            return {k[:100] if type(k) is str else _shown(k, 100): copy(v, depth + 1) for k, v in list(x.items())[:max(budget[0], 0)]}
+            return {k[:100] if type(k) is str else _shown(k, 100): copy(v, depth + 1)
+                    for k, v in islice(x.items(), max(budget[0], 0))}  # (never a list of all: x may be shared)
         if isinstance(x, (list, tuple)):
-            return [copy(v, depth + 1) for v in list(x)[:max(budget[0], 0)]]
+            return [copy(v, depth + 1) for v in islice(x, max(budget[0], 0))]
         return _shown(x, 200)
 
     return copy(obj, 0)
