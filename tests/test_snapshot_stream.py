@@ -387,14 +387,14 @@ def test_frames_shared_or_long_cost_no_more_than_their_bytes(tmp_path: Path) -> 
     and quadratic in the file) is refused in one line like the other shared-reference bombs; a
     1 MB filename and a 1 MB function name shared by 1000 frames, each its own site (2 MB: 2 GB of
     site strings and 40 s), give sites of bounded length: both reads agree, in time and memory
-    near the file's."""
+    near the file's. (Here 256 KB strings.)"""
     frames = [{"filename": "??", "line": 0, "name": "c10::malloc"}] * 20_000
     path = tmp_path / "frames.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [[
         {"action": "alloc", "addr": M * (i + 1), "size": 512, "stream": 0, "frames": frames} for i in range(2000)]]}))
     assert _agree(path) == ("error", f"{path}: the entries and blocks hold more than 16 frames a byte of the file: "
                                      "shared references repeated beyond what a real snapshot holds; refused")
-    for filename, name in (("/home/u/" + "a" * M + ".py", "f"), ("/home/u/a.py", "n" * M),
+    for filename, name in (("/home/u/" + "a" * (M // 4) + ".py", "f"), ("/home/u/a.py", "n" * (M // 4)),
                            ("/home/u/" + "d/" * 1900 + "a" * 95 + ".py", "f")):
         path.write_bytes(pickle.dumps({"device_traces": [[
             {"action": "alloc", "addr": M * (i + 1), "size": 512, "stream": 0,
