@@ -416,3 +416,18 @@ def test_a_bytes_object_longer_than_the_file_is_refused_before_it_is_allocated(t
         kind, message = _agree(path)
         assert kind == "error" and f"declares {1 << 33} bytes where" in message and "\n" not in message
         assert _peak(lambda p: _outcome(load_snapshot, p), path) < 4 * M
+
+
+def test_a_file_grown_since_it_was_opened_is_read_to_its_size_only(tmp_path: Path) -> None:
+    """The reads are given the size the file had when opened; what was appended since (here, the
+    last 20 bytes of a snapshot and more) is not read: the streamed read, like the whole read,
+    finds the snapshot truncated (it read on, and gave the traces of bytes past the size)."""
+    from npu_pool.trace.pickle_stream import overreach
+    for data in (pickletools.optimize(pickle.dumps(_snapshot(3), protocol=2)),
+                 b"\x80\x04" + pickle.dumps(_snapshot(3), protocol=4)[11:]):  # (its FRAME left out)
+        path = tmp_path / "grown.pickle"
+        path.write_bytes(data + b"x" * 100)
+        with open(path, "rb") as f:
+            with pytest.raises(NotStreamable):
+                _streamed(f, len(data) - 20, str(path))
+            assert overreach(f, len(data) - 20) is None and f.tell() <= len(data) - 20

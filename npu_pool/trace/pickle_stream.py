@@ -132,8 +132,9 @@ class _Scan:
     # -- input ------------------------------------------------------------------------------
 
     def _refill(self) -> bool:
-        """Keep _MARGIN bytes ahead of the position when the file has them; False at its end."""
-        more = self.f.read(_CHUNK)
+        """Keep _MARGIN bytes ahead of the position when the file has them; False at its end (its
+        size when opened: what a file grown since holds is not read, as in the whole read)."""
+        more = self.f.read(max(0, min(_CHUNK, self.size - self.base - len(self.buf))))
         self.base += self.i
         self.buf = self.buf[self.i:] + more
         self.i = 0
@@ -648,7 +649,7 @@ def overreach(f: BinaryIO, size: int) -> str | None:
     buf, base, i, stores, more = b"", 0, 0, 0, True
     while True:
         if len(buf) - i < _MARGIN and more:
-            more = f.read(_CHUNK)
+            more = f.read(max(0, min(_CHUNK, size - base - len(buf))))  # (never past the size)
             base, buf, i = base + i, buf[i:] + more, 0
         i = _RUN(buf, i).end()
         if len(buf) - i < _MARGIN and more:
@@ -699,7 +700,7 @@ def overreach(f: BinaryIO, size: int) -> str | None:
             for _ in range(1 + (n == -6)):  # up to the newline(s), however far
                 j = buf.find(b"\n", i + 1)
                 while j < 0:
-                    more = f.read(_CHUNK)
+                    more = f.read(max(0, min(_CHUNK, size - base - len(buf))))
                     if not more:
                         return None
                     base, buf, i = base + len(buf), more, -1
