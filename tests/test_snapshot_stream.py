@@ -358,7 +358,7 @@ def test_values_python_cannot_or_should_not_format_give_one_line(tmp_path: Path)
 
 
 def test_a_memo_index_far_beyond_the_stores_is_refused_before_the_unpickler_sizes_its_memo(tmp_path: Path) -> None:
-    """LONG_BINPUT 2^26 (or PUT 2^26) in a 1 KB snapshot: the C unpickler sizes its memo to twice
+    """LONG_BINPUT 2^26 (or PUT 2^26, also written with 600 leading zeros) in a 1 KB snapshot: the C unpickler sizes its memo to twice
     the index, 8 bytes an entry, zeroed, before anything fails (1 GB in either read; 2^30, 16 GB).
     Refused in one line at once, in the streamed read's place and in the whole read's. (The test
     stays at 2^26: where the refusal is lost, it costs 1 GB, not the machine.)"""
@@ -368,7 +368,7 @@ def test_a_memo_index_far_beyond_the_stores_is_refused_before_the_unpickler_size
     assert data[at] == pickle.BINPUT[0]
     top = data.index(b"}") + 1  # the top dict's BINPUT
     for where, store in ((at, b"r\x00\x00\x00\x04"), (at, b"p67108864\n"), (top, b"r\x00\x00\x00\x04"),
-                         (at, b"\x94r\x00\x00\x00\x04")):
+                         (at, b"\x94r\x00\x00\x00\x04"), (at, b"p" + b"0" * 600 + b"67_108_864 \n")):
         path = tmp_path / "memo.pickle"
         path.write_bytes(data[:where] + store + data[where + 2:])
         with open(path, "rb") as f:

@@ -665,15 +665,22 @@ def overreach(f: BinaryIO, size: int) -> str | None:
             i += 1 + (op == _BINPUT)
             continue
         if op == _LONG_BINPUT or op == _PUT:
-            if op == _PUT:
-                j = buf.find(b"\n", i + 1, i + _MARGIN)
-                if j < 0:
-                    return None  # a line longer than any index: the unpickler fails on it, allocating nothing
+            if op == _PUT:  # the whole line, however long: the unpickler takes "  000...0067_108_864"
+                parts, i = [], i + 1
+                j = buf.find(b"\n", i)
+                while j < 0:
+                    parts.append(buf[i:])
+                    more = f.read(max(0, min(_CHUNK, size - base - len(buf))))
+                    if not more:
+                        return None
+                    base, buf, i = base + len(buf), more, 0
+                    j = buf.find(b"\n")
+                parts.append(buf[i:j])
+                i = j + 1
                 try:
-                    idx = int(buf[i + 1:j])
+                    idx = int(b"".join(parts))  # (as the unpickler's PyLong_FromString, its digit limit too)
                 except ValueError:
                     return None
-                i = j + 1
             else:
                 idx = int.from_bytes(buf[i + 1:i + 5], "little")
                 i += 5
