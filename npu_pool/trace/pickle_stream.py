@@ -208,15 +208,26 @@ class _Scan:
         return self.last
 
     def _line(self) -> bytes:
-        """The argument of a text opcode at the position (up to its newline); steps past it."""
+        """The argument of a text opcode at the position (up to its newline); steps past it. A line
+        longer than the buffer is gathered piece by piece (refilling would copy it whole each
+        time: a line of 32 MB took 2 s, quadratic in its length)."""
+        j = self.buf.find(b"\n", self.i + 1)
+        if j >= 0:
+            arg = self.buf[self.i + 1:j]
+            self.i = j + 1
+            return arg
+        parts = [self.buf[self.i + 1:]]
         while True:
-            j = self.buf.find(b"\n", self.i + 1)
-            if j >= 0:
-                arg = self.buf[self.i + 1:j]
-                self.i = j + 1
-                return arg
-            if not self._refill():
+            more = self.f.read(max(0, min(_CHUNK, self.size - self.base - len(self.buf))))
+            if not more:
                 raise NotStreamable("truncated")
+            self.base, self.buf, self.i = self.base + len(self.buf), more, 0
+            j = more.find(b"\n")
+            if j >= 0:
+                parts.append(more[:j])
+                self.i = j + 1
+                return b"".join(parts)
+            parts.append(more)
 
     def _text_memo(self, op: int, pos: int) -> None:
         arg = self._line()
