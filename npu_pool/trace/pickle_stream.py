@@ -40,7 +40,7 @@ import re
 import sys
 from array import array
 from bisect import bisect_left
-from itertools import repeat
+from itertools import chain, islice, repeat
 from typing import Any, BinaryIO, Callable
 
 __all__ = ["stream_dict", "NotStreamable", "overreach"]
@@ -50,6 +50,7 @@ _CHUNK = 256 << 10  # bytes read from the file at a time by the scan
 _MARGIN = 512  # bytes the scan keeps ahead of its position (a fixed-size opcode or a short string)
 _PENDING = 4096  # distinct runs of memo reads gathered before they are folded into indices
 _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
+_DEAD_PIECE = 1 << 14  # memo indices set to None by one small pickle
 # An explicit memo store (PUT, BINPUT, LONG_BINPUT) may name an index at most this far beyond the
 # stores before it (a pickler numbers its stores from 0; several picklers' parts reuse indices).
 # The C unpickler sizes its memo to twice the index, 8 bytes an entry, zeroed: unbounded, a
@@ -838,11 +839,11 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
         d2 = bisect_left(stores, end, d)
         # memo stores of this range that nothing reads: out of the memo once the range is read
         if put:
-            dead = [idx for idx in map(_index_at, repeat(raw), (p - start for p in stores[d:d2]))
-                    if idx >= n_last or not last[idx]]
+            stored: Any = array("Q", map(_index_at, repeat(raw), (p - start for p in stores[d:d2])))
         else:
-            dead = [idx for idx in range(d, d2) if idx >= n_last or not last[idx]]  # MEMOIZE: store n, index n
-        dead += done[first[r + 1]:first[r + 2]]  # (last[idx] == r + 1)
+            stored = range(d, d2)  # MEMOIZE: store n, index n
+        dead = chain((idx for idx in stored if idx >= n_last or not last[idx]),
+                     done[first[r + 1]:first[r + 2]])  # (last[idx] == r + 1)
         d = d2
         parts = [b"]("]  # the range's items become the items of a list
         at = start
@@ -875,7 +876,12 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
                 lists += 1
                 on_list(lists)
         del objs
-        if dead:  # objects no later range reads: out of the memo (a LONG_BINPUT of None over each)
-            feed.set(_none_over(dead))
+        # objects no later range reads: out of the memo (a LONG_BINPUT of None over each), a piece
+        # at a time (a range of a million MEMOIZEs made a list of its indices: 86x the file)
+        while True:
+            piece = list(islice(dead, _DEAD_PIECE))
+            if not piece:
+                break
+            feed.set(_none_over(piece))
             u.load()
     return out
