@@ -35,20 +35,27 @@ more than it has read.
 from __future__ import annotations
 
 import pickle
+import pickletools
 import re
 import sys
 from array import array
 from bisect import bisect_left
-from itertools import repeat
+from itertools import chain, islice, repeat
 from typing import Any, BinaryIO, Callable
 
-__all__ = ["stream_dict", "NotStreamable"]
+__all__ = ["stream_dict", "NotStreamable", "overreach"]
 
 _PIECE = 32 << 10  # bytes of list items unpickled at a time: the memory the reader needs beyond one item
 _CHUNK = 256 << 10  # bytes read from the file at a time by the scan
 _MARGIN = 512  # bytes the scan keeps ahead of its position (a fixed-size opcode or a short string)
 _PENDING = 4096  # distinct runs of memo reads gathered before they are folded into indices
 _MAX_SHALLOW = 1 << 16  # entries of the followed structure on the stack (a pickler writes batches of 1000)
+_DEAD_PIECE = 1 << 14  # memo indices set to None by one small pickle
+# An explicit memo store (PUT, BINPUT, LONG_BINPUT) may name an index at most this far beyond the
+# stores before it (a pickler numbers its stores from 0; several picklers' parts reuse indices).
+# The C unpickler sizes its memo to twice the index, 8 bytes an entry, zeroed: unbounded, a
+# 5-byte LONG_BINPUT of 2^30 would take 16 GB.
+_MEMO_SLACK = 1 << 16
 
 # Among the items of a followed list (the bulk of a snapshot) the walk is one regular
 # expression: runs of opcodes that push plain objects (memo reads, numbers, short strings, empty
@@ -126,8 +133,9 @@ class _Scan:
     # -- input ------------------------------------------------------------------------------
 
     def _refill(self) -> bool:
-        """Keep _MARGIN bytes ahead of the position when the file has them; False at its end."""
-        more = self.f.read(_CHUNK)
+        """Keep _MARGIN bytes ahead of the position when the file has them; False at its end (its
+        size when opened: what a file grown since holds is not read, as in the whole read)."""
+        more = self.f.read(max(0, min(_CHUNK, self.size - self.base - len(self.buf))))
         self.base += self.i
         self.buf = self.buf[self.i:] + more
         self.i = 0
@@ -163,6 +171,8 @@ class _Scan:
             self.memo_len += 1
         elif self.memo_len:
             raise NotStreamable("memo")
+        elif idx > len(self.stores) + _MEMO_SLACK:
+            raise NotStreamable("memo index")  # (read whole, overreach refuses it first)
         else:
             self.put = True
         self.stores.append(pos)
@@ -171,8 +181,10 @@ class _Scan:
 
     def _fold(self) -> None:
         """The memo reads gathered so far, into ``read``: each is in a range before the one being
-        gathered, or in it; it counts as read up to the end of that one (never too early)."""
-        last, arr = len(self.roles) + 1, self.last
+        gathered, or in it; it counts as read up to the end of that one (never too early). Inside
+        an item begun by a mark (``deep``) the range may yet be cut at that mark, when a closer
+        makes the item (TUPLE, LIST, DICT): the reads after the mark then lie in the next range."""
+        last, arr = len(self.roles) + 1 + (self.deep > 0), self.last
         for short, long in set(_GET_TOKENS(b"".join(self.pending))):
             idx = short[0] if short else int.from_bytes(long, "little")
             if idx < len(arr):
@@ -197,15 +209,26 @@ class _Scan:
         return self.last
 
     def _line(self) -> bytes:
-        """The argument of a text opcode at the position (up to its newline); steps past it."""
+        """The argument of a text opcode at the position (up to its newline); steps past it. A line
+        longer than the buffer is gathered piece by piece (refilling would copy it whole each
+        time: a line of 32 MB took 2 s, quadratic in its length)."""
+        j = self.buf.find(b"\n", self.i + 1)
+        if j >= 0:
+            arg = self.buf[self.i + 1:j]
+            self.i = j + 1
+            return arg
+        parts = [self.buf[self.i + 1:]]
         while True:
-            j = self.buf.find(b"\n", self.i + 1)
-            if j >= 0:
-                arg = self.buf[self.i + 1:j]
-                self.i = j + 1
-                return arg
-            if not self._refill():
+            more = self.f.read(max(0, min(_CHUNK, self.size - self.base - len(self.buf))))
+            if not more:
                 raise NotStreamable("truncated")
+            self.base, self.buf, self.i = self.base + len(self.buf), more, 0
+            j = more.find(b"\n")
+            if j >= 0:
+                parts.append(more[:j])
+                self.i = j + 1
+                return b"".join(parts)
+            parts.append(more)
 
     def _text_memo(self, op: int, pos: int) -> None:
         arg = self._line()
@@ -214,8 +237,10 @@ class _Scan:
         idx = int(arg)
         if op == _PUT:
             self._store(pos, idx)
-        else:
-            self._read(idx, len(self.roles) + 1)
+        elif idx >= 1 << 32:
+            raise NotStreamable("memo index")
+        else:  # gathered with the binary reads: in which range it lies is known when they are folded
+            self.pending.add(b"j" + idx.to_bytes(4, "little"))
 
     # -- the walk ---------------------------------------------------------------------------
 
@@ -284,10 +309,12 @@ class _Scan:
                     elif op == _POP_MARK:
                         raise NotStreamable("structure")
                 elif op == _MEMOIZE or op == _BINPUT or op == _LONG_BINPUT:
-                    if (op == _MEMOIZE) == self.put:
-                        raise NotStreamable("memo")  # MEMOIZE mixed with explicit indices
+                    if self.put if op == _MEMOIZE else self.memo_len:
+                        raise NotStreamable("memo")  # MEMOIZE mixed with explicit indices (as _store)
                     if op == _MEMOIZE:
                         self.memo_len += 1
+                    elif op == _LONG_BINPUT and int.from_bytes(buf[k + 1:k + 5], "little") > len(stores) + _MEMO_SLACK:
+                        raise NotStreamable("memo index")  # (as _store)
                     else:
                         self.put = True
                     stores.append(base + k)
@@ -301,9 +328,9 @@ class _Scan:
                 if after < len(buf) and buf[after] in _PUSH_OPS:  # at the batch's level: an item begins
                     self._cut(base + after)
             pending.update(_GET_RUNS(buf, i, stop))
+            self.i, self.deep = stop, d  # (before the fold: the reads of an open item may move to the next range)
             if len(pending) > _PENDING:
                 self._fold()
-            self.i, self.deep = stop, d
             if len(buf) - stop >= _MARGIN or not self._refill():
                 return
 
@@ -311,6 +338,7 @@ class _Scan:
         """An item begins at ``pos`` in the range being gathered: end the range there when long."""
         o = self.open
         if pos - o[1] >= _PIECE:
+            self.deep = 0  # (at the batch's level: no item is open for the fold)
             self._flush(pos)
             self.open = [_E, pos, 0]
 
@@ -614,6 +642,92 @@ class _Scan:
         del st[k:]
 
 
+# opcode -> its argument: n > 0 bytes, or pickletools' codes for a line (-1) and for a length of
+# 1 byte, 4 signed, 4 or 8 unsigned (-2 .. -5); GLOBAL and INST take two lines (-6)
+_ARGS = {ord(o.code): -6 if o.code in "ci" else o.arg.n if o.arg else 0 for o in pickletools.opcodes}
+_LENGTHS = {-2: (1, False), -3: (4, True), -4: (4, False), -5: (8, False)}
+_ALLOCATED = {0x42: "BINBYTES", 0x8E: "BINBYTES8", 0x96: "BYTEARRAY8"}  # made at their declared length, then read into
+
+
+def overreach(f: BinaryIO, size: int) -> str | None:
+    """What in the pickle ``f`` (``size`` bytes) would make the C unpickler allocate by a count
+    the file does not hold, or None: the first explicit memo store whose index lies more than
+    _MEMO_SLACK beyond the stores before it (the memo is sized to twice the index), or the first
+    BINBYTES, BINBYTES8 or BYTEARRAY8 longer than the rest of the file (the object is allocated
+    at that length before it is read). A walk over every opcode (runs of common ones matched in
+    C), for a file read whole. It stops, with None, where the unpickler stops anyway: STOP, the
+    file's end, a byte that is no opcode."""
+    f.seek(0)
+    buf, base, i, stores, more = b"", 0, 0, 0, True
+    while True:
+        if len(buf) - i < _MARGIN and more:
+            more = f.read(max(0, min(_CHUNK, size - base - len(buf))))  # (never past the size)
+            base, buf, i = base + i, buf[i:] + more, 0
+        i = _RUN(buf, i).end()
+        if len(buf) - i < _MARGIN and more:
+            continue  # (a run up to the buffer's end: the next opcode may be cut)
+        if i >= len(buf):
+            return None
+        op, pos = buf[i], base + i
+        n = _ARGS.get(op)
+        if n is None or op == _STOP:
+            return None
+        if op in (_MEMOIZE, _BINPUT):  # (BINPUT: an index below 256)
+            stores += 1
+            i += 1 + (op == _BINPUT)
+            continue
+        if op == _LONG_BINPUT or op == _PUT:
+            if op == _PUT:  # the whole line, however long: the unpickler takes "  000...0067_108_864"
+                parts, i = [], i + 1
+                j = buf.find(b"\n", i)
+                while j < 0:
+                    parts.append(buf[i:])
+                    more = f.read(max(0, min(_CHUNK, size - base - len(buf))))
+                    if not more:
+                        return None
+                    base, buf, i = base + len(buf), more, 0
+                    j = buf.find(b"\n")
+                parts.append(buf[i:j])
+                i = j + 1
+                try:
+                    idx = int(b"".join(parts))  # (as the unpickler's PyLong_FromString, its digit limit too)
+                except ValueError:
+                    return None
+            else:
+                idx = int.from_bytes(buf[i + 1:i + 5], "little")
+                i += 5
+            if idx > stores + _MEMO_SLACK:
+                return (f"a memo store at byte {pos} names index {idx} after {stores} stores: the unpickler would "
+                        f"allocate {16 * idx} bytes for it")
+            stores += 1
+            continue
+        if n >= 0:
+            i += 1 + n
+        elif n in _LENGTHS:
+            width, signed = _LENGTHS[n]
+            length = int.from_bytes(buf[i + 1:i + 1 + width], "little", signed=signed)
+            if length < 0 or pos + 1 + width + length > size:
+                if op in _ALLOCATED and length > 0:
+                    return (f"a {_ALLOCATED[op]} at byte {pos} declares {length} bytes where {size - pos - 1 - width} "
+                            "are left: the unpickler would allocate them before reading")
+                return None  # the unpickler fails on it, allocating no more than it reads
+            i += 1 + width + length
+            if i > len(buf):
+                f.seek(base + i)
+                base, buf, i, more = base + i, b"", 0, True
+        else:
+            for _ in range(1 + (n == -6)):  # up to the newline(s), however far
+                j = buf.find(b"\n", i + 1)
+                while j < 0:
+                    more = f.read(max(0, min(_CHUNK, size - base - len(buf))))
+                    if not more:
+                        return None
+                    base, buf, i = base + len(buf), more, -1
+                    j = buf.find(b"\n")
+                i = j
+            i += 1
+
+
 # NONE LONG_BINPUT <index> POP NONE as one 8-byte little-endian word: index << 16 plus this
 _NONE_OVER = 0x4E | 0x72 << 8 | 0x30 << 48 | 0x4E << 56
 
@@ -725,11 +839,11 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
         d2 = bisect_left(stores, end, d)
         # memo stores of this range that nothing reads: out of the memo once the range is read
         if put:
-            dead = [idx for idx in map(_index_at, repeat(raw), (p - start for p in stores[d:d2]))
-                    if idx >= n_last or not last[idx]]
+            stored: Any = array("Q", map(_index_at, repeat(raw), (p - start for p in stores[d:d2])))
         else:
-            dead = [idx for idx in range(d, d2) if idx >= n_last or not last[idx]]  # MEMOIZE: store n, index n
-        dead += done[first[r + 1]:first[r + 2]]  # (last[idx] == r + 1)
+            stored = range(d, d2)  # MEMOIZE: store n, index n
+        dead = chain((idx for idx in stored if idx >= n_last or not last[idx]),
+                     done[first[r + 1]:first[r + 2]])  # (last[idx] == r + 1)
         d = d2
         parts = [b"]("]  # the range's items become the items of a list
         at = start
@@ -762,7 +876,12 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
                 lists += 1
                 on_list(lists)
         del objs
-        if dead:  # objects no later range reads: out of the memo (a LONG_BINPUT of None over each)
-            feed.set(_none_over(dead))
+        # objects no later range reads: out of the memo (a LONG_BINPUT of None over each), a piece
+        # at a time (a range of a million MEMOIZEs made a list of its indices: 86x the file)
+        while True:
+            piece = list(islice(dead, _DEAD_PIECE))
+            if not piece:
+                break
+            feed.set(_none_over(piece))
             u.load()
     return out

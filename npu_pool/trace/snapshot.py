@@ -28,17 +28,18 @@ import bisect
 import os
 import pickle
 import re
+import reprlib
 import sys
 from pathlib import Path
 from array import array
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN,
                      PLAN_MAGIC, MARK_LAYER_ENTER, MARK_OPTIMIZER_BEGIN, MARK_SETUP_BEGIN, OP_ALLOC, OP_EMPTY_CACHE,
                      OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, POOL_LARGE,
                      POOL_SMALL, Trace, TraceError)
-from .pickle_stream import NotStreamable, stream_dict
+from .pickle_stream import NotStreamable, overreach, stream_dict
 from ..inputs import NotRegularFile, open_regular
 from ..vocab import PROFILER_PREFIX, profiled_mark
 
@@ -48,6 +49,9 @@ _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
 _MAX_WARNINGS = 50
 _SITES_HELD = 2048  # frames (and a quarter as many sequences) a device's site cache keeps before it stops growing
+_FRAMES_PER_BYTE = 16  # frames the sites may look at per byte of file, all devices together (real snapshots: < 0.5)
+_PATH_MAX = 4096  # a longer "filename" is no source file: not looked into
+_LABEL = 100  # characters of a site's file (its end), name or line kept
 _ACTIVE = ("active_allocated", "active_pending_free")
 _SEG_NEW = ("segment_alloc", "segment_map")
 _SEG_GONE = ("segment_free", "segment_unmap")
@@ -72,7 +76,10 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def _unpickle(f: Any, name: str) -> Any:
-    """Unpickle from the file-like ``f`` with every global refused."""
+    """Unpickle from the file-like ``f`` with every global refused (a :class:`_Bounded` file is
+    first walked for a count the unpickler would allocate by beyond the file: refused)."""
+    if isinstance(f, _Bounded):
+        f.check_counts(name)
     try:
         return _NoGlobals(f).load()
     except _RefusedGlobal as e:
@@ -93,6 +100,15 @@ class _Bounded:
 
     def __init__(self, f: BinaryIO, size: int) -> None:
         self.f, self.left = f, size
+
+    def check_counts(self, name: str) -> None:
+        """Refuse a pickle with a count the C unpickler allocates by unchecked (:func:`overreach`: a
+        memo index far beyond the stores before it, a bytes object longer than the file). The file
+        is at its start before and after."""
+        over = overreach(self.f, self.left)
+        self.f.seek(0)
+        if over is not None:
+            raise TraceError(f"{name}: not a valid pickle; corrupt or hostile ({over}; refused)")
 
     def read(self, n: int = -1) -> bytes:
         n = self.left if n is None or n < 0 else min(n, self.left)
@@ -167,13 +183,14 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
     the file is to be read whole instead."""
     devices: list[tuple[_Events, _Sites] | None] = []  # None: no entry yet (made on the first one)
     probe = _Probe()
+    frames_left = [_FRAMES_PER_BYTE * size]
 
     def on_list(dev: int) -> None:
         devices.append(None)
 
     def on_items(dev: int, items: list) -> None:
         if devices[dev] is None:
-            devices[dev] = (_Events(), _Sites(name))
+            devices[dev] = (_Events(), _Sites(name, frames_left))
         evs, sites = devices[dev]
         for e in items:
             if len(evs) < _PROBE_ENTRIES:
@@ -212,6 +229,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
     kind = _device_type(obj)
+    frames_left = [_FRAMES_PER_BYTE * max_elements] if max_elements is not None else None
 
     def converted() -> Iterator[tuple[int, list[_Events], _Sites]]:
         consumed: set[int] = set()  # ids of the event lists converted in place
@@ -219,7 +237,7 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
             where = f"device_traces[{dev}]"
             if not events:
                 continue
-            sites = _Sites(name)
+            sites = _Sites(name, frames_left)
             evs = _Events()
             if _consume:  # each dict is dropped as its record is taken
                 if id(events) in consumed:
@@ -346,6 +364,22 @@ def _device_type(obj: dict) -> str | None:
     return probe.result(obj.get("segments"), obj.get("allocator_settings"))
 
 
+_REPR = reprlib.Repr()  # a few items and levels of a container, never all of it
+_REPR.maxstring = _REPR.maxother = 200
+
+
+def _shown(v: Any, width: int) -> str:
+    """``repr(v)`` in at most ``width`` characters, made without formatting what is cut off: an
+    untrusted value may be a list of a million references to one long string, a tuple nested a
+    million deep, or an integer of more digits than Python turns into text (ValueError)."""
+    if type(v) is str:
+        return repr(v[:width])[:width]
+    try:
+        return (repr(v) if v is None or type(v) in (bool, int, float) else _REPR.repr(v))[:width]
+    except (ValueError, RecursionError):
+        return f"<{type(v).__name__}>"
+
+
 def _bounded(obj: Any) -> Any:
     """A JSON-safe copy of untrusted settings: at most _SETTINGS_DEPTH levels and _SETTINGS_VALUES
     values; deeper or further parts become "...". Shared references are copied at most that often."""
@@ -356,14 +390,15 @@ def _bounded(obj: Any) -> Any:
         if budget[0] < 0 or depth > _SETTINGS_DEPTH:
             return "..."
         if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
-            return x if not isinstance(x, int) or -(1 << 63) <= x < 1 << 64 else str(x)[:40]
+            return x if not isinstance(x, int) or -(1 << 63) <= x < 1 << 64 else _shown(x, 40)
         if isinstance(x, str):
             return x[:200]
         if isinstance(x, dict):
-            return {str(k)[:100]: copy(v, depth + 1) for k, v in list(x.items())[:max(budget[0], 0)]}
+            return {k[:100] if type(k) is str else _shown(k, 100): copy(v, depth + 1)
+                    for k, v in islice(x.items(), max(budget[0], 0))}  # (never a list of all: x may be shared)
         if isinstance(x, (list, tuple)):
-            return [copy(v, depth + 1) for v in list(x)[:max(budget[0], 0)]]
-        return str(x)[:200]
+            return [copy(v, depth + 1) for v in islice(x, max(budget[0], 0))]
+        return _shown(x, 200)
 
     return copy(obj, 0)
 
@@ -394,11 +429,23 @@ def marker_of(name: str) -> tuple[int, int, bool] | None:
     for pattern, code in ((_STEP, MARK_ITER_BEGIN), (_LAYER, MARK_LAYER_ENTER)):
         m = pattern.match(n)
         if m:
-            return code, int(m.group(1)), False
+            arg = _number(m.group(1))
+            return (code, arg, False) if arg is not None else None
     word, _, rest = n.lower().partition(" ")
     if word in _PHASE_WORDS and (not rest or rest.lstrip("-").isdigit()):
-        return _PHASE_WORDS[word], int(rest) if rest else -1, False
+        arg = _number(rest) if rest else -1
+        return (_PHASE_WORDS[word], arg, False) if arg is not None else None
     return None
+
+
+def _number(text: str) -> int | None:
+    """The number a name ends with, None when it is none a marker holds (beyond 64 bits, or
+    digits ``int`` does not take, such as "²"): such a name names no phase."""
+    try:
+        v = int(text) if len(text) <= 20 else None
+    except ValueError:
+        return None
+    return v if v is not None and -(1 << 63) <= v < 1 << 63 else None
 
 
 def _annotations(annotations: list, name: str) -> dict[int, list[tuple[int, int, int]]]:
@@ -438,7 +485,7 @@ def _int(d: dict, key: str, name: str, where: str, default: int | None = None, s
     lo, hi = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
     if not isinstance(v, int) or not lo <= v < hi:
         raise TraceError(f"{name}: {where}.{key} should be a{'n' if signed else ' non-negative'} "
-                         f"64-bit integer, got {v!r:.60}")
+                         f"64-bit integer, got {_shown(v, 60)}")
     return v
 
 
@@ -576,8 +623,11 @@ class _Rows:
 class _Sites:
     """Interns call-site strings built from an event's Python frames."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, frames_left: list[int] | None = None) -> None:
         self.name = name
+        # frames the sites may still look at, shared by all devices (None: unbounded): a frame list
+        # shared by every entry costs the file a byte or two an entry, and would be walked each time
+        self.frames_left = frames_left
         self.strings: list[str] = []
         self._index: dict[str, int] = {}
         # frame objects (by identity) -> site: PyTorch shares each distinct frame dict between the
@@ -588,6 +638,11 @@ class _Sites:
 
     def site(self, frames: list, where: str) -> int:
         """Index of the site for ``frames`` (innermost first), -1 when there is no Python frame."""
+        if self.frames_left is not None:
+            self.frames_left[0] -= len(frames)
+            if self.frames_left[0] < 0:
+                raise TraceError(f"{self.name}: the entries and blocks hold more than {_FRAMES_PER_BYTE} frames a byte "
+                                 "of the file: shared references repeated beyond what a real snapshot holds; refused")
         key = tuple(map(id, frames))
         hit = self._seen.get(key)
         if hit is not None:
@@ -604,7 +659,7 @@ class _Sites:
             if not isinstance(f, dict):
                 raise TraceError(f"{self.name}: {where}.frames should hold dicts, got {type(f).__name__}")
             fn = f.get("filename", "")
-            if not isinstance(fn, str) or not fn.endswith(".py"):
+            if not isinstance(fn, str) or not fn.endswith(".py") or len(fn) > _PATH_MAX:
                 continue
             (lib if _LIB_FRAME.search(fn) else user).append(f)
             if len(user) == _SITE_FRAMES:
@@ -612,12 +667,19 @@ class _Sites:
         chosen = user or lib[:_SITE_FRAMES]
         if not chosen:
             return -1
-        key = " < ".join(f"{_short(f['filename'])}:{f.get('line', 0)}:{f.get('name', '?')}" for f in chosen)
+        key = " < ".join(f"{_short(f['filename'])[-_LABEL:]}:{_label(f.get('line', 0))[:_LABEL]}:"
+                         f"{_label(f.get('name', '?'))[:_LABEL]}" for f in chosen)  # (each part bounded: a site per entry)
         idx = self._index.get(key)
         if idx is None:
             idx = self._index[key] = len(self.strings)
             self.strings.append(key)
         return idx
+
+
+def _label(v: Any) -> str:
+    """A frame's line or name in a site: as ``str`` gives it for a string or a 64-bit integer,
+    else bounded (:func:`_shown`)."""
+    return v if type(v) is str else str(v) if type(v) is int and -(1 << 63) <= v < 1 << 64 else _shown(v, 60)
 
 
 def _short(filename: str) -> str:
