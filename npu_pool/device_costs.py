@@ -13,10 +13,13 @@ import json
 import math
 from typing import Mapping
 
+from .config import show
+from .inputs import open_regular
 from .vocab import CALL_NAMES
 
 __all__ = ["DEFAULT_COSTS", "load_costs", "estimate_us"]
 
+_MAX_BYTES = 1 << 20  # a cost table is a few hundred bytes
 _ASSUMED = "assumed order of magnitude (no public per-call measurement on record here); override with --costs"
 _SYNC = ("assumed: the host-side cost of a call that waits for the device to drain; the queued work "
          "itself is not counted (it depends on the model)")
@@ -57,17 +60,20 @@ def load_costs(path: str | None) -> dict[str, tuple[float, str]]:
     if not path:
         return costs
     try:
-        with open(path) as f:
-            given = json.load(f)
+        with open_regular(path) as f:  # (a FIFO must not block)
+            raw = f.read(_MAX_BYTES + 1)
+        if len(raw) > _MAX_BYTES:
+            raise ValueError(f"more than {_MAX_BYTES} bytes; not a cost table")
+        given = json.loads(raw)
     except (OSError, ValueError) as e:
         raise ValueError(f"cost table {path}: {e}") from None
     if not isinstance(given, dict):
         raise ValueError(f"cost table {path}: expected an object {{kind: microseconds}}")
     for kind, us in given.items():
         if kind not in costs:
-            raise ValueError(f"cost table {path}: unknown call kind {kind!r}; kinds: {', '.join(CALL_NAMES)}")
+            raise ValueError(f"cost table {path}: unknown call kind {show(kind)}; kinds: {', '.join(CALL_NAMES)}")
         if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us) or us < 0:
-            raise ValueError(f"cost table {path}: {kind} must be a non-negative number of microseconds, got {us!r}")
+            raise ValueError(f"cost table {path}: {kind} must be a non-negative number of microseconds, got {show(us)}")
         costs[kind] = (float(us), f"given in {path}")
     return costs
 

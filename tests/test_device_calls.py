@@ -2,6 +2,7 @@
 the demand, none in steady iterations (docs/device_calls.md)."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -119,6 +120,14 @@ def test_the_cost_table_has_a_source_for_every_kind_and_takes_overrides(tmp_path
         f.write_text(bad)
         with pytest.raises(ValueError, match="cost table"):
             load_costs(str(f))
+    f.write_text('{"' + "k" * 100_000 + '": 1}')  # the message shows the bad kind cut short
+    with pytest.raises(ValueError, match="unknown call kind") as e:
+        load_costs(str(f))
+    assert len(str(e.value)) < 1000
+    fifo = tmp_path / "costs.fifo"
+    os.mkfifo(fifo)  # refused at once, never waited on
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_costs(str(fifo))
 
 
 def _bound_holds(trace: Trace, name: str, at_min_capacity: bool = False) -> None:
