@@ -10,8 +10,9 @@
  * VMM layer (vmm.h), the same for every vendor.
  *
  * Every vendor call is counted in `calls` (NP_CALL_*) at the one place it is made, failed
- * calls too, so the counts equal the vendor's own. Vendor rules stay here: `request_align` / `request_tail` pad every
- * request (Ascend kernels may touch 32 bytes past a tensor: round up to 32, add 32).
+ * calls too, so the counts equal the vendor's own. Vendor rules stay here: `request_align` /
+ * `request_tail` pad every request (Ascend kernels may touch 32 bytes past a tensor: round up
+ * to 32, add 32).
  *
  * Functions return NP_OK or an NP_ERR_* code after setting np_error(). A call that fails
  * changed nothing on the device (the vendors' contract; a page whose unmap failed is still

@@ -125,8 +125,6 @@ int np_ctx_new_holds(np_ctx *ctx, uint64_t holds_before) {
   return ctx->holds == holds_before ? NP_OK : still_held(ctx, NP_ERR_BACKEND, ctx->hold_error);
 }
 
-/* ---- the VMM layer's range calls: chunks mapped and unmapped, accounted ------------------ */
-
 /* Hold what a chunk call left with the device. `from`: the segment whose mapped bytes counted it. */
 static void hold_left(np_ctx *ctx, const np_vmm_left *left, np_segment *from) {
   if (left->handle) np_ctx_hold(ctx, NP_HELD_PAGE, left->addr, left->size, left->handle, from);
@@ -191,6 +189,8 @@ static uint64_t take_spare(np_ctx *ctx, uint64_t least, uint64_t most, uint64_t 
   ctx->spare[best] = ctx->spare[--ctx->n_spare];
   return h;
 }
+
+/* ---- the VMM layer's range calls: chunks mapped and unmapped, accounted ------------------ */
 
 /* Unmap the chunk at page p (accounted); see np_vmm_unmap for `whole`. Inside a recycle window
  * the unmapped handle is kept as a spare instead of released. */
