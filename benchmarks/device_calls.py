@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fragmentation import collect  # noqa: E402  (the same traces as docs/benchmarks.md)
-from npu_pool.device_costs import estimate_us, load_costs  # noqa: E402
+from npu_pool.device_costs import estimate_us, load_costs, physical_calls  # noqa: E402
 from npu_pool.replay import evaluate, iteration_bounds, run  # noqa: E402
 
 POLICIES = ["torch", "expandable", "npu_pool", "planned"]
@@ -56,10 +56,6 @@ def baseline_waste(checkout: Path, shared: Path, capture: bool) -> dict[str, int
     if r.returncode:
         raise SystemExit(f"baseline {checkout}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'failed'}")
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _physical(c: dict[str, int]) -> int:
-    return c["malloc"] + c["free"] + c["phys_create"] + c["phys_release"]
 
 
 def _kinds(c: dict[str, int]) -> str:
@@ -113,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, policy, r, steady in rows:
         c, m = r.calls, r.calls_at_min_capacity
-        out.append(f"| {name} | {policy} | {_physical(c)} | {c['map'] + c['unmap']} | {estimate_us(c, costs) / 1e3:.1f} | "
-                   f"{'-' if steady is None else steady} | {_physical(m)} | {m['map'] + m['unmap']} | "
+        out.append(f"| {name} | {policy} | {physical_calls(c)} | {c['map'] + c['unmap']} | {estimate_us(c, costs) / 1e3:.1f} | "
+                   f"{'-' if steady is None else steady} | {physical_calls(m)} | {m['map'] + m['unmap']} | "
                    f"{estimate_us(m, costs) / 1e3:.1f} | {(r.min_capacity_bytes - r.peak_live_bytes) / MiB:.0f} |")
     out += ["", "## On a full device", "",
             "Each trace replayed on the device the torch model just fits (its minimum capacity), as a training",
@@ -123,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "| trace | device (GiB) | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
     for name, _ in named:
         device = next(x for n, p, x, _ in rows if n == name and p == "torch").min_capacity_bytes
-        cells = [f"{_physical(full[name, p])} ({estimate_us(full[name, p], costs) / 1e3:.0f})" if full[name, p]
+        cells = [f"{physical_calls(full[name, p])} ({estimate_us(full[name, p], costs) / 1e3:.0f})" if full[name, p]
                  else "fails" for p in POLICIES]
         out.append(f"| {name} | {device / (1 << 30):.3f} | " + " | ".join(cells) + " |")
     out += ["", "## Calls by kind (room to spare)", ""]
@@ -137,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t = next(x for n, p, x, _ in rows if n == name and p == "torch")
             a, b = (r.calls_at_min_capacity, t.calls_at_min_capacity) if at_min else (r.calls, t.calls)
-            ok += _physical(a) <= _physical(b)
-            bad += _physical(a) > _physical(b)
+            ok += physical_calls(a) <= physical_calls(b)
+            bad += physical_calls(a) > physical_calls(b)
         where = "at the minimum capacity" if at_min else "given room to spare"
         out.append(f"- npu_pool's chunks created + released <= the torch model's mallocs + frees {where}: "
                    f"{ok} of {ok + bad} traces")
     ok = sum(1 for name, _ in named if full[name, "npu_pool"] and full[name, "torch"] and
-             _physical(full[name, "npu_pool"]) <= _physical(full[name, "torch"]))
+             physical_calls(full[name, "npu_pool"]) <= physical_calls(full[name, "torch"]))
     out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
     out += ["", "## Minimum-capacity waste (MiB)", ""]
     tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r, _ in rows if q == p) for p in POLICIES}

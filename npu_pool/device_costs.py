@@ -17,7 +17,7 @@ from .config import show
 from .inputs import open_regular
 from .vocab import CALL_NAMES
 
-__all__ = ["DEFAULT_COSTS", "load_costs", "estimate_us"]
+__all__ = ["DEFAULT_COSTS", "load_costs", "estimate_us", "physical_calls"]
 
 _MAX_BYTES = 1 << 20  # a cost table is a few hundred bytes
 _ASSUMED = "assumed order of magnitude (no public per-call measurement on record here); override with --costs"
@@ -82,3 +82,9 @@ def estimate_us(calls: Mapping[str, int], costs: Mapping[str, tuple[float, str]]
     """Estimated device time of ``calls`` (microseconds)."""
     table = DEFAULT_COSTS if costs is None else costs
     return sum(n * table[k][0] for k, n in calls.items())
+
+
+def physical_calls(calls: Mapping[str, int]) -> int:
+    """Physical memory taken and given back: segments (malloc + free) and chunks (phys_create +
+    phys_release), the count issue 19's bound compares across policies."""
+    return calls["malloc"] + calls["free"] + calls["phys_create"] + calls["phys_release"]

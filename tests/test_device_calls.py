@@ -9,7 +9,7 @@ import pytest
 
 from npu_pool import Pool
 from npu_pool import vocab
-from npu_pool.device_costs import DEFAULT_COSTS, estimate_us, load_costs
+from npu_pool.device_costs import DEFAULT_COSTS, estimate_us, load_costs, physical_calls
 from npu_pool.replay import iteration_bounds, min_capacity, run
 from npu_pool.trace.files import open_traces
 from npu_pool.trace.format import OP_EMPTY_CACHE, Trace
@@ -17,11 +17,6 @@ from test_backends import builds  # noqa: F401  (the fake vendor libraries, a fi
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def _physical(calls: dict[str, int]) -> int:
-    """Physical allocations taken and given back: segments (malloc/free) and chunks."""
-    return calls["malloc"] + calls["free"] + calls["phys_create"] + calls["phys_release"]
 
 
 def test_the_vocabulary_names_every_kind_and_its_vendor_function() -> None:
@@ -136,7 +131,7 @@ def _bound_holds(trace: Trace, name: str, at_min_capacity: bool = False) -> None
     torch = min_capacity(trace, "torch")[1] if at_min_capacity else run(trace, "torch")
     ours = min_capacity(trace, "npu_pool")[1] if at_min_capacity else run(trace, "npu_pool")
     assert torch.ok and ours.ok
-    assert _physical(ours.calls) <= _physical(torch.calls), (name, ours.calls, torch.calls)
+    assert physical_calls(ours.calls) <= physical_calls(torch.calls), (name, ours.calls, torch.calls)
 
 
 def _steady(trace: Trace, policy: str = "npu_pool") -> list[int]:

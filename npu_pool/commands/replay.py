@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from ..device_costs import estimate_us, load_costs, physical_calls
 from ..replay import HINTS, PolicyResult, evaluate, policies_from, validate
 from ..trace.files import expand, open_traces
 from ..trace.format import DEVICE_TYPES, forced_device
@@ -80,7 +81,7 @@ Device calls, given room to spare (and at min cap), each a stall on a real card:
 
 
 def _call_groups(c: dict[str, int]) -> tuple[int, int, int, int]:
-    physical = c["malloc"] + c["free"] + c["phys_create"] + c["phys_release"]
+    physical = physical_calls(c)
     maps = c["map"] + c["unmap"]
     syncs = c["sync_device"] + c["sync_stream"]
     return physical, maps, syncs, sum(c.values()) - physical - maps - syncs
@@ -88,8 +89,6 @@ def _call_groups(c: dict[str, int]) -> tuple[int, int, int, int]:
 
 def format_calls(results: list[PolicyResult], costs: dict) -> str:
     """Device calls by group for each result, with the estimated device time (ms)."""
-    from ..device_costs import estimate_us
-
     head = (f"{'trace':25} {'policy':10} {'physical':>9} {'map/unmap':>9} {'syncs':>6} {'other':>6} {'est ms':>8}"
             f" {'@min cap: phys':>14} {'map/unmap':>9} {'est ms':>8}")
     lines = [head, "-" * len(head)]
@@ -141,8 +140,6 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(named)
     policies = policies_from(args.policy)
-    from ..device_costs import load_costs
-
     costs = load_costs(args.costs)
     results, online = [], []
     for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
