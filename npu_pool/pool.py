@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import oom
 from ._core import ffi, lib
-from .vocab import BACKENDS as _BACKEND_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
+from .vocab import BACKENDS as _BACKEND_NAMES, CALL_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
 from .vocab import DEVICES as _DEVICE_NAMES
 from .vocab import POLICIES as _POLICY_NAMES, POOL_NAMES
 
@@ -151,8 +151,6 @@ def _event_dicts(buf: Any, n: int, kinds: Any) -> list[dict[str, Any]]:
 
 def _calls(counts: Any) -> dict[str, int]:
     """Device calls by kind, ``{name: count}`` in the vocabulary's order (``vocab.CALL_NAMES``)."""
-    from .vocab import CALL_NAMES
-
     return {name: int(counts[k]) for k, name in enumerate(CALL_NAMES)}
 
 
