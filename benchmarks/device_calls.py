@@ -170,11 +170,12 @@ NOTES = """
   page, so that a trim under cap pressure can return free pages. A chunk is unmapped whole, only
   when it is entirely free (the vendors unmap whole mappings only; the simulated device refuses
   anything else).
-- A trim and the growth it makes room for are one call's work: the trimmed chunks' physical
-  allocations are kept, unmapped, and mapped again where the growth needs memory (a spare maps
-  whole, over an unmapped run at least its size); what the growth leaves is released before the
-  call returns. A chunk moved so costs an unmap and a map instead of an unmap, a release, a
-  creation and a map. The retry after an out-of-memory does the same.
+- A trim keeps the physical allocations of the chunks it unmaps (spares, counted as reserved:
+  the device holds them for the pool), and a growth maps a spare again where it fits (whole,
+  over an unmapped run at least its size), in the same call or a later one: a chunk moved so
+  costs an unmap and a map instead of an unmap, a release, a creation and a map. A growth no
+  spare fits gives every spare back before it creates a chunk (the device never holds both), and
+  so do empty_cache, the retry after an out-of-memory, a new cap and close.
 - The expandable model maps one handle per page of 2 MiB (small pool) or 20 MiB (large pool), as
   PyTorch's `ExpandableSegment::map` does.
 - The planned policy's region is one device allocation; its fallback arena maps exactly what the

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from npu_pool.pool import OutOfMemoryError, Pool, PoolError
+from npu_pool.pool import BackendError, OutOfMemoryError, Pool, PoolError
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -361,6 +361,61 @@ def test_a_trim_maps_its_chunks_again_instead_of_releasing_and_creating(vendor: 
         p.empty_cache()
         assert vendor.lib.fake_used() == 0 and p.stats()["unreleased"] == 0
     assert vendor.lib.fake_live() == 0
+
+
+def _spare_left(vendor: Vendor, p: Pool) -> None:
+    """Leave one spare: a trim unmaps a freed block's four single-page chunks (past half the
+    cap, growth is page by page) and the growth that follows maps three of them again."""
+    p.malloc(16 * MiB - vendor.pad, lifetime="long")
+    y = p.malloc(8 * MiB - vendor.pad, lifetime="short")
+    p.malloc(2 * MiB - vendor.pad, lifetime="short")
+    t = p.malloc(4 * MiB - vendor.pad, lifetime="short")
+    p.free(y)
+    p.free(t)
+    before = _counts(vendor)
+    p.malloc(10 * MiB - vendor.pad, lifetime="short")  # 3 pages more than the top has mapped
+    d = {op: n - before[op] for op, n in _counts(vendor).items()}
+    assert (d["unmap"], d["map"], d["create"], d["release"]) == (4, 3, 0, 0)
+    st = p.stats()
+    assert st["trims"] == 1 and st["spare"] == 2 * MiB
+    # the device holds the spare for the pool: reserved, not mapped
+    assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + 2 * MiB
+    p.check()
+
+
+@pytest.mark.parametrize("then", ["growth", "empty_cache", "refused", "set_fraction", "close"])
+def test_a_spare_outlives_its_call_counted_as_reserved_until_mapped_or_given_back(vendor: Vendor, then: str) -> None:
+    """A chunk a trim unmapped and the growth did not need stays with the pool (a spare, counted
+    as reserved) for a later growth to map instead of creating one; empty_cache, a new cap and
+    close give it back, and a release the device refuses is held, never lost."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB of 2 MiB pages
+        _spare_left(vendor, p)
+        before = _counts(vendor)
+        if then == "growth":
+            p.malloc(2 * MiB - vendor.pad, lifetime="short")  # one page to map: the spare's
+            d = {op: n - before[op] for op, n in _counts(vendor).items()}
+            assert (d["map"], d["create"], d["release"]) == (1, 0, 0) and p.stats()["spare"] == 0
+        elif then in ("empty_cache", "refused"):
+            if then == "refused":
+                vendor.fail("release")
+                with pytest.raises(BackendError, match="still holds 2.00 MiB"):
+                    p.empty_cache()
+            else:
+                p.empty_cache()
+            st = p.stats()
+            assert st["spare"] == 0 and st["unreleased"] == (2 * MiB if then == "refused" else 0)
+            assert vendor.calls("release") == before["release"] + 1
+            if then == "refused":  # held, counted, and given back at the next empty_cache
+                p.empty_cache()
+                assert p.stats()["unreleased"] == 0
+        elif then == "set_fraction":
+            p.set_fraction(0.125)
+            assert p.stats()["spare"] == 0 and vendor.calls("release") == before["release"] + 1
+        if then != "close":
+            st = p.stats()
+            assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + st["spare"]
+            p.check()
+    assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
 
 
 @pytest.mark.parametrize("policy", ["torch", "expandable"])

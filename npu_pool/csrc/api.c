@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "policy.h"
+#include "vmm.h"
 
 void np_config_init(np_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
@@ -134,6 +135,7 @@ static const np_policy closed_policy = {.name = "(closed)", .summary = "a closed
 static int close_locked(np_ctx *ctx) {
   int rc = NP_OK;
   if (!ctx->inherited) {
+    np_vmm_spares_release(ctx);
     ctx->policy->destroy(ctx); /* returns every segment to the device */
     rc = np_ctx_retry_held(ctx);
     ctx->be->destroy(ctx->be);
@@ -214,6 +216,7 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
     return NP_ERR_STATE;
   }
   uint64_t limit = (uint64_t)floor(fraction * (double)ctx->be->total);
+  np_vmm_spares_release(ctx); /* what a smaller cap may no longer hold */
   rc = ctx->policy->set_limit ? ctx->policy->set_limit(ctx, limit) : NP_OK;
   if (rc == NP_OK) {
     ctx->limit = limit;

@@ -5,9 +5,12 @@
 #include "arena.h"
 #include "vmm.h"
 
-/* The arena's view of the cap: what it may reserve, and what it has reserved with the rest. */
+/* The arena's view of the cap: what it may reserve, and what it has reserved with the rest, less the
+ * spare chunks (a growth maps them again or gives them back before it takes more). */
 static uint64_t limit_of(const np_ctx *ctx, const np_arena *a) { return ctx->limit - np_min_u64(a->set_aside, ctx->limit); }
-static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) { return ctx->st.total.reserved.current - a->outside; }
+static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) {
+  return ctx->st.total.reserved.current - a->outside - ctx->st.spare;
+}
 
 /* Holes serve every stream when the backend can order streams and every stream is
  * known; once too many streams were seen, holes stay with their stream. */
@@ -110,7 +113,8 @@ static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t 
   return e;
 }
 
-/* map_range's work, inside a recycle window: trim if the budget presses, then map. */
+/* map_range's work, inside a recycle window: trim if the budget presses (the budget counts mapped
+ * bytes: spares are mapped again or given back before anything new is created), then map. */
 static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint64_t limit) {
   if (reserved_of(ctx, a) + need > limit) trim(ctx, a, b, reserved_of(ctx, a) + need - limit);
   if (reserved_of(ctx, a) + need > limit) {
@@ -136,7 +140,7 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
 
 /* Map every unmapped page under block b; trims settled free chunks when the budget would be
  * exceeded, and fails whole if that is not enough. The trimmed chunks' physical allocations are
- * mapped again by the growth where they fit (a recycle window, vmm.h), the rest released. */
+ * mapped again by this growth or a later one where they fit (spares, vmm.h). */
 static int map_range(np_ctx *ctx, np_arena *a, const np_block *b) {
   if (!a->vmm) return NP_OK;
   uint64_t need = np_vmm_unmapped(ctx, a->seg, b->addr, b->size);
@@ -416,6 +420,7 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
     release(ctx, a); /* a page the device refuses to unmap stays mapped and is counted */
     rc = try_place(ctx, a, size, stream, long_lived, out);
     np_vmm_recycle_end(ctx, was);
+    np_vmm_spares_release(ctx); /* as PyTorch's retry: what the request did not take goes back */
     if (rc == NP_ERR_OOM) explain(ctx, a, size);
   }
   return rc;

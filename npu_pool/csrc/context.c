@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "policy.h"
+#include "vmm.h"
 
 /* Count b in (add) or out of the totals and its pool's counters. Written out, not looped over
  * tables of counters: it runs on every malloc and free (the hot path). `active` is not counted
@@ -211,6 +212,7 @@ int np_ctx_empty_cache(np_ctx *ctx) {
   np_saved_error s;
   if (held != NP_OK) np_save_error(&s, held);
   uint64_t holds = ctx->holds;
+  np_vmm_spares_release(ctx);
   rc = ctx->policy->empty_cache(ctx);
   if (rc == NP_OK) rc = np_ctx_new_holds(ctx, holds); /* and what it refuses now */
   return rc != NP_OK ? rc : held != NP_OK ? np_restore_error(&s) : NP_OK;
@@ -230,11 +232,11 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
 }
 
 /* Generic invariants: segments tiled by blocks, the map holds exactly the allocated ones,
- * reserved bytes are what the segments have mapped plus what the device still holds, no spare
- * chunk outlives the call that kept it. */
+ * reserved bytes are what the segments have mapped plus what the device still holds (refused
+ * returns and spare chunks), no recycle window outlives its call. */
 int np_ctx_check(np_ctx *ctx) {
   size_t allocated_blocks = 0;
-  uint64_t allocated_bytes = 0, reserved = ctx->st.unreleased;
+  uint64_t allocated_bytes = 0, reserved = ctx->st.unreleased, spare = 0;
   for (np_segment *s = ctx->segments; s; s = s->next) {
     uintptr_t at = s->addr;
     if (!s->head || s->head->prev) return np_error(NP_ERR_STATE, "check: segment %#lx has a bad head", (unsigned long)s->addr);
@@ -260,8 +262,12 @@ int np_ctx_check(np_ctx *ctx) {
     }
     reserved += s->mapped;
   }
-  if (ctx->recycling || ctx->n_spare)
-    return np_error(NP_ERR_STATE, "check: %zu spare chunks kept outside a recycle window", ctx->n_spare);
+  for (size_t i = 0; i < ctx->n_spare; i++) spare += ctx->spare[i].size;
+  if (ctx->recycling) return np_error(NP_ERR_STATE, "check: a recycle window outlived its call");
+  if (spare != ctx->st.spare || ctx->n_spare > NP_SPARE_MAX)
+    return np_error(NP_ERR_STATE, "check: %zu spare chunks hold %llu bytes but stats say %llu", ctx->n_spare,
+                    (unsigned long long)spare, (unsigned long long)ctx->st.spare);
+  reserved += spare;
   if (allocated_blocks != ctx->live.count || allocated_bytes != ctx->st.total.allocated.current)
     return np_error(NP_ERR_STATE, "check: %zu allocated blocks (%llu bytes) but the map has %zu and stats say %llu bytes",
                     allocated_blocks, (unsigned long long)allocated_bytes, ctx->live.count,
@@ -270,7 +276,7 @@ int np_ctx_check(np_ctx *ctx) {
     return np_error(NP_ERR_STATE, "check: per-pool allocated bytes do not add up");
   if (reserved != ctx->st.total.reserved.current)
     return np_error(NP_ERR_STATE, "check: segments map %llu bytes (device still holding %llu more) but stats say %llu reserved",
-                    (unsigned long long)(reserved - ctx->st.unreleased), (unsigned long long)ctx->st.unreleased,
+                    (unsigned long long)(reserved - ctx->st.unreleased - spare), (unsigned long long)(ctx->st.unreleased + spare),
                     (unsigned long long)ctx->st.total.reserved.current);
   return ctx->policy->check ? ctx->policy->check(ctx) : NP_OK;
 }

@@ -52,10 +52,11 @@ typedef struct np_held {
   uint64_t handle;           /* page: the vendor handle */
 } np_held;
 
-/* A physical chunk unmapped by a trim and kept for the growth that follows in the same call. */
+/* A physical chunk unmapped by a trim and kept, unmapped, for a later growth to map again. */
 typedef struct np_spare {
   uint64_t handle;
   uint64_t size;             /* bytes: the chunk maps again only over exactly this many */
+  int pool;                  /* the pool whose reserved bytes count it */
 } np_spare;
 
 /* What a policy says about a request it could not serve (set on NP_ERR_OOM). */
@@ -88,9 +89,11 @@ struct np_ctx {
   bool synced;               /* the device was synchronised during the current call (cleared at every entry
                               * under the lock: work may have been queued between calls) */
   np_fail fail;              /* the policy's account of the latest failed request */
-  /* Between np_vmm_recycle_begin and _end (one call, lock held): the handles of the chunks trims
-   * unmapped, not released yet, so that the growth that follows maps them again instead of
-   * releasing and creating as many. Not counted as reserved; empty outside that window. */
+  /* Spare chunks (vmm.h): physical chunks a trim unmapped (between np_vmm_recycle_begin and _end,
+   * `recycling`) and kept, so that a growth maps them again instead of releasing and creating as
+   * many. Counted as reserved (st.spare of it): the device holds them for the pool. Given back
+   * before any other physical allocation, and at empty_cache, an out-of-memory retry, a new cap
+   * and close. Invariant: st.spare is the sum of the spares' sizes; at most NP_SPARE_MAX spares. */
   bool recycling;
   np_spare *spare;
   size_t n_spare, cap_spare;

@@ -130,7 +130,7 @@ static void hold_left(np_ctx *ctx, const np_vmm_left *left, np_segment *from) {
   if (left->handle) np_ctx_hold(ctx, NP_HELD_PAGE, left->addr, left->size, left->handle, from);
 }
 
-/* ---- spare chunks: unmapped by a trim, mapped again by the growth that follows --------------- */
+/* ---- spare chunks: unmapped by a trim, kept (counted as reserved), mapped again by a growth -- */
 
 bool np_vmm_recycle_begin(np_ctx *ctx) {
   bool was = ctx->recycling;
@@ -138,40 +138,55 @@ bool np_vmm_recycle_begin(np_ctx *ctx) {
   return was;
 }
 
-/* Give an unmapped handle back to the device; one it refuses is held (counted, retried). */
+/* Give an unmapped handle, not counted as reserved, back to the device; one it refuses is held
+ * (counted again, retried). */
 static void release_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
   np_vmm_left left = {0, size, handle};
   if (np_vmm_chunk_return(ctx->be, &left) != NP_OK) hold_left(ctx, &left, NULL);
 }
 
-/* Give every spare back to the device. */
-static void release_spares(np_ctx *ctx) {
+/* Spare i leaves the books (no longer reserved as a spare); the last spare takes its slot. */
+static np_spare drop_spare(np_ctx *ctx, size_t i) {
+  np_spare x = ctx->spare[i];
+  change_reserved(ctx, x.pool, x.size, false);
+  ctx->st.spare -= x.size;
+  ctx->spare[i] = ctx->spare[--ctx->n_spare];
+  return x;
+}
+
+void np_vmm_spares_release(np_ctx *ctx) {
   if (!ctx->n_spare) return;
   np_saved_error s;
   np_save_error(&s, NP_ERR_BACKEND); /* keep the caller's message */
-  for (size_t i = 0; i < ctx->n_spare; i++) release_spare(ctx, ctx->spare[i].handle, ctx->spare[i].size);
-  ctx->n_spare = 0;
+  while (ctx->n_spare) {
+    np_spare x = drop_spare(ctx, ctx->n_spare - 1);
+    release_spare(ctx, x.handle, x.size);
+  }
   np_restore_error(&s);
 }
 
 void np_vmm_recycle_end(np_ctx *ctx, bool was) {
-  if (was) return; /* an enclosing window gives the spares back */
-  ctx->recycling = false;
-  release_spares(ctx);
+  if (!was) ctx->recycling = false; /* the spares stay, counted as reserved */
 }
 
-static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
-  if (ctx->n_spare == ctx->cap_spare) {
+/* Keep an unmapped handle of `size` bytes (just taken out of `pool`'s reserved bytes) as a
+ * spare, counted as reserved again; without room for it, give it back now. */
+static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size, int pool) {
+  if (ctx->n_spare == ctx->cap_spare && ctx->n_spare < NP_SPARE_MAX) {
     size_t cap = ctx->cap_spare ? 2 * ctx->cap_spare : 64;
     np_spare *t = realloc(ctx->spare, cap * sizeof *t);
-    if (!t) { /* no room to keep it: give it back now */
-      release_spare(ctx, handle, size);
-      return;
+    if (t) {
+      ctx->spare = t;
+      ctx->cap_spare = cap;
     }
-    ctx->spare = t;
-    ctx->cap_spare = cap;
   }
-  ctx->spare[ctx->n_spare++] = (np_spare){handle, size};
+  if (ctx->n_spare == ctx->cap_spare) {
+    release_spare(ctx, handle, size);
+    return;
+  }
+  ctx->spare[ctx->n_spare++] = (np_spare){handle, size, pool};
+  ctx->st.spare += size;
+  change_reserved(ctx, pool, size, true);
 }
 
 /* The largest spare of `least` to `most` bytes, taken out of the spares: its handle, and its size
@@ -184,10 +199,9 @@ static uint64_t take_spare(np_ctx *ctx, uint64_t least, uint64_t most, uint64_t 
     if (sz >= least && sz <= most && (best == ctx->n_spare || sz > ctx->spare[best].size)) best = i;
   }
   if (best == ctx->n_spare) return 0;
-  uint64_t h = ctx->spare[best].handle;
-  *size = ctx->spare[best].size;
-  ctx->spare[best] = ctx->spare[--ctx->n_spare];
-  return h;
+  np_spare x = drop_spare(ctx, best); /* its map counts it again, as mapped */
+  *size = x.size;
+  return x.handle;
 }
 
 /* ---- the VMM layer's range calls: chunks mapped and unmapped, accounted ------------------ */
@@ -202,7 +216,7 @@ static int unmap_chunk(np_ctx *ctx, np_segment *seg, uint64_t p, bool whole, uin
   if (rc == NP_OK) {
     np_ctx_reserved(ctx, NP_EV_SEGMENT_UNMAP, seg, seg->addr + f * g, n * g);
     *unmapped += n * g;
-    if (kept) keep_spare(ctx, kept, n * g);
+    if (kept) keep_spare(ctx, kept, n * g, seg->pool);
     if (left.handle) { /* unmapped, but the handle was not released: held, counted reserved again */
       np_saved_error s;
       np_save_error(&s, NP_ERR_BACKEND);
@@ -261,8 +275,8 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
       uint64_t r = q;
       while (r < end && !seg->pages[r]) r++;
       if ((spare = take_spare(ctx, (q - p) * g, (r - p) * g, &bytes))) q = p + bytes / g;
-      else release_spares(ctx); /* before a creation: the device never holds a spare and a new
-                                    chunk at once (a full device would refuse the chunk) */
+      else np_vmm_spares_release(ctx); /* before a creation: the device never holds a spare and a
+                                           new chunk at once (a full device would refuse the chunk) */
     }
     rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, spare, &left);
     if (rc != NP_OK) {
@@ -321,6 +335,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
     rc = np_vmm_reserve(ctx, size, &addr, &pages);
     if (rc != NP_OK) return rc;
   } else {
+    np_vmm_spares_release(ctx); /* physical memory taken other than by a growth's map */
     if (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size) {
       char a[32], b[32];
       return np_error(NP_ERR_OOM, "reserving %s more would exceed the memory fraction cap of %s",

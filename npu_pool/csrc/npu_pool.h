@@ -152,6 +152,8 @@ typedef struct np_stats {
   uint64_t allocs;          /* successful mallocs */
   uint64_t frees;           /* successful frees */
   uint64_t unreleased;      /* bytes still held by the device because returning them failed (retried) */
+  uint64_t spare;           /* bytes of physical chunks a trim unmapped and kept for a later growth to map
+                               again (counted in reserved; given back at empty_cache) */
   int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
   int policy;
   uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */

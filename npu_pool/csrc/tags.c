@@ -268,6 +268,7 @@ int np_tags_pause(np_ctx *ctx, np_tagset *t, const char *name, bool backup, uint
 
 /* Map the runs again, all or nothing, within the cap. */
 static int map_runs(np_ctx *ctx, np_tag *g, const uint64_t *r, size_t n, uint64_t need) {
+  np_vmm_spares_release(ctx); /* the runs map over their own pages, not a spare's size */
   uint64_t reserved = ctx->st.total.reserved.current;
   if (need > ctx->limit || reserved > ctx->limit - need) {
     char x[32], y[32];

@@ -67,14 +67,21 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
  * *unmapped (optional) gets the bytes taken out of the page table. */
 int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped);
 int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
-/* A recycle window, for a trim followed by a growth in one call: chunks unmapped inside it keep
- * their handles (spares, not counted as reserved), and a chunk mapped inside it over exactly a
- * spare's size maps that handle again instead of a new one: an unmap and a map where there were
- * a release, an unmap, a creation and a map. A chunk no spare fits gives the spares back before it
- * is created (the device never holds both: a full device still takes it), and so does _end (a
- * refusal is held). Windows nest: begin returns whether one was open, to pass to _end. */
+/* A recycle window, for a trim and the growth it makes room for: chunks unmapped inside it keep
+ * their handles (spares), and a chunk mapped over exactly a spare's size, inside a window or in
+ * a later call, maps that handle again instead of a new one: an unmap and a map where there were
+ * a release, an unmap, a creation and a map. Spares outlive the window: the device holds them
+ * for the pool, counted as reserved (ctx->st.spare of it), until a growth maps them. A chunk
+ * no spare fits gives every spare back before it is created (the device never holds both: a
+ * full device still takes it), and so does any other physical allocation (np_vmm_spares_release;
+ * a refusal is held). Windows nest: begin returns whether one was open, to pass to _end. */
 bool np_vmm_recycle_begin(np_ctx *ctx);
 void np_vmm_recycle_end(np_ctx *ctx, bool was);
+/* Give every spare back to the device (empty_cache, a retry after an out-of-memory, a new cap,
+ * close, and before physical memory is taken other than by a growth's map). */
+void np_vmm_spares_release(np_ctx *ctx);
+/* The most spares a context keeps (take_spare looks at each); past it, a trim releases. */
+#define NP_SPARE_MAX 4096
 /* Unmap what is still mapped in seg and release its address range (failures are held). */
 void np_vmm_release(np_ctx *ctx, np_segment *seg);
 
