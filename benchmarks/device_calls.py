@@ -164,12 +164,17 @@ def main(argv: list[str] | None = None) -> int:
 NOTES = """
 ## How the pool takes physical memory (docs/engine.md has the code map)
 
-- A growth of the npu_pool arena is one physical chunk: one `aclrtMallocPhysical` and one
-  `aclrtMapMem` (CUDA: `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`). Far from the cap a chunk is at
-  least 20 MiB (PyTorch's large-pool segment); past half of the cap growths are exact and page by
-  page, so that a trim under cap pressure can return free pages. A chunk is unmapped whole, only
-  when it is entirely free (the vendors unmap whole mappings only; the simulated device refuses
-  anything else).
+- A chunk is one `aclrtMallocPhysical` and one `aclrtMapMem` (CUDA: `cuMemCreate`, `cuMemMap`,
+  `cuMemSetAccess`). Far from the cap a growth of the npu_pool arena is one chunk of at least
+  20 MiB (PyTorch's large-pool segment). Past half of the cap growths are exact, in chunks that
+  free up whole with their block: the pages a block covers whole are one chunk, and a page it
+  shares with a neighbour (its first or last, when it starts or ends inside one) one of its own,
+  so that a trim under cap pressure can return a freed block's memory whatever its neighbours
+  hold. A chunk is unmapped whole, only when it is entirely free (the vendors unmap whole
+  mappings only; the simulated device refuses anything else).
+- Under cap pressure a block that must go inside a wholly free chunk (no other hole or end of a
+  hole avoids it) unmaps that chunk first, as a trim, and maps only its own pages, instead of
+  pinning the whole chunk while it lives.
 - A trim keeps the physical allocations of the chunks it unmaps (spares, counted as reserved:
   the device holds them for the pool), and a growth maps a spare again where it fits (whole,
   over an unmapped run at least its size), in the same call or a later one: a chunk moved so
@@ -187,18 +192,20 @@ NOTES = """
 
 ## Known limits
 
-- Past half of the cap the arena maps page by page, so on a full device (the table "On a full
-  device") and at the minimum capacity it makes more physical calls than the torch model on most
-  traces: one per 2 MiB page it grows by past half the cap (once per run in training; after every
-  `empty_cache` in an offloading run), and at the minimum capacity the trims under pressure
-  besides (fewer since trimmed chunks are mapped again instead of released and recreated;
-  tests/test_device_calls.py marks the bound at the minimum capacity as an expected failure).
+- Past half of the cap growths are exact, so on a full device (the table "On a full device") and
+  at the minimum capacity the arena makes more physical calls than the torch model on most
+  traces: up to two chunks per growth past half the cap (a block's whole pages, and the page it
+  shares with the next block; once per run in training, after every `empty_cache` in an
+  offloading run), and at the minimum capacity the trims under pressure besides
+  (tests/test_device_calls.py marks the bound at the minimum capacity as an expected failure).
   That is the price of its small waste, and on Ascend it cannot be had for less: a physical
   allocation is mapped whole, at offset 0 (`aclrtMapMem`: the size of the
   `aclrtMallocPhysical` it maps, offset 0 only, CANN's documentation), so a chunk can be neither
   mapped nor returned in parts, and a chunk that holds one live block keeps all of its memory.
-  Chunkier growth near the cap (one chunk per shortfall, or units of 4 to 20 MiB) cuts these calls
-  and raises the minimum-capacity waste in proportion; no rule tried met both bounds.
+  Chunkier growth near the cap cuts these calls and raises the minimum-capacity waste far past
+  the 10% allowed (measured: one chunk per growth, a block's shared pages in its own chunk,
+  thresholds of free room instead of half the cap, units of 4 to 20 MiB); no rule tried met both
+  bounds.
 - The first two iterations of a training capture may grow the arena: the second places by the
   lifetimes the first taught. Later iterations make no device call.
 - Four threads allocating concurrently make no device call once warm (tests/test_device_calls.py),

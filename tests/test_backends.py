@@ -329,13 +329,55 @@ def _counts(vendor: Vendor) -> dict[str, int]:
     return {op: vendor.calls(op) for op in ("create", "release", "map", "unmap")}
 
 
+def test_near_the_cap_a_block_maps_its_whole_pages_as_one_chunk(vendor: Vendor) -> None:
+    """Past half the cap a growth is exactly the shortfall: the pages the block covers whole are one
+    chunk and a page it shares with a neighbour one of its own, not a chunk per page."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
+        before = _counts(vendor)
+        a = p.malloc(17 * MiB - vendor.pad)  # 8 whole pages and half of a ninth
+        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        assert (d["create"], d["map"]) == (2, 2) and vendor.lib.fake_mapped() == 18 * MiB
+        p.free(a)
+        p.empty_cache()
+        assert vendor.lib.fake_used() == 0
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: Vendor, busy: bool) -> None:
+    """Under cap pressure a block that must go inside a wholly free chunk (no other place) unmaps
+    the chunk first, as a trim, and maps only its own page: the chunk's other pages can serve a
+    growth elsewhere. While the stream that freed the chunk still runs work, it stays mapped (the
+    block pins it) and that growth runs out of memory."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
+        p.malloc(16 * MiB - vendor.pad, lifetime="long")
+        b = p.malloc(8 * MiB - vendor.pad, lifetime="short", stream=1)  # one chunk of 4 pages
+        p.malloc(2 * MiB - vendor.pad, lifetime="short")
+        p.free(b)
+        vendor.lib.fake_set_busy(1, int(busy))
+        before = _counts(vendor)
+        p.malloc(MiB - vendor.pad, lifetime="short", stream=1)  # only b's hole has room
+        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        if busy:
+            assert d["unmap"] == 0 and p.stats()["trims"] == 0
+            with pytest.raises(OutOfMemoryError):
+                p.malloc(12 * MiB - vendor.pad, lifetime="short")
+        else:
+            assert (d["unmap"], d["release"], d["create"], d["map"]) == (1, 1, 1, 1) and p.stats()["trims"] == 1
+            assert vendor.lib.fake_mapped() == 20 * MiB
+            p.malloc(12 * MiB - vendor.pad, lifetime="short")  # fits the cap: nothing is pinned
+        st = p.stats()
+        assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + st["spare"]
+        p.check()
+    assert vendor.lib.fake_live() == 0
+
+
 @pytest.mark.parametrize("fault", [False, True])
 def test_a_trim_maps_its_chunks_again_instead_of_releasing_and_creating(vendor: Vendor, fault: bool) -> None:
     """Under the cap, the growth that follows a trim in the same call maps the trimmed chunk's
     physical allocation again (the vendor takes it at another address): an unmap and a map where
     there were a release, an unmap, a creation and a map. A spare the growth does not use, or
     whose map fails, goes back to the device in the same call: the books always match it."""
-    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB; past 16 MiB growth is page by page
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB; past 16 MiB growth is exact
         a = p.malloc(16 * MiB - vendor.pad, lifetime="short")  # one chunk of 8 pages
         b = p.malloc(8 * MiB - vendor.pad, lifetime="short")
         p.free(a)
@@ -364,22 +406,23 @@ def test_a_trim_maps_its_chunks_again_instead_of_releasing_and_creating(vendor: 
 
 
 def _spare_left(vendor: Vendor, p: Pool) -> None:
-    """Leave one spare: a trim unmaps a freed block's four single-page chunks (past half the
-    cap, growth is page by page) and the growth that follows maps three of them again."""
+    """Leave one spare: with the cap full, a trim unmaps the two 2-page chunks of a freed hole
+    (past half the cap a block's whole pages are one chunk) and the growth that follows maps one."""
     p.malloc(16 * MiB - vendor.pad, lifetime="long")
-    y = p.malloc(8 * MiB - vendor.pad, lifetime="short")
+    y1 = p.malloc(4 * MiB - vendor.pad, lifetime="short")
+    y2 = p.malloc(4 * MiB - vendor.pad, lifetime="short")
     p.malloc(2 * MiB - vendor.pad, lifetime="short")
-    t = p.malloc(4 * MiB - vendor.pad, lifetime="short")
-    p.free(y)
-    p.free(t)
+    t = p.malloc(6 * MiB - vendor.pad, lifetime="short")
+    for x in (y1, y2, t):
+        p.free(x)
     before = _counts(vendor)
-    p.malloc(10 * MiB - vendor.pad, lifetime="short")  # 3 pages more than the top has mapped
+    p.malloc(10 * MiB - vendor.pad, lifetime="short")  # 2 pages more than the top has mapped
     d = {op: n - before[op] for op, n in _counts(vendor).items()}
-    assert (d["unmap"], d["map"], d["create"], d["release"]) == (4, 3, 0, 0)
+    assert (d["unmap"], d["map"], d["create"], d["release"]) == (2, 1, 0, 0)
     st = p.stats()
-    assert st["trims"] == 1 and st["spare"] == 2 * MiB
+    assert st["trims"] == 1 and st["spare"] == 4 * MiB
     # the device holds the spare for the pool: reserved, not mapped
-    assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + 2 * MiB
+    assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + 4 * MiB
     p.check()
 
 
@@ -392,18 +435,18 @@ def test_a_spare_outlives_its_call_counted_as_reserved_until_mapped_or_given_bac
         _spare_left(vendor, p)
         before = _counts(vendor)
         if then == "growth":
-            p.malloc(2 * MiB - vendor.pad, lifetime="short")  # one page to map: the spare's
+            p.malloc(4 * MiB - vendor.pad, lifetime="short")  # two pages to map: the spare's
             d = {op: n - before[op] for op, n in _counts(vendor).items()}
             assert (d["map"], d["create"], d["release"]) == (1, 0, 0) and p.stats()["spare"] == 0
         elif then in ("empty_cache", "refused"):
             if then == "refused":
                 vendor.fail("release")
-                with pytest.raises(BackendError, match="still holds 2.00 MiB"):
+                with pytest.raises(BackendError, match="still holds 4.00 MiB"):
                     p.empty_cache()
             else:
                 p.empty_cache()
             st = p.stats()
-            assert st["spare"] == 0 and st["unreleased"] == (2 * MiB if then == "refused" else 0)
+            assert st["spare"] == 0 and st["unreleased"] == (4 * MiB if then == "refused" else 0)
             assert vendor.calls("release") == before["release"] + 1
             if then == "refused":  # held, counted, and given back at the next empty_cache
                 p.empty_cache()

@@ -214,17 +214,19 @@ def test_trims_at_the_minimum_capacity_map_their_chunks_again(shared_traces) -> 
 
 
 def _leave_a_spare(p: Pool) -> None:
-    """Past half the cap growth is page by page: a trim unmaps a freed block's four single-page
-    chunks and the growth that follows maps three of them again, so one is left (2 MiB)."""
+    """With the cap (32 MiB) full, a trim unmaps the two 2-page chunks of a freed hole (past half
+    the cap a block's whole pages are one chunk) and the growth that follows maps one of them
+    again: one is left (4 MiB)."""
     p.malloc(16 * MiB, lifetime="long")
-    y = p.malloc(8 * MiB, lifetime="short")
+    y1 = p.malloc(4 * MiB, lifetime="short")
+    y2 = p.malloc(4 * MiB, lifetime="short")
     p.malloc(2 * MiB, lifetime="short")
-    t = p.malloc(4 * MiB, lifetime="short")
-    p.free(y)
-    p.free(t)
+    t = p.malloc(6 * MiB, lifetime="short")
+    for x in (y1, y2, t):
+        p.free(x)
     p.malloc(10 * MiB, lifetime="short")
     st = p.stats()
-    assert st["spare"] == 2 * MiB and st["total"]["reserved"]["current"] == 30 * MiB
+    assert st["spare"] == 4 * MiB and st["total"]["reserved"]["current"] == 32 * MiB
     p.check()
 
 
@@ -235,7 +237,7 @@ def test_spares_go_back_before_a_device_allocation() -> None:
     with Pool("planned", capacity=32 * MiB) as p:  # the cap is the whole device
         _leave_a_spare(p)
         p.set_plan([4 * MiB], [0], [2**64 - 1], 0, 4 * MiB, 2)  # 2: position 0 is the next request
-        p.malloc(4 * MiB)  # 30 MiB reserved with the spare: the region fits only once it is given back
+        p.malloc(4 * MiB)  # the cap is full with the spare: the region fits only once it is given back
         assert p.plan_counts()["served"] == 1
         st = p.stats()
         assert st["spare"] == 0 and st["total"]["reserved"]["current"] == 32 * MiB
@@ -243,7 +245,7 @@ def test_spares_go_back_before_a_device_allocation() -> None:
         p.check()
 
 
-@pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool maps page by page past half the cap and "
+@pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool grows exactly past half the cap (up to two chunks a growth) and "
                    "trims free pages every iteration (docs/device_calls.md): more chunks than the torch model")
 def test_min_capacity_bound_on_every_shared_trace(shared_traces) -> None:
     for path in sorted(shared_traces.glob("*.pickle")):
@@ -378,7 +380,7 @@ def test_the_current_device_is_cached_per_thread_and_forgotten_after_fork(builds
 
 
 def _workload(p: Pool, pad: int = 0) -> None:
-    """Growths, frees, cross-stream reuse, page-by-page growth near the cap and empty_cache. `pad`:
+    """Growths, frees, cross-stream reuse, exact growth near the cap and empty_cache. `pad`:
     bytes the backend adds to each request (ACL's rule), asked for less so that every backend
     places the same bytes."""
     keep = p.malloc(MiB - pad, stream=1)

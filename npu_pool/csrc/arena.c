@@ -123,17 +123,27 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
     return np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s", np_fmt_bytes(need, x),
                     np_fmt_bytes(limit, y));
   }
-  uint64_t off = b->addr - a->seg->addr, end = (off + b->size + a->page - 1) / a->page, r0 = end;
-  while (r0 > off / a->page && !a->seg->pages[r0 - 1]) r0--;
-  /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it) a growth is exactly the shortfall, mapped page by
-   * page: there, free memory must go back in small pieces when the cap presses (a trim), and a
-   * chunk is unmapped only whole. Far from it, the last unmapped run under b is one chunk grown
-   * to the granule, never past a granule below the cap. (docs/device_calls.md: the trade-off.) */
+  uint64_t g = a->page, off = b->addr - a->seg->addr, end = (off + b->size + g - 1) / g, r0 = end;
+  while (r0 > off / g && !a->seg->pages[r0 - 1]) r0--;
+  /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it) a growth is exactly the shortfall, in chunks
+   * that free up whole: the pages b covers whole are one chunk, each page b shares with a
+   * neighbour (its first and last, when b starts or ends inside them) one of its own, so that
+   * once b is freed its chunk can be trimmed whatever its neighbours hold. Far from the cap, the
+   * last unmapped run under b is one chunk grown to the granule, never past a granule below the
+   * cap. (docs/device_calls.md: the trade-off.) Chunks mapped before a failure stay mapped. */
   uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
   bool near = after > limit / NP_ARENA_NEAR_DIV;
-  if (r0 < end && !near) end = grow_end(a, r0, end, after < limit - keep ? limit - keep - after : 0);
-  /* chunks mapped before a failure stay mapped */
-  int rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * a->page - off, near ? a->page : 0, false);
+  int rc;
+  if (near) {
+    uint64_t whole = np_round_up(off, g) / g, stop = np_max_u64((off + b->size) / g, whole); /* b's whole pages */
+    uint64_t cut[4] = {off / g, whole, stop, end};
+    rc = NP_OK;
+    for (int i = 0; i < 3 && rc == NP_OK; i++)
+      if (cut[i + 1] > cut[i]) rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + cut[i] * g, (cut[i + 1] - cut[i]) * g, 0, false);
+  } else {
+    if (r0 < end) end = grow_end(a, r0, end, after < limit - keep ? limit - keep - after : 0);
+    rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * g - off, 0, false);
+  }
   if (end > a->page_hwm) a->page_hwm = end;
   return rc;
 }
@@ -250,6 +260,32 @@ static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64
   return pinned_at(ctx, a, h, lo, lo, hi) || pinned_at(ctx, a, h, hi - 1, lo, hi);
 }
 
+/* Under cap pressure, before carving `size` bytes from hole h at its high (else low) end where the
+ * carve would pin a wholly free chunk (avoid_pin found no better place): unmap that chunk (a trim,
+ * kept as a spare) when it has pages the block does not touch and h's stream has finished its
+ * work, so that the block maps only its own pages and the chunk's other pages can go where a
+ * growth needs them, instead of staying pinned while the block lives. */
+static void unpin(np_ctx *ctx, np_arena *a, const np_block *h, uint64_t size, bool high) {
+  if (!a->vmm || reserved_of(ctx, a) + size <= limit_of(ctx, a) / NP_ARENA_NEAR_DIV || !pins(ctx, a, h, size, high) ||
+      !np_tag_settled(ctx, &a->streams, h->stream))
+    return;
+  uint64_t g = a->page, lo = (high ? h->addr + h->size - size : h->addr) - a->seg->addr, hi = lo + size;
+  uint64_t touched[2] = {lo / g, (hi + g - 1) / g}, at[2] = {lo / g, (hi - 1) / g}, before = a->seg->mapped;
+  bool was = np_vmm_recycle_begin(ctx);
+  ctx->trimming = true;
+  for (int i = 0; i < 2; i++) {
+    uint64_t first, n;
+    if (!a->seg->pages[at[i]]) continue;
+    np_vmm_chunk_at(ctx->be, a->seg, at[i], &first, &n);
+    uintptr_t cs = a->seg->addr + first * g, ce = cs + n * g;
+    bool inside = cs >= h->addr && ce <= h->addr + h->size;
+    if (inside && (first < touched[0] || first + n > touched[1])) np_vmm_unmap(ctx, a->seg, cs, n * g, false);
+  }
+  ctx->trimming = false;
+  if (a->seg->mapped < before) ctx->st.trims++; /* a failure leaves the chunk mapped: the block pins it */
+  np_vmm_recycle_end(ctx, was);
+}
+
 /* The smallest hole tagged s that fits `size` and has an end whose carve pins no chunk and maps
  * at most `need` bytes (*high: that end), looking at *budget holes at most (each one looked at is
  * taken from it); NULL if none. */
@@ -338,6 +374,7 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
     h = t;
     long_lived = true; /* take the top's low end: the high-water mark grows only by `size` */
   }
+  unpin(ctx, a, h, size, !long_lived);
   np_block *b = NULL;
   int rc = carve(ctx, a, h, size, !long_lived, &b);
   if (rc != NP_OK) {

@@ -1,9 +1,11 @@
 /* arena.h -- one arena: the npu_pool policy's memory, and the planned policy's fallback.
  *
  * With a virtual-memory API the arena is an address reservation of twice the device, mapped in
- * chunks as its high-water mark grows (one physical allocation and one map per growth: at least
- * NP_ARENA_GROWTH far from the cap, a page at a time near it) and unmapped in whole free chunks
- * (the page table is the segment's, vmm.h); without one it is a single device allocation of the cap.
+ * chunks as its high-water mark grows (one physical allocation and one map per chunk: a growth is
+ * one chunk of at least NP_ARENA_GROWTH far from the cap; near it, exactly the shortfall, a block's
+ * whole pages one chunk and each page it shares with a neighbour one of its own) and unmapped in
+ * whole free chunks, kept as spares for a later growth (the page table is the segment's, vmm.h);
+ * without one it is a single device allocation of the cap.
  *
  *  - blocks are exact (512-byte rounded): no segment rounding, no boundaries;
  *  - a request takes the smallest hole that fits (O(log n) tree by stream, size, address),
@@ -13,7 +15,8 @@
  *  - under cap pressure (reserved past cap / NP_ARENA_NEAR_DIV) a carve that would put the block
  *    inside a mapped chunk that is wholly free ("pin" it: it could no longer be trimmed) takes
  *    the hole's other end, or else the smallest compatible hole whose carve pins nothing (at
- *    most one growth larger, mapping no more), among NP_ARENA_PIN_WALK holes at most;
+ *    most one growth larger, mapping no more), among NP_ARENA_PIN_WALK holes at most; failing
+ *    that, it unmaps the free chunk first (a trim) and maps only the block's own pages;
  *  - when no hole fits it extends the top (the free memory above the highest allocation),
  *    first taking a hole of its stream that touches the top;
  *  - freed memory keeps the tag of the stream that used it (or "mixed" once memory of two
@@ -46,8 +49,8 @@
 
 /* The least an arena grows by (VMM): one chunk of PyTorch's large-pool segment size (20 MiB),
  * rounded to the granularity, while its reserved bytes stay under cap / NP_ARENA_NEAR_DIV and a
- * granule below the cap; past that, growths are exact, one chunk per page, so that trims can
- * return free pages (docs/device_calls.md: the trade-off). */
+ * granule below the cap; past that, growths are exact, in chunks that free up whole with their
+ * block, so that trims can return free memory (docs/device_calls.md: the trade-off). */
 #define NP_ARENA_GROWTH (20 * NP_MIB)
 #define NP_ARENA_NEAR_DIV 2
 /* The most holes a placement looks at to avoid pinning a wholly free chunk under cap pressure

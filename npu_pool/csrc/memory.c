@@ -190,8 +190,8 @@ static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size, int pool) {
 }
 
 /* The largest spare of `least` to `most` bytes, taken out of the spares: its handle, and its size
- * in *size (0: none fits). A handle maps only over exactly its size, so a spare larger than the
- * chunk asked for maps over more of the unmapped run, as one chunk. */
+ * in *size (0: none fits). A handle maps only over exactly its size, so a spare smaller than the
+ * chunk asked for maps over its start and one larger over more of the unmapped run. */
 static uint64_t take_spare(np_ctx *ctx, uint64_t least, uint64_t most, uint64_t *size) {
   size_t best = ctx->n_spare;
   for (size_t i = 0; i < ctx->n_spare; i++) {
@@ -271,10 +271,10 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
     while (q < stop && !seg->pages[q]) q++;
     np_vmm_left left;
     uint64_t spare = 0, bytes = 0;
-    if (ctx->n_spare) { /* a spare that fits in the whole unmapped run from p maps there */
+    if (ctx->n_spare) { /* the largest spare the whole unmapped run from p can hold maps there */
       uint64_t r = q;
       while (r < end && !seg->pages[r]) r++;
-      if ((spare = take_spare(ctx, (q - p) * g, (r - p) * g, &bytes))) q = p + bytes / g;
+      if ((spare = take_spare(ctx, g, (r - p) * g, &bytes))) q = p + bytes / g;
       else np_vmm_spares_release(ctx); /* before a creation: the device never holds a spare and a
                                            new chunk at once (a full device would refuse the chunk) */
     }

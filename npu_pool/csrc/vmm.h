@@ -68,8 +68,9 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
 int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped);
 int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
 /* A recycle window, for a trim and the growth it makes room for: chunks unmapped inside it keep
- * their handles (spares), and a chunk mapped over exactly a spare's size, inside a window or in
- * a later call, maps that handle again instead of a new one: an unmap and a map where there were
+ * their handles (spares), and a chunk to map, inside a window or in a later call, starts with the
+ * largest spare its unmapped run can hold (a handle maps only over exactly its size, the rest of
+ * the run is mapped next) instead of a new handle: an unmap and a map where there were
  * a release, an unmap, a creation and a map. Spares outlive the window: the device holds them
  * for the pool, counted as reserved (ctx->st.spare of it), until a growth maps them. A chunk
  * no spare fits gives every spare back before it is created (the device never holds both: a
