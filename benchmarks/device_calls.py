@@ -1,15 +1,17 @@
 """Device calls of each policy on real and captured traces; write docs/device_calls.md.
 
     python benchmarks/device_calls.py [--shared ../shared/traces] [--out docs/device_calls.md]
-                                      [--costs FILE] [--baseline CHECKOUT] [--no-capture]
+                                      [--costs FILE] [--baseline CHECKOUT [--baseline-name TEXT]]...
+                                      [--no-capture]
 
 Per trace and policy (torch, expandable, npu_pool, planned): the device calls by kind given room
 to spare, at the minimum capacity and on the device the torch model just fits (its minimum
 capacity: a full device, as training runs), the estimated device time (npu_pool/device_costs.py), the
 physical allocations (segments or chunks) against the torch model's, the calls in iterations
 after the first, and the minimum-capacity waste. With --baseline (a built checkout of another
-version, e.g. the commit before the chunked VMM layer), its minimum-capacity waste on the same
-traces is measured too, in a subprocess, for the before/after table.
+version, e.g. the commit before the chunked VMM layer; repeatable), its minimum-capacity waste and
+physical calls there on the same traces are measured too, in a subprocess, for the before/after
+table.
 """
 from __future__ import annotations
 
@@ -43,13 +45,16 @@ for name, trace in collect(Path({shared!r}), {capture!r}):
     plan = make_plan(trace)
     for policy in {policies!r}:
         r = evaluate(trace, name, policy, **({{"plan": plan}} if policy == "planned" else {{}}))
-        out[name + "|" + policy] = r.min_capacity_bytes - r.peak_live_bytes
+        c = getattr(r, "calls_at_min_capacity", None)  # older checkouts may not count calls
+        phys = sum(c.get(k, 0) for k in ("malloc", "free", "phys_create", "phys_release")) if c else None
+        out[name + "|" + policy] = [r.min_capacity_bytes - r.peak_live_bytes, phys]
 print(json.dumps(out))
 """
 
 
-def baseline_waste(checkout: Path, shared: Path, capture: bool) -> dict[str, int]:
-    """Minimum-capacity waste per "trace|policy" measured by another checkout's own code."""
+def baseline_waste(checkout: Path, shared: Path, capture: bool) -> dict[str, list]:
+    """Minimum-capacity waste and physical calls there (None where that checkout does not count
+    calls) per "trace|policy", measured by another checkout's own code."""
     code = _BASELINE.format(root=str(checkout), here=str(ROOT / "benchmarks"), shared=str(shared),
                             capture=capture, policies=POLICIES)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(checkout))
@@ -67,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared", default=str(ROOT.parent / "shared" / "traces"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "device_calls.md"))
     ap.add_argument("--costs", metavar="FILE", help="JSON {call kind: microseconds} over the default costs")
-    ap.add_argument("--baseline", metavar="CHECKOUT", help="a built checkout whose min-capacity waste to compare")
-    ap.add_argument("--baseline-name", metavar="TEXT", help="what the baseline is, for the page (default: its path)")
+    ap.add_argument("--baseline", metavar="CHECKOUT", action="append", default=[],
+                    help="a built checkout whose min-capacity waste and calls to compare (repeatable)")
+    ap.add_argument("--baseline-name", metavar="TEXT", action="append", default=[],
+                    help="what the baseline of the same position is, for the page (default: its path)")
     ap.add_argument("--no-capture", action="store_true")
     args = ap.parse_args(argv)
     costs = load_costs(args.costs)
@@ -92,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
             device = next(x for n, p, x, _ in rows if n == name and p == "torch").min_capacity_bytes
             at = run(trace, policy, device, **kw)
             full[name, policy] = at.calls if at.ok else None
-    before = baseline_waste(Path(args.baseline), Path(args.shared), not args.no_capture) if args.baseline else None
+    if len(args.baseline_name) > len(args.baseline):
+        ap.error("--baseline-name names a --baseline: give as many baselines")
+    names = args.baseline_name + args.baseline[len(args.baseline_name):]
+    before = [(n, c, baseline_waste(Path(c), Path(args.shared), not args.no_capture)) for n, c in zip(names, args.baseline)]
 
-    cmd = "python benchmarks/device_calls.py" + (f" --baseline {args.baseline}" if args.baseline else "") + \
+    cmd = "python benchmarks/device_calls.py" + "".join(f" --baseline {b}" for b in args.baseline) + \
         (f" --costs {args.costs}" if args.costs else "")
     out = ["# Device calls: what each policy asks of the device", "",
            f"Written by `{cmd}` ({len(named)} traces, {time.time() - t0:.0f} s). Every figure is a count",
@@ -143,16 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
     out += ["", "## Minimum-capacity waste (MiB)", ""]
     tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r, _ in rows if q == p) for p in POLICIES}
+    calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r, _ in rows if q == p) for p in POLICIES}
     if before:
-        btot = {p: sum(v for k, v in before.items() if k.endswith("|" + p)) for p in POLICIES}
-        out += [f"Before: {args.baseline_name or args.baseline} (built checkout `{args.baseline}`); after: this "
-                "checkout. Measured by each version's own code on the same traces.", "",
-                "| policy | before | after | after / before |", "|---|---:|---:|---:|"]
+        out += ["Each version measured by its own code on the same traces (baselines: built checkouts, " +
+                ", ".join(f"`{c}`" for _, c, _ in before) + "); physical: the calls at the minimum capacity,",
+                "summed over the traces (- where a version does not count them); / first: the waste over the",
+                "first version's.", "", "| policy | version | waste | / first | physical |", "|---|---|---:|---:|---:|"]
         for p in POLICIES:
-            ratio = f"{tot[p] / btot[p]:.2f}" if btot[p] else "-"
-            out.append(f"| {p} | {btot[p] / MiB:.0f} | {tot[p] / MiB:.0f} | {ratio} |")
+            versions = [(n, sum(v[0] for k, v in d.items() if k.endswith("|" + p)),
+                         [v[1] for k, v in d.items() if k.endswith("|" + p)]) for n, _, d in before]
+            versions.append(("this checkout", tot[p], [calls[p]]))
+            first = versions[0][1]
+            for n, w, cs in versions:
+                phys = sum(cs) if cs and None not in cs else "-"
+                out.append(f"| {p} | {n} | {w / MiB:.1f} | {w / first:.2f} | {phys} |" if first else
+                           f"| {p} | {n} | {w / MiB:.1f} | - | {phys} |")
     else:
-        out += ["| policy | waste |", "|---|---:|"] + [f"| {p} | {tot[p] / MiB:.0f} |" for p in POLICIES]
+        out += ["| policy | waste | physical calls |", "|---|---:|---:|"] + \
+            [f"| {p} | {tot[p] / MiB:.1f} | {calls[p]} |" for p in POLICIES]
     out += ["", "## Per-call costs (microseconds) and their sources", "", "| call | us | source |", "|---|---:|---|"]
     for k, (us, src) in costs.items():
         out.append(f"| {k} | {us:g} | {src} |")
