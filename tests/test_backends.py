@@ -329,6 +329,35 @@ def _counts(vendor: Vendor) -> dict[str, int]:
     return {op: vendor.calls(op) for op in ("create", "release", "map", "unmap")}
 
 
+def test_a_forked_child_leaves_the_parents_spares_alone(vendor: Vendor) -> None:
+    """A child forked while the pool keeps a spare reads it in the statistics and closes the pool
+    without a device call (the memory is the parent's); the parent maps the spare again after."""
+    import os
+
+    with vendor.pool(fraction=0.125) as p:
+        _spare_left(vendor, p)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest assertions here, one status byte back
+            ok = False
+            try:
+                before = _counts(vendor)
+                spare = p.stats()["spare"]
+                p.close()
+                ok = spare == 4 * MiB and _counts(vendor) == before
+            finally:
+                os.write(w, bytes([ok]))
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(r, 1) == bytes([1])
+        before = _counts(vendor)
+        p.malloc(4 * MiB - vendor.pad, lifetime="short")  # maps the spare: no creation
+        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        assert (d["map"], d["create"]) == (1, 0) and p.stats()["spare"] == 0
+        p.check()
+    assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
+
+
 def test_near_the_cap_a_block_maps_its_whole_pages_as_one_chunk(vendor: Vendor) -> None:
     """Past half the cap a growth is exactly the shortfall: the pages the block covers whole are one
     chunk and a page it shares with a neighbour one of its own, not a chunk per page."""
