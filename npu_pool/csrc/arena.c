@@ -11,6 +11,11 @@ static uint64_t limit_of(const np_ctx *ctx, const np_arena *a) { return ctx->lim
 static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) {
   return ctx->st.total.reserved.current - a->outside - ctx->st.spare;
 }
+/* Cap pressure: `more` bytes would take the arena past 1 / NP_ARENA_NEAR_DIV of its budget. There
+ * growths are exact and carves keep free chunks whole (arena.h). */
+static bool near_cap(const np_ctx *ctx, const np_arena *a, uint64_t more) {
+  return reserved_of(ctx, a) + more > limit_of(ctx, a) / NP_ARENA_NEAR_DIV;
+}
 
 /* Holes serve every stream when the backend can order streams and every stream is
  * known; once too many streams were seen, holes stay with their stream. */
@@ -132,7 +137,7 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
    * last unmapped run under b is one chunk grown to the granule, never past a granule below the
    * cap. (docs/device_calls.md: the trade-off.) Chunks mapped before a failure stay mapped. */
   uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
-  bool near = after > limit / NP_ARENA_NEAR_DIV;
+  bool near = near_cap(ctx, a, need);
   int rc;
   if (near) {
     uint64_t whole = np_round_up(off, g) / g, stop = np_max_u64((off + b->size) / g, whole); /* b's whole pages */
@@ -266,8 +271,7 @@ static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64
  * work, so that the block maps only its own pages and the chunk's other pages can go where a
  * growth needs them, instead of staying pinned while the block lives. */
 static void unpin(np_ctx *ctx, np_arena *a, const np_block *h, uint64_t size, bool high) {
-  if (!a->vmm || reserved_of(ctx, a) + size <= limit_of(ctx, a) / NP_ARENA_NEAR_DIV || !pins(ctx, a, h, size, high) ||
-      !np_tag_settled(ctx, &a->streams, h->stream))
+  if (!a->vmm || !near_cap(ctx, a, size) || !pins(ctx, a, h, size, high) || !np_tag_settled(ctx, &a->streams, h->stream))
     return;
   uint64_t g = a->page, lo = (high ? h->addr + h->size - size : h->addr) - a->seg->addr, hi = lo + size;
   uint64_t touched[2] = {lo / g, (hi + g - 1) / g}, at[2] = {lo / g, (hi - 1) / g}, before = a->seg->mapped;
@@ -312,9 +316,7 @@ static np_block *unpinned_hole(const np_ctx *ctx, const np_arena *a, intptr_t s,
  * Invariant: the hole returned fits `size` and is compatible with `stream` (it is h or comes
  * from a tag best_hole may take from). */
 static np_block *avoid_pin(np_ctx *ctx, np_arena *a, np_block *h, intptr_t stream, uint64_t size, bool *long_lived) {
-  if (!a->vmm || !h || reserved_of(ctx, a) + size <= limit_of(ctx, a) / NP_ARENA_NEAR_DIV ||
-      !pins(ctx, a, h, size, !*long_lived))
-    return h;
+  if (!a->vmm || !h || !near_cap(ctx, a, size) || !pins(ctx, a, h, size, !*long_lived)) return h;
   if (!pins(ctx, a, h, size, *long_lived)) {
     *long_lived = !*long_lived;
     return h;

@@ -189,14 +189,14 @@ static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size, int pool) {
   change_reserved(ctx, pool, size, true);
 }
 
-/* The largest spare of `least` to `most` bytes, taken out of the spares: its handle, and its size
- * in *size (0: none fits). A handle maps only over exactly its size, so a spare smaller than the
+/* The largest spare of at most `most` bytes, taken out of the spares: its handle, and its size in
+ * *size (0: none fits). A handle maps only over exactly its size, so a spare smaller than the
  * chunk asked for maps over its start and one larger over more of the unmapped run. */
-static uint64_t take_spare(np_ctx *ctx, uint64_t least, uint64_t most, uint64_t *size) {
+static uint64_t take_spare(np_ctx *ctx, uint64_t most, uint64_t *size) {
   size_t best = ctx->n_spare;
   for (size_t i = 0; i < ctx->n_spare; i++) {
     uint64_t sz = ctx->spare[i].size;
-    if (sz >= least && sz <= most && (best == ctx->n_spare || sz > ctx->spare[best].size)) best = i;
+    if (sz <= most && (best == ctx->n_spare || sz > ctx->spare[best].size)) best = i;
   }
   if (best == ctx->n_spare) return 0;
   np_spare x = drop_spare(ctx, best); /* its map counts it again, as mapped */
@@ -274,7 +274,7 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
     if (ctx->n_spare) { /* the largest spare the whole unmapped run from p can hold maps there */
       uint64_t r = q;
       while (r < end && !seg->pages[r]) r++;
-      if ((spare = take_spare(ctx, g, (r - p) * g, &bytes))) q = p + bytes / g;
+      if ((spare = take_spare(ctx, (r - p) * g, &bytes))) q = p + bytes / g;
       else np_vmm_spares_release(ctx); /* before a creation: the device never holds a spare and a
                                            new chunk at once (a full device would refuse the chunk) */
     }
