@@ -109,6 +109,13 @@ class NotStreamable(Exception):
     """The file is not in the shape the streamed reader follows (or not a valid pickle): read it whole."""
 
 
+def _read_on(f: BinaryIO, size: int, held: int) -> bytes:
+    """The next piece of ``f`` (at most _CHUNK bytes) after the ``held`` bytes read so far, never
+    past ``size``: the file's size when opened (what a file grown since holds is not read, as in
+    the whole read)."""
+    return f.read(max(0, min(_CHUNK, size - held)))
+
+
 class _Scan:
     """Pass 1: the memo stores never read back, the FRAME opcodes, and the ranges to unpickle."""
 
@@ -135,7 +142,7 @@ class _Scan:
     def _refill(self) -> bool:
         """Keep _MARGIN bytes ahead of the position when the file has them; False at its end (its
         size when opened: what a file grown since holds is not read, as in the whole read)."""
-        more = self.f.read(max(0, min(_CHUNK, self.size - self.base - len(self.buf))))
+        more = _read_on(self.f, self.size, self.base + len(self.buf))
         self.base += self.i
         self.buf = self.buf[self.i:] + more
         self.i = 0
@@ -219,7 +226,7 @@ class _Scan:
             return arg
         parts = [self.buf[self.i + 1:]]
         while True:
-            more = self.f.read(max(0, min(_CHUNK, self.size - self.base - len(self.buf))))
+            more = _read_on(self.f, self.size, self.base + len(self.buf))
             if not more:
                 raise NotStreamable("truncated")
             self.base, self.buf, self.i = self.base + len(self.buf), more, 0
@@ -661,7 +668,7 @@ def overreach(f: BinaryIO, size: int) -> str | None:
     buf, base, i, stores, more = b"", 0, 0, 0, True
     while True:
         if len(buf) - i < _MARGIN and more:
-            more = f.read(max(0, min(_CHUNK, size - base - len(buf))))  # (never past the size)
+            more = _read_on(f, size, base + len(buf))
             base, buf, i = base + i, buf[i:] + more, 0
         i = _RUN(buf, i).end()
         if len(buf) - i < _MARGIN and more:
@@ -682,7 +689,7 @@ def overreach(f: BinaryIO, size: int) -> str | None:
                 j = buf.find(b"\n", i)
                 while j < 0:
                     parts.append(buf[i:])
-                    more = f.read(max(0, min(_CHUNK, size - base - len(buf))))
+                    more = _read_on(f, size, base + len(buf))
                     if not more:
                         return None
                     base, buf, i = base + len(buf), more, 0
@@ -719,7 +726,7 @@ def overreach(f: BinaryIO, size: int) -> str | None:
             for _ in range(1 + (n == -6)):  # up to the newline(s), however far
                 j = buf.find(b"\n", i + 1)
                 while j < 0:
-                    more = f.read(max(0, min(_CHUNK, size - base - len(buf))))
+                    more = _read_on(f, size, base + len(buf))
                     if not more:
                         return None
                     base, buf, i = base + len(buf), more, -1
