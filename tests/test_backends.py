@@ -455,6 +455,28 @@ def _spare_left(vendor: Vendor, p: Pool) -> None:
     p.check()
 
 
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_spares_go_back_before_the_planned_region(builds: dict, backend: str) -> None:
+    """A spare is counted against the cap like mapped memory, but it is the pool's to give back: a
+    device allocation (the planned policy's region) gives spares back before it asks, so that a
+    full device still serves it."""
+    v = _vendor(builds, backend, capacity=32 * MiB)
+    with v.pool("planned") as p:  # the cap is the whole device
+        _spare_left(v, p)
+        assert v.lib.fake_used() == 32 * MiB  # the device is full, the spare included
+        asked = 4 * MiB - v.pad // 2  # what the pool asks of a 4 MiB - pad request (ACL: 32-byte rounded, plus 32)
+        p.set_plan([asked], [0], [2**64 - 1], 0, 4 * MiB, 2)  # 2: position 0 is the next request
+        before = _counts(v)
+        p.malloc(4 * MiB - v.pad)  # fits on the device only once the spare is given back
+        assert p.plan_counts()["served"] == 1
+        d = {op: n - before[op] for op, n in _counts(v).items()}
+        assert (d["release"], d["create"], d["map"]) == (1, 0, 0)
+        st = p.stats()
+        assert st["spare"] == 0 and st["total"]["reserved"]["current"] == 32 * MiB == v.lib.fake_used()
+        p.check()
+    assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
+
+
 @pytest.mark.parametrize("then", ["growth", "empty_cache", "refused", "set_fraction", "close"])
 def test_a_spare_outlives_its_call_counted_as_reserved_until_mapped_or_given_back(vendor: Vendor, then: str) -> None:
     """A chunk a trim unmapped and the growth did not need stays with the pool (a spare, counted

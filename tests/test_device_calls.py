@@ -213,38 +213,6 @@ def test_trims_at_the_minimum_capacity_map_their_chunks_again(shared_traces) -> 
     assert moved > 0
 
 
-def _leave_a_spare(p: Pool) -> None:
-    """With the cap (32 MiB) full, a trim unmaps the two 2-page chunks of a freed hole (past half
-    the cap a block's whole pages are one chunk) and the growth that follows maps one of them
-    again: one is left (4 MiB)."""
-    p.malloc(16 * MiB, lifetime="long")
-    y1 = p.malloc(4 * MiB, lifetime="short")
-    y2 = p.malloc(4 * MiB, lifetime="short")
-    p.malloc(2 * MiB, lifetime="short")
-    t = p.malloc(6 * MiB, lifetime="short")
-    for x in (y1, y2, t):
-        p.free(x)
-    p.malloc(10 * MiB, lifetime="short")
-    st = p.stats()
-    assert st["spare"] == 4 * MiB and st["total"]["reserved"]["current"] == 32 * MiB
-    p.check()
-
-
-def test_spares_go_back_before_a_device_allocation() -> None:
-    """A spare is counted against the cap like mapped memory, but it is the pool's to give back: a
-    device allocation (the planned policy's region) gives spares back before it asks, so that a
-    full device still serves it."""
-    with Pool("planned", capacity=32 * MiB) as p:  # the cap is the whole device
-        _leave_a_spare(p)
-        p.set_plan([4 * MiB], [0], [2**64 - 1], 0, 4 * MiB, 2)  # 2: position 0 is the next request
-        p.malloc(4 * MiB)  # the cap is full with the spare: the region fits only once it is given back
-        assert p.plan_counts()["served"] == 1
-        st = p.stats()
-        assert st["spare"] == 0 and st["total"]["reserved"]["current"] == 32 * MiB
-        assert st["calls"]["phys_create"] - st["calls"]["phys_release"] == st["calls"]["map"] - st["calls"]["unmap"]
-        p.check()
-
-
 @pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool grows exactly past half the cap (up to two chunks a growth) and "
                    "trims free pages every iteration (docs/device_calls.md): more chunks than the torch model")
 def test_min_capacity_bound_on_every_shared_trace(shared_traces) -> None:
