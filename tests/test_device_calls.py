@@ -198,7 +198,10 @@ def test_trims_at_the_minimum_capacity_map_their_chunks_again(shared_traces) -> 
     """Where npu_pool trims under pressure at its minimum capacity (every shared trace today), a
     growth maps the trimmed chunks' physical allocations again instead of releasing them and
     creating new ones, and an allocation outlives its mapping only as a spare, counted as
-    reserved (created minus released exceeds mapped minus unmapped exactly when spares are left)."""
+    reserved (created minus released exceeds mapped minus unmapped exactly when spares are left).
+    A trim asks whether a stream is done (a stream query) only for free memory holding a whole
+    chunk to give back: on the simulated device every stream is done, so each query is followed
+    by an unmap."""
     moved = 0
     for path in sorted(shared_traces.glob("*.pickle")):
         for name, t in open_traces(path):
@@ -207,6 +210,7 @@ def test_trims_at_the_minimum_capacity_map_their_chunks_again(shared_traces) -> 
             kept = c["phys_create"] - c["phys_release"] - (c["map"] - c["unmap"])
             assert r.ok and kept >= 0 and (kept > 0) == (spare > 0), (name, c, spare)
             assert spare <= r.stats["total"]["reserved"]["current"] <= cap
+            assert c["stream_query"] <= c["unmap"], (name, c)
             if r.stats["trims"] + r.retries:
                 assert c["phys_create"] < c["map"] and c["phys_release"] < c["unmap"], (name, c)
                 moved += c["map"] - c["phys_create"]

@@ -76,6 +76,19 @@ static int unmap_free(np_ctx *ctx, np_arena *a, const np_block *b) {
   return unmap_pages(ctx, a, np_round_up(off, a->page) / a->page, (off + b->size) / a->page);
 }
 
+/* Whether a mapped chunk lies wholly inside free block b: what unmap_free would unmap. A trim
+ * asks this before it asks the device whether b's stream is done (a stream query). */
+static bool whole_chunk_in(const np_ctx *ctx, const np_arena *a, const np_block *b) {
+  uint64_t off = b->addr - a->seg->addr, f = np_round_up(off, a->page) / a->page;
+  uint64_t e = np_min_u64((off + b->size) / a->page, a->page_hwm), first = 0, n = 0;
+  for (uint64_t p = f; p < e; p = a->seg->pages[p] ? first + n : p + 1) {
+    if (!a->seg->pages[p]) continue;
+    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+    if (first >= f && first + n <= e) return true;
+  }
+  return false;
+}
+
 void np_arena_drop(np_ctx *ctx, np_arena *a) {
   if (!a->seg) return;
   for (np_block *b = a->seg->head; b; b = b->next) {
@@ -97,7 +110,7 @@ static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t ne
   while (last->next) last = last->next;
   ctx->trimming = true;
   for (np_block *b = last; b && before - a->seg->mapped < need; b = b->prev) {
-    if (b->allocated || b == skip || !np_tag_settled(ctx, &a->streams, b->stream)) continue;
+    if (b->allocated || b == skip || !whole_chunk_in(ctx, a, b) || !np_tag_settled(ctx, &a->streams, b->stream)) continue;
     unmap_free(ctx, a, b);
   }
   ctx->trimming = false;
@@ -269,22 +282,27 @@ static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64
  * carve would pin a wholly free chunk (avoid_pin found no better place): unmap that chunk (a trim,
  * kept as a spare) when it has pages the block does not touch and h's stream has finished its
  * work, so that the block maps only its own pages and the chunk's other pages can go where a
- * growth needs them, instead of staying pinned while the block lives. */
+ * growth needs them, instead of staying pinned while the block lives. The chunks are found
+ * first (the two the carve's ends fall in), and the stream is asked only when there is one. */
 static void unpin(np_ctx *ctx, np_arena *a, const np_block *h, uint64_t size, bool high) {
-  if (!a->vmm || !near_cap(ctx, a, size) || !pins(ctx, a, h, size, high) || !np_tag_settled(ctx, &a->streams, h->stream))
-    return;
+  if (!a->vmm || !near_cap(ctx, a, size)) return;
   uint64_t g = a->page, lo = (high ? h->addr + h->size - size : h->addr) - a->seg->addr, hi = lo + size;
-  uint64_t touched[2] = {lo / g, (hi + g - 1) / g}, at[2] = {lo / g, (hi - 1) / g}, before = a->seg->mapped;
+  uint64_t touched[2] = {lo / g, (hi + g - 1) / g}, at[2] = {lo / g, (hi - 1) / g};
+  uint64_t first[2], n[2];
+  int found = 0;
+  for (int i = 0; i < 2; i++) {
+    if (!a->seg->pages[at[i]]) continue;
+    np_vmm_chunk_at(ctx->be, a->seg, at[i], &first[found], &n[found]);
+    uintptr_t cs = a->seg->addr + first[found] * g, ce = cs + n[found] * g;
+    bool inside = cs >= h->addr && ce <= h->addr + h->size;
+    bool pinned = first[found] < touched[0] || first[found] + n[found] > touched[1];
+    if (inside && pinned && !(found == 1 && first[1] == first[0])) found++;
+  }
+  if (!found || !np_tag_settled(ctx, &a->streams, h->stream)) return;
+  uint64_t before = a->seg->mapped;
   bool was = np_vmm_recycle_begin(ctx);
   ctx->trimming = true;
-  for (int i = 0; i < 2; i++) {
-    uint64_t first, n;
-    if (!a->seg->pages[at[i]]) continue;
-    np_vmm_chunk_at(ctx->be, a->seg, at[i], &first, &n);
-    uintptr_t cs = a->seg->addr + first * g, ce = cs + n * g;
-    bool inside = cs >= h->addr && ce <= h->addr + h->size;
-    if (inside && (first < touched[0] || first + n > touched[1])) np_vmm_unmap(ctx, a->seg, cs, n * g, false);
-  }
+  for (int i = 0; i < found; i++) np_vmm_unmap(ctx, a->seg, a->seg->addr + first[i] * g, n[i] * g, false);
   ctx->trimming = false;
   if (a->seg->mapped < before) ctx->st.trims++; /* a failure leaves the chunk mapped: the block pins it */
   np_vmm_recycle_end(ctx, was);
