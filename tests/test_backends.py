@@ -39,12 +39,13 @@ def _compiler() -> str | None:
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
-    """{(vendor, variant): path} for variants full, novmm (no VMM symbols), nofree (no free symbol)."""
+    """{(vendor, variant): path} for variants full, novmm (no VMM symbols), nofree (no free symbol),
+    oldevents (ACL: no aclrtCreateEventExWithFlag, as before CANN 8)."""
     cc = _compiler()
     if cc is None:
         pytest.skip("no C compiler to build the fake vendor libraries")
     out = tmp_path_factory.mktemp("fakes")
-    flags = {"full": [], "novmm": ["-DFAKE_NO_VMM"], "nofree": ["-DFAKE_OMIT_FREE"]}
+    flags = {"full": [], "novmm": ["-DFAKE_NO_VMM"], "nofree": ["-DFAKE_OMIT_FREE"], "oldevents": ["-DFAKE_NO_EVENT_EX"]}
     paths = {}
     for vendor in ("acl", "cuda"):
         for variant, extra in flags.items():
@@ -296,17 +297,56 @@ def test_calls_run_on_the_pool_device_and_restore_the_callers(builds: dict, vend
         vendor.pool(device=7)
 
 
+def _reuse_both_ways(v: Vendor) -> dict[str, int]:
+    """Stream 2 reuses stream 1's memory, then stream 1 stream 2's: two event waits on the device,
+    no host synchronisation. The pool's call counts, read before it closes."""
+    with v.pool() as p:
+        a = p.malloc(4 * MiB, stream=1)
+        keep = p.malloc(MiB, stream=1)
+        p.free(a)
+        b = p.malloc(4 * MiB, stream=2)
+        assert b == a and v.calls("wait") == 1 and p.stats()["stream_waits"] == 1
+        p.free(b)
+        c = p.malloc(4 * MiB, stream=1)
+        assert c == a and v.calls("wait") == 2 and p.stats()["stream_waits"] == 2
+        assert v.calls("sync") == 0
+        p.free(c)
+        p.free(keep)
+        calls = p.stats()["calls"]
+    assert v.lib.fake_live() == 0  # events destroyed too
+    return calls
+
+
 def test_cross_stream_reuse_waits_on_the_device(vendor: Vendor) -> None:
+    calls = _reuse_both_ways(vendor)
+    # one event, made at the first wait and recorded again for the second, destroyed at close
+    assert (calls["event_create"], calls["event_record"], calls["event_wait"], calls["event_destroy"]) == (1, 2, 2, 0)
+
+
+def test_a_failed_event_wait_fails_the_request_and_the_next_wait_works(vendor: Vendor) -> None:
     with vendor.pool() as p:
         a = p.malloc(4 * MiB, stream=1)
         keep = p.malloc(MiB, stream=1)
         p.free(a)
-        b = p.malloc(4 * MiB, stream=2)  # stream 2 reuses stream 1's memory after an event wait
-        assert b == a and vendor.calls("wait") == 1 and p.stats()["stream_waits"] == 1
-        assert vendor.calls("sync") == 0  # no host synchronisation
+        before = p.stats()
+        vendor.fail("wait")
+        with pytest.raises(PoolError, match=vendor.name("wait")):
+            p.malloc(4 * MiB, stream=2)
+        after = p.stats()
+        assert after["total"]["allocated"]["current"] == before["total"]["allocated"]["current"]
+        assert after["total"]["reserved"]["current"] == before["total"]["reserved"]["current"] == vendor.lib.fake_used()
+        b = p.malloc(4 * MiB, stream=2)  # the same memory, ordered this time
+        assert b == a and vendor.calls("wait") == 2
         p.free(b)
         p.free(keep)
-    assert vendor.lib.fake_live() == 0  # events destroyed too
+    assert vendor.lib.fake_live() == 0
+
+
+def test_an_older_acl_runtime_gets_an_event_for_each_wait(builds: dict) -> None:
+    v = _vendor(builds, "acl", "oldevents")
+    calls = _reuse_both_ways(v)
+    assert (calls["event_create"], calls["event_record"], calls["event_wait"], calls["event_destroy"]) == (2, 2, 2, 2)
+    assert v.lib.fake_calls(b"aclrtCreateEvent") == v.lib.fake_calls(b"aclrtDestroyEvent") == 2
 
 
 @pytest.mark.parametrize("busy", [False, True])

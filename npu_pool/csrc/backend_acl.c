@@ -53,6 +53,7 @@ enum {
   ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
   ACL_RESERVE_HUGE_PAGES = 1, /* aclrtReserveMemAddress flags: huge pages, like the physical memory */
   ACL_STREAM_STATUS_COMPLETE = 0,
+  ACL_EVENT_SYNC = 1, /* aclrtCreateEventExWithFlag: an event streams wait on */
 };
 
 /* Error codes that get a name in messages; the allocation failures are OOM. */
@@ -78,6 +79,7 @@ typedef struct acl_api {
   acl_err (*aclrtSynchronizeStream)(void *stream);
   const char *(*aclGetRecentErrMsg)(void);
   acl_err (*aclrtCreateEvent)(void **event);
+  acl_err (*aclrtCreateEventExWithFlag)(void **event, uint32_t flag);
   acl_err (*aclrtRecordEvent)(void *event, void *stream);
   acl_err (*aclrtStreamWaitEvent)(void *stream, void *event);
   acl_err (*aclrtDestroyEvent)(void *event);
@@ -110,6 +112,7 @@ static const np_dl_sym acl_syms[] = {
     SYM(aclrtRecordEvent, NP_DL_OPTIONAL),
     SYM(aclrtStreamWaitEvent, NP_DL_OPTIONAL),
     SYM(aclrtDestroyEvent, NP_DL_OPTIONAL),
+    SYM(aclrtCreateEventExWithFlag, NP_DL_OPTIONAL), /* an event re-recorded for every wait (CANN 8) */
     SYM(aclrtStreamQuery, NP_DL_OPTIONAL),
     SYM(aclrtReserveMemAddress, NP_DL_VMM),
     SYM(aclrtReleaseMemAddress, NP_DL_VMM),
@@ -138,6 +141,9 @@ typedef struct acl_backend {
   int device;
   uint64_t reserve_flags; /* ACL_RESERVE_HUGE_PAGES, or 0 where the runtime wants the reserved 0 */
   acl_phys_prop prop;     /* physical pages: huge-page HBM of `device` */
+  void *event;            /* stream_wait's event, made on first use where the runtime has
+                           * aclrtCreateEventExWithFlag: a wait uses the event's last record before it
+                           * (later records do not change it), so one event serves every wait */
   char name[192];         /* "acl", or "acl (no VMM: why)" */
 } acl_backend;
 
@@ -254,24 +260,31 @@ static int acl_synchronize(np_backend *be, intptr_t stream) {
   return rc;
 }
 
-/* Make `waiter` wait on the device for the work queued so far on `on`. The event
- * is destroyed at once: ACL frees it when the wait has consumed it. */
+/* Make `waiter` wait on the device for the work queued so far on `on`: record an event on `on`,
+ * then the wait. With aclrtCreateEventExWithFlag one event is re-recorded for every wait (two
+ * calls a wait); an older runtime's event is made and destroyed around each wait (four calls):
+ * its documented re-use goes through aclrtResetEvent, whose rules changed across CANN versions. */
 static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   acl_backend *a = (acl_backend *)be;
   int prev, rc = enter_ex(a, &prev, false); /* per request: the cached device */
   if (rc != NP_OK) return rc;
-  void *ev = NULL;
-  const char *call = "aclrtCreateEvent";
-  acl_err e = ACL(a, EVENT_CREATE, aclrtCreateEvent(&ev));
-  if (e) ev = NULL;
-  else if ((e = ACL(a, EVENT_RECORD, aclrtRecordEvent(ev, (void *)on)))) call = "aclrtRecordEvent";
-  else if ((e = ACL(a, EVENT_WAIT, aclrtStreamWaitEvent((void *)waiter, ev)))) call = "aclrtStreamWaitEvent";
+  bool reuse = a->api.aclrtCreateEventExWithFlag != NULL;
+  void *ev = reuse ? a->event : NULL;
+  const char *call = reuse ? "aclrtCreateEventExWithFlag" : "aclrtCreateEvent";
+  acl_err e = 0;
+  if (!ev) {
+    e = reuse ? ACL(a, EVENT_CREATE, aclrtCreateEventExWithFlag(&ev, ACL_EVENT_SYNC)) : ACL(a, EVENT_CREATE, aclrtCreateEvent(&ev));
+    if (e) ev = NULL;
+    else if (reuse) a->event = ev;
+  }
+  if (!e && (e = ACL(a, EVENT_RECORD, aclrtRecordEvent(ev, (void *)on)))) call = "aclrtRecordEvent";
+  else if (!e && (e = ACL(a, EVENT_WAIT, aclrtStreamWaitEvent((void *)waiter, ev)))) call = "aclrtStreamWaitEvent";
   if (e) {
     char s[64];
     snprintf(s, sizeof s, "waiter %#lx, on %#lx", (unsigned long)waiter, (unsigned long)on);
     rc = acl_fail(a, call, s, e);
   }
-  if (ev) ACL(a, EVENT_DESTROY, aclrtDestroyEvent(ev));
+  if (ev && !reuse) ACL(a, EVENT_DESTROY, aclrtDestroyEvent(ev));
   leave(a, prev);
   return rc;
 }
@@ -379,6 +392,13 @@ static bool pads_requests(acl_backend *a) {
 
 static void acl_destroy(np_backend *be) { /* the context returned its memory first */
   acl_backend *a = (acl_backend *)be;
+  if (a->event) {
+    int prev;
+    if (enter_ex(a, &prev, false) == NP_OK) { /* the event's device */
+      ACL(a, EVENT_DESTROY, aclrtDestroyEvent(a->event));
+      leave(a, prev);
+    }
+  }
   np_dl_close(a->lib);
   free(a);
 }

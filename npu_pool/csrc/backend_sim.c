@@ -51,6 +51,7 @@ typedef struct sim_backend {
   sim_table maps;      /* mappings of physical chunks */
   uint64_t *handle_size; /* bytes of each live handle (index: handle), 0 once released */
   uint64_t n_handles, cap_handles;
+  bool event;          /* stream_wait's event is made (the ACL backend keeps one, re-recorded) */
 } sim_backend;
 
 /* The device the calling thread last made current through a simulated device (-1: none),
@@ -249,8 +250,12 @@ static int sim_synchronize(np_backend *be, intptr_t stream) {
 }
 
 static int sim_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
-  sim_enter((sim_backend *)be, false);
-  for (int k = NP_CALL_EVENT_CREATE; k <= NP_CALL_EVENT_DESTROY; k++) be->calls[k]++; /* create, record, wait, destroy */
+  sim_backend *s = (sim_backend *)be;
+  sim_enter(s, false);
+  if (!s->event) be->calls[NP_CALL_EVENT_CREATE]++; /* once; destroyed at close */
+  s->event = true;
+  be->calls[NP_CALL_EVENT_RECORD]++;
+  be->calls[NP_CALL_EVENT_WAIT]++;
   (void)waiter;
   (void)on;
   return NP_OK; /* nothing runs asynchronously: the order already holds */
@@ -297,6 +302,7 @@ static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint
 
 static void sim_destroy(np_backend *be) {
   sim_backend *s = (sim_backend *)be;
+  if (s->event) be->calls[NP_CALL_EVENT_DESTROY]++;
   for (size_t i = 0; i < s->alloc.n; i++) drop_addr(s, s->alloc.ranges[i].addr, s->alloc.ranges[i].size);
   free(s->alloc.ranges);
   free(s->maps.ranges);

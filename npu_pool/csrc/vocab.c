@@ -29,7 +29,7 @@ static const char *const calls[NP_CALL_COUNT] = {
 static const char *const acl_calls[NP_CALL_COUNT] = {
     "aclrtMalloc",           "aclrtFree",           "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
     "aclrtMallocPhysical",   "aclrtFreePhysical",   "aclrtMapMem",            "aclrtUnmapMem",
-    NULL,                    "aclrtSynchronizeDevice", "aclrtSynchronizeStream", "aclrtCreateEvent",
+    NULL,                    "aclrtSynchronizeDevice", "aclrtSynchronizeStream", "aclrtCreateEventExWithFlag",
     "aclrtRecordEvent",      "aclrtStreamWaitEvent", "aclrtDestroyEvent",     "aclrtStreamQuery",
     "aclrtGetDevice",        "aclrtSetDevice",      "aclrtGetMemInfo",        "aclrtMemGetAllocationGranularity"};
 static const char *const cuda_calls[NP_CALL_COUNT] = {

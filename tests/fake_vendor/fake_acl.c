@@ -153,6 +153,15 @@ EXPORT acl_err aclrtCreateEvent(void **ev) {
     st.live_events++;
   });
 }
+#ifndef FAKE_NO_EVENT_EX /* CANN 8's events, re-recorded at will; -DFAKE_NO_EVENT_EX: an older runtime */
+EXPORT acl_err aclrtCreateEventExWithFlag(void **ev, uint32_t flag) {
+  (void)flag;
+  LOCKED("aclrtCreateEventExWithFlag", {
+    *ev = calloc(1, sizeof(event));
+    st.live_events++;
+  });
+}
+#endif
 EXPORT acl_err aclrtRecordEvent(void *ev, void *stream) {
   LOCKED("aclrtRecordEvent", {
     if (!ev) _e = fail("aclrtRecordEvent", INVALID_PARAM, "no event");

@@ -179,7 +179,6 @@ static acl_err new_event(const char *fn, void **ev) {
   });
 }
 EXPORT acl_err aclrtCreateEventWithFlag(void **ev, uint32_t flag) { (void)flag; return new_event("aclrtCreateEventWithFlag", ev); }
-EXPORT acl_err aclrtCreateEventExWithFlag(void **ev, uint32_t flag) { (void)flag; return new_event("aclrtCreateEventExWithFlag", ev); }
 EXPORT acl_err aclrtSynchronizeEvent(void *ev) { (void)ev; LOCKED("aclrtSynchronizeEvent", {}); }
 EXPORT acl_err aclrtResetEvent(void *ev, void *stream) {
   (void)stream;
