@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -104,16 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     names = args.baseline_name + args.baseline[len(args.baseline_name):]
     before = [(n, c, baseline_waste(Path(c), Path(args.shared), not args.no_capture)) for n, c in zip(names, args.baseline)]
 
-    cmd = "python benchmarks/device_calls.py" + "".join(f" --baseline {b}" for b in args.baseline) + \
-        (f" --costs {args.costs}" if args.costs else "")
+    cmd = "python benchmarks/device_calls.py" + "".join(f" --baseline {shlex.quote(b)}" for b in args.baseline) + \
+        "".join(f" --baseline-name {shlex.quote(n)}" for n in args.baseline_name) + \
+        (f" --costs {shlex.quote(args.costs)}" if args.costs else "")
     out = ["# Device calls: what each policy asks of the device", "",
            f"Written by `{cmd}` ({len(named)} traces, {time.time() - t0:.0f} s). Every figure is a count",
            "of calls the simulated device received, which counts what the ACL backend would call for the",
            "same requests (tests/test_device_calls.py checks it against the fake CANN's own counters).", "",
            "## Per trace", "",
            "physical: segments (malloc + free) or chunks (phys_create + phys_release) taken and given back;",
-           "est ms: the estimated device time of all calls (cost table below); steady: calls in the iterations",
-           "after the first two (iteration bounds from markers or the planner's period; - when none repeat);",
+           "est ms: the estimated device time of all calls (cost table below); steady: calls in every iteration",
+           "after the first (iteration bounds from markers or the planner's period; - when none repeat);",
            "waste: minimum capacity - peak live.", "",
            "| trace | policy | physical | map+unmap | est ms | steady | @min cap: physical | map+unmap | est ms | waste (MiB) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -224,8 +226,12 @@ NOTES = """
   the 10% allowed (measured: one chunk per growth, a block's shared pages in its own chunk,
   thresholds of free room instead of half the cap, units of 4 to 20 MiB); no rule tried met both
   bounds.
-- The first two iterations of a training capture may grow the arena: the second places by the
-  lifetimes the first taught. Later iterations make no device call.
+- The first two iterations of a training capture may grow the arena (the steady column counts
+  the second): the second places by the lifetimes the first taught, and its peak holds more than
+  the first's did, since the optimizer's states, made in the first step's optimizer, are live
+  through the second's forward and backward. A pool mapped as tight as npu_pool's grows there;
+  the torch model's rounding (20 MiB segments, whole large blocks) leaves it room on some traces
+  and not on others. Later iterations make no device call.
 - Four threads allocating concurrently make no device call once warm (tests/test_device_calls.py),
   where warm means the pool has held the most the threads can hold at once (each at its own live
   peak together). How threads interleave decides their live peak: after a warm-up of a few rounds
