@@ -198,9 +198,13 @@ NOTES = """
 - A trim keeps the physical allocations of the chunks it unmaps (spares, counted as reserved:
   the device holds them for the pool), and a growth maps a spare again where it fits (whole,
   over an unmapped run at least its size), in the same call or a later one: a chunk moved so
-  costs an unmap and a map instead of an unmap, a release, a creation and a map. A growth no
-  spare fits gives every spare back before it creates a chunk (the device never holds both), and
-  so do empty_cache, the retry after an out-of-memory, a new cap and close.
+  costs an unmap and a map instead of an unmap, a release, a creation and a map. Before a
+  growth no spare fits creates a chunk, spares go back, largest first, only until the chunk fits
+  under the cap with those that stay and they hold 20 MiB at most (a growth granule; keeping all
+  the cap allows would hold reserved memory nothing maps, up to the cap, on any trace past half
+  of it). A device that refuses the chunk even so (another process holds memory under the cap)
+  gets every spare back and is asked again; empty_cache, the retry after an out-of-memory, a new
+  cap and close give every spare back.
 - The expandable model maps one handle per page of 2 MiB (small pool) or 20 MiB (large pool), as
   PyTorch's `ExpandableSegment::map` does.
 - The planned policy's region is one device allocation; its fallback arena maps exactly what the

@@ -431,10 +431,66 @@ def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: V
             with pytest.raises(OutOfMemoryError):
                 p.malloc(12 * MiB - vendor.pad, lifetime="short")
         else:
-            assert (d["unmap"], d["release"], d["create"], d["map"]) == (1, 1, 1, 1) and p.stats()["trims"] == 1
-            assert vendor.lib.fake_mapped() == 20 * MiB
+            # the chunk stays the pool's, unmapped (a spare): the cap holds it and the new page
+            assert (d["unmap"], d["release"], d["create"], d["map"]) == (1, 0, 1, 1) and p.stats()["trims"] == 1
+            assert vendor.lib.fake_mapped() == 20 * MiB and p.stats()["spare"] == 8 * MiB
+            before = _counts(vendor)
             p.malloc(12 * MiB - vendor.pad, lifetime="short")  # fits the cap: nothing is pinned
+            d = {op: n - before[op] for op, n in _counts(vendor).items()}
+            # the spare maps over 4 of the block's pages, a new chunk over the rest
+            assert (d["release"], d["create"], d["map"]) == (0, 1, 2) and p.stats()["spare"] == 0
         st = p.stats()
+        assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + st["spare"]
+        p.check()
+    assert vendor.lib.fake_live() == 0
+
+
+def test_a_device_with_less_than_the_cap_gets_the_spares_back_before_a_new_chunk(vendor: Vendor) -> None:
+    """A spare stays the pool's while the cap holds it and a new chunk together. Where the device
+    itself has less than the cap (another process took the rest), the creation it refuses gives
+    every spare back and is asked once more: the request is served, the books match the device."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
+        p.malloc(16 * MiB - vendor.pad, lifetime="long")
+        b = p.malloc(8 * MiB - vendor.pad, lifetime="short", stream=1)
+        p.malloc(2 * MiB - vendor.pad, lifetime="short")
+        p.free(b)
+        p.malloc(MiB - vendor.pad, lifetime="short", stream=1)  # unpins b's chunk: a spare of 4 pages
+        assert p.stats()["spare"] == 8 * MiB and vendor.lib.fake_mapped() == 20 * MiB
+        vendor.lib.fake_set_used(256 * MiB - vendor.lib.fake_used())  # the device is full
+        before = _counts(vendor)
+        p.malloc(2 * MiB - vendor.pad, lifetime="short")  # one page: the spare cannot map there
+        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        assert (d["release"], d["create"], d["map"]) == (1, 2, 1)  # refused, the spare back, served
+        st = p.stats()
+        assert st["spare"] == 0 and vendor.lib.fake_mapped() == 22 * MiB
+        assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == 22 * MiB
+        p.check()
+        vendor.lib.fake_set_used(0)
+    assert vendor.lib.fake_live() == 0
+
+
+def test_a_creation_leaves_at_most_a_growth_granule_of_spares(vendor: Vendor) -> None:
+    """Spares the cap could hold beside a new chunk stay only up to 20 MiB (a growth granule):
+    past that they are reserved memory nothing maps. Two 16 MiB chunks unpinned by small blocks
+    become spares; the second small block's own page is a creation, before which one spare goes
+    back and the other stays."""
+    with vendor.pool(fraction=0.5) as p:  # cap: 128 MiB; past 64 MiB growths are exact
+        p.malloc(64 * MiB - vendor.pad, lifetime="long")
+        a = p.malloc(16 * MiB - vendor.pad, lifetime="short", stream=1)  # one chunk of 8 pages
+        p.malloc(2 * MiB - vendor.pad, lifetime="short")
+        b = p.malloc(16 * MiB - vendor.pad, lifetime="short", stream=2)
+        p.malloc(2 * MiB - vendor.pad, lifetime="short")
+        p.free(a)
+        p.free(b)
+        before = _counts(vendor)
+        p.malloc(MiB - vendor.pad, lifetime="short", stream=1)  # unpins a's chunk: a 16 MiB spare, kept
+        p.malloc(15 * MiB - vendor.pad, lifetime="short", stream=1)  # the rest of a's hole: 7 new pages
+        assert p.stats()["spare"] == 16 * MiB and vendor.calls("release") == before["release"]
+        p.malloc(MiB - vendor.pad, lifetime="short", stream=2)  # unpins b's: 32 MiB, more than 20
+        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        assert (d["unmap"], d["release"], d["create"]) == (2, 1, 3)
+        st = p.stats()
+        assert st["spare"] == 16 * MiB
         assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + st["spare"]
         p.check()
     assert vendor.lib.fake_live() == 0

@@ -154,15 +154,26 @@ static np_spare drop_spare(np_ctx *ctx, size_t i) {
   return x;
 }
 
-void np_vmm_spares_release(np_ctx *ctx) {
-  if (!ctx->n_spare) return;
+/* Give spares back: every one (`all`), or the largest first until `size` more bytes fit under the
+ * cap with the spares that stay (they count as reserved) and those hold NP_SPARE_KEEP at most:
+ * before a creation, so that the kept ones may serve a later growth instead of a new chunk. A
+ * device that has less than the cap refuses that chunk: map_by then gives every spare back and
+ * asks once more. */
+static void give_back(np_ctx *ctx, uint64_t size, bool all) {
   np_saved_error s;
   np_save_error(&s, NP_ERR_BACKEND); /* keep the caller's message */
-  while (ctx->n_spare) {
-    np_spare x = drop_spare(ctx, ctx->n_spare - 1);
+  while (ctx->n_spare && (all || ctx->st.spare > NP_SPARE_KEEP || ctx->st.total.reserved.current + size > ctx->limit)) {
+    size_t i = all ? ctx->n_spare - 1 : 0, n = all ? 0 : ctx->n_spare;
+    for (size_t j = 1; j < n; j++)
+      if (ctx->spare[j].size > ctx->spare[i].size) i = j;
+    np_spare x = drop_spare(ctx, i);
     release_spare(ctx, x.handle, x.size);
   }
   np_restore_error(&s);
+}
+
+void np_vmm_spares_release(np_ctx *ctx) {
+  if (ctx->n_spare) give_back(ctx, 0, true);
 }
 
 void np_vmm_recycle_end(np_ctx *ctx, bool was) {
@@ -275,10 +286,13 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
       uint64_t r = q;
       while (r < end && !seg->pages[r]) r++;
       if ((spare = take_spare(ctx, (r - p) * g, &bytes))) q = p + bytes / g;
-      else np_vmm_spares_release(ctx); /* before a creation: the device never holds a spare and a
-                                           new chunk at once (a full device would refuse the chunk) */
+      else give_back(ctx, (q - p) * g, false); /* the spares and the new chunk within the cap */
     }
     rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, spare, &left);
+    if (rc == NP_ERR_OOM && !spare && !left.handle && ctx->n_spare) {
+      np_vmm_spares_release(ctx); /* a device with less than the cap: it gets every spare back first */
+      rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, 0, &left);
+    }
     if (rc != NP_OK) {
       np_saved_error s;
       np_save_error(&s, rc);

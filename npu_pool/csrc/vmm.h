@@ -72,15 +72,21 @@ int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bo
  * largest spare its unmapped run can hold (a handle maps only over exactly its size, the rest of
  * the run is mapped next) instead of a new handle: an unmap and a map where there were
  * a release, an unmap, a creation and a map. Spares outlive the window: the device holds them
- * for the pool, counted as reserved (ctx->st.spare of it), until a growth maps them. A chunk
- * no spare fits gives every spare back before it is created (the device never holds both: a
- * full device still takes it), and so does any other physical allocation (np_vmm_spares_release;
- * a refusal is held). Windows nest: begin returns whether one was open, to pass to _end. */
+ * for the pool, counted as reserved (ctx->st.spare of it), until a growth maps them. Before a
+ * chunk no spare fits is created, spares go back, largest first, until it fits under the cap
+ * with those that stay and they hold NP_SPARE_KEEP at most (a device that refuses it even so
+ * gets every spare back, and is asked once more); any other physical allocation gives every
+ * spare back first (np_vmm_spares_release; a refusal is held). Windows nest: begin returns
+ * whether one was open, to pass to _end. */
 bool np_vmm_recycle_begin(np_ctx *ctx);
 void np_vmm_recycle_end(np_ctx *ctx, bool was);
 /* Give every spare back to the device (empty_cache, a retry after an out-of-memory, a new cap,
  * close, and before physical memory is taken other than by a growth's map). */
 void np_vmm_spares_release(np_ctx *ctx);
+/* The most spare bytes a creation leaves the pool holding: one growth granule (arena.h's
+ * NP_ARENA_GROWTH), the most a growth far from the cap maps ahead of need. Keeping every spare
+ * the cap allows would hold reserved memory nothing maps, up to the cap. */
+#define NP_SPARE_KEEP (20 * NP_MIB)
 /* The most spares a context keeps (take_spare looks at each); past it, a trim releases. */
 #define NP_SPARE_MAX 4096
 /* Unmap what is still mapped in seg and release its address range (failures are held). */
