@@ -154,6 +154,16 @@ static np_spare drop_spare(np_ctx *ctx, size_t i) {
   return x;
 }
 
+/* The index of the largest spare of at most `most` bytes (the first of equals); n_spare: none. */
+static size_t largest_spare(const np_ctx *ctx, uint64_t most) {
+  size_t best = ctx->n_spare;
+  for (size_t i = 0; i < ctx->n_spare; i++) {
+    uint64_t sz = ctx->spare[i].size;
+    if (sz <= most && (best == ctx->n_spare || sz > ctx->spare[best].size)) best = i;
+  }
+  return best;
+}
+
 /* Give spares back: every one (`all`), or the largest first until `size` more bytes fit under the
  * cap with the spares that stay (they count as reserved) and those hold NP_SPARE_KEEP at most:
  * before a creation, so that the kept ones may serve a later growth instead of a new chunk. A
@@ -163,10 +173,7 @@ static void give_back(np_ctx *ctx, uint64_t size, bool all) {
   np_saved_error s;
   np_save_error(&s, NP_ERR_BACKEND); /* keep the caller's message */
   while (ctx->n_spare && (all || ctx->st.spare > NP_SPARE_KEEP || ctx->st.total.reserved.current + size > ctx->limit)) {
-    size_t i = all ? ctx->n_spare - 1 : 0, n = all ? 0 : ctx->n_spare;
-    for (size_t j = 1; j < n; j++)
-      if (ctx->spare[j].size > ctx->spare[i].size) i = j;
-    np_spare x = drop_spare(ctx, i);
+    np_spare x = drop_spare(ctx, all ? ctx->n_spare - 1 : largest_spare(ctx, UINT64_MAX));
     release_spare(ctx, x.handle, x.size);
   }
   np_restore_error(&s);
@@ -204,11 +211,7 @@ static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size, int pool) {
  * *size (0: none fits). A handle maps only over exactly its size, so a spare smaller than the
  * chunk asked for maps over its start and one larger over more of the unmapped run. */
 static uint64_t take_spare(np_ctx *ctx, uint64_t most, uint64_t *size) {
-  size_t best = ctx->n_spare;
-  for (size_t i = 0; i < ctx->n_spare; i++) {
-    uint64_t sz = ctx->spare[i].size;
-    if (sz <= most && (best == ctx->n_spare || sz > ctx->spare[best].size)) best = i;
-  }
+  size_t best = largest_spare(ctx, most);
   if (best == ctx->n_spare) return 0;
   np_spare x = drop_spare(ctx, best); /* its map counts it again, as mapped */
   *size = x.size;
