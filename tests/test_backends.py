@@ -369,6 +369,11 @@ def _counts(vendor: Vendor) -> dict[str, int]:
     return {op: vendor.calls(op) for op in ("create", "release", "map", "unmap")}
 
 
+def _since(vendor: Vendor, before: dict[str, int]) -> dict[str, int]:
+    """The vendor's chunk calls of each kind since `before` (a _counts)."""
+    return {op: n - before[op] for op, n in _counts(vendor).items()}
+
+
 def test_a_forked_child_leaves_the_parents_spares_alone(vendor: Vendor) -> None:
     """A child forked while the pool keeps a spare reads it in the statistics and closes the pool
     without a device call (the memory is the parent's); the parent maps the spare again after."""
@@ -392,7 +397,7 @@ def test_a_forked_child_leaves_the_parents_spares_alone(vendor: Vendor) -> None:
         assert os.read(r, 1) == bytes([1])
         before = _counts(vendor)
         p.malloc(4 * MiB - vendor.pad, lifetime="short")  # maps the spare: no creation
-        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        d = _since(vendor, before)
         assert (d["map"], d["create"]) == (1, 0) and p.stats()["spare"] == 0
         p.check()
     assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
@@ -404,7 +409,7 @@ def test_near_the_cap_a_block_maps_its_whole_pages_as_one_chunk(vendor: Vendor) 
     with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
         before = _counts(vendor)
         a = p.malloc(17 * MiB - vendor.pad)  # 8 whole pages and half of a ninth
-        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        d = _since(vendor, before)
         assert (d["create"], d["map"]) == (2, 2) and vendor.lib.fake_mapped() == 18 * MiB
         p.free(a)
         p.empty_cache()
@@ -425,7 +430,7 @@ def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: V
         vendor.lib.fake_set_busy(1, int(busy))
         before = _counts(vendor)
         p.malloc(MiB - vendor.pad, lifetime="short", stream=1)  # only b's hole has room
-        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        d = _since(vendor, before)
         if busy:
             assert d["unmap"] == 0 and p.stats()["trims"] == 0
             with pytest.raises(OutOfMemoryError):
@@ -436,7 +441,7 @@ def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: V
             assert vendor.lib.fake_mapped() == 20 * MiB and p.stats()["spare"] == 8 * MiB
             before = _counts(vendor)
             p.malloc(12 * MiB - vendor.pad, lifetime="short")  # fits the cap: nothing is pinned
-            d = {op: n - before[op] for op, n in _counts(vendor).items()}
+            d = _since(vendor, before)
             # the spare maps over 4 of the block's pages, a new chunk over the rest
             assert (d["release"], d["create"], d["map"]) == (0, 1, 2) and p.stats()["spare"] == 0
         st = p.stats()
@@ -459,7 +464,7 @@ def test_a_device_with_less_than_the_cap_gets_the_spares_back_before_a_new_chunk
         vendor.lib.fake_set_used(256 * MiB - vendor.lib.fake_used())  # the device is full
         before = _counts(vendor)
         p.malloc(2 * MiB - vendor.pad, lifetime="short")  # one page: the spare cannot map there
-        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        d = _since(vendor, before)
         assert (d["release"], d["create"], d["map"]) == (1, 2, 1)  # refused, the spare back, served
         st = p.stats()
         assert st["spare"] == 0 and vendor.lib.fake_mapped() == 22 * MiB
@@ -487,7 +492,7 @@ def test_a_creation_leaves_at_most_a_growth_granule_of_spares(vendor: Vendor) ->
         p.malloc(15 * MiB - vendor.pad, lifetime="short", stream=1)  # the rest of a's hole: 7 new pages
         assert p.stats()["spare"] == 16 * MiB and vendor.calls("release") == before["release"]
         p.malloc(MiB - vendor.pad, lifetime="short", stream=2)  # unpins b's: 32 MiB, more than 20
-        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        d = _since(vendor, before)
         assert (d["unmap"], d["release"], d["create"]) == (2, 1, 3)
         st = p.stats()
         assert st["spare"] == 16 * MiB
@@ -511,10 +516,10 @@ def test_a_trim_maps_its_chunks_again_instead_of_releasing_and_creating(vendor: 
             vendor.fail("map")  # the spare's map
             with pytest.raises(PoolError, match=NAMES[vendor.backend]["map"]):
                 p.malloc(20 * MiB - vendor.pad, lifetime="short")
-            d = {op: n - before[op] for op, n in _counts(vendor).items()}
+            d = _since(vendor, before)
             assert d["unmap"] == 1 and d["release"] == 1 and d["create"] == 0  # the spare is gone, not lost
         c = p.malloc(20 * MiB - vendor.pad, lifetime="short")  # needs a's pages back under the cap
-        d = {op: n - before[op] for op, n in _counts(vendor).items()}
+        d = _since(vendor, before)
         assert p.stats()["trims"] == 1 and d["unmap"] == 1
         if not fault:
             assert d["release"] == 0, "the trimmed chunk was released instead of mapped again"
@@ -542,7 +547,7 @@ def _spare_left(vendor: Vendor, p: Pool) -> None:
         p.free(x)
     before = _counts(vendor)
     p.malloc(10 * MiB - vendor.pad, lifetime="short")  # 2 pages more than the top has mapped
-    d = {op: n - before[op] for op, n in _counts(vendor).items()}
+    d = _since(vendor, before)
     assert (d["unmap"], d["map"], d["create"], d["release"]) == (2, 1, 0, 0)
     st = p.stats()
     assert st["trims"] == 1 and st["spare"] == 4 * MiB
@@ -565,7 +570,7 @@ def test_spares_go_back_before_the_planned_region(builds: dict, backend: str) ->
         before = _counts(v)
         p.malloc(4 * MiB - v.pad)  # fits on the device only once the spare is given back
         assert p.plan_counts()["served"] == 1
-        d = {op: n - before[op] for op, n in _counts(v).items()}
+        d = _since(v, before)
         assert (d["release"], d["create"], d["map"]) == (1, 0, 0)
         st = p.stats()
         assert st["spare"] == 0 and st["total"]["reserved"]["current"] == 32 * MiB == v.lib.fake_used()
@@ -583,7 +588,7 @@ def test_a_spare_outlives_its_call_counted_as_reserved_until_mapped_or_given_bac
         before = _counts(vendor)
         if then == "growth":
             p.malloc(4 * MiB - vendor.pad, lifetime="short")  # two pages to map: the spare's
-            d = {op: n - before[op] for op, n in _counts(vendor).items()}
+            d = _since(vendor, before)
             assert (d["map"], d["create"], d["release"]) == (1, 0, 0) and p.stats()["spare"] == 0
         elif then in ("empty_cache", "refused"):
             if then == "refused":
