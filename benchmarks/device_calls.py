@@ -190,8 +190,12 @@ NOTES = """
   free up whole with their block: the pages a block covers whole are one chunk, and a page it
   shares with a neighbour (its first or last, when it starts or ends inside one) one of its own,
   so that a trim under cap pressure can return a freed block's memory whatever its neighbours
-  hold. A chunk is unmapped whole, only when it is entirely free (the vendors unmap whole
-  mappings only; the simulated device refuses anything else).
+  hold. A request of whole pages that grows the arena's top there starts on a page boundary, so
+  that it shares no page: its growth is one chunk, and the piece of the page below it skips is a
+  hole for smaller requests. Under torch_npu's request rules no request is whole pages (each is
+  padded by 32 bytes and rounded to 512), so this applies under CUDA's. A chunk is unmapped
+  whole, only when it is entirely free (the vendors unmap whole mappings only; the simulated
+  device refuses anything else).
 - Under cap pressure a block that must go inside a wholly free chunk (no other hole or end of a
   hole avoids it) unmaps that chunk first, as a trim, and maps only its own pages, instead of
   pinning the whole chunk while it lives.
@@ -218,10 +222,11 @@ NOTES = """
 
 - Past half of the cap growths are exact, so on a full device (the table "On a full device") and
   at the minimum capacity the arena makes more physical calls than the torch model on most
-  traces: up to two chunks per growth past half the cap (a block's whole pages, and the page it
-  shares with the next block; once per run in training, after every `empty_cache` in an
-  offloading run), and at the minimum capacity the trims under pressure besides
-  (tests/test_device_calls.py marks the bound at the minimum capacity as an expected failure).
+  traces: a chunk per growing block past half the cap, two where the block shares its last page
+  with the next one (every block under torch_npu's padded requests; once per run in training,
+  after every `empty_cache` in an offloading run), and at the minimum capacity the trims under
+  pressure besides (tests/test_device_calls.py marks the bound at the minimum capacity as an
+  expected failure).
   That is the price of its small waste, and on Ascend it cannot be had for less: a physical
   allocation is mapped whole, at offset 0 (`aclrtMapMem`: the size of the
   `aclrtMallocPhysical` it maps, offset 0 only, CANN's documentation), so a chunk can be neither

@@ -416,6 +416,28 @@ def test_near_the_cap_a_block_maps_its_whole_pages_as_one_chunk(vendor: Vendor) 
         assert vendor.lib.fake_used() == 0
 
 
+def test_near_the_cap_a_block_of_whole_pages_starts_on_a_page_boundary(vendor: Vendor) -> None:
+    """Past half the cap a request of whole pages that grows the top from inside a page starts on
+    the next page: one chunk of its own pages instead of two (the pages it covers whole and the
+    page it would share with the next block). The piece of the page it skips is a hole a smaller
+    request takes without a device call."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
+        a = p.malloc(17 * MiB - vendor.pad)  # 8 whole pages and half of a ninth: two chunks
+        before = _counts(vendor)
+        b = p.malloc(4 * MiB - vendor.pad)  # two whole pages: the tenth and eleventh
+        d = _since(vendor, before)
+        assert (d["create"], d["map"]) == (1, 1) and b - a == 18 * MiB
+        assert vendor.lib.fake_mapped() == 22 * MiB
+        before = _counts(vendor)
+        c = p.malloc(MiB - vendor.pad)  # the rest of the ninth page
+        assert c - a == 17 * MiB and _since(vendor, before) == dict.fromkeys(before, 0)
+        p.check()
+        for x in (b, a, c):
+            p.free(x)
+        p.empty_cache()
+        assert vendor.lib.fake_used() == 0
+
+
 @pytest.mark.parametrize("busy", [False, True])
 def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: Vendor, busy: bool) -> None:
     """Under cap pressure a block that must go inside a wholly free chunk (no other place) unmaps

@@ -217,7 +217,8 @@ def test_trims_at_the_minimum_capacity_map_their_chunks_again(shared_traces) -> 
     assert moved > 0
 
 
-@pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool grows exactly past half the cap (up to two chunks a growth) and "
+@pytest.mark.xfail(strict=True, reason="at the minimum capacity npu_pool grows exactly past half the cap (a chunk per growing block, two where a block "
+                   "shares its last page) and "
                    "trims free pages every iteration (docs/device_calls.md): more chunks than the torch model")
 def test_min_capacity_bound_on_every_shared_trace(shared_traces) -> None:
     for path in sorted(shared_traces.glob("*.pickle")):

@@ -146,9 +146,10 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
   /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it) a growth is exactly the shortfall, in chunks
    * that free up whole: the pages b covers whole are one chunk, each page b shares with a
    * neighbour (its first and last, when b starts or ends inside them) one of its own, so that
-   * once b is freed its chunk can be trimmed whatever its neighbours hold. Far from the cap, the
-   * last unmapped run under b is one chunk grown to the granule, never past a granule below the
-   * cap. (docs/device_calls.md: the trade-off.) Chunks mapped before a failure stay mapped. */
+   * once b is freed its chunk can be trimmed whatever its neighbours hold (a b of whole pages at
+   * the top shares none: align_top). Far from the cap, the last unmapped run under b is one chunk
+   * grown to the granule, never past a granule below the cap. (docs/device_calls.md: the
+   * trade-off.) Chunks mapped before a failure stay mapped. */
   uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
   bool near = near_cap(ctx, a, need);
   int rc;
@@ -368,6 +369,26 @@ static bool surely_mapped(const np_arena *a, const np_block *b) {
   return a->seg->mapped == hwm && b->addr + b->size - a->seg->addr <= hwm;
 }
 
+/* Near the cap, a request of whole pages that grows the top from inside a page starts on the next
+ * page boundary: its growth is then one chunk (its own pages) instead of two or three (the pages it
+ * covers whole, and the page it would share with each neighbour). The skipped piece of the page
+ * below stays free (a hole, merged with free memory beneath it): a later smaller request takes it
+ * without a device call. Returns the free block to carve the request from at its low end. */
+static np_block *align_top(np_ctx *ctx, np_arena *a, np_block *t, uint64_t size) {
+  uint64_t g = a->page, off = t->addr - a->seg->addr, skip = np_round_up(off, g) - off;
+  if (!a->vmm || !skip || size % g || t->size < skip + size || !near_cap(ctx, a, size)) return t;
+  np_block *gap = np_block_split(&ctx->blocks, t, skip, false);
+  if (!gap) return t; /* host out of memory: place it unaligned */
+  np_block *rest = gap->next, *p = gap->prev;
+  if (p && !p->allocated) { /* a hole (the top's neighbour is never the top): compatible with untagged memory */
+    np_tree_remove(&a->holes, p);
+    np_block_merge_next(&ctx->blocks, p);
+    gap = p;
+  }
+  np_tree_insert(&a->holes, gap);
+  return rest;
+}
+
 static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
   np_block *h = avoid_pin(ctx, a, best_hole(ctx, a, stream, size), stream, size, &long_lived);
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
@@ -391,8 +412,8 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
       t->stream = NP_STREAM_ANY;
     }
     a->top = NULL;
-    h = t;
-    long_lived = true; /* take the top's low end: the high-water mark grows only by `size` */
+    h = absorb ? t : align_top(ctx, a, t, size);
+    long_lived = true; /* take h's low end: the high-water mark grows only by `size` (and an alignment) */
   }
   unpin(ctx, a, h, size, !long_lived);
   np_block *b = NULL;

@@ -18,7 +18,9 @@
  *    most one growth larger, mapping no more), among NP_ARENA_PIN_WALK holes at most; failing
  *    that, it unmaps the free chunk first (a trim) and maps only the block's own pages;
  *  - when no hole fits it extends the top (the free memory above the highest allocation),
- *    first taking a hole of its stream that touches the top;
+ *    first taking a hole of its stream that touches the top; under cap pressure a request of
+ *    whole pages that would start inside a page starts on the next one (its growth is one
+ *    chunk), the skipped piece staying a hole;
  *  - freed memory keeps the tag of the stream that used it (or "mixed" once memory of two
  *    streams merges). A request prefers holes of its own stream or untagged ones (never
  *    used, or synchronised); failing that, where the backend can order streams on the
