@@ -198,15 +198,20 @@ static np_block *best_hole(const np_ctx *ctx, np_arena *a, intptr_t stream, uint
   return h;
 }
 
+/* Free block b (in no tree): merged into the free block below it when their tags are compatible
+ * (that one leaves the tree); returns the block that holds b's memory, in no tree. */
+static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
+  np_block *p = b->prev;
+  if (!p || p->allocated || !compatible(ctx, a, p->stream, b->stream)) return b;
+  np_tree_remove(&a->holes, p);
+  p->stream = np_tag_merge(p->stream, b->stream);
+  np_block_merge_next(&ctx->blocks, p);
+  return p;
+}
+
 /* Free block b (in no tree): merge with compatible free neighbours, then file it. */
 static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
-  np_block *p = b->prev;
-  if (p && !p->allocated && compatible(ctx, a, p->stream, b->stream)) {
-    np_tree_remove(&a->holes, p);
-    p->stream = np_tag_merge(p->stream, b->stream);
-    np_block_merge_next(&ctx->blocks, p);
-    b = p;
-  }
+  b = merge_prev(ctx, a, b);
   np_block *n = b->next;
   if (n && !n->allocated && n != a->top && compatible(ctx, a, n->stream, b->stream)) {
     np_tree_remove(&a->holes, n);
@@ -379,13 +384,8 @@ static np_block *align_top(np_ctx *ctx, np_arena *a, np_block *t, uint64_t size)
   if (!a->vmm || !skip || size % g || t->size < skip + size || !near_cap(ctx, a, size)) return t;
   np_block *gap = np_block_split(&ctx->blocks, t, skip, false);
   if (!gap) return t; /* host out of memory: place it unaligned */
-  np_block *rest = gap->next, *p = gap->prev;
-  if (p && !p->allocated) { /* a hole (the top's neighbour is never the top): compatible with untagged memory */
-    np_tree_remove(&a->holes, p);
-    np_block_merge_next(&ctx->blocks, p);
-    gap = p;
-  }
-  np_tree_insert(&a->holes, gap);
+  np_block *rest = gap->next;
+  np_tree_insert(&a->holes, merge_prev(ctx, a, gap)); /* not put_free: rest, free until carved, would join */
   return rest;
 }
 
