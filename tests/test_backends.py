@@ -438,6 +438,30 @@ def test_near_the_cap_a_block_of_whole_pages_starts_on_a_page_boundary(vendor: V
         assert vendor.lib.fake_used() == 0
 
 
+def test_while_nothing_is_freed_far_from_the_cap_the_arena_grows_geometrically(vendor: Vendor) -> None:
+    """Far from the cap, while the arena holds no free memory below its top (a set-up that only
+    places), a growth maps an eighth of what the arena holds where that is more than the 20 MiB
+    granule: 256 blocks of 10 MiB take a few dozen chunks, not 128. While a freed block's hole
+    stays free inside the arena, a growth is one granule again."""
+    vendor.lib.fake_set_capacity(8 * 1024 * MiB)  # growths turn exact past 4 GiB
+    with vendor.pool() as p:
+        before = _counts(vendor)
+        blocks = [p.malloc(10 * MiB - vendor.pad) for _ in range(256)]
+        d = _since(vendor, before)
+        assert d["create"] == d["map"] and 24 <= d["create"] <= 40
+        mapped = vendor.lib.fake_mapped()
+        assert 2560 * MiB <= mapped <= 2560 * MiB * 9 // 8 + 2 * MiB  # an eighth ahead at most
+        p.free(blocks[100])  # a hole the larger blocks below do not fit: growths are granules
+        while vendor.lib.fake_mapped() == mapped:
+            blocks.append(p.malloc(12 * MiB - vendor.pad))
+        assert vendor.lib.fake_mapped() - mapped == 20 * MiB
+        p.check()
+        for b in blocks[:100] + blocks[101:]:
+            p.free(b)
+        p.empty_cache()
+        assert vendor.lib.fake_used() == 0
+
+
 @pytest.mark.parametrize("busy", [False, True])
 def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: Vendor, busy: bool) -> None:
     """Under cap pressure a block that must go inside a wholly free chunk (no other place) unmaps

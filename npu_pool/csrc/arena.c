@@ -118,13 +118,24 @@ static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t ne
   return before - a->seg->mapped;
 }
 
+/* The bytes a growth far from the cap maps at least: the growth granule (a->growth, PyTorch's
+ * large-pool segment); while the arena has no free memory below its top (every byte it placed is
+ * live, as in a set-up placing weights and optimizer states), 1 / NP_ARENA_GROWTH_DIV of what it
+ * holds when that is more, so that such a phase grows in O(log) chunks rather than one a granule.
+ * Never more than reaches the point where growths turn exact (cap / NP_ARENA_NEAR_DIV), nor than a
+ * granule past it. 0 (the planned policy's exact fallback) stays 0. */
+static uint64_t granule(const np_ctx *ctx, const np_arena *a, uint64_t after, uint64_t limit) {
+  if (!a->growth || a->holes.bytes) return a->growth;
+  uint64_t exact_at = limit / NP_ARENA_NEAR_DIV, left = exact_at > after ? exact_at - after : 0;
+  return np_max_u64(a->growth, np_min_u64(reserved_of(ctx, a) / NP_ARENA_GROWTH_DIV, left));
+}
+
 /* How far the chunk mapped for the unmapped run of pages [r0, end) under a block extends: to
- * at least the growth granule (NP_ARENA_GROWTH, PyTorch's large-pool segment) over pages that
- * are unmapped, within `room` more bytes of the budget -- exactly the shortfall near the cap. A
- * growth is one chunk, so a training run's arena grows in few of them and never maps again once
- * its high-water mark is reached. */
-static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t room) {
-  uint64_t pages = a->seg->size / a->page, want = r0 + np_max_u64(end - r0, (a->growth + a->page - 1) / a->page);
+ * at least `least` bytes (granule()) over pages that are unmapped, within `room` more bytes of
+ * the budget -- exactly the shortfall near the cap. A growth is one chunk, so a training run's
+ * arena grows in few of them and never maps again once its high-water mark is reached. */
+static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t least, uint64_t room) {
+  uint64_t pages = a->seg->size / a->page, want = r0 + np_max_u64(end - r0, (least + a->page - 1) / a->page);
   uint64_t cap = end + room / a->page, e = end;
   want = np_min_u64(np_min_u64(want, pages), cap);
   while (e < want && !a->seg->pages[e]) e++;
@@ -148,8 +159,8 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
    * neighbour (its first and last, when b starts or ends inside them) one of its own, so that
    * once b is freed its chunk can be trimmed whatever its neighbours hold (a b of whole pages at
    * the top shares none: align_top). Far from the cap, the last unmapped run under b is one chunk
-   * grown to the granule, never past a granule below the cap. (docs/device_calls.md: the
-   * trade-off.) Chunks mapped before a failure stay mapped. */
+   * grown to granule(), never past a granule below the cap. (docs/device_calls.md: the trade-off.)
+   * Chunks mapped before a failure stay mapped. */
   uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
   bool near = near_cap(ctx, a, need);
   int rc;
@@ -160,7 +171,7 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
     for (int i = 0; i < 3 && rc == NP_OK; i++)
       if (cut[i + 1] > cut[i]) rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + cut[i] * g, (cut[i + 1] - cut[i]) * g, 0, false);
   } else {
-    if (r0 < end) end = grow_end(a, r0, end, after < limit - keep ? limit - keep - after : 0);
+    if (r0 < end) end = grow_end(a, r0, end, granule(ctx, a, after, limit), after < limit - keep ? limit - keep - after : 0);
     rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * g - off, 0, false);
   }
   if (end > a->page_hwm) a->page_hwm = end;

@@ -55,6 +55,12 @@
  * block, so that trims can return free memory (docs/device_calls.md: the trade-off). */
 #define NP_ARENA_GROWTH (20 * NP_MIB)
 #define NP_ARENA_NEAR_DIV 2
+/* Far from the cap, while the arena has no free memory below its top, a growth maps at least
+ * 1 / NP_ARENA_GROWTH_DIV of what it holds (when that is more than NP_ARENA_GROWTH): a set-up that
+ * only places grows geometrically, as mimalloc's arenas do, in few chunks; what is mapped ahead
+ * of need is what the next requests take. Once memory is freed inside the arena, a growth is a
+ * granule again: a large chunk holding freed holes could not be trimmed (docs/device_calls.md). */
+#define NP_ARENA_GROWTH_DIV 8
 /* The most holes a placement looks at to avoid pinning a wholly free chunk under cap pressure
  * (arena.c, avoid_pin): the walk is bounded, the hot path keeps best fit's O(log n). */
 #define NP_ARENA_PIN_WALK 32
