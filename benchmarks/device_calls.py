@@ -192,9 +192,9 @@ NOTES = """
   holding freed holes cannot be trimmed, and growing geometrically regardless held 80-320 MiB
   more at the peak over five fake 7B-13B captures (1.03-1.4x their peak live). Past half of the
   cap growths are exact, in chunks that free up whole with their block: the pages a block covers
-  whole are one chunk, and a page it shares with a neighbour (its first or last, when it starts or ends inside one) one of its own,
-  so that a trim under cap pressure can return a freed block's memory whatever its neighbours
-  hold. A request of whole pages that grows the arena's top there starts on a page boundary, so
+  whole are one chunk, and a page it shares with a neighbour (its first or last, when it starts
+  or ends inside one) one of its own, so that a trim under cap pressure can return a freed
+  block's memory whatever its neighbours hold. A request of whole pages that grows the arena's top there starts on a page boundary, so
   that it shares no page: its growth is one chunk, and the piece of the page below it skips is a
   hole for smaller requests. Under torch_npu's request rules no request is whole pages (each is
   padded by 32 bytes and rounded to 512), so this applies under CUDA's. A chunk is unmapped

@@ -11,10 +11,12 @@ static uint64_t limit_of(const np_ctx *ctx, const np_arena *a) { return ctx->lim
 static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) {
   return ctx->st.total.reserved.current - a->outside - ctx->st.spare;
 }
-/* Cap pressure: `more` bytes would take the arena past 1 / NP_ARENA_NEAR_DIV of its budget. There
- * growths are exact and carves keep free chunks whole (arena.h). */
+/* Where cap pressure starts: 1 / NP_ARENA_NEAR_DIV of the arena's budget. Past it growths are
+ * exact and carves keep free chunks whole (arena.h). */
+static uint64_t exact_from(const np_ctx *ctx, const np_arena *a) { return limit_of(ctx, a) / NP_ARENA_NEAR_DIV; }
+/* Cap pressure: `more` bytes would take the arena past exact_from. */
 static bool near_cap(const np_ctx *ctx, const np_arena *a, uint64_t more) {
-  return reserved_of(ctx, a) + more > limit_of(ctx, a) / NP_ARENA_NEAR_DIV;
+  return reserved_of(ctx, a) + more > exact_from(ctx, a);
 }
 
 /* Holes serve every stream when the backend can order streams and every stream is
@@ -122,11 +124,11 @@ static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t ne
  * large-pool segment); while the arena has no free memory below its top (every byte it placed is
  * live, as in a set-up placing weights and optimizer states), 1 / NP_ARENA_GROWTH_DIV of what it
  * holds when that is more, so that such a phase grows in O(log) chunks rather than one a granule.
- * Never more than reaches the point where growths turn exact (cap / NP_ARENA_NEAR_DIV), nor than a
+ * Never more than reaches the point where growths turn exact (exact_from), nor than a
  * granule past it. 0 (the planned policy's exact fallback) stays 0. */
-static uint64_t granule(const np_ctx *ctx, const np_arena *a, uint64_t after, uint64_t limit) {
+static uint64_t granule(const np_ctx *ctx, const np_arena *a, uint64_t after) {
   if (!a->growth || a->holes.bytes) return a->growth;
-  uint64_t exact_at = limit / NP_ARENA_NEAR_DIV, left = exact_at > after ? exact_at - after : 0;
+  uint64_t exact_at = exact_from(ctx, a), left = exact_at > after ? exact_at - after : 0;
   return np_max_u64(a->growth, np_min_u64(reserved_of(ctx, a) / NP_ARENA_GROWTH_DIV, left));
 }
 
@@ -171,7 +173,7 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
     for (int i = 0; i < 3 && rc == NP_OK; i++)
       if (cut[i + 1] > cut[i]) rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + cut[i] * g, (cut[i + 1] - cut[i]) * g, 0, false);
   } else {
-    if (r0 < end) end = grow_end(a, r0, end, granule(ctx, a, after, limit), after < limit - keep ? limit - keep - after : 0);
+    if (r0 < end) end = grow_end(a, r0, end, granule(ctx, a, after), after < limit - keep ? limit - keep - after : 0);
     rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * g - off, 0, false);
   }
   if (end > a->page_hwm) a->page_hwm = end;

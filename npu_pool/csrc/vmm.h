@@ -84,8 +84,8 @@ void np_vmm_recycle_end(np_ctx *ctx, bool was);
  * close, and before physical memory is taken other than by a growth's map). */
 void np_vmm_spares_release(np_ctx *ctx);
 /* The most spare bytes a creation leaves the pool holding: one growth granule (arena.h's
- * NP_ARENA_GROWTH), the most a growth far from the cap maps ahead of need. Keeping every spare
- * the cap allows would hold reserved memory nothing maps, up to the cap. */
+ * NP_ARENA_GROWTH), the least a growth far from the cap maps. Keeping every spare the cap allows
+ * would hold reserved memory nothing maps, up to the cap. */
 #define NP_SPARE_KEEP (20 * NP_MIB)
 /* The most spares a context keeps (take_spare looks at each); past it, a trim releases. */
 #define NP_SPARE_MAX 4096
