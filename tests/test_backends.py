@@ -403,7 +403,41 @@ def test_a_forked_child_leaves_the_parents_spares_alone(vendor: Vendor) -> None:
     assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 0
 
 
-def test_near_the_cap_a_block_maps_its_whole_pages_as_one_chunk(vendor: Vendor) -> None:
+def test_a_forked_child_cannot_pause_resume_or_plan_on_the_parents_memory(vendor: Vendor) -> None:
+    """In a child forked from a vendor-backed pool, pause, resume, region, set_backup_limit and
+    installing a plan are refused with the forked-child message and make no device call (pause
+    and resume unmapped and mapped the parent's memory before); the parent's pool is intact."""
+    import os
+
+    with vendor.pool() as p, vendor.pool("planned") as planned:
+        with p.region("a"):
+            p.malloc(4 * MiB)
+        p.pause("a")  # resume in the child would map the parent's chunks again
+        calls = [("pause", lambda: p.pause("a")), ("resume", lambda: p.resume("a")),
+                 ("region", lambda: p.region("b").__enter__()),
+                 ("set_backup_limit", lambda: p.set_backup_limit(MiB)),
+                 ("set_plan", lambda: planned.set_plan([MiB], [0], [MiB], 0, 0, 0))]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest assertions here, one status byte per call
+            out = bytearray()
+            try:
+                for _, call in calls:
+                    before = _counts(vendor)
+                    try:
+                        call()
+                        out.append(0)
+                    except PoolError as e:
+                        out.append(1 + ("fork of the one that made this pool" in str(e) and _counts(vendor) == before))
+            finally:
+                os.write(w, bytes(out))
+                os._exit(0)
+        os.waitpid(pid, 0)
+        got = os.read(r, 64)
+        assert dict(zip([n for n, _ in calls], got)) == {n: 2 for n, _ in calls}
+        p.resume("a")  # the parent's own: mapped again here
+        p.check()
+        assert p.tags()["a"]["is_paused"] is False
     """Past half the cap a growth is exactly the shortfall: the pages the block covers whole are one
     chunk and a page it shares with a neighbour one of its own, not a chunk per page."""
     with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB

@@ -263,7 +263,7 @@ void np_reset_accumulated(np_ctx *ctx) {
   for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->allocated = c[i]->freed = 0;
   np_stats *st = &ctx->st;
   st->ooms = st->retries = st->syncs = st->device_mallocs = st->device_frees = 0;
-  for (int k = 0; k < NP_CALL_COUNT; k++) ctx->calls_base[k] = ctx->be->calls[k];
+  for (int k = 0; ctx->be && k < NP_CALL_COUNT; k++) ctx->calls_base[k] = ctx->be->calls[k]; /* closed: no backend */
   pthread_mutex_unlock(&ctx->lock);
 }
 

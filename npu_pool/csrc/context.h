@@ -124,7 +124,10 @@ int np_ctx_refuse(const np_ctx *ctx, const char *what);
 static inline int np_ctx_usable(const np_ctx *ctx, const char *what) {
   return ctx->closed || ctx->inherited ? np_ctx_refuse(ctx, what) : NP_OK;
 }
-/* fork.c: every live context is listed for the fork handlers (np_create / np_destroy). */
+/* fork.c: every live context is listed for the fork handlers (np_create / np_destroy), which
+ * np_fork_init installs once: before the first lock of the core that a fork must not find held
+ * (a context's, the device table's). */
+void np_fork_init(void);
 void np_fork_register(np_ctx *ctx);
 void np_fork_unregister(np_ctx *ctx);
 

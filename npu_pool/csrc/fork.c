@@ -54,8 +54,10 @@ static void child(void) {
 
 static void install_handlers(void) { pthread_atfork(prepare, parent, child); }
 
+void np_fork_init(void) { pthread_once(&live.once, install_handlers); }
+
 void np_fork_register(np_ctx *ctx) {
-  pthread_once(&live.once, install_handlers);
+  np_fork_init();
   pthread_mutex_lock(&live.lock);
   ctx->fork_prev = NULL;
   ctx->fork_next = live.head;

@@ -34,6 +34,13 @@ static struct {
   size_t n_retired, cap_retired;
 } table = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* Every path takes the table's lock here: the fork handlers are installed first, so that a fork
+ * while another thread holds it, before any context exists, does not leave it locked in the child. */
+static void lock_table(void) {
+  np_fork_init();
+  pthread_mutex_lock(&table.lock);
+}
+
 static bool valid_device(int device) { return device >= 0 && device < NP_MAX_DEVICES; }
 
 static void clear_pending_locked(void) {
@@ -46,7 +53,7 @@ static void clear_pending_locked(void) {
 /* Keep the calling thread's np_last_error() as `device`'s last failure. */
 static void keep(int device) {
   if (!valid_device(device)) return;
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   snprintf(table.error[device], sizeof table.error[device], "%s", np_last_error());
   pthread_mutex_unlock(&table.lock);
 }
@@ -59,7 +66,7 @@ static void print_kept(int device, const char *what, bool quiet) {
     if (!quiet) fprintf(stderr, "npu_pool: %s failed: %s\n", what, np_last_error());
     return;
   }
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   snprintf(msg, sizeof msg, "%s", table.error[device]);
   bool repeat = atomic_load(&table.printed[device]) && strcmp(table.printed_text[device], msg) == 0;
   if (!quiet && !repeat) {
@@ -94,7 +101,7 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
   if (rc != NP_OK) return rc;
   if (lib_path && strlen(lib_path) >= sizeof table.lib_path)
     return np_error(NP_ERR_INVALID, "library path longer than %zu bytes", sizeof table.lib_path - 1);
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   np_config cfg;
   np_config_init(&cfg);
   cfg.policy = policy;
@@ -149,7 +156,7 @@ np_ctx *npu_pool_device_ctx(int device) {
   }
   np_ctx *ctx = npu_pool_existing_ctx(device);
   if (ctx) return ctx;
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   ctx = create_locked(device);
   pthread_mutex_unlock(&table.lock);
   return ctx;
@@ -160,7 +167,7 @@ int npu_pool_set_fraction(int device, double fraction) {
     return np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
   int rc = check_fraction(fraction);
   if (rc != NP_OK) return rc;
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   np_ctx *ctx = atomic_load(&table.ctx[device]);
   if (!ctx) table.fraction[device] = fraction;
   pthread_mutex_unlock(&table.lock);
@@ -174,7 +181,7 @@ int npu_pool_set_history(int device, uint64_t max_entries) {
     return np_error(NP_ERR_INVALID, "history of %llu events is absurd", (unsigned long long)max_entries);
   int rc = NP_OK;
   for (int d = device < 0 ? 0 : device; d < (device < 0 ? NP_MAX_DEVICES : device + 1) && rc == NP_OK; d++) {
-    pthread_mutex_lock(&table.lock);
+    lock_table();
     np_ctx *ctx = atomic_load(&table.ctx[d]);
     if (!ctx) table.history[d] = (int64_t)max_entries;
     pthread_mutex_unlock(&table.lock);
@@ -198,7 +205,7 @@ int npu_pool_device_stats(int device, np_stats *out) {
     return NP_OK;
   }
   memset(out, 0, sizeof *out); /* nothing allocated on this device yet */
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   int policy = table.configured ? table.cfg.policy : np_policy_index("npu_pool");
   pthread_mutex_unlock(&table.lock);
   out->policy = policy;
@@ -217,7 +224,7 @@ size_t npu_pool_last_error(int device, char *buf, size_t len) {
   if (!valid_device(device)) {
     snprintf(buf, len, "%s", np_last_error());
   } else {
-    pthread_mutex_lock(&table.lock);
+    lock_table();
     snprintf(buf, len, "%s", table.error[device]);
     pthread_mutex_unlock(&table.lock);
   }
@@ -228,7 +235,7 @@ int npu_pool_last_code(void) { return np_last_code(); }
 
 void npu_pool_note_error(int device, const char *note) {
   if (!valid_device(device) || !note) return;
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   size_t n = strlen(table.error[device]);
   snprintf(table.error[device] + n, sizeof table.error[device] - n, "%s%s", n ? "\n" : "", note);
   pthread_mutex_unlock(&table.lock);
@@ -253,7 +260,7 @@ static void retire_locked(np_ctx *ctx) {
 }
 
 void npu_pool_shutdown(void) {
-  pthread_mutex_lock(&table.lock);
+  lock_table();
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
     np_ctx *ctx = atomic_exchange(&table.ctx[d], NULL);
     if (ctx && np_close(ctx) != NP_OK) fprintf(stderr, "npu_pool: closing device %d: %s\n", d, np_last_error());

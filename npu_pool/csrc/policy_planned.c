@@ -525,10 +525,11 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
 int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
                 const uint64_t *end, uint64_t region, int flags, uint64_t *counts) {
   np_ctx_lock(ctx);
-  int rc = NP_OK;
-  if (ctx->policy != &np_policy_planned)
+  /* installing touches the device: not on a closed pool nor in a forked child (which may read the counts) */
+  int rc = size || ctx->closed ? np_ctx_usable(ctx, "set_plan") : NP_OK;
+  if (rc == NP_OK && ctx->policy != &np_policy_planned)
     rc = np_error(NP_ERR_STATE, "np_set_plan: the pool's policy is %s, not planned", ctx->policy->name);
-  else if (size)
+  else if (rc == NP_OK && size)
     rc = install(ctx, state(ctx), n, loop, size, offset, end, region, flags);
   if (rc == NP_OK && counts) memcpy(counts, state(ctx)->count, sizeof state(ctx)->count);
   pthread_mutex_unlock(&ctx->lock);

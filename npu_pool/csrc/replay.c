@@ -256,11 +256,14 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     return np_error(NP_ERR_HOST, "replay: host out of memory for %llu ids", (unsigned long long)in->n_ids);
   }
   np_ctx_lock(ctx);
-  uint64_t t0 = now_ns();
-  int rc = run(&r);
-  out->ns = now_ns() - t0;
-  ctx->replay_time = -1;
-  if (ctx->policy->region) ctx->policy->region(ctx, NULL); /* leave the trace's region */
+  int rc = np_ctx_usable(ctx, "replay"); /* a closed pool has no backend to count calls on */
+  if (rc == NP_OK) {
+    uint64_t t0 = now_ns();
+    rc = run(&r);
+    out->ns = now_ns() - t0;
+    ctx->replay_time = -1;
+    if (ctx->policy->region) ctx->policy->region(ctx, NULL); /* leave the trace's region */
+  }
   pthread_mutex_unlock(&ctx->lock);
   free(r.ptrs);
   free(r.sizes);

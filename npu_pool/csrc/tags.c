@@ -427,7 +427,8 @@ static int no_tags(np_ctx *ctx) {
 
 int np_region(np_ctx *ctx, const char *tag) {
   np_ctx_lock(ctx);
-  int rc = ctx->policy->region ? ctx->policy->region(ctx, tag) : no_tags(ctx);
+  int rc = np_ctx_usable(ctx, "region");
+  if (rc == NP_OK) rc = ctx->policy->region ? ctx->policy->region(ctx, tag) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
@@ -435,7 +436,8 @@ int np_region(np_ctx *ctx, const char *tag) {
 int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes) {
   uint64_t b = 0;
   np_ctx_lock(ctx);
-  int rc = ctx->policy->pause ? ctx->policy->pause(ctx, tag, backup != 0, &b) : no_tags(ctx);
+  int rc = np_ctx_usable(ctx, "pause");
+  if (rc == NP_OK) rc = ctx->policy->pause ? ctx->policy->pause(ctx, tag, backup != 0, &b) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   if (bytes) *bytes = b;
   return rc;
@@ -444,7 +446,8 @@ int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes) {
 int np_resume(np_ctx *ctx, const char *tag, uint64_t *bytes) {
   uint64_t b = 0;
   np_ctx_lock(ctx);
-  int rc = ctx->policy->resume ? ctx->policy->resume(ctx, tag, &b) : no_tags(ctx);
+  int rc = np_ctx_usable(ctx, "resume");
+  if (rc == NP_OK) rc = ctx->policy->resume ? ctx->policy->resume(ctx, tag, &b) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   if (bytes) *bytes = b;
   return rc;
@@ -462,7 +465,8 @@ int np_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n) {
 int np_set_backup_limit(np_ctx *ctx, uint64_t bytes) {
   if (bytes > NP_MAX_REQUEST) return np_error(NP_ERR_INVALID, "a backup bound of %llu bytes is absurd", (unsigned long long)bytes);
   np_ctx_lock(ctx);
-  int rc = ctx->policy->set_backup_limit ? ctx->policy->set_backup_limit(ctx, bytes) : no_tags(ctx);
+  int rc = np_ctx_usable(ctx, "set_backup_limit");
+  if (rc == NP_OK) rc = ctx->policy->set_backup_limit ? ctx->policy->set_backup_limit(ctx, bytes) : no_tags(ctx);
   pthread_mutex_unlock(&ctx->lock);
   return rc;
 }
