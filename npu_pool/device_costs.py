@@ -67,6 +67,8 @@ def load_costs(path: str | None) -> dict[str, tuple[float, str]]:
         given = json.loads(raw)
     except (OSError, ValueError) as e:
         raise ValueError(f"cost table {path}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"cost table {path}: nested too deeply; expected an object {{kind: microseconds}}") from None
     if not isinstance(given, dict):
         raise ValueError(f"cost table {path}: expected an object {{kind: microseconds}}")
     for kind, us in given.items():

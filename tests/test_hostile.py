@@ -15,7 +15,7 @@ from npu_pool.cli import main
 from npu_pool.planner import PlanError, make_plan, save_plan
 from npu_pool.planner.planfile import MAGIC as PLAN_MAGIC, plan_bytes
 from npu_pool.pool import InvalidArgumentError, Pool
-from npu_pool.trace.format import MAGIC, OP_ALLOC, OP_FREE, Trace, TraceError
+from npu_pool.trace.format import MAGIC, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, Trace, TraceError
 from npu_pool.trace.snapshot import load_snapshot
 from test_planner import training
 
@@ -210,3 +210,82 @@ def test_numbers_outside_64_bits_are_invalid_arguments() -> None:
                    {"fraction": "most"}):
         with pytest.raises(InvalidArgumentError):
             Pool("torch", **kwargs)  # type: ignore[arg-type]
+
+
+# ---- the trace's ordering rules, and options a user mistypes -------------------------------------
+
+def test_an_initial_event_inside_the_window_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """init_* events come first (docs/trace_format.md): one after an alloc is named, not replayed."""
+    t = Trace(meta={"n_ids": 2, "sites": []})
+    t.append(OP_ALLOC, id=0, size=MiB)
+    t.append(OP_INIT_ALLOC, id=1, size=MiB, addr=1 << 30)
+    t.save(tmp_path / "late.npt")
+    _refused(capsys, ["replay", str(tmp_path / "late.npt"), "--no-min-capacity"], "late.npt", "event 1",
+             "init_alloc after the window began (event 0)")
+
+
+def test_a_free_of_another_size_than_its_alloc_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A free copies its alloc's size: another size would make the peak live bytes (the lower bound
+    every figure is measured against) silently wrong."""
+    t = _small_trace()
+    t.size[4] = 2 * MiB  # event 4: the free of id 0
+    t.save(tmp_path / "bad.npt")
+    _refused(capsys, ["analyze", str(tmp_path / "bad.npt")], "bad.npt", "event 4",
+             "free of id 0 with size 2097152; its alloc (event 0) has 1048576")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["capture", "--heads", "-1"], "argument --heads: must be >= 1, not -1"),
+    (["capture", "--vocab", "0"], "argument --vocab: must be >= 1, not 0"),
+    (["capture", "--layers", "-1"], "argument --layers: must be >= 1"),
+    (["capture", "--steps", "two"], "argument --steps: expected a whole number, not 'two'"),
+    (["capture", "--colocated", "-2"], "argument --colocated: must be >= 0"),
+    (["analyze", "x.npt", "--top", "-1"], "argument --top: must be >= 0, not -1"),
+])
+def test_counts_out_of_range_are_usage_errors(capsys: pytest.CaptureFixture, argv: list, words: str) -> None:
+    """A count below its least value is refused by the parser in one line (before: a 0 or negative
+    size fell back to the default, became a slice, or failed inside the model as a traceback)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and words in err, err
+
+
+def test_a_fake_capture_with_more_stages_than_layers_is_refused(capsys: pytest.CaptureFixture) -> None:
+    _refused(capsys, ["capture", "--fake", "--shape", "7b", "--pp", "1000", "--no-progress"],
+             "pp=1000 stages for the 32 layers")
+
+
+def test_replay_refuses_a_plan_no_policy_replays(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _small_trace().save(tmp_path / "t.npt")
+    _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "npu_pool", "--plan", str(tmp_path / "no.npplan")],
+             "--plan is the plan policy planned replays")
+    _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "npu_pool,planned", "--no-min-capacity",
+                      "--plan", str(tmp_path / "no.npplan")], "no.npplan", "cannot read")
+
+
+def test_a_protocol_0_snapshot_is_read_by_every_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`import` read old-protocol pickles and replay/analyze refused them: now all read a .pickle."""
+    snap = {"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "frames": []},
+                               {"action": "free_completed", "addr": 4096, "size": 512, "stream": 0, "frames": []}]]}
+    (tmp_path / "p0.pickle").write_bytes(pickle.dumps(snap, protocol=0))
+    assert main(["replay", str(tmp_path / "p0.pickle"), "--no-min-capacity"]) == 0
+    assert main(["analyze", str(tmp_path / "p0.pickle")]) == 0
+    assert main(["import", str(tmp_path / "p0.pickle"), "--out", str(tmp_path / "out")]) == 0
+    (tmp_path / "junk.pickle").write_text("hello")
+    _refused(capsys, ["replay", str(tmp_path / "junk.pickle")], "junk.pickle", "not a valid pickle")
+
+
+def test_a_cost_table_nested_too_deeply_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _small_trace().save(tmp_path / "t.npt")
+    (tmp_path / "c.json").write_text("[" * 100000)
+    _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--no-min-capacity", "--costs", str(tmp_path / "c.json")],
+             "cost table", "c.json")
+
+
+def test_import_names_the_snapshot_of_a_bad_event(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    snap = {"device_traces": [[{"action": "alloc", "addr": 4096, "size": 0, "stream": 0, "frames": []}]]}
+    (tmp_path / "zero.pickle").write_bytes(pickle.dumps(snap))
+    _refused(capsys, ["import", str(tmp_path / "zero.pickle"), "--out", str(tmp_path / "out")],
+             "zero.pickle (device 0)", "alloc of 0 bytes")

@@ -456,7 +456,12 @@ def test_a_bad_rank_or_log_interval_never_loses_the_report(monkeypatch: pytest.M
     ("layers: 100000000000000000000000\n", "layers must be"),
     ("1: 2\n", "not a name"),
     ("model: " + "{a: " * 100 + "1" + "}" * 100 + "\n", "nested too deeply"),
-], ids=["dtype-mapping", "optimizer-list", "bool-int", "huge-int", "int-key", "deep"])
+    ("kv_heads: 3\n", "kv_heads=3 must divide heads=16"),
+    ("kv_heads: 32\n", "kv_heads=32 must divide heads=16"),
+    ("experts: 8\ntop_k: 9\n", "top_k=9 must be in 1..experts=8"),
+    ("pp: 8\n", "pp=8 stages for 4 layers"),
+], ids=["dtype-mapping", "optimizer-list", "bool-int", "huge-int", "int-key", "deep", "kv-heads-not-dividing",
+        "kv-heads-over-heads", "top-k-over-experts", "pp-over-layers"])
 def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, words: str) -> None:
     path = tmp_path / "m.yaml"
     path.write_text("hidden: 1024\nlayers: 4\nheads: 16\nvocab: 32000\n" + body)
@@ -471,6 +476,9 @@ def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     ({"memory": {"pools": {"long": 3}}}, "memory.pools"),
     ({"iterations": 1e400}, "iterations"),
     ({"rank": -1}, "rank should be"),
+    ({"memory": {"peak_reserved_bytes": -5}}, "memory.peak_reserved_bytes should be a number >= 0"),
+    ({"memory": {"utilization": 5.0}}, "memory.utilization should be at most 1"),
+    ({"step_seconds": {"mean": -1.0}}, "step_seconds values should be numbers >= 0"),
 ])
 def test_merge_refuses_malformed_reports_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict,
                                                      words: str) -> None:
@@ -482,6 +490,14 @@ def test_merge_refuses_malformed_reports_in_one_line(tmp_path: Path, capsys: pyt
     _one_line(capsys, ["merge", str(tmp_path)], "npu_pool_rank0.json", words)
     (tmp_path / "npu_pool_rank0.json").write_text(json.dumps(good))
     assert main(["merge", str(tmp_path)]) == 0
+
+
+def test_merge_shows_a_report_without_step_times(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """step_seconds is optional (a run that never finished a step): a '-' cell, not a KeyError."""
+    (tmp_path / "npu_pool_rank0.json").write_text(json.dumps({"version": 1, "rank": 0}))
+    assert main(["merge", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and out.out.splitlines()[2].split()[:3] == ["0", "?", "-"]
 
 
 def test_outputs_refuse_a_directory_and_name_a_missing_folder(tmp_path: Path) -> None:

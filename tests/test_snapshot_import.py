@@ -204,6 +204,9 @@ def test_missing_file(tmp_path: Path) -> None:
     ({"segments": []}, "recorded without torch.cuda.memory._record_memory_history"),
     ({"segments": [], "device_traces": [[], []]}, "_record_memory_history"),
     ({"foo": 1}, "no 'device_traces' key"),
+    ({"device_traces": []}, "snapshot has no device_traces events"),  # the key is there: not "no key"
+    ({"device_traces": [[]], "segments": []}, "snapshot has no device_traces events"),  # no segments either
+    ({"device_traces": [[]], "segments": [{"address": 1}]}, "snapshot has segments but no device_traces events"),
     ({"device_traces": "abc"}, "device_traces should be a list"),
     ({"device_traces": [{"a": 1}]}, r"device_traces\[0\] should be a list"),
     ({"device_traces": [0]}, r"device_traces\[0\] should be a list"),

@@ -135,6 +135,12 @@ class ModelConfig:
             raise ValueError(f"heads={c.heads} (kv {c.kv_heads or c.heads}) not divisible by tp={c.tp}")
         if c.experts and c.experts % c.ep:
             raise ValueError(f"experts={c.experts} not divisible by ep={c.ep}")
+        if c.kv_heads and not (c.kv_heads <= c.heads and c.heads % c.kv_heads == 0):
+            raise ValueError(f"kv_heads={c.kv_heads} must divide heads={c.heads} (grouped-query attention)")
+        if c.experts and not 1 <= c.top_k <= c.experts:
+            raise ValueError(f"top_k={c.top_k} must be in 1..experts={c.experts}")
+        if c.pp > c.layers:
+            raise ValueError(f"pp={c.pp} stages for {c.layers} layers: a stage would hold none")
         return c
 
     @property

@@ -166,6 +166,8 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
         raise ValueError("steps, grad_accum, batch, seq, tp and pp must be >= 1")
     autocast(mixed_precision)
     cfg = make_config(model_name, shape, tp=tp)
+    if layers is None and pp > cfg.n_layers:
+        raise ValueError(f"pp={pp} stages for the {cfg.n_layers} layers of {model_name}-{shape}: a stage would hold none")
     n_layers = layers if layers is not None else max(1, cfg.n_layers // pp)
     cfg = make_config(model_name, shape, tp=tp, n_layers=n_layers, max_seq=max(seq, cfg.max_seq))
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..replay import HINTS, policies_from
 from ..trace.format import forced_device
+from . import whole
 from .replay import add_device_argument
 
 
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hints", choices=[h for h in HINTS if h != "oracle"], default="markers",
                    help="what npu_pool learns from during the replay (default: sites and markers)")
     p.add_argument("--min-capacity", action="store_true", help="also search each policy's minimum device size (slower)")
-    p.add_argument("--top", type=int, default=15, help="allocation sites listed in md/json (default 15)")
+    p.add_argument("--top", type=whole(0), default=15, help="allocation sites listed in md/json (default 15)")
     p.add_argument("--estimate", action="store_true",
                    help="add the static estimate vs the trace (config from --config, or the capture's own)")
     p.add_argument("--config", metavar="YAML", help="model config for --estimate (implies it)")

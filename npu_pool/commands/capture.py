@@ -6,6 +6,7 @@ import sys
 
 from ..capture.real import DEFAULTS
 from ..units import fmt_bytes
+from . import whole
 
 _FAKE_SEQ = 2048
 
@@ -15,24 +16,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULTS["model"], choices=MODEL_NAMES,
                    help="model to train")
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training iterations")
-    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="sequences per micro-batch")
-    p.add_argument("--seq", type=int, default=None,
+    p.add_argument("--steps", type=whole(), default=DEFAULTS["steps"], help="training iterations")
+    p.add_argument("--batch", type=whole(), default=DEFAULTS["batch"], help="sequences per micro-batch")
+    p.add_argument("--seq", type=whole(), default=None,
                    help=f"tokens per sequence (default {DEFAULTS['seq']}, {_FAKE_SEQ} with --fake)")
-    p.add_argument("--layers", type=int, default=None, help="blocks (default: small model's, or shape's / pp)")
-    p.add_argument("--dim", type=int, default=None, help=f"hidden size of the small model (default {DEFAULTS['dim']})")
-    p.add_argument("--heads", type=int, default=None, help=f"attention heads (default {DEFAULTS['heads']})")
-    p.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {DEFAULTS['vocab']})")
+    p.add_argument("--layers", type=whole(), default=None, help="blocks (default: small model's, or shape's / pp)")
+    p.add_argument("--dim", type=whole(), default=None, help=f"hidden size of the small model (default {DEFAULTS['dim']})")
+    p.add_argument("--heads", type=whole(), default=None, help=f"attention heads (default {DEFAULTS['heads']})")
+    p.add_argument("--vocab", type=whole(), default=None, help=f"vocabulary (default {DEFAULTS['vocab']})")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
-    p.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step")
+    p.add_argument("--grad-accum", type=whole(), default=1, metavar="K", help="micro-batches per step")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast forwards (mixed precision)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="published layer shape (implies --fake)")
     p.add_argument("--fake", action="store_true", help="FakeTensorMode: shapes only, no memory used")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to slice the shape by (fake)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages to divide the layers by (fake)")
+    p.add_argument("--tp", type=whole(), default=1, help="tensor-parallel degree to slice the shape by (fake)")
+    p.add_argument("--pp", type=whole(), default=1, help="pipeline stages to divide the layers by (fake)")
     p.add_argument("--keep-host-scalars", action="store_true",
                    help="keep 0-dim host scalars (wrapped Python numbers) in real captures")
-    p.add_argument("--colocated", type=int, default=0, metavar="CYCLES",
+    p.add_argument("--colocated", type=whole(0), default=0, metavar="CYCLES",
                    help="colocated RL: CYCLES iterations of rollout (modelled) and one training step of --shape, "
                         "with pause/resume of the trainer's and the rollout's tags (docs/colocated.md)")
     p.add_argument("--seed", type=int, default=0)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                 made = True
             while traces:
                 t = traces.pop(0)  # each trace freed once written
-                t.validate()
+                t.validate(f"{snap} (device {t.meta.get('device', 0)})")
                 dest = out / f"{snap.stem}.dev{t.meta['device']}.npt"
                 t.save(dest)
                 written += 1

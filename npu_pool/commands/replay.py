@@ -129,6 +129,9 @@ def _validate(named: list) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan and (args.live or args.validate or "planned" not in policies_from(args.policy)):
+        raise ValueError("--plan is the plan policy planned replays: add planned to --policy "
+                         "(e.g. --policy npu_pool,planned); --live and --validate take no plan")
     named = [nt for path in expand(args.traces) for nt in open_traces(path)]
     if args.live:
         return _live(named, args)

@@ -286,25 +286,43 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
   if (in->n_ids > allocs)
     return np_error(NP_ERR_INVALID, "meta['n_ids'] is %llu; ids number the %llu allocations, so it must be an int "
                     "in 0..%llu", (unsigned long long)in->n_ids, (unsigned long long)allocs, (unsigned long long)allocs);
-  uint8_t *state = calloc(in->n_ids ? in->n_ids : 1, 1); /* 0 never seen, 1 live, 2 freed */
-  if (!state) return np_error(NP_ERR_HOST, "host out of memory validating %llu ids", (unsigned long long)in->n_ids);
+  uint64_t m = in->n_ids ? in->n_ids : 1;
+  uint8_t *state = calloc(m, 1); /* 0 never seen, 1 live, 2 freed */
+  uint64_t *at = malloc(m * sizeof *at); /* each live id's alloc event: its free copies the size */
+  if (!state || !at) {
+    free(state);
+    free(at);
+    return np_error(NP_ERR_HOST, "host out of memory validating %llu ids", (unsigned long long)in->n_ids);
+  }
   int rc = NP_OK, region = -1;
+  uint64_t window = UINT64_MAX; /* the first event after the initial state (init_* events) */
   bool paused[NP_TAG_MAX] = {false};
   for (uint64_t i = 0; i < in->n && rc == NP_OK; i++) {
     uint8_t op = in->op[i], cat = in->cat[i];
     int64_t id = in->id[i];
     unsigned long long ui = (unsigned long long)i;
-    if (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC) {
+    bool init = op == NP_OP_INIT_ALLOC || op == NP_OP_INIT_SEGMENT;
+    if (!init && window == UINT64_MAX) window = i;
+    if (init && window != UINT64_MAX) {
+      rc = np_error(NP_ERR_INVALID, "event %llu: %s after the window began (event %llu): the initial state comes first",
+                    ui, op_name(op), (unsigned long long)window);
+    } else if (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC) {
       if (id < 0 || (uint64_t)id >= in->n_ids)
         rc = np_error(NP_ERR_INVALID, "event %llu: alloc id %lld outside 0..%lld", ui, (long long)id,
                       (long long)in->n_ids - 1);
       else if (state[id])
         rc = np_error(NP_ERR_INVALID, "event %llu: id %lld allocated twice", ui, (long long)id);
-      else
+      else {
         state[id] = 1;
+        at[id] = i;
+      }
     } else if (op == NP_OP_FREE) {
       if (id < 0 || (uint64_t)id >= in->n_ids || state[id] != 1)
         rc = np_error(NP_ERR_INVALID, "event %llu: free of id %lld which is not live", ui, (long long)id);
+      else if (in->size[i] != in->size[at[id]]) /* live bytes are counted from it: the lower bound of every figure */
+        rc = np_error(NP_ERR_INVALID, "event %llu: free of id %lld with size %llu; its alloc (event %llu) has %llu",
+                      ui, (long long)id, (unsigned long long)in->size[i], (unsigned long long)at[id],
+                      (unsigned long long)in->size[at[id]]);
       else
         state[id] = 2;
     } else if (op == NP_OP_REGION || op == NP_OP_PAUSE || op == NP_OP_RESUME) {
@@ -344,5 +362,6 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
     if (rc != NP_OK) *bad = i;
   }
   free(state);
+  free(at);
   return rc;
 }

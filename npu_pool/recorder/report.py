@@ -162,7 +162,8 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _number(v: Any) -> bool:
-    return v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and abs(v) < 1 << 63)
+    """A figure of a report: absent, or a number >= 0 (counts, bytes, seconds: none is negative)."""
+    return v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < 1 << 63)
 
 
 def _shape_problem(r: dict[str, Any]) -> Optional[str]:
@@ -177,12 +178,12 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
         return "mode should be a string"
     for key in ("iterations", "host_peak_rss_bytes"):
         if not _number(r.get(key)):
-            return f"{key} should be a number"
+            return f"{key} should be a number >= 0"
     steps = r.get("step_seconds", {})
     if not isinstance(steps, dict):
         return f"step_seconds should be an object, not {type(steps).__name__}"
     if not all(_number(steps.get(k)) for k in ("mean", "max", "last")):
-        return "step_seconds values should be numbers"
+        return "step_seconds values should be numbers >= 0"
     mem = r.get("memory")
     if mem is None:
         return None
@@ -190,7 +191,9 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
         return f"memory should be an object or null, not {type(mem).__name__}"
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "utilization", "device_mallocs", "ooms"):
         if not _number(mem.get(key)):
-            return f"memory.{key} should be a number"
+            return f"memory.{key} should be a number >= 0"
+    if mem.get("utilization") is not None and mem["utilization"] > 1:
+        return "memory.utilization should be at most 1 (peak allocated / peak reserved)"
     pools = mem.get("pools", {})
     if not isinstance(pools, dict) or not all(isinstance(p, dict) and _number(p.get("reserved_bytes"))
                                               for p in pools.values()):
@@ -201,7 +204,7 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
 # column title, getter, formatter
 _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
     ("iters", lambda r: r.get("iterations"), str),
-    ("step s", lambda r: r["step_seconds"].get("mean"), lambda v: f"{v:.3f}"),
+    ("step s", lambda r: (r.get("step_seconds") or {}).get("mean"), lambda v: f"{v:.3f}"),
     ("peak alloc", lambda r: (r.get("memory") or {}).get("peak_allocated_bytes"), _gib),
     ("peak rsvd", lambda r: (r.get("memory") or {}).get("peak_reserved_bytes"), _gib),
     ("util", lambda r: (r.get("memory") or {}).get("utilization"), lambda v: f"{v:.1%}"),

@@ -27,7 +27,9 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
             raise TraceError(f"{p}: cannot read ({e.strerror})") from None
     if head == MAGIC or head[:7] == MAGIC[:7] or p.suffix == ".npt":
         return [(p.stem, Trace.load(p))]  # says what is wrong with a trace file
-    if head[:1] != b"\x80":  # every pickle PyTorch writes starts with the protocol opcode
+    # every pickle PyTorch writes starts with the protocol opcode; a file named .pickle goes to the
+    # snapshot reader whatever it starts with (as `import` reads it: old protocols, or its message)
+    if head[:1] != b"\x80" and p.suffix != ".pickle":
         what = ("an npu_pool plan (give it with --plan)" if head == PLAN_MAGIC else
                 "empty" if not head else f"neither an npu_pool trace (.npt) nor a PyTorch memory snapshot (.pickle)")
         raise TraceError(f"{p}: {what}")

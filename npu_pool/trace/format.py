@@ -11,7 +11,7 @@ Event ops (column ``op``):
                       ``stream``, ``site`` (index into ``meta["sites"]`` or -1),
                       ``cat`` (a ``CAT_*`` tensor category), ``addr`` (recorded
                       address or 0)
-``OP_FREE``           ``id`` of a live allocation; other fields copy the alloc's
+``OP_FREE``           ``id`` of a live allocation and its ``size``; other fields copy the alloc's
 ``OP_MARK``           a phase marker: ``cat`` is a ``MARK_*`` code, ``id`` its
                       argument (layer index, micro-batch index, iteration), -1 none
 ``OP_EMPTY_CACHE``    the recorded program released the allocator's cache here
@@ -163,8 +163,9 @@ class Trace:
     def validate(self, name: str = "trace") -> None:
         """Check every rule replay and the tools rely on; raise TraceError naming ``name`` and the
         first bad event: column lengths, ops, categories and markers in range, ids dense and each
-        allocated once and freed once while live, sizes of allocations 1..2^48, sites indexing
-        ``meta["sites"]``, ``n_ids`` no more than the allocations."""
+        allocated once and freed once while live (at its alloc's size), sizes of allocations
+        1..2^48, ``init_*`` events first, sites indexing ``meta["sites"]``, ``n_ids`` no more than
+        the allocations."""
         n = len(self.op)
         for col, _ in COLUMNS:
             if len(getattr(self, col)) != n:

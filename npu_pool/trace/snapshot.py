@@ -271,10 +271,11 @@ def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, lis
         for i, t in enumerate(traces):
             _expect(isinstance(t, (list, _Events)), name, f"device_traces[{i}]", "a list", t)
     if traces is None or all(len(t) == 0 for t in traces):
-        if "segments" in obj:
-            raise TraceError(f"{name}: snapshot has segments but no device_traces events; it was recorded "
-                             "without torch.cuda.memory._record_memory_history()")
-        raise TraceError(f"{name}: not a PyTorch memory snapshot (no 'device_traces' key)")
+        if traces is None and "segments" not in obj:
+            raise TraceError(f"{name}: not a PyTorch memory snapshot (no 'device_traces' key)")
+        what = "has segments but no device_traces events" if segments else "has no device_traces events"
+        raise TraceError(f"{name}: snapshot {what}; it was recorded without "
+                         "torch.cuda.memory._record_memory_history() (or before any allocation)")
     annotations = obj.get("external_annotations") or []
     _expect(isinstance(annotations, list), name, "external_annotations", "a list", annotations)
     if max_elements is not None:
