@@ -151,6 +151,16 @@ static void *spin(void *arg) {
   return NULL;
 }
 
+/* Wait for forked child pid; 1 (and says how) unless it exited with 0. */
+static int failed_child(pid_t pid, const char *which) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;
+  fprintf(stderr, "teardown: child %s %s %d\n", which, WIFSIGNALED(status) ? "killed by signal" : "exited",
+          WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+  return 1;
+}
+
 static void *table_worker(void *arg) {
   (void)arg;
   for (unsigned i = 0; !atomic_load(&stop); i++) {
@@ -178,13 +188,7 @@ static int fork_before_any_context(void) {
       alarm(10); /* a hang is a failure, not a stuck test */
       _exit(npu_pool_device_ctx(0) ? 0 : 3);
     }
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      fprintf(stderr, "teardown: child forked before any context %s %d\n",
-              WIFSIGNALED(status) ? "killed by signal" : "exited", WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
-      failed = 1;
-    }
+    failed = failed_child(pid, "forked before any context");
   }
   atomic_store(&stop, 1);
   for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
@@ -217,13 +221,7 @@ static int fork_race(void) {
       if (rc == NP_OK) rc = np_close(ctx);
       _exit(rc == NP_OK ? 0 : 3);
     }
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      fprintf(stderr, "teardown: forked child %s %d\n", WIFSIGNALED(status) ? "killed by signal" : "exited",
-              WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
-      failed = 1;
-    }
+    failed = failed_child(pid, "forked while threads were inside the pool");
   }
   atomic_store(&stop, 1);
   for (int i = 0; i < THREADS; i++) pthread_join(t[i], NULL);
