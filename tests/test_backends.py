@@ -23,12 +23,12 @@ NAMES = {
             "map": "aclrtMapMem", "unmap": "aclrtUnmapMem", "sync": "aclrtSynchronizeDevice",
             "reserve": "aclrtReserveMemAddress", "release": "aclrtFreePhysical",
             "release_range": "aclrtReleaseMemAddress",
-            "wait": "aclrtStreamWaitEvent", "internal": 507899,
+            "wait": "aclrtStreamWaitEvent", "event_destroy": "aclrtDestroyEvent", "internal": 507899,
             "internal_name": "ACL_ERROR_RT_DRV_INTERNAL_ERROR", "oom_name": "207001"},
     "cuda": {"malloc": "cudaMalloc", "free": "cudaFree", "create": "cuMemCreate", "map": "cuMemMap",
              "unmap": "cuMemUnmap", "sync": "cudaDeviceSynchronize", "reserve": "cuMemAddressReserve",
              "release": "cuMemRelease", "release_range": "cuMemAddressFree", "access": "cuMemSetAccess",
-             "wait": "cudaStreamWaitEvent", "internal": 999,
+             "wait": "cudaStreamWaitEvent", "event_destroy": "cudaEventDestroy", "internal": 999,
              "internal_name": "CUDA_ERROR_UNKNOWN", "oom_name": "CUDA_ERROR_OUT_OF_MEMORY"},
 }
 
@@ -321,6 +321,20 @@ def test_cross_stream_reuse_waits_on_the_device(vendor: Vendor) -> None:
     calls = _reuse_both_ways(vendor)
     # one event, made at the first wait and recorded again for the second, destroyed at close
     assert (calls["event_create"], calls["event_record"], calls["event_wait"], calls["event_destroy"]) == (1, 2, 2, 0)
+
+
+def test_close_reports_an_event_the_device_refused_to_destroy(vendor: Vendor) -> None:
+    """close() returns every byte, then says so when the device refuses to destroy the pool's
+    cross-stream event (before: it returned as if all went well, and the event leaked unsaid)."""
+    p = vendor.pool()
+    a = p.malloc(4 * MiB, stream=1)
+    p.free(a)
+    p.free(p.malloc(4 * MiB, stream=2))  # reuse across streams: the backend makes its event
+    vendor.fail("event_destroy")
+    with pytest.raises(BackendError, match=f"{vendor.name('event_destroy')}.*cross-stream event"):
+        p.close()
+    assert vendor.lib.fake_used() == 0 and vendor.lib.fake_live() == 1  # the memory back; the event the device kept
+    p.close()  # closed: nothing more to do
 
 
 def test_a_failed_event_wait_fails_the_request_and_the_next_wait_works(vendor: Vendor) -> None:
@@ -634,6 +648,25 @@ def _spare_left(vendor: Vendor, p: Pool) -> None:
     # the device holds the spare for the pool: reserved, not mapped
     assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + 4 * MiB
     p.check()
+
+
+def test_a_request_short_of_memory_first_retries_what_the_device_refused_to_take_back(vendor: Vendor) -> None:
+    """Memory the device refused to release (here a spare, given back at a new cap) is counted
+    reserved and held. A request that finds the cap full asks the device again before failing
+    (before: it failed as 'a real shortage' until the next empty_cache); while the device still
+    refuses, the out-of-memory message says how much of the reserved memory that is."""
+    with vendor.pool(fraction=0.125) as p:
+        _spare_left(vendor, p)
+        vendor.fail("release", count=1)
+        p.set_fraction(0.125)  # gives the spare back: refused, held
+        assert p.stats()["unreleased"] == 4 * MiB
+        vendor.fail("release", count=1)
+        with pytest.raises(OutOfMemoryError, match="of the reserved, 4.00 MiB is memory the device refused"):
+            p.malloc(4 * MiB - vendor.pad, lifetime="short")  # asked again: refused again
+        p.malloc(4 * MiB - vendor.pad, lifetime="short")  # asked again: taken back, and served
+        st = p.stats()
+        assert st["unreleased"] == 0 and vendor.lib.fake_used() == st["total"]["reserved"]["current"]
+        p.check()
 
 
 @pytest.mark.parametrize("backend", ["acl", "cuda"])

@@ -110,7 +110,11 @@ int np_create(const np_config *cfg, np_ctx **out) {
   *out = ctx;
   return NP_OK;
 fail:
-  if (ctx->be) ctx->be->destroy(ctx->be);
+  if (ctx->be) {
+    np_saved_error why; /* the failure that stopped the creation, not a refusal while undoing it */
+    np_save_error(&why, rc);
+    if (ctx->be->destroy(ctx->be) != NP_OK) np_restore_error(&why);
+  }
   np_ctx_history_free(ctx);
   np_lifetime_destroy(&ctx->life);
   np_ptrmap_destroy(&ctx->live);
@@ -138,7 +142,11 @@ static int close_locked(np_ctx *ctx) {
     np_vmm_spares_release(ctx);
     ctx->policy->destroy(ctx); /* returns every segment to the device */
     rc = np_ctx_retry_held(ctx);
-    ctx->be->destroy(ctx->be);
+    np_saved_error held;
+    np_save_error(&held, rc);
+    int destroyed = ctx->be->destroy(ctx->be); /* a refused vendor object (an event) is reported, not kept */
+    if (rc != NP_OK) np_restore_error(&held); /* memory the device still holds: the first thing to say */
+    else rc = destroyed;
     free(ctx->held);
     free(ctx->spare);
     np_block_cache_destroy(&ctx->blocks);

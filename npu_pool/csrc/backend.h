@@ -56,7 +56,9 @@ struct np_backend {
   int (*stream_wait)(np_backend *be, intptr_t waiter, intptr_t on);
   /* optional: 1 if every piece of work queued on `stream` so far has finished, else 0 */
   int (*stream_idle)(np_backend *be, intptr_t stream);
-  void (*destroy)(np_backend *be);
+  /* free the backend (its device memory was returned first); NP_OK, or the error of a vendor
+   * object the device refused to destroy (reported, not retried: the backend is gone) */
+  int (*destroy)(np_backend *be);
   /* optional, backups of paused tags: copy `size` bytes between device and host memory
    * (to_device 0: device -> host), synchronously; pinned host memory for such copies */
   int (*copy)(np_backend *be, void *dst, const void *src, uint64_t size, int to_device);

@@ -390,17 +390,17 @@ static bool pads_requests(acl_backend *a) {
 
 /* ---- life cycle ------------------------------------------------------------ */
 
-static void acl_destroy(np_backend *be) { /* the context returned its memory first */
+static int acl_destroy(np_backend *be) { /* the context returned its memory first */
   acl_backend *a = (acl_backend *)be;
-  if (a->event) {
-    int prev;
-    if (enter_ex(a, &prev, false) == NP_OK) { /* the event's device */
-      ACL(a, EVENT_DESTROY, aclrtDestroyEvent(a->event));
-      leave(a, prev);
-    }
+  int rc = NP_OK, prev;
+  if (a->event && (rc = enter_ex(a, &prev, false)) == NP_OK) { /* the event's device */
+    acl_err e = ACL(a, EVENT_DESTROY, aclrtDestroyEvent(a->event));
+    if (e) rc = acl_fail(a, "aclrtDestroyEvent", "the pool's cross-stream event", e);
+    leave(a, prev);
   }
   np_dl_close(a->lib);
   free(a);
+  return rc;
 }
 
 /* Decide whether the virtual-memory API works here; sets the granularity. */

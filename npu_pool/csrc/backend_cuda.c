@@ -373,12 +373,15 @@ static int cuda_release(np_backend *be, uintptr_t addr, uint64_t size) {
 
 /* ---- life cycle ------------------------------------------------------------ */
 
-static void cuda_destroy(np_backend *be) { /* the context returned its memory first */
+static int cuda_destroy(np_backend *be) { /* the context returned its memory first */
   cuda_backend *c = (cuda_backend *)be;
-  if (c->event) CU(c, EVENT_DESTROY, cudaEventDestroy(c->event));
+  int rc = NP_OK;
+  cu_err e = c->event ? CU(c, EVENT_DESTROY, cudaEventDestroy(c->event)) : 0;
+  if (e) rc = rt_fail(c, "cudaEventDestroy", "the pool's cross-stream event", e);
   np_dl_close(c->driver);
   np_dl_close(c->runtime);
   free(c);
+  return rc;
 }
 
 /* Decide whether the driver's virtual-memory API works here; sets the granularity. */

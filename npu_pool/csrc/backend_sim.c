@@ -300,7 +300,7 @@ static void sim_chunk_leave(np_backend *be, int prev) {
 
 static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint = addr; }
 
-static void sim_destroy(np_backend *be) {
+static int sim_destroy(np_backend *be) {
   sim_backend *s = (sim_backend *)be;
   if (s->event) be->calls[NP_CALL_EVENT_DESTROY]++;
   for (size_t i = 0; i < s->alloc.n; i++) drop_addr(s, s->alloc.ranges[i].addr, s->alloc.ranges[i].size);
@@ -308,6 +308,7 @@ static void sim_destroy(np_backend *be) {
   free(s->maps.ranges);
   free(s->handle_size);
   free(s);
+  return NP_OK;
 }
 
 np_backend *np_backend_sim_create(const np_config *cfg) {

@@ -50,7 +50,10 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, room);
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], what[320];
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], what[320], held[160] = "";
+  if (ctx->st.unreleased)
+    snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
+             "empty_cache, close and an out-of-memory)", np_fmt_bytes(ctx->st.unreleased, h));
   if (why == NP_OOM_TOO_LARGE)
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));
   else if (why == NP_OOM_FRAGMENTED)
@@ -64,10 +67,10 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
              f->needed > size ? " (rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
   return np_error(NP_ERR_OOM,
                   "out of memory on device %d (policy %s): tried to allocate %s; reserved %s of the %s cap "
-                  "(fraction %.3g of %s), allocated %s, largest free block %s; %s [%s]",
+                  "(fraction %.3g of %s), allocated %s, largest free block %s%s; %s [%s]",
                   ctx->cfg.device, ctx->policy->name, np_fmt_bytes(size, a), np_fmt_bytes(st.total.reserved.current, r),
                   np_fmt_bytes(ctx->limit, l), ctx->cfg.fraction, np_fmt_bytes(st.device_total, t),
-                  np_fmt_bytes(st.total.allocated.current, al), np_fmt_bytes(st.largest_free, lf), what, cause);
+                  np_fmt_bytes(st.total.allocated.current, al), np_fmt_bytes(st.largest_free, lf), held, what, cause);
 }
 
 static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **out);
@@ -120,6 +123,18 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   np_block *b = NULL;
   ctx->fail = (np_fail){.pool = NP_POOL_SHARED};
   int rc = ctx->policy->malloc(ctx, device_size(ctx, size), stream, lifetime, &b);
+  if (rc == NP_ERR_OOM && ctx->n_held) { /* memory the device refused to take back before: ask again, then retry */
+    np_saved_error why;
+    np_save_error(&why, rc);
+    uint64_t before = ctx->st.unreleased;
+    np_ctx_retry_held(ctx);
+    if (ctx->st.unreleased < before) {
+      ctx->fail = (np_fail){.pool = NP_POOL_SHARED};
+      rc = ctx->policy->malloc(ctx, device_size(ctx, size), stream, lifetime, &b);
+    } else {
+      np_restore_error(&why);
+    }
+  }
   if (rc == NP_ERR_OOM) return oom(ctx, size, stream, site, lifetime);
   if (rc != NP_OK) return rc;
   b->life = (uint8_t)lifetime;

@@ -89,8 +89,8 @@ static int retry_one(np_ctx *ctx, np_held *h) {
 
 static int still_held(np_ctx *ctx, int code, const char *why) {
   char a[32];
-  return np_error(code, "the device still holds %s this pool could not return (retried at every empty_cache "
-                  "and at close): %s", np_fmt_bytes(ctx->st.unreleased, a), why);
+  return np_error(code, "the device still holds %s this pool could not return (retried at every empty_cache, "
+                  "close and out-of-memory): %s", np_fmt_bytes(ctx->st.unreleased, a), why);
 }
 
 int np_ctx_retry_held(np_ctx *ctx) {
