@@ -65,10 +65,12 @@ def fire() -> None:
     if _launcher():
         return
     from npu_pool.config import ConfigError
+    from npu_pool.install import InstallError
+    from npu_pool.planner.plan import PlanError
 
     try:
         import mindspeed_patch  # noqa: F401  (installs the pool and patches Megatron when the switch is on)
-    except ConfigError as e:
+    except (ConfigError, PlanError, InstallError) as e:  # a setting, its plan file, or the install it asked for
         print(f"npu_pool: {e} (the start-up hook reads it because {ENABLE} or {CONFIG_FILE} is set)",
               file=sys.stderr, flush=True)
         raise SystemExit(2) from None

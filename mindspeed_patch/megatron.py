@@ -78,8 +78,13 @@ def parse_log_every(value: Any, source: str = LOG_EVERY) -> int:
 
 
 def _settings(environ: Mapping[str, str]) -> tuple[int, Optional[str]]:
+    from npu_pool.config import parse_output_dir
+
     every = environ.get(LOG_EVERY, "")
-    return (parse_log_every(every) if every.strip() else 1), (environ.get(REPORT_DIR, "").strip() or None)
+    report_dir = environ.get(REPORT_DIR, "").strip() or None
+    if report_dir:  # a file there is said now, not when the report is due at exit
+        parse_output_dir(report_dir, REPORT_DIR)
+    return (parse_log_every(every) if every.strip() else 1), report_dir
 
 
 class _Session:

@@ -34,6 +34,12 @@ PLAN = "NPU_POOL_PLAN"
 CONFIG_FILE = "NPU_POOL_CONFIG"
 POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  # the keys of npu_pool.pool.POLICIES
 _KEYS = (ENABLE, FRACTION, POLICY, PLAN)
+# Every NPU_POOL_* variable something reads: these settings, the ones read where they apply
+# (npu_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the
+# repository's own tooling (./run, .ci/run and the tests); any other is a typo to point out.
+KNOWN_VARIABLES = (FRACTION, POLICY, PLAN, CONFIG_FILE, "NPU_POOL_CACHE", "NPU_POOL_OOM_SNAPSHOT", "NPU_POOL_LOG_EVERY",
+                   "NPU_POOL_REPORT_DIR", "NPU_POOL_DEBUG", "NPU_POOL_CI_VENV", "NPU_POOL_TORCH_NPU_PYTHON",
+                   "NPU_POOL_SHARED")
 
 
 YAML_MAX_BYTES = 1 << 20   # a settings or model config file is a few hundred bytes
@@ -216,6 +222,14 @@ def parse_plan(value: Any, source: str = PLAN) -> str:
     return text
 
 
+def parse_output_dir(value: str, source: str) -> str:
+    """A folder to write into: one that exists, or none yet (made at the first write); never a
+    file, a FIFO or a device, found now rather than when the first write is due (hours later)."""
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"{source}={show(value, 400)} is not a directory: name a folder to write into (made when missing)")
+    return value
+
+
 _PARSERS = {ENABLE: parse_enabled, FRACTION: parse_fraction, POLICY: parse_policy, PLAN: parse_plan}
 
 
@@ -234,6 +248,20 @@ def _read_file(path: str) -> dict[str, tuple[Any, str]]:
         if value is not None:
             out[accepted[key]] = (value, f"{key} in {path}")
     return out
+
+
+def unknown_variables(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """One line for each ``NPU_POOL_*`` variable of the environment that nothing reads (a typo:
+    the setting it meant is then silently absent), with the closest known name."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    lines = []
+    for name in sorted(k for k in env if k.startswith("NPU_POOL_") and k not in KNOWN_VARIABLES):
+        close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]}? " if close else ""
+        lines.append(f"{name} is not a variable npu_pool reads ({hint}it reads {', '.join(KNOWN_VARIABLES[:8])})")
+    return lines
 
 
 def load(environ: Optional[Mapping[str, str]] = None) -> Config:

@@ -14,6 +14,7 @@ start-up hook), or call ``npu_pool.install()`` at the top of the training script
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -326,7 +327,8 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     global _current
     settings = config.load()
     policy = config.parse_policy(policy, "policy") if policy is not None else settings.policy
-    if fraction is not None:
+    given = fraction is not None  # a repeated install applies only a fraction given here (not the setting again)
+    if given:
         fraction = config.parse_fraction(fraction, "fraction")
     elif settings.fraction is not None:
         fraction = settings.fraction
@@ -334,9 +336,21 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     if policy == "planned":  # read and verified before anything changes, installed on every device
         if not settings.plan:
             raise InstallError(f"the planned policy needs a plan: set {config.PLAN} to a file from `npu-pool plan`")
+        from .planner.plan import PlanError
         from .planner.runtime import as_plan
 
-        plan = as_plan(settings.plan)
+        try:
+            plan = as_plan(settings.plan)
+        except PlanError as e:
+            raise PlanError(f"{config.PLAN}: {e}") from None
+    elif settings.plan:
+        raise config.ConfigError(f"{config.PLAN}={settings.plan} is the plan policy planned serves, but the policy is "
+                                 f"{policy}: set {config.POLICY}=planned, or unset {config.PLAN}")
+    snapshots = oom.snapshot_dir()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
+    if snapshots is not None:
+        config.parse_output_dir(snapshots, oom.ENV if os.environ.get(oom.ENV, "").strip() else oom.PATH)
+    for line in config.unknown_variables():
+        warnings.warn(f"npu_pool: {line}", RuntimeWarning, stacklevel=2)
     import torch
 
     kind, module = _find_device(device_type, torch)
@@ -345,7 +359,7 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
             if (_current.kind, _current.policy) != (kind, policy):
                 raise InstallError(f"npu_pool is already installed ({_current.kind}, policy {_current.policy}); "
                                    "a process can install one allocator, once")
-            if fraction is not None:
+            if given:  # the cap set since (torch's set_per_process_memory_fraction included) stays otherwise
                 for p in _current.pools.values():
                     p.set_fraction(fraction)
                 _current.fraction = fraction

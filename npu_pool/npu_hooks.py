@@ -96,7 +96,9 @@ def build() -> Path:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise HooksUnavailable(f"cannot create the cache directory {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
+        fix = (f"{CACHE_ENV}={os.environ[CACHE_ENV]} is not a directory this process can create or use"
+               if os.environ.get(CACHE_ENV, "").strip() else f"set {CACHE_ENV} to a writable directory")
+        raise HooksUnavailable(f"cannot create the cache directory {out_dir} ({e.strerror}): {fix}") from None
     out = out_dir / f"torch_npu_hooks-{key}.so"
     if _verified(out):
         return out

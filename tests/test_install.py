@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -370,6 +371,64 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
         free(p)
     inst._reset()
     assert not hasattr(torch._C, "_cuda_memoryStats") or torch._C._cuda_memoryStats is not torch_memory._memory_stats
+
+
+def test_install_with_a_library_that_cannot_load_leaves_torch_alone(fakes: dict, fake_cuda_torch: list) -> None:
+    """The vendor library is loaded when the pool is configured: a wrong lib_path is an
+    InstallError naming it before torch's allocator is swapped (before: install returned, and
+    every allocation then failed on an allocator torch could not drop)."""
+    for bad in ("/nonexistent/libcudart.so", str(ROOT)):  # missing, a directory
+        with pytest.raises(inst.InstallError, match="could not be configured: .*" + re.escape(bad)):
+            npu_pool.install(device_type="cuda", lib_path=bad)
+        assert fake_cuda_torch == [] and inst.installed() == {}
+    npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)  # nothing was left half-done
+    assert len(fake_cuda_torch) == 1
+
+
+def test_a_repeated_install_keeps_the_cap_set_since(fakes: dict, fake_cuda_torch: list,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """install() again (mindspeed_patch and a script both calling it) re-applies a fraction given
+    to it, not NPU_POOL_FRACTION: a cap set at run time stays (before: silently reset)."""
+    monkeypatch.setenv("NPU_POOL_FRACTION", "0.5")
+    v = _vendor(fakes, "cuda")
+    pools = npu_pool.install(device_type="cuda", lib_path=v.path)
+    free(malloc(MiB))  # torch's first request makes device 0's context
+    assert pools[0].stats()["limit"] == 128 * MiB
+    npu_pool.set_fraction(0.25)  # as torch's set_per_process_memory_fraction does through its hook
+    npu_pool.install(device_type="cuda", lib_path=v.path)
+    assert pools[0].stats()["limit"] == 64 * MiB
+    npu_pool.install(device_type="cuda", fraction=0.75, lib_path=v.path)
+    assert pools[0].stats()["limit"] == 192 * MiB
+
+
+def test_settings_install_would_ignore_are_refused_or_named(tmp_path: Path, fakes: dict, fake_cuda_torch: list,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = tmp_path / "p.plan"
+    plan.write_bytes(b"x")
+    monkeypatch.setenv("NPU_POOL_PLAN", str(plan))  # without the planned policy: ignored before
+    with pytest.raises(ConfigError, match="is the plan policy planned serves, but the policy is npu_pool"):
+        npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
+    monkeypatch.delenv("NPU_POOL_PLAN")
+    monkeypatch.setenv("NPU_POOL_OOM_SNAPSHOT", str(plan))  # a file: said at the first OOM before, its snapshot lost
+    with pytest.raises(ConfigError, match="NPU_POOL_OOM_SNAPSHOT=.* is not a directory"):
+        npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
+    assert fake_cuda_torch == []
+    monkeypatch.delenv("NPU_POOL_OOM_SNAPSHOT")
+    monkeypatch.setenv("NPU_POOL_FRACTON", "0.5")  # a typo: no cap, silently, before
+    with pytest.warns(RuntimeWarning, match="NPU_POOL_FRACTON is not a variable npu_pool reads .did you mean "
+                                            "NPU_POOL_FRACTION"):
+        npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
+
+
+def test_unknown_variables_and_output_folders() -> None:
+    env = {"NPU_POOL_POILCY": "torch", "NPU_POOL_FRACTION": "0.5", "NPU_POOL_SHARED": "/x", "NPU_POOL_ZZZ": "1"}
+    lines = config.unknown_variables(env)
+    assert len(lines) == 2 and "did you mean NPU_POOL_POLICY" in lines[0] and lines[1].startswith("NPU_POOL_ZZZ is not")
+    assert "did you mean" not in lines[1]
+    assert config.parse_output_dir(str(ROOT), "X") == str(ROOT)
+    assert config.parse_output_dir(str(ROOT / "not-yet"), "X") == str(ROOT / "not-yet")  # made when first written
+    with pytest.raises(ConfigError, match="X=.*setup.py.* is not a directory"):
+        config.parse_output_dir(str(ROOT / "setup.py"), "X")
 
 
 def test_install_too_late_says_what_to_move(fakes: dict, fake_cuda_torch: list,

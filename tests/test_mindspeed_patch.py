@@ -71,6 +71,16 @@ def test_bad_log_every_is_rejected_naming_the_variable(fresh: None, bad: str) ->
     assert patch.session() is None
 
 
+def test_a_report_dir_that_is_a_file_is_refused_when_patching(fresh: None, tmp_path: Path) -> None:
+    """Said at the start, not at exit when the report is due (before: the run finished, then the
+    report was lost with 'File exists')."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="NPU_POOL_REPORT_DIR=.*afile.* is not a directory"):
+        patch.patch_megatron({**ON, "NPU_POOL_REPORT_DIR": str(afile)})
+    assert patch.session() is None
+
+
 def test_cpu_process_falls_back_with_a_clear_message(tmp_path: Path) -> None:
     """The switch set where there is no torch_npu and no CUDA: importing mindspeed_patch says
     why nothing was installed, the Megatron patch says it records phases only, and the run

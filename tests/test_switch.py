@@ -105,10 +105,22 @@ def test_without_the_variable_torch_npus_own_allocator_serves_and_npu_pool_is_no
 
 def test_a_bad_value_stops_at_import_torch_with_one_line(torch_npu: TorchNpu, tmp_path: Path) -> None:
     python = hooked_python(torch_npu.python, tmp_path)
-    r = subprocess.run([str(python), "-c", "print('started'); import torch; print('not reached')"],
-                       env=torch_npu.env(MEMORY_FRAGMENTATION="yes"), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and r.stdout.startswith("started") and "not reached" not in r.stdout
-    assert "MEMORY_FRAGMENTATION='yes' is not valid" in r.stderr and "Traceback" not in r.stderr
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"not a plan")
+    for env, words in [({"MEMORY_FRAGMENTATION": "yes"}, "MEMORY_FRAGMENTATION='yes' is not valid"),
+                       # a bad plan file (a PlanError from install: a 26-line traceback before)
+                       ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_POLICY": "planned", "NPU_POOL_PLAN": str(afile)},
+                        f"NPU_POOL_PLAN: {afile}: not an npu_pool plan"),
+                       ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_PLAN": str(afile)},  # ignored before
+                        "is the plan policy planned serves, but the policy is npu_pool"),
+                       ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_OOM_SNAPSHOT": str(afile)},  # said at the first OOM before
+                        "NPU_POOL_OOM_SNAPSHOT="),
+                       ]:
+        r = subprocess.run([str(python), "-c", "print('started'); import torch; print('not reached')"],
+                           env=torch_npu.env(**env), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stdout.startswith("started") and "not reached" not in r.stdout, r.stderr[-2000:]
+        (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("npu_pool: ")]
+        assert words in line and "Traceback" not in r.stderr, r.stderr[-2000:]
     # a process that never imports torch is not touched
     r = subprocess.run([str(python), "-c", "print('fine')"], env=torch_npu.env(MEMORY_FRAGMENTATION="yes"),
                        capture_output=True, text=True, timeout=60)

@@ -60,6 +60,14 @@ np_backend *np_backend_create(const np_config *cfg) {
   }
 }
 
+int np_backend_load(int backend, const char *lib_path) {
+  switch (backend) {
+    case NP_BACKEND_ACL: return np_backend_acl_load(lib_path);
+    case NP_BACKEND_CUDA: return np_backend_cuda_load(lib_path);
+    default: return NP_OK;
+  }
+}
+
 static void names(np_ctx *ctx) {
   snprintf(ctx->st.total.name, sizeof ctx->st.total.name, "all");
   for (int p = 0; p < NP_POOLS; p++) snprintf(ctx->st.pool[p].name, sizeof ctx->st.pool[p].name, "%s", ctx->policy->pool_name[p]);

@@ -79,6 +79,12 @@ np_backend *np_backend_create(const np_config *cfg);
 
 np_backend *np_backend_sim_create(const np_config *cfg);
 np_backend *np_backend_acl_create(const np_config *cfg);
+/* Load and bind the vendor library a context of `backend` would use (lib_path: np_config's),
+ * without a device call: a wrong library is found when the pool is configured, not at the
+ * first allocation. NP_OK for the simulator. */
+int np_backend_load(int backend, const char *lib_path);
+int np_backend_acl_load(const char *lib_path);
+int np_backend_cuda_load(const char *lib_path);
 np_backend *np_backend_cuda_create(const np_config *cfg);
 
 #endif

@@ -465,6 +465,26 @@ static int acl_host_alloc(np_backend *be, uint64_t size, void **out) {
 
 static void acl_host_free(np_backend *be, void *p) { ((acl_backend *)be)->api.aclrtFreeHost(p); }
 
+/* Load the runtime (lib_path, else the default names) and bind its symbols into a->api; no
+ * device call. The virtual-memory symbols a runtime lacks are named in `missing`. */
+static int acl_open(acl_backend *a, const char *lib_path, char *missing, size_t len) {
+  char where[1024], libname[1100];
+  a->lib = np_dl_open(lib_path, acl_names, "the Ascend runtime (libascendcl.so; source CANN's set_env.sh)");
+  if (!a->lib) return np_last_code();
+  snprintf(libname, sizeof libname, "acl: %s", np_dl_path(a->lib, where, sizeof where));
+  return np_dl_bind(a->lib, libname, acl_syms, sizeof acl_syms / sizeof *acl_syms, &a->api, missing, len);
+}
+
+int np_backend_acl_load(const char *lib_path) {
+  acl_backend *a = calloc(1, sizeof *a);
+  if (!a) return np_error(NP_ERR_HOST, "acl: host out of memory");
+  char missing[64];
+  int rc = acl_open(a, lib_path, missing, sizeof missing);
+  if (rc != NP_OK) np_dl_close(a->lib); /* else it stays loaded: the first context opens it again */
+  free(a);
+  return rc;
+}
+
 np_backend *np_backend_acl_create(const np_config *cfg) {
   if (cfg->device < 0) {
     np_error(NP_ERR_INVALID, "acl: device index must be >= 0, got %d", cfg->device);
@@ -480,13 +500,8 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
   a->base = (np_backend){.name = a->name, .request_align = ACL_PAD, .request_tail = ACL_PAD,
                          .malloc = acl_malloc, .free = acl_free, .enter = acl_enter, .leave = acl_leave,
                          .synchronize = acl_synchronize, .destroy = acl_destroy};
-  char where[1024], libname[1100], missing[64] = "";
-  a->lib = np_dl_open(cfg->lib_path, acl_names, "the Ascend runtime (libascendcl.so; source CANN's set_env.sh)");
-  if (!a->lib) goto fail;
-  snprintf(libname, sizeof libname, "acl: %s", np_dl_path(a->lib, where, sizeof where));
-  if (np_dl_bind(a->lib, libname, acl_syms, sizeof acl_syms / sizeof *acl_syms,
-                 &a->api, missing, sizeof missing) != NP_OK)
-    goto fail;
+  char missing[64] = "";
+  if (acl_open(a, cfg->lib_path, missing, sizeof missing) != NP_OK) goto fail;
   int prev;
   if (enter(a, &prev) != NP_OK) goto fail;
   size_t free_bytes = 0, total = 0;

@@ -443,6 +443,37 @@ static void split_paths(const char *lib_path, char *runtime, char *driver, size_
   }
 }
 
+/* Load the runtime and the driver ("RUNTIME:DRIVER" in lib_path, else the default names) and
+ * bind their symbols into c->api; no device call. Without a driver the virtual-memory symbols
+ * stay unbound (a fixed arena); those a driver lacks are named in `missing`. */
+static int cuda_open(cuda_backend *c, const char *lib_path, char *missing, size_t len) {
+  char rt_buf[1024], drv_buf[1024], where[1024], libname[1100];
+  const char *rt_path, *drv_path;
+  split_paths(lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
+  c->runtime = np_dl_open(rt_path, runtime_names, "the CUDA runtime (libcudart)");
+  if (!c->runtime) return np_last_code();
+  snprintf(libname, sizeof libname, "cuda: %s", np_dl_path(c->runtime, where, sizeof where));
+  int rc = np_dl_bind(c->runtime, libname, runtime_syms, sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0);
+  if (rc != NP_OK) return rc;
+  c->driver = np_dl_open(drv_path, driver_names, "the CUDA driver (libcuda)");
+  if (c->driver)
+    np_dl_bind(c->driver, "libcuda", driver_syms, sizeof driver_syms / sizeof *driver_syms, &c->api, missing, len);
+  return NP_OK;
+}
+
+int np_backend_cuda_load(const char *lib_path) {
+  cuda_backend *c = calloc(1, sizeof *c);
+  if (!c) return np_error(NP_ERR_HOST, "cuda: host out of memory");
+  char missing[64];
+  int rc = cuda_open(c, lib_path, missing, sizeof missing);
+  if (rc != NP_OK) { /* else they stay loaded: the first context opens them again */
+    np_dl_close(c->runtime);
+    np_dl_close(c->driver);
+  }
+  free(c);
+  return rc;
+}
+
 np_backend *np_backend_cuda_create(const np_config *cfg) {
   if (cfg->device < 0) {
     np_error(NP_ERR_INVALID, "cuda: device index must be >= 0, got %d", cfg->device);
@@ -458,20 +489,8 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free, .enter = cuda_enter,
                          .leave = cuda_leave, .synchronize = cuda_synchronize, .destroy = cuda_destroy,
                          .free_synchronizes = true};
-  char rt_buf[1024], drv_buf[1024], where[1024], libname[1100], missing[64] = "";
-  const char *rt_path, *drv_path;
-  split_paths(cfg->lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
-  c->runtime = np_dl_open(rt_path, runtime_names, "the CUDA runtime (libcudart)");
-  if (!c->runtime) goto fail;
-  snprintf(libname, sizeof libname, "cuda: %s", np_dl_path(c->runtime, where, sizeof where));
-  if (np_dl_bind(c->runtime, libname, runtime_syms,
-                 sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0) != NP_OK)
-    goto fail;
-  if (drv_path) c->driver = np_dl_open(drv_path, driver_names, "the CUDA driver (libcuda)");
-  else c->driver = np_dl_open(NULL, driver_names, "the CUDA driver (libcuda)");
-  if (c->driver)
-    np_dl_bind(c->driver, "libcuda", driver_syms, sizeof driver_syms / sizeof *driver_syms, &c->api, missing,
-               sizeof missing);
+  char missing[64] = "";
+  if (cuda_open(c, cfg->lib_path, missing, sizeof missing) != NP_OK) goto fail;
 
   int prev;
   if (enter(c, &prev) != NP_OK) goto fail;

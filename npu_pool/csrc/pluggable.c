@@ -101,6 +101,7 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
   if (rc != NP_OK) return rc;
   if (lib_path && strlen(lib_path) >= sizeof table.lib_path)
     return np_error(NP_ERR_INVALID, "library path longer than %zu bytes", sizeof table.lib_path - 1);
+  if ((rc = np_backend_load(backend, lib_path)) != NP_OK) return rc; /* before torch's allocator is swapped */
   lock_table();
   np_config cfg;
   np_config_init(&cfg);

@@ -24,8 +24,9 @@
 
 /* CDEF BEGIN */
 /* Configuration of the contexts still to be created (policy index, NP_BACKEND_*, fraction in
- * (0, 1], vmm 0/1, lib_path NULL for the vendor's default library). NP_ERR_STATE once a
- * context exists, unless the configuration is unchanged. */
+ * (0, 1], vmm 0/1, lib_path NULL for the vendor's default library, which is loaded here: one
+ * that cannot be is an error now, not at the first allocation). NP_ERR_STATE once a context
+ * exists, unless the configuration is unchanged. */
 int npu_pool_configure(int policy, int backend, double fraction, int vmm, const char *lib_path);
 /* The context of `device`, created on first use; NULL with np_last_error() set. */
 np_ctx *npu_pool_device_ctx(int device);
