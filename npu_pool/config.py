@@ -136,7 +136,7 @@ def _safe_loader() -> type:
     import yaml
 
     class SafeYaml(yaml.SafeLoader):
-        """SafeLoader without aliases, with bounded depth and integer length."""
+        """SafeLoader without aliases or repeated keys, with bounded depth and integer length."""
 
         _depth = 0
 
@@ -152,6 +152,17 @@ def _safe_loader() -> type:
                 return super().compose_node(parent, index)
             finally:
                 self._depth -= 1
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            first: dict[tuple[str, str], int] = {}  # a key given twice: YAML keeps the last, silently
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    line = key.start_mark.line + 1
+                    if (key.tag, key.value) in first:
+                        raise _Refused(f"line {line}: {key.value!r} is given twice (first on line "
+                                       f"{first[(key.tag, key.value)]}); give each key once")
+                    first[(key.tag, key.value)] = line
+            return super().construct_mapping(node, deep)
 
         def construct_yaml_int(self, node: Any) -> Any:
             digits = sum(c.isalnum() for c in node.value)

@@ -353,12 +353,14 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         warnings.warn(f"npu_pool: {line}", RuntimeWarning, stacklevel=2)
     import torch
 
+    with _lock:  # another device type than the installed one: that, not whether the type is here
+        if _current is not None and device_type not in ("auto", _current.kind):
+            raise _already(_current)
     kind, module = _find_device(device_type, torch)
     with _lock:
         if _current is not None:
             if (_current.kind, _current.policy) != (kind, policy):
-                raise InstallError(f"npu_pool is already installed ({_current.kind}, policy {_current.policy}); "
-                                   "a process can install one allocator, once")
+                raise _already(_current)
             if given:  # the cap set since (torch's set_per_process_memory_fraction included) stays otherwise
                 for p in _current.pools.values():
                     p.set_fraction(fraction)
@@ -385,6 +387,11 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
                       f"({plan.meta.get('online', '')}); the planned policy serves every request online, "
                       "as npu_pool", RuntimeWarning, stacklevel=2)
     return dict(inst.pools)
+
+
+def _already(current: _Installation) -> InstallError:
+    return InstallError(f"npu_pool is already installed ({current.kind}, policy {current.policy}); "
+                        "a process can install one allocator, once")
 
 
 def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional[float], plan: Any,

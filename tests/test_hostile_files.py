@@ -460,11 +460,13 @@ def test_a_bad_rank_or_log_interval_never_loses_the_report(monkeypatch: pytest.M
     ("kv_heads: 32\n", "kv_heads=32 must divide heads=16"),
     ("experts: 8\ntop_k: 9\n", "top_k=9 must be in 1..experts=8"),
     ("pp: 8\n", "pp=8 stages for 4 layers"),
+    ("hidden: 2048\nhidden: 4096\n", "line 5: 'hidden' is given twice (first on line 4)"),
 ], ids=["dtype-mapping", "optimizer-list", "bool-int", "huge-int", "int-key", "deep", "kv-heads-not-dividing",
-        "kv-heads-over-heads", "top-k-over-experts", "pp-over-layers"])
+        "kv-heads-over-heads", "top-k-over-experts", "pp-over-layers", "repeated-key"])
 def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, words: str) -> None:
     path = tmp_path / "m.yaml"
-    path.write_text("hidden: 1024\nlayers: 4\nheads: 16\nvocab: 32000\n" + body)
+    base = {"hidden": 1024, "layers": 4, "heads": 16, "vocab": 32000}  # less the key the case gives
+    path.write_text("".join(f"{k}: {v}\n" for k, v in base.items() if not body.startswith(f"{k}:")) + body)
     _one_line(capsys, ["estimate", "--config", str(path)], "m.yaml", words)
 
 

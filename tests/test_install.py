@@ -76,6 +76,7 @@ def test_yaml_file_with_environment_overrides(tmp_path: Path) -> None:
     ("fraction: 0.5\n", "unknown key 'fraction'; accepted keys: memory_fragmentation, npu_pool_fraction"),
     ("- 1\n- 2\n", "expected a mapping"),
     ("a: [\n", "not valid YAML"),
+    ("npu_pool_fraction: 0.5\nnpu_pool_fraction: 0.9\n", "line 2: 'npu_pool_fraction' is given twice"),
 ])
 def test_bad_yaml_files(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "pool.yaml"
@@ -399,6 +400,9 @@ def test_a_repeated_install_keeps_the_cap_set_since(fakes: dict, fake_cuda_torch
     assert pools[0].stats()["limit"] == 64 * MiB
     npu_pool.install(device_type="cuda", fraction=0.75, lib_path=v.path)
     assert pools[0].stats()["limit"] == 192 * MiB
+    # another device type than the installed one is that, not a missing device (DeviceUnavailableError before)
+    with pytest.raises(inst.InstallError, match=r"already installed \(cuda, policy npu_pool\)"):
+        npu_pool.install(device_type="npu")
 
 
 def test_settings_install_would_ignore_are_refused_or_named(tmp_path: Path, fakes: dict, fake_cuda_torch: list,
