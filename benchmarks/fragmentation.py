@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
            f"CUDA's. GiB = 2^30 bytes; exact byte counts are in `npu-pool replay --json`.",
            "",
            "- **peak live**: the lower bound; **peak rsvd**: peak reserved on a 1 TiB device; **util** = live/reserved;",
-           "- **min cap**: smallest device (2 MiB steps) on which the trace completes; **over** = min cap - peak live;",
+           "- **min cap**: smallest device (2 MiB steps) on which the trace completes, by bisection (2 MiB less fails; a still smaller one may complete by chance: allocators are not monotonic); **over** = min cap - peak live;",
            "  **retries**: release-and-retry events at min cap (each synchronises the device); **trims**: npu_pool's",
            "  page moves at min cap (free pages of streams with no queued work unmapped and mapped where needed, no",
            "  synchronisation; in this simulation every stream is idle when asked, on a device only drained ones are);",

@@ -6,7 +6,9 @@ work (no Python per event). Two figures per policy:
 - peak reserved with room to spare (a 1 TiB simulated device);
 - minimum capacity: the smallest device (at 2 MiB resolution) on which the
   whole trace completes, found by bisection, with the release-and-retry events
-  the policy needed there.
+  the policy needed there. 2 MiB less fails; allocators are not monotonic, so a
+  still smaller device may complete by chance (the torch model on
+  llama7b-offload-infer: sizes 248 and 424 MiB below its minimum capacity do).
 """
 from __future__ import annotations
 
@@ -225,7 +227,8 @@ def _as_plan(plan: Any) -> Any:
 def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int | None = None,
                  hi: int | None = None, no_retries: bool = False, plan: Any = None,
                  device: str | None = None) -> tuple[int, RunResult]:
-    """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, and that run.
+    """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, by bisection
+    (one step less fails; a still smaller size may complete: allocators are not monotonic), and that run.
 
     With ``no_retries`` the run must also need no release-and-retry event."""
     plan = _as_plan(plan)

@@ -177,6 +177,22 @@ def test_without_categories_or_markers_everything_is_unknown():
     assert p.peak_phase.describe() == "no phase markers"
 
 
+def test_a_peak_before_the_first_marker_is_outside_the_marked_stages(tmp_path) -> None:
+    """An imported snapshot whose annotations mark only the optimizer, peaking before it: the JSON,
+    HTML and ranks table said "no phase markers" (the markdown alone said this)."""
+    t = Trace(meta={"n_ids": 2, "sites": []})
+    t.append(OP_ALLOC, id=0, size=8 << 20)
+    t.append(OP_FREE, id=0, size=8 << 20)
+    t.append(OP_MARK, cat=MARK_OPTIMIZER_BEGIN, id=-1)
+    t.append(OP_ALLOC, id=1, size=1 << 20)
+    t.append(OP_MARK, cat=MARK_OPTIMIZER_END, id=-1)
+    p = breakdown.profile_trace(t)
+    assert p.peak_index == 0 and p.peak_phase.describe() == "outside the marked stages"
+    t.save(tmp_path / "t.npt")
+    (tr,) = to_json(analyze_paths([str(tmp_path / "t.npt")], ["npu_pool"], show_progress=False), 5)["traces"]
+    assert tr["peak_phase"]["text"] == "outside the marked stages"
+
+
 # -- timelines: the core's history of a replay ------------------------------------------------------------
 def _check_timeline(t: Trace, policy: str) -> Timeline:
     tl = timeline(t, policy)

@@ -6,7 +6,7 @@ stage, ``"-"``, everywhere. Stages are ``setup``, ``forward``, ``backward``,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple
 
 from ..trace.format import (MARK_BACKWARD_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END,
@@ -27,10 +27,12 @@ class Phase:
     iteration: int | None = None
     micro: int | None = None
     layer: int | None = None
+    marked: bool = False  # the trace has phase markers (an event outside every stage is then that)
 
     def describe(self) -> str:
-        """``'iteration 1, backward of micro-batch 0, layer 3'``; ``'no phase markers'`` without any."""
-        if self.stage == NO_STAGE and self.iteration is None:
+        """``'iteration 1, backward of micro-batch 0, layer 3'``; ``'no phase markers'`` for a trace
+        without any, ``'outside the marked stages'`` for an event before or between them."""
+        if self.stage == NO_STAGE and self.iteration is None and not self.marked:
             return "no phase markers"
         parts = []
         if self.iteration is not None:
@@ -108,7 +110,7 @@ def phase_at(trace: Trace, index: int) -> Phase:
     for op, cat, id_ in zip(trace.op[:index], trace.cat[:index], trace.id[:index]):
         if op == OP_MARK:
             t.mark(cat, id_)
-    return t.phase
+    return replace(t.phase, marked=True)
 
 
 class Span(NamedTuple):

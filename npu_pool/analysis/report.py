@@ -215,9 +215,7 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
     out += [f"- events {p.events}, allocations {p.allocs} ({p.initial_allocs} of them live when the recording "
             f"began), frees {p.frees}, sites {len(p.sites)}"
             + (f", origin `{t.origin}`" if t.origin else ""),
-            f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: "
-            + (p.peak_phase.describe() if p.peak_phase.describe() != "no phase markers" or not p.spans
-               else "outside the marked stages"),
+            f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
             f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
     out += [f"{level}# Fragmentation per policy", ""]
     rows = []
@@ -226,7 +224,7 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
                      str(f.device_mallocs), "-" if f.min_capacity is None else fmt_bytes(f.min_capacity)])
     out += _table(["policy", "peak reserved", "utilization", "waste", "device mallocs", "min capacity"], rows)
     out += ["", "utilization = peak live / peak reserved; waste = peak reserved - peak live; min capacity = the "
-            "smallest device on which the trace completes"
+            "smallest device on which the trace completes (by bisection: 2 MiB less fails)"
             + ("" if any(f.min_capacity is not None for f in t.policies) else
                " (`-`: not searched; `npu-pool analyze --min-capacity` finds it, a few replays per policy)") + ".",
             ""]

@@ -64,7 +64,8 @@ All sizes in GiB, each trace replayed on the simulated device:
   peak live  the most bytes of tensors alive at once: no allocator can need less (the lower bound)
   peak rsvd  the most memory the policy held from the device at once, given room to spare
   util       peak live / peak rsvd (100% = no memory wasted)
-  min cap    the smallest device (in 2 MiB steps) on which the whole trace completes
+  min cap    the smallest device (in 2 MiB steps) on which the whole trace completes, found by
+             bisection: 2 MiB less fails (allocators are not monotonic: a still smaller one may pass)
   over live  min cap - peak live: what the policy needs beyond the tensors themselves
   retries    at min cap, how often a request failed, the policy gave its free cache back to the
              device (a device-wide synchronisation) and retried: each one stalls training
