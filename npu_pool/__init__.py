@@ -14,13 +14,18 @@ _LAZY = {
     "PoolError": "npu_pool.pool",
     "OutOfMemoryError": "npu_pool.pool",
     "InvalidArgumentError": "npu_pool.pool",
+    "DoubleFreeError": "npu_pool.pool",
+    "UnknownPointerError": "npu_pool.pool",
+    "BackendError": "npu_pool.pool",
     "POLICIES": "npu_pool.pool",
     "install": "npu_pool.install",
     "installed": "npu_pool.install",
+    "current_pool": "npu_pool.install",
     "set_fraction": "npu_pool.install",
     "region": "npu_pool.colocate",
     "pause": "npu_pool.colocate",
     "resume": "npu_pool.colocate",
+    "set_backup_limit": "npu_pool.colocate",
 }
 
 __all__ = ["__version__", *_LAZY]

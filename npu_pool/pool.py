@@ -6,6 +6,7 @@ OOM snapshot writer (which import nothing above them), nothing else.
 from __future__ import annotations
 
 import array
+import threading
 from typing import Any, Optional, Sequence, Union
 
 from . import oom
@@ -448,21 +449,29 @@ def _tag(tag: object) -> bytes:
         raise _invalid(f"tag {tag!r:.60} is not ASCII") from None
 
 
+_REGIONS_LOCK = threading.Lock()  # a pool's open regions change whole: entered or left with its core region
+
+
 class _Region:
-    """The context manager of :meth:`Pool.region`: enters the tag, and on exit the region that
-    was entered before (regions nest)."""
+    """The context manager of :meth:`Pool.region`: enters the tag; on exit leaves this region,
+    and the innermost region still open becomes the pool's again (regions nest; a region left
+    while one opened after it, by another thread, is still open leaves that one current)."""
 
     def __init__(self, pool: Pool, tag: bytes):
         self.pool, self.tag = pool, tag
 
     def __enter__(self) -> "_Region":
-        stack = self.pool.__dict__.setdefault("_regions", [])
-        _check(lib.np_region(self.pool.ctx, self.tag))
-        stack.append(self.tag)
+        with _REGIONS_LOCK:
+            open_ = self.pool.__dict__.setdefault("_regions", [])
+            _check(lib.np_region(self.pool.ctx, self.tag))
+            open_.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stack = self.pool.__dict__.setdefault("_regions", [])
-        if stack:
-            stack.pop()
-        _check(lib.np_region(self.pool.ctx, stack[-1] if stack else ffi.NULL))
+        with _REGIONS_LOCK:
+            open_ = self.pool.__dict__.setdefault("_regions", [])
+            for i in range(len(open_) - 1, -1, -1):  # this region, wherever it is (not whatever is on top)
+                if open_[i] is self:
+                    del open_[i]
+                    break
+            _check(lib.np_region(self.pool.ctx, open_[-1].tag if open_ else ffi.NULL))

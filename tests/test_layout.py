@@ -210,3 +210,18 @@ def test_history_bounds_are_the_cores():
                 continue
             raise AssertionError("a history past the core's bound was taken")
     assert lib.npu_pool_set_history(-1, vocab.HISTORY_MAX + 1) != 0
+
+
+def test_every_name_docs_api_gives_the_package_is_there():
+    """docs/api.md names these as ``npu_pool.<name>``: each one is an attribute of the package
+    (DoubleFreeError, UnknownPointerError, BackendError, current_pool and set_backup_limit were
+    not), and the package exports nothing the docs leave out."""
+    import npu_pool
+
+    documented = {"Pool", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError",
+                  "UnknownPointerError", "BackendError", "POLICIES", "install", "installed", "current_pool",
+                  "set_fraction", "region", "pause", "resume", "set_backup_limit"}
+    text = (PKG.parent / "docs" / "api.md").read_text()
+    for name in documented:
+        assert getattr(npu_pool, name) is not None and re.search(rf"`(npu_pool\.)?{name}\b", text), name
+    assert set(npu_pool.__all__) == documented | {"__version__"}

@@ -197,7 +197,7 @@ static int save(np_ctx *ctx, np_tagset *t, np_tag *g) {
   if (bytes > t->backup_limit - np_min_u64(t->backup_bytes, t->backup_limit)) {
     char x[32], y[32], z[32];
     return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: %s of contents would pass the backup bound of %s "
-                    "(%s already held; npu_pool.set_backup_limit); nothing was paused", g->name, np_fmt_bytes(bytes, x),
+                    "(%s already held; set_backup_limit raises the bound); nothing was paused", g->name, np_fmt_bytes(bytes, x),
                     np_fmt_bytes(t->backup_limit, y), np_fmt_bytes(t->backup_bytes, z));
   }
   np_backup *k = n ? calloc(n, sizeof *k) : NULL;
