@@ -500,3 +500,32 @@ def test_a_plan_worse_than_online_runs_online_and_says_why():
     with Pool("planned") as pool:
         assert install(pool, bloated) is False and pool.plan_counts()["served"] == 0
     assert replay.run(t, "planned", plan=bloated).peak_reserved_bytes == replay.run(t, "npu_pool").peak_reserved_bytes
+
+
+def test_a_plan_never_makes_a_request_fail_that_the_online_pool_serves() -> None:
+    """The fallback's budget leaves the region its share of the cap. When that share alone makes
+    a request fail (the region not reserved yet, or reserved and idle: a plan this run does not
+    follow, a device too small for both) and nothing planned is live, the region is given up and
+    the request served, as the online pool serves it (before: 'a real shortage' on an empty
+    device). A cap below an idle region takes it back instead of being refused."""
+    mib = 1 << 20
+    plan = ([100 * mib, 100 * mib], [0, 100 * mib], [2, 2], 0, 600 * mib, 2)  # a 600 MiB region
+    p = Pool("planned", capacity=1024 * mib)
+    p.set_plan(*plan)
+    p.free(p.malloc(500 * mib))  # the region not reserved yet: its share would have failed this
+    p.check()
+    q = Pool("planned", capacity=1024 * mib)
+    q.set_plan(*plan)
+    a, b = q.malloc(100 * mib), q.malloc(100 * mib)  # the planned iteration: the region reserved
+    assert counts(q)["served"] == 2
+    q.free(a)
+    q.free(b)
+    q.malloc(700 * mib)  # the region idle: given up, and the request served
+    q.check()
+    r = Pool("planned", capacity=1024 * mib)
+    r.set_plan(*plan)
+    r.free(r.malloc(100 * mib))
+    r.free(r.malloc(100 * mib))
+    r.set_fraction(0.5)  # 512 MiB: below the idle 600 MiB region, which the cap takes back
+    assert r.stats()["total"]["reserved"]["current"] <= 512 * mib
+    r.check()

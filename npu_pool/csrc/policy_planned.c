@@ -30,7 +30,9 @@
  * good (optimizer states), and it goes to the fallback.
  * The fallback is an arena (arena.h) whose budget leaves the region room: the cap less the
  * region while it is not reserved yet, the cap less what the region holds once it is. When
- * the fallback has no room, the lowest free range of the region that fits is a last resort.
+ * the fallback has no room, the lowest free range of the region that fits is a last resort;
+ * failing that, with nothing planned live, the region is given up (until empty_cache or a new
+ * plan) and the request retried, so that a region the run does not use never costs its share.
  *
  * Invariants: the region segment is tiled by its blocks; its free blocks are exactly the
  * nodes of the address-ordered tree `free` (in_tree set) and no two of them are
@@ -402,8 +404,16 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
     st->count[FALLBACK]++;
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
+  if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
+  if (rc == NP_ERR_OOM && set_aside(ctx, st) && st->live == 0) {
+    /* The region's share of the cap, idle or not even reserved, would make this request fail
+     * where the online pool serves it (a plan this run does not follow, a device too small for
+     * both): give the region up until empty_cache or a new plan, as when reserving it failed. */
+    region_drop(ctx, st);
+    st->seg_failed = true;
+    rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
+  }
   if (rc == NP_OK) (*out)->pool = FALLBACK_POOL;
-  else if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) rc = NP_OK;
   return rc;
 }
 
@@ -430,6 +440,7 @@ static int planned_empty_cache(np_ctx *ctx) {
 
 static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
   planned_state *st = state(ctx);
+  if (st->seg && st->seg->size > limit && st->live == 0) region_drop(ctx, st); /* idle: the cap takes it back */
   if (st->seg && st->seg->size > limit) {
     char a[32];
     return np_error(NP_ERR_STATE, "the planned region of %s does not fit under the new cap", np_fmt_bytes(st->seg->size, a));
