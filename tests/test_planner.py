@@ -529,3 +529,17 @@ def test_a_plan_never_makes_a_request_fail_that_the_online_pool_serves() -> None
     r.set_fraction(0.5)  # 512 MiB: below the idle 600 MiB region, which the cap takes back
     assert r.stats()["total"]["reserved"]["current"] <= 512 * mib
     r.check()
+
+
+def test_a_request_the_last_resort_serves_is_counted_once() -> None:
+    """`fallback` counts what the npu_pool policy served; a request the region's idle ranges
+    serve as a last resort is `idle` only (it was counted in both)."""
+    mib = 1 << 20
+    p = Pool("planned", capacity=1024 * mib)
+    p.set_plan([100 * mib, 100 * mib], [0, 100 * mib], [2, 2], 0, 600 * mib, 2)
+    p.free(p.malloc(100 * mib))
+    p.free(p.malloc(100 * mib))
+    p.malloc(500 * mib)  # more than the fallback's share: the reserved, idle region takes it
+    assert counts(p) == {"served": 2, "fallback": 0, "idle": 1, "resyncs": 0}
+    assert p.stats()["pools"]["planned"]["allocated"]["current"] == 500 * mib
+    p.check()

@@ -401,7 +401,6 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   if (st->plan.n) {
     int rc = place_planned(ctx, st, req, stream, out);
     if (rc != NP_ERR_OOM) return rc;
-    st->count[FALLBACK]++;
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
   if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
@@ -413,7 +412,10 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
     st->seg_failed = true;
     rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
   }
-  if (rc == NP_OK) (*out)->pool = FALLBACK_POOL;
+  if (rc == NP_OK) {
+    (*out)->pool = FALLBACK_POOL;
+    if (st->plan.n) st->count[FALLBACK]++; /* served by the fallback (a last resort is `idle`, a failure neither) */
+  }
   return rc;
 }
 
