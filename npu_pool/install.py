@@ -14,7 +14,6 @@ start-up hook), or call ``npu_pool.install()`` at the top of the training script
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import threading
 import types
@@ -346,9 +345,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     elif settings.plan:
         raise config.ConfigError(f"{config.PLAN}={settings.plan} is the plan policy planned serves, but the policy is "
                                  f"{policy}: set {config.POLICY}=planned, or unset {config.PLAN}")
-    snapshots = oom.snapshot_dir()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
+    snapshots = oom.snapshot_setting()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
     if snapshots is not None:
-        config.parse_output_dir(snapshots, oom.ENV if os.environ.get(oom.ENV, "").strip() else oom.PATH)
+        config.parse_output_dir(*snapshots)
     for line in config.unknown_variables():
         warnings.warn(f"npu_pool: {line}", RuntimeWarning, stacklevel=2)
     import torch

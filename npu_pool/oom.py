@@ -36,7 +36,7 @@ from . import snapshot
 from .units import fmt_bytes
 
 __all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "HISTORY_WRITTEN", "OomExplanation", "explain",
-           "snapshot_dir", "write_snapshot", "on_oom"]
+           "snapshot_dir", "snapshot_setting", "write_snapshot", "on_oom"]
 
 ENV = "NPU_POOL_OOM_SNAPSHOT"
 ENABLE = "OOM_SNAPSHOT_ENABLE"   # MindSpeed-MM's switch ...
@@ -137,12 +137,18 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
 def snapshot_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Where OOM snapshots go: ``NPU_POOL_OOM_SNAPSHOT``, else ``OOM_SNAPSHOT_PATH`` (or the working
     directory) when ``OOM_SNAPSHOT_ENABLE=1``; None when neither asks for them."""
+    setting = snapshot_setting(environ)
+    return setting[0] if setting else None
+
+
+def snapshot_setting(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[str, str]]:
+    """:func:`snapshot_dir` and the variable it comes from (for messages), or None."""
     env = os.environ if environ is None else environ
     direct = env.get(ENV, "").strip()
     if direct:
-        return direct
+        return direct, ENV
     if env.get(ENABLE, "").strip() in ("1", "true", "True"):
-        return env.get(PATH, "").strip() or "."
+        return env.get(PATH, "").strip() or ".", PATH
     return None
 
 

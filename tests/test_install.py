@@ -424,6 +424,17 @@ def test_settings_install_would_ignore_are_refused_or_named(tmp_path: Path, fake
         npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
 
 
+def test_every_variable_a_module_reads_is_known() -> None:
+    """config.KNOWN_VARIABLES spells out the names other modules define (oom and mindspeed_patch
+    sit below or beside config and keep their own constants): a renamed one would be warned about."""
+    from mindspeed_patch import megatron
+    from npu_pool import npu_hooks, oom
+
+    for name in (npu_hooks.CACHE_ENV, oom.ENV, megatron.LOG_EVERY, megatron.REPORT_DIR, config.FRACTION,
+                 config.POLICY, config.PLAN, config.CONFIG_FILE):
+        assert name in config.KNOWN_VARIABLES, name
+
+
 def test_unknown_variables_and_output_folders() -> None:
     env = {"NPU_POOL_POILCY": "torch", "NPU_POOL_FRACTION": "0.5", "NPU_POOL_SHARED": "/x", "NPU_POOL_ZZZ": "1"}
     lines = config.unknown_variables(env)

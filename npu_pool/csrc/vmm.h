@@ -63,7 +63,8 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
 /* Unmap every mapped chunk that lies entirely in [addr, addr+size) (chunks reaching outside stay
  * mapped: no vendor unmaps part of a mapping). Tries every chunk; returns the first failure. A
  * chunk that refuses stays mapped and in the page table; with `whole` it is held instead
- * (counted, retried at empty_cache, close and out-of-memory), so that it is unmapped in the page table's view.
+ * (counted, retried at empty_cache, close and out-of-memory), so that it is unmapped in the
+ * page table's view.
  * *unmapped (optional) gets the bytes taken out of the page table. */
 int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped);
 int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole);
