@@ -45,7 +45,7 @@ setup(
     description="Fragmentation-aware device memory pool for large-model training (Ascend NPU, CUDA, simulated)",
     packages=find_packages(include=["npu_pool", "npu_pool.*", "mindspeed_patch", "mindspeed_patch.*"]),
     py_modules=["npu_pool_startup"],
-    package_data={"npu_pool": ["csrc/*.c", "csrc/*.h", "shim/*.cpp"]},
+    package_data={"npu_pool": ["csrc/*.c", "csrc/*.h", "shim/*.cpp", "shim/*.h"]},
     python_requires=">=3.9",
     setup_requires=["cffi>=1.15"],
     cffi_modules=["npu_pool/_build.py:ffibuilder"],

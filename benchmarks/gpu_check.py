@@ -1,22 +1,33 @@
-"""GPU check: a real GPT training loop on CUDA, once with torch's native caching allocator
-and once with npu_pool installed as the pluggable allocator, each in its own process.
+"""GPU check: a real training loop on CUDA, once with torch's native caching allocator and once
+with npu_pool installed as the pluggable allocator, each in its own process.
 
-    python benchmarks/gpu_check.py [--steps 30] [--policy npu_pool] [--flavour gpt]
+    python benchmarks/gpu_check.py [--steps 30] [--model gpt|mcore] [--dtype fp32|bf16]
                                    [--dim 512] [--layers 8] [--heads 8] [--batch 8] [--seq 512]
+                                   [--max-batch] [--record SNAPSHOT] [--json FILE]
 
-Prints a markdown table: whether the losses are identical (same seeds, deterministic
-kernels), peak reserved and peak allocated bytes with the utilization (allocated /
-reserved) of each allocator, the mean step time and its ratio, and nanoseconds per
-malloc+free pair through torch's allocator interface. Exits 2 with a message when no
-CUDA GPU is usable, 1 when the losses differ or a run fails.
+Prints a markdown table: whether the losses are identical step by step (same seeds,
+deterministic kernels, attention through the math kernel unless ``--attention auto``), peak
+reserved and peak allocated bytes (over the run, and per step from the second on) with the
+utilization (allocated / reserved) of each allocator, device calls in the steps after the
+second (num_device_alloc + num_device_free for the native allocator; every memory call npu_pool
+counts by kind for npu_pool), the mean step time and its ratio, nanoseconds per malloc+free pair
+through torch's allocator interface, whether ``torch.cuda.memory_*`` answer with npu_pool
+installed (checked against the pool's own figures) and, with ``--max-batch``, the largest batch
+each allocator fits (doubling, then bisection; one training step per try).
 
-The model is ``npu_pool.workloads.gpt`` when it is importable, else a small GPT defined here.
-``--device cpu`` runs the same loop on the CPU with the native allocator in both processes:
-it checks this script, not the allocator.
+``--model gpt`` is ``npu_pool.workloads.gpt``; ``--model mcore`` a megatron-core ``GPTModel``
+(local layer spec) from ``--megatron`` (default ``../shared/clients/megatron-lm``). ``--dtype bf16``
+trains under ``torch.autocast`` (bf16 compute, fp32 weights and AdamW states). ``--record FILE``
+records a memory snapshot of the native run (``torch.cuda.memory._record_memory_history``) for
+``npu-pool replay --validate``. Exits 2 with a message when no CUDA GPU is usable, 1 when the
+losses differ or a run fails. ``--device cpu`` runs the loop on the CPU with the native allocator
+in both processes: it checks this script, not the allocator.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import random
@@ -24,15 +35,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("native", "npu_pool")
+# npu_pool's calls that take or give back device memory or change mappings (vocab.CALL_NAMES)
+MEMORY_CALLS = ("malloc", "free", "reserve", "release", "phys_create", "phys_release", "map", "unmap")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "mcore"))
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--attention", default="math", choices=("math", "auto"),
+                    help="scaled_dot_product_attention backend: math (deterministic) or torch's choice")
     ap.add_argument("--policy", default="npu_pool", help="npu_pool policy: npu_pool, torch or expandable")
     ap.add_argument("--fraction", type=float, default=None, help="npu_pool memory fraction cap")
     ap.add_argument("--flavour", default="gpt", help="npu_pool.workloads.gpt flavour: gpt, llama, moe")
@@ -43,48 +60,68 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=20000, help="malloc+free pairs for the latency figure")
+    ap.add_argument("--max-batch", action="store_true", help="find the largest batch each allocator fits")
+    ap.add_argument("--megatron", default=str(ROOT.parent / "shared" / "clients" / "megatron-lm"),
+                    help="a Megatron-LM checkout (for --model mcore)")
+    ap.add_argument("--record", help="write a memory snapshot of the native run here (.pickle)")
+    ap.add_argument("--json", help="write both runs' figures here")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.steps < 3 or args.batch < 1 or args.seq < 1 or args.pairs < 1:
+        ap.error("--steps must be at least 3; --batch, --seq and --pairs positive")
+    return args
 
 
-# ---- the model ---------------------------------------------------------------------------
+# ---- the models ----------------------------------------------------------------------------
 
-def _model(args: argparse.Namespace) -> Any:
-    """``npu_pool.workloads.gpt.GPT`` if present, else the small GPT below."""
-    try:
-        from npu_pool.workloads.gpt import GPT, make_config
-    except ImportError:
-        return _TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.seq), "benchmarks/gpu_check.py:_TinyGPT"
+def _gpt(args: argparse.Namespace) -> tuple[Any, str]:
+    from npu_pool.workloads.gpt import GPT, make_config
+
     cfg = make_config(args.flavour, dim=args.dim, n_layers=args.layers, n_heads=args.heads, vocab=args.vocab,
                       max_seq=args.seq)
     return GPT(cfg), f"npu_pool.workloads.gpt ({args.flavour})"
 
 
-def _TinyGPT(vocab: int, dim: int, layers: int, heads: int, seq: int) -> Any:
-    """A pre-norm decoder-only transformer; ``forward(idx, targets)`` returns the loss."""
+def _mcore(args: argparse.Namespace, dev: Any) -> tuple[Any, str]:
+    """A megatron-core GPTModel (local spec, tensor and pipeline parallel 1) whose
+    ``forward(idx, targets)`` returns the mean loss, like the project's GPT."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
+    import torch.distributed as dist
 
-    class TinyGPT(nn.Module):
+    sys.path.insert(0, args.megatron)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dev.type == "cpu":  # this script's own check: megatron-core's CPU shims
+        from npu_pool.recorder._mcore_cpu import init
+
+        init(0)
+    else:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.dim, num_attention_heads=args.heads,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+    inner = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+                     max_sequence_length=args.seq)
+
+    class Wrapped(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-            self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-                for _ in range(layers))
-            self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+            self.inner = inner
 
         def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             n = idx.shape[1]
-            x = self.tok(idx) + self.pos(torch.arange(n, device=idx.device))
-            mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
-            for block in self.blocks:
-                x = block(x, src_mask=mask, is_causal=True)
-            return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1).float(), targets.flatten())
+            pos = torch.arange(n, device=idx.device).unsqueeze(0).expand(idx.shape[0], -1)
+            mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=idx.device).triu(1)
+            return inner(idx, pos, mask, labels=targets).float().mean()
 
-    return TinyGPT()
+    return Wrapped(), "megatron-core GPTModel (local spec)"
 
 
 # ---- one run (a worker process) ----------------------------------------------------------------
@@ -106,9 +143,78 @@ def _pair_ns(torch: Any, pairs: int) -> float:
     return (time.perf_counter_ns() - t0) / pairs
 
 
+def _is_oom(e: BaseException) -> bool:
+    text = str(e).lower()  # (a C malloc's NULL, without npu_pool's C++ hooks: a tensor without memory)
+    return isinstance(e, MemoryError) or "out of memory" in text or "data is not allocated yet" in text
+
+
+def _max_batch(step: Callable[[int], None], start: int, cleanup: Callable[[], None], tries: int = 9) -> dict[str, Any]:
+    """The largest batch for which one training step runs: doubling from ``start``, then bisection."""
+    ok, bad, log = 0, None, []
+
+    def fits(b: int) -> bool:
+        try:
+            step(b)
+            good = True
+        except (RuntimeError, MemoryError) as e:
+            if not _is_oom(e):
+                raise
+            good = False
+        cleanup()
+        log.append((b, good))
+        return good
+
+    b = start
+    while bad is None and len(log) < tries:
+        if fits(b):
+            ok, b = b, b * 2
+        else:
+            bad = b
+    while bad is not None and bad - ok > 1 and len(log) < tries:
+        mid = (ok + bad) // 2
+        if fits(mid):
+            ok = mid
+        else:
+            bad = mid
+    return {"largest": ok, "smallest_failed": bad, "tries": log}
+
+
+def _memory_apis(torch: Any, pool: Any) -> dict[str, Any]:
+    """Whether torch.cuda.memory_* answer under npu_pool, and with the pool's own figures."""
+    st = pool.stats()["total"]
+    out: dict[str, Any] = {}
+    checks = {
+        "memory_allocated": (lambda: torch.cuda.memory_allocated(), st["allocated"]["current"]),
+        "memory_reserved": (lambda: torch.cuda.memory_reserved(), st["reserved"]["current"]),
+        "max_memory_allocated": (lambda: torch.cuda.max_memory_allocated(), st["allocated"]["peak"]),
+        "max_memory_reserved": (lambda: torch.cuda.max_memory_reserved(), st["reserved"]["peak"]),
+        "memory_stats": (lambda: torch.cuda.memory_stats()["allocated_bytes.all.current"], st["allocated"]["current"]),
+        "memory_summary": (lambda: len(torch.cuda.memory_summary()) > 0, True),
+        "memory_snapshot": (lambda: isinstance(torch.cuda.memory_snapshot(), list), True),
+        "mem_get_info": (lambda: torch.cuda.mem_get_info()[1] > 0, True),
+    }
+    for name, (call, want) in checks.items():
+        try:
+            got = call()
+            out[name] = "ok" if got == want else f"differs: {got} vs the pool's {want}"
+        except Exception as e:  # noqa: BLE001  (what a user would see is the finding)
+            out[name] = f"raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return out
+
+
+def _calls(torch: Any, pool: Any) -> int:
+    """Device memory calls so far: the pool's by kind, or the native allocator's counters."""
+    if pool is not None:
+        c = pool.stats()["calls"]
+        return sum(int(c[k]) for k in MEMORY_CALLS)
+    st = torch.cuda.memory_stats()
+    return int(st.get("num_device_alloc", 0)) + int(st.get("num_device_free", 0))
+
+
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     pools = None
-    if args.worker == "npu_pool" and args.device == "cuda":
+    cuda = args.device == "cuda"
+    if args.worker == "npu_pool" and cuda:
         import npu_pool  # installed before torch touches the GPU
 
         pools = npu_pool.install(device_type="cuda", policy=args.policy, fraction=args.fraction)
@@ -118,36 +224,76 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model, model_name = _model(args)
     dev = torch.device(args.device)
+    pool = pools[torch.cuda.current_device()] if pools else None
+    if args.record and args.worker == "native" and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    model, model_name = _mcore(args, dev) if args.model == "mcore" else _gpt(args)
     model = model.to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    losses, times = [], []
-    for batch in batches:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    autocast = torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    attention = (lambda: sdpa_kernel([SDPBackend.MATH])) if args.attention == "math" else contextlib.nullcontext
+
+    def train_step(batch: Any) -> float:
         x, y = batch[:, :-1].to(dev), batch[:, 1:].to(dev)
-        sync()
-        t0 = time.perf_counter()
-        loss = model(x, y)
+        with autocast, attention():
+            loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    losses, times, peaks_r, peaks_a, calls = [], [], [], [], []
+    for _ in range(args.steps):
+        batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        c0 = _calls(torch, pool) if cuda else 0
+        sync()
+        t0 = time.perf_counter()
+        losses.append(train_step(batch))
         sync()
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-    out: dict[str, Any] = {"losses": losses, "step_s": times, "model": model_name, "torch": torch.__version__}
-    if args.device == "cuda":
-        out["device_name"] = torch.cuda.get_device_name()
-        if pools is not None:  # torch.cuda.memory_stats is not supported under a pluggable allocator
-            st = pools[torch.cuda.current_device()].stats()
-            out.update(peak_reserved=st["total"]["reserved"]["peak"], peak_allocated=st["total"]["allocated"]["peak"],
-                       allocs=st["allocs"], vmm=st["vmm"])
-        else:
-            out.update(peak_reserved=torch.cuda.max_memory_reserved(), peak_allocated=torch.cuda.max_memory_allocated())
-        del model, opt, batches
-        out["pair_ns"] = _pair_ns(torch, args.pairs)
+        if cuda:
+            peaks_r.append(int(torch.cuda.max_memory_reserved()))
+            peaks_a.append(int(torch.cuda.max_memory_allocated()))
+            calls.append(_calls(torch, pool) - c0)
+    out: dict[str, Any] = {"losses": losses, "step_s": times, "model": model_name, "torch": torch.__version__,
+                           "params": sum(p.numel() for p in model.parameters())}
+    if not cuda:
+        return out
+    if args.record and args.worker == "native":
+        torch.cuda.memory._dump_snapshot(args.record)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    out.update(device_name=torch.cuda.get_device_name(), cuda=torch.version.cuda, step_peak_reserved=peaks_r,
+               step_peak_allocated=peaks_a, step_calls=calls)
+    if pool is not None:
+        st = pool.stats()
+        out.update(peak_reserved=st["total"]["reserved"]["peak"], peak_allocated=st["total"]["allocated"]["peak"],
+                   allocs=st["allocs"], calls={k: int(v) for k, v in st["calls"].items() if v},
+                   memory_apis=_memory_apis(torch, pool))
+    else:
+        st = torch.cuda.memory_stats()
+        out.update(peak_reserved=st["reserved_bytes.all.peak"], peak_allocated=st["allocated_bytes.all.peak"],
+                   calls={"num_device_alloc": int(st.get("num_device_alloc", 0)),
+                          "num_device_free": int(st.get("num_device_free", 0))})
+    if args.max_batch:
+        def one(b: int) -> None:
+            train_step(torch.randint(0, args.vocab, (b, args.seq + 1), generator=gen))
+
+        def cleanup() -> None:
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+        out["max_batch"] = _max_batch(one, args.batch, cleanup)
+    del model, opt
+    gc.collect()
+    out["pair_ns"] = _pair_ns(torch, args.pairs)
     return out
 
 
@@ -172,24 +318,42 @@ def _table(args: argparse.Namespace, res: dict[str, dict[str, Any]]) -> tuple[st
     nat, np_ = res["native"], res["npu_pool"]
     same = nat["losses"] == np_["losses"]
     diff = max(abs(a - b) for a, b in zip(nat["losses"], np_["losses"]))
-    warm = slice(min(2, args.steps - 1), None)  # the first steps include one-off start-up work
-    step = {m: sum(r["step_s"][warm]) / len(r["step_s"][warm]) for m, r in res.items()}
+    first = next((i for i, (a, b) in enumerate(zip(nat["losses"], np_["losses"])) if a != b), None)
+    warm = slice(2, None)  # the first steps include one-off start-up work
+    step = {m: sorted(r["step_s"][warm])[len(r["step_s"][warm]) // 2] for m, r in res.items()}
     label = f"npu_pool (policy {args.policy})" if args.device == "cuda" else "second run (CPU, native)"
     rows = [f"| | native (torch caching allocator) | {label} |", "|---|---|---|",
-            f"| losses identical ({args.steps} steps) | {'yes' if same else f'NO (max abs diff {diff:.3g})'} | |",
+            f"| losses identical, step by step ({args.steps} steps) | "
+            f"{'yes' if same else f'NO (first at step {first}, max abs diff {diff:.3g})'} | |",
             f"| final loss | {nat['losses'][-1]:.6f} | {np_['losses'][-1]:.6f} |"]
     if args.device == "cuda":
         for key, name in (("peak_reserved", "peak reserved"), ("peak_allocated", "peak allocated")):
-            rows.append(f"| {name} | {_bytes(nat[key])} | {_bytes(np_[key])} |")
+            rows.append(f"| {name} | {_bytes(nat[key])} ({nat[key]} B) | {_bytes(np_[key])} ({np_[key]} B) |")
         util = {m: r["peak_allocated"] / r["peak_reserved"] if r["peak_reserved"] else 0.0 for m, r in res.items()}
         rows.append(f"| utilization (peak allocated / peak reserved) | {util['native']:.1%} | {util['npu_pool']:.1%} |")
-    rows.append(f"| mean step time | {step['native'] * 1e3:.2f} ms | {step['npu_pool'] * 1e3:.2f} ms "
+        for key, name in (("step_peak_reserved", "per-step peak reserved, steps 2+ (min..max)"),
+                          ("step_peak_allocated", "per-step peak allocated, steps 2+ (min..max)")):
+            rows.append(f"| {name} | " + " | ".join(
+                f"{_bytes(min(r[key][warm]))} .. {_bytes(max(r[key][warm]))}" for r in (nat, np_)) + " |")
+        rows.append("| device memory calls in steps 2+ (all / per step max) | " + " | ".join(
+            f"{sum(r['step_calls'][warm])} / {max(r['step_calls'][warm])}" for r in (nat, np_)) + " |")
+        rows.append("| device memory calls, whole run | " + " | ".join(
+            ", ".join(f"{k} {v}" for k, v in r["calls"].items()) or "none" for r in (nat, np_)) + " |")
+    rows.append(f"| median step time, steps 2+ | {step['native'] * 1e3:.2f} ms | {step['npu_pool'] * 1e3:.2f} ms "
                 f"(x{step['npu_pool'] / step['native']:.3f}) |")
     if args.device == "cuda":
         rows.append(f"| malloc+free per pair (torch.cuda.caching_allocator_alloc/delete) | "
                     f"{nat['pair_ns']:.0f} ns | {np_['pair_ns']:.0f} ns |")
-    head = (f"GPU check on {nat.get('device_name', 'CPU')}, torch {nat['torch']}, model {nat['model']}, "
-            f"dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.seq}\n\n")
+        apis = np_.get("memory_apis", {})
+        bad = {k: v for k, v in apis.items() if v != "ok"}
+        rows.append(f"| torch.cuda.memory_* under npu_pool | | "
+                    f"{'all ' + str(len(apis)) + ' answer with the pool figures' if not bad else bad} |")
+        if "max_batch" in nat:
+            rows.append("| largest batch (one step fits; tries) | " + " | ".join(
+                f"{r['max_batch']['largest']} ({len(r['max_batch']['tries'])})" for r in (nat, np_)) + " |")
+    head = (f"GPU check on {nat.get('device_name', 'CPU')}, torch {nat['torch']}, model {nat['model']} "
+            f"({nat['params'] / 1e6:.0f} M parameters), {args.dtype}, dim {args.dim}, {args.layers} layers, "
+            f"batch {args.batch} x {args.seq}, attention {args.attention}\n\n")
     return head + "\n".join(rows), same
 
 
@@ -212,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     table, same = _table(args, res)
     print(table)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "runs": res}, f)
     return 0 if same else 1
 
 

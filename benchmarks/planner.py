@@ -41,12 +41,12 @@ CAPTURES: list[tuple[str, dict[str, Any]]] = [
 
 
 def collect(shared: Path | None, captures: bool) -> list[tuple[str, Any]]:
-    named: list[tuple[str, Any]] = []
-    if shared is not None and shared.is_dir():
-        from npu_pool.trace.files import open_traces
+    from fragmentation import snapshots
+    from npu_pool.trace.files import open_traces
 
-        for p in sorted(shared.glob("*.pickle")):
-            named.extend(open_traces(p))
+    named: list[tuple[str, Any]] = []
+    for p in snapshots(shared):
+        named.extend(open_traces(p))
     if captures:
         from npu_pool.capture import fake_capture
 

@@ -35,7 +35,7 @@ CONFIG_FILE = "NPU_POOL_CONFIG"
 POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  # the keys of npu_pool.pool.POLICIES
 _KEYS = (ENABLE, FRACTION, POLICY, PLAN)
 # Every NPU_POOL_* variable something reads: these settings, the ones read where they apply
-# (npu_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the
+# (cpp_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the
 # repository's own tooling (./run, .ci/run and the tests); any other is a typo to point out.
 KNOWN_VARIABLES = (FRACTION, POLICY, PLAN, CONFIG_FILE, "NPU_POOL_CACHE", "NPU_POOL_OOM_SNAPSHOT", "NPU_POOL_LOG_EVERY",
                    "NPU_POOL_REPORT_DIR", "NPU_POOL_DEBUG", "NPU_POOL_CI_VENV", "NPU_POOL_TORCH_NPU_PYTHON",

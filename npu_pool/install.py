@@ -5,9 +5,9 @@ core's shared object (the C entry points of ``csrc/pluggable.h``), registers the
 signatures match what torch calls, swaps it in, and routes torch's memory APIs
 (``memory_stats``, ``memory_allocated``, ``reset_peak_memory_stats``, ``memory_summary``,
 ``_record_memory_history``, ``_snapshot``, ...) to the pool (``npu_pool.torch_memory``). On
-an NPU, the hooks that take C++ types (device statistics, ``record_stream``, an out-of-memory
-error torch can raise) come from a small C++ library built against the installed torch_npu
-(``npu_pool.npu_hooks``). It must run before torch allocates device memory:
+an NPU, the hooks that take C++ types (device statistics, ``record_stream``) and, on both, the
+malloc that raises ``torch.OutOfMemoryError`` come from a small C++ library built against the
+installed torch (``npu_pool.cpp_hooks``). It must run before torch allocates device memory:
 ``MEMORY_FRAGMENTATION=1`` in the environment does that in every process (the package's
 start-up hook), or call ``npu_pool.install()`` at the top of the training script.
 """
@@ -36,7 +36,7 @@ __all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError
 #   set_reset_peak_status_fn void(c10::DeviceIndex)              torch_npu only
 #   set_record_stream_fn     void(void* ptr, cudaStream_t)       CUDA
 # torch_npu's set_get_device_stats_fn, set_record_stream_fn and set_erase_stream_fn take C++ types:
-# they come from npu_hooks. Not registered: set_base_alloc_fn (IPC; virtual-memory pages cannot be
+# they come from cpp_hooks. Not registered: set_base_alloc_fn (IPC; virtual-memory pages cannot be
 # shared that way) and the graph-pool hooks (std::function / MempoolId_t arguments).
 _HOOKS: dict[str, tuple[tuple[str, str], ...]] = {
     "cuda": (("set_init_fn", "npu_pool_init"), ("set_reset_fn", "npu_pool_empty_cache"),
@@ -288,23 +288,31 @@ def _npu_pool_on_oom(device: int, size: int, stream: Any) -> None:
         pass
 
 
+def _hooks(kind: str) -> Any:
+    """The C++ hooks of ``kind`` (npu_pool.cpp_hooks), or None with a warning saying what is lost."""
+    from . import cpp_hooks
+
+    try:
+        return cpp_hooks.load(kind)
+    except cpp_hooks.HooksUnavailable as e:
+        lost = ("torch.npu.memory_stats() and friends are answered from Python, and an out-of-memory request "
+                "surfaces as torch_npu's 'Get data_ptr failed'" if kind == "npu" else
+                "an out-of-memory request is not raised by torch.empty(): the tensor it returns has no memory and "
+                "fails at first use ('data is not allocated yet')")
+        warnings.warn(f"npu_pool: {e}; using the C hooks only: {lost}, after npu_pool's explanation on stderr",
+                      RuntimeWarning, stacklevel=4)
+        return None
+
+
 def _build_allocator(kind: str, module: Any, torch: Any) -> tuple[Any, list[str], bool]:
     """torch's pluggable allocator over npu_pool, its hooks registered; (allocator, setters, C++ hooks)."""
     setters = [(s, _address(sym)) for s, sym in _HOOKS[kind]]
-    if kind == "cuda":
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(core_path(), "npu_pool_malloc", "npu_pool_free")
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator if kind == "cuda" else module.memory.NPUPluggableAllocator
+    hooks = _hooks(kind)
+    if hooks is None:
+        allocator = pluggable(core_path(), "npu_pool_malloc", "npu_pool_free")
         return allocator, _register(allocator.allocator(), setters), False
-    from . import npu_hooks
-
-    try:
-        hooks = npu_hooks.load()
-    except npu_hooks.HooksUnavailable as e:
-        warnings.warn(f"npu_pool: {e}; using the C hooks only: torch.npu.memory_stats() and friends are answered "
-                      "from Python, and an out-of-memory request surfaces as torch_npu's 'Get data_ptr failed' "
-                      "after npu_pool's explanation on stderr", RuntimeWarning, stacklevel=3)
-        allocator = module.memory.NPUPluggableAllocator(core_path(), "npu_pool_malloc", "npu_pool_free")
-        return allocator, _register(allocator.allocator(), setters), False
-    allocator = module.memory.NPUPluggableAllocator(hooks.path, hooks.MALLOC, hooks.FREE)
+    allocator = pluggable(hooks.path, hooks.MALLOC, hooks.FREE)
     used = _register(allocator.allocator(), setters + hooks.setters())
     lib.npu_pool_set_quiet(1)  # the C++ malloc hook raises the failure: torch.OutOfMemoryError
     return allocator, used, True

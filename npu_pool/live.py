@@ -64,6 +64,7 @@ class LiveResult:
     device_frees: Optional[int]
     vendor_calls: Optional[dict[str, int]]  # per vendor function (runtimes that count them)
     seconds: float                 # wall time of one replay (the room-to-spare one)
+    pool_calls: Optional[dict[str, int]] = None  # npu_pool's own device calls by kind (its run only)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,7 +206,10 @@ def _vendor_counter(kind: str) -> Any:
 
 
 def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+    """An allocation refused for lack of memory: the framework's error, or (a pluggable allocator
+    whose C malloc returned NULL, which torch does not check) a tensor without memory."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or "out of memory" in text or "data is not allocated yet" in text
 
 
 class _Player:
@@ -224,9 +228,12 @@ class _Player:
     def _alloc(self, size: int, stream: int) -> Any:
         torch = self.torch
         if stream == 0:
-            return torch.empty(size, dtype=torch.uint8, device=self.dev)
-        with self.module.stream(self._stream(stream)):
-            return torch.empty(size, dtype=torch.uint8, device=self.dev)
+            t = torch.empty(size, dtype=torch.uint8, device=self.dev)
+        else:
+            with self.module.stream(self._stream(stream)):
+                t = torch.empty(size, dtype=torch.uint8, device=self.dev)
+        t.data_ptr()  # a NULL from a pluggable allocator's C malloc fails here, not at torch.empty
+        return t
 
     def play(self) -> Optional[int]:
         """Replay every event; None when all were served, else the index of the one that failed."""
@@ -329,7 +336,8 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
                peak_reserved_bytes=int(module.max_memory_reserved(player.dev)),
                peak_allocated_bytes=int(module.max_memory_allocated(player.dev)), min_capacity_bytes=None,
                device_allocs=delta("num_device_alloc"), device_frees=delta("num_device_free"), vendor_calls=calls,
-               seconds=seconds)
+               seconds=seconds,
+               pool_calls={k: int(v) for k, v in pool.stats()["calls"].items() if v} if pool is not None else None)
     if min_capacity and failed is None:
         player.reset()
         rec["min_capacity_bytes"] = _min_capacity(player, module, rec["peak_allocated_bytes"],

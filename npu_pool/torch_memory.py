@@ -20,7 +20,7 @@ So ``memory_stats``, ``memory_allocated``, ``max_memory_allocated``, ``memory_re
 ``memory_summary``, ``memory_snapshot``, ``_record_memory_history``, ``_snapshot`` and
 ``_dump_snapshot`` (``torch.cuda.*`` and ``torch.npu.*``) give the pool's exact figures (a device
 torch does not have raises "Invalid device argument", as torch's own allocators do); with
-torch_npu's C++ hooks (``npu_pool.npu_hooks``) ``memory_stats`` comes from C++, the same mapping.
+torch_npu's C++ hooks (``npu_pool.cpp_hooks``) ``memory_stats`` comes from C++, the same mapping.
 ``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
 (the pool records no stacks): memory_viz shows each block with its size, stream and time.
 """

@@ -298,11 +298,32 @@ def _addr(symbol: str) -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(so, symbol)))
 
 
-def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cuda_torch: list) -> None:
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp-hooks", "c-hooks-only"])
+def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cuda_torch: list, cpp: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """malloc and free: the C++ hooks (a refused request raises torch.OutOfMemoryError), or,
+    when they cannot be built, the core's C entry points with a warning saying what is lost."""
+    from npu_pool import cpp_hooks
+
     v = _vendor(fakes, "cuda")
-    pools = npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)
+    if cpp:
+        try:
+            hooks = cpp_hooks.load("cuda")
+        except cpp_hooks.HooksUnavailable as e:
+            pytest.skip(f"the C++ hooks cannot be built here: {e}")
+        pools = npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)
+    else:
+        def unavailable(kind: str) -> None:
+            raise cpp_hooks.HooksUnavailable("no C++ compiler (set CXX, or install g++) to build npu_pool's C++ hooks")
+
+        monkeypatch.setattr(cpp_hooks, "load", unavailable)
+        with pytest.warns(RuntimeWarning, match="using the C hooks only: an out-of-memory request is not raised"):
+            pools = npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)
     (alloc,) = fake_cuda_torch
-    assert alloc.path == inst.core_path() and alloc.names == ("npu_pool_malloc", "npu_pool_free")
+    if cpp:
+        assert alloc.path == hooks.path and alloc.names == ("npu_pool_hooks_malloc", "npu_pool_hooks_free")
+    else:
+        assert alloc.path == inst.core_path() and alloc.names == ("npu_pool_malloc", "npu_pool_free")
     got = alloc.handle.got
     assert sorted(got) == ["set_init_fn", "set_memory_fraction_fn", "set_record_stream_fn", "set_reset_fn"]
     assert got["set_reset_fn"] == _addr("npu_pool_empty_cache")
@@ -428,9 +449,9 @@ def test_every_variable_a_module_reads_is_known() -> None:
     """config.KNOWN_VARIABLES spells out the names other modules define (oom and mindspeed_patch
     sit below or beside config and keep their own constants): a renamed one would be warned about."""
     from mindspeed_patch import megatron
-    from npu_pool import npu_hooks, oom
+    from npu_pool import cpp_hooks, oom
 
-    for name in (npu_hooks.CACHE_ENV, oom.ENV, megatron.LOG_EVERY, megatron.REPORT_DIR, config.FRACTION,
+    for name in (cpp_hooks.CACHE_ENV, oom.ENV, megatron.LOG_EVERY, megatron.REPORT_DIR, config.FRACTION,
                  config.POLICY, config.PLAN, config.CONFIG_FILE):
         assert name in config.KNOWN_VARIABLES, name
 

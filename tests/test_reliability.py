@@ -156,7 +156,7 @@ def test_fork_while_threads_are_inside_the_pool() -> None:
 def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) -> None:
     """The hooks cache keeps a size and checksum beside each library; a truncated or altered
     library (which would kill the process with SIGBUS when loaded) is rebuilt instead."""
-    from npu_pool import npu_hooks
+    from npu_pool import cpp_hooks
 
     src = tmp_path / "hooks.c"
     src.write_text("int npu_pool_hooks_probe(void) { return 42; }\n" + "/* padding */\n" * 200)
@@ -168,26 +168,26 @@ def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) 
         return run(cmd, **kw)
 
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
-    monkeypatch.setattr(npu_hooks, "_compiler", lambda: os.environ.get("CC", "") or "gcc")
-    monkeypatch.setattr(npu_hooks, "_command", lambda cxx: [cxx, "-shared", "-fPIC", "-x", "c", str(src)])
-    monkeypatch.setattr(npu_hooks.subprocess, "run", compile_counted)
-    monkeypatch.setattr(npu_hooks, "_key", lambda cxx: "test")
-    monkeypatch.setenv(npu_hooks.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp_hooks, "_compiler", lambda: os.environ.get("CC", "") or "gcc")
+    monkeypatch.setattr(cpp_hooks, "_command", lambda cxx, kind: [cxx, "-shared", "-fPIC", "-x", "c", str(src)])
+    monkeypatch.setattr(cpp_hooks.subprocess, "run", compile_counted)
+    monkeypatch.setattr(cpp_hooks, "_key", lambda cxx, kind: "test")
+    monkeypatch.setenv(cpp_hooks.CACHE_ENV, str(tmp_path / "cache"))
     try:
-        lib = npu_hooks.build()
-    except npu_hooks.HooksUnavailable as e:
+        lib = cpp_hooks.build()
+    except cpp_hooks.HooksUnavailable as e:
         pytest.skip(f"no C compiler: {e}")
     assert len(builds) == 1 and lib.with_name(lib.name + ".sum").is_file()
     whole = lib.read_bytes()
-    assert npu_hooks.build() == lib and len(builds) == 1  # verified: reused
+    assert cpp_hooks.build() == lib and len(builds) == 1  # verified: reused
     lib.write_bytes(whole[: len(whole) // 3])  # truncated, as a full disk or a killed copy leaves it
-    assert npu_hooks.build() == lib and len(builds) == 2 and lib.read_bytes() == whole
+    assert cpp_hooks.build() == lib and len(builds) == 2 and lib.read_bytes() == whole
     flipped = bytearray(whole)
     flipped[len(flipped) // 2] ^= 0xFF  # same size, other bytes
     lib.write_bytes(bytes(flipped))
-    assert npu_hooks.build() == lib and len(builds) == 3 and lib.read_bytes() == whole
+    assert cpp_hooks.build() == lib and len(builds) == 3 and lib.read_bytes() == whole
     lib.with_name(lib.name + ".sum").unlink()  # a library without its checksum (an older cache)
-    assert npu_hooks.build() == lib and len(builds) == 4
+    assert cpp_hooks.build() == lib and len(builds) == 4
     import ctypes
     assert ctypes.CDLL(str(lib)).npu_pool_hooks_probe() == 42
 

@@ -10,7 +10,7 @@ import pytest
 from npu_pool import Pool, replay
 from npu_pool.cli import main
 from npu_pool.trace.format import (MARK_FORWARD_BEGIN, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK,
-                                   Trace)
+                                   Trace, device_type)
 
 MiB = 1 << 20
 POLICIES = ["torch", "npu_pool", "expandable"]
@@ -51,7 +51,7 @@ def reference(trace: Trace, policy: str, use_sites: bool) -> tuple[list[int], in
     """The same trace served one Python call at a time."""
     placed = [0] * len(trace)
     ptrs: dict[int, int] = {}
-    with Pool(policy, capacity=replay.UNLIMITED) as pool:
+    with Pool(policy, capacity=replay.UNLIMITED, rules=device_type(trace)) as pool:  # the rules replay applies
         for i, e in enumerate(trace.events()):
             if e.op in (OP_ALLOC, OP_INIT_ALLOC):
                 life = "long" if e.op == OP_INIT_ALLOC else "auto"
@@ -130,3 +130,25 @@ def test_cli_replay_bad_input(tmp_path, capsys):
     assert main(["replay", str(bad)]) == 1
     assert "error" in capsys.readouterr().err
     assert main(["replay", str(bad), "--policy", "nope"]) == 1
+
+
+def test_cuda_rules_place_segments_as_cudamalloc_does():
+    """Under CUDA's rules the simulated device gives a malloc the highest free range that fits, at
+    its top end (measured on an H100, docs/gpu.md); under torch_npu's, the next range up."""
+    def segments(rules: str) -> list[int]:
+        with Pool("torch", capacity=1 << 34, rules=rules) as pool:
+            a = pool.malloc(40 * MiB)
+            b = pool.malloc(40 * MiB)
+            c = pool.malloc(100 * MiB)
+            pool.free(b)
+            pool.empty_cache()  # b's segment goes back: a 40 MiB hole between a and c
+            d = pool.malloc(20 * MiB)  # a 20 MiB segment: into the hole, at its top end
+            e = pool.malloc(60 * MiB)  # fits no hole: below everything
+            return [a, b, c, d, e]
+
+    a, b, c, d, e = segments("cuda")
+    assert b < a and c < b  # top down
+    assert d == b + 20 * MiB  # the hole's top end
+    assert e < c
+    a, b, c, d, e = segments("npu")
+    assert a < b < c < d < e  # bottom up, no range reused

@@ -495,8 +495,9 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   int prev;
   if (enter(c, &prev) != NP_OK) goto fail;
   size_t free_bytes = 0, total = 0;
-  cu_err e = CU(c, FREE, cudaFree(NULL)); /* creates the device's primary context if needed */
-  if (!e) e = CU(c, MEM_INFO, cudaMemGetInfo(&free_bytes, &total));
+  /* (creates the device's primary context if needed, as cudaFree(NULL) would: no free is counted
+   * where nothing is freed, and torch.cuda.memory_stats()'s num_device_free stays the segments') */
+  cu_err e = CU(c, MEM_INFO, cudaMemGetInfo(&free_bytes, &total));
   if (e) {
     rt_fail(c, "cudaMemGetInfo", "", e);
     leave(c, prev);

@@ -45,7 +45,10 @@ typedef struct sim_backend {
   uint64_t used;
   bool host;
   int device;
-  uintptr_t next;      /* bump pointer for virtual addresses */
+  uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down) */
+  bool top_down;       /* mallocs as cudaMalloc places them: the highest free range that fits, at its
+                        * top end, below `down_top` (CUDA's rules; measured on an H100, docs/gpu.md) */
+  uintptr_t down_top;  /* ... the top of that region: the window's middle, far above any reservation */
   uintptr_t hint;      /* one-shot address for the next malloc, 0 if none */
   sim_table alloc;     /* allocations and reservations */
   sim_table maps;      /* mappings of physical chunks */
@@ -118,7 +121,22 @@ static int charge(sim_backend *s, uint64_t size) {
   return NP_OK;
 }
 
-/* Pick an address range of `size` bytes: real host memory or the next virtual range. */
+/* The highest range of `size` bytes (rounded up to SIM_ALIGN) free below s->down_top, at the
+ * top end of its gap: a first fit scanning down. Allocations stay sorted in s->alloc. */
+static uintptr_t top_down_addr(const sim_backend *s, uint64_t size) {
+  uint64_t need = np_round_up(size, SIM_ALIGN);
+  uintptr_t upper = s->down_top;
+  for (size_t i = find_pos(&s->alloc, s->down_top); i-- > 0;) {
+    const sim_range *r = &s->alloc.ranges[i];
+    uintptr_t end = np_round_up(r->addr + r->size, SIM_ALIGN);
+    if (end <= upper && upper - end >= need) break;
+    upper = r->addr;
+  }
+  return upper - need;
+}
+
+/* Pick an address range of `size` bytes: real host memory, the hinted range, or a virtual range
+ * (top down for mallocs under CUDA's rules, else the next one up). */
 static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
   if (s->host) {
     void *p = mmap(NULL, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -126,6 +144,8 @@ static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
     *out = (uintptr_t)p;
   } else if (s->hint && !overlaps(&s->alloc, s->hint, size)) {
     *out = s->hint;
+  } else if (s->top_down && prot != PROT_NONE) {
+    *out = top_down_addr(s, size);
   } else {
     *out = s->next;
     s->next = np_round_up(s->next + size, SIM_ALIGN);
@@ -348,6 +368,8 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   };
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
+  s->top_down = cfg->device_rules == NP_DEVICE_CUDA;
+  s->down_top = s->next + SIM_WINDOW / 2;
   s->device = cfg->device;
   /* what the ACL backend asks at creation: the device, its memory, the granularity and a probe reservation */
   sim_enter(s, true);

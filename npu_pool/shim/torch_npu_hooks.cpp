@@ -1,11 +1,8 @@
 // torch_npu_hooks.cpp -- the hooks of torch_npu's NPUPluggableAllocator that a C function
 // cannot be: they take or return C++ types. Built against the installed torch and torch_npu
-// headers by npu_pool/npu_hooks.py (cached), bound to the core's C entry points at load.
+// headers by npu_pool/cpp_hooks.py (cached), bound to the core's C entry points at load.
 //
-//  - malloc / free: the core's npu_pool_malloc / npu_pool_free; a request it cannot serve throws
-//    c10::OutOfMemoryError with the pool's explanation (torch.OutOfMemoryError in Python),
-//    where the plain C hook could only return NULL ("Get data_ptr failed"); any other refusal
-//    (a closed pool, a forked child, no configuration) is a plain c10::Error (RuntimeError);
+//  - malloc / free: malloc_hook.h (a request the core cannot serve raises torch.OutOfMemoryError);
 //  - get_device_stats: c10::CachingDeviceAllocator::DeviceStats filled from np_stats
 //    (torch.npu.memory_stats() & co.; without it torch_npu's getDeviceStats returns nothing);
 //    a device torch does not have raises "Invalid device argument", as torch_npu's allocator does;
@@ -16,6 +13,7 @@
 
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 
+#include "malloc_hook.h"
 #include "npu_pool.h"
 
 namespace {
@@ -25,13 +23,9 @@ using c10::CachingDeviceAllocator::Stat;
 using c10::CachingDeviceAllocator::StatArray;
 using c10::CachingDeviceAllocator::StatType;
 
-struct Core {
-  void *(*malloc)(size_t, int, void *) = nullptr;
-  void (*free)(void *, size_t, int, void *) = nullptr;
+struct Core : npu_pool_shim::CoreMalloc {
   int (*stats)(int, np_stats *) = nullptr;
   void (*record_stream)(void *, void *) = nullptr;
-  size_t (*last_error)(int, char *, size_t) = nullptr;
-  int (*last_code)() = nullptr;
 } core;
 
 void set(Stat &s, const np_counter &c) {
@@ -56,24 +50,14 @@ extern "C" {
 // The core's entry points (addresses from the binding); returns 0.
 int npu_pool_hooks_bind(void *malloc_fn, void *free_fn, void *stats_fn, void *record_fn, void *last_error_fn,
                         void *last_code_fn) {
-  core.malloc = reinterpret_cast<void *(*)(size_t, int, void *)>(malloc_fn);
-  core.free = reinterpret_cast<void (*)(void *, size_t, int, void *)>(free_fn);
+  npu_pool_shim::bind_malloc(core, malloc_fn, free_fn, last_error_fn, last_code_fn);
   core.stats = reinterpret_cast<int (*)(int, np_stats *)>(stats_fn);
   core.record_stream = reinterpret_cast<void (*)(void *, void *)>(record_fn);
-  core.last_error = reinterpret_cast<size_t (*)(int, char *, size_t)>(last_error_fn);
-  core.last_code = reinterpret_cast<int (*)()>(last_code_fn);
   return 0;
 }
 
 void *npu_pool_hooks_malloc(size_t size, int device, void *stream) {
-  void *p = core.malloc(size, device, stream);
-  if (p || size == 0) return p;
-  int code = core.last_code();  // this thread's: set by the failed call just made
-  char msg[1024] = "";
-  core.last_error(device, msg, sizeof msg);
-  TORCH_CHECK_WITH(OutOfMemoryError, code != NP_ERR_OOM, "npu_pool: ", msg);
-  TORCH_CHECK(false, "npu_pool: ", msg);
-  return nullptr;
+  return npu_pool_shim::malloc_or_throw(core, size, device, stream);
 }
 
 void npu_pool_hooks_free(void *ptr, size_t size, int device, void *stream) { core.free(ptr, size, device, stream); }

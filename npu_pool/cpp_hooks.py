@@ -1,10 +1,12 @@
-"""The C++ hooks for torch_npu's NPUPluggableAllocator (``shim/torch_npu_hooks.cpp``), built on
-first use against the installed torch and torch_npu headers and cached.
+"""The C++ hooks of torch's pluggable allocators, built on first use against the installed
+torch (and torch_npu) headers and cached: ``shim/torch_npu_hooks.cpp`` for torch_npu's
+NPUPluggableAllocator, ``shim/torch_cuda_hooks.cpp`` for torch's CUDAPluggableAllocator.
 
-torch_npu's ``set_get_device_stats_fn`` wants a function returning a C++ ``DeviceStats`` (it
-holds a hash map: no C function can fake it; without one, ``torch.npu.memory_stats()`` reads
-garbage and aborts), ``set_record_stream_fn`` and ``set_erase_stream_fn`` pass a
-``c10_npu::NPUStream``, and only a C++ malloc hook can raise ``torch.OutOfMemoryError``. The
+Only a C++ malloc hook can raise ``torch.OutOfMemoryError`` (a C one returns NULL, which neither
+pluggable allocator checks: ``shim/malloc_hook.h``). torch_npu's ``set_get_device_stats_fn``
+also wants a function returning a C++ ``DeviceStats`` (it holds a hash map: no C function can
+fake it; without one, ``torch.npu.memory_stats()`` reads garbage and aborts), and
+``set_record_stream_fn`` and ``set_erase_stream_fn`` pass a ``c10_npu::NPUStream``. A
 library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (else g++)
 into ``$NPU_POOL_CACHE`` (else ``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``);
 concurrent ranks wait for one build. Beside each library a ``.sum`` file holds its size and
@@ -28,7 +30,8 @@ from pathlib import Path
 from ._core import ffi, lib
 from .inputs import open_regular
 
-SOURCE = Path(__file__).resolve().parent / "shim" / "torch_npu_hooks.cpp"
+SHIM = Path(__file__).resolve().parent / "shim"
+SOURCES = {"npu": SHIM / "torch_npu_hooks.cpp", "cuda": SHIM / "torch_cuda_hooks.cpp"}
 CACHE_ENV = "NPU_POOL_CACHE"
 
 __all__ = ["Hooks", "HooksUnavailable", "load", "build", "cache_dir"]
@@ -49,49 +52,62 @@ def cache_dir() -> Path:
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "").strip() or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise HooksUnavailable("no C++ compiler (set CXX, or install g++) to build npu_pool's torch_npu hooks")
+        raise HooksUnavailable("no C++ compiler (set CXX, or install g++) to build npu_pool's C++ hooks")
     return cxx
 
 
-def _command(cxx: str) -> list[str]:
-    """The compiler's command line, less its output file."""
+def _command(cxx: str, kind: str) -> list[str]:
+    """The compiler's command line for ``kind``'s hooks, less its output file."""
     import torch
-    import torch_npu
 
-    torch_dir, npu_dir = Path(torch.__file__).parent, Path(torch_npu.__file__).parent
+    torch_dir = Path(torch.__file__).parent
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     core_h = Path(__file__).resolve().parent / "csrc"
-    return [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-I{npu_dir / 'include'}", f"-I{npu_dir / 'include' / 'third_party' / 'acl' / 'inc'}", f"-I{core_h}",
-            str(SOURCE), f"-L{npu_dir / 'lib'}", "-ltorch_npu", f"-L{torch_dir / 'lib'}", "-lc10",
-            f"-Wl,-rpath,{npu_dir / 'lib'}", f"-Wl,-rpath,{torch_dir / 'lib'}"]
-
-
-def _key(cxx: str) -> str:
-    import torch
+    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+           f"-I{core_h}", f"-I{SHIM}"]
+    libs = [f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    if kind == "cuda":
+        return cmd + [str(SOURCES[kind])] + libs
     import torch_npu
 
+    npu_dir = Path(torch_npu.__file__).parent
+    return (cmd + [f"-I{npu_dir / 'include'}", f"-I{npu_dir / 'include' / 'third_party' / 'acl' / 'inc'}",
+                   str(SOURCES[kind]), f"-L{npu_dir / 'lib'}", "-ltorch_npu", f"-Wl,-rpath,{npu_dir / 'lib'}"] + libs)
+
+
+def _key(cxx: str, kind: str) -> str:
+    import torch
+
+    versions = [torch.__version__]
+    if kind == "npu":
+        import torch_npu
+
+        versions.append(str(getattr(torch_npu, "__version__", "")))
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), (Path(__file__).parent / "csrc" / "npu_pool.h").read_bytes(),
-                 torch.__version__.encode(), str(getattr(torch_npu, "__version__", "")).encode(),
-                 cxx.encode(), sys.version.encode()):
+    for part in (SOURCES[kind].read_bytes(), (SHIM / "malloc_hook.h").read_bytes(),
+                 (Path(__file__).parent / "csrc" / "npu_pool.h").read_bytes(),
+                 *(v.encode() for v in versions), cxx.encode(), sys.version.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
 
-def build() -> Path:
-    """The hooks library for this torch/torch_npu, built now if not cached."""
+def build(kind: str = "npu") -> Path:
+    """The hooks library of ``kind`` ("npu": torch_npu's, "cuda": torch's) for the installed
+    torch, built now if not cached."""
+    if kind not in SOURCES:
+        raise ValueError(f"no C++ hooks for {kind!r}; kinds: {', '.join(SOURCES)}")
+    framework = "torch_npu" if kind == "npu" else "torch"
     try:
-        import torch_npu  # noqa: F401
+        __import__(framework)
     except Exception as e:
-        raise HooksUnavailable(f"torch_npu cannot be imported ({type(e).__name__}: {e})") from None
+        raise HooksUnavailable(f"{framework} cannot be imported ({type(e).__name__}: {e})") from None
     cxx = _compiler()
     try:
-        key = _key(cxx)
-        cmd = _command(cxx)
-    except (AttributeError, TypeError, OSError) as e:  # a torch_npu without its files (a stand-in)
-        raise HooksUnavailable(f"torch_npu's headers cannot be found ({e})") from None
+        key = _key(cxx, kind)
+        cmd = _command(cxx, kind)
+    except (AttributeError, TypeError, OSError) as e:  # a framework without its files (a stand-in)
+        raise HooksUnavailable(f"{framework}'s headers cannot be found ({e})") from None
     out_dir = cache_dir()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +115,7 @@ def build() -> Path:
         fix = (f"{CACHE_ENV}={os.environ[CACHE_ENV]} is not a directory this process can create or use"
                if os.environ.get(CACHE_ENV, "").strip() else f"set {CACHE_ENV} to a writable directory")
         raise HooksUnavailable(f"cannot create the cache directory {out_dir} ({e.strerror}): {fix}") from None
-    out = out_dir / f"torch_npu_hooks-{key}.so"
+    out = out_dir / f"{SOURCES[kind].stem}-{key}.so"
     if _verified(out):
         return out
     try:
@@ -118,7 +134,7 @@ def build() -> Path:
         if r.returncode != 0:
             tmp.unlink(missing_ok=True)
             tail = "\n".join(r.stderr.strip().splitlines()[-15:])
-            raise HooksUnavailable(f"building npu_pool's torch_npu hooks with {cxx} failed:\n{tail}")
+            raise HooksUnavailable(f"building npu_pool's {framework} hooks with {cxx} failed:\n{tail}")
         try:
             _seal(tmp, _sum_path(out))
             os.replace(tmp, out)
@@ -168,35 +184,42 @@ def _verified(lib_path: Path) -> bool:
 
 @dataclass(frozen=True)
 class Hooks:
-    """The loaded hooks: their library and the addresses torch_npu's setters take."""
+    """The loaded hooks: their library and the addresses the pluggable allocator's setters take
+    beyond malloc and free (torch_npu's only)."""
 
     path: str
-    stats: int
-    record_stream: int
-    erase_stream: int
+    stats: int = 0
+    record_stream: int = 0
+    erase_stream: int = 0
     MALLOC = "npu_pool_hooks_malloc"
     FREE = "npu_pool_hooks_free"
 
     def setters(self) -> list[tuple[str, int]]:
-        return [("set_get_device_stats_fn", self.stats), ("set_record_stream_fn", self.record_stream),
-                ("set_erase_stream_fn", self.erase_stream)]
+        return [(name, address) for name, address in (("set_get_device_stats_fn", self.stats),
+                                                      ("set_record_stream_fn", self.record_stream),
+                                                      ("set_erase_stream_fn", self.erase_stream)) if address]
 
 
 def _addr(symbol: str) -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, symbol)))
 
 
-@lru_cache(maxsize=1)
-def load() -> Hooks:
-    """Build (if needed) and load the hooks, bound to the core's entry points."""
-    path = build()
+@lru_cache(maxsize=2)
+def load(kind: str = "npu") -> Hooks:
+    """Build (if needed) and load ``kind``'s hooks, bound to the core's entry points."""
+    path = build(kind)
     try:
         so = ctypes.CDLL(str(path))
     except OSError as e:
         raise HooksUnavailable(f"cannot load {path}: {e}") from None
+    malloc_free = [_addr("npu_pool_malloc"), _addr("npu_pool_free")]
+    errors = [_addr("npu_pool_last_error"), _addr("npu_pool_last_code")]
+    if kind == "cuda":
+        so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 4
+        so.npu_pool_hooks_bind(*malloc_free, *errors)
+        return Hooks(str(path))
     so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 6
-    so.npu_pool_hooks_bind(_addr("npu_pool_malloc"), _addr("npu_pool_free"), _addr("npu_pool_device_stats"),
-                           _addr("npu_pool_record_stream"), _addr("npu_pool_last_error"), _addr("npu_pool_last_code"))
+    so.npu_pool_hooks_bind(*malloc_free, _addr("npu_pool_device_stats"), _addr("npu_pool_record_stream"), *errors)
 
     def address(name: str) -> int:
         return int(ctypes.cast(getattr(so, name), ctypes.c_void_p).value or 0)

@@ -1,0 +1,102 @@
+"""The tables of docs/gpu.md from what ``benchmarks/gpu_session.sh`` measured on a GPU.
+
+    python benchmarks/gpu_report.py RESULTS_DIR [--shared ../shared/traces]
+
+RESULTS_DIR holds a session's files (``live_*.json``, ``gpt_small.json``, ``gpt_large.json``,
+``mcore.json``, ``costs.json``, ``repeat_*.json``, ``machine.txt``): the GPU's figures are read
+from there, and the simulator's are computed now, on this machine, with this checkout (each live
+trace beside the simulation of its allocator under CUDA's rules, as ``replay --live --validate``
+sets them). Needs no GPU. Prints markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+GiB = float(1 << 30)
+
+
+def _live_rows(results: Path, shared: Path) -> list[str]:
+    from npu_pool.live import LiveResult, simulated
+    from npu_pool.trace.files import open_traces
+
+    traces = {name.split(".")[0]: t for p in sorted(shared.glob("*.pickle")) for name, t in open_traces(p)}
+    rows = ["| trace | allocator | peak reserved: live / sim (bytes) | minimum capacity: live / sim (bytes) | "
+            "device allocations: live / sim | same |", "|---|---|---|---|---|---|"]
+    same_all = total = 0
+    for f in sorted(results.glob("live_*.json")):
+        for rec in json.loads(f.read_text()):
+            rec.pop("simulated", None)
+            r = LiveResult(**rec)
+            trace = traces.get(r.trace.split(".")[0])
+            if trace is None:
+                rows.append(f"| {r.trace} | {r.allocator} | (trace not in {shared}) | | | |")
+                continue
+            sim = simulated(trace, r)
+            same = (sim["peak_reserved_bytes"], sim["min_capacity_bytes"], sim["device_mallocs"]) == \
+                (r.peak_reserved_bytes, r.min_capacity_bytes, r.device_allocs)
+            same_all += same
+            total += 1
+            rows.append(f"| {r.trace.split('.')[0]} | {r.allocator} | {r.peak_reserved_bytes} / "
+                        f"{sim['peak_reserved_bytes']} | {r.min_capacity_bytes} / {sim['min_capacity_bytes']} | "
+                        f"{r.device_allocs} / {sim['device_mallocs']} | {'yes' if same else 'NO'} |")
+    return rows + ["", f"All three figures equal on {same_all} of {total} rows."]
+
+
+def _training(results: Path) -> list[str]:
+    from gpu_check import _table
+
+    out = []
+    for name in ("gpt_small", "gpt_large", "mcore"):
+        f = results / f"{name}.json"
+        if not f.is_file():
+            continue
+        d = json.loads(f.read_text())
+        table, _ = _table(argparse.Namespace(**d["args"]), d["runs"])
+        out += [f"### {name}", "", table, ""]
+    return out
+
+
+def _repeats(results: Path) -> list[str]:
+    rows = ["| run | npu_pool policy | native median step (ms) | npu_pool median step (ms) | ratio |", "|---|---|---:|---:|---:|"]
+    for f in sorted(results.glob("repeat_*.json")) + [results / "gpt_small.json"]:
+        if not f.is_file():
+            continue
+        d = json.loads(f.read_text())
+        med = {m: sorted(r["step_s"][2:])[len(r["step_s"][2:]) // 2] * 1e3 for m, r in d["runs"].items()}
+        rows.append(f"| {f.stem} ({d['args']['steps']} steps) | {d['args']['policy']} | {med['native']:.2f} | "
+                    f"{med['npu_pool']:.2f} | {med['npu_pool'] / med['native']:.3f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "traces")
+    args = ap.parse_args(argv)
+    if not args.results.is_dir():
+        ap.error(f"{args.results} is not a folder of results")
+    out: list[str] = []
+    machine = args.results / "machine.txt"
+    if machine.is_file():
+        out += ["```text", machine.read_text().strip(), "```", ""]
+    if args.shared.is_dir():
+        out += ["## Live replay beside the simulator", ""] + _live_rows(args.results, args.shared) + [""]
+    out += ["## Training", ""] + _training(args.results)
+    out += ["## Step time, repeated (the small model)", ""] + _repeats(args.results) + [""]
+    costs = args.results / "costs.log"
+    if costs.is_file():
+        text = "\n".join(line for line in costs.read_text().splitlines() if not line.startswith("wrote "))
+        out += ["## Device calls: microseconds per call", "", text.strip(), ""]
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""docs/gpu.md against what was measured on the GPU (benchmarks/results/h100-2026-11-25) and what
+the simulator says now: every table row of `benchmarks/gpu_report.py` is on the page, and the
+simulator equals the live runs on the real CUDA caching allocator and on npu_pool (peak reserved,
+minimum capacity, device allocations) for every shared trace."""
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-25"
+
+
+def _report(shared: Path) -> str:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert gpu_report.main([str(RESULTS), "--shared", str(shared)]) == 0
+    return out.getvalue()
+
+
+def test_the_simulator_equals_the_live_gpu_runs(shared_traces: Path) -> None:
+    text = _report(shared_traces)
+    assert "All three figures equal on 18 of 18 rows." in text
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    missing = [line for line in text.splitlines() if line.startswith("|") and line not in page]
+    assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"
+
+
+def test_report_without_the_shared_traces_keeps_the_training_tables(tmp_path: Path) -> None:
+    text = _report(tmp_path / "absent")
+    assert "## Live replay" not in text
+    assert "| losses identical, step by step (200 steps) | yes | |" in text
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    assert all(line in page for line in text.splitlines() if line.startswith("|"))
+
+
+def test_measured_costs_are_a_cost_table() -> None:
+    """The H100's measured per-call costs load as a --costs table (microseconds, kinds of the vocabulary)."""
+    from npu_pool.device_costs import load_costs
+
+    costs = load_costs(str(RESULTS / "costs.json"))
+    assert costs["map"][0] < costs["phys_create"][0] < costs["malloc"][0]
+    assert costs["map"][1].startswith("given in") and costs["get_device"][1].startswith("assumed")
