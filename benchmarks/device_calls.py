@@ -32,6 +32,7 @@ from npu_pool.device_costs import estimate_us, load_costs, physical_calls  # noq
 from npu_pool.replay import evaluate, iteration_bounds, run  # noqa: E402
 
 POLICIES = ["torch", "expandable", "npu_pool", "planned"]
+MEASURED = ROOT / "benchmarks" / "results" / "h100-2026-11-25" / "costs.json"  # a GPU's measured costs
 MiB = float(1 << 20)
 
 _BASELINE = """
@@ -175,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out += ["| policy | waste | physical calls |", "|---|---:|---:|"] + \
             [f"| {p} | {tot[p] / MiB:.1f} | {calls[p]} |" for p in POLICIES]
-    out += ["", "## Per-call costs (microseconds) and their sources", "",
-            "Measured on an H100 (docs/gpu.md) the CUDA memory calls cost far less than these defaults (a 20 MiB",
-            "cuMemCreate 10.7 us, a map 1.8 us, cudaMalloc 45 us): `--costs benchmarks/results/h100-2026-11-25/costs.json`",
-            "estimates with those. The defaults stay for an Ascend card, which nobody here has measured.", "",
-            "| call | us | source |", "|---|---:|---|"]
+    out += ["", "## Per-call costs (microseconds) and their sources", ""]
+    if MEASURED.is_file():
+        m = {k: us for k, (us, _) in load_costs(str(MEASURED)).items()}
+        out += [f"Measured on an H100 (docs/gpu.md) the CUDA memory calls cost less than these defaults (20 MiB:",
+                f"cuMemCreate {m['phys_create']:g} us, a map {m['map']:g} us, cudaMalloc {m['malloc']:g} us):",
+                f"`--costs {MEASURED.relative_to(ROOT)}` estimates with those. The defaults stay for an",
+                "Ascend card, which nobody here has measured.", ""]
+    out += ["| call | us | source |", "|---|---:|---|"]
     for k, (us, src) in costs.items():
         out.append(f"| {k} | {us:g} | {src} |")
     Path(args.out).write_text("\n".join(out) + "\n" + NOTES)

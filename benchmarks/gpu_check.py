@@ -7,11 +7,11 @@ with npu_pool installed as the pluggable allocator, each in its own process.
 
 Prints a markdown table: whether the losses are identical step by step (same seeds,
 deterministic kernels, attention through the math kernel unless ``--attention auto``), peak
-reserved and peak allocated bytes (over the run, and per step from the second on) with the
-utilization (allocated / reserved) of each allocator, device calls in the steps after the
-second (num_device_alloc + num_device_free for the native allocator; every memory call npu_pool
-counts by kind for npu_pool), the mean step time and its ratio, nanoseconds per malloc+free pair
-through torch's allocator interface, whether ``torch.cuda.memory_*`` answer with npu_pool
+reserved and peak allocated bytes (over the run, and per step from the third on) with the
+utilization (allocated / reserved) of each allocator, device calls from the third step on
+(num_device_alloc + num_device_free for the native allocator; every memory call npu_pool
+counts by kind for npu_pool), the median step time from the third step on and its ratio,
+nanoseconds per malloc+free pair through torch's allocator interface, whether ``torch.cuda.memory_*`` answer with npu_pool
 installed (checked against the pool's own figures) and, with ``--max-batch``, the largest batch
 each allocator fits (doubling, then bisection; one training step per try).
 
@@ -143,13 +143,10 @@ def _pair_ns(torch: Any, pairs: int) -> float:
     return (time.perf_counter_ns() - t0) / pairs
 
 
-def _is_oom(e: BaseException) -> bool:
-    text = str(e).lower()  # (a C malloc's NULL, without npu_pool's C++ hooks: a tensor without memory)
-    return isinstance(e, MemoryError) or "out of memory" in text or "data is not allocated yet" in text
-
-
 def _max_batch(step: Callable[[int], None], start: int, cleanup: Callable[[], None], tries: int = 9) -> dict[str, Any]:
     """The largest batch for which one training step runs: doubling from ``start``, then bisection."""
+    from npu_pool.live import is_oom
+
     ok, bad, log = 0, None, []
 
     def fits(b: int) -> bool:
@@ -157,7 +154,7 @@ def _max_batch(step: Callable[[int], None], start: int, cleanup: Callable[[], No
             step(b)
             good = True
         except (RuntimeError, MemoryError) as e:
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
             good = False
         cleanup()
@@ -227,7 +224,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device(args.device)
     pool = pools[torch.cuda.current_device()] if pools else None
     if args.record and args.worker == "native" and cuda:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     model, model_name = _mcore(args, dev) if args.model == "mcore" else _gpt(args)
     model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -314,13 +311,20 @@ def _bytes(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _table(args: argparse.Namespace, res: dict[str, dict[str, Any]]) -> tuple[str, bool]:
+def median_step(step_s: list[float]) -> float:
+    """The median step time from the third step on (the first ones include one-off start-up work)."""
+    warm = sorted(step_s[2:])
+    return warm[len(warm) // 2]
+
+
+def table(args: argparse.Namespace, res: dict[str, dict[str, Any]]) -> tuple[str, bool]:
+    """The markdown table of both runs (``res``: their results by mode); and whether the losses match."""
     nat, np_ = res["native"], res["npu_pool"]
     same = nat["losses"] == np_["losses"]
     diff = max(abs(a - b) for a, b in zip(nat["losses"], np_["losses"]))
     first = next((i for i, (a, b) in enumerate(zip(nat["losses"], np_["losses"])) if a != b), None)
     warm = slice(2, None)  # the first steps include one-off start-up work
-    step = {m: sorted(r["step_s"][warm])[len(r["step_s"][warm]) // 2] for m, r in res.items()}
+    step = {m: median_step(r["step_s"]) for m, r in res.items()}
     label = f"npu_pool (policy {args.policy})" if args.device == "cuda" else "second run (CPU, native)"
     rows = [f"| | native (torch caching allocator) | {label} |", "|---|---|---|",
             f"| losses identical, step by step ({args.steps} steps) | "
@@ -374,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not res["npu_pool"].get("allocs"):
         print("gpu_check: npu_pool served no allocation: the pluggable allocator was not in use", file=sys.stderr)
         return 1
-    table, same = _table(args, res)
-    print(table)
+    text, same = table(args, res)
+    print(text)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "runs": res}, f)

@@ -50,7 +50,7 @@ def _live_rows(results: Path, shared: Path) -> list[str]:
 
 
 def _training(results: Path) -> list[str]:
-    from gpu_check import _table
+    from gpu_check import table
 
     out = []
     for name in ("gpt_small", "gpt_large", "mcore"):
@@ -58,18 +58,20 @@ def _training(results: Path) -> list[str]:
         if not f.is_file():
             continue
         d = json.loads(f.read_text())
-        table, _ = _table(argparse.Namespace(**d["args"]), d["runs"])
-        out += [f"### {name}", "", table, ""]
+        text, _ = table(argparse.Namespace(**d["args"]), d["runs"])
+        out += [f"### {name}", "", text, ""]
     return out
 
 
 def _repeats(results: Path) -> list[str]:
+    from gpu_check import median_step
+
     rows = ["| run | npu_pool policy | native median step (ms) | npu_pool median step (ms) | ratio |", "|---|---|---:|---:|---:|"]
     for f in sorted(results.glob("repeat_*.json")) + [results / "gpt_small.json"]:
         if not f.is_file():
             continue
         d = json.loads(f.read_text())
-        med = {m: sorted(r["step_s"][2:])[len(r["step_s"][2:]) // 2] * 1e3 for m, r in d["runs"].items()}
+        med = {m: median_step(r["step_s"]) * 1e3 for m, r in d["runs"].items()}
         rows.append(f"| {f.stem} ({d['args']['steps']} steps) | {d['args']['policy']} | {med['native']:.2f} | "
                     f"{med['npu_pool']:.2f} | {med['npu_pool'] / med['native']:.3f} |")
     return rows

@@ -204,9 +204,17 @@ def _addr(symbol: str) -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, symbol)))
 
 
-@lru_cache(maxsize=2)
 def load(kind: str = "npu") -> Hooks:
-    """Build (if needed) and load ``kind``'s hooks, bound to the core's entry points."""
+    """Build (if needed) and load ``kind``'s hooks, bound to the core's entry points (once per kind
+    and process)."""
+    if kind not in SOURCES:
+        raise ValueError(f"no C++ hooks for {kind!r}; kinds: {', '.join(SOURCES)}")
+    return _load(kind)
+
+
+@lru_cache(maxsize=None)
+def _load(kind: str) -> Hooks:
+    """:func:`load`, once per kind (``load.cache_clear()`` forgets the loaded ones)."""
     path = build(kind)
     try:
         so = ctypes.CDLL(str(path))
@@ -226,3 +234,6 @@ def load(kind: str = "npu") -> Hooks:
 
     return Hooks(str(path), address("npu_pool_hooks_device_stats"), address("npu_pool_hooks_record_stream"),
                  address("npu_pool_hooks_erase_stream"))
+
+
+load.cache_clear = _load.cache_clear  # type: ignore[attr-defined]

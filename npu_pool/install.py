@@ -300,7 +300,7 @@ def _hooks(kind: str) -> Any:
                 "an out-of-memory request is not raised by torch.empty(): the tensor it returns has no memory and "
                 "fails at first use ('data is not allocated yet')")
         warnings.warn(f"npu_pool: {e}; using the C hooks only: {lost}, after npu_pool's explanation on stderr",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)  # (_hooks < _build_allocator < _prepare < install < caller)
         return None
 
 

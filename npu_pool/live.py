@@ -205,14 +205,14 @@ def _vendor_counter(kind: str) -> Any:
     return lambda name: int(fn(name.encode()))
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
     """An allocation refused for lack of memory: the framework's error, or (a pluggable allocator
     whose C malloc returned NULL, which torch does not check) a tensor without memory."""
     text = str(e).lower()
     return isinstance(e, MemoryError) or "out of memory" in text or "data is not allocated yet" in text
 
 
-class _Player:
+class Player:
     """Plays one trace as tensors; replays repeat (minimum capacity) in the same process."""
 
     def __init__(self, trace: Trace, torch: Any, module: Any, kind: str, pool: Any):
@@ -248,7 +248,7 @@ class _Player:
                     try:
                         live[ids[i]] = self._alloc(size[i], stream[i])
                     except (RuntimeError, MemoryError) as e:
-                        if not _is_oom(e):
+                        if not is_oom(e):
                             raise
                         failed = i
                         break
@@ -261,7 +261,7 @@ class _Player:
                     try:
                         self._alloc(size[i], stream[i])
                     except (RuntimeError, MemoryError) as e:
-                        if not _is_oom(e):
+                        if not is_oom(e):
                             raise
                 elif o == OP_EMPTY_CACHE:
                     self.module.empty_cache()
@@ -277,7 +277,7 @@ class _Player:
         self.module.reset_peak_memory_stats(self.dev)
 
 
-def _min_capacity(player: _Player, module: Any, lo: int, hi: int) -> Optional[int]:
+def _min_capacity(player: Player, module: Any, lo: int, hi: int) -> Optional[int]:
     """Smallest multiple of STEP under which the trace runs, by bisecting the memory fraction."""
     total = int(module.mem_get_info(player.dev)[1])
 
@@ -317,7 +317,7 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
 
         pool = install(kind).get(0)
     module.set_device(0)
-    player = _Player(trace, torch, module, kind, pool)
+    player = Player(trace, torch, module, kind, pool)
     counter = _vendor_counter(kind)
     names = VENDOR_CALLS[kind]
     before = {n: counter(n) for n in names} if counter else {}
@@ -361,8 +361,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["replay_live", "simulated", "format_live", "LiveResult", "LiveError", "ALLOCATORS", "VENDOR_CALLS",
-           "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
+__all__ = ["replay_live", "simulated", "format_live", "is_oom", "Player", "LiveResult", "LiveError", "ALLOCATORS",
+           "VENDOR_CALLS", "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,6 +19,18 @@ TORCH_NPU_VERSION = "2.13.0"
 _CLEAN = ("MEMORY_FRAGMENTATION", "NPU_POOL_", "OOM_SNAPSHOT_", "LD_LIBRARY_PATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _hooks_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The C++ hooks the tests build go to a folder of the session, never the user's ~/.cache."""
+    before = os.environ.get("NPU_POOL_CACHE")
+    os.environ["NPU_POOL_CACHE"] = str(tmp_path_factory.mktemp("hooks_cache"))
+    yield
+    if before is None:
+        os.environ.pop("NPU_POOL_CACHE", None)
+    else:
+        os.environ["NPU_POOL_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def shared_traces() -> Path:
     """The folder of real PyTorch snapshots; skips the test on a fresh clone without it."""

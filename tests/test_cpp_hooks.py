@@ -28,7 +28,8 @@ def test_cuda_malloc_hook_throws_what_torch_raises(tmp_path, monkeypatch) -> Non
     assert hooks.name.startswith("torch_cuda_hooks-") and hooks.parent == tmp_path / "cache"
     torch_dir = Path(torch.__file__).parent
     driver = tmp_path / "driver"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-w", f"-I{torch_dir / 'include'}",
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))  # as torch's own libraries
+    subprocess.run([cxx, "-std=c++17", "-O1", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}",
                     f"-I{HERE.parent / 'npu_pool' / 'csrc'}", str(HERE / "c" / "malloc_hook_driver.cpp"),
                     "-o", str(driver), f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}", "-ldl"],
                    check=True, capture_output=True, text=True)

@@ -16,14 +16,17 @@ RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-25"
 
 
 def _report(shared: Path) -> str:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_report
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    """What ``python benchmarks/gpu_report.py RESULTS --shared SHARED`` prints."""
+    saved = list(sys.path)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert gpu_report.main([str(RESULTS), "--shared", str(shared)]) == 0
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import gpu_report  # (it puts the benchmarks on the path itself; all of it is taken back below)
+
+        with contextlib.redirect_stdout(out):
+            assert gpu_report.main([str(RESULTS), "--shared", str(shared)]) == 0
+    finally:
+        sys.path[:] = saved
     return out.getvalue()
 
 

@@ -319,6 +319,7 @@ def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cu
         monkeypatch.setattr(cpp_hooks, "load", unavailable)
         with pytest.warns(RuntimeWarning, match="using the C hooks only: an out-of-memory request is not raised"):
             pools = npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)
+    assert pools[0].stats()["calls"]["free"] == 0  # creating the context frees nothing (no cudaFree(NULL))
     (alloc,) = fake_cuda_torch
     if cpp:
         assert alloc.path == hooks.path and alloc.names == ("npu_pool_hooks_malloc", "npu_pool_hooks_free")

@@ -146,9 +146,10 @@ def test_cuda_rules_place_segments_as_cudamalloc_does():
             e = pool.malloc(60 * MiB)  # fits no hole: below everything
             return [a, b, c, d, e]
 
-    a, b, c, d, e = segments("cuda")
-    assert b < a and c < b  # top down
-    assert d == b + 20 * MiB  # the hole's top end
-    assert e < c
+    for rules in ("cuda", "auto"):  # (the simulator's own rules are CUDA's)
+        a, b, c, d, e = segments(rules)
+        assert b < a and c < b  # top down
+        assert d == b + 20 * MiB  # the hole's top end
+        assert e < c
     a, b, c, d, e = segments("npu")
     assert a < b < c < d < e  # bottom up, no range reused

@@ -47,8 +47,11 @@ typedef struct sim_backend {
   int device;
   uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down) */
   bool top_down;       /* mallocs as cudaMalloc places them: the highest free range that fits, at its
-                        * top end, below `down_top` (CUDA's rules; measured on an H100, docs/gpu.md) */
-  uintptr_t down_top;  /* ... the top of that region: the window's middle, far above any reservation */
+                        * top end, below `down_top` (CUDA's rules and the simulator's own; measured
+                        * on an H100, docs/gpu.md; not host-backed pools, whose ranges come from mmap) */
+  uintptr_t down_top;  /* ... the top of that region: the window's middle. Invariant: every range of
+                        * `alloc` is disjoint from every other (a malloc never goes below `next`, a
+                        * reservation never reaches a malloc: either refuses instead) */
   uintptr_t hint;      /* one-shot address for the next malloc, 0 if none */
   sim_table alloc;     /* allocations and reservations */
   sim_table maps;      /* mappings of physical chunks */
@@ -121,8 +124,9 @@ static int charge(sim_backend *s, uint64_t size) {
   return NP_OK;
 }
 
-/* The highest range of `size` bytes (rounded up to SIM_ALIGN) free below s->down_top, at the
- * top end of its gap: a first fit scanning down. Allocations stay sorted in s->alloc. */
+/* The highest range of `size` bytes (rounded up to SIM_ALIGN) free below s->down_top and above
+ * s->next, at the top end of its gap: a first fit scanning down (s->alloc stays sorted). 0 when
+ * the window below has no room. */
 static uintptr_t top_down_addr(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
   uintptr_t upper = s->down_top;
@@ -130,9 +134,9 @@ static uintptr_t top_down_addr(const sim_backend *s, uint64_t size) {
     const sim_range *r = &s->alloc.ranges[i];
     uintptr_t end = np_round_up(r->addr + r->size, SIM_ALIGN);
     if (end <= upper && upper - end >= need) break;
-    upper = r->addr;
+    upper = r->addr & ~(uintptr_t)(SIM_ALIGN - 1); /* (a hinted range may start unaligned) */
   }
-  return upper - need;
+  return upper >= s->next + need ? upper - need : 0;
 }
 
 /* Pick an address range of `size` bytes: real host memory, the hinted range, or a virtual range
@@ -146,7 +150,10 @@ static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
     *out = s->hint;
   } else if (s->top_down && prot != PROT_NONE) {
     *out = top_down_addr(s, size);
+    if (!*out) return np_error(NP_ERR_OOM, "sim: the device's virtual address window is full");
   } else {
+    if (overlaps(&s->alloc, s->next, size) || s->next + size > s->down_top)
+      return np_error(NP_ERR_OOM, "sim: the device's virtual address window is full");
     *out = s->next;
     s->next = np_round_up(s->next + size, SIM_ALIGN);
   }
@@ -368,7 +375,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   };
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
-  s->top_down = cfg->device_rules == NP_DEVICE_CUDA;
+  s->top_down = cfg->device_rules != NP_DEVICE_NPU; /* CUDA's, and auto: the simulator's own rules are CUDA's */
   s->down_top = s->next + SIM_WINDOW / 2;
   s->device = cfg->device;
   /* what the ACL backend asks at creation: the device, its memory, the granularity and a probe reservation */

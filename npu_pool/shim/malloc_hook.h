@@ -13,6 +13,7 @@
 #include "npu_pool.h"
 
 namespace npu_pool_shim {
+namespace {  // internal to each shim: nothing here is exported beside its extern "C" hooks
 
 // The core's entry points the hooks call (addresses from the binding, set once at load).
 struct CoreMalloc {
@@ -40,4 +41,5 @@ inline void *malloc_or_throw(const CoreMalloc &c, size_t size, int device, void 
   return nullptr;
 }
 
+}  // namespace
 }  // namespace npu_pool_shim
