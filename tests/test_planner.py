@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 
+from conftest import ROOT
 from npu_pool import Pool, replay
 from npu_pool.cli import main
 from npu_pool.planner import (NONE, Plan, PlanError, counts, find_window, install, load_plan, make_plan, plan_from_env,
@@ -543,3 +544,19 @@ def test_a_request_the_last_resort_serves_is_counted_once() -> None:
     assert counts(p) == {"served": 2, "fallback": 0, "idle": 1, "resyncs": 0}
     assert p.stats()["pools"]["planned"]["allocated"]["current"] == 500 * mib
     p.check()
+
+
+def test_a_plan_followed_from_its_first_request_keeps_its_prologue_once():
+    """The H100 recording (benchmarks/traces): ten steps of a plain PyTorch loop whose only markers
+    are the optimizer's (from its record_function annotations); the planner finds the iteration
+    by periodicity and plans from the first request (NP_PLAN_AT_START). Once the policy learned
+    where an iteration starts (its marker context, at the end of the second body pass) it
+    restarted the prologue at the third pass instead of the body: 393 requests fell back and the
+    plan reserved 3.763 GiB against the online pool's 2.256 (docs/gpu.md)."""
+    (name, trace), = open_traces(ROOT / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle")
+    plan = make_plan(trace)
+    assert plan.meta["method"] == "period" and plan.meta["prologue"] > 0 and "online" not in plan.meta
+    r = replay.run(trace, "planned", plan=plan)
+    assert r.stats["plan"]["fallback"] == 0 and r.stats["plan"]["served"] == plan.meta["replay_counts"]["served"]
+    assert r.peak_reserved_bytes == plan.meta["region_bytes"]  # every request in the region, as planned
+    assert r.peak_reserved_bytes < replay.run(trace, "npu_pool").peak_reserved_bytes

@@ -296,6 +296,7 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     }
   }
   if (at != NP_PLAN_NONE) {
+    st->began = true; /* (a plan followed from its first request, NP_PLAN_AT_START, began there) */
     if (at == p->loop && st->last == p->n - 1) {
       lap_done(st);
       learn_start(ctx, st);
