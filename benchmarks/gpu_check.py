@@ -11,9 +11,10 @@ reserved and peak allocated bytes (over the run, and per step from the third on)
 utilization (allocated / reserved) of each allocator, device calls from the third step on
 (num_device_alloc + num_device_free for the native allocator; every memory call npu_pool
 counts by kind for npu_pool), the median step time from the third step on and its ratio,
-nanoseconds per malloc+free pair through torch's allocator interface, whether ``torch.cuda.memory_*`` answer with npu_pool
-installed (checked against the pool's own figures) and, with ``--max-batch``, the largest batch
-each allocator fits (doubling, then bisection; one training step per try).
+nanoseconds per malloc+free pair through torch's allocator interface, whether
+``torch.cuda.memory_*`` answer with npu_pool installed (the byte counts checked against the
+pool's own, the others for an answer) and, with ``--max-batch``, the largest batch each
+allocator fits (doubling, then bisection; one training step per try).
 
 ``--model gpt`` is ``npu_pool.workloads.gpt``; ``--model mcore`` a megatron-core ``GPTModel``
 (local layer spec) from ``--megatron`` (default ``../shared/clients/megatron-lm``). ``--dtype bf16``
@@ -351,7 +352,7 @@ def table(args: argparse.Namespace, res: dict[str, dict[str, Any]]) -> tuple[str
         apis = np_.get("memory_apis", {})
         bad = {k: v for k, v in apis.items() if v != "ok"}
         rows.append(f"| torch.cuda.memory_* under npu_pool | | "
-                    f"{'all ' + str(len(apis)) + ' answer with the pool figures' if not bad else bad} |")
+                    f"{'all ' + str(len(apis)) + ' answer (byte counts: the pool figures)' if not bad else bad} |")
         if "max_batch" in nat:
             rows.append("| largest batch (one step fits; tries) | " + " | ".join(
                 f"{r['max_batch']['largest']} ({len(r['max_batch']['tries'])})" for r in (nat, np_)) + " |")

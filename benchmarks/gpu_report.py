@@ -14,12 +14,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-GiB = float(1 << 30)
 
 
 def _live_rows(results: Path, shared: Path) -> list[str]:
@@ -66,7 +63,8 @@ def _training(results: Path) -> list[str]:
 def _repeats(results: Path) -> list[str]:
     from gpu_check import median_step
 
-    rows = ["| run | npu_pool policy | native median step (ms) | npu_pool median step (ms) | ratio |", "|---|---|---:|---:|---:|"]
+    rows = ["| run | npu_pool policy | native median step (ms) | npu_pool median step (ms) | ratio |",
+            "|---|---|---:|---:|---:|"]
     for f in sorted(results.glob("repeat_*.json")) + [results / "gpt_small.json"]:
         if not f.is_file():
             continue

@@ -201,6 +201,16 @@ def test_failures_return_null_and_keep_the_message(fakes: dict, capfd: pytest.Ca
     inst._DevicePool(0, "npu_pool", "cuda").check()
 
 
+def test_quiet_malloc_failures_are_kept_not_printed(fakes: dict, capfd: pytest.CaptureFixture) -> None:
+    """With the C++ hooks installed (npu_pool_set_quiet(1)) the hook raises what malloc kept:
+    nothing is printed as well, a failure to create the allocator included."""
+    so.npu_pool_set_quiet(1)
+    assert malloc(100) == 0 and "not configured" in inst.last_error(0)  # creating the allocator failed
+    _configure(_vendor(fakes, "cuda"))
+    assert malloc(1 << 40) == 0 and "out of memory on device 0" in inst.last_error(0)
+    assert capfd.readouterr().err == ""
+
+
 def test_configuration_is_fixed_once_a_device_is_served(fakes: dict) -> None:
     v = _vendor(fakes, "cuda")
     _configure(v)

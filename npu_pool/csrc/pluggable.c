@@ -288,7 +288,7 @@ void *npu_pool_malloc(size_t size, int device, void *stream) {
   if (size == 0) return NULL; /* torch keeps a null pointer for empty storage */
   np_ctx *ctx = npu_pool_device_ctx(device);
   if (!ctx) {
-    report(device, "creating the allocator", false);
+    report(device, "creating the allocator", atomic_load(&table.quiet) != 0); /* (quiet: the C++ hook raises it) */
     return NULL;
   }
   void *p = NULL;
@@ -307,7 +307,7 @@ void *npu_pool_malloc(size_t size, int device, void *stream) {
     np_restore_error(&s);
   }
   print_kept(device, "malloc", atomic_load(&table.quiet) != 0);
-  return NULL; /* torch's pluggable allocators pass NULL on; the message is kept (and printed) */
+  return NULL; /* the C++ hook raises the kept message; without it, torch passes NULL on (printed, then) */
 }
 
 void npu_pool_free(void *ptr, size_t size, int device, void *stream) {

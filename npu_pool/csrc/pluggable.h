@@ -8,8 +8,8 @@
  * failure is kept per device for npu_pool_last_error() and printed to stderr once
  * (a failure repeated with nothing served in between is not printed again; with
  * npu_pool_set_quiet(1) malloc failures are not printed at all: the caller raises
- * them, as npu_pool's torch_npu hooks do). After a request failed for lack of memory
- * the OOM handler, if one is set, is called outside every lock of the pool.
+ * them, as npu_pool's C++ hooks do, as torch.OutOfMemoryError). After a request failed
+ * for lack of memory the OOM handler, if one is set, is called outside every lock of the pool.
  * Everything here is thread-safe.
  */
 #ifndef NP_PLUGGABLE_H
