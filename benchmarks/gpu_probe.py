@@ -37,11 +37,6 @@ def _player(path: str) -> tuple[Any, Any]:
     return torch, Player(trace, torch, torch.cuda, "cuda", None)
 
 
-def _cap(torch: Any, mib: int) -> None:
-    total = torch.cuda.mem_get_info(0)[1]
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (mib * MiB + 0.5) / total) if mib else 1.0, 0)
-
-
 def order(snapshots: list[str]) -> None:
     for path in snapshots:
         with open(path, "rb") as f:
@@ -81,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         player.play()
         player.reset()  # as the live replay: a room-to-spare play first
         for mib in (int(c) for c in args.caps.split(",")):
-            _cap(torch, mib)
+            player.cap(mib * MiB if mib else None)
             player.reset()
             failed = player.play()
             player.reset()
             print(json.dumps({"trace": args.trace, "cap_mib": mib, "ok": failed is None, "fail": failed}))
-        _cap(torch, 0)
+        player.cap(None)
     else:
-        _cap(torch, args.cap)
+        player.cap(args.cap * MiB if args.cap else None)
         torch.cuda.memory._record_memory_history(max_entries=10**6, context=None, stacks="python")
         failed = player.play()
         torch.cuda.memory._dump_snapshot(args.out)

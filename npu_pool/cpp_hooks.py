@@ -206,10 +206,8 @@ def _addr(symbol: str) -> int:
 
 def load(kind: str = "npu") -> Hooks:
     """Build (if needed) and load ``kind``'s hooks, bound to the core's entry points (once per kind
-    and process)."""
-    if kind not in SOURCES:
-        raise ValueError(f"no C++ hooks for {kind!r}; kinds: {', '.join(SOURCES)}")
-    return _load(kind)
+    and process; an unknown kind is refused by :func:`build`)."""
+    return _load(kind)  # (positional: one cache entry per kind, however the caller spelled it)
 
 
 @lru_cache(maxsize=None)

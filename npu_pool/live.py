@@ -219,6 +219,7 @@ class Player:
         self.trace, self.torch, self.module, self.pool = trace, torch, module, pool
         self.dev = torch.device(kind, 0)
         self.streams: dict[int, Any] = {}
+        self._total: Optional[int] = None  # the device's memory, asked once (cap)
 
     def _stream(self, s: int) -> Any:
         if s not in self.streams:
@@ -270,6 +271,18 @@ class Player:
             self.module.synchronize()
         return failed
 
+    def total(self) -> int:
+        """The device's memory (asked once)."""
+        if self._total is None:
+            self._total = int(self.module.mem_get_info(self.dev)[1])
+        return self._total
+
+    def cap(self, cap_bytes: Optional[int]) -> None:
+        """Cap the framework's allocator at exactly ``cap_bytes`` (None: uncapped) through its memory
+        fraction: the pool floors fraction * total, and half a byte survives float error."""
+        fraction = 1.0 if cap_bytes is None else min(1.0, (cap_bytes + 0.5) / self.total())
+        self.module.set_per_process_memory_fraction(fraction, self.dev)
+
     def reset(self) -> None:
         self.module.empty_cache()
         if self.pool is not None:  # each play as a first run, as the simulator's (a new process's pool)
@@ -277,15 +290,14 @@ class Player:
         self.module.reset_peak_memory_stats(self.dev)
 
 
-def _min_capacity(player: Player, module: Any, lo: int, hi: int) -> Optional[int]:
+def _min_capacity(player: Player, lo: int, hi: int) -> Optional[int]:
     """Smallest multiple of STEP under which the trace runs, by bisecting the memory fraction."""
-    total = int(module.mem_get_info(player.dev)[1])
+    total = player.total()
 
     def fits(k: int) -> bool:
         if k * STEP > total:
             return False
-        # the cap is exactly k * STEP: the pool floors fraction * total, and half a byte survives float error
-        module.set_per_process_memory_fraction(min(1.0, (k * STEP + 0.5) / total), player.dev)
+        player.cap(k * STEP)
         player.reset()
         ok = player.play() is None
         player.reset()
@@ -294,7 +306,7 @@ def _min_capacity(player: Player, module: Any, lo: int, hi: int) -> Optional[int
     k_lo, k_hi = max(1, -(-lo // STEP)), max(1, -(-hi // STEP))
     while not fits(k_hi):  # a capped device may behave differently from the free one
         if k_hi * STEP > total:
-            module.set_per_process_memory_fraction(1.0, player.dev)
+            player.cap(None)
             return None
         k_lo, k_hi = k_hi + 1, k_hi * 2
     while k_lo < k_hi:
@@ -303,7 +315,7 @@ def _min_capacity(player: Player, module: Any, lo: int, hi: int) -> Optional[int
             k_hi = mid
         else:
             k_lo = mid + 1
-    module.set_per_process_memory_fraction(1.0, player.dev)
+    player.cap(None)
     return k_hi * STEP
 
 
@@ -340,7 +352,7 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
                pool_calls={k: int(v) for k, v in pool.stats()["calls"].items() if v} if pool is not None else None)
     if min_capacity and failed is None:
         player.reset()
-        rec["min_capacity_bytes"] = _min_capacity(player, module, rec["peak_allocated_bytes"],
+        rec["min_capacity_bytes"] = _min_capacity(player, rec["peak_allocated_bytes"],
                                                   rec["peak_reserved_bytes"])
     return rec
 
