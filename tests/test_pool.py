@@ -251,6 +251,23 @@ def test_npu_pool_lifetime_placement_in_holes():
         p.check()
 
 
+def test_npu_pool_short_lived_below_the_top_keeps_the_hole_by_the_top():
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        a = p.malloc(10 * MiB)
+        b = p.malloc(10 * MiB)
+        p.free(b)  # a 10 MiB hole just below the top (the arena's first chunk is [0, 20 MiB))
+        short = p.malloc(MiB, lifetime="short")
+        assert short == b  # its low end: the other 9 MiB stay next to the top
+        big = p.malloc(30 * MiB)  # larger than every hole: it starts in the one by the top
+        assert big == b + MiB
+        # mapped: the first chunk and one growth of the 21 MiB past it; at the hole's high end the
+        # short-lived block would have left the 9 MiB behind and the 30 MiB mapped above them
+        assert p.stats()["total"]["reserved"]["current"] == 20 * MiB + 22 * MiB
+        for ptr in (a, short, big):
+            p.free(ptr)
+        p.check()
+
+
 def test_npu_pool_fixed_arena_without_vmm():
     with Pool("npu_pool", capacity=GiB, vmm=False, fraction=0.5) as p:
         x = p.malloc(MiB)

@@ -403,7 +403,12 @@ static np_block *align_top(np_ctx *ctx, np_arena *a, np_block *t, uint64_t size)
 }
 
 static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
-  np_block *h = avoid_pin(ctx, a, best_hole(ctx, a, stream, size), stream, size, &long_lived);
+  np_block *h = best_hole(ctx, a, stream, size);
+  /* A short-lived block takes its hole's high end, except in the hole just below the top: there
+   * the low end, so that the rest of the hole stays next to the top, where a request larger
+   * than every hole starts (absorb, below) instead of mapping above it. */
+  if (h && !long_lived && h->next && h->next == a->top) long_lived = true;
+  h = avoid_pin(ctx, a, h, stream, size, &long_lived);
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
     np_tree_remove(&a->holes, h);

@@ -11,7 +11,8 @@
  *  - a request takes the smallest hole that fits (O(log n) tree by stream, size, address),
  *    long-lived at the hole's low end, short-lived at its high end, so short-lived churn
  *    stays away from long-lived neighbours and the hole that remains is contiguous with
- *    other free memory;
+ *    other free memory (in the hole just below the top, short-lived at the low end too: the
+ *    rest then stays next to the top, where a request larger than every hole starts);
  *  - under cap pressure (reserved past cap / NP_ARENA_NEAR_DIV) a carve that would put the block
  *    inside a mapped chunk that is wholly free ("pin" it: it could no longer be trimmed) takes
  *    the hole's other end, or else the smallest compatible hole whose carve pins nothing (at
