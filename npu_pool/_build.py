@@ -4,7 +4,7 @@ binding between Python and C.
 The same shared object exports the plain C entry points (``npu_pool_malloc``,
 ``npu_pool_free``, ...) that torch's pluggable-allocator loaders ``dlopen``. The binding
 declares what ``npu_pool.h`` and ``pluggable.h`` mark between ``CDEF BEGIN``/``END``,
-plus ``_npu_pool_on_oom``, a C function implemented in Python (``npu_pool.device_hooks``)
+plus ``_npu_pool_on_oom``, a C function implemented in Python (``npu_pool.install``)
 that the torch hooks call after a request failed for lack of memory.
 Set ``NPU_POOL_DEBUG=1`` at build time for a debug build that checks invariants.
 """

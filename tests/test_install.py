@@ -252,6 +252,44 @@ def test_hooks_are_thread_safe(fakes: dict) -> None:
     assert pool.stats()["allocs"] == pool.stats()["frees"] == 1200
 
 
+def test_a_failed_malloc_keeps_its_own_message_and_note_per_thread(fakes: dict) -> None:
+    """The C++ hooks raise the calling thread's failure (npu_pool_last_error(-1)), with the note its
+    OOM handler added: another thread failing on the same device before it reads its message
+    replaces the device's last failure, not this thread's."""
+    _configure(_vendor(fakes, "cuda"))
+    so.npu_pool_set_quiet(1)
+
+    @ffi.callback("void(int, uint64_t, void *)")
+    def on_oom(device: int, size: int, stream: Any) -> None:
+        so.npu_pool_note_error(device, f"snapshot for {size}".encode())
+
+    so.npu_pool_set_oom_handler(on_oom)
+    failed, other_failed = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def first() -> None:
+        seen["first"] = malloc(1 << 40)
+        failed.set()
+        other_failed.wait(30)
+        seen["own"], seen["code"] = inst.last_error(-1), so.npu_pool_last_code()
+
+    def second() -> None:
+        failed.wait(30)
+        seen["second"] = malloc(3 << 40)
+        other_failed.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["first"] == seen["second"] == 0
+    assert "out of memory on device 0" in seen["own"] and seen["code"] == so.NP_ERR_OOM
+    assert f"snapshot for {1 << 40}" in seen["own"] and f"snapshot for {3 << 40}" not in seen["own"]
+    device = inst.last_error(0)  # the device's last failure: the second thread's
+    assert f"snapshot for {3 << 40}" in device and f"snapshot for {1 << 40}" not in device
+
+
 # ---- npu_pool.install() ------------------------------------------------------------------------
 
 def test_install_without_a_device_says_what_is_missing() -> None:

@@ -260,8 +260,9 @@ def test_npu_pool_short_lived_below_the_top_keeps_the_hole_by_the_top():
         assert short == b  # its low end: the other 9 MiB stay next to the top
         big = p.malloc(30 * MiB)  # larger than every hole: it starts in the one by the top
         assert big == b + MiB
-        # mapped: the first chunk and one growth of the 21 MiB past it; at the hole's high end the
-        # short-lived block would have left the 9 MiB behind and the 30 MiB mapped above them
+        # mapped: the first chunk and one growth for the 21 MiB past it (22 MiB: whole 2 MiB pages);
+        # at the hole's high end the short-lived block would have left the 9 MiB behind it and the
+        # 30 MiB block would have been mapped whole above them
         assert p.stats()["total"]["reserved"]["current"] == 20 * MiB + 22 * MiB
         for ptr in (a, short, big):
             p.free(ptr)

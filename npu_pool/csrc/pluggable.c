@@ -34,6 +34,12 @@ static struct {
   size_t n_retired, cap_retired;
 } table = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* The note an OOM handler adds while this thread's failed malloc calls it (noting: its device,
+ * -1 outside the handler): it joins the thread's own message as well as the device's, which a
+ * failure on another thread may replace before this thread reads it. */
+static _Thread_local int tl_noting = -1;
+static _Thread_local char tl_note[1024];
+
 /* Every path takes the table's lock here: the fork handlers are installed first, so that a fork
  * while another thread holds it, before any context exists, does not leave it locked in the child. */
 static void lock_table(void) {
@@ -240,6 +246,10 @@ void npu_pool_note_error(int device, const char *note) {
   size_t n = strlen(table.error[device]);
   snprintf(table.error[device] + n, sizeof table.error[device] - n, "%s%s", n ? "\n" : "", note);
   pthread_mutex_unlock(&table.lock);
+  if (tl_noting == device) {
+    size_t m = strlen(tl_note);
+    snprintf(tl_note + m, sizeof tl_note - m, "%s%s", m ? "\n" : "", note);
+  }
 }
 
 void npu_pool_set_quiet(int quiet) { atomic_store(&table.quiet, quiet != 0); }
@@ -303,8 +313,12 @@ void *npu_pool_malloc(size_t size, int device, void *stream) {
   if (rc == NP_ERR_OOM && on_oom) {
     np_saved_error s;
     np_save_error(&s, rc);
+    tl_noting = device;
+    tl_note[0] = '\0';
     on_oom(device, size, stream); /* may run Python (no lock of the pool is held); may add a note */
+    tl_noting = -1;
     np_restore_error(&s);
+    if (tl_note[0]) np_error(rc, "%s\n%s", s.text, tl_note); /* the thread's message, as the device's */
   }
   print_kept(device, "malloc", atomic_load(&table.quiet) != 0);
   return NULL; /* the C++ hook raises the kept message; without it, torch passes NULL on (printed, then) */

@@ -40,13 +40,15 @@ int npu_pool_set_history(int device, uint64_t max_entries);
 int npu_pool_device_stats(int device, np_stats *out);
 /* Zero the accumulated figures of `device`. */
 void npu_pool_reset_accumulated(int device);
-/* Copy the last failure message of `device` (device < 0: the calling thread's
- * np_last_error()) into buf; returns its length. */
+/* Copy the last failure message of `device` (another thread's, if it failed last) or, with
+ * device < 0, the calling thread's own (np_last_error(), with the notes its OOM handler added)
+ * into buf; returns its length. */
 size_t npu_pool_last_error(int device, char *buf, size_t len);
 /* The NP_ERR_* code of the calling thread's latest failure (a hook that got NULL tells an
  * out-of-memory from a refusal with it). */
 int npu_pool_last_code(void);
-/* Add a line to `device`'s last failure message (an OOM handler's note: where its snapshot went). */
+/* Add a line to `device`'s last failure message (an OOM handler's note: where its snapshot went);
+ * called from the handler of a failed npu_pool_malloc, to that thread's message too. */
 void npu_pool_note_error(int device, const char *note);
 /* 1: failed mallocs are not printed (the caller reports them). */
 void npu_pool_set_quiet(int quiet);

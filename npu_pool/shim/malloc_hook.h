@@ -35,7 +35,7 @@ inline void *malloc_or_throw(const CoreMalloc &c, size_t size, int device, void 
   if (p || size == 0) return p;
   int code = c.last_code();  // this thread's: set by the failed call just made
   char msg[1024] = "";
-  c.last_error(device, msg, sizeof msg);
+  c.last_error(-1, msg, sizeof msg);  // this thread's too: another may have failed on the device since
   TORCH_CHECK_WITH(OutOfMemoryError, code != NP_ERR_OOM, "npu_pool: ", msg);
   TORCH_CHECK(false, "npu_pool: ", msg);
   return nullptr;

@@ -19,9 +19,12 @@ static void *fake_malloc(size_t size, int, void *) {
   return nullptr;                 // refused: g_code says why
 }
 static void fake_free(void *, size_t, int, void *) {}
-static size_t fake_last_error(int, char *buf, size_t n) {
-  std::snprintf(buf, n, "%s", g_msg);
-  return std::strlen(g_msg);
+static size_t fake_last_error(int device, char *buf, size_t n) {
+  // the hook must ask for the calling thread's failure (-1), not the device's last one, which
+  // another thread's failure may have replaced
+  const char *msg = device == -1 ? g_msg : "the device's last failure, not this thread's";
+  std::snprintf(buf, n, "%s", msg);
+  return std::strlen(msg);
 }
 static int fake_last_code() { return g_code; }
 
