@@ -267,12 +267,13 @@ NOTES = """
   keeping every spare the cap allows (3 of 13, 111 MiB); trims that unmap only the chunks they
   need (3 of 13, 109 MiB).
 - On a full device the arena moves chunks in steady iterations where the torch model's cached
-  segments make no call on two traces (the table "Steady iterations there": 1520 calls over the
-  later iterations of cs336-medium-ctx1024-infer, 821 of h100-gpt-bf16-train, mostly unmaps and
-  maps of spares): with the mapped memory at the cap, a request larger than every free mapped
-  range unmaps free chunks to map their memory where it goes, and the layout each iteration
-  leaves is not the one the next needs, so it does so again. With room to spare it maps new
-  memory instead, and the same two traces make 0 and 2 calls in their later iterations.
+  segments make no call on two traces (the table "Steady iterations there"; on 2026-11-26, 1520
+  calls over the later iterations of cs336-medium-ctx1024-infer and 821 of h100-gpt-bf16-train,
+  83% and 69% of them unmaps and maps, most maps of spares): with the mapped memory at the cap, a
+  request larger than every free mapped range unmaps free chunks to map their memory where it
+  goes, and the layout each iteration leaves is not the one the next needs, so it does so again.
+  With room to spare it maps new memory instead, and the same two traces made 0 and 2 calls in
+  their later iterations then.
 - The first two iterations of a training capture may grow the arena (the steady column counts
   the second): the second places by the lifetimes the first taught, and its peak holds more than
   the first's did, since the optimizer's states, made in the first step's optimizer, are live

@@ -277,7 +277,8 @@ def _register(handle: Any, setters: list[tuple[str, int]]) -> list[str]:
 @ffi.def_extern()
 def _npu_pool_on_oom(device: int, size: int, stream: Any) -> None:
     """Called by the core's torch hooks after a request failed for lack of memory: an OOM
-    snapshot when one is asked for (npu_pool.oom); its note joins the device's error."""
+    snapshot when one is asked for (npu_pool.oom); its note joins the device's error and the
+    failing thread's (what the C++ hook raises)."""
     try:
         inst = _current
         pool = inst.pools.get(device) if inst else None

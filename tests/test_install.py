@@ -252,29 +252,30 @@ def test_hooks_are_thread_safe(fakes: dict) -> None:
     assert pool.stats()["allocs"] == pool.stats()["frees"] == 1200
 
 
-def test_a_failed_malloc_keeps_its_own_message_and_note_per_thread(fakes: dict) -> None:
-    """The C++ hooks raise the calling thread's failure (npu_pool_last_error(-1)), with the note its
-    OOM handler added: another thread failing on the same device before it reads its message
-    replaces the device's last failure, not this thread's."""
+def test_a_failed_malloc_keeps_its_own_message_and_note_per_thread(fakes: dict, capfd: pytest.CaptureFixture) -> None:
+    """What a failed malloc raises (the C++ hooks read npu_pool_last_error(-1)) and prints is the
+    calling thread's failure, with the note its OOM handler added, whatever another thread's
+    failure on the same device reported meanwhile: here the second thread fails while the first
+    one's handler runs (writing a snapshot takes that long)."""
     _configure(_vendor(fakes, "cuda"))
-    so.npu_pool_set_quiet(1)
+    in_handler, other_failed = threading.Event(), threading.Event()
 
     @ffi.callback("void(int, uint64_t, void *)")
     def on_oom(device: int, size: int, stream: Any) -> None:
         so.npu_pool_note_error(device, f"snapshot for {size}".encode())
+        if size == 1 << 40:
+            in_handler.set()
+            other_failed.wait(30)
 
     so.npu_pool_set_oom_handler(on_oom)
-    failed, other_failed = threading.Event(), threading.Event()
     seen: dict[str, Any] = {}
 
     def first() -> None:
         seen["first"] = malloc(1 << 40)
-        failed.set()
-        other_failed.wait(30)
         seen["own"], seen["code"] = inst.last_error(-1), so.npu_pool_last_code()
 
     def second() -> None:
-        failed.wait(30)
+        in_handler.wait(30)
         seen["second"] = malloc(3 << 40)
         other_failed.set()
 
@@ -288,6 +289,31 @@ def test_a_failed_malloc_keeps_its_own_message_and_note_per_thread(fakes: dict) 
     assert f"snapshot for {1 << 40}" in seen["own"] and f"snapshot for {3 << 40}" not in seen["own"]
     device = inst.last_error(0)  # the device's last failure: the second thread's
     assert f"snapshot for {3 << 40}" in device and f"snapshot for {1 << 40}" not in device
+    err = capfd.readouterr().err  # each thread printed its own report, neither taken for a repeat
+    assert err.count("npu_pool: malloc failed on device 0") == 2
+    assert f"snapshot for {1 << 40}" in err and f"snapshot for {3 << 40}" in err
+
+
+def test_an_oom_handler_that_fails_to_allocate_keeps_the_notes_apart(fakes: dict) -> None:
+    """A handler whose own malloc fails nests: its note goes with its own failure, not the outer one."""
+    _configure(_vendor(fakes, "cuda"))
+    so.npu_pool_set_quiet(1)
+    inner: dict[str, str] = {}
+
+    @ffi.callback("void(int, uint64_t, void *)")
+    def on_oom(device: int, size: int, stream: Any) -> None:
+        so.npu_pool_note_error(device, f"before {size}".encode())
+        if size == 1 << 40:
+            assert malloc(3 << 40) == 0
+            inner["own"] = inst.last_error(-1)
+        so.npu_pool_note_error(device, f"after {size}".encode())
+
+    so.npu_pool_set_oom_handler(on_oom)
+    assert malloc(1 << 40) == 0
+    outer = inst.last_error(-1)
+    assert f"before {1 << 40}" in outer and f"after {1 << 40}" in outer and str(3 << 40) not in outer
+    assert f"before {3 << 40}" in inner["own"] and f"after {3 << 40}" in inner["own"]
+    assert str(1 << 40) not in inner["own"].split("\n", 1)[1]  # its notes: the inner request's only
 
 
 # ---- npu_pool.install() ------------------------------------------------------------------------

@@ -552,7 +552,7 @@ def test_a_plan_followed_from_its_first_request_keeps_its_prologue_once():
     by periodicity and plans from the first request (NP_PLAN_AT_START). Once the policy learned
     where an iteration starts (its marker context, at the end of the second body pass) it
     restarted the prologue at the third pass instead of the body: 393 requests fell back and the
-    plan reserved 3.763 GiB against the online pool's 2.256 (docs/gpu.md)."""
+    plan reserved 3.763 GiB against the online pool's 2.256 then (2.154 since 2026-11-26, docs/gpu.md)."""
     (name, trace), = open_traces(ROOT / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle")
     plan = make_plan(trace)
     assert plan.meta["method"] == "period" and plan.meta["prologue"] > 0 and "online" not in plan.meta

@@ -34,9 +34,10 @@ static struct {
   size_t n_retired, cap_retired;
 } table = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-/* The note an OOM handler adds while this thread's failed malloc calls it (noting: its device,
- * -1 outside the handler): it joins the thread's own message as well as the device's, which a
- * failure on another thread may replace before this thread reads it. */
+/* The notes an OOM handler adds while this thread's failed malloc calls it (noting: its device,
+ * -1 outside a handler): they join the thread's own message as well as the device's, which a
+ * failure on another thread may replace before this thread reads it. A handler whose own malloc
+ * fails nests: its notes follow the outer call's and leave with its own message. */
 static _Thread_local int tl_noting = -1;
 static _Thread_local char tl_note[1024];
 
@@ -64,16 +65,17 @@ static void keep(int device) {
   pthread_mutex_unlock(&table.lock);
 }
 
-/* Print `device`'s last failure unless it repeats the one printed last with nothing served in
- * between, or the caller reports it (`quiet`). */
+/* Print the calling thread's failure (the device's kept one may be another thread's by now) unless
+ * it repeats the one printed last on `device` with nothing served in between, or the caller
+ * reports it (`quiet`). */
 static void print_kept(int device, const char *what, bool quiet) {
   char msg[sizeof table.error[0]];
+  snprintf(msg, sizeof msg, "%s", np_last_error());
   if (!valid_device(device)) {
-    if (!quiet) fprintf(stderr, "npu_pool: %s failed: %s\n", what, np_last_error());
+    if (!quiet) fprintf(stderr, "npu_pool: %s failed: %s\n", what, msg);
     return;
   }
   lock_table();
-  snprintf(msg, sizeof msg, "%s", table.error[device]);
   bool repeat = atomic_load(&table.printed[device]) && strcmp(table.printed_text[device], msg) == 0;
   if (!quiet && !repeat) {
     atomic_store(&table.printed[device], true);
@@ -247,8 +249,8 @@ void npu_pool_note_error(int device, const char *note) {
   snprintf(table.error[device] + n, sizeof table.error[device] - n, "%s%s", n ? "\n" : "", note);
   pthread_mutex_unlock(&table.lock);
   if (tl_noting == device) {
-    size_t m = strlen(tl_note);
-    snprintf(tl_note + m, sizeof tl_note - m, "%s%s", m ? "\n" : "", note);
+    size_t m = strlen(tl_note); /* each note a line of its own: "\n" first */
+    snprintf(tl_note + m, sizeof tl_note - m, "\n%s", note);
   }
 }
 
@@ -313,12 +315,15 @@ void *npu_pool_malloc(size_t size, int device, void *stream) {
   if (rc == NP_ERR_OOM && on_oom) {
     np_saved_error s;
     np_save_error(&s, rc);
+    int outer = tl_noting;
+    size_t from = outer < 0 ? 0 : strlen(tl_note); /* where this call's notes start */
+    tl_note[from] = '\0';
     tl_noting = device;
-    tl_note[0] = '\0';
     on_oom(device, size, stream); /* may run Python (no lock of the pool is held); may add a note */
-    tl_noting = -1;
-    np_restore_error(&s);
-    if (tl_note[0]) np_error(rc, "%s\n%s", s.text, tl_note); /* the thread's message, as the device's */
+    tl_noting = outer;
+    if (tl_note[from]) np_error(rc, "%s%s", s.text, tl_note + from); /* the thread's message, as the device's */
+    else np_restore_error(&s);
+    tl_note[from] = '\0';
   }
   print_kept(device, "malloc", atomic_load(&table.quiet) != 0);
   return NULL; /* the C++ hook raises the kept message; without it, torch passes NULL on (printed, then) */
