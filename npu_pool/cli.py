@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 # name -> one-line help. The module is npu_pool.commands.<name with - replaced by _>.
 COMMANDS: dict[str, str] = {
@@ -30,6 +31,13 @@ def _module(name: str):
     return importlib.import_module(f"npu_pool.commands.{name.replace('-', '_')}")
 
 
+def _not_an_input(path: Path) -> None:
+    from . import inputs
+
+    if inputs.was_read(path):
+        raise FileExistsError(f"{path}: is also an input of this command; not overwritten (name another output)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="npu-pool", description="fragmentation-aware device memory pool tools")
@@ -44,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from . import inputs, outputs
     from .pool import PoolError
 
+    inputs.remember()  # a command never replaces one of its own inputs with an output
+    outputs.guard(_not_an_input)
     try:
         return int(_module(args.command).run(args) or 0)
     except KeyboardInterrupt:
@@ -55,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"npu-pool {args.command}: error: {first}", file=sys.stderr)
         return 1
+    finally:
+        inputs.forget()
 
 
 if __name__ == "__main__":

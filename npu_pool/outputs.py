@@ -7,7 +7,10 @@ any kind (disk full, a bad value half-way, Ctrl-C, SIGTERM in the main thread) r
 partial file and leaves the destination as it was. The partial file is also a lock: a
 second writer of the same destination, in this process or another, is refused with
 :class:`OutputBusy` while the first is writing (two writers never interleave; the last
-to finish wins).
+to finish wins). A destination that exists and is not a regular file (a FIFO, a terminal, a
+device, ``/dev/stdout``) cannot be replaced: it is written directly, as a shell's ``>`` would; a
+symbolic link is followed, the file it names replaced and the link kept. Checks registered with
+:func:`guard` run before a destination is replaced (the command line's: not one of its inputs).
 
 Pure Python, imports nothing of the package.
 """
@@ -18,14 +21,23 @@ import fcntl
 import io
 import os
 import signal
+import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
-__all__ = ["output", "write_bytes", "write_text", "OutputBusy", "partial_path"]
+__all__ = ["output", "write_bytes", "write_text", "OutputBusy", "partial_path", "guard"]
 
 PARTIAL = ".partial"
+_GUARDS: list[Callable[[Path], None]] = []
+
+
+def guard(check: Callable[[Path], None]) -> None:
+    """Run ``check(destination)`` before every later output replaces a file; it raises (an
+    ``OSError``) to refuse the destination. A check registered twice runs once."""
+    if check not in _GUARDS:
+        _GUARDS.append(check)
 
 
 class OutputBusy(OSError):
@@ -112,6 +124,18 @@ def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "u
     p = Path(path)
     if p.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
+    try:
+        special = not stat.S_ISREG(os.stat(p).st_mode)
+    except OSError:
+        special = False  # absent (or a dangling link): created
+    if special:
+        with _direct(p, mode, encoding) as f:
+            yield f
+        return
+    if p.is_symlink():
+        p = Path(os.path.realpath(p))  # the file the link names is replaced; the link stays
+    for check in _GUARDS:
+        check(p)
     with _sigterm_raises():
         fd = _claim(p)
         part = partial_path(p)
@@ -142,6 +166,33 @@ def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "u
                 f.close()  # releases the lock
             except OSError:
                 pass
+
+
+@contextmanager
+def _direct(p: Path, mode: str, encoding: str) -> Iterator[IO[Any]]:
+    """Write straight into ``p``, which exists and is not a regular file (it cannot be replaced
+    whole). A FIFO nobody reads is refused instead of waited on."""
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        os.set_blocking(fd, True)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, f"{p}: a FIFO nobody reads; nothing was written") from None
+        raise _fail(p, e) from None
+    raw = os.fdopen(fd, "wb", closefd=True)
+    f: IO[Any] = raw if mode == "wb" else io.TextIOWrapper(raw, encoding=encoding, newline="")
+    try:
+        yield f
+        f.flush()
+    except OSError as e:
+        if isinstance(e, OutputBusy) or e.filename is not None:
+            raise
+        raise OSError(e.errno, f"{p}: cannot write ({e.strerror or e}); what was written so far stays there") from None
+    finally:
+        try:
+            f.close()
+        except OSError:
+            pass
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:

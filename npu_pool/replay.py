@@ -21,6 +21,7 @@ from . import vocab
 from .pool import POLICIES, Pool, _check, _event_dicts
 from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type
 from .trace.stats import live_profile
+from .units import fmt_bytes
 
 UNLIMITED = 1 << 40           # simulated device for "room to spare" replays
 CAPACITY_STEP = vocab.SIM_PAGE  # resolution of the minimum-capacity search: the simulated device's page
@@ -28,6 +29,10 @@ CAPACITY_STEP = vocab.SIM_PAGE  # resolution of the minimum-capacity search: the
 # the recorder sees; the default), "sites" (markers and the trace's own site ids), "oracle"
 # (the profiler's categories), "none". Codes are the core's (NP_HINTS_*).
 HINTS = {name: code for code, name in enumerate(vocab.HINTS)}
+
+
+class TraceTooLarge(ValueError):
+    """A trace holds more than the simulated device of a room-to-spare replay (``UNLIMITED``)."""
 
 
 @dataclass
@@ -262,7 +267,10 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
     plan = _as_plan(plan)
     free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name)  # a wrong plan: named by file
     if not free_run.ok:
-        raise RuntimeError(f"{name}: policy {policy} failed at event {free_run.fail_index} on a 1 TiB device")
+        i = free_run.fail_index
+        raise TraceTooLarge(f"{name}: policy {policy} failed at event {i} (a request of {fmt_bytes(trace.size[i])} "
+                            f"with {fmt_bytes(free_run.peak_live_bytes)} live at most before it) on the simulated "
+                            "1 TiB device: the replay models one device of at most 1 TiB")
     cap = retries = trims = cap_calls = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
@@ -352,4 +360,4 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
 
 
 __all__ = ["run", "iteration_bounds", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
-           "PolicyResult", "Fidelity", "OP_ALLOC"]
+           "PolicyResult", "Fidelity", "TraceTooLarge", "OP_ALLOC"]

@@ -609,3 +609,84 @@ def test_a_fifo_as_a_plan_or_snapshot_is_refused_without_blocking(tmp_path: Path
     assert out["replay"] == 1 and out["import"] == 1
     assert "Traceback" not in r.stderr and "not a regular file" in r.stderr
     assert not (tmp_path / "imported").exists()
+
+
+# ---- outputs that are inputs, special files, traces past the simulated device -------------------
+def _two_allocs(path: Path, size: int) -> Path:
+    t = Trace(meta={"n_ids": 2})
+    for i in range(2):
+        t.append(OP_ALLOC, id=i, size=size)
+    for i in range(2):
+        t.append(OP_FREE, id=i, size=size)
+    t.save(path)
+    return path
+
+
+def test_an_output_that_is_an_input_of_the_command_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = _two_allocs(tmp_path / "a.npt", MiB)
+    before = trace.read_bytes()
+    link = tmp_path / "link.npt"
+    link.symlink_to(trace)
+    for argv in (["replay", str(trace), "--no-min-capacity", "--json", str(trace)],
+                 ["replay", str(link), "--no-min-capacity", "--json", str(trace)],  # the same file by another name
+                 ["plan", str(trace), "--out", str(trace)],
+                 ["analyze", str(trace), "--out", str(trace)]):
+        _one_line(capsys, argv, "a.npt: is also an input of this command; not overwritten")
+        assert trace.read_bytes() == before
+    assert main(["replay", str(trace), "--no-min-capacity", "--json", str(tmp_path / "out.json")]) == 0  # others: fine
+    capsys.readouterr()
+
+
+def test_special_files_and_links_are_written_not_replaced(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = _two_allocs(tmp_path / "a.npt", MiB)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _one_line(capsys, ["replay", str(trace), "--no-min-capacity", "--json", str(fifo)], "a FIFO nobody reads")
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    time.sleep(0.2)  # the reader opens the FIFO
+    assert main(["replay", str(trace), "--no-min-capacity", "--json", str(fifo)]) == 0
+    reader.join(10)
+    assert fifo.is_fifo() and json.loads(got[0])[0]["peak_live_bytes"] == 2 * MiB
+    link = tmp_path / "report.json"
+    link.symlink_to("target.json")  # dangling: the file it names is created, the link kept
+    assert main(["replay", str(trace), "--no-min-capacity", "--json", str(link)]) == 0
+    assert link.is_symlink() and json.loads((tmp_path / "target.json").read_text())[0]["peak_live_bytes"] == 2 * MiB
+    capsys.readouterr()
+    if Path("/dev/full").is_char_device():
+        _one_line(capsys, ["replay", str(trace), "--no-min-capacity", "--json", "/dev/full"], "/dev/full: cannot write")
+        assert Path("/dev/full").is_char_device()
+    capsys.readouterr()
+
+
+def test_a_trace_past_the_simulated_device_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    big = _two_allocs(tmp_path / "big.npt", 3 << 39)  # 1.5 TiB live at once: past the 1 TiB of a room-to-spare replay
+    _one_line(capsys, ["replay", str(big), "--no-min-capacity"], "the replay models one device of at most 1 TiB")
+    assert main(["export", str(big), "--out", str(tmp_path / "big.pickle")]) == 0
+    err = capsys.readouterr().err
+    assert "stopped at trace event 0" in err and "the snapshot ends there" in err
+
+
+def test_empty_paths_and_clashing_names_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _one_line(capsys, ["replay", ""], "an empty path was given")
+    snap = {"segments": [], "device_traces": [[]]}
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "x.pickle").write_bytes(pickle.dumps(snap))
+    _one_line(capsys, ["import", "--out", str(tmp_path / "out"), str(tmp_path / "a" / "x.pickle"),
+                       str(tmp_path / "b" / "x.pickle")], "would both be written as x.dev<N>.npt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_capture_saves_its_trace_before_printing(tmp_path: Path) -> None:
+    """A summary that cannot be printed (stdout on a full disk) must not lose the trace."""
+    if not Path("/dev/full").is_char_device():
+        pytest.skip("no /dev/full")
+    out = tmp_path / "c.npt"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "npu_pool.cli", "capture", "--steps", "1", "--layers", "1",
+                            "--out", str(out)], stdout=full, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+                           timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert Trace.load(out).validate(str(out)) is None

@@ -82,7 +82,8 @@ def _annotations(trace: Trace, device: int) -> list[dict[str, Any]]:
 
 
 def _replayed_parts(trace: Trace, policy: str, device: int, hints: str) -> tuple[Iterator[dict[str, Any]], dict]:
-    """(trace entries, one at a time; the rest of the snapshot) of ``trace`` replayed through ``policy``."""
+    """(trace entries, one at a time; the rest of the snapshot) of ``trace`` replayed through ``policy``;
+    the rest says where the replay stopped (``"failed_at"``: the event it could not serve, or -1)."""
     tl = timeline(trace, policy, hints=hints)
     frames = _Frames(trace)
     sites = trace.site
@@ -91,7 +92,8 @@ def _replayed_parts(trace: Trace, policy: str, device: int, hints: str) -> tuple
     rest = {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
             "external_annotations": _annotations(trace, device),
             "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
-                                   "round_size": ROUND}}
+                                   "round_size": ROUND},
+            "failed_at": -1 if tl.ok else tl.fail_index}
     return entries, rest
 
 
@@ -100,6 +102,7 @@ def snapshot_replayed(trace: Trace, policy: str, device: int = 0, devices: int =
     """Snapshot of ``trace`` replayed through ``policy``: the core's events (every allocation,
     free, segment change and the failed request, if any) and its memory at the end."""
     entries, rest = _replayed_parts(trace, policy, device, hints)
+    rest.pop("failed_at")
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
     traces[device] = list(entries)
     return dict(rest, device_traces=traces)
@@ -211,10 +214,12 @@ write_snapshot = _snap.write  # pickle a snapshot (plain data only, so restricte
 
 
 class Exported:
-    """What :func:`export` wrote: the file, trace entries, segments and bytes they reserve."""
+    """What :func:`export` wrote: the file, trace entries, segments and bytes they reserve, and
+    the replays that stopped at a request the simulated device could not serve ({device: event})."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.entries, self.segments, self.reserved = path, 0, 0, 0
+        self.failed: dict[int, int] = {}
 
 
 def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "markers") -> Exported:
@@ -242,6 +247,8 @@ def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "
             yield e
         if policy == "recorded":
             part = rec.rest()
+        elif part["failed_at"] >= 0:
+            out.failed[dev] = part["failed_at"]
         rest["segments"].extend(part["segments"])
         rest["external_annotations"].extend(part["external_annotations"])
         rest["allocator_settings"] = part["allocator_settings"]

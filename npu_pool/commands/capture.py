@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"npu-pool capture: error: {e}", file=sys.stderr)
         return 1
     trace.validate()
+    if args.out:
+        trace.save(args.out)  # before the summary: a stdout that cannot be written loses nothing
     s = summarize(trace)
     c = trace.meta["capture"]
     what = f"{c['model']}-{c['shape']} (fake, tp {c['tp']}, {c['layers']} layers)" if fake else c["model"]
@@ -98,6 +100,5 @@ def run(args: argparse.Namespace) -> int:
     for name, b in sorted(s["peak_by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:<16} {fmt_bytes(b):>14}  {100 * b / max(1, s['peak_bytes']):5.1f}%")
     if args.out:
-        trace.save(args.out)
         print(f"wrote {args.out}")
     return 0

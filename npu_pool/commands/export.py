@@ -29,6 +29,9 @@ def run(args: argparse.Namespace) -> int:
     path = done.path
     print(f"wrote {path}: {len(named)} device trace(s), {done.entries} events, {done.segments} segments "
           f"({done.reserved / 2**30:.3f} GiB reserved at the end) under {args.policy}", file=sys.stderr)
+    for dev, event in done.failed.items():
+        print(f"warning: device {dev}: the replay under {args.policy} stopped at trace event {event}, a request the "
+              "simulated 1 TiB device could not serve: the snapshot ends there, with that out-of-memory", file=sys.stderr)
     print(f"view: python -m torch.cuda._memory_viz trace_plot {path} -o {path}.html  (or drop it on "
           "https://pytorch.org/memory_viz)", file=sys.stderr)
     return 0

@@ -41,6 +41,12 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise TraceError(f"{out}: exists and is not a folder; --out names the folder for the traces")
+    stems: dict[str, Path] = {}
+    for snap in args.snapshots:  # <stem>.dev<N>.npt: two snapshots of one name would overwrite each other
+        first = stems.setdefault(snap.stem, snap)
+        if first != snap:
+            raise TraceError(f"{first} and {snap} would both be written as {snap.stem}.dev<N>.npt in {out}; "
+                             "import them into different folders (or rename one)")
     made = False
     written = 0
     try:

@@ -47,6 +47,8 @@ def expand(paths: list[str]) -> list[Path]:
     (a FIFO or device there with such a name is skipped, never opened)."""
     out: list[Path] = []
     for s in paths:
+        if not str(s):
+            raise TraceError("an empty path was given (an unset variable?); name a trace file or a directory")
         p = Path(s)
         if p.is_dir():
             named = [q for q in p.iterdir() if q.suffix in (".npt", ".pickle")]
