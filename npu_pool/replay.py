@@ -320,6 +320,9 @@ def validate(trace: Trace, name: str) -> Fidelity:
     rec = trace.meta.get("recorded")
     if not rec:
         raise ValueError(f"{name}: the trace carries no recorded figures (import it from a PyTorch snapshot)")
+    if not isinstance(rec, dict) or not all(_count(rec.get(k)) for k in ("peak_reserved_bytes", "segment_allocs")):
+        raise ValueError(f"{name}: the trace's meta['recorded'] is malformed (it needs whole numbers "
+                         "peak_reserved_bytes and segment_allocs)")
     r = run(trace, "torch", fidelity=True, hints="none")
     if not r.ok:
         raise RuntimeError(f"{name}: the torch model failed at event {r.fail_index}")
@@ -331,12 +334,26 @@ def validate(trace: Trace, name: str) -> Fidelity:
                     same_place=r.same_addr / r.compared if r.compared else 1.0, compared=r.compared)
 
 
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
+
+
+def recorded_ooms(trace: Trace) -> list[dict[str, int]]:
+    """The recorded run's failed requests (``meta["ooms"]``: event, size, device_free), checked:
+    a ValueError names a malformed list instead of a failure somewhere later."""
+    ooms = trace.meta.get("ooms", [])
+    ok = isinstance(ooms, list) and all(isinstance(o, dict) and all(_count(o.get(k, 0)) for k in
+                                                                    ("event", "size", "device_free")) for o in ooms)
+    if not ok:
+        raise ValueError("the trace's meta['ooms'] is malformed (a list of {event, size, device_free} whole numbers)")
+    return [{k: int(o.get(k, 0)) for k in ("event", "size", "device_free")} for o in ooms if "event" in o]
+
+
 def recorded_capacity(trace: Trace) -> int | None:
     """The device memory the recorded run had when a request failed (an ``OP_OOM`` event): what
     its allocator held (segments) plus what the device still reported free; the largest over its
     failures. None when nothing failed in the recording."""
-    ooms = {int(o["event"]): int(o.get("device_free", 0)) for o in trace.meta.get("ooms", [])
-            if isinstance(o, dict) and isinstance(o.get("event"), int)}
+    ooms = {o["event"]: o["device_free"] for o in recorded_ooms(trace)}
     if not ooms:
         return None
     reserved = best = 0
@@ -360,4 +377,4 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
 
 
 __all__ = ["run", "iteration_bounds", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
-           "PolicyResult", "Fidelity", "TraceTooLarge", "OP_ALLOC"]
+           "PolicyResult", "Fidelity", "TraceTooLarge", "recorded_ooms", "OP_ALLOC"]

@@ -690,3 +690,25 @@ def test_capture_saves_its_trace_before_printing(tmp_path: Path) -> None:
                            timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert Trace.load(out).validate(str(out)) is None
+
+
+def test_malformed_meta_of_traces_and_plans_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A trace's or a plan's meta is input like the rest: fields of the wrong type are named in one
+    line, never a TypeError, KeyError or ZeroDivisionError from deep inside a report."""
+    def with_meta(name: str, **meta: object) -> str:
+        t = Trace.load(_two_allocs(tmp_path / name, MiB))
+        t.meta.update(meta)
+        t.save(tmp_path / name)
+        return str(tmp_path / name)
+
+    _one_line(capsys, ["analyze", with_meta("o.npt", ooms=5)], "meta['ooms'] is malformed")
+    _one_line(capsys, ["analyze", with_meta("p.npt", ooms=[{"event": 1, "size": [1]}])], "meta['ooms'] is malformed")
+    capture = {"model": "gpt", "steps": 1, "batch": 4, "seq": 128, "layers": 4, "dim": 128, "heads": 0, "vocab": 512,
+               "recompute": False, "grad_accum": 1, "mixed_precision": None, "fake": False}
+    _one_line(capsys, ["estimate", "--trace", with_meta("c.npt", capture=capture)], "meta['capture'] is malformed")
+    assert main(["replay", "--validate", with_meta("r.npt", recorded=7)]) == 0  # skipped, saying why
+    assert "skipped: r: the trace's meta['recorded'] is malformed" in capsys.readouterr().out
+    plan = make_plan(training())
+    plan.meta["peak_live_bytes"] = "many"
+    save_plan(plan, tmp_path / "bad.npplan")
+    _one_line(capsys, ["plan", "--check", str(tmp_path / "bad.npplan")], "the plan's meta is malformed")

@@ -359,7 +359,7 @@ def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
         return None
     try:
         return _capture_config(cap, make_config)
-    except (TypeError, KeyError, AttributeError, OverflowError) as e:  # a trace's meta is input like any other
+    except (TypeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:  # a trace's meta is input
         raise ValueError(f"the trace's meta['capture'] is malformed ({type(e).__name__}: {str(e)[:80]})") from None
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..progress import progress
-from ..replay import evaluate, recorded_capacity, run
+from ..replay import evaluate, recorded_capacity, recorded_ooms, run
 from ..timeline import Timeline, timeline
 from ..trace.format import Trace
 from ..trace.files import expand, open_traces
@@ -119,15 +119,14 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
 
 
 def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> RecordedOoms | None:
-    ooms = [o for o in trace.meta.get("ooms", []) if isinstance(o, dict)]
+    ooms = recorded_ooms(trace)
     if not ooms:
         return None
     cap = recorded_capacity(trace)
     served = {}
     for policy in policies if cap else ():
         served[policy] = run(trace, policy, cap, hints=hints).ooms_served
-    return RecordedOoms([int(o.get("size", 0)) for o in ooms], [int(o.get("device_free", 0)) for o in ooms], cap,
-                        served)
+    return RecordedOoms([o["size"] for o in ooms], [o["device_free"] for o in ooms], cap, served)
 
 
 def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool = False, curves: bool = False,

@@ -46,6 +46,14 @@ def _pick(path: str, device: int | None):
 
 
 def _summary(meta: dict) -> str:
+    try:
+        return _rows(meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a plan's meta is input like any other
+        raise ValueError(f"the plan's meta is malformed ({type(e).__name__}: {str(e)[:80]}); "
+                         "--json prints it as it is") from None
+
+
+def _rows(meta: dict) -> str:
     rows = [("trace", meta.get("source", "")),
             ("iteration", f"{meta.get('method')} (seen {meta.get('repeats')}x), {meta.get('positions')} positions"
                           f" ({meta.get('prologue', 0)} prologue), {meta.get('unplanned')} unplanned"),
