@@ -339,3 +339,26 @@ def test_capture_repeats_a_run_whose_profile_cannot_be_read(monkeypatch):
     monkeypatch.setattr(profile, "_read_profile", lambda prof: (_ for _ in ()).throw(AssertionError("always")))
     with pytest.raises(CaptureError, match="always"):
         capture("gpt", steps=1, batch=1, seq=16, progress=False)
+
+
+def test_a_capture_that_would_not_fit_in_memory_stops_after_two_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler holds every op of the run: a capture whose steps, at the growth of its second
+    one, would not fit in the memory the machine has stops early, saying how many would."""
+    from npu_pool.capture import real
+
+    if real._MemoryGuard._rss() is None or real._MemoryGuard._available() is None:
+        pytest.skip("no /proc to measure memory with")
+    monkeypatch.setattr(real._MemoryGuard, "_available", staticmethod(lambda: 1))  # nothing to spare
+    seen: list[int] = []
+    orig = real._MemoryGuard.check
+
+    def counting(self: object, step: int) -> None:
+        seen.append(step)
+        orig(self, step)
+
+    monkeypatch.setattr(real._MemoryGuard, "check", counting)
+    monkeypatch.setattr(real._MemoryGuard, "_rss", staticmethod(lambda: (1 << 30) + (len(seen) << 20)))
+    with pytest.raises(CaptureError, match=r"capturing 1000 steps would hold about .* a step\) than the 0\.0 GiB"
+                                           r".*capture at most 2 steps"):
+        capture("gpt", steps=1000, batch=1, seq=8, layers=1, dim=32, heads=2, vocab=64, progress=False)
+    assert seen == [0, 1]  # stopped at the second step's optimizer, not after a thousand

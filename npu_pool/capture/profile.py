@@ -41,6 +41,10 @@ class CaptureError(RuntimeError):
     """The capture could not run (e.g. torch's private profiler API changed)."""
 
 
+class CaptureTooLarge(CaptureError):
+    """The run would not fit in the memory the machine has (never retried)."""
+
+
 _KINETO_NOISE = ("USDT:", "STAGE:")  # lines torch's profiler backend writes to fd 2 at start and stop
 
 
@@ -279,6 +283,8 @@ def retrying(run: Callable[[], T]) -> T:
     for attempt in range(PROFILE_TRIES):
         try:
             return run()
+        except CaptureTooLarge:
+            raise
         except CaptureError:
             if attempt == PROFILE_TRIES - 1:
                 raise

@@ -16,7 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULTS["model"], choices=MODEL_NAMES,
                    help="model to train")
-    p.add_argument("--steps", type=whole(), default=DEFAULTS["steps"], help="training iterations")
+    p.add_argument("--steps", type=whole(), default=DEFAULTS["steps"],
+                   help="training iterations (a real capture's profiler holds every op in memory, ~27 MB a step "
+                        "for the default model: one that would not fit stops after two steps, saying how many would)")
     p.add_argument("--batch", type=whole(), default=DEFAULTS["batch"], help="sequences per micro-batch")
     p.add_argument("--seq", type=whole(), default=None,
                    help=f"tokens per sequence (default {DEFAULTS['seq']}, {_FAKE_SEQ} with --fake)")
