@@ -346,7 +346,7 @@ def recorded_ooms(trace: Trace) -> list[dict[str, int]]:
                                                                     ("event", "size", "device_free")) for o in ooms)
     if not ok:
         raise ValueError("the trace's meta['ooms'] is malformed (a list of {event, size, device_free} whole numbers)")
-    return [{k: int(o.get(k, 0)) for k in ("event", "size", "device_free")} for o in ooms if "event" in o]
+    return [{k: o.get(k, 0) for k in ("event", "size", "device_free")} for o in ooms if "event" in o]
 
 
 def recorded_capacity(trace: Trace) -> int | None:

@@ -40,12 +40,13 @@ def _npt(path: Path, header: dict, body: bytes = b"") -> Path:
     return path
 
 
-def _small_trace(n: int = 4) -> Trace:
+def small_trace(n: int = 4, size: int = MiB) -> Trace:
+    """``n`` allocations of ``size`` bytes, all live at once, then their frees."""
     t = Trace(meta={"n_ids": n, "sites": ["model.py:1:f"]})
     for i in range(n):
-        t.append(OP_ALLOC, id=i, size=MiB, site=0)
+        t.append(OP_ALLOC, id=i, size=size, site=0)
     for i in range(n):
-        t.append(OP_FREE, id=i, size=MiB, site=0)
+        t.append(OP_FREE, id=i, size=size, site=0)
     return t
 
 
@@ -127,7 +128,7 @@ def test_corrupt_trace_headers_are_refused(tmp_path: Path, capsys: pytest.Captur
 def test_bad_event_values_are_refused_before_anything_is_sized_by_them(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture,
                                                                         column: str, value: int, words: list) -> None:
-    t = _small_trace()
+    t = small_trace()
     getattr(t, column)[1] = value
     t.save(tmp_path / "bad.npt")
     t0 = time.perf_counter()
@@ -179,7 +180,7 @@ def test_corrupt_plan_headers_are_refused(tmp_path: Path, capsys: pytest.Capture
 
 def test_a_plan_made_for_another_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     save_plan(make_plan(training(iters=3)), tmp_path / "p.npplan")
-    other = _small_trace(8)
+    other = small_trace(8)
     other.save(tmp_path / "other.npt")
     _refused(capsys, ["replay", str(tmp_path / "other.npt"), "--policy", "planned", "--plan",
                       str(tmp_path / "p.npplan"), "--no-min-capacity"], "made for", "never runs")
@@ -227,7 +228,7 @@ def test_an_initial_event_inside_the_window_is_refused(tmp_path: Path, capsys: p
 def test_a_free_of_another_size_than_its_alloc_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A free copies its alloc's size: another size would make the peak live bytes (the lower bound
     every figure is measured against) silently wrong."""
-    t = _small_trace()
+    t = small_trace()
     t.size[4] = 2 * MiB  # event 4: the free of id 0
     t.save(tmp_path / "bad.npt")
     _refused(capsys, ["analyze", str(tmp_path / "bad.npt")], "bad.npt", "event 4",
@@ -258,7 +259,7 @@ def test_a_fake_capture_with_more_stages_than_layers_is_refused(capsys: pytest.C
 
 
 def test_replay_refuses_a_plan_no_policy_replays(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    _small_trace().save(tmp_path / "t.npt")
+    small_trace().save(tmp_path / "t.npt")
     _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "npu_pool", "--plan", str(tmp_path / "no.npplan")],
              "--plan is the plan policy planned replays")
     _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "npu_pool,planned", "--no-min-capacity",
@@ -278,7 +279,7 @@ def test_a_protocol_0_snapshot_is_read_by_every_command(tmp_path: Path, capsys: 
 
 
 def test_a_cost_table_nested_too_deeply_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    _small_trace().save(tmp_path / "t.npt")
+    small_trace().save(tmp_path / "t.npt")
     (tmp_path / "c.json").write_text("[" * 100000)
     _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--no-min-capacity", "--costs", str(tmp_path / "c.json")],
              "cost table", "c.json")

@@ -27,6 +27,7 @@ from npu_pool.planner import PlanError, load_plan, make_plan, save_plan
 from npu_pool.pool import OutOfMemoryError, Pool
 from npu_pool.trace.format import MARK_ITER_BEGIN, OP_ALLOC, OP_FREE, OP_MARK, Trace, TraceError
 from npu_pool.trace.snapshot import load_snapshot
+from test_hostile import small_trace
 from test_planner import training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -612,18 +613,9 @@ def test_a_fifo_as_a_plan_or_snapshot_is_refused_without_blocking(tmp_path: Path
 
 
 # ---- outputs that are inputs, special files, traces past the simulated device -------------------
-def _two_allocs(path: Path, size: int) -> Path:
-    t = Trace(meta={"n_ids": 2})
-    for i in range(2):
-        t.append(OP_ALLOC, id=i, size=size)
-    for i in range(2):
-        t.append(OP_FREE, id=i, size=size)
-    t.save(path)
-    return path
-
-
 def test_an_output_that_is_an_input_of_the_command_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    trace = _two_allocs(tmp_path / "a.npt", MiB)
+    trace = tmp_path / "a.npt"
+    small_trace(2).save(trace)
     before = trace.read_bytes()
     link = tmp_path / "link.npt"
     link.symlink_to(trace)
@@ -638,7 +630,8 @@ def test_an_output_that_is_an_input_of_the_command_is_refused(tmp_path: Path, ca
 
 
 def test_special_files_and_links_are_written_not_replaced(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    trace = _two_allocs(tmp_path / "a.npt", MiB)
+    trace = tmp_path / "a.npt"
+    small_trace(2).save(trace)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     _one_line(capsys, ["replay", str(trace), "--no-min-capacity", "--json", str(fifo)], "a FIFO nobody reads")
@@ -661,7 +654,8 @@ def test_special_files_and_links_are_written_not_replaced(tmp_path: Path, capsys
 
 
 def test_a_trace_past_the_simulated_device_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    big = _two_allocs(tmp_path / "big.npt", 3 << 39)  # 1.5 TiB live at once: past the 1 TiB of a room-to-spare replay
+    big = tmp_path / "big.npt"
+    small_trace(2, 3 << 39).save(big)  # 1.5 TiB live at once: past the 1 TiB of a room-to-spare replay
     _one_line(capsys, ["replay", str(big), "--no-min-capacity"], "the replay models one device of at most 1 TiB")
     assert main(["export", str(big), "--out", str(tmp_path / "big.pickle")]) == 0
     err = capsys.readouterr().err
@@ -696,7 +690,7 @@ def test_malformed_meta_of_traces_and_plans_is_named(tmp_path: Path, capsys: pyt
     """A trace's or a plan's meta is input like the rest: fields of the wrong type are named in one
     line, never a TypeError, KeyError or ZeroDivisionError from deep inside a report."""
     def with_meta(name: str, **meta: object) -> str:
-        t = Trace.load(_two_allocs(tmp_path / name, MiB))
+        t = small_trace(2)
         t.meta.update(meta)
         t.save(tmp_path / name)
         return str(tmp_path / name)

@@ -81,9 +81,10 @@ def _annotations(trace: Trace, device: int) -> list[dict[str, Any]]:
     return _snap.annotations(marks, device)
 
 
-def _replayed_parts(trace: Trace, policy: str, device: int, hints: str) -> tuple[Iterator[dict[str, Any]], dict]:
-    """(trace entries, one at a time; the rest of the snapshot) of ``trace`` replayed through ``policy``;
-    the rest says where the replay stopped (``"failed_at"``: the event it could not serve, or -1)."""
+def _replayed_parts(trace: Trace, policy: str, device: int,
+                    hints: str) -> tuple[Iterator[dict[str, Any]], dict, int]:
+    """(trace entries, one at a time; the rest of the snapshot; the trace event the replay could not
+    serve, -1 when it served all) of ``trace`` replayed through ``policy``."""
     tl = timeline(trace, policy, hints=hints)
     frames = _Frames(trace)
     sites = trace.site
@@ -92,17 +93,15 @@ def _replayed_parts(trace: Trace, policy: str, device: int, hints: str) -> tuple
     rest = {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
             "external_annotations": _annotations(trace, device),
             "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
-                                   "round_size": ROUND},
-            "failed_at": -1 if tl.ok else tl.fail_index}
-    return entries, rest
+                                   "round_size": ROUND}}
+    return entries, rest, -1 if tl.ok else tl.fail_index
 
 
 def snapshot_replayed(trace: Trace, policy: str, device: int = 0, devices: int = 1, *,
                       hints: str = "markers") -> dict[str, Any]:
     """Snapshot of ``trace`` replayed through ``policy``: the core's events (every allocation,
     free, segment change and the failed request, if any) and its memory at the end."""
-    entries, rest = _replayed_parts(trace, policy, device, hints)
-    rest.pop("failed_at")
+    entries, rest, _ = _replayed_parts(trace, policy, device, hints)
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
     traces[device] = list(entries)
     return dict(rest, device_traces=traces)
@@ -241,14 +240,14 @@ def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "
             rec = _Recorded(t, dev)
             entries: Iterator[dict[str, Any]] = rec.entries()
         else:
-            entries, part = _replayed_parts(t, policy, dev, hints)
+            entries, part, failed = _replayed_parts(t, policy, dev, hints)
+            if failed >= 0:
+                out.failed[dev] = failed
         for e in entries:
             out.entries += 1
             yield e
         if policy == "recorded":
             part = rec.rest()
-        elif part["failed_at"] >= 0:
-            out.failed[dev] = part["failed_at"]
         rest["segments"].extend(part["segments"])
         rest["external_annotations"].extend(part["external_annotations"])
         rest["allocator_settings"] = part["allocator_settings"]

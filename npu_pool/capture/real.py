@@ -132,11 +132,11 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
 class _MemoryGuard:
     """The profiler keeps every op of the run in host memory (about 27 MB a step for the default
     small model, `npu-pool capture --steps 5` against `--steps 25`): after the second step, the
-    growth the second step measured is projected over the steps left, three times over (a margin:
-    later steps grew more than the second, and the profile is read afterwards), and a run that would not
-    fit in the memory the system has available stops then, with a CaptureTooLarge (a
-    CaptureError) saying how many steps would fit, instead of being killed. Linux only (/proc);
-    elsewhere it checks nothing."""
+    growth the second step measured is projected over the steps left, three times over (a
+    margin: later steps grew more than the second, and the profile is read afterwards), and a run
+    that would not fit in the memory the system has available stops then, with a CaptureTooLarge
+    (a CaptureError) saying how many steps would fit, instead of being killed. Linux only
+    (/proc); elsewhere it checks nothing."""
 
     def __init__(self, steps: int) -> None:
         self.steps, self.first = steps, None
@@ -161,20 +161,22 @@ class _MemoryGuard:
         return None
 
     def check(self, step: int) -> None:
+        """At step 0 note the memory; at step 1 project it (later steps: nothing)."""
         if step == 0:
             self.first = self._rss()
+        if step != 1 or self.first is None:
             return
         now, free = self._rss(), self._available()
-        if step != 1 or self.first is None or now is None or free is None:
+        if now is None or free is None:
             return
         per_step = max(0, now - self.first)
         need = 3 * per_step * (self.steps - 2)
         if need > free:
-            fit = 2 + free // (3 * per_step) if per_step else self.steps
-            raise CaptureTooLarge(f"capturing {self.steps} steps would hold about {need / 2**30:.1f} GiB more of profiler "
-                               f"records ({per_step / 2**20:.0f} MiB a step) than the {free / 2**30:.1f} GiB this "
-                               f"machine has available: capture at most {fit} steps (an iteration repeats; a few show "
-                               "it)")
+            fit = 2 + free // (3 * per_step)  # (need > free >= 0: per_step > 0)
+            raise CaptureTooLarge(f"capturing {self.steps} steps would hold about {need / 2**30:.1f} GiB more of "
+                                  f"profiler records ({per_step / 2**20:.0f} MiB a step) than the "
+                                  f"{free / 2**30:.1f} GiB this machine has available: capture at most {fit} steps "
+                                  "(an iteration repeats; a few show it)")
 
 
 def _vocab_of(model: nn.Module) -> int:
