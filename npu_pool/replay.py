@@ -86,19 +86,24 @@ class PolicyResult:
 
 
 def iteration_bounds(trace: Trace) -> list[int]:
-    """Event indices where iterations start: the ``MARK_ITER_BEGIN`` markers, or without them the
-    repeats of the period the planner finds (``planner.find_window``); [] when the trace does not
-    repeat."""
+    """Event indices where iterations start: the ``MARK_ITER_BEGIN`` markers; without them the
+    event after each ``MARK_OPTIMIZER_END`` (a recording whose only markers are the optimizer's,
+    as torch's own annotations give); without those the repeats of the loop body the planner finds
+    (``planner.find_window``); [] when the trace does not repeat."""
     marks = [i for i, (op, cat) in enumerate(zip(trace.op, trace.cat)) if op == vocab.OP_MARK and cat == vocab.MARK_ITER_BEGIN]
     if len(marks) >= 2:
         return marks
+    ends = [i + 1 for i, (op, cat) in enumerate(zip(trace.op, trace.cat))
+            if op == vocab.OP_MARK and cat == vocab.MARK_OPTIMIZER_END and i + 1 < len(trace)]
+    if len(ends) >= 2:
+        return ends
     from .planner.iteration import find_window
 
     w = find_window(trace)
-    period = w.end - w.start
+    period = w.end - w.body  # the loop body, after the prologue the window may start with
     if w.method != "period" or period <= 0:
         return []
-    return list(range(w.start, len(trace), period))
+    return list(range(w.body, len(trace), period))
 
 
 def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict[str, int]) -> list[dict[str, int]]:

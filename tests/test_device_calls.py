@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -320,6 +321,39 @@ def test_iteration_bounds_come_from_markers_or_the_period(captures) -> None:
     assert total == r.calls
     with pytest.raises(ValueError, match="increasing"):
         run(t, "torch", bounds=[5, 3])
+
+
+def test_iteration_bounds_without_markers_are_the_loop_body_after_a_prologue() -> None:
+    """A trace without iteration markers is cut at the repeats of its loop body, not of the window
+    the planner finds (its prologue plus one body): a set-up, then identical steps, each bound a
+    step's first event. A recording whose only markers are the optimizer's is cut after each
+    optimizer step. (Until 2026-11-26 the period was the whole window: on the H100 recording 4212
+    events, two steps and a bit, so 'iterations' cut steps in the middle; its loop body is 1921
+    events, its steps from the second on 1918.)"""
+    from npu_pool.trace.format import OP_ALLOC, OP_FREE
+
+    t = Trace(meta={})
+    ids = iter(range(10**6))
+    for k in range(3):  # the set-up: weights, kept
+        t.append(OP_ALLOC, id=next(ids), size=(k + 5) * MiB)
+    starts = []
+    for _ in range(6):  # steps: activations freed in reverse, a temporary
+        starts.append(len(t))
+        acts = [next(ids) for _ in range(4)]
+        for j, i in enumerate(acts):
+            t.append(OP_ALLOC, id=i, size=(j + 1) * MiB)
+        tmp = next(ids)
+        t.append(OP_ALLOC, id=tmp, size=3 * MiB + 512)
+        t.append(OP_FREE, id=tmp, size=3 * MiB + 512)
+        for j, i in reversed(list(enumerate(acts))):
+            t.append(OP_FREE, id=i, size=(j + 1) * MiB)
+    b = iteration_bounds(t)
+    period = starts[1] - starts[0]
+    assert len(b) >= 4 and all(y - x == period for x, y in zip(b, b[1:])), (b, starts)
+    assert set(b) <= set(starts)
+    h100 = open_traces(Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle")[0][1]
+    ends = [i for i in range(len(h100)) if h100.op[i] == vocab.OP_MARK and h100.cat[i] == vocab.MARK_OPTIMIZER_END]
+    assert iteration_bounds(h100) == [e + 1 for e in ends] and len(ends) == 10
 
 
 def test_the_current_device_is_cached_per_thread_and_forgotten_after_fork(builds) -> None:
