@@ -3,7 +3,7 @@ with npu_pool installed as the pluggable allocator, each in its own process.
 
     python benchmarks/gpu_check.py [--steps 30] [--model gpt|mcore] [--dtype fp32|bf16]
                                    [--dim 512] [--layers 8] [--heads 8] [--batch 8] [--seq 512]
-                                   [--max-batch] [--record SNAPSHOT] [--json FILE]
+                                   [--max-batch] [--cap-mib MIB] [--record SNAPSHOT] [--json FILE]
 
 Prints a markdown table: whether the losses are identical step by step (same seeds,
 deterministic kernels, attention through the math kernel unless ``--attention auto``), peak
@@ -20,9 +20,11 @@ allocator fits (doubling, then bisection; one training step per try).
 (local layer spec) from ``--megatron`` (default ``../shared/clients/megatron-lm``). ``--dtype bf16``
 trains under ``torch.autocast`` (bf16 compute, fp32 weights and AdamW states). ``--record FILE``
 records a memory snapshot of the native run (``torch.cuda.memory._record_memory_history``) for
-``npu-pool replay --validate``. Exits 2 with a message when no CUDA GPU is usable, 1 when the
-losses differ or a run fails. ``--device cpu`` runs the loop on the CPU with the native allocator
-in both processes: it checks this script, not the allocator.
+``npu-pool replay --validate``. ``--cap-mib MIB`` caps both allocators at MIB MiB (a full device:
+``torch.cuda.set_per_process_memory_fraction``, which npu_pool follows). Exits 2 with a message
+when no CUDA GPU is usable, 1 when the losses differ or a run fails. ``--device cpu`` runs the
+loop on the CPU with the native allocator in both processes: it checks this script, not the
+allocator.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="scaled_dot_product_attention backend: math (deterministic) or torch's choice")
     ap.add_argument("--policy", default="npu_pool", help="npu_pool policy: npu_pool, torch or expandable")
     ap.add_argument("--fraction", type=float, default=None, help="npu_pool memory fraction cap")
+    ap.add_argument("--cap-mib", type=int, default=None,
+                    help="cap both allocators at this many MiB (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--flavour", default="gpt", help="npu_pool.workloads.gpt flavour: gpt, llama, moe")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -71,6 +75,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps < 3 or args.batch < 1 or args.seq < 1 or args.pairs < 1:
         ap.error("--steps must be at least 3; --batch, --seq and --pairs positive")
+    if args.cap_mib is not None and args.cap_mib < 1:
+        ap.error("--cap-mib takes a positive number of MiB")
     return args
 
 
@@ -224,6 +230,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = torch.device(args.device)
     pool = pools[torch.cuda.current_device()] if pools else None
+    if args.cap_mib and cuda:  # the pool floors fraction * total; half a byte survives float error
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, ((args.cap_mib << 20) + 0.5) / total))
     if args.record and args.worker == "native" and cuda:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     model, model_name = _mcore(args, dev) if args.model == "mcore" else _gpt(args)

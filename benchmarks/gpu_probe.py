@@ -1,9 +1,11 @@
-"""Probe torch's own CUDA caching allocator with a trace: does it fit at given caps, and where does
-it put its segments (docs/gpu.md, "What the GPU found").
+"""Probe the allocators on a GPU with a trace: does torch's own caching allocator fit at given caps,
+where does it put its segments (docs/gpu.md, "What the GPU found"), and what does each allocator
+ask of the device in every iteration on a full device (docs/gpu.md, "A full device").
 
     python benchmarks/gpu_probe.py fits TRACE CAP_MIB[,CAP_MIB...]     # on a GPU
     python benchmarks/gpu_probe.py record TRACE CAP_MIB OUT.pickle      # on a GPU (CAP_MIB 0: no cap)
     python benchmarks/gpu_probe.py order SNAPSHOT.pickle...             # anywhere
+    python benchmarks/gpu_probe.py steady TRACE ALLOCATOR [--cap-mib N] [--repeat 3] [--device cuda]
 
 ``fits`` plays the trace (.npt or .pickle) as tensors once with room to spare, then once under
 each cap (``torch.cuda.set_per_process_memory_fraction`` of exactly CAP_MIB MiB, as
@@ -11,6 +13,19 @@ each cap (``torch.cuda.set_per_process_memory_fraction`` of exactly CAP_MIB MiB,
 under the cap with ``torch.cuda.memory._record_memory_history`` on and dumps the snapshot.
 ``order`` reads snapshots and counts, for each segment allocated while others were live, whether
 it landed below all of them, above all of them, or between.
+
+``steady`` plays the trace under one allocator (``native`` or ``npu_pool``, one process each: a
+process chooses its allocator once) capped at CAP_MIB, by default at the torch model's minimum
+capacity under the device's rules (the device the torch model just fits, as docs/device_calls.md's
+"Steady iterations there"), ``--repeat`` times, each play as a first run, after one play with room
+to spare (as ``npu-pool replay --live`` plays before it bisects: the device's address space then is
+the one the torch model was checked against). It prints one JSON line: per iteration (the
+stretches between ``replay.iteration_bounds``, the set-up first) the device calls the allocator
+made in the first play (npu_pool: its memory calls by kind, less the address reservation;
+native: the framework's num_device_alloc and num_device_free, as malloc and free), the wall
+seconds of each play (synchronised at each bound), and the simulator's calls for the same
+stretches (the torch model for native, the npu_pool policy for npu_pool, at the same cap).
+``--device npu`` runs it under torch_npu (the tests' fake CANN: calls, not times).
 """
 from __future__ import annotations
 
@@ -18,6 +33,7 @@ import argparse
 import json
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +42,84 @@ sys.path.insert(0, str(ROOT))
 MiB = 1 << 20
 
 
+def _trace(path: str) -> Any:
+    from npu_pool.trace.files import open_traces
+
+    (_, trace), *_ = open_traces(Path(path))
+    return trace
+
+
 def _player(path: str) -> tuple[Any, Any]:
     import torch
 
     from npu_pool.live import Player  # (the live replay's own player, as it plays)
-    from npu_pool.trace.files import open_traces
 
-    (_, trace), *_ = open_traces(Path(path))
     torch.cuda.set_device(0)
-    return torch, Player(trace, torch, torch.cuda, "cuda", None)
+    return torch, Player(_trace(path), torch, torch.cuda, "cuda", None)
+
+
+def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: str) -> dict[str, Any]:
+    """The calls and wall time of each iteration under ``allocator`` at a cap (see the module doc)."""
+    from npu_pool.live import MEMORY_KINDS, SIMULATED, Player
+    from npu_pool.replay import iteration_bounds, min_capacity, run
+
+    trace = _trace(path)
+    bounds = iteration_bounds(trace)
+    if not bounds:
+        raise SystemExit(f"{path}: no iterations (no iteration markers, no period)")
+    rules = "npu" if device == "npu" else "cuda"
+    cap = cap_mib * MiB if cap_mib else min_capacity(trace, "torch", device=rules)[0]
+    pool = None
+    if allocator == "npu_pool":  # before the framework's own allocator serves anything
+        from npu_pool.install import install
+
+        pool = install(rules).get(0)
+    import torch
+
+    if device == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    module = getattr(torch, device)
+    module.set_device(0)
+    player = Player(trace, torch, module, device, pool)
+
+    # the memory calls by kind, less the address reservation (kept over the warm-up's play)
+    kinds = [k for k in MEMORY_KINDS if k not in ("reserve", "release")]
+
+    def calls() -> dict[str, int]:
+        if pool is not None:
+            c = pool.stats()["calls"]
+            return {k: int(c[k]) for k in kinds}
+        st = module.memory_stats(player.dev)
+        return {"malloc": int(st.get("num_device_alloc", 0)), "free": int(st.get("num_device_free", 0))}
+
+    player.play()  # as the live replay's minimum-capacity search: a play with room to spare first
+    player.cap(cap)
+    plays: list[list[tuple[float, dict[str, int]]]] = []
+    failed = None
+
+    def mark(_k: int) -> None:  # at a bound: the time and the calls so far, the device idle
+        module.synchronize()
+        plays[-1].append((time.perf_counter(), calls()))
+
+    for _ in range(repeat):
+        player.reset()
+        plays.append([])
+        mark(-1)
+        failed = player.play(bounds, mark)  # (play synchronises at its end)
+        mark(len(bounds))
+        if failed is not None:
+            break
+    player.cap(None)
+    first = plays[0]
+    live = [{k: b[1][k] - a[1][k] for k in b[1] if b[1][k] != a[1][k]} for a, b in zip(first, first[1:])]
+    seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])] for p in plays]
+    sim = run(trace, SIMULATED[allocator], cap, device=rules, bounds=bounds)
+    simulated = [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls]
+    if allocator == "native":  # the torch model's segments are the framework's device allocations
+        simulated = [{k: v for k, v in d.items() if k in ("malloc", "free")} for d in simulated]
+    return {"trace": Path(path).name, "allocator": allocator, "device": device, "cap_bytes": cap,
+            "ok": failed is None, "fail": failed, "sim_ok": sim.ok, "iteration_calls": live,
+            "simulated_calls": simulated, "same": live == simulated, "seconds": seconds}
 
 
 def order(snapshots: list[str]) -> None:
@@ -67,9 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out")
     o = sub.add_parser("order")
     o.add_argument("snapshots", nargs="+")
+    s = sub.add_parser("steady")
+    s.add_argument("trace")
+    s.add_argument("allocator", choices=("native", "npu_pool"))
+    s.add_argument("--cap-mib", type=int, default=None, help="default: the torch model's minimum capacity")
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--device", choices=("cuda", "npu"), default="cuda")
     args = ap.parse_args(argv)
     if args.mode == "order":
         order(args.snapshots)
+        return 0
+    if args.mode == "steady":
+        if args.repeat < 1 or (args.cap_mib is not None and args.cap_mib < 1):
+            ap.error("--repeat and --cap-mib take a positive number")
+        print(json.dumps(steady(args.trace, args.allocator, args.cap_mib, args.repeat, args.device)))
         return 0
     torch, player = _player(args.trace)
     if args.mode == "fits":

@@ -3,7 +3,9 @@
     python benchmarks/gpu_report.py RESULTS_DIR [--shared ../shared/traces]
 
 RESULTS_DIR holds a session's files (``live_*.json``, ``gpt_small.json``, ``gpt_large.json``,
-``mcore.json``, ``costs.json``, ``repeat_*.json``, ``machine.txt``): the GPU's figures are read
+``mcore.json``, ``costs.json``, ``repeat_*.json``, ``machine.txt``; on a full device
+``steady.log`` and ``full_*.json``, the steps ``steady`` and ``full``, or ``ab*_*.json``, runs of
+``gpu_check.py --cap-mib`` named by hand): the GPU's figures are read
 from there, and the simulator's are computed now, on this machine, with this checkout (each live
 trace beside the simulation of its allocator under CUDA's rules, as ``replay --live --validate``
 sets them). Needs no GPU. Prints markdown.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,6 +78,47 @@ def _repeats(results: Path) -> list[str]:
     return rows
 
 
+def _steady(results: Path) -> list[str]:
+    """The calls and time of each iteration of a trace replayed on a full device (gpu_probe.py steady)."""
+    f = results / "steady.log"
+    if not f.is_file():
+        return []
+    rows = ["| trace | allocator | cap (bytes) | calls per iteration: live | simulated | same | "
+            "ms per iteration after the first (live, median of the plays) |", "|---|---|---:|---|---|---|---|"]
+    for line in f.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        d = json.loads(line)
+        live = ", ".join(str(sum(c.values())) for c in d["iteration_calls"])
+        sim = ", ".join(str(sum(c.values())) for c in d["simulated_calls"])
+        ms = [statistics.median(c) * 1e3 for c in zip(*d["seconds"])]
+        after = ", ".join(f"{x:.2f}" for x in ms[2:]) if d["ok"] else f"failed at event {d['fail']}"
+        rows.append(f"| {d['trace'].split('.')[0]} | {d['allocator']} | {d['cap_bytes']} | {live} | {sim} | "
+                    f"{'yes' if d['same'] else 'no'} | {after} |")
+    return rows
+
+
+def _capped(results: Path) -> list[str]:
+    """The small model trained under a cap (gpu_check.py --cap-mib): device calls per step from the
+    third on and the median step time."""
+    from gpu_check import median_step
+
+    files = sorted(results.glob("full_*.json")) + sorted(results.glob("ab*_*.json"))
+    if not files:
+        return []
+    rows = ["| run | cap (MiB) | allocator | steps | device calls, steps 3+ | steps 3+ with calls | "
+            "calls, last 20 steps | median step (ms) | peak reserved (bytes) |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for f in files:
+        d = json.loads(f.read_text())
+        for mode, r in d["runs"].items():
+            later = r["step_calls"][2:]
+            rows.append(f"| {f.stem} | {d['args']['cap_mib']} | {mode} | {len(r['step_calls'])} | {sum(later)} | "
+                        f"{sum(1 for c in later if c)} | {sum(r['step_calls'][-20:])} | "
+                        f"{median_step(r['step_s']) * 1e3:.2f} | {r['peak_reserved']} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
@@ -90,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         out += ["## Live replay beside the simulator", ""] + _live_rows(args.results, args.shared) + [""]
     out += ["## Training", ""] + _training(args.results)
     out += ["## Step time, repeated (the small model)", ""] + _repeats(args.results) + [""]
+    steady, capped = _steady(args.results), _capped(args.results)
+    if steady or capped:
+        out += ["## A full device", ""]
+    if steady:
+        out += ["### Traces, iteration by iteration", ""] + steady + [""]
+    if capped:
+        out += ["### The small model, capped", ""] + capped + [""]
     costs = args.results / "costs.log"
     if costs.is_file():
         text = "\n".join(line for line in costs.read_text().splitlines() if not line.startswith("wrote "))

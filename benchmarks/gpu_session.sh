@@ -8,7 +8,7 @@
 # checkout (default ../shared/clients/megatron-lm). Each step has a time limit and its own log in
 # OUTDIR, and a failing step does not stop the others; BUDGET (seconds, default 420) skips steps
 # that would start too late; STEPS="smoke live ..." runs only the steps named (default: all of
-# smoke costs live gpt_small record gpt_large mcore); PACK=FILE.tgz packs OUTDIR into FILE.tgz after each step (what a time
+# smoke costs live steady gpt_small full record gpt_large mcore); PACK=FILE.tgz packs OUTDIR into FILE.tgz after each step (what a time
 # limit cuts short still leaves the steps before it).
 set -u
 OUT=${1:?usage: gpu_session.sh OUTDIR TRACES_DIR [MEGATRON_LM_DIR]}
@@ -60,14 +60,24 @@ LANE='for t in "$@"; do n=$(basename "$t"); $PY -m npu_pool.cli replay "$t" --li
   --json "$OUT/live_${n%%.*}.json"; done'
 mapfile -t ALL < <(ls -S "$TRACES"/*.npt "$TRACES"/*.pickle 2>/dev/null)
 LANES=(); for i in "${!ALL[@]}"; do LANES[i % 3]+="${ALL[i]} "; done  # the largest three apart
-export PY OUT
+export PY OUT HERE
 for lane in 0 1 2; do
   # shellcheck disable=SC2086
   [ -n "${LANES[lane]:-}" ] && step "live$lane" 150 40 bash -c "$LANE" _ ${LANES[lane]} &
 done
 wait
 
+# Each trace that repeats, capped at the torch model's minimum capacity: calls and time per iteration.
+STEADY='for t in "$@"; do for a in native npu_pool; do $PY "$HERE/benchmarks/gpu_probe.py" steady "$t" $a; done; done'
+step steady 120 30 bash -c "$STEADY" _ "${ALL[@]}" "$HERE/benchmarks/traces/h100-gpt-bf16-train.pickle"
+
 step gpt_small 120 60 $PY "$HERE/benchmarks/gpu_check.py" --steps 200 --dtype bf16 --json "$OUT/gpt_small.json"
+# The small model on a full device: both allocators capped at what the native one reserves (the
+# recording's 2226 MiB, below: h100-gpt-bf16-train) and at the torch model's minimum capacity of it.
+for cap in 2226 2162; do
+  step "full$cap" 90 40 $PY "$HERE/benchmarks/gpu_check.py" --steps 60 --dtype bf16 --cap-mib $cap \
+    --json "$OUT/full_$cap.json"
+done
 step record 90 40 $PY "$HERE/benchmarks/gpu_check.py" --steps 10 --dtype bf16 --record "$OUT/gpt_small_native.pickle" \
   --json "$OUT/record.json"
 step gpt_large 170 120 $PY "$HERE/benchmarks/gpu_check.py" --steps 40 --dtype bf16 --dim 2048 --layers 16 \

@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .vocab import CALL_VENDOR
 from .trace.format import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, Trace
@@ -236,14 +236,20 @@ class Player:
         t.data_ptr()  # a NULL from a pluggable allocator's C malloc fails here, not at torch.empty
         return t
 
-    def play(self) -> Optional[int]:
-        """Replay every event; None when all were served, else the index of the one that failed."""
+    def play(self, at: Sequence[int] = (), on_bound: Optional[Callable[[int], None]] = None) -> Optional[int]:
+        """Replay every event; None when all were served, else the index of the one that failed.
+        ``on_bound(k)`` is called before event ``at[k]`` (increasing indices: iteration bounds)."""
         t = self.trace
         op, cat, ids, size, stream = t.op, t.cat, t.id, t.size, t.stream
         live: list[Any] = [None] * t.n_ids
         failed = None
+        k, nxt = 0, (at[0] if at and on_bound else -1)
         try:
             for i in range(len(op)):
+                if i == nxt:
+                    on_bound(k)  # type: ignore[misc]
+                    k += 1
+                    nxt = at[k] if k < len(at) else -1
                 o = op[i]
                 if o == OP_ALLOC or o == OP_INIT_ALLOC:
                     try:

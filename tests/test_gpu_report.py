@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-25"
 
 
-def _report(shared: Path) -> str:
+def _report(shared: Path, results: Path = RESULTS) -> str:
     """What ``python benchmarks/gpu_report.py RESULTS --shared SHARED`` prints."""
     saved = list(sys.path)
     out = io.StringIO()
@@ -22,7 +22,7 @@ def _report(shared: Path) -> str:
         import gpu_report  # (it puts the benchmarks on the path itself; all of it is taken back below)
 
         with contextlib.redirect_stdout(out):
-            assert gpu_report.main([str(RESULTS), "--shared", str(shared)]) == 0
+            assert gpu_report.main([str(results), "--shared", str(shared)]) == 0
     finally:
         sys.path[:] = saved
     return out.getvalue()
@@ -34,6 +34,24 @@ def test_the_simulator_equals_the_live_gpu_runs(shared_traces: Path) -> None:
     page = (ROOT / "docs" / "gpu.md").read_text()
     missing = [line for line in text.splitlines() if line.startswith("|") and line not in page]
     assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"
+
+
+def test_on_a_full_device_each_iteration_made_the_calls_the_simulator_says(shared_traces: Path) -> None:
+    """The H100 session of 2026-11-26 (docs/gpu.md, "A full device"): the live replays equal the
+    simulator of this checkout on every row; every npu_pool trace replayed on the device the torch
+    model just fits made, iteration by iteration, the calls the simulator said (recorded beside
+    them); the page shows every row, and the H200 experiment's tables too."""
+    text = _report(shared_traces, RESULTS.parent / "h100-2026-11-26")
+    assert "All three figures equal on 18 of 18 rows." in text
+    steady = [line for line in text.splitlines() if line.startswith("| ") and "| npu_pool | " in line and ", " in line]
+    assert len(steady) == 4 and all("| yes |" in line for line in steady), steady
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    for results, shared in ((RESULTS.parent / "h100-2026-11-26", shared_traces),
+                            (RESULTS.parent / "h200-2026-11-26" / "ab", Path("/nonexistent")),
+                            (RESULTS.parent / "h200-2026-11-26" / "ab2", Path("/nonexistent"))):
+        rows = [line for line in _report(shared, results).splitlines() if line.startswith("|")]
+        missing = [line for line in rows if line not in page]
+        assert rows and not missing, f"docs/gpu.md lacks {len(missing)} rows of {results.name}'s report, e.g. {missing[:1]}"
 
 
 def test_report_without_the_shared_traces_keeps_the_training_tables(tmp_path: Path) -> None:

@@ -232,3 +232,24 @@ def test_forget_makes_a_used_pool_place_as_a_first_run() -> None:
                 assert replay(pool, cap, True)
             assert replay(pool, cap - 2 * MiB, forget) == expected, forget
             pool.check()
+
+
+@pytest.mark.parametrize("allocator", ["native", "npu_pool"])
+def test_each_iteration_on_a_full_device_equals_the_simulation(torch_npu: TorchNpu, allocator: str) -> None:
+    """benchmarks/gpu_probe.py steady (docs/gpu.md, "A full device") plays the H100 recording capped at
+    the torch model's minimum capacity and reads the device calls at every iteration bound: under
+    torch_npu over the fake CANN, each iteration (optimizer step) makes the calls by kind the simulator
+    says. Under torch_npu's rules the torch model's calls stop after the second step there, npu_pool's
+    die out later (the last five steps make none; under CUDA's rules they do not: docs/device_calls.md's
+    known limits)."""
+    trace = ROOT / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle"
+    r = subprocess.run([torch_npu.python, str(ROOT / "benchmarks" / "gpu_probe.py"), "steady", str(trace), allocator,
+                        "--device", "npu", "--repeat", "2"], env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY),
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["ok"] and d["sim_ok"] and d["cap_bytes"] == min_capacity(open_traces(trace)[0][1], "torch", device="npu")[0]
+    assert d["iteration_calls"] == d["simulated_calls"] and d["same"]
+    per = [sum(c.values()) for c in d["iteration_calls"]]
+    assert len(per) == 11 and per[0] > 0 and len(d["seconds"]) == 2  # set-up and step 1, steps 2-10, the end
+    assert per[-6:] == [0] * 6 and (allocator == "npu_pool" or per[2:] == [0] * 9), per
