@@ -482,6 +482,7 @@ def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     ({"memory": {"peak_reserved_bytes": -5}}, "memory.peak_reserved_bytes should be a number >= 0"),
     ({"memory": {"utilization": 5.0}}, "memory.utilization should be at most 1"),
     ({"step_seconds": {"mean": -1.0}}, "step_seconds values should be numbers >= 0"),
+    ({"rank": 3}, "the report of rank 3 under another name"),  # npu_pool_rank0.json claiming rank 3
 ])
 def test_merge_refuses_malformed_reports_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict,
                                                      words: str) -> None:
@@ -604,8 +605,8 @@ def test_a_fifo_as_a_plan_or_snapshot_is_refused_without_blocking(tmp_path: Path
                        cwd=str(Path(__file__).resolve().parents[1]))
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["plan"] == f"{tmp_path / 'p.npplan'}: not a regular file (a device, FIFO or socket); give a plan file"
-    assert out["snapshot"] == f"{tmp_path / 's.pickle'}: not a regular file (a device, FIFO or socket); give a snapshot file"
+    assert out["plan"] == f"{tmp_path / 'p.npplan'}: not a regular file (a FIFO); give a plan file"
+    assert out["snapshot"] == f"{tmp_path / 's.pickle'}: not a regular file (a FIFO); give a snapshot file"
     assert out["directory"] == f"{tmp_path}: not a regular file (a directory)"
     assert out["replay"] == 1 and out["import"] == 1
     assert "Traceback" not in r.stderr and "not a regular file" in r.stderr
@@ -700,9 +701,108 @@ def test_malformed_meta_of_traces_and_plans_is_named(tmp_path: Path, capsys: pyt
     capture = {"model": "gpt", "steps": 1, "batch": 4, "seq": 128, "layers": 4, "dim": 128, "heads": 0, "vocab": 512,
                "recompute": False, "grad_accum": 1, "mixed_precision": None, "fake": False}
     _one_line(capsys, ["estimate", "--trace", with_meta("c.npt", capture=capture)], "meta['capture'] is malformed")
-    assert main(["replay", "--validate", with_meta("r.npt", recorded=7)]) == 0  # skipped, saying why
+    assert main(["replay", "--validate", with_meta("r.npt", recorded=7)]) == 1  # skipped, saying why: nothing compared
     assert "skipped: r: the trace's meta['recorded'] is malformed" in capsys.readouterr().out
     plan = make_plan(training())
     plan.meta["peak_live_bytes"] = "many"
     save_plan(plan, tmp_path / "bad.npplan")
     _one_line(capsys, ["plan", "--check", str(tmp_path / "bad.npplan")], "the plan's meta is malformed")
+
+
+def test_demo_says_when_the_snapshot_folder_it_was_given_is_unusable(tmp_path, capsys) -> None:
+    """`demo --shared DIR` named by the user: a missing folder, a file, an empty path or a folder
+    without snapshots is an error in one line (it printed nothing and exited 0); without --shared
+    an absent ../shared is skipped as before, and with nothing left to replay the demo says so."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for arg, why in ((tmp_path / "absent", "not a folder"), (tmp_path / "file", "not a folder"), ("", "an empty path"),
+                     (tmp_path / "empty", "no snapshots")):
+        assert main(["demo", "--no-capture", "--no-case", "--shared", str(arg)]) == 1
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_replay_validate_that_compares_nothing_does_not_pass(tmp_path, capsys) -> None:
+    """`replay --validate` over traces that carry no recorded figures (captures, synthetic traces)
+    skips each with its reason; when every trace was skipped it exits 1 and says so (it exited 0,
+    as if the model had been checked)."""
+    from test_hostile import small_trace
+
+    small_trace().save(tmp_path / "a.npt")
+    small_trace(8).save(tmp_path / "b.npt")
+    assert main(["replay", "--validate", str(tmp_path / "a.npt"), str(tmp_path / "b.npt")]) == 1
+    out, err = capsys.readouterr()
+    assert out.count("skipped:") == 2 and "compared nothing" in err and "Traceback" not in err
+
+
+def test_estimate_refuses_zero_where_zero_meant_the_default(capsys) -> None:
+    """`estimate --ffn 0` (or --kv-heads, --micro-batches, --max-positions 0) silently meant "the
+    default" (4 x hidden, the heads, the pipeline depth, the sequence): now one line naming the field."""
+    base = ["estimate", "--hidden", "512", "--layers", "2", "--heads", "8", "--vocab", "1000"]
+    for flag, field in (("--ffn", "ffn"), ("--kv-heads", "kv_heads"), ("--micro-batches", "micro_batches"),
+                        ("--max-positions", "max_positions")):
+        assert main(base + [flag, "0"]) == 1
+        err = capsys.readouterr().err
+        assert f"{field} must be a positive integer" in err and err.count("\n") == 1, err
+    assert main(base + ["--ffn", "1024"]) == 0
+
+
+def test_capture_seed_out_of_range_is_named(capsys) -> None:
+    """`capture --seed` past 64 bits said "Overflow when unpacking long long" from deep in torch;
+    now argparse names the option and the range, before any model is built."""
+    for seed in ("99999999999999999999999", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["capture", "--seed", seed])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --seed: must be in 0..18446744073709551615" in err and "Traceback" not in err
+
+
+def test_analyze_html_of_the_current_folder_is_named_after_it(tmp_path, monkeypatch, capsys) -> None:
+    """`analyze --format html .` wrote a hidden file named ".html" (the stem of "." is empty): now
+    the report is named after the folder "." stands for."""
+    from test_hostile import small_trace
+
+    run_dir = tmp_path / "run7"
+    run_dir.mkdir()
+    small_trace().save(run_dir / "rank0.npt")
+    monkeypatch.chdir(run_dir)
+    assert main(["analyze", "--format", "html", "--no-progress", "."]) == 0
+    assert (run_dir / "run7.html").is_file() and not (run_dir / ".html").exists()
+    capsys.readouterr()
+
+
+def test_plan_check_uses_the_trace_it_is_given_and_refuses_an_output(tmp_path, capsys) -> None:
+    """`plan --check PLAN TRACE -o OUT` ignored TRACE and OUT: now TRACE is checked to run the plan's
+    iteration (as replay checks before it installs a plan) and an output is refused, each in one line."""
+    a, b, p = tmp_path / "a.npt", tmp_path / "b.npt", tmp_path / "a.npplan"
+    assert main(["capture", "--shape", "7b", "--layers", "2", "--no-progress", "--out", str(a)]) == 0
+    assert main(["capture", "--shape", "13b", "--layers", "2", "--no-progress", "--out", str(b)]) == 0
+    assert main(["plan", str(a), "--out", str(p)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--check", str(p), str(a)]) == 0
+    assert f"{p}: ok for a" in capsys.readouterr().out
+    for extra, words in (([str(b)], "never runs in b"), (["--out", str(tmp_path / "x")], "drop --out")):
+        assert main(["plan", "--check", str(p)] + extra) == 1
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_folder_given_as_a_plan_is_called_a_folder(tmp_path, capsys) -> None:
+    """`plan --check DIR` called the folder "a device, FIFO or socket": the message says what it is."""
+    assert main(["plan", "--check", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: not a regular file (a directory); give a plan file" in err and err.count("\n") == 1
+
+
+def test_a_fake_capture_too_large_to_hold_is_refused_before_it_is_built(capsys) -> None:
+    """Fake captures grew without a bound (`--colocated 100000000` took 14 GB in two minutes): their
+    counts are now checked against the most events a capture holds before anything is built."""
+    for args, words in ((["--colocated", "100000000"], "100000000 colocated cycles of 32 layers"),
+                        (["--layers", "1000000"], "of 1000000 layers"), (["--steps", "100000"], "100000 steps")):
+        t0 = time.monotonic()
+        assert main(["capture", "--shape", "7b", "--no-progress", *args]) == 1
+        err = capsys.readouterr().err
+        assert words in err and "more than the 16,777,216 a capture holds" in err and err.count("\n") == 1, err
+        assert time.monotonic() - t0 < 30

@@ -129,6 +129,9 @@ class ModelConfig:
             v = getattr(c, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, not {show(v)}")
+        for name in ("ffn", "kv_heads", "micro_batches", "max_positions"):  # left out: the default
+            if getattr(c, name) == 0:
+                raise ValueError(f"{name} must be a positive integer, or left out for its default; not 0")
         if c.hidden % c.heads:
             raise ValueError(f"hidden={c.hidden} is not divisible by heads={c.heads}")
         if c.heads % c.tp or (c.kv_heads or c.heads) % c.tp:

@@ -110,10 +110,13 @@ def colocated_capture(cycles: int = 12, model: str = "llama", shape: str = "7b",
     """The trace of ``cycles`` colocated-RL iterations at ``model``/``shape`` on one rank of ``tp``
     (see the module's docstring; ``layers`` overrides the shape's depth); no real memory is used."""
     from ..workloads import make_config, param_count
-    from .fake import fake_capture
+    from .fake import check_events, fake_capture
 
     if cycles < 1 or rollout_batch < 1 or prompt < 1 or response < 1 or decode_steps < 1:
         raise ValueError("cycles, rollout_batch, prompt, response and decode_steps must be >= 1")
+    depth = layers or make_config(model, shape, tp=tp).n_layers
+    check_events(cycles * depth * (20 * decode_steps + 60),  # about 680 a layer and cycle at 32 steps, measured
+                 f"{cycles} colocated cycles of {depth} layers")
     train = fake_capture(model, shape, steps=2, batch=batch, seq=seq, tp=tp, mixed_precision="bf16",
                          layers=layers, progress=progress)
     cfg = make_config(model, shape, tp=tp, **({"n_layers": layers} if layers else {}))

@@ -152,6 +152,18 @@ def _module_stack(rec: _Recorder) -> list[Any]:
     return [_m.register_module_forward_pre_hook(pre), _m.register_module_forward_hook(post)]
 
 
+# The most events a fake capture records (about 0.7 GiB of trace, more while it is built): its
+# counts (steps, layers, cycles) are checked against it before anything is built.
+MAX_EVENTS = 1 << 24
+
+
+def check_events(estimate: int, what: str) -> None:
+    """ValueError when a capture of ``what`` would record about ``estimate`` events, past MAX_EVENTS."""
+    if estimate > MAX_EVENTS:
+        raise ValueError(f"{what} would record about {estimate:,} events, more than the {MAX_EVENTS:,} a capture "
+                         "holds: capture fewer steps, layers or cycles")
+
+
 def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, batch: int = 1, seq: int = 2048, *,
                  layers: int | None = None, tp: int = 1, pp: int = 1, recompute: bool = False, grad_accum: int = 1,
                  mixed_precision: str | None = None, lr: float = 1e-3, progress: bool = True) -> Trace:
@@ -169,6 +181,8 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
     if layers is None and pp > cfg.n_layers:
         raise ValueError(f"pp={pp} stages for the {cfg.n_layers} layers of {model_name}-{shape}: a stage would hold none")
     n_layers = layers if layers is not None else max(1, cfg.n_layers // pp)
+    check_events(120 * n_layers * steps * grad_accum,  # about 105 a layer and micro-batch, measured
+                 f"{steps} steps x {grad_accum} micro-batches of {n_layers} layers")
     cfg = make_config(model_name, shape, tp=tp, n_layers=n_layers, max_seq=max(seq, cfg.max_seq))
     t0 = time.perf_counter()
     rec = _Recorder()

@@ -5,17 +5,19 @@ import argparse
 from typing import Callable
 
 
-def whole(minimum: int = 1) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``minimum`` (argparse then says which option
-    got what, in one line, instead of the value failing deep inside a model as a traceback)."""
+def whole(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (and at most ``maximum``; argparse
+    then says which option got what, in one line, instead of the value failing deep inside a model
+    as a traceback)."""
 
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, not {v}")
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text[:40]!r}") from None
+        if v < minimum or (maximum is not None and v > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {str(v)[:40]}")
         return v
 
     parse.__name__ = "whole number"  # argparse names the type in its own messages

@@ -12,6 +12,14 @@ from . import whole
 from .replay import add_device_argument
 
 
+def _html_name(first: str) -> Path:
+    """<first trace>.html in the current folder; a folder given as "." or ".." is named by what it
+    resolves to (its stem would be empty: a hidden ".html")."""
+    p = Path(first.rstrip("/") or "/")
+    stem = p.stem if p.name not in ("", ".", "..") else p.resolve().name
+    return Path((stem or "root") + ".html")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help=".npt trace, snapshot pickle, or a directory of per-rank traces (one table across ranks)")
@@ -61,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         from ..analysis.html import render_html
 
         text = render_html(analysis, estimate_rows=rows)
-        out = Path(args.out) if args.out else Path(Path(args.traces[0].rstrip("/")).stem + ".html")
+        out = Path(args.out) if args.out else _html_name(args.traces[0])
     elif args.format == "json":
         d = to_json(analysis, args.top)
         if rows is not None:

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=whole(0), default=0, metavar="CYCLES",
                    help="colocated RL: CYCLES iterations of rollout (modelled) and one training step of --shape, "
                         "with pause/resume of the trainer's and the rollout's tags (docs/colocated.md)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=whole(0, (1 << 64) - 1), default=0, help="torch's random seed (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", "-o", help="write the trace here (.npt)")
 

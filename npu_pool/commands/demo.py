@@ -37,7 +37,9 @@ ABOUT = {"torch": "stock PyTorch allocator (model)", "expandable": "PyTorch, exp
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="torch,expandable,npu_pool", help="policies for the real traces' table")
-    p.add_argument("--shared", default=str(SHARED), help="folder of real snapshots to replay too (skipped if absent)")
+    p.add_argument("--shared", default=None, metavar="DIR",
+                   help="folder of real snapshots (*.pickle) to replay too (default: ../shared/traces beside the "
+                        "checkout, skipped when absent; a folder named here must hold some)")
     p.add_argument("--no-capture", action="store_true", help="skip the CPU captures")
     p.add_argument("--no-case", action="store_true", help="skip the 7B case")
     add_device_argument(p)
@@ -110,16 +112,21 @@ def _run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             named.append((name, capture(progress=False, **kwargs)))
             print(f" {time.perf_counter() - t0:.1f} s", flush=True)
-    shared = Path(args.shared)
-    if shared.is_dir():
+    shared = SHARED if args.shared is None else Path(args.shared)
+    snapshots = sorted(shared.glob("*.pickle")) if shared.is_dir() else []
+    if args.shared is not None and not snapshots:  # named by the user: a mistake to say, not to skip
+        why = "an empty path" if not args.shared else "not a folder" if not shared.is_dir() else "no snapshots (*.pickle) in it"
+        raise ValueError(f"--shared {args.shared!r}: {why}")
+    if snapshots:
         from ..trace.files import open_traces
 
         print(f"and the real PyTorch snapshots of GPU training in {shared}:", flush=True)
-        for path in sorted(shared.glob("*.pickle")):
+        for path in snapshots:
             named.extend(open_traces(path))
     elif not args.no_capture:
         print(f"({shared} not found: a clone without ../shared replays the captured traces only)")
     if not named:
+        print(f"nothing more to replay: --no-capture, and no snapshots in {shared}")
         return 0
     results = [evaluate(trace, name, policy)
                for name, trace in progress(named, desc="replay", unit="trace") for policy in policies]

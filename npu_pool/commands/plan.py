@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="npu or cuda: whose request rules the planner's replays apply (default: the trace's own "
                         "device type); N: which device of a multi-device snapshot; npu:N both")
     p.add_argument("--json", action="store_true", help="print the plan's figures as JSON")
-    p.add_argument("--check", metavar="PLAN", help="verify an existing plan file instead and print its figures")
+    p.add_argument("--check", metavar="PLAN", help="verify an existing plan file instead and print its figures "
+                   "(with TRACE: also that the plan was made for that trace's iteration)")
 
 
 def _device(text: str) -> tuple[str | None, int | None]:
@@ -79,8 +80,18 @@ def run(args: argparse.Namespace) -> int:
     from ..planner import load_plan, make_plan, save_plan
 
     if args.check:
+        if args.out:
+            raise ValueError("--check reads a plan and writes none: drop --out")
         plan = load_plan(args.check)  # verifies
-        print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok\n{_summary(plan.meta)}")
+        made_for = ""
+        if args.trace:  # and it was made for this trace's iteration
+            from ..planner.runtime import check_made_for
+
+            kind, index = args.device or (None, None)
+            name, trace = _pick(args.trace, index)
+            check_made_for(plan, trace, name, kind)
+            made_for = f" for {name}"
+        print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok{made_for}\n{_summary(plan.meta)}")
         return 0
     if not args.trace:
         raise ValueError("give a TRACE to plan (or --check PLAN)")

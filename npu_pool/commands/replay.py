@@ -113,7 +113,7 @@ VALIDATE_LEGEND = """\
 
 
 def _validate(named: list) -> int:
-    failed = 0
+    failed = checked = 0
     print(f"{'trace':34} {'rec peak':>10} {'sim peak':>10} {'rec segs':>8} {'sim segs':>8} {'same place':>10}  verdict")
     for name, trace in named:
         try:
@@ -122,10 +122,14 @@ def _validate(named: list) -> int:
             print(f"{name[:34]:34} skipped: {e}")
             continue
         failed += not v.passed
+        checked += 1
         print(f"{name[:34]:34} {v.recorded_peak_reserved / GiB:10.3f} {v.simulated_peak_reserved / GiB:10.3f} "
               f"{v.recorded_segment_allocs:8d} {v.simulated_segment_allocs:8d} {v.same_place:10.1%}  "
               f"{'ok' if v.passed else 'MISMATCH'}")
     print(VALIDATE_LEGEND)
+    if not checked:  # nothing was compared: not a pass
+        print("npu-pool replay: error: --validate compared nothing: every trace was skipped (above)", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 

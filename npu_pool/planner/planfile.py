@@ -138,8 +138,8 @@ def load_plan(path: str | Path) -> Plan:
                 raise PlanError(f"{path}: {st.st_size - 24 - hlen} bytes of rows, expected {n} x {_ROW.size}: "
                                 "truncated or corrupt")
             data += f.read(st.st_size - len(data))
-    except NotRegularFile:
-        raise PlanError(f"{path}: not a regular file (a device, FIFO or socket); give a plan file") from None
+    except NotRegularFile as e:
+        raise PlanError(f"{path}: not a regular file ({e.kind}); give a plan file") from None
     except OSError as e:
         raise PlanError(f"{path}: cannot read ({e.strerror or e})") from None
     return plan_from_bytes(data, str(path))

@@ -152,6 +152,10 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         problem = _shape_problem(r)
         if problem:
             raise ValueError(f"{path}: not a valid npu_pool rank report ({problem})")
+        named = path.name[len("npu_pool_rank"):-len(".json")]
+        if named != str(r["rank"]):  # a renamed or copied report would stand for another rank
+            raise ValueError(f"{path}: the report of rank {r['rank']} under another name "
+                             f"(a rank writes npu_pool_rank<rank>.json)")
         reports.append(r)
     if not reports:
         raise ValueError(f"{d}: no rank reports ({FILE_PATTERN}); run with NPU_POOL_REPORT_DIR={d}")

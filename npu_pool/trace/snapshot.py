@@ -171,8 +171,8 @@ def load_snapshot(path: str | Path) -> list[Trace]:
                 pass  # read whole: the reference reading, with its own messages
             f.seek(0)
             obj = _unpickle(_Bounded(f, st.st_size), str(path))
-    except NotRegularFile:
-        raise TraceError(f"{path}: not a regular file (a device, FIFO or socket); give a snapshot file") from None
+    except NotRegularFile as e:
+        raise TraceError(f"{path}: not a regular file ({e.kind}); give a snapshot file") from None
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
     return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
