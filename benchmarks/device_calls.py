@@ -267,13 +267,14 @@ NOTES = """
   for long-lived blocks or only within 64 MiB of the cap (5 and 7 of 13, 157 and 599 MiB);
   keeping every spare the cap allows (3 of 13, 111 MiB); trims that unmap only the chunks they
   need (3 of 13, 109 MiB).
-- On a full device the arena moves chunks in steady iterations where the torch model's cached
-  segments make no call on two traces (the table "Steady iterations there"; on 2026-11-26, 1520
-  calls over the later iterations of cs336-medium-ctx1024-infer and 821 of h100-gpt-bf16-train,
-  83% and 69% of them unmaps and maps, most maps of spares): with the mapped memory at the cap, a
+- On a full device the arena moves chunks in steady iterations on two traces where the torch
+  model's cached segments make no call after the second (16 and 36 calls in it; the table "Steady
+  iterations there"; on 2026-11-26, 1584 calls over the later iterations of
+  cs336-medium-ctx1024-infer and 1339 of h100-gpt-bf16-train,
+  82% and 62% of them unmaps and maps, most maps of spares): with the mapped memory at the cap, a
   request larger than every free mapped range unmaps free chunks to map their memory where it
   goes, and the layout each iteration leaves is not the one the next needs, so it does so again.
-  With room to spare it maps new memory instead, and the same two traces made 0 and 2 calls in
+  With room to spare it maps new memory instead, and the same two traces made 0 and 6 calls in
   their later iterations then. Measured on an H100 on 2026-11-26 (docs/gpu.md, "A full device"):
   replayed as tensors there, every iteration made the calls the simulator says, kind by kind, and
   they cost time: 8.8 ms per five iterations of ctx1024-infer under npu_pool against 0.9 ms under
@@ -286,8 +287,8 @@ NOTES = """
   done. An arena that serves a full device from the memory it has mapped
   (a carve that maps nothing first, chunks split in place rather than unmapped) made no call
   after the fifth step in the simulator, but on an H200 it still did in real training at the
-  tightest caps and once ran out of memory where this arena fit (the note of 2026-11-26;
-  benchmarks/results/h200-2026-11-26): not adopted.
+  tightest caps and ran out of memory at 2162 MiB in both of its 60-step runs, where this arena
+  fit (the note of 2026-11-26; benchmarks/results/h200-2026-11-26): not adopted.
 - The first two iterations of a training capture may grow the arena (the steady column counts
   the second): the second places by the lifetimes the first taught, and its peak holds more than
   the first's did, since the optimizer's states, made in the first step's optimizer, are live

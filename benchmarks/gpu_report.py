@@ -132,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         out += ["```text", machine.read_text().strip(), "```", ""]
     if args.shared.is_dir():
         out += ["## Live replay beside the simulator", ""] + _live_rows(args.results, args.shared) + [""]
-    out += ["## Training", ""] + _training(args.results)
-    out += ["## Step time, repeated (the small model)", ""] + _repeats(args.results) + [""]
+    training = _training(args.results)
+    if training:
+        out += ["## Training", ""] + training
+    repeats = _repeats(args.results)
+    if len(repeats) > 2:  # more than the header
+        out += ["## Step time, repeated (the small model)", ""] + repeats + [""]
     steady, capped = _steady(args.results), _capped(args.results)
     if steady or capped:
         out += ["## A full device", ""]

@@ -238,15 +238,18 @@ class Player:
 
     def play(self, at: Sequence[int] = (), on_bound: Optional[Callable[[int], None]] = None) -> Optional[int]:
         """Replay every event; None when all were served, else the index of the one that failed.
-        ``on_bound(k)`` is called before event ``at[k]`` (increasing indices: iteration bounds)."""
+        ``on_bound(k)`` is called before event ``at[k]`` (event indices in order, as
+        ``replay.iteration_bounds`` gives; ValueError otherwise)."""
         t = self.trace
         op, cat, ids, size, stream = t.op, t.cat, t.id, t.size, t.stream
+        if on_bound and (any(b < a for a, b in zip(at, at[1:])) or any(not 0 <= x < len(op) for x in at)):
+            raise ValueError(f"bounds must be event indices in order, in 0..{len(op) - 1}")
         live: list[Any] = [None] * t.n_ids
         failed = None
         k, nxt = 0, (at[0] if at and on_bound else -1)
         try:
             for i in range(len(op)):
-                if i == nxt:
+                while i == nxt:  # (a bound given twice is called twice)
                     on_bound(k)  # type: ignore[misc]
                     k += 1
                     nxt = at[k] if k < len(at) else -1

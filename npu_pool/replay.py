@@ -87,23 +87,26 @@ class PolicyResult:
 
 def iteration_bounds(trace: Trace) -> list[int]:
     """Event indices where iterations start: the ``MARK_ITER_BEGIN`` markers; without them the
-    event after each ``MARK_OPTIMIZER_END`` (a recording whose only markers are the optimizer's,
-    as torch's own annotations give); without those the repeats of the loop body the planner finds
-    (``planner.find_window``); [] when the trace does not repeat."""
+    first allocation and the event after each ``MARK_OPTIMIZER_END`` (a recording whose only
+    markers are the optimizer's, as torch's own annotations give); without those the first
+    allocation and the repeats of the loop body the planner finds after its prologue
+    (``planner.find_window``); [] when the trace does not repeat. So the stretch before the second
+    bound is the first iteration with whatever set-up precedes it, and those after it repeat."""
     marks = [i for i, (op, cat) in enumerate(zip(trace.op, trace.cat)) if op == vocab.OP_MARK and cat == vocab.MARK_ITER_BEGIN]
     if len(marks) >= 2:
         return marks
+    first = next((i for i, op in enumerate(trace.op) if op in (vocab.OP_ALLOC, vocab.OP_INIT_ALLOC)), 0)
     ends = [i + 1 for i, (op, cat) in enumerate(zip(trace.op, trace.cat))
-            if op == vocab.OP_MARK and cat == vocab.MARK_OPTIMIZER_END and i + 1 < len(trace)]
+            if op == vocab.OP_MARK and cat == vocab.MARK_OPTIMIZER_END and first < i + 1 < len(trace)]
     if len(ends) >= 2:
-        return ends
+        return [first] + ends
     from .planner.iteration import find_window
 
     w = find_window(trace)
     period = w.end - w.body  # the loop body, after the prologue the window may start with
     if w.method != "period" or period <= 0:
         return []
-    return list(range(w.body, len(trace), period))
+    return ([w.start] if w.start < w.body else []) + list(range(w.body, len(trace), period))
 
 
 def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict[str, int]) -> list[dict[str, int]]:

@@ -709,12 +709,14 @@ def test_malformed_meta_of_traces_and_plans_is_named(tmp_path: Path, capsys: pyt
     _one_line(capsys, ["plan", "--check", str(tmp_path / "bad.npplan")], "the plan's meta is malformed")
 
 
-def test_demo_says_when_the_snapshot_folder_it_was_given_is_unusable(tmp_path, capsys) -> None:
+def test_demo_says_when_the_snapshot_folder_it_was_given_is_unusable(tmp_path, monkeypatch, capsys) -> None:
     """`demo --shared DIR` named by the user: a missing folder, a file, an empty path or a folder
     without snapshots is an error in one line (it printed nothing and exited 0); without --shared
     an absent ../shared is skipped as before, and with nothing left to replay the demo says so."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
+    monkeypatch.chdir(tmp_path)  # a folder holding a snapshot: "" must not stand for it
+    (tmp_path / "x.pickle").write_bytes(b"not read")
     for arg, why in ((tmp_path / "absent", "not a folder"), (tmp_path / "file", "not a folder"), ("", "an empty path"),
                      (tmp_path / "empty", "no snapshots")):
         assert main(["demo", "--no-capture", "--no-case", "--shared", str(arg)]) == 1
@@ -782,11 +784,18 @@ def test_plan_check_uses_the_trace_it_is_given_and_refuses_an_output(tmp_path, c
     capsys.readouterr()
     assert main(["plan", "--check", str(p), str(a)]) == 0
     assert f"{p}: ok for a" in capsys.readouterr().out
-    for extra, words in (([str(b)], "never runs in b"), (["--out", str(tmp_path / "x")], "drop --out")):
+    assert main(["plan", str(a), "--device", "npu", "--out", str(tmp_path / "n.npplan")]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--check", str(tmp_path / "n.npplan"), str(a), "--device", "npu"]) == 0
+    capsys.readouterr()
+    for extra, words in (([str(b)], f"the plan {p} was made for a"), (["--out", str(tmp_path / "x")], "drop --out")):
         assert main(["plan", "--check", str(p)] + extra) == 1
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
+    # made under torch_npu's request rules, checked against a trace replayed under CUDA's: refused, as replay does
+    assert main(["plan", "--check", str(tmp_path / "n.npplan"), str(a)]) == 1
+    assert "was made with npu's request rules" in capsys.readouterr().err
 
 
 def test_a_folder_given_as_a_plan_is_called_a_folder(tmp_path, capsys) -> None:
@@ -796,7 +805,7 @@ def test_a_folder_given_as_a_plan_is_called_a_folder(tmp_path, capsys) -> None:
     assert f"{tmp_path}: not a regular file (a directory); give a plan file" in err and err.count("\n") == 1
 
 
-def test_a_fake_capture_too_large_to_hold_is_refused_before_it_is_built(capsys) -> None:
+def test_a_fake_capture_too_large_to_hold_is_refused_before_it_is_built(capsys, monkeypatch) -> None:
     """Fake captures grew without a bound (`--colocated 100000000` took 14 GB in two minutes): their
     counts are now checked against the most events a capture holds before anything is built."""
     for args, words in ((["--colocated", "100000000"], "100000000 colocated cycles of 32 layers"),
@@ -806,3 +815,13 @@ def test_a_fake_capture_too_large_to_hold_is_refused_before_it_is_built(capsys) 
         err = capsys.readouterr().err
         assert words in err and "more than the 16,777,216 a capture holds" in err and err.count("\n") == 1, err
         assert time.monotonic() - t0 < 30
+    # the estimates are low ones (an MoE step records more): past the bound, the capture stops itself
+    import npu_pool.capture.fake as fake
+
+    monkeypatch.setattr(fake, "MAX_EVENTS", 1000)
+    with pytest.raises(ValueError, match="passed the 1,000 events a capture holds"):
+        fake.fake_capture("moe", "7b", steps=1, layers=2, progress=False)  # estimated 240, records about 1600
+    from npu_pool.capture.colocated import colocated_capture
+
+    with pytest.raises(ValueError, match="passed the 1,000 events"):
+        colocated_capture(2, layers=2, decode_steps=1)  # estimated 160, records thousands

@@ -251,5 +251,31 @@ def test_each_iteration_on_a_full_device_equals_the_simulation(torch_npu: TorchN
     assert d["ok"] and d["sim_ok"] and d["cap_bytes"] == min_capacity(open_traces(trace)[0][1], "torch", device="npu")[0]
     assert d["iteration_calls"] == d["simulated_calls"] and d["same"]
     per = [sum(c.values()) for c in d["iteration_calls"]]
-    assert len(per) == 11 and per[0] > 0 and len(d["seconds"]) == 2  # set-up and step 1, steps 2-10, the end
-    assert per[-6:] == [0] * 6 and (allocator == "npu_pool" or per[2:] == [0] * 9), per
+    assert len(per) == 12 and per[1] > 0 and len(d["seconds"]) == 2  # -, set-up and step 1, steps 2-10, the end
+    assert per[-6:] == [0] * 6 and (allocator == "npu_pool" or per[3:] == [0] * 9), per
+
+
+def test_play_calls_back_at_each_bound_in_order() -> None:
+    """Player.play(at, on_bound): called before each event of ``at``, a bound given twice twice;
+    bounds out of order or past the trace are refused (a silent miss would lose every later one)."""
+    from npu_pool.live import Player
+
+    t = Trace(meta={})
+    for _ in range(10):
+        t.append(OP_MARK, id=0, cat=0)
+
+    class Module:  # the device module: play synchronises at its end
+        def synchronize(self) -> None:
+            pass
+
+    class Torch:
+        def device(self, *args: object) -> None:
+            return None
+
+    p = Player(t, Torch(), Module(), "cuda", None)
+    for at, calls in (([2, 2, 8], [0, 1, 2]), ([0, 9], [0, 1])):
+        got: list[int] = []
+        assert p.play(at, got.append) is None and got == calls
+    for at in ([8, 4], [4, 12], [-1]):
+        with pytest.raises(ValueError, match="in order"):
+            p.play(at, lambda k: None)

@@ -21,7 +21,7 @@ host) and empty the cache, then allocate them again at resume.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Any
+from typing import Any, Callable
 
 from ..trace.format import (CAT_ACTIVATION, CAT_PARAMETER, CAT_TEMPORARY, MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC,
                             OP_FREE, OP_MARK, OP_PAUSE, OP_REGION, OP_RESUME, Trace)
@@ -35,12 +35,14 @@ _ROLLOUT_TAGS = (("rollout_weights", 1), ("kv_cache", 0))  # (tag, backup)
 class _Builder:
     """Appends events with fresh ids and remembers each id's size (frees copy it)."""
 
-    def __init__(self, sites: list[str]) -> None:
+    def __init__(self, sites: list[str], full: Callable[[int], None]) -> None:
         self.t = Trace()
         self.size: list[int] = []
         self.sites = sites
+        self.full = full  # raises once the trace holds more events than a capture may
 
     def alloc(self, size: int, cat: int = CAT_TEMPORARY, site: int = -1) -> int:
+        self.full(len(self.t))
         i = len(self.size)
         self.size.append(size)
         self.t.append(OP_ALLOC, id=i, size=size, cat=cat, site=site)
@@ -110,18 +112,18 @@ def colocated_capture(cycles: int = 12, model: str = "llama", shape: str = "7b",
     """The trace of ``cycles`` colocated-RL iterations at ``model``/``shape`` on one rank of ``tp``
     (see the module's docstring; ``layers`` overrides the shape's depth); no real memory is used."""
     from ..workloads import make_config, param_count
-    from .fake import check_events, fake_capture
+    from .fake import check_events, events_full, fake_capture
 
     if cycles < 1 or rollout_batch < 1 or prompt < 1 or response < 1 or decode_steps < 1:
         raise ValueError("cycles, rollout_batch, prompt, response and decode_steps must be >= 1")
     depth = layers or make_config(model, shape, tp=tp).n_layers
-    check_events(cycles * depth * (20 * decode_steps + 60),  # about 680 a layer and cycle at 32 steps, measured
+    check_events(cycles * depth * (20 * decode_steps + 60),  # 774 a layer and cycle at 32 steps, measured
                  f"{cycles} colocated cycles of {depth} layers")
     train = fake_capture(model, shape, steps=2, batch=batch, seq=seq, tp=tp, mixed_precision="bf16",
                          layers=layers, progress=progress)
     cfg = make_config(model, shape, tp=tp, **({"n_layers": layers} if layers else {}))
     lo, hi = _split_step(train)
-    b = _Builder(list(train.meta.get("sites", [])))
+    b = _Builder(list(train.meta.get("sites", [])), events_full)
     # set-up: the trainer (its first step creates the optimizer states), then the rollout engine
     b.op(OP_REGION, TAGS["train"])
     ids: dict[int, int] = {}

@@ -50,6 +50,28 @@ _PHASE_AT = {MARK_SETUP_BEGIN: "setup", MARK_FORWARD_BEGIN: "forward", MARK_BACK
 _DEFAULT_CAT = {"backward": CAT_AUTOGRAD_DETAIL, "optimizer": CAT_TEMPORARY}
 
 
+# The most events a fake capture records (about 0.7 GiB of trace, more while it is built): counts
+# (steps, layers, cycles) that would clearly pass it are refused before anything is built (the
+# estimates below are low ones: a flavour, precision or recompute records more), and a capture
+# stops once it has recorded it.
+MAX_EVENTS = 1 << 24
+
+
+def check_events(estimate: int, what: str) -> None:
+    """ValueError when a capture of ``what`` would record at least about ``estimate`` events, past
+    MAX_EVENTS."""
+    if estimate > MAX_EVENTS:
+        raise ValueError(f"{what} would record at least {estimate:,} events, more than the {MAX_EVENTS:,} a "
+                         "capture holds: capture fewer steps, layers or cycles")
+
+
+def events_full(n: int) -> None:
+    """ValueError once a capture being built holds ``n`` events, past MAX_EVENTS."""
+    if n > MAX_EVENTS:
+        raise ValueError(f"the capture passed the {MAX_EVENTS:,} events a capture holds: capture fewer steps, "
+                         "layers or cycles")
+
+
 class _Recorder(TorchDispatchMode):
     """Records each new output storage as an allocation and its death as a free."""
 
@@ -86,6 +108,7 @@ class _Recorder(TorchDispatchMode):
             self.dropped += 1
             return
         i = len(self.sizes)
+        events_full(len(self.events))
         self.live[key] = i
         self.sizes.append(nbytes)
         where = self.modules[-1] if self.modules else (self.phase or "python")
@@ -152,18 +175,6 @@ def _module_stack(rec: _Recorder) -> list[Any]:
     return [_m.register_module_forward_pre_hook(pre), _m.register_module_forward_hook(post)]
 
 
-# The most events a fake capture records (about 0.7 GiB of trace, more while it is built): its
-# counts (steps, layers, cycles) are checked against it before anything is built.
-MAX_EVENTS = 1 << 24
-
-
-def check_events(estimate: int, what: str) -> None:
-    """ValueError when a capture of ``what`` would record about ``estimate`` events, past MAX_EVENTS."""
-    if estimate > MAX_EVENTS:
-        raise ValueError(f"{what} would record about {estimate:,} events, more than the {MAX_EVENTS:,} a capture "
-                         "holds: capture fewer steps, layers or cycles")
-
-
 def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, batch: int = 1, seq: int = 2048, *,
                  layers: int | None = None, tp: int = 1, pp: int = 1, recompute: bool = False, grad_accum: int = 1,
                  mixed_precision: str | None = None, lr: float = 1e-3, progress: bool = True) -> Trace:
@@ -181,7 +192,7 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
     if layers is None and pp > cfg.n_layers:
         raise ValueError(f"pp={pp} stages for the {cfg.n_layers} layers of {model_name}-{shape}: a stage would hold none")
     n_layers = layers if layers is not None else max(1, cfg.n_layers // pp)
-    check_events(120 * n_layers * steps * grad_accum,  # about 105 a layer and micro-batch, measured
+    check_events(120 * n_layers * steps * grad_accum,  # gpt's 124 a layer and micro-batch (llama 241, moe 790)
                  f"{steps} steps x {grad_accum} micro-batches of {n_layers} layers")
     cfg = make_config(model_name, shape, tp=tp, n_layers=n_layers, max_seq=max(seq, cfg.max_seq))
     t0 = time.perf_counter()

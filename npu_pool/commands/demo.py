@@ -112,10 +112,12 @@ def _run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             named.append((name, capture(progress=False, **kwargs)))
             print(f" {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.shared == "":  # (an unset variable: not the current folder)
+        raise ValueError("--shared '': an empty path")
     shared = SHARED if args.shared is None else Path(args.shared)
     snapshots = sorted(shared.glob("*.pickle")) if shared.is_dir() else []
     if args.shared is not None and not snapshots:  # named by the user: a mistake to say, not to skip
-        why = "an empty path" if not args.shared else "not a folder" if not shared.is_dir() else "no snapshots (*.pickle) in it"
+        why = "not a folder" if not shared.is_dir() else "no snapshots (*.pickle) in it"
         raise ValueError(f"--shared {args.shared!r}: {why}")
     if snapshots:
         from ..trace.files import open_traces

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..trace.format import forced_device
+from ..trace.format import device_type, forced_device
 
 GiB = float(1 << 30)
 
@@ -77,19 +77,19 @@ def _rows(meta: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner import load_plan, make_plan, save_plan
+    from ..planner import make_plan, save_plan
 
     if args.check:
         if args.out:
             raise ValueError("--check reads a plan and writes none: drop --out")
-        plan = load_plan(args.check)  # verifies
-        made_for = ""
-        if args.trace:  # and it was made for this trace's iteration
-            from ..planner.runtime import check_made_for
+        from ..planner.runtime import as_plan, check_made_for
 
+        plan = as_plan(args.check)  # verifies (and names the file in later messages)
+        made_for = ""
+        if args.trace:  # and it was made for this trace's iteration and request rules, as replay checks
             kind, index = args.device or (None, None)
             name, trace = _pick(args.trace, index)
-            check_made_for(plan, trace, name, kind)
+            check_made_for(plan, trace, name, device_type(trace, kind))
             made_for = f" for {name}"
         print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok{made_for}\n{_summary(plan.meta)}")
         return 0
