@@ -46,6 +46,7 @@ import json
 import os
 import struct
 import sys
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,17 @@ def device_type(trace: "Trace", override: str | None = None) -> str:
         return _forced[-1]
     recorded = trace.meta.get("device_type") if isinstance(trace.meta, dict) else None
     return recorded if recorded in DEVICE_TYPES else "cuda"
+
+
+_HEADER_FIELDS = ("meta", "n", "byteorder", "columns", "crc32")
+
+
+def _crc(meta: dict, columns: list[bytes]) -> int:
+    """CRC-32 of a trace's metadata (as JSON) and its columns' bytes, as a file stores them."""
+    crc = zlib.crc32(json.dumps(meta).encode())
+    for data in columns:
+        crc = zlib.crc32(data, crc)
+    return crc
 
 
 class TraceError(ValueError):
@@ -201,18 +213,23 @@ class Trace:
 
     # -- file I/O -------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write the trace: magic, header length, JSON header, then each column's bytes."""
+        """Write the trace: magic, header length, JSON header (with a CRC-32 of the metadata and the
+        columns), then each column's bytes."""
+        columns = []
+        for name, _ in COLUMNS:
+            col = getattr(self, name)
+            if col.itemsize and sys.byteorder != "little":
+                col = array.array(col.typecode, col); col.byteswap()
+            columns.append(col.tobytes())
         header = json.dumps({"meta": self.meta, "n": len(self.op), "byteorder": "little",
-                             "columns": [c for c, _ in COLUMNS]}).encode()
+                             "columns": [c for c, _ in COLUMNS],
+                             "crc32": _crc(json.loads(json.dumps(self.meta)), columns)}).encode()
         from ..outputs import output
 
         with output(path) as f:  # whole or absent
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            for name, _ in COLUMNS:
-                col = getattr(self, name)
-                if col.itemsize and sys.byteorder != "little":
-                    col = array.array(col.typecode, col); col.byteswap()
-                f.write(col.tobytes())
+            for data in columns:
+                f.write(data)
 
     @classmethod
     def load(cls, path: str | Path, *, check: bool = True) -> "Trace":
@@ -245,6 +262,9 @@ class Trace:
             raise TraceError(f"{name}: corrupt header ({e})") from None
         if not isinstance(header, dict):
             raise TraceError(f"{name}: corrupt header (a {type(header).__name__}, not an object)")
+        unknown = sorted(str(k) for k in header if k not in _HEADER_FIELDS)
+        if unknown:  # (a changed byte in a field's name would otherwise drop the field silently)
+            raise TraceError(f"{name}: corrupt header (unknown field {unknown[0][:40]!r})")
         n = header.get("n")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise TraceError(f"{name}: corrupt header (event count n={n!r:.40})")
@@ -260,11 +280,18 @@ class Trace:
         meta = header.get("meta", {})
         if not isinstance(meta, dict):
             raise TraceError(f"{name}: corrupt header (meta is a {type(meta).__name__}, not an object)")
+        crc = header.get("crc32")  # (files written before 2026-11-26 have none)
+        if crc is not None and (isinstance(crc, bool) or not isinstance(crc, int)):
+            raise TraceError(f"{name}: corrupt header (crc32={crc!r:.40})")
         t = cls(meta=meta)
+        raw = []
         for cname, code in COLUMNS:
             col = array.array(code)
-            col.frombytes(f.read(n * col.itemsize))
+            raw.append(f.read(n * col.itemsize))
+            col.frombytes(raw[-1])
             if sys.byteorder != "little":
                 col.byteswap()
             setattr(t, cname, col)
+        if crc is not None and _crc(meta, raw) != crc:
+            raise TraceError(f"{name}: corrupt (its checksum does not match its contents: a changed byte)")
         return t
