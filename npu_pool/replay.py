@@ -76,9 +76,16 @@ class PolicyResult:
     trims_at_min_capacity: int | None = None  # npu_pool: pages moved without a synchronisation (not in JSON)
     calls: dict[str, int] | None = None                   # device calls by kind, given room to spare
     calls_at_min_capacity: dict[str, int] | None = None   # ... and at the minimum capacity
+    iteration_calls: list[dict[str, int]] | None = None   # room to spare, per stretch of iteration_bounds (None: no repeats)
 
     JSON_KEYS: ClassVar[tuple[str, ...]] = ("trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
-                 "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity")
+                 "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity",
+                 "iteration_calls")
+
+    @property
+    def steady_calls(self) -> int | None:
+        """Device calls in the iterations after the first, given room to spare (None: no repeats)."""
+        return None if self.iteration_calls is None else sum(sum(d.values()) for d in self.iteration_calls[2:])
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -273,7 +280,12 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
     ``device``: whose request rules apply, default the trace's own)."""
     plan = _as_plan(plan)
-    free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name)  # a wrong plan: named by file
+    try:
+        bounds = iteration_bounds(trace)
+    except ValueError:  # no allocation to find a period in
+        bounds = []
+    free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name,  # a wrong plan: named by file
+                   bounds=bounds or None)
     if not free_run.ok:
         i = free_run.fail_index
         raise TraceTooLarge(f"{name}: policy {policy} failed at event {i} (a request of {fmt_bytes(trace.size[i])} "
@@ -291,7 +303,8 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
                         min_capacity_bytes=cap, retries_at_min_capacity=retries,
                         device_mallocs=free_run.device_mallocs, ops=free_run.ops,
                         ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0,
-                        trims_at_min_capacity=trims, calls=free_run.calls, calls_at_min_capacity=cap_calls)
+                        trims_at_min_capacity=trims, calls=free_run.calls, calls_at_min_capacity=cap_calls,
+                        iteration_calls=free_run.iteration_calls)
 
 
 @dataclass

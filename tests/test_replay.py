@@ -116,9 +116,12 @@ def test_cli_replay_json(tmp_path, capsys):
     records = json.loads(out.read_text())
     assert [r["policy"] for r in records] == ["torch", "npu_pool"]
     keys = {"trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
-            "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity"}
+            "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity",
+            "iteration_calls"}
     for r in records:
         assert set(r) == keys
+        if r["iteration_calls"] is not None:  # per iteration, they add up to the run's calls
+            assert {k: sum(d[k] for d in r["iteration_calls"]) for k in r["calls"]} == r["calls"]
         assert r["utilization"] == pytest.approx(r["peak_live_bytes"] / r["peak_reserved_bytes"])
         assert r["peak_live_bytes"] <= r["min_capacity_bytes"] <= r["peak_reserved_bytes"] + replay.CAPACITY_STEP
     assert "npu_pool" in capsys.readouterr().out
@@ -153,3 +156,25 @@ def test_cuda_rules_place_segments_as_cudamalloc_does():
         assert e < c
     a, b, c, d, e = segments("npu")
     assert a < b < c < d < e  # bottom up, no range reused
+
+
+def test_replay_shows_the_calls_of_the_iterations_after_the_first() -> None:
+    """Device calls per iteration (#19): `replay` prints, beside each policy's calls, those of the
+    iterations after the first given room to spare; '-' for a trace that does not repeat."""
+    from npu_pool.capture import capture
+    from npu_pool.commands.replay import format_calls
+    from npu_pool.device_costs import load_costs
+
+    t = capture(steps=4, progress=False)
+    assert len(replay.iteration_bounds(t)) == 4
+    r = replay.evaluate(t, "gpt", "torch", with_min_capacity=False)
+    assert len(r.iteration_calls) == 5 and r.steady_calls == sum(sum(d.values()) for d in r.iteration_calls[2:])
+    assert sum(sum(d.values()) for d in r.iteration_calls) == sum(r.calls.values()) and any(r.iteration_calls[1].values())
+    once = Trace(meta={"n_ids": 1})
+    once.append(OP_ALLOC, id=0, size=1 << 20)
+    once.append(OP_FREE, id=0, size=1 << 20)
+    flat = replay.evaluate(once, "once", "torch", with_min_capacity=False)
+    assert flat.iteration_calls is None and flat.steady_calls is None
+    lines = format_calls([r, flat], load_costs(None)).splitlines()
+    col = lines[0].index("steady")
+    assert lines[2][col - 1:col + 6].strip() == str(r.steady_calls) and lines[3][col - 1:col + 6].strip() == "-"

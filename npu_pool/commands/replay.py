@@ -78,6 +78,8 @@ Device calls, given room to spare (and at min cap), each a stall on a real card:
   map/unmap  mappings made and removed (virtual-memory policies)
   syncs      device and stream synchronisations
   other      events, stream queries, device look-ups, reservations
+  steady     calls of every kind in the iterations after the first (where the trace repeats: its
+             iteration markers, else its optimizer steps, else the period the planner finds; - when none)
   est ms     the calls' estimated device time from the per-call cost table (docs/device_calls.md; --costs)"""
 
 
@@ -90,14 +92,16 @@ def _call_groups(c: dict[str, int]) -> tuple[int, int, int, int]:
 
 def format_calls(results: list[PolicyResult], costs: dict) -> str:
     """Device calls by group for each result, with the estimated device time (ms)."""
-    head = (f"{'trace':25} {'policy':10} {'physical':>9} {'map/unmap':>9} {'syncs':>6} {'other':>6} {'est ms':>8}"
-            f" {'@min cap: phys':>14} {'map/unmap':>9} {'est ms':>8}")
+    head = (f"{'trace':25} {'policy':10} {'physical':>9} {'map/unmap':>9} {'syncs':>6} {'other':>6} {'steady':>6}"
+            f" {'est ms':>8} {'@min cap: phys':>14} {'map/unmap':>9} {'est ms':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.calls is None:
             continue
         p, m, sy, o = _call_groups(r.calls)
-        line = f"{r.trace[:25]:25} {r.policy:10} {p:9d} {m:9d} {sy:6d} {o:6d} {estimate_us(r.calls, costs) / 1e3:8.1f}"
+        steady = "-" if r.steady_calls is None else str(r.steady_calls)
+        line = (f"{r.trace[:25]:25} {r.policy:10} {p:9d} {m:9d} {sy:6d} {o:6d} {steady:>6}"
+                f" {estimate_us(r.calls, costs) / 1e3:8.1f}")
         if r.calls_at_min_capacity is not None:
             cp, cm, _, _ = _call_groups(r.calls_at_min_capacity)
             line += f" {cp:14d} {cm:9d} {estimate_us(r.calls_at_min_capacity, costs) / 1e3:8.1f}"
