@@ -275,14 +275,21 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int |
     return k_hi * step, best
 
 
+# The most iterations evaluate() counts the calls of one by one (iteration_calls); past it, none.
+MAX_ITERATIONS = 10_000
+
+
 def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
              plan: Any = None, device: str | None = None) -> PolicyResult:
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
-    ``device``: whose request rules apply, default the trace's own)."""
+    ``device``: whose request rules apply, default the trace's own); the calls per iteration for a
+    trace that repeats, up to MAX_ITERATIONS iterations."""
     plan = _as_plan(plan)
     try:
         bounds = iteration_bounds(trace)
     except ValueError:  # no allocation to find a period in
+        bounds = []
+    if len(bounds) > MAX_ITERATIONS:  # (a file of markers would cost a table of calls per marker)
         bounds = []
     free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name,  # a wrong plan: named by file
                    bounds=bounds or None)

@@ -9,8 +9,8 @@ import pytest
 
 from npu_pool import Pool, replay
 from npu_pool.cli import main
-from npu_pool.trace.format import (MARK_FORWARD_BEGIN, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK,
-                                   Trace, device_type)
+from npu_pool.trace.format import (MARK_FORWARD_BEGIN, MARK_ITER_BEGIN, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE,
+                                   OP_INIT_ALLOC, OP_MARK, Trace, device_type)
 
 MiB = 1 << 20
 POLICIES = ["torch", "npu_pool", "expandable"]
@@ -178,3 +178,15 @@ def test_replay_shows_the_calls_of_the_iterations_after_the_first() -> None:
     lines = format_calls([r, flat], load_costs(None)).splitlines()
     col = lines[0].index("steady")
     assert lines[2][col - 1:col + 6].strip() == str(r.steady_calls) and lines[3][col - 1:col + 6].strip() == "-"
+
+
+def test_a_trace_of_markers_costs_no_table_per_marker() -> None:
+    """A trace's iteration markers decide how many per-iteration tables evaluate keeps: past
+    replay.MAX_ITERATIONS it keeps none (a small file of markers would otherwise cost a table each)."""
+    t = Trace(meta={"n_ids": 1})
+    t.append(OP_ALLOC, id=0, size=1 << 20)
+    for _ in range(replay.MAX_ITERATIONS + 1):
+        t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=-1)
+    t.append(OP_FREE, id=0, size=1 << 20)
+    r = replay.evaluate(t, "marks", "torch", with_min_capacity=False)
+    assert r.iteration_calls is None and r.steady_calls is None and sum(r.calls.values()) > 0
