@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fragmentation import collect, snapshots  # noqa: E402  (the same traces as docs/benchmarks.md)
 from npu_pool.device_costs import estimate_us, load_costs, physical_calls  # noqa: E402
-from npu_pool.replay import evaluate, iteration_bounds, run  # noqa: E402
+from npu_pool.replay import calls_after_first, evaluate, iteration_bounds, run  # noqa: E402
 
 POLICIES = ["torch", "expandable", "npu_pool", "planned"]
 MEASURED = ROOT / "benchmarks" / "results" / "h100-2026-11-25" / "costs.json"  # a GPU's measured costs
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from npu_pool.planner import make_plan
 
     named = collect(Path(args.shared), not args.no_capture)
-    rows = []  # (name, policy, PolicyResult, steady calls or None)
+    rows = []  # (name, policy, PolicyResult: its steady_calls given room to spare)
     full: dict[tuple[str, str], dict[str, int]] = {}  # calls on the device the torch model just fits
     full_steady: dict[tuple[str, str], int | None] = {}  # ... in its iterations after the first
     for name, trace in named:
@@ -95,16 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         bounds = iteration_bounds(trace)
         for policy in POLICIES:
             kw = {"plan": plan} if policy == "planned" else {}
-            r = evaluate(trace, name, policy, **kw)
-            steady = None
-            if bounds:
-                it = run(trace, policy, bounds=bounds, **kw).iteration_calls
-                steady = sum(sum(d.values()) for d in it[2:])
-            rows.append((name, policy, r, steady))
-            device = next(x for n, p, x, _ in rows if n == name and p == "torch").min_capacity_bytes
+            rows.append((name, policy, evaluate(trace, name, policy, bounds=bounds, **kw)))
+            device = next(x for n, p, x in rows if n == name and p == "torch").min_capacity_bytes
             at = run(trace, policy, device, bounds=bounds or None, **kw)
             full[name, policy] = at.calls if at.ok else None
-            full_steady[name, policy] = sum(sum(d.values()) for d in at.iteration_calls[2:]) if bounds and at.ok else None
+            full_steady[name, policy] = calls_after_first(at.iteration_calls) if at.ok else None
     if len(args.baseline_name) > len(args.baseline):
         ap.error("--baseline-name names a --baseline: give as many baselines")
     names = args.baseline_name + args.baseline[len(args.baseline_name):]
@@ -127,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
            "waste: minimum capacity - peak live.", "",
            "| trace | policy | physical | map+unmap | est ms | steady | @min cap: physical | map+unmap | est ms | waste (MiB) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, policy, r, steady in rows:
+    for name, policy, r in rows:
+        steady = r.steady_calls
         c, m = r.calls, r.calls_at_min_capacity
         out.append(f"| {name} | {policy} | {physical_calls(c)} | {c['map'] + c['unmap']} | {estimate_us(c, costs) / 1e3:.1f} | "
                    f"{'-' if steady is None else steady} | {physical_calls(m)} | {m['map'] + m['unmap']} | "
@@ -138,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "than the torch model, so it has room to spare there, but not the 1 TiB of the first table.", "",
             "| trace | device (GiB) | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
     for name, _ in named:
-        device = next(x for n, p, x, _ in rows if n == name and p == "torch").min_capacity_bytes
+        device = next(x for n, p, x in rows if n == name and p == "torch").min_capacity_bytes
         cells = [f"{physical_calls(full[name, p])} ({estimate_us(full[name, p], costs) / 1e3:.0f})" if full[name, p]
                  else "fails" for p in POLICIES]
         out.append(f"| {name} | {device / (1 << 30):.3f} | " + " | ".join(cells) + " |")
@@ -150,15 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         out.append(f"| {name} | " + " | ".join("fails" if full_steady[name, p] is None else str(full_steady[name, p])
                                                 for p in POLICIES) + " |")
     out += ["", "## Calls by kind (room to spare)", ""]
-    for name, policy, r, _ in rows:
+    for name, policy, r in rows:
         out.append(f"- {name}, {policy}: {_kinds(r.calls)}")
     out += ["", "## Bounds", ""]
     for at_min in (False, True):
         ok = bad = 0
-        for name, policy, r, _ in rows:
+        for name, policy, r in rows:
             if policy != "npu_pool":
                 continue
-            t = next(x for n, p, x, _ in rows if n == name and p == "torch")
+            t = next(x for n, p, x in rows if n == name and p == "torch")
             a, b = (r.calls_at_min_capacity, t.calls_at_min_capacity) if at_min else (r.calls, t.calls)
             ok += physical_calls(a) <= physical_calls(b)
             bad += physical_calls(a) > physical_calls(b)
@@ -169,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
              physical_calls(full[name, "npu_pool"]) <= physical_calls(full[name, "torch"]))
     out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
     out += ["", "## Minimum-capacity waste (MiB)", ""]
-    tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r, _ in rows if q == p) for p in POLICIES}
-    calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r, _ in rows if q == p) for p in POLICIES}
+    tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r in rows if q == p) for p in POLICIES}
+    calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r in rows if q == p) for p in POLICIES}
     if before:
         out += ["Each version measured by its own code on the same traces (baselines: built checkouts, " +
                 ", ".join(f"`{c}`" for _, c, _ in before) + "); physical: the calls at the minimum capacity,",

@@ -85,7 +85,7 @@ class PolicyResult:
     @property
     def steady_calls(self) -> int | None:
         """Device calls in the iterations after the first, given room to spare (None: no repeats)."""
-        return None if self.iteration_calls is None else sum(sum(d.values()) for d in self.iteration_calls[2:])
+        return calls_after_first(self.iteration_calls)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -102,7 +102,9 @@ def iteration_bounds(trace: Trace) -> list[int]:
     marks = [i for i, (op, cat) in enumerate(zip(trace.op, trace.cat)) if op == vocab.OP_MARK and cat == vocab.MARK_ITER_BEGIN]
     if len(marks) >= 2:
         return marks
-    first = next((i for i, op in enumerate(trace.op) if op in (vocab.OP_ALLOC, vocab.OP_INIT_ALLOC)), 0)
+    first = next((i for i, op in enumerate(trace.op) if op in (vocab.OP_ALLOC, vocab.OP_INIT_ALLOC)), None)
+    if first is None:  # nothing allocated: nothing repeats
+        return []
     ends = [i + 1 for i, (op, cat) in enumerate(zip(trace.op, trace.cat))
             if op == vocab.OP_MARK and cat == vocab.MARK_OPTIMIZER_END and first < i + 1 < len(trace)]
     if len(ends) >= 2:
@@ -114,6 +116,13 @@ def iteration_bounds(trace: Trace) -> list[int]:
     if w.method != "period" or period <= 0:
         return []
     return ([w.start] if w.start < w.body else []) + list(range(w.body, len(trace), period))
+
+
+def calls_after_first(iteration_calls: list[dict[str, int]] | None) -> int | None:
+    """Calls of every kind in the iterations after the first, from per-stretch calls over
+    :func:`iteration_bounds` (before the first bound, the first iteration, then the repeats: the
+    third stretch on); None without them."""
+    return None if iteration_calls is None else sum(sum(d.values()) for d in iteration_calls[2:])
 
 
 def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict[str, int]) -> list[dict[str, int]]:
@@ -280,17 +289,14 @@ MAX_ITERATIONS = 10_000
 
 
 def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
-             plan: Any = None, device: str | None = None) -> PolicyResult:
+             plan: Any = None, device: str | None = None, bounds: list[int] | None = None) -> PolicyResult:
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
-    ``device``: whose request rules apply, default the trace's own); the calls per iteration for a
-    trace that repeats, up to MAX_ITERATIONS iterations."""
+    ``device``: whose request rules apply, default the trace's own); with ``bounds`` (the trace's
+    :func:`iteration_bounds`, found once for all its policies: finding them can take far longer
+    than a replay), the calls per iteration too, up to MAX_ITERATIONS iterations."""
     plan = _as_plan(plan)
-    try:
-        bounds = iteration_bounds(trace)
-    except ValueError:  # no allocation to find a period in
-        bounds = []
-    if len(bounds) > MAX_ITERATIONS:  # (a file of markers would cost a table of calls per marker)
-        bounds = []
+    if bounds and len(bounds) > MAX_ITERATIONS:  # (a file of markers would cost a table of calls per marker)
+        bounds = None
     free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name,  # a wrong plan: named by file
                    bounds=bounds or None)
     if not free_run.ok:
@@ -404,5 +410,5 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
     return names
 
 
-__all__ = ["run", "iteration_bounds", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
+__all__ = ["run", "iteration_bounds", "calls_after_first", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
            "PolicyResult", "Fidelity", "TraceTooLarge", "recorded_ooms", "OP_ALLOC"]

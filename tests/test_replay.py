@@ -167,13 +167,13 @@ def test_replay_shows_the_calls_of_the_iterations_after_the_first() -> None:
 
     t = capture(steps=4, progress=False)
     assert len(replay.iteration_bounds(t)) == 4
-    r = replay.evaluate(t, "gpt", "torch", with_min_capacity=False)
+    r = replay.evaluate(t, "gpt", "torch", with_min_capacity=False, bounds=replay.iteration_bounds(t))
     assert len(r.iteration_calls) == 5 and r.steady_calls == sum(sum(d.values()) for d in r.iteration_calls[2:])
     assert sum(sum(d.values()) for d in r.iteration_calls) == sum(r.calls.values()) and any(r.iteration_calls[1].values())
     once = Trace(meta={"n_ids": 1})
     once.append(OP_ALLOC, id=0, size=1 << 20)
     once.append(OP_FREE, id=0, size=1 << 20)
-    flat = replay.evaluate(once, "once", "torch", with_min_capacity=False)
+    flat = replay.evaluate(once, "once", "torch", with_min_capacity=False, bounds=replay.iteration_bounds(once))
     assert flat.iteration_calls is None and flat.steady_calls is None
     lines = format_calls([r, flat], load_costs(None)).splitlines()
     col = lines[0].index("steady")
@@ -188,5 +188,5 @@ def test_a_trace_of_markers_costs_no_table_per_marker() -> None:
     for _ in range(replay.MAX_ITERATIONS + 1):
         t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=-1)
     t.append(OP_FREE, id=0, size=1 << 20)
-    r = replay.evaluate(t, "marks", "torch", with_min_capacity=False)
+    r = replay.evaluate(t, "marks", "torch", with_min_capacity=False, bounds=replay.iteration_bounds(t))
     assert r.iteration_calls is None and r.steady_calls is None and sum(r.calls.values()) > 0

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..device_costs import estimate_us, load_costs, physical_calls
-from ..replay import HINTS, PolicyResult, evaluate, policies_from, validate
+from ..replay import HINTS, PolicyResult, evaluate, iteration_bounds, policies_from, validate
 from ..trace.files import expand, open_traces
 from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
@@ -155,6 +155,7 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
     costs = load_costs(args.costs)
     results, online = [], []
     for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
+        bounds = iteration_bounds(trace)  # (once: the steady column's, for every policy)
         for policy in policies:
             plan = None
             if policy == "planned":
@@ -164,7 +165,7 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
                 if not args.plan and plan.meta.get("online"):
                     online.append(f"planned on {name}: runs online (the plan {plan.meta['online']})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
-                                    with_min_capacity=not args.no_min_capacity, plan=plan))
+                                    with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds))
     print(format_table(results))
     print(LEGEND)
     print()
