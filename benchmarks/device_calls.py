@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fragmentation import collect, snapshots  # noqa: E402  (the same traces as docs/benchmarks.md)
 from npu_pool.device_costs import estimate_us, load_costs, physical_calls  # noqa: E402
-from npu_pool.replay import calls_after_first, evaluate, iteration_bounds, run  # noqa: E402
+from npu_pool.replay import evaluate, iteration_bounds, run, steady_calls, steady_stretches  # noqa: E402
 
 POLICIES = ["torch", "expandable", "npu_pool", "planned"]
 MEASURED = ROOT / "benchmarks" / "results" / "h100-2026-11-25" / "costs.json"  # a GPU's measured costs
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     named = collect(Path(args.shared), not args.no_capture)
     rows = []  # (name, policy, PolicyResult: its steady_calls given room to spare)
     full: dict[tuple[str, str], dict[str, int]] = {}  # calls on the device the torch model just fits
-    full_steady: dict[tuple[str, str], int | None] = {}  # ... in its iterations after the first
+    full_steady: dict[tuple[str, str], tuple[int, int] | None] = {}  # ... in its iterations after the first, steady ones
     for name, trace in named:
         plan = make_plan(trace)
         bounds = iteration_bounds(trace)
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             device = next(x for n, p, x in rows if n == name and p == "torch").min_capacity_bytes
             at = run(trace, policy, device, bounds=bounds or None, **kw)
             full[name, policy] = at.calls if at.ok else None
-            full_steady[name, policy] = calls_after_first(at.iteration_calls) if at.ok else None
+            full_steady[name, policy] = (sum(sum(d.values()) for d in at.iteration_calls[2:]),
+                                         steady_calls(at.iteration_calls, at.iteration_peaks)) if at.ok and bounds else None
     if len(args.baseline_name) > len(args.baseline):
         ap.error("--baseline-name names a --baseline: give as many baselines")
     names = args.baseline_name + args.baseline[len(args.baseline_name):]
@@ -113,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
            "of calls the simulated device received, which counts what the ACL backend would call for the",
            "same requests (tests/test_device_calls.py checks it against the fake CANN's own counters).",
            "`npu-pool replay TRACE` prints these groups for any trace, the steady calls among them",
-           "(`--json`: `calls`, `calls_at_min_capacity` and `iteration_calls`, per iteration).", "",
+           "(`--json`: `calls`, `calls_at_min_capacity`, and per iteration `iteration_calls` and",
+           "`iteration_peak_live`).", "",
            "## Per trace", "",
            "physical: segments (malloc + free) or chunks (phys_create + phys_release) taken and given back;",
-           "est ms: the estimated device time of all calls (cost table below); steady: calls in every iteration",
-           "after the first (iteration bounds: iteration markers, else the optimizer's, else the planner's",
-           "loop body; - when none repeat);",
+           "est ms: the estimated device time of all calls (cost table below); steady: calls in the steady",
+           "iterations, every one after the first that needs no more live memory than an earlier one did",
+           "(iteration bounds: iteration markers, else the optimizer's, else the planner's loop body; - when",
+           "none repeat);",
            "waste: minimum capacity - peak live.", "",
            "| trace | policy | physical | map+unmap | est ms | steady | @min cap: physical | map+unmap | est ms | waste (MiB) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -139,12 +142,17 @@ def main(argv: list[str] | None = None) -> int:
                  else "fails" for p in POLICIES]
         out.append(f"| {name} | {device / (1 << 30):.3f} | " + " | ".join(cells) + " |")
     repeat = [name for name, _ in named if any(full_steady[name, p] is not None for p in POLICIES)]
-    out += ["", "Steady iterations there: the calls of every kind in the iterations after the first (as the steady",
-            "column of the first table), on the traces whose iterations repeat.", "",
-            "| trace | " + " | ".join(POLICIES) + " |", "|---|" + "---:|" * len(POLICIES)]
+    out += ["", "Steady iterations there: the calls of every kind in the iterations after the first, then in the",
+            "steady ones among them (as the steady column of the first table), on the traces whose iterations",
+            "repeat; first steady: the iteration the steady ones start from (1 is the first iteration).", "",
+            "| trace | first steady | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
     for name in repeat:
-        out.append(f"| {name} | " + " | ".join("fails" if full_steady[name, p] is None else str(full_steady[name, p])
-                                                for p in POLICIES) + " |")
+        r = next(x for n, p, x in rows if n == name and p == "torch")
+        marks = steady_stretches(r.iteration_peak_live or [])
+        first = next((k for k, s in enumerate(marks) if s), None)
+        out.append(f"| {name} | {'-' if first is None else first} | " +
+                   " | ".join("fails" if full_steady[name, p] is None else "%d / %d" % full_steady[name, p]
+                              for p in POLICIES) + " |")
     out += ["", "## Calls by kind (room to spare)", ""]
     for name, policy, r in rows:
         out.append(f"- {name}, {policy}: {_kinds(r.calls)}")
@@ -164,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = sum(1 for name, _ in named if full[name, "npu_pool"] and full[name, "torch"] and
              physical_calls(full[name, "npu_pool"]) <= physical_calls(full[name, "torch"]))
     out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
+    rep = [r for _, policy, r in rows if policy == "npu_pool" and r.steady_calls is not None]
+    ok = sum(1 for name in repeat if full_steady[name, "npu_pool"] and full_steady[name, "npu_pool"][1] == 0)
+    out.append(f"- npu_pool makes no device call in steady iterations given room to spare: "
+               f"{sum(r.steady_calls == 0 for r in rep)} of the {len(rep)} traces that repeat; "
+               f"on the device the torch model just fits: {ok} of {len(repeat)}")
     out += ["", "## Minimum-capacity waste (MiB)", ""]
     tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r in rows if q == p) for p in POLICIES}
     calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r in rows if q == p) for p in POLICIES}
@@ -267,9 +280,10 @@ NOTES = """
   need (3 of 13, 109 MiB).
 - On a full device the arena moves chunks in steady iterations on two traces where the torch
   model's cached segments make no call after the second (16 and 36 calls in it; the table "Steady
-  iterations there"; on 2026-11-26, 1584 calls over the later iterations of
-  cs336-medium-ctx1024-infer and 1339 of h100-gpt-bf16-train,
-  82% and 62% of them unmaps and maps, most maps of spares): with the mapped memory at the cap, a
+  iterations there"; on 2026-11-26, 1584 calls over the iterations after the first of
+  cs336-medium-ctx1024-infer, all steady, and 1339 of h100-gpt-bf16-train, 821 of them in its
+  steady iterations, from the third; 82% and 62% of the 1584 and 1339 unmaps and maps, most maps
+  of spares): with the mapped memory at the cap, a
   request larger than every free mapped range unmaps free chunks to map their memory where it
   goes, and the layout each iteration leaves is not the one the next needs, so it does so again.
   With room to spare it maps new memory instead, and the same two traces made 0 and 6 calls in
@@ -287,12 +301,16 @@ NOTES = """
   after the fifth step in the simulator, but on an H200 it still did in real training at the
   tightest caps and ran out of memory at 2162 MiB in both of its 60-step runs, where this arena
   fit (the note of 2026-11-26; benchmarks/results/h200-2026-11-26): not adopted.
-- The first two iterations of a training capture may grow the arena (the steady column counts
-  the second): the second places by the lifetimes the first taught, and its peak holds more than
-  the first's did, since the optimizer's states, made in the first step's optimizer, are live
-  through the second's forward and backward. A pool mapped as tight as npu_pool's grows there;
-  the torch model's rounding (20 MiB segments, whole large blocks) leaves it room on some traces
-  and not on others. Later iterations make no device call.
+- The first two iterations of a training run may grow the arena: the second's peak holds more
+  than the first's did, since the optimizer's states, made in the first step's optimizer, are
+  live through the second's forward and backward. A pool mapped as tight as npu_pool's grows
+  there; the torch model's rounding (20 MiB segments, whole large blocks) leaves it room on some
+  traces and not on others. So the steady column leaves out an iteration that needs more live
+  memory than every one before it (the second, on the four traces that show it: their
+  `iteration_peak_live`; `replay.steady_stretches`). Given room to spare npu_pool then makes no
+  call in steady iterations but on h100-gpt-bf16-train, where the third iteration maps one more
+  chunk (24 MiB: a creation and a map, the column's 2) and later ones none: the layout the
+  second leaves is not quite the one the third needs (the same without lifetime hints).
 - Four threads allocating concurrently make no device call once warm (tests/test_device_calls.py),
   where warm means the pool has held the most the threads can hold at once (each at its own live
   peak together). How threads interleave decides their live peak: after a warm-up of a few rounds

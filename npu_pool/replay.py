@@ -56,7 +56,8 @@ class RunResult:
     blocks: list[dict[str, Any]] | None = None    # ... and the end state: Pool.blocks() ...
     ranges: list[tuple[int, int]] | None = None   # ... and Pool.mapped_ranges()
     calls: dict[str, int] | None = None           # device calls by kind made by the replay (vocab.CALL_NAMES)
-    iteration_calls: list[dict[str, int]] | None = None  # with bounds: the calls of each stretch (see run)
+    iteration_calls: list[dict[str, int]] | None = None  # with bounds: the calls of each stretch (see run) ...
+    iteration_peaks: list[int] | None = None  # ... and the peak of live bytes requested in each
 
 
 @dataclass
@@ -77,15 +78,17 @@ class PolicyResult:
     calls: dict[str, int] | None = None                   # device calls by kind, given room to spare
     calls_at_min_capacity: dict[str, int] | None = None   # ... and at the minimum capacity
     iteration_calls: list[dict[str, int]] | None = None   # room to spare, per stretch of iteration_bounds (None: no repeats)
+    iteration_peak_live: list[int] | None = None          # ... and each stretch's peak of live bytes
 
     JSON_KEYS: ClassVar[tuple[str, ...]] = ("trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
                  "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity",
-                 "iteration_calls")
+                 "iteration_calls", "iteration_peak_live")
 
     @property
     def steady_calls(self) -> int | None:
-        """Device calls in the iterations after the first, given room to spare (None: no repeats)."""
-        return calls_after_first(self.iteration_calls)
+        """Device calls in the steady iterations, given room to spare (None: no repeats); see
+        :func:`steady_calls`."""
+        return steady_calls(self.iteration_calls, self.iteration_peak_live)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -118,11 +121,26 @@ def iteration_bounds(trace: Trace) -> list[int]:
     return ([w.start] if w.start < w.body else []) + list(range(w.body, len(trace), period))
 
 
-def calls_after_first(iteration_calls: list[dict[str, int]] | None) -> int | None:
-    """Calls of every kind in the iterations after the first, from per-stretch calls over
-    :func:`iteration_bounds` (before the first bound, the first iteration, then the repeats: the
-    third stretch on); None without them."""
-    return None if iteration_calls is None else sum(sum(d.values()) for d in iteration_calls[2:])
+def steady_stretches(peaks: Sequence[int]) -> list[bool]:
+    """Which stretches over :func:`iteration_bounds` are steady iterations, from each one's peak of
+    live bytes: every iteration after the first (the third stretch on: before the first bound, the
+    first iteration, then the repeats) that needs no more live memory than some stretch before it.
+    An iteration that raises the trace's live peak is not steady: its tensors need memory no
+    earlier one held (the second of a training run whose optimizer makes its states at the first
+    step's end, as torch's Adam does), which no allocator holding only what was live can have."""
+    out, high = [], 0
+    for k, p in enumerate(peaks):
+        out.append(k >= 2 and p <= high)
+        high = max(high, p)
+    return out
+
+
+def steady_calls(iteration_calls: list[dict[str, int]] | None, peaks: Sequence[int] | None) -> int | None:
+    """Calls of every kind in the steady iterations (:func:`steady_stretches`), from per-stretch
+    calls and live peaks over :func:`iteration_bounds`; None without them."""
+    if iteration_calls is None or peaks is None:
+        return None
+    return sum(sum(d.values()) for d, s in zip(iteration_calls, steady_stretches(peaks)) if s)
 
 
 def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict[str, int]) -> list[dict[str, int]]:
@@ -185,13 +203,16 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
             inp.n_bounds = len(bounds)
             keep.append(ffi.new("uint64_t[]", len(bounds) * lib.NP_CALL_COUNT))
             inp.bound_calls = keep[-1]
+            keep.append(ffi.new("uint64_t[]", len(bounds) + 1))
+            inp.bound_peaks = keep[-1]
         start = pool.stats()["calls"]  # what creating the device asked
         out = ffi.new("np_replay_out *")
         _check(lib.np_replay(pool.ctx, inp, out))
         st = pool.stats()
         calls = {k: st["calls"][k] - start[k] for k in start}
-        iteration_calls = None
+        iteration_calls = iteration_peaks = None
         if bounds:
+            iteration_peaks = [int(x) for x in inp.bound_peaks[0:len(bounds) + 1]]
             snaps = [{name: int(inp.bound_calls[i * lib.NP_CALL_COUNT + k]) - start[name]
                       for k, name in enumerate(vocab.CALL_NAMES)} for i in range(len(bounds))]
             iteration_calls = split_calls({k: 0 for k in start}, snaps, calls)
@@ -203,7 +224,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
                      device_mallocs=st["device_mallocs"], retries=st["retries"], same_addr=int(out.same_addr),
                      compared=int(out.compared), stats=st, recorded_ooms=int(out.recorded_ooms),
                      ooms_served=int(out.ooms_served), history=end[0], blocks=end[1], ranges=end[2],
-                     calls=calls, iteration_calls=iteration_calls)
+                     calls=calls, iteration_calls=iteration_calls, iteration_peaks=iteration_peaks)
 
 
 class _EventLog(Sequence):
@@ -317,7 +338,7 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
                         device_mallocs=free_run.device_mallocs, ops=free_run.ops,
                         ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0,
                         trims_at_min_capacity=trims, calls=free_run.calls, calls_at_min_capacity=cap_calls,
-                        iteration_calls=free_run.iteration_calls)
+                        iteration_calls=free_run.iteration_calls, iteration_peak_live=free_run.iteration_peaks)
 
 
 @dataclass
@@ -410,5 +431,5 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
     return names
 
 
-__all__ = ["run", "iteration_bounds", "calls_after_first", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
+__all__ = ["run", "iteration_bounds", "steady_stretches", "steady_calls", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
            "PolicyResult", "Fidelity", "TraceTooLarge", "recorded_ooms", "OP_ALLOC"]

@@ -117,11 +117,13 @@ def test_cli_replay_json(tmp_path, capsys):
     assert [r["policy"] for r in records] == ["torch", "npu_pool"]
     keys = {"trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
             "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity",
-            "iteration_calls"}
+            "iteration_calls", "iteration_peak_live"}
     for r in records:
         assert set(r) == keys
         if r["iteration_calls"] is not None:  # per iteration, they add up to the run's calls
             assert {k: sum(d[k] for d in r["iteration_calls"]) for k in r["calls"]} == r["calls"]
+            assert len(r["iteration_peak_live"]) == len(r["iteration_calls"])
+            assert max(r["iteration_peak_live"]) == r["peak_live_bytes"]
         assert r["utilization"] == pytest.approx(r["peak_live_bytes"] / r["peak_reserved_bytes"])
         assert r["peak_live_bytes"] <= r["min_capacity_bytes"] <= r["peak_reserved_bytes"] + replay.CAPACITY_STEP
     assert "npu_pool" in capsys.readouterr().out
@@ -158,9 +160,9 @@ def test_cuda_rules_place_segments_as_cudamalloc_does():
     assert a < b < c < d < e  # bottom up, no range reused
 
 
-def test_replay_shows_the_calls_of_the_iterations_after_the_first() -> None:
+def test_replay_shows_the_calls_of_the_steady_iterations() -> None:
     """Device calls per iteration (#19): `replay` prints, beside each policy's calls, those of the
-    iterations after the first given room to spare; '-' for a trace that does not repeat."""
+    steady iterations given room to spare; '-' for a trace that does not repeat."""
     from npu_pool.capture import capture
     from npu_pool.commands.replay import format_calls
     from npu_pool.device_costs import load_costs
@@ -168,7 +170,8 @@ def test_replay_shows_the_calls_of_the_iterations_after_the_first() -> None:
     t = capture(steps=4, progress=False)
     assert len(replay.iteration_bounds(t)) == 4
     r = replay.evaluate(t, "gpt", "torch", with_min_capacity=False, bounds=replay.iteration_bounds(t))
-    assert len(r.iteration_calls) == 5 and r.steady_calls == sum(sum(d.values()) for d in r.iteration_calls[2:])
+    steady = replay.steady_stretches(r.iteration_peak_live)
+    assert len(r.iteration_calls) == 5 and r.steady_calls == sum(sum(d.values()) for d, s in zip(r.iteration_calls, steady) if s)
     assert sum(sum(d.values()) for d in r.iteration_calls) == sum(r.calls.values()) and any(r.iteration_calls[1].values())
     once = Trace(meta={"n_ids": 1})
     once.append(OP_ALLOC, id=0, size=1 << 20)
@@ -178,6 +181,33 @@ def test_replay_shows_the_calls_of_the_iterations_after_the_first() -> None:
     lines = format_calls([r, flat], load_costs(None)).splitlines()
     col = lines[0].index("steady")
     assert lines[2][col - 1:col + 6].strip() == str(r.steady_calls) and lines[3][col - 1:col + 6].strip() == "-"
+
+
+def test_an_iteration_that_raises_the_live_peak_is_not_steady() -> None:
+    """Steady iterations (#19's bound of no device calls in them): every iteration after the first
+    that needs no more live memory than an earlier one. The second iteration of a run whose
+    optimizer makes its states at the end of the first needs more than the first held, so an
+    allocator that holds only what was live maps there; from the third on it maps nothing."""
+    MiB = 1 << 20
+    t = Trace(meta={"n_ids": 5})
+    t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=-1)
+    t.append(OP_ALLOC, id=0, size=100 * MiB)  # activations
+    t.append(OP_FREE, id=0, size=100 * MiB)
+    t.append(OP_ALLOC, id=1, size=50 * MiB)  # the optimizer's states, made at the first step's end
+    for i in range(2, 5):
+        t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=-1)
+        t.append(OP_ALLOC, id=i, size=100 * MiB)
+        t.append(OP_FREE, id=i, size=100 * MiB)
+    bounds = replay.iteration_bounds(t)
+    assert bounds == [0, 4, 7, 10]
+    r = replay.evaluate(t, "adam", "npu_pool", with_min_capacity=False, bounds=bounds)
+    assert r.iteration_peak_live == [0, 100 * MiB, 150 * MiB, 150 * MiB, 150 * MiB]
+    assert replay.steady_stretches(r.iteration_peak_live) == [False, False, False, True, True]
+    assert sum(r.iteration_calls[2].values()) > 0  # the second iteration grows the arena
+    assert r.steady_calls == 0 and sum(sum(d.values()) for d in r.iteration_calls[3:]) == 0
+    # a later iteration that needs more again is not steady either
+    assert replay.steady_stretches([0, 5, 5, 7, 6, 7]) == [False, False, True, False, True, True]
+    assert replay.steady_calls(None, [0, 1]) is None and replay.steady_calls([{}, {}], None) is None
 
 
 def test_a_trace_of_markers_costs_no_table_per_marker() -> None:

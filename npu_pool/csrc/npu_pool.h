@@ -179,6 +179,8 @@ typedef struct np_replay_in {
   const uint64_t *bounds;   /* optional (NULL): n_bounds increasing event indices (iteration starts) ... */
   uint64_t n_bounds;
   uint64_t *bound_calls;    /* ... and n_bounds x NP_CALL_COUNT: the device calls by kind made before each */
+  uint64_t *bound_peaks;    /* optional (NULL): n_bounds + 1, the peak of requested live bytes in each stretch
+                               (before the first bound, between bounds, after the last), as peak_live */
 } np_replay_in;
 
 typedef struct np_replay_out {

@@ -42,6 +42,7 @@ typedef struct replay {
   void **ptrs;       /* id -> live pointer */
   uint64_t *sizes;   /* id -> requested size */
   uint64_t live;
+  uint64_t stretch;  /* the stretch (bounds) the replay is in: 0 before the first bound */
   int8_t *tag;       /* id -> tag of the region it was allocated in, -1 none */
   uint8_t *off;      /* id -> 1 while offloaded (policies without pause: freed at pause, re-allocated at resume) */
   int region;        /* the region entered (NP_OP_REGION), -1 none */
@@ -50,6 +51,13 @@ typedef struct replay {
 
 /* Trace tags are numbers; the pool's tags are their names. */
 static void tag_name(int64_t tag, char *buf) { snprintf(buf, NP_TAG_NAME, "tag%lld", (long long)tag); }
+
+/* Live bytes grew: the run's peak, and the current stretch's (in->bound_peaks). */
+static void live_grew(replay *r) {
+  if (r->live > r->out->peak_live) r->out->peak_live = r->live;
+  uint64_t *pk = r->in->bound_peaks;
+  if (pk && r->live > pk[r->stretch]) pk[r->stretch] = r->live;
+}
 
 /* NP_OP_REGION / PAUSE / RESUME. With a policy that pauses tags, its hooks; with any other, what
  * a user of the stock allocator does (explicit offload): pause frees the tag's live tensors (their
@@ -70,7 +78,10 @@ static int tag_op(replay *r, uint64_t i, uint8_t op, int64_t tag) {
     if (r->tag[id] == tag && (r->ptrs[id] || r->off[id])) tag_live += r->sizes[id];
   r->paused[tag] = op == NP_OP_PAUSE;
   if (op == NP_OP_PAUSE) r->live -= tag_live;
-  else if ((r->live += tag_live) > r->out->peak_live) r->out->peak_live = r->live;
+  else {
+    r->live += tag_live;
+    live_grew(r);
+  }
   if (p->pause && p->resume && p->region) {
     if (op == NP_OP_PAUSE) { /* a tag paused before any allocation in it: make it, stay in the region */
       char cur[NP_TAG_NAME];
@@ -117,7 +128,7 @@ static void placed(replay *r, uint64_t i, void *p, int64_t id) {
   r->ptrs[id] = p;
   r->sizes[id] = in->size[i];
   r->live += in->size[i];
-  if (r->live > r->out->peak_live) r->out->peak_live = r->live;
+  live_grew(r);
   r->out->ops++;
   if (in->placed) in->placed[i] = (uintptr_t)p;
   if (in->classes) in->classes[i] = (uint8_t)r->ctx->last_life;
@@ -147,9 +158,12 @@ static int run(replay *r) {
   bool fidelity = in->fidelity && ctx->policy->alloc_at;
   uint64_t bound = 0;
   for (uint64_t i = 0; i < in->n; i++) {
-    for (; bound < in->n_bounds && in->bounds[bound] <= i; bound++) /* an iteration starts: the calls so far */
+    for (; bound < in->n_bounds && in->bounds[bound] <= i; bound++) { /* an iteration starts: the calls so far */
       for (int k = 0; k < NP_CALL_COUNT; k++)
         in->bound_calls[bound * NP_CALL_COUNT + k] = ctx->be->calls[k] - ctx->calls_base[k];
+      r->stretch = bound + 1;
+      if (in->bound_peaks) in->bound_peaks[r->stretch] = r->live; /* what it starts with is live in it */
+    }
     uint8_t op = in->op[i];
     ctx->replay_time = (int64_t)i;
     int64_t id = in->id[i];
@@ -246,7 +260,9 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     if (in->bounds[b] < in->bounds[b - 1])
       return np_error(NP_ERR_INVALID, "replay: iteration bound %llu is before the one ahead of it", (unsigned long long)b);
   uint64_t m = in->n_ids ? in->n_ids : 1;
-  replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, malloc(m), calloc(m, 1), -1, {0}};
+  if (in->bound_peaks)
+    for (uint64_t b = 0; b <= in->n_bounds; b++) in->bound_peaks[b] = 0;
+  replay r = {ctx, in, out, calloc(m, sizeof(void *)), calloc(m, sizeof(uint64_t)), 0, 0, malloc(m), calloc(m, 1), -1, {0}};
   if (r.tag) memset(r.tag, -1, m); /* no tag */
   if (!r.ptrs || !r.sizes || !r.tag || !r.off) {
     free(r.ptrs);
