@@ -247,7 +247,11 @@ NOTES = """
 - The expandable model maps one handle per page of 2 MiB (small pool) or 20 MiB (large pool), as
   PyTorch's `ExpandableSegment::map` does.
 - The planned policy's region is one device allocation; its fallback arena maps exactly what the
-  plan left out while a plan is installed.
+  plan left out while a plan is installed, when the region is reserved (the plan's
+  `outside_peak_bytes`: before 2026-11-26 it mapped it at the first request the plan left out,
+  in the second iteration of cnn-adam-train and the second and third of
+  cs336-medium-ctx1024-infer, whose unplanned 16 MiB tensor lives into the next pass, two at
+  once, which the plan's figure did not count).
 - The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries and
   event waits make no `aclrtGetDevice`; the rarer calls that would go to the wrong device if a
   caller changed it behind the pool's back (malloc, free, synchronise, reserve, release) look it

@@ -305,22 +305,24 @@ class Pool:
 
     # -- plans ----------------------------------------------------------------------------
     def set_plan(self, size: Sequence[int], offset: Sequence[int], end: Sequence[int], loop: int, region: int,
-                 flags: int) -> None:
+                 flags: int, outside: int = 0) -> None:
         """Install a plan on a ``"planned"`` pool (the C call; ``npu_pool.planner.install`` makes
-        the columns from a plan file). ``size`` empty removes the plan."""
+        the columns from a plan file). ``size`` empty removes the plan. ``outside``: the bytes the
+        plan expects live outside it at once, mapped for the fallback with the region."""
         cols = [_u64_column(c, what) for c, what in ((size, "plan size"), (offset, "plan offset"), (end, "plan end"))]
         n = len(cols[0])
         if not (len(cols[1]) == len(cols[2]) == n):
             raise _invalid("a plan's size, offset and end columns must have the same length")
         bufs = [ffi.from_buffer("uint64_t[]", c) if n else ffi.NULL for c in cols]
         _check(lib.np_set_plan(self.ctx, n, _uint(loop, "plan loop"), bufs[0] if n else ffi.new("uint64_t[]", 1),
-                               bufs[1], bufs[2], _uint(region, "plan region"), _uint(flags, "plan flags", 3), ffi.NULL))
+                               bufs[1], bufs[2], _uint(region, "plan region"), _uint(outside, "plan outside"),
+                               _uint(flags, "plan flags", 3), ffi.NULL))
 
     def plan_counts(self) -> dict[str, int]:
         """Requests of a ``"planned"`` pool served from the plan, fallen back, placed in idle
         ranges, and resynchronisations."""
         out = ffi.new("uint64_t[4]")
-        _check(lib.np_set_plan(self.ctx, 0, 0, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, out))
+        _check(lib.np_set_plan(self.ctx, 0, 0, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, 0, out))
         return dict(zip(PLAN_COUNTS, (int(x) for x in out)))
 
     # -- introspection --------------------------------------------------------------------

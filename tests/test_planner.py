@@ -422,6 +422,55 @@ def test_dynamic_sizes_go_to_idle_ranges_of_the_plan():
     pool.close()
 
 
+def _carried(iters: int = 5) -> Trace:
+    """A loop whose 16 MiB buffer outlives its iteration: each iteration makes the next one's
+    before it frees its own (a prefetch), so the plan leaves it out (it lives longer than a pass)
+    and in the steady loop two are live at once."""
+    b = _Builder(True)
+    b.mark(MARK_SETUP_BEGIN)
+    b.alloc(8 * MiB)  # a weight
+    b.mark(MARK_SETUP_END)
+    carry = None
+    for it in range(iters):
+        b.mark(MARK_ITER_BEGIN, it)
+        acts = [b.alloc((k + 1) * MiB) for k in range(4)]
+        nxt = b.alloc(16 * MiB)
+        if carry:
+            b.free(carry)
+        carry = nxt
+        for a in reversed(acts):
+            b.free(a)
+        b.mark(MARK_ITER_END, it)
+    b.t.meta["n_ids"] = b.n
+    b.t.validate()
+    return b.t
+
+
+def test_the_fallback_maps_what_the_plan_leaves_out_with_the_region():
+    """#19 (point 1, the planned policy; point 2, no device call in steady iterations): what the
+    plan leaves out is served by the fallback arena, which maps it when the region is reserved,
+    so that no later iteration maps; its size counts the instances of earlier passes still live
+    (the plan's outside_peak_bytes: two 16 MiB buffers, and the weight live before the window)."""
+    t = _carried()
+    plan = make_plan(t, check=False)
+    assert plan.meta["unplanned"] == 1 and plan.outside == 8 * MiB + 2 * 16 * MiB
+    bounds = replay.iteration_bounds(t)
+    r = replay.run(t, "planned", plan=plan, bounds=bounds)
+    assert r.ok and r.stats["plan"]["fallback"] >= 5
+    per_iter = [sum(d.values()) for d in r.iteration_calls]
+    assert per_iter[1] > 0 and per_iter[2:] == [0] * (len(per_iter) - 2), per_iter
+    # the bytes come from the plan's meta: more than the cap leaves the fallback maps nothing ahead
+    # (it grows on demand, and serves), and a malformed figure is none
+    def hinted(v: object) -> Plan:
+        return Plan(plan.size, plan.offset, plan.end, plan.region, plan.loop, plan.flags,
+                    meta={**plan.meta, "outside_peak_bytes": v})
+
+    big = replay.run(t, "planned", capacity=plan.region + 64 * MiB, plan=hinted(1 << 30), bounds=bounds)
+    assert big.ok and sum(big.iteration_calls[2].values()) > 0
+    for bad in (None, -1, "32", True, 1.5, 1 << 64):
+        assert hinted(bad).outside == 0
+
+
 def test_without_a_virtual_memory_api_the_fallback_leaves_the_region_room():
     t = training(iters=3)
     plan = make_plan(t)

@@ -65,6 +65,17 @@ static int ensure(np_ctx *ctx, np_arena *a) {
   return NP_OK;
 }
 
+int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes) {
+  if (!a->vmm || !bytes) return NP_OK;
+  int rc = ensure(ctx, a);
+  if (rc != NP_OK || a->seg->mapped >= bytes || bytes > a->seg->size) return rc;
+  uint64_t size = np_round_up(bytes - a->seg->mapped, a->page), at = a->page_hwm * a->page;
+  if (size > a->seg->size - at || reserved_of(ctx, a) + size > limit_of(ctx, a)) return NP_OK;
+  rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + at, size, 0, false);
+  if (rc == NP_OK) a->page_hwm += size / a->page;
+  return rc;
+}
+
 /* Unmap the mapped pages among pages [first, end) of the arena; the first failure, if any. */
 static int unmap_pages(np_ctx *ctx, np_arena *a, uint64_t first, uint64_t end) {
   if (end > a->page_hwm) end = a->page_hwm;

@@ -321,10 +321,12 @@ const char *np_policy_summary(int policy);
 /* Planned policy (docs/planner.md): install a plan of n positions, [0, loop) run once, [loop, n) repeating --
  * per position p its requested size, offset in the planned region (UINT64_MAX: unplanned) and end, the position
  * it is freed at (> p; past n it wraps to loop + end - n; UINT64_MAX: unknown) -- over a region of `region`
- * bytes; n == 0 removes the plan, size == NULL keeps it. flags: NP_PLAN_*. counts (optional, 4 entries) receives
- * the requests served from the plan, fallen back, placed in idle ranges, resynchronisations. */
+ * bytes; n == 0 removes the plan, size == NULL keeps it. `outside`: the bytes the plan expects live outside it at
+ * once (requests it leaves out, served by the fallback), mapped for the fallback when the region is reserved, where
+ * the cap allows, so that later iterations find them mapped (0: none). flags: NP_PLAN_*. counts (optional, 4
+ * entries) receives the requests served from the plan, fallen back, placed in idle ranges, resynchronisations. */
 int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
-                const uint64_t *end, uint64_t region, int flags, uint64_t *counts);
+                const uint64_t *end, uint64_t region, uint64_t outside, int flags, uint64_t *counts);
 /* The planner's placement kernel: place rectangle order[0], order[1], ... at the lowest offset
  * where it overlaps no time-overlapping rectangle placed before it. span: 4 per rectangle
  * (lo, hi, lo2, hi2); offset and *peak receive the result. */

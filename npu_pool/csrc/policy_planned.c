@@ -60,6 +60,7 @@ typedef struct planned_state {
   int flags;
   np_segment *seg;             /* the region; NULL until the first planned request */
   bool seg_failed;             /* reserving it failed; tried again after empty_cache or a new plan */
+  uint64_t outside;            /* bytes the plan expects live outside it: the fallback maps them with the region */
   np_tree free;                /* the region's free blocks, by address */
   uint64_t live;               /* allocated blocks in the region */
   bool synced;                 /* pos is trusted */
@@ -117,6 +118,9 @@ static int region_reserve(np_ctx *ctx, planned_state *st) {
   st->seg = seg;
   seg->head->stream = NP_STREAM_ANY;
   np_tree_insert(&st->free, seg->head);
+  /* what the plan leaves out, mapped now (once per fallback, where the cap allows): the requests it
+   * serves in later iterations then find it mapped. A refusal leaves the fallback to grow on demand. */
+  np_arena_premap(ctx, budget(ctx, st), st->outside);
   return NP_OK;
 }
 
@@ -509,7 +513,7 @@ const np_policy np_policy_planned = {
 /* -- installing a plan ------------------------------------------------------------------ */
 
 static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, const uint64_t *size,
-                   const uint64_t *offset, const uint64_t *end, uint64_t region, int flags) {
+                   const uint64_t *offset, const uint64_t *end, uint64_t region, uint64_t outside, int flags) {
   if (st->live) return np_error(NP_ERR_STATE, "np_set_plan: %llu planned blocks are still allocated",
                                 (unsigned long long)st->live);
   np_plan plan = {0};
@@ -525,6 +529,7 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
    * without one it is the online pool's arena, growing as it does */
   st->fb.growth = plan.n ? 0 : NP_ARENA_GROWTH;
   st->flags = flags;
+  st->outside = plan.n ? outside : 0;
   st->seg_failed = false;
   st->synced = (flags & NP_PLAN_AT_START) != 0; /* tentatively: one mismatch ends it */
   st->began = st->steady = st->start_learned = st->start_known = st->ever_synced = false;
@@ -537,14 +542,14 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
 }
 
 int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
-                const uint64_t *end, uint64_t region, int flags, uint64_t *counts) {
+                const uint64_t *end, uint64_t region, uint64_t outside, int flags, uint64_t *counts) {
   np_ctx_lock(ctx);
   /* installing touches the device: not on a closed pool nor in a forked child (which may read the counts) */
   int rc = size || ctx->closed ? np_ctx_usable(ctx, "set_plan") : NP_OK;
   if (rc == NP_OK && ctx->policy != &np_policy_planned)
     rc = np_error(NP_ERR_STATE, "np_set_plan: the pool's policy is %s, not planned", ctx->policy->name);
   else if (rc == NP_OK && size)
-    rc = install(ctx, state(ctx), n, loop, size, offset, end, region, flags);
+    rc = install(ctx, state(ctx), n, loop, size, offset, end, region, outside, flags);
   if (rc == NP_OK && counts) memcpy(counts, state(ctx)->count, sizeof state(ctx)->count);
   pthread_mutex_unlock(&ctx->lock);
   return rc;

@@ -114,7 +114,8 @@ def build_layout(trace: Trace, w: Window) -> Layout:
         elif e > 0:
             ghosts.append((s, e))
     static = sum(pre.values())
-    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, ends), peak)
+    freed = [e if e >= 0 else after.get(p, -1) for p, e in enumerate(ends)]
+    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, freed, m), peak)
 
 
 def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], n: int) -> dict[int, int]:
@@ -136,12 +137,26 @@ def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int]
     return out
 
 
-def _unplanned_peak(sizes: array.array, end: array.array, ends: list[int]) -> int:
-    """Highest bytes live at a position in unplanned window requests."""
+def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: int) -> int:
+    """Highest bytes live at a position in unplanned window requests, in the steady loop: a body
+    request freed in a later pass (``freed[p]`` past n: n + the allocations before its free) is
+    still live when the next passes make theirs, so the loop holds the instances of earlier
+    passes too (the body's first ``freed[p] - n`` positions, every position for each whole pass
+    it outlives). One freed in the window, or never (-1), is live to its free or the window's end."""
     n = len(sizes)
+    body = n - m
     diff = [0] * (n + 1)
     for p in range(n):
-        if end[p] == NONE:
-            diff[p] += sizes[p]
-            diff[ends[p] if 0 <= ends[p] <= n else n] -= sizes[p]
+        if end[p] != NONE:
+            continue
+        s, e = sizes[p], freed[p]
+        diff[p] += s
+        if e <= n or p < m or body <= 0:
+            diff[e if e >= 0 else n] -= s
+            continue
+        diff[n] -= s
+        full, part = divmod(e - n, body)
+        diff[m] += full * s + s * (part > 0)
+        diff[n] -= full * s
+        diff[m + part] -= s * (part > 0)
     return max(accumulate(diff), default=0)

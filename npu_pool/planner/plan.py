@@ -46,6 +46,15 @@ class Plan:
         """Positions with an offset."""
         return sum(o != NONE for o in self.offset)
 
+    @property
+    def outside(self) -> int:
+        """Bytes the planner found live outside the plan at once (``meta["outside_peak_bytes"]``:
+        requests it leaves out and tensors live before its window, which the fallback serves); the
+        planned policy maps them with its region. 0 where the meta holds no such whole number (it
+        only spares device calls later)."""
+        v = self.meta.get("outside_peak_bytes")
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 else 0
+
     def span(self, p: int) -> tuple[int, int, int, int]:
         """Live positions of p: [lo, hi) and [lo2, hi2) (empty unless it wraps)."""
         return span(self.n, self.loop, p, self.end[p])

@@ -69,7 +69,7 @@ def install(pool: Any, plan: PlanLike) -> bool:
         if getattr(pool, "policy", "planned") != "planned":
             raise PlanError(f"a plan installs on a 'planned' pool; this pool's policy is {pool.policy!r}, not planned")
         return False
-    pool.set_plan(p.size, p.offset, p.end, p.loop, p.region, p.flags)
+    pool.set_plan(p.size, p.offset, p.end, p.loop, p.region, p.flags, outside=p.outside)
     return True
 
 

@@ -51,7 +51,7 @@ int main(void) {
   cfg.host_backed = 1;
   np_ctx *ctx;
   if (np_create(&cfg, &ctx) != NP_OK) return fail("create", NULL);
-  if (np_set_plan(ctx, N, 0, size, offset, end, peak, 1, NULL) != NP_OK) return fail("set_plan", ctx);
+  if (np_set_plan(ctx, N, 0, size, offset, end, peak, 0, 1, NULL) != NP_OK) return fail("set_plan", ctx);
   uint64_t step = 0;
   for (int it = 0; it < ITERS; it++) {
     if (np_mark(ctx, NP_MARK_ITER_BEGIN, it) != NP_OK) return fail("mark", ctx);
@@ -75,7 +75,7 @@ int main(void) {
   while (n_live)
     if (release(ctx, 0)) return 1;
   uint64_t counts[4];
-  if (np_set_plan(ctx, 0, 0, NULL, NULL, NULL, 0, 0, counts) != NP_OK) return fail("counts", ctx);
+  if (np_set_plan(ctx, 0, 0, NULL, NULL, NULL, 0, 0, 0, counts) != NP_OK) return fail("counts", ctx);
   if (np_empty_cache(ctx) != NP_OK || np_check(ctx) != NP_OK) return fail("final check", ctx);
   np_stats st;
   np_get_stats(ctx, &st);

@@ -105,8 +105,8 @@ static int closed_calls(int policy) {
   expect_closed(np_pause(ctx, "a", 0, &bytes));
   expect_closed(np_resume(ctx, "a", &bytes));
   expect_closed(np_set_backup_limit(ctx, 1 << 20));
-  expect_closed(np_set_plan(ctx, 1, 0, plan, offset, end, 0, 0, counts));
-  expect_closed(np_set_plan(ctx, 0, 0, NULL, NULL, NULL, 0, 0, counts));
+  expect_closed(np_set_plan(ctx, 1, 0, plan, offset, end, 0, 0, 0, counts));
+  expect_closed(np_set_plan(ctx, 0, 0, NULL, NULL, NULL, 0, 0, 0, counts));
   if (atomic_load(&refused) - before != 7) return fprintf(stderr, "closed: a call on a closed pool was not refused\n"), 1;
   return np_destroy(ctx) != NP_OK;
 }
