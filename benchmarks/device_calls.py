@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
            "## Per trace", "",
            "physical: segments (malloc + free) or chunks (phys_create + phys_release) taken and given back;",
            "est ms: the estimated device time of all calls (cost table below); steady: calls in the steady",
-           "iterations, every one after the first that needs no more live memory than an earlier one did",
-           "(iteration bounds: iteration markers, else the optimizer's, else the planner's loop body; - when",
-           "none repeat);",
+           "iterations, every one after the first that needs no more live memory than an earlier stretch did",
+           "(the set-up included; iteration bounds: iteration markers, else the optimizer's, else the",
+           "planner's loop body; - when none repeat or none is steady);",
            "waste: minimum capacity - peak live.", "",
            "| trace | policy | physical | map+unmap | est ms | steady | @min cap: physical | map+unmap | est ms | waste (MiB) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -144,15 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     repeat = [name for name, _ in named if any(full_steady[name, p] is not None for p in POLICIES)]
     out += ["", "Steady iterations there: the calls of every kind in the iterations after the first, then in the",
             "steady ones among them (as the steady column of the first table), on the traces whose iterations",
-            "repeat; first steady: the iteration the steady ones start from (1 is the first iteration).", "",
+            "repeat; first steady: the first steady iteration (1 is the first iteration; - none).", "",
             "| trace | first steady | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
     for name in repeat:
         r = next(x for n, p, x in rows if n == name and p == "torch")
         marks = steady_stretches(r.iteration_peak_live or [])
         first = next((k for k, s in enumerate(marks) if s), None)
         out.append(f"| {name} | {'-' if first is None else first} | " +
-                   " | ".join("fails" if full_steady[name, p] is None else "%d / %d" % full_steady[name, p]
-                              for p in POLICIES) + " |")
+                   " | ".join("fails" if full_steady[name, p] is None else
+                              "%d / %s" % (full_steady[name, p][0], "-" if full_steady[name, p][1] is None
+                                           else full_steady[name, p][1]) for p in POLICIES) + " |")
     out += ["", "## Calls by kind (room to spare)", ""]
     for name, policy, r in rows:
         out.append(f"- {name}, {policy}: {_kinds(r.calls)}")
@@ -173,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
              physical_calls(full[name, "npu_pool"]) <= physical_calls(full[name, "torch"]))
     out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
     rep = [r for _, policy, r in rows if policy == "npu_pool" and r.steady_calls is not None]
-    ok = sum(1 for name in repeat if full_steady[name, "npu_pool"] and full_steady[name, "npu_pool"][1] == 0)
+    at_full = [full_steady[name, "npu_pool"][1] for name in repeat
+               if full_steady[name, "npu_pool"] and full_steady[name, "npu_pool"][1] is not None]
     out.append(f"- npu_pool makes no device call in steady iterations given room to spare: "
-               f"{sum(r.steady_calls == 0 for r in rep)} of the {len(rep)} traces that repeat; "
-               f"on the device the torch model just fits: {ok} of {len(repeat)}")
+               f"{sum(r.steady_calls == 0 for r in rep)} of the {len(rep)} traces with steady iterations; "
+               f"on the device the torch model just fits: {sum(c == 0 for c in at_full)} of {len(at_full)}")
     out += ["", "## Minimum-capacity waste (MiB)", ""]
     tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r in rows if q == p) for p in POLICIES}
     calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r in rows if q == p) for p in POLICIES}
@@ -246,12 +248,12 @@ NOTES = """
   cap and close give every spare back.
 - The expandable model maps one handle per page of 2 MiB (small pool) or 20 MiB (large pool), as
   PyTorch's `ExpandableSegment::map` does.
-- The planned policy's region is one device allocation; its fallback arena maps exactly what the
-  plan left out while a plan is installed, when the region is reserved (the plan's
-  `outside_peak_bytes`: before 2026-11-26 it mapped it at the first request the plan left out,
-  in the second iteration of cnn-adam-train and the second and third of
-  cs336-medium-ctx1024-infer, whose unplanned 16 MiB tensor lives into the next pass, two at
-  once, which the plan's figure did not count).
+- The planned policy's region is one device allocation. Its fallback arena grows exactly (no
+  granule) while a plan is installed, and maps what the plan says lives outside it when the
+  region is reserved, short of cap pressure (the plan's `outside_peak_bytes`; before 2026-11-26
+  it mapped at the first request the plan left out, in the second iteration of cnn-adam-train
+  and the second and third of cs336-medium-ctx1024-infer, whose unplanned 16 MiB tensor lives
+  into the next pass, two at once, which the plan's figure did not count).
 - The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries and
   event waits make no `aclrtGetDevice`; the rarer calls that would go to the wrong device if a
   caller changed it behind the pool's back (malloc, free, synchronise, reserve, release) look it
@@ -287,24 +289,24 @@ NOTES = """
   iterations there"; on 2026-11-26, 1584 calls over the iterations after the first of
   cs336-medium-ctx1024-infer, all steady, and 1339 of h100-gpt-bf16-train, 821 of them in its
   steady iterations, from the third; 82% and 62% of the 1584 and 1339 unmaps and maps, most maps
-  of spares): with the mapped memory at the cap, a
-  request larger than every free mapped range unmaps free chunks to map their memory where it
-  goes, and the layout each iteration leaves is not the one the next needs, so it does so again.
-  With room to spare it maps new memory instead, and the same two traces made 0 and 6 calls in
-  their later iterations then. Measured on an H100 on 2026-11-26 (docs/gpu.md, "A full device"):
-  replayed as tensors there, every iteration made the calls the simulator says, kind by kind, and
-  they cost time: 8.8 ms per five iterations of ctx1024-infer under npu_pool against 0.9 ms under
-  the CUDA caching allocator. Training the recorded model capped at 2162 MiB, npu_pool made 5549
-  device calls over steps 3-60 (about 100 a step to the end), where the caching allocator made
-  none. On a GPU the arena's choices there also depend on timing: it unmaps free memory under
-  pressure (a trim, or a wholly free chunk a small block would pin) only once the stream that
-  used it has finished (a stream query), and whether it has depends on how far the GPU runs
-  behind the host, which differs from step to step; the simulated device's streams are always
-  done. An arena that serves a full device from the memory it has mapped
-  (a carve that maps nothing first, chunks split in place rather than unmapped) made no call
-  after the fifth step in the simulator, but on an H200 it still did in real training at the
-  tightest caps and ran out of memory at 2162 MiB in both of its 60-step runs, where this arena
-  fit (the note of 2026-11-26; benchmarks/results/h200-2026-11-26): not adopted.
+  of spares): with the mapped memory at the cap, a request larger than every free mapped range
+  unmaps free chunks to map their memory where it goes, and the layout each iteration leaves is
+  not the one the next needs, so it does so again. With room to spare it maps new memory instead,
+  and the same two traces made 0 and 6 calls in their iterations after the first then (0 and 2 in
+  their steady ones). Measured on an H100 on 2026-11-26 (docs/gpu.md, "A full device"): replayed
+  as tensors there, every iteration made the calls the simulator says, kind by kind, and they cost
+  time: 8.8 ms per five iterations of ctx1024-infer under npu_pool against 0.9 ms under the CUDA
+  caching allocator. Training the recorded model capped at 2162 MiB, npu_pool made 5549 device
+  calls over steps 3-60 (about 100 a step to the end), where the caching allocator made none. On a
+  GPU the arena's choices there also depend on timing: it unmaps free memory under pressure (a
+  trim, or a wholly free chunk a small block would pin) only once the stream that used it has
+  finished (a stream query), and whether it has depends on how far the GPU runs behind the host,
+  which differs from step to step; the simulated device's streams are always done. An arena that
+  serves a full device from the memory it has mapped (a carve that maps nothing first, chunks
+  split in place rather than unmapped) made no call after the fifth step in the simulator, but on
+  an H200 it still did in real training at the tightest caps and ran out of memory at 2162 MiB in
+  both of its 60-step runs, where this arena fit (the note of 2026-11-26;
+  benchmarks/results/h200-2026-11-26): not adopted.
 - The first two iterations of a training run may grow the arena: the second's peak holds more
   than the first's did, since the optimizer's states, made in the first step's optimizer, are
   live through the second's forward and backward. A pool mapped as tight as npu_pool's grows

@@ -86,8 +86,8 @@ class PolicyResult:
 
     @property
     def steady_calls(self) -> int | None:
-        """Device calls in the steady iterations, given room to spare (None: no repeats); see
-        :func:`steady_calls`."""
+        """Device calls in the steady iterations, given room to spare (None: no repeats, or none
+        steady); see :func:`steady_calls`."""
         return steady_calls(self.iteration_calls, self.iteration_peak_live)
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,7 +124,8 @@ def iteration_bounds(trace: Trace) -> list[int]:
 def steady_stretches(peaks: Sequence[int]) -> list[bool]:
     """Which stretches over :func:`iteration_bounds` are steady iterations, from each one's peak of
     live bytes: every iteration after the first (the third stretch on: before the first bound, the
-    first iteration, then the repeats) that needs no more live memory than some stretch before it.
+    first iteration, then the repeats) that needs no more live memory than some stretch before it
+    (the set-up before the first bound included).
     An iteration that raises the trace's live peak is not steady: its tensors need memory no
     earlier one held (the second of a training run whose optimizer makes its states at the first
     step's end, as torch's Adam does), which no allocator holding only what was live can have."""
@@ -137,10 +138,12 @@ def steady_stretches(peaks: Sequence[int]) -> list[bool]:
 
 def steady_calls(iteration_calls: list[dict[str, int]] | None, peaks: Sequence[int] | None) -> int | None:
     """Calls of every kind in the steady iterations (:func:`steady_stretches`), from per-stretch
-    calls and live peaks over :func:`iteration_bounds`; None without them."""
+    calls and live peaks over :func:`iteration_bounds`; None without them or when no iteration is
+    steady (each one needs more live memory than all before it: a leak, a growing sequence)."""
     if iteration_calls is None or peaks is None:
         return None
-    return sum(sum(d.values()) for d, s in zip(iteration_calls, steady_stretches(peaks)) if s)
+    steady = steady_stretches(peaks)
+    return sum(sum(d.values()) for d, s in zip(iteration_calls, steady) if s) if any(steady) else None
 
 
 def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict[str, int]) -> list[dict[str, int]]:
@@ -164,7 +167,8 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     history (stamped with its trace event's index) and return it with the end state.
     ``bounds`` (increasing event indices, e.g. :func:`iteration_bounds`): ``iteration_calls`` gets
     the device calls made before the first bound, between each bound and the next, and after the
-    last (len(bounds) + 1 dicts)."""
+    last (len(bounds) + 1 dicts; a run that failed, those of the stretches up to its failure),
+    ``iteration_peaks`` each stretch's peak of requested live bytes."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     if plan is not None:
@@ -196,8 +200,8 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
             keep.append(ffi.from_buffer("uint8_t[]", classes))
             inp.classes = keep[-1]
         if bounds:
-            if any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[0] < 0:
-                raise ValueError("bounds must be increasing event indices")
+            if any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[0] < 0 or bounds[-1] >= len(trace):
+                raise ValueError(f"bounds must be increasing indices of the trace's {len(trace)} events")
             keep.append(ffi.new("uint64_t[]", list(bounds)))
             inp.bounds = keep[-1]
             inp.n_bounds = len(bounds)
@@ -211,10 +215,11 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         st = pool.stats()
         calls = {k: st["calls"][k] - start[k] for k in start}
         iteration_calls = iteration_peaks = None
-        if bounds:
-            iteration_peaks = [int(x) for x in inp.bound_peaks[0:len(bounds) + 1]]
+        if bounds:  # (a run that failed reached the bounds up to its failure: the stretches it entered)
+            reached = len(bounds) if out.ok else sum(1 for b in bounds if b <= out.fail_index)
+            iteration_peaks = [int(x) for x in inp.bound_peaks[0:reached + 1]]
             snaps = [{name: int(inp.bound_calls[i * lib.NP_CALL_COUNT + k]) - start[name]
-                      for k, name in enumerate(vocab.CALL_NAMES)} for i in range(len(bounds))]
+                      for k, name in enumerate(vocab.CALL_NAMES)} for i in range(reached)]
             iteration_calls = split_calls({k: 0 for k in start}, snaps, calls)
         if plan is not None:
             st["plan"] = pool.plan_counts()

@@ -208,6 +208,33 @@ def test_an_iteration_that_raises_the_live_peak_is_not_steady() -> None:
     # a later iteration that needs more again is not steady either
     assert replay.steady_stretches([0, 5, 5, 7, 6, 7]) == [False, False, True, False, True, True]
     assert replay.steady_calls(None, [0, 1]) is None and replay.steady_calls([{}, {}], None) is None
+    # where every iteration needs more than all before it (a leak) none is steady: no figure, not 0
+    leak = Trace(meta={"n_ids": 6})
+    for i in range(6):
+        leak.append(OP_MARK, cat=MARK_ITER_BEGIN, id=-1)
+        leak.append(OP_ALLOC, id=i, size=30 * MiB)
+    r = replay.evaluate(leak, "leak", "torch", with_min_capacity=False, bounds=replay.iteration_bounds(leak))
+    assert r.iteration_calls is not None and sum(sum(d.values()) for d in r.iteration_calls[2:]) > 0
+    assert r.steady_calls is None
+
+
+def test_iteration_bounds_past_the_trace_and_failed_runs() -> None:
+    """Bounds are event indices of the trace (one at or past its end would make a stretch the replay
+    never enters); a run that fails reports the stretches it entered, whose calls add up to its own."""
+    MiB = 1 << 20
+    t = Trace(meta={"n_ids": 4})
+    for i in range(4):
+        t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=-1)
+        t.append(OP_ALLOC, id=i, size=(i + 1) * 30 * MiB)
+        t.append(OP_FREE, id=i, size=(i + 1) * 30 * MiB)
+    for bad in ([0, 3, 12], [0, 100], [-1, 3], [3, 0]):
+        with pytest.raises(ValueError, match="increasing indices of the trace's 12 events"):
+            replay.run(t, "npu_pool", bounds=bad)
+    r = replay.run(t, "npu_pool", capacity=64 * MiB, bounds=[0, 3, 6, 9])
+    assert not r.ok and r.fail_index == 7  # the third iteration's 90 MiB
+    assert len(r.iteration_calls) == len(r.iteration_peaks) == 4  # before 0, then three entered
+    assert all(n >= 0 for d in r.iteration_calls for n in d.values())
+    assert {k: sum(d[k] for d in r.iteration_calls) for k in r.calls} == r.calls
 
 
 def test_a_trace_of_markers_costs_no_table_per_marker() -> None:

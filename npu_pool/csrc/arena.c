@@ -68,11 +68,14 @@ static int ensure(np_ctx *ctx, np_arena *a) {
 int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes) {
   if (!a->vmm || !bytes) return NP_OK;
   int rc = ensure(ctx, a);
-  if (rc != NP_OK || a->seg->mapped >= bytes || bytes > a->seg->size) return rc;
-  uint64_t size = np_round_up(bytes - a->seg->mapped, a->page), at = a->page_hwm * a->page;
-  if (size > a->seg->size - at || reserved_of(ctx, a) + size > limit_of(ctx, a)) return NP_OK;
-  rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + at, size, 0, false);
-  if (rc == NP_OK) a->page_hwm += size / a->page;
+  if (rc != NP_OK || !a->top || a->seg->mapped >= bytes) return rc;
+  uint64_t g = a->page, off = np_round_up(a->top->addr - a->seg->addr, g), end = a->top->addr + a->top->size - a->seg->addr;
+  uint64_t want = bytes - a->seg->mapped, room = end > off ? end - off : 0;
+  if (want > room) return NP_OK;
+  uint64_t size = np_round_up(want, g);
+  if (size > room || near_cap(ctx, a, size)) return NP_OK;
+  rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, size, 0, false);
+  if ((off + size) / g > a->page_hwm) a->page_hwm = (off + size) / g; /* (a failed map leaves nothing mapped) */
   return rc;
 }
 

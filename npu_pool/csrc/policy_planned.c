@@ -118,8 +118,9 @@ static int region_reserve(np_ctx *ctx, planned_state *st) {
   st->seg = seg;
   seg->head->stream = NP_STREAM_ANY;
   np_tree_insert(&st->free, seg->head);
-  /* what the plan leaves out, mapped now (once per fallback, where the cap allows): the requests it
-   * serves in later iterations then find it mapped. A refusal leaves the fallback to grow on demand. */
+  /* what the plan leaves out, mapped now (what the fallback lacks of it, short of cap pressure): the
+   * requests it serves in later iterations then find it mapped. A refusal leaves the fallback to grow
+   * on demand. */
   np_arena_premap(ctx, budget(ctx, st), st->outside);
   return NP_OK;
 }

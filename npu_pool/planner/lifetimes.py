@@ -140,9 +140,11 @@ def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int]
 def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: int) -> int:
     """Highest bytes live at a position in unplanned window requests, in the steady loop: a body
     request freed in a later pass (``freed[p]`` past n: n + the allocations before its free) is
-    still live when the next passes make theirs, so the loop holds the instances of earlier
-    passes too (the body's first ``freed[p] - n`` positions, every position for each whole pass
-    it outlives). One freed in the window, or never (-1), is live to its free or the window's end."""
+    still live when the next pass makes its own, so the loop holds the previous pass's instance
+    too, over the body's first ``freed[p] - n`` positions (all of them if it outlives the next
+    pass). At most that one: the window shows one instance, and one kept for good (the first
+    step's, say) says nothing of how long the next passes keep theirs. One freed in the window,
+    or never (-1), is live to its free or the window's end."""
     n = len(sizes)
     body = n - m
     diff = [0] * (n + 1)
@@ -151,12 +153,8 @@ def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: i
             continue
         s, e = sizes[p], freed[p]
         diff[p] += s
-        if e <= n or p < m or body <= 0:
-            diff[e if e >= 0 else n] -= s
-            continue
-        diff[n] -= s
-        full, part = divmod(e - n, body)
-        diff[m] += full * s + s * (part > 0)
-        diff[n] -= full * s
-        diff[m + part] -= s * (part > 0)
+        diff[e if 0 <= e <= n else n] -= s
+        if e > n and p >= m and body > 0:
+            diff[m] += s
+            diff[m + min(e - n, body)] -= s
     return max(accumulate(diff), default=0)
