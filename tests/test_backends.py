@@ -190,6 +190,15 @@ def test_missing_library_names_it(vendor: Vendor) -> None:
     with pytest.raises(PoolError) as e:
         Pool(backend=vendor.backend, lib_path="/nonexistent/libvendor.so")
     assert e.value.code == NP_ERR_BACKEND and "/nonexistent/libvendor.so" in str(e.value)
+    # a long path is named whole, with the loader's reason after it (messages were cut at 1 KiB,
+    # and the CUDA backend cut a path past 1023 bytes and tried to load what was left)
+    long = "/nonexistent/" + "d" * 250 + "/" + "e" * 3000 + "/libvendor.so"
+    with pytest.raises(PoolError) as e:
+        Pool(backend=vendor.backend, lib_path=long)
+    assert long in str(e.value) and str(e.value).endswith(("long", "directory"))  # dlerror's reason, whole
+    # one longer than a path may be is refused as such, not cut
+    with pytest.raises(PoolError, match="longer than|too long") as e:
+        Pool(backend=vendor.backend, lib_path="/nonexistent/" + "f" * 5000 + "/libvendor.so")
 
 
 def test_missing_default_library_says_what_was_tried() -> None:

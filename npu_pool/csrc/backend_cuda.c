@@ -17,6 +17,7 @@
  * unmap does not: the policy unmaps only pages no queued work can still use
  * (after a synchronisation, or on streams stream_idle reports finished).
  */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -425,13 +426,17 @@ static void probe_vmm(cuda_backend *c, const np_config *cfg, const char *missing
   c->base.page_access = page_access;
 }
 
-/* Split "RUNTIME[:DRIVER]"; the driver is NULL for the default, "" for the runtime's own file. */
-static void split_paths(const char *lib_path, char *runtime, char *driver, size_t len, const char **rt,
-                        const char **drv) {
+/* Split "RUNTIME[:DRIVER]"; the driver is NULL for the default, "" for the runtime's own file. A path
+ * the buffers (len bytes) cannot hold is refused: cut, it would name another file. */
+static int split_paths(const char *lib_path, char *runtime, char *driver, size_t len, const char **rt,
+                       const char **drv) {
   *rt = *drv = NULL;
-  if (!lib_path || !*lib_path) return;
+  if (!lib_path || !*lib_path) return NP_OK;
   const char *colon = strchr(lib_path, ':');
   size_t n = colon ? (size_t)(colon - lib_path) : strlen(lib_path);
+  if (n >= len || (colon && strlen(colon + 1) >= len))
+    return np_error(NP_ERR_INVALID, "lib_path: a library path of %zu bytes is longer than the %zu a path may have",
+                    colon && strlen(colon + 1) >= len ? strlen(colon + 1) : n, len - 1);
   snprintf(runtime, len, "%.*s", (int)n, lib_path);
   *rt = runtime;
   if (!colon) {
@@ -441,19 +446,21 @@ static void split_paths(const char *lib_path, char *runtime, char *driver, size_
     snprintf(driver, len, "%s", colon + 1);
     *drv = driver;
   }
+  return NP_OK;
 }
 
 /* Load the runtime and the driver ("RUNTIME:DRIVER" in lib_path, else the default names) and
  * bind their symbols into c->api; no device call. Without a driver the virtual-memory symbols
  * stay unbound (a fixed arena); those a driver lacks are named in `missing`. */
 static int cuda_open(cuda_backend *c, const char *lib_path, char *missing, size_t len) {
-  char rt_buf[1024], drv_buf[1024], where[1024], libname[1100];
+  char rt_buf[PATH_MAX], drv_buf[PATH_MAX], where[1024], libname[1100];
   const char *rt_path, *drv_path;
-  split_paths(lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
+  int rc = split_paths(lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
+  if (rc != NP_OK) return rc;
   c->runtime = np_dl_open(rt_path, runtime_names, "the CUDA runtime (libcudart)");
   if (!c->runtime) return np_last_code();
   snprintf(libname, sizeof libname, "cuda: %s", np_dl_path(c->runtime, where, sizeof where));
-  int rc = np_dl_bind(c->runtime, libname, runtime_syms, sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0);
+  rc = np_dl_bind(c->runtime, libname, runtime_syms, sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0);
   if (rc != NP_OK) return rc;
   c->driver = np_dl_open(drv_path, driver_names, "the CUDA driver (libcuda)");
   if (c->driver)

@@ -39,8 +39,11 @@ int np_last_code(void);
 /* Format a byte count as "1.50 GiB" into buf (at least 32 bytes); returns buf. */
 const char *np_fmt_bytes(uint64_t bytes, char *buf);
 
+/* The longest error message kept (a path of PATH_MAX bytes fits, with the loader's own message on it);
+ * one cut there ends in "...". */
+#define NP_ERR_TEXT 8192
 /* Keep the current error message across calls that may overwrite it (a rollback's own failures). */
-typedef struct np_saved_error { int code; char text[1024]; } np_saved_error;
+typedef struct np_saved_error { int code; char text[NP_ERR_TEXT]; } np_saved_error;
 void np_save_error(np_saved_error *s, int code);
 int np_restore_error(const np_saved_error *s);
 

@@ -1,5 +1,6 @@
 /* dl.c -- loading vendor libraries and binding their symbols. */
 #include <dlfcn.h>
+#include <limits.h>
 #include <link.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,11 @@
 
 void *np_dl_open(const char *override, const char *const *names, const char *what) {
   if (override && *override) {
+    if (strlen(override) >= PATH_MAX) {
+      np_error(NP_ERR_INVALID, "cannot load %s: lib_path is %zu bytes, longer than the %d a path may have", what,
+               strlen(override), PATH_MAX - 1);
+      return NULL;
+    }
     void *lib = dlopen(override, RTLD_NOW | RTLD_LOCAL);
     if (!lib) np_error(NP_ERR_BACKEND, "cannot load %s from %s: %s", what, override, dlerror());
     return lib;

@@ -23,8 +23,8 @@ typedef struct np_dl_sym {
 /* Entry for a table whose fields are named after the vendor functions. */
 #define NP_DL_SYM(api_t, fn, group) {#fn, offsetof(api_t, fn), group}
 
-/* Open `override` if set, else the first of the NULL-terminated `names` that loads.
- * `what` names the library in the error ("the Ascend runtime (ACL)"). */
+/* Open `override` if set (NP_ERR_INVALID when longer than a path may be), else the first of the
+ * NULL-terminated `names` that loads. `what` names the library in the error ("the Ascend runtime (ACL)"). */
 void *np_dl_open(const char *override, const char *const *names, const char *what);
 void np_dl_close(void *lib);
 /* The path a handle was loaded from (for messages); "?" if unknown. */

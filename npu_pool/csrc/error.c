@@ -1,18 +1,20 @@
 /* error.c -- per-thread error messages (like errno: each caller sees its own). */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "common.h"
 
-static _Thread_local char np_errbuf[1024];
+static _Thread_local char np_errbuf[NP_ERR_TEXT];
 static _Thread_local int np_errcode;
 
 int np_error(int code, const char *fmt, ...) {
   np_errcode = code;
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(np_errbuf, sizeof np_errbuf, fmt, ap);
+  int n = vsnprintf(np_errbuf, sizeof np_errbuf, fmt, ap);
   va_end(ap);
+  if (n >= (int)sizeof np_errbuf) memcpy(np_errbuf + sizeof np_errbuf - 4, "...", 4); /* cut: say so */
   return code;
 }
 
