@@ -89,11 +89,14 @@ def _address(symbol: str) -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, symbol)))
 
 
+_ERROR_TEXT = 8192  # the longest message the core keeps (csrc/common.h NP_ERR_TEXT)
+
+
 def last_error(device: int = -1) -> str:
     """The last failure the allocator hooks met on ``device`` (also printed to stderr);
     ``device=-1``: the calling thread's last core error."""
-    buf = ffi.new("char[]", 1024)
-    lib.npu_pool_last_error(device, buf, 1024)
+    buf = ffi.new("char[]", _ERROR_TEXT)
+    lib.npu_pool_last_error(device, buf, _ERROR_TEXT)
     return ffi.string(buf).decode(errors="replace")
 
 

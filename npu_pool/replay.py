@@ -168,7 +168,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     ``bounds`` (increasing event indices, e.g. :func:`iteration_bounds`): ``iteration_calls`` gets
     the device calls made before the first bound, between each bound and the next, and after the
     last (len(bounds) + 1 dicts; a run that failed, those of the stretches up to its failure),
-    ``iteration_peaks`` each stretch's peak of requested live bytes."""
+    ``iteration_peaks`` each stretch's peak of requested live bytes (a run that failed: None)."""
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     if plan is not None:
@@ -217,7 +217,8 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         iteration_calls = iteration_peaks = None
         if bounds:  # (a run that failed reached the bounds up to its failure: the stretches it entered)
             reached = len(bounds) if out.ok else sum(1 for b in bounds if b <= out.fail_index)
-            iteration_peaks = [int(x) for x in inp.bound_peaks[0:reached + 1]]
+            if out.ok:  # (the stretch a run failed in has no peak: its request was not served)
+                iteration_peaks = [int(x) for x in inp.bound_peaks[0:reached + 1]]
             snaps = [{name: int(inp.bound_calls[i * lib.NP_CALL_COUNT + k]) - start[name]
                       for k, name in enumerate(vocab.CALL_NAMES)} for i in range(reached)]
             iteration_calls = split_calls({k: 0 for k in start}, snaps, calls)

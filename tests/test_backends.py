@@ -16,6 +16,7 @@ MiB = 1 << 20
 PAGE = 2 * MiB
 FAKES = Path(__file__).parent / "fake_vendor"
 NP_ERR_BACKEND = 5
+NP_ERR_INVALID = 2  # (npu_pool.h)
 
 # vendor symbol for each operation, and the error codes the tests inject
 NAMES = {
@@ -196,9 +197,14 @@ def test_missing_library_names_it(vendor: Vendor) -> None:
     with pytest.raises(PoolError) as e:
         Pool(backend=vendor.backend, lib_path=long)
     assert long in str(e.value) and str(e.value).endswith(("long", "directory"))  # dlerror's reason, whole
-    # one longer than a path may be is refused as such, not cut
-    with pytest.raises(PoolError, match="longer than|too long") as e:
-        Pool(backend=vendor.backend, lib_path="/nonexistent/" + "f" * 5000 + "/libvendor.so")
+    # one longer than a path may be is refused as such, not cut; for CUDA's RUNTIME:DRIVER, the part
+    too_long = "/nonexistent/" + "f" * 5000 + "/libvendor.so"
+    with pytest.raises(PoolError, match="5026 bytes, longer than the 4095 a path may have") as e:
+        Pool(backend=vendor.backend, lib_path=too_long)
+    assert e.value.code == NP_ERR_INVALID
+    if vendor.backend == "cuda":
+        with pytest.raises(PoolError, match="driver part .after ':'. is 5026 bytes") as e:
+            Pool(backend="cuda", lib_path="/nonexistent/libcudart.so:" + too_long)
 
 
 def test_missing_default_library_says_what_was_tried() -> None:

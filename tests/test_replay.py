@@ -220,7 +220,8 @@ def test_an_iteration_that_raises_the_live_peak_is_not_steady() -> None:
 
 def test_iteration_bounds_past_the_trace_and_failed_runs() -> None:
     """Bounds are event indices of the trace (one at or past its end would make a stretch the replay
-    never enters); a run that fails reports the stretches it entered, whose calls add up to its own."""
+    never enters); a run that fails reports the stretches it entered, whose calls add up to its own,
+    and no peaks (the last one's request was not served: no steady figure)."""
     MiB = 1 << 20
     t = Trace(meta={"n_ids": 4})
     for i in range(4):
@@ -232,9 +233,10 @@ def test_iteration_bounds_past_the_trace_and_failed_runs() -> None:
             replay.run(t, "npu_pool", bounds=bad)
     r = replay.run(t, "npu_pool", capacity=64 * MiB, bounds=[0, 3, 6, 9])
     assert not r.ok and r.fail_index == 7  # the third iteration's 90 MiB
-    assert len(r.iteration_calls) == len(r.iteration_peaks) == 4  # before 0, then three entered
+    assert len(r.iteration_calls) == 4 and r.iteration_peaks is None  # before 0, then three entered
     assert all(n >= 0 for d in r.iteration_calls for n in d.values())
     assert {k: sum(d[k] for d in r.iteration_calls) for k in r.calls} == r.calls
+    assert replay.steady_calls(r.iteration_calls, r.iteration_peaks) is None
 
 
 def test_a_trace_of_markers_costs_no_table_per_marker() -> None:

@@ -69,13 +69,18 @@ int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes) {
   if (!a->vmm || !bytes) return NP_OK;
   int rc = ensure(ctx, a);
   if (rc != NP_OK || !a->top || a->seg->mapped >= bytes) return rc;
-  uint64_t g = a->page, off = np_round_up(a->top->addr - a->seg->addr, g), end = a->top->addr + a->top->size - a->seg->addr;
-  uint64_t want = bytes - a->seg->mapped, room = end > off ? end - off : 0;
-  if (want > room) return NP_OK;
-  uint64_t size = np_round_up(want, g);
-  if (size > room || near_cap(ctx, a, size)) return NP_OK;
-  rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, size, 0, false);
-  if ((off + size) / g > a->page_hwm) a->page_hwm = (off + size) / g; /* (a failed map leaves nothing mapped) */
+  /* Requests go to holes before the top: with a hole that has unmapped pages (empty_cache unmapped
+   * it under a live block) they would map there and leave the top's chunk idle. */
+  for (np_block *b = a->seg->head; b; b = b->next)
+    if (!b->allocated && b != a->top && np_vmm_unmapped(ctx, a->seg, b->addr, b->size)) return NP_OK;
+  /* the top's first pages holding `need` unmapped ones (a page of it may be mapped already) */
+  uint64_t g = a->page, first = np_round_up(a->top->addr - a->seg->addr, g) / g;
+  uint64_t end = (a->top->addr + a->top->size - a->seg->addr) / g, need = np_round_up(bytes - a->seg->mapped, g) / g;
+  uint64_t p = first, got = 0;
+  for (; p < end && got < need; p++) got += !a->seg->pages[p];
+  if (got < need || near_cap(ctx, a, need * g)) return NP_OK;
+  rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + first * g, (p - first) * g, 0, false);
+  if (p > a->page_hwm) a->page_hwm = p; /* (an upper bound of what is mapped, whatever failed) */
   return rc;
 }
 
@@ -491,7 +496,7 @@ static int release(np_ctx *ctx, np_arena *a) {
   if (!a->seg) return NP_OK;
   synchronize(ctx, a);
   int first = NP_OK;
-  np_saved_error s = {0};
+  np_saved_error s; /* np_save_error writes it before np_restore_error reads it */
   for (np_block *b = a->seg->head; a->vmm && b; b = b->next) {
     if (b->allocated) continue;
     int rc = unmap_free(ctx, a, b);

@@ -82,11 +82,12 @@ typedef struct np_arena {
 void np_arena_init(np_ctx *ctx, np_arena *a);
 /* Return the arena's memory to the device (its blocks' pointers are forgotten). */
 void np_arena_drop(np_ctx *ctx, np_arena *a);
-/* Have `bytes` mapped: what the arena lacks of them, mapped as one chunk at the start of its top (where
- * a request no hole fits goes) while that stays short of cap pressure (past it growths are exact, and
- * a chunk mapped ahead would be split by the first block carved from it). Memory its owner knows will
- * be asked for (the planned policy's fallback: what the plan leaves out), mapped ahead so that the
- * requests find it mapped. Otherwise, and without VMM, nothing. */
+/* Have `bytes` mapped: what the arena lacks of them, mapped at the start of its top (where a request no
+ * hole fits goes; one chunk unless pages there are mapped already) while that stays short of cap
+ * pressure (past it growths are exact, and a chunk mapped ahead would be split by the first block
+ * carved from it) and no hole has unmapped pages (requests would go there first). Memory its owner
+ * knows will be asked for (the planned policy's fallback: what the plan leaves out), mapped ahead so
+ * that the requests find it mapped. Otherwise, and without VMM, nothing. */
 int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes);
 /* Place `size` bytes (rounded) for `stream`; on failure, synchronise, release and retry once. */
 int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out);

@@ -434,9 +434,12 @@ static int split_paths(const char *lib_path, char *runtime, char *driver, size_t
   if (!lib_path || !*lib_path) return NP_OK;
   const char *colon = strchr(lib_path, ':');
   size_t n = colon ? (size_t)(colon - lib_path) : strlen(lib_path);
-  if (n >= len || (colon && strlen(colon + 1) >= len))
-    return np_error(NP_ERR_INVALID, "lib_path: a library path of %zu bytes is longer than the %zu a path may have",
-                    colon && strlen(colon + 1) >= len ? strlen(colon + 1) : n, len - 1);
+  if (n >= len)
+    return np_error(NP_ERR_INVALID, "cannot load the CUDA runtime: lib_path%s is %zu bytes, longer than the %zu a "
+                    "path may have", colon ? "'s runtime part (before ':')" : "", n, len - 1);
+  if (colon && strlen(colon + 1) >= len)
+    return np_error(NP_ERR_INVALID, "cannot load the CUDA driver: lib_path's driver part (after ':') is %zu bytes, "
+                    "longer than the %zu a path may have", strlen(colon + 1), len - 1);
   snprintf(runtime, len, "%.*s", (int)n, lib_path);
   *rt = runtime;
   if (!colon) {

@@ -16,7 +16,12 @@ void *np_dl_open(const char *override, const char *const *names, const char *wha
       return NULL;
     }
     void *lib = dlopen(override, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) np_error(NP_ERR_BACKEND, "cannot load %s from %s: %s", what, override, dlerror());
+    if (!lib) {
+      const char *e = dlerror();
+      if (!e) e = "unknown dlopen error";
+      if (strstr(e, override)) np_error(NP_ERR_BACKEND, "cannot load %s: %s", what, e); /* it names the path */
+      else np_error(NP_ERR_BACKEND, "cannot load %s from %s: %s", what, override, e);
+    }
     return lib;
   }
   char tried[256] = "", why[512] = "";

@@ -95,7 +95,7 @@ static int still_held(np_ctx *ctx, int code, const char *why) {
 
 int np_ctx_retry_held(np_ctx *ctx) {
   int first = NP_OK;
-  np_saved_error s = {0};
+  np_saved_error s; /* np_save_error writes it before np_restore_error reads it */
   /* pages before reservations: a reservation is released only once nothing is mapped in it */
   for (int pass = 0; pass < 2; pass++) {
     for (size_t i = 0; i < ctx->n_held;) {
@@ -247,7 +247,7 @@ static int unmap_chunk(np_ctx *ctx, np_segment *seg, uint64_t p, bool whole, uin
 int np_vmm_unmap_ex(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole, uint64_t *unmapped) {
   uint64_t g = ctx->be->granularity, bytes = 0;
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g;
-  np_saved_error s = {0};
+  np_saved_error s; /* np_save_error writes it before np_restore_error reads it */
   int rc = NP_OK;
   for (uint64_t p = first; p < end && seg->mapped;) { /* nothing mapped left: the rest of the table is zero */
     if (!seg->pages[p]) {

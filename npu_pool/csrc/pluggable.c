@@ -1,5 +1,6 @@
 /* pluggable.c -- torch's pluggable-allocator entry points over a per-device
  * context table. The table is the core's only global state. */
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -20,12 +21,12 @@ static struct {
   pthread_mutex_t lock;
   bool configured;
   np_config cfg;
-  char lib_path[1024];
+  char lib_path[PATH_MAX];
   double fraction[NP_MAX_DEVICES];
   int64_t history[NP_MAX_DEVICES];
   _Atomic(np_ctx *) ctx[NP_MAX_DEVICES];
-  char error[NP_MAX_DEVICES][1024];
-  char printed_text[NP_MAX_DEVICES][1024];
+  char error[NP_MAX_DEVICES][4096];
+  char printed_text[NP_MAX_DEVICES][4096];
   atomic_bool printed[NP_MAX_DEVICES];
   atomic_int quiet;
   atomic_int devices;
@@ -50,6 +51,11 @@ static void lock_table(void) {
 
 static bool valid_device(int device) { return device >= 0 && device < NP_MAX_DEVICES; }
 
+/* Copy text into dst (len bytes); one cut there ends in "...", as the core's messages do. */
+static void put_text(char *dst, size_t len, const char *text) {
+  if (len && (size_t)snprintf(dst, len, "%s", text) >= len && len > 4) memcpy(dst + len - 4, "...", 4);
+}
+
 static void clear_pending_locked(void) {
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
     table.fraction[d] = 0;
@@ -61,7 +67,7 @@ static void clear_pending_locked(void) {
 static void keep(int device) {
   if (!valid_device(device)) return;
   lock_table();
-  snprintf(table.error[device], sizeof table.error[device], "%s", np_last_error());
+  put_text(table.error[device], sizeof table.error[device], np_last_error());
   pthread_mutex_unlock(&table.lock);
 }
 
@@ -70,7 +76,7 @@ static void keep(int device) {
  * reports it (`quiet`). */
 static void print_kept(int device, const char *what, bool quiet) {
   char msg[sizeof table.error[0]];
-  snprintf(msg, sizeof msg, "%s", np_last_error());
+  put_text(msg, sizeof msg, np_last_error());
   if (!valid_device(device)) {
     if (!quiet) fprintf(stderr, "npu_pool: %s failed: %s\n", what, msg);
     return;
@@ -108,7 +114,8 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
   int rc = check_fraction(fraction);
   if (rc != NP_OK) return rc;
   if (lib_path && strlen(lib_path) >= sizeof table.lib_path)
-    return np_error(NP_ERR_INVALID, "library path longer than %zu bytes", sizeof table.lib_path - 1);
+    return np_error(NP_ERR_INVALID, "lib_path is %zu bytes, longer than the %zu a path may have", strlen(lib_path),
+                    sizeof table.lib_path - 1);
   if ((rc = np_backend_load(backend, lib_path)) != NP_OK) return rc; /* before torch's allocator is swapped */
   lock_table();
   np_config cfg;
@@ -231,10 +238,10 @@ void npu_pool_reset_accumulated(int device) {
 size_t npu_pool_last_error(int device, char *buf, size_t len) {
   if (!buf || !len) return 0;
   if (!valid_device(device)) {
-    snprintf(buf, len, "%s", np_last_error());
+    put_text(buf, len, np_last_error());
   } else {
     lock_table();
-    snprintf(buf, len, "%s", table.error[device]);
+    put_text(buf, len, table.error[device]);
     pthread_mutex_unlock(&table.lock);
   }
   return strlen(buf);
