@@ -361,13 +361,17 @@ def test_planned_replay_reserves_less_than_torch_on_a_captured_trace(captured):
     assert planned.stats["pools"]["planned"]["blocks"]["peak"] > 0
 
 
-def _replay_by_hand(t: Trace, plan: Plan, check_every: int = 97, **kw) -> Pool:
-    """Serve the trace one call at a time (markers forwarded), checking the core's invariants."""
-    pool = Pool("planned", capacity=replay.UNLIMITED, **kw)
+def _replay_by_hand(t: Trace, plan: Plan, check_every: int = 97, at_mark=None, pool: Pool | None = None,
+                    **kw) -> Pool:
+    """Serve the trace one call at a time (markers forwarded), checking the core's invariants;
+    ``at_mark(pool, event)`` runs before each marker; ``pool``: a planned pool to use (else a new one)."""
+    pool = pool or Pool("planned", capacity=replay.UNLIMITED, **kw)
     install(pool, plan)
     ptrs = {}
     for i, e in enumerate(t.events()):
         if e.op == OP_MARK:
+            if at_mark:
+                at_mark(pool, e)
             pool.mark(e.cat, e.id)
         elif e.op == OP_ALLOC:
             ptrs[e.id] = pool.malloc(e.size, stream=e.stream)
@@ -486,20 +490,6 @@ def test_the_fallback_maps_what_the_plan_leaves_out_with_the_region():
     assert tight.ok and tight.calls["unmap"] == 0
 
 
-def _play(pool: Pool, t: Trace, at_mark=lambda pool, e: None) -> None:
-    """Replay t on pool by hand; at_mark(pool, event) runs before each marker."""
-    ptrs: dict[int, int] = {}
-    for e in t.events():
-        if e.op == OP_ALLOC:
-            ptrs[e.id] = pool.malloc(e.size)
-        elif e.op == OP_FREE:
-            pool.free(ptrs.pop(e.id))
-        elif e.op == OP_MARK:
-            at_mark(pool, e)
-            pool.mark(e.cat, e.id)
-    pool.check()
-
-
 def test_the_fallback_maps_ahead_where_requests_go():
     """What the fallback maps ahead is where its next requests go and makes up what it lacks:
     after an empty_cache that gave the region back, at the start of its free top, not above what it
@@ -516,9 +506,7 @@ def test_the_fallback_maps_ahead_where_requests_go():
             if len(iters) == 6:  # nothing but the weight is live: the region and the fallback's chunks go back
                 pool.empty_cache()
 
-    with Pool("planned", capacity=1 << 30) as pool:
-        install(pool, plan)
-        _play(pool, t, empty_at_6)
+    with _replay_by_hand(t, plan, at_mark=empty_at_6) as pool:
         assert peak(pool) <= plan.meta["planned_peak_bytes"] + 2 * MiB
     t = _carried(iters=8)
     plan = make_plan(t, check=False)
@@ -529,14 +517,11 @@ def test_the_fallback_maps_ahead_where_requests_go():
             pool.free(a)
             pool.empty_cache()
 
-    with Pool("planned", capacity=1 << 30) as pool:
-        install(pool, plan)
-        _play(pool, t, stray)
+    with _replay_by_hand(t, plan, at_mark=stray) as pool:
         assert peak(pool) <= plan.meta["planned_peak_bytes"] + 2 * MiB  # the stray tensor and a page
-    with Pool("planned", capacity=1 << 30) as pool:
-        pool.free(pool.malloc(MiB))  # used before the plan: a mapped page in the fallback's top
-        install(pool, plan)
-        _play(pool, t)
+    warm = Pool("planned", capacity=replay.UNLIMITED)
+    warm.free(warm.malloc(MiB))  # used before the plan: a mapped page in the fallback's top
+    with _replay_by_hand(t, plan, pool=warm) as pool:
         assert pool.stats()["calls"]["map"] == 2  # the weight's growth, and all the plan leaves out at once
 
 

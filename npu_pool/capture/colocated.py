@@ -116,12 +116,11 @@ def colocated_capture(cycles: int = 12, model: str = "llama", shape: str = "7b",
 
     if cycles < 1 or rollout_batch < 1 or prompt < 1 or response < 1 or decode_steps < 1:
         raise ValueError("cycles, rollout_batch, prompt, response and decode_steps must be >= 1")
-    depth = layers or make_config(model, shape, tp=tp).n_layers
-    check_events(cycles * depth * (20 * decode_steps + 60),  # 774 a layer and cycle at 32 steps, measured
-                 f"{cycles} colocated cycles of {depth} layers")
+    cfg = make_config(model, shape, tp=tp, **({"n_layers": layers} if layers else {}))
+    check_events(cycles * cfg.n_layers * (20 * decode_steps + 60),  # 774 a layer and cycle at 32 steps, measured
+                 f"{cycles} colocated cycles of {cfg.n_layers} layers")
     train = fake_capture(model, shape, steps=2, batch=batch, seq=seq, tp=tp, mixed_precision="bf16",
                          layers=layers, progress=progress)
-    cfg = make_config(model, shape, tp=tp, **({"n_layers": layers} if layers else {}))
     lo, hi = _split_step(train)
     b = _Builder(list(train.meta.get("sites", [])), events_full)
     # set-up: the trainer (its first step creates the optimizer states), then the rollout engine

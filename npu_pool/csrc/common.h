@@ -42,6 +42,8 @@ const char *np_fmt_bytes(uint64_t bytes, char *buf);
 /* The longest error message kept (a path of PATH_MAX bytes fits, with the loader's own message on it);
  * one cut there ends in "...". */
 #define NP_ERR_TEXT 8192
+/* Copy text into dst (len bytes); one cut there ends in "...", as np_error's messages do. */
+void np_copy_text(char *dst, size_t len, const char *text);
 /* Keep the current error message across calls that may overwrite it (a rollback's own failures). */
 typedef struct np_saved_error { int code; char text[NP_ERR_TEXT]; } np_saved_error;
 void np_save_error(np_saved_error *s, int code);

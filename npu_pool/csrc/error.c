@@ -8,14 +8,23 @@
 static _Thread_local char np_errbuf[NP_ERR_TEXT];
 static _Thread_local int np_errcode;
 
+/* buf (len bytes) got n characters of text from snprintf: a cut one ends in "...", so that it shows. */
+static void mark_cut(char *buf, size_t len, int n) {
+  if (n >= 0 && (size_t)n >= len && len > 4) memcpy(buf + len - 4, "...", 4);
+}
+
 int np_error(int code, const char *fmt, ...) {
   np_errcode = code;
   va_list ap;
   va_start(ap, fmt);
   int n = vsnprintf(np_errbuf, sizeof np_errbuf, fmt, ap);
   va_end(ap);
-  if (n >= (int)sizeof np_errbuf) memcpy(np_errbuf + sizeof np_errbuf - 4, "...", 4); /* cut: say so */
+  mark_cut(np_errbuf, sizeof np_errbuf, n);
   return code;
+}
+
+void np_copy_text(char *dst, size_t len, const char *text) {
+  if (len) mark_cut(dst, len, snprintf(dst, len, "%s", text));
 }
 
 const char *np_last_error(void) { return np_errbuf; }

@@ -51,11 +51,6 @@ static void lock_table(void) {
 
 static bool valid_device(int device) { return device >= 0 && device < NP_MAX_DEVICES; }
 
-/* Copy text into dst (len bytes); one cut there ends in "...", as the core's messages do. */
-static void put_text(char *dst, size_t len, const char *text) {
-  if (len && (size_t)snprintf(dst, len, "%s", text) >= len && len > 4) memcpy(dst + len - 4, "...", 4);
-}
-
 static void clear_pending_locked(void) {
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
     table.fraction[d] = 0;
@@ -67,7 +62,7 @@ static void clear_pending_locked(void) {
 static void keep(int device) {
   if (!valid_device(device)) return;
   lock_table();
-  put_text(table.error[device], sizeof table.error[device], np_last_error());
+  np_copy_text(table.error[device], sizeof table.error[device], np_last_error());
   pthread_mutex_unlock(&table.lock);
 }
 
@@ -76,7 +71,7 @@ static void keep(int device) {
  * reports it (`quiet`). */
 static void print_kept(int device, const char *what, bool quiet) {
   char msg[sizeof table.error[0]];
-  put_text(msg, sizeof msg, np_last_error());
+  np_copy_text(msg, sizeof msg, np_last_error());
   if (!valid_device(device)) {
     if (!quiet) fprintf(stderr, "npu_pool: %s failed: %s\n", what, msg);
     return;
@@ -238,10 +233,10 @@ void npu_pool_reset_accumulated(int device) {
 size_t npu_pool_last_error(int device, char *buf, size_t len) {
   if (!buf || !len) return 0;
   if (!valid_device(device)) {
-    put_text(buf, len, np_last_error());
+    np_copy_text(buf, len, np_last_error());
   } else {
     lock_table();
-    put_text(buf, len, table.error[device]);
+    np_copy_text(buf, len, table.error[device]);
     pthread_mutex_unlock(&table.lock);
   }
   return strlen(buf);
