@@ -426,26 +426,29 @@ def test_dynamic_sizes_go_to_idle_ranges_of_the_plan():
     pool.close()
 
 
-def _carried(iters: int = 5, keep_first: bool = False, gap: int = -1) -> Trace:
+def _carried(iters: int = 5, keep_first: bool = False, gap: int = -1, depth: int = 1) -> Trace:
     """A loop whose 16 MiB buffer outlives its iteration: each iteration makes the next one's
     before it frees its own (a prefetch), so the plan leaves it out (it lives longer than a pass)
     and in the steady loop two are live at once. ``keep_first``: the first one is kept to the end
     of the run (the window's instance, as the plan sees it, then lives through every pass); ``gap``:
-    that iteration makes none (the next has none to free)."""
+    that iteration makes none (the next has none to free); ``depth``: each iteration frees the one
+    made that many iterations before (a queue prefetching ``depth`` steps ahead: depth + 1 live)."""
     b = _Builder(True)
     b.mark(MARK_SETUP_BEGIN)
     b.alloc(8 * MiB)  # a weight
     b.mark(MARK_SETUP_END)
-    carry, kept_id = None, -1
+    queue: list = []
+    kept_id = -1
     for it in range(iters):
         b.mark(MARK_ITER_BEGIN, it)
         acts = [b.alloc((k + 1) * MiB) for k in range(4)]
         nxt = b.alloc(16 * MiB) if it != gap else None
+        carry = queue.pop(0) if len(queue) >= depth else None
         if carry and keep_first and it == 1:
             kept_id = carry[0]
         elif carry:
             b.free(carry)
-        carry = nxt
+        queue.append(nxt)
         for a in reversed(acts):
             b.free(a)
         b.mark(MARK_ITER_END, it)
@@ -488,6 +491,24 @@ def test_the_fallback_maps_what_the_plan_leaves_out_with_the_region():
     # ahead would be unmapped and split by the first block carved from it)
     tight = replay.run(t, "planned", capacity=plan.region + 48 * MiB, plan=plan, bounds=bounds)
     assert tight.ok and tight.calls["unmap"] == 0
+
+
+def test_the_plan_counts_every_instance_a_deeper_prefetch_keeps():
+    """A queue prefetching two steps ahead holds three 16 MiB buffers in the steady loop (the
+    window's and two earlier passes'): the plan's outside figure counts them, so the fallback maps
+    them with the region and no later iteration maps; one kept for good still counts as no more
+    than a queue one deep (the next pass's instance is freed a pass later)."""
+    t = _carried(iters=8, depth=2)
+    plan = make_plan(t, check=False)
+    assert plan.meta["unplanned"] == 1 and plan.outside == 8 * MiB + 3 * 16 * MiB
+    bounds = replay.iteration_bounds(t)
+    r = replay.run(t, "planned", plan=plan, bounds=bounds)
+    per_iter = [sum(d.values()) for d in r.iteration_calls]
+    assert r.ok and per_iter[1] > 0 and per_iter[2:] == [0] * (len(per_iter) - 2), per_iter
+    deeper = make_plan(_carried(iters=10, depth=3), check=False)
+    assert deeper.outside == 8 * MiB + 4 * 16 * MiB
+    kept = make_plan(_carried(iters=20, keep_first=True), check=False)
+    assert kept.outside == 8 * MiB + 2 * 16 * MiB
 
 
 def test_the_fallback_maps_ahead_where_requests_go():

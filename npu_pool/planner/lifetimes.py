@@ -95,7 +95,7 @@ def build_layout(trace: Trace, w: Window) -> Layout:
                 freed_pre.append((pre.pop(ids[i]), len(sizes)))
     n = len(sizes)
     body = n - m
-    after = _ends_after(trace, w, pos_of, ends, n)
+    after, next_life = _ends_after(trace, w, pos_of, ends, n, body)
     end = array.array("Q", [NONE]) * n
     for p, e in enumerate(ends):
         if e < 0:
@@ -115,7 +115,7 @@ def build_layout(trace: Trace, w: Window) -> Layout:
             ghosts.append((s, e))
     static = sum(pre.values())
     freed = [e if e >= 0 else after.get(p, -1) for p, e in enumerate(ends)]
-    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, freed, m), peak)
+    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, freed, m, next_life), peak)
 
 
 def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], n: int) -> dict[int, int]:
@@ -137,14 +137,17 @@ def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int]
     return out
 
 
-def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: int) -> int:
-    """Highest bytes live at a position in unplanned window requests, in the steady loop: a body
+def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: int, next_life: list[int]) -> int:
+    """Highest bytes live at a position in unplanned window requests, in the steady loop. A body
     request freed in a later pass (``freed[p]`` past n: n + the allocations before its free) is
-    still live when the next pass makes its own, so the loop holds the previous pass's instance
-    too, over the body's first ``freed[p] - n`` positions (all of them if it outlives the next
-    pass). At most that one: the window shows one instance, and one kept for good (the first
-    step's, say) says nothing of how long the next passes keep theirs. One freed in the window,
-    or never (-1), is live to its free or the window's end."""
+    still live when the next passes make their own, so the loop holds earlier passes' instances
+    too: that of j passes before over the body's positions below ``end - j * body`` (the whole
+    body when that is past it), for end the position where this instance and the next pass's
+    instance of the same position (``next_life``: its lifetime) both show it ending. A queue two
+    deep (prefetching two steps ahead) so holds two earlier instances. Where the next instance
+    is not freed while recorded, the previous pass's instance and no more: one kept for good (the
+    first step's, say) says nothing of how long the others are kept. One freed in the window, or
+    never (-1), is live to its free or the window's end."""
     n = len(sizes)
     body = n - m
     diff = [0] * (n + 1)
@@ -154,7 +157,48 @@ def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: i
         s, e = sizes[p], freed[p]
         diff[p] += s
         diff[e if 0 <= e <= n else n] -= s
-        if e > n and p >= m and body > 0:
+        if e <= n or p < m or body <= 0:
+            continue
+        nxt = next_life[p - m]
+        if nxt < 0:  # unknown: the previous pass's instance only
             diff[m] += s
             diff[m + min(e - n, body)] -= s
+            continue
+        e = p + min(e - p, nxt)
+        whole = max(e - n, 0) // body  # earlier instances live through the whole body ...
+        diff[m] += s * whole
+        diff[n] -= s * whole
+        part = e - (whole + 1) * body  # ... and the one before them, over its first positions
+        if part > m:
+            diff[m] += s
+            diff[part] -= s
     return max(accumulate(diff), default=0)
+
+
+def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], n: int,
+                body: int) -> tuple[dict[int, int], list[int]]:
+    """End positions of window requests freed after the window (n + allocations before the free),
+    and the lifetime in positions of each of the first ``body`` allocations after it, the next
+    pass's instances of the body's positions (-1 where not freed while recorded)."""
+    waiting = {trace.id[i]: pos_of[trace.id[i]] for i in range(w.start, w.end)
+               if trace.op[i] == OP_ALLOC and ends[pos_of[trace.id[i]]] < 0}
+    out: dict[int, int] = {}
+    next_life = [-1] * body
+    born: dict[int, int] = {}  # the next pass's allocations not freed yet: id -> allocations before it
+    allocs = 0
+    for i in range(w.end, len(trace)):
+        if not waiting and not born and allocs >= body:
+            break
+        o = trace.op[i]
+        if o == OP_ALLOC:
+            if allocs < body:
+                born[trace.id[i]] = allocs
+            allocs += 1
+        elif o == OP_FREE:
+            p = waiting.pop(trace.id[i], None)
+            if p is not None:
+                out[p] = n + allocs
+            a = born.pop(trace.id[i], None)
+            if a is not None:
+                next_life[a] = allocs - a
+    return out, next_life
