@@ -207,6 +207,21 @@ def test_missing_library_names_it(vendor: Vendor) -> None:
             Pool(backend="cuda", lib_path="/nonexistent/libcudart.so:" + too_long)
 
 
+def test_a_library_without_the_vendor_symbols_is_named_whole(vendor: Vendor, tmp_path: Path) -> None:
+    """A library that loads but is not the vendor's is named by the path the loader took it from,
+    whole however long (the name was cut at 1 KiB, silently)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build an empty library")
+    where = tmp_path.joinpath(*["g" * 200] * 6)
+    where.mkdir(parents=True)
+    lib = where / "libempty.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), "-x", "c", "/dev/null"], check=True, capture_output=True)
+    with pytest.raises(PoolError) as e:
+        Pool(backend=vendor.backend, lib_path=str(lib))
+    assert e.value.code == NP_ERR_BACKEND and f"{lib} has no symbol" in str(e.value)
+
+
 def test_missing_default_library_says_what_was_tried() -> None:
     for backend, name in (("acl", "libascendcl.so"), ("cuda", "libcudart")):
         try:

@@ -316,6 +316,23 @@ def test_an_oom_handler_that_fails_to_allocate_keeps_the_notes_apart(fakes: dict
     assert str(1 << 40) not in inner["own"].split("\n", 1)[1]  # its notes: the inner request's only
 
 
+def test_a_note_too_long_to_keep_is_cut_visibly(fakes: dict) -> None:
+    """A handler's note longer than the message can keep is cut, and the cut shows ('...' at the
+    end of the thread's message and of the device's), instead of ending mid-word as if whole."""
+    _configure(_vendor(fakes, "cuda"))
+    so.npu_pool_set_quiet(1)
+
+    @ffi.callback("void(int, uint64_t, void *)")
+    def on_oom(device: int, size: int, stream: Any) -> None:
+        so.npu_pool_note_error(device, b"snapshot: " + b"x" * 5000)
+
+    so.npu_pool_set_oom_handler(on_oom)
+    assert malloc(1 << 40) == 0
+    own, device = inst.last_error(-1), inst.last_error(0)
+    for msg in (own, device):
+        assert "out of memory on device 0" in msg and "\nsnapshot: xxx" in msg and msg.endswith("x...")
+
+
 # ---- npu_pool.install() ------------------------------------------------------------------------
 
 def test_install_without_a_device_says_what_is_missing() -> None:

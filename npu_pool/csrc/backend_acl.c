@@ -21,6 +21,7 @@
  * by itself; unmap does not: the policy unmaps only pages no queued work can
  * still use (after a synchronisation, or on streams stream_idle reports finished).
  */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -468,7 +469,7 @@ static void acl_host_free(np_backend *be, void *p) { ((acl_backend *)be)->api.ac
 /* Load the runtime (lib_path, else the default names) and bind its symbols into a->api; no
  * device call. The virtual-memory symbols a runtime lacks are named in `missing`. */
 static int acl_open(acl_backend *a, const char *lib_path, char *missing, size_t len) {
-  char where[1024], libname[1100];
+  char where[PATH_MAX], libname[PATH_MAX + 8];
   a->lib = np_dl_open(lib_path, acl_names, "the Ascend runtime (libascendcl.so; source CANN's set_env.sh)");
   if (!a->lib) return np_last_code();
   snprintf(libname, sizeof libname, "acl: %s", np_dl_path(a->lib, where, sizeof where));

@@ -456,7 +456,7 @@ static int split_paths(const char *lib_path, char *runtime, char *driver, size_t
  * bind their symbols into c->api; no device call. Without a driver the virtual-memory symbols
  * stay unbound (a fixed arena); those a driver lacks are named in `missing`. */
 static int cuda_open(cuda_backend *c, const char *lib_path, char *missing, size_t len) {
-  char rt_buf[PATH_MAX], drv_buf[PATH_MAX], where[1024], libname[1100];
+  char rt_buf[PATH_MAX], drv_buf[PATH_MAX], where[PATH_MAX], libname[PATH_MAX + 8];
   const char *rt_path, *drv_path;
   int rc = split_paths(lib_path, rt_buf, drv_buf, sizeof rt_buf, &rt_path, &drv_path);
   if (rc != NP_OK) return rc;

@@ -40,8 +40,8 @@ static int classify(const np_ctx *ctx, uint64_t size) {
 
 /* Compose the out-of-memory message: what was asked, what the pool holds, and why it failed. */
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
-  char cause[256];
-  snprintf(cause, sizeof cause, "%s", np_last_error()); /* the policy's reason; the buffer is rewritten below */
+  char cause[1024];
+  np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
   ctx->st.ooms++;
   np_stats st;
   np_get_stats_locked(ctx, &st);

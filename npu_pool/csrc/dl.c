@@ -47,7 +47,7 @@ void np_dl_close(void *lib) {
 const char *np_dl_path(void *lib, char *buf, size_t len) {
   struct link_map *map = NULL;
   if (lib && dlinfo(lib, RTLD_DI_LINKMAP, &map) == 0 && map && map->l_name && *map->l_name)
-    snprintf(buf, len, "%s", map->l_name);
+    np_copy_text(buf, len, map->l_name);
   else
     snprintf(buf, len, "?");
   return buf;

@@ -35,7 +35,7 @@ void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, u
 void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t handle, np_segment *from) {
   int pool = from ? from->pool : NP_POOL_SHARED;
   ctx->holds++;
-  snprintf(ctx->hold_error, sizeof ctx->hold_error, "%s", np_last_error()); /* the vendor's reason */
+  np_copy_text(ctx->hold_error, sizeof ctx->hold_error, np_last_error()); /* the vendor's reason */
   bool memory = kind != NP_HELD_RESERVATION; /* a reservation is address space, not device memory */
   if (memory && from) {
     NP_ASSERT(from->mapped >= size);

@@ -42,6 +42,18 @@ static struct {
 static _Thread_local int tl_noting = -1;
 static _Thread_local char tl_note[1024];
 
+/* Append `text` to the message in buf (len bytes), after a newline when `newline`; what does not
+ * fit is cut, and the cut shows ("..." at the end), whatever was written before. */
+static void append_line(char *buf, size_t len, const char *text, bool newline) {
+  size_t n = strlen(buf);
+  if (newline && n + 1 < len) {
+    buf[n++] = '\n';
+    buf[n] = '\0';
+  }
+  if (len - n > 4) np_copy_text(buf + n, len - n, text); /* a cut there ends the buffer in "..." */
+  else if (*text && len > 4) memcpy(buf + len - 4, "...", 4);
+}
+
 /* Every path takes the table's lock here: the fork handlers are installed first, so that a fork
  * while another thread holds it, before any context exists, does not leave it locked in the child. */
 static void lock_table(void) {
@@ -247,13 +259,9 @@ int npu_pool_last_code(void) { return np_last_code(); }
 void npu_pool_note_error(int device, const char *note) {
   if (!valid_device(device) || !note) return;
   lock_table();
-  size_t n = strlen(table.error[device]);
-  snprintf(table.error[device] + n, sizeof table.error[device] - n, "%s%s", n ? "\n" : "", note);
+  append_line(table.error[device], sizeof table.error[device], note, strlen(table.error[device]) > 0);
   pthread_mutex_unlock(&table.lock);
-  if (tl_noting == device) {
-    size_t m = strlen(tl_note); /* each note a line of its own: "\n" first */
-    snprintf(tl_note + m, sizeof tl_note - m, "\n%s", note);
-  }
+  if (tl_noting == device) append_line(tl_note, sizeof tl_note, note, true); /* each note a line of its own */
 }
 
 void npu_pool_set_quiet(int quiet) { atomic_store(&table.quiet, quiet != 0); }

@@ -325,8 +325,8 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   }
   free(r);
   if (rc != NP_OK) {
-    char x[32], y[32], z[32], cause[512];
-    snprintf(cause, sizeof cause, "%s", np_last_error());
+    char x[32], y[32], z[32], cause[1024];
+    np_copy_text(cause, sizeof cause, np_last_error());
     if (rc == NP_ERR_OOM) ctx->st.ooms++;
     return np_error(rc, "resume of tag '%s' failed: its blocks need %s mapped again at their addresses; the pool "
                     "holds %s of the %s cap%s; nothing was mapped, the tag stays paused [%s]%s", name, np_fmt_bytes(need, x),
