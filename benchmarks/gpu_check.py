@@ -345,15 +345,15 @@ def table(args: argparse.Namespace, res: dict[str, dict[str, Any]]) -> tuple[str
             rows.append(f"| {name} | {_bytes(nat[key])} ({nat[key]} B) | {_bytes(np_[key])} ({np_[key]} B) |")
         util = {m: r["peak_allocated"] / r["peak_reserved"] if r["peak_reserved"] else 0.0 for m, r in res.items()}
         rows.append(f"| utilization (peak allocated / peak reserved) | {util['native']:.1%} | {util['npu_pool']:.1%} |")
-        for key, name in (("step_peak_reserved", "per-step peak reserved, steps 2+ (min..max)"),
-                          ("step_peak_allocated", "per-step peak allocated, steps 2+ (min..max)")):
+        for key, name in (("step_peak_reserved", "per-step peak reserved, steps 3+ (min..max)"),
+                          ("step_peak_allocated", "per-step peak allocated, steps 3+ (min..max)")):
             rows.append(f"| {name} | " + " | ".join(
                 f"{_bytes(min(r[key][warm]))} .. {_bytes(max(r[key][warm]))}" for r in (nat, np_)) + " |")
-        rows.append("| device memory calls in steps 2+ (all / per step max) | " + " | ".join(
+        rows.append("| device memory calls in steps 3+ (all / per step max) | " + " | ".join(
             f"{sum(r['step_calls'][warm])} / {max(r['step_calls'][warm])}" for r in (nat, np_)) + " |")
         rows.append("| device memory calls, whole run | " + " | ".join(
             ", ".join(f"{k} {v}" for k, v in r["calls"].items()) or "none" for r in (nat, np_)) + " |")
-    rows.append(f"| median step time, steps 2+ | {step['native'] * 1e3:.2f} ms | {step['npu_pool'] * 1e3:.2f} ms "
+    rows.append(f"| median step time, steps 3+ | {step['native'] * 1e3:.2f} ms | {step['npu_pool'] * 1e3:.2f} ms "
                 f"(x{step['npu_pool'] / step['native']:.3f}) |")
     if args.device == "cuda":
         rows.append(f"| malloc+free per pair (torch.cuda.caching_allocator_alloc/delete) | "
