@@ -283,7 +283,11 @@ NOTES = """
   long-lived blocks only (7 of 13, 365 MiB); unmapping a wholly free chunk before a carve only
   for long-lived blocks or only within 64 MiB of the cap (5 and 7 of 13, 157 and 599 MiB);
   keeping every spare the cap allows (3 of 13, 111 MiB); trims that unmap only the chunks they
-  need (3 of 13, 109 MiB).
+  need (3 of 13, 109 MiB). benchmarks/results/sim-2026-11-26 has a patch with switches for the
+  rules of this arena and a script that prints these figures for each (waste, physical calls,
+  both bounds): every switch meeting the bound at the minimum capacity on 7-8 of 13 traces needs
+  350-1750 MiB of waste, and the rule that unmaps a wholly free chunk before a block pins it is
+  both what keeps the waste small and what makes the steady calls on a full device.
 - On a full device the arena moves chunks in steady iterations on two traces where the torch
   model's cached segments make no call after the second (16 and 36 calls in it; the table "Steady
   iterations there"; on 2026-11-26, 1584 calls over the iterations after the first of
@@ -316,7 +320,10 @@ NOTES = """
   `iteration_peak_live`; `replay.steady_stretches`). Given room to spare npu_pool then makes no
   call in steady iterations but on h100-gpt-bf16-train, where the third iteration maps one more
   chunk (24 MiB: a creation and a map, the column's 2) and later ones none: the layout the
-  second leaves is not quite the one the third needs (the same without lifetime hints).
+  second leaves is not quite the one the third needs (the same without lifetime hints). Growing
+  by an eighth of what the arena holds far from the cap, freed holes or not, leaves it room there
+  (7 of 7, at no cost in minimum-capacity waste) but holds 3.5% more at the peak given room to
+  spare over these traces (benchmarks/results/sim-2026-11-26, `NP_HD=8`): not adopted.
 - Four threads allocating concurrently make no device call once warm (tests/test_device_calls.py),
   where warm means the pool has held the most the threads can hold at once (each at its own live
   peak together). How threads interleave decides their live peak: after a warm-up of a few rounds
