@@ -426,34 +426,34 @@ def test_dynamic_sizes_go_to_idle_ranges_of_the_plan():
     pool.close()
 
 
-def _carried(iters: int = 5, keep_first: bool = False, gap: int = -1, depth: int = 1) -> Trace:
+def _carried(iters: int = 5, keep: tuple[int, ...] = (), gap: int = -1, depth: int = 1) -> Trace:
     """A loop whose 16 MiB buffer outlives its iteration: each iteration makes the next one's
     before it frees its own (a prefetch), so the plan leaves it out (it lives longer than a pass)
-    and in the steady loop two are live at once. ``keep_first``: the first one is kept to the end
-    of the run (the window's instance, as the plan sees it, then lives through every pass); ``gap``:
-    that iteration makes none (the next has none to free); ``depth``: each iteration frees the one
-    made that many iterations before (a queue prefetching ``depth`` steps ahead: depth + 1 live)."""
+    and in the steady loop two are live at once. ``keep``: the iterations whose buffer is kept to
+    the end of the run (the first's is the window's instance, as the plan sees it); ``gap``: that
+    iteration makes none (the next has none to free); ``depth``: each iteration frees the one made
+    that many iterations before (a queue prefetching ``depth`` steps ahead: depth + 1 live)."""
     b = _Builder(True)
     b.mark(MARK_SETUP_BEGIN)
     b.alloc(8 * MiB)  # a weight
     b.mark(MARK_SETUP_END)
     queue: list = []
-    kept_id = -1
+    kept = []
     for it in range(iters):
         b.mark(MARK_ITER_BEGIN, it)
         acts = [b.alloc((k + 1) * MiB) for k in range(4)]
         nxt = b.alloc(16 * MiB) if it != gap else None
         carry = queue.pop(0) if len(queue) >= depth else None
-        if carry and keep_first and it == 1:
-            kept_id = carry[0]
+        if carry and it - depth in keep:
+            kept.append(carry)
         elif carry:
             b.free(carry)
         queue.append(nxt)
         for a in reversed(acts):
             b.free(a)
         b.mark(MARK_ITER_END, it)
-    if keep_first:
-        b.free((kept_id, 16 * MiB))
+    for c in kept:
+        b.free(c)
     b.t.meta["n_ids"] = b.n
     b.t.validate()
     return b.t
@@ -482,11 +482,11 @@ def test_the_fallback_maps_what_the_plan_leaves_out_with_the_region():
     assert big.ok and sum(big.iteration_calls[2].values()) > 0
     for bad in (None, -1, "32", True, 1.5, 1 << 64):
         assert hinted(bad).outside == 0
-    # one instance kept for good says nothing of the others: the figure counts one earlier pass's,
-    # not one per pass the kept one outlives (nineteen here), and the plan is kept
-    kept = _carried(iters=20, keep_first=True)
+    # the window's instance kept for good is held once besides the two the loop holds, not once per
+    # pass it outlives (nineteen here), and the plan is kept
+    kept = _carried(iters=20, keep=(0,))
     kept_plan = make_plan(kept)
-    assert kept_plan.outside == 8 * MiB + 2 * 16 * MiB and not kept_plan.meta.get("online")
+    assert kept_plan.outside == 8 * MiB + 3 * 16 * MiB and not kept_plan.meta.get("online")
     # near the cap the fallback's growths are exact: nothing is mapped ahead there (a chunk mapped
     # ahead would be unmapped and split by the first block carved from it)
     tight = replay.run(t, "planned", capacity=plan.region + 48 * MiB, plan=plan, bounds=bounds)
@@ -497,7 +497,8 @@ def test_the_plan_counts_every_instance_a_deeper_prefetch_keeps():
     """A queue prefetching two steps ahead holds three 16 MiB buffers in the steady loop (the
     window's and two earlier passes'): the plan's outside figure counts them, so the fallback maps
     them with the region and no later iteration maps; one kept for good still counts as no more
-    than a queue one deep (the next pass's instance is freed a pass later)."""
+    than a queue one deep where the next passes free theirs a pass later, and neither does a next
+    pass's request of the same position but another size."""
     t = _carried(iters=8, depth=2)
     plan = make_plan(t, check=False)
     assert plan.meta["unplanned"] == 1 and plan.outside == 8 * MiB + 3 * 16 * MiB
@@ -507,8 +508,29 @@ def test_the_plan_counts_every_instance_a_deeper_prefetch_keeps():
     assert r.ok and per_iter[1] > 0 and per_iter[2:] == [0] * (len(per_iter) - 2), per_iter
     deeper = make_plan(_carried(iters=10, depth=3), check=False)
     assert deeper.outside == 8 * MiB + 4 * 16 * MiB
-    kept = make_plan(_carried(iters=20, keep_first=True), check=False)
-    assert kept.outside == 8 * MiB + 2 * 16 * MiB
+    for keep in ((0,), (0, 1), (0, 1, 2)):  # the window's kept; the next pass's or two more kept too
+        t = _carried(iters=20, keep=keep)
+        plan = make_plan(t, check=False)
+        assert plan.outside == 8 * MiB + 3 * 16 * MiB, keep
+        r = replay.run(t, "planned", plan=plan, bounds=replay.iteration_bounds(t))
+        assert r.ok and sum(r.iteration_calls[2].values()) == 0  # (later ones map each kept one besides)
+    # steps of varying shapes: the next passes' allocations at the window's positions are other
+    # tensors, which show nothing (the figure counts the previous pass's instance, as before)
+    b = _Builder(True)
+    b.alloc(8 * MiB)  # a weight
+    carry = None
+    for it in range(10):
+        b.mark(MARK_ITER_BEGIN, it)
+        acts = [b.alloc((k + 1) * MiB + it * 4096) for k in range(3 + it % 3)]
+        nxt = b.alloc(16 * MiB)
+        if carry:
+            b.free(carry)
+        carry = nxt
+        for a in reversed(acts):
+            b.free(a)
+        b.mark(MARK_ITER_END, it)
+    b.t.meta["n_ids"] = b.n
+    assert make_plan(b.t, check=False).outside == 8 * MiB + 2 * 16 * MiB
 
 
 def test_the_fallback_maps_ahead_where_requests_go():

@@ -95,7 +95,7 @@ def build_layout(trace: Trace, w: Window) -> Layout:
                 freed_pre.append((pre.pop(ids[i]), len(sizes)))
     n = len(sizes)
     body = n - m
-    after, next_life = _ends_after(trace, w, pos_of, ends, n, body)
+    after, witness = _ends_after(trace, w, pos_of, ends, sizes, m)
     end = array.array("Q", [NONE]) * n
     for p, e in enumerate(ends):
         if e < 0:
@@ -115,39 +115,25 @@ def build_layout(trace: Trace, w: Window) -> Layout:
             ghosts.append((s, e))
     static = sum(pre.values())
     freed = [e if e >= 0 else after.get(p, -1) for p, e in enumerate(ends)]
-    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, freed, m, next_life), peak)
+    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, freed, m, witness), peak)
 
 
-def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], n: int) -> dict[int, int]:
-    """End positions of window requests freed after the window: n + allocations before the free."""
-    waiting = {trace.id[i]: pos_of[trace.id[i]] for i in range(w.start, w.end)
-               if trace.op[i] == OP_ALLOC and ends[pos_of[trace.id[i]]] < 0}
-    out: dict[int, int] = {}
-    allocs = 0
-    for i in range(w.end, len(trace)):
-        if not waiting:
-            break
-        o = trace.op[i]
-        if o == OP_ALLOC:
-            allocs += 1
-        elif o == OP_FREE:
-            p = waiting.pop(trace.id[i], None)
-            if p is not None:
-                out[p] = n + allocs
-    return out
+WITNESSES = 4  # later passes whose instance of a body position shows how long such tensors live
 
 
-def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: int, next_life: list[int]) -> int:
+def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: int,
+                    witness: list[tuple[int, int] | None]) -> int:
     """Highest bytes live at a position in unplanned window requests, in the steady loop. A body
     request freed in a later pass (``freed[p]`` past n: n + the allocations before its free) is
     still live when the next passes make their own, so the loop holds earlier passes' instances
     too: that of j passes before over the body's positions below ``end - j * body`` (the whole
-    body when that is past it), for end the position where this instance and the next pass's
-    instance of the same position (``next_life``: its lifetime) both show it ending. A queue two
-    deep (prefetching two steps ahead) so holds two earlier instances. Where the next instance
-    is not freed while recorded, the previous pass's instance and no more: one kept for good (the
-    first step's, say) says nothing of how long the others are kept. One freed in the window, or
-    never (-1), is live to its free or the window's end."""
+    body when that is past it). How many passes later instances are freed is the fewest that the
+    window's instance and the next passes' instances of the same position show (``witness``, from
+    :func:`_ends_after`): a queue two deep (prefetching two steps ahead) holds two earlier
+    instances, and one kept for good by a next pass says nothing of the others.
+    Where the next passes show nothing, the previous pass's instance and no more. The window's
+    instance kept longer than the next passes show (never freed, or freed at the run's end) is held
+    through the body besides the instances the next passes show, once (not once per pass)."""
     n = len(sizes)
     body = n - m
     diff = [0] * (n + 1)
@@ -155,16 +141,21 @@ def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: i
         if end[p] != NONE:
             continue
         s, e = sizes[p], freed[p]
+        w = witness[p - m] if m <= p and body > 0 and not 0 <= e <= n else None
+        if w is None:
+            diff[p] += s
+            diff[e if 0 <= e <= n else n] -= s
+            if e > n and m <= p and body > 0:  # nothing shown: the previous pass's instance only
+                diff[m] += s
+                diff[m + min(e - n, body)] -= s
+            continue
+        passes, rest = w
+        if e < 0 or passes < (e - m - 1) // body:  # the window's is kept longer than the next passes keep theirs:
+            diff[m] += s  # held through the body of the passes after it, besides theirs
+            diff[n] -= s
+            e = m + passes * body + rest
         diff[p] += s
-        diff[e if 0 <= e <= n else n] -= s
-        if e <= n or p < m or body <= 0:
-            continue
-        nxt = next_life[p - m]
-        if nxt < 0:  # unknown: the previous pass's instance only
-            diff[m] += s
-            diff[m + min(e - n, body)] -= s
-            continue
-        e = p + min(e - p, nxt)
+        diff[min(e, n)] -= s
         whole = max(e - n, 0) // body  # earlier instances live through the whole body ...
         diff[m] += s * whole
         diff[n] -= s * whole
@@ -175,30 +166,46 @@ def _unplanned_peak(sizes: array.array, end: array.array, freed: list[int], m: i
     return max(accumulate(diff), default=0)
 
 
-def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], n: int,
-                body: int) -> tuple[dict[int, int], list[int]]:
+def _ends_after(trace: Trace, w: Window, pos_of: dict[int, int], ends: list[int], sizes: array.array,
+                m: int) -> tuple[dict[int, int], list[tuple[int, int] | None]]:
     """End positions of window requests freed after the window (n + allocations before the free),
-    and the lifetime in positions of each of the first ``body`` allocations after it, the next
-    pass's instances of the body's positions (-1 where not freed while recorded)."""
+    and per body position what its instances in the next WITNESSES passes show: the allocations
+    after the window at that position plus multiples of the body, while each has the window's size
+    (a pass of another shape ends a position's witnesses there). Each freed one was freed in some
+    later pass, at some position of it: (passes later, position in that pass, 1..body), the fewest
+    passes and of those the latest position; None where none was freed while recorded. Passes,
+    not positions, are compared: a later pass shorter than the body (a step that skips a request)
+    moves where a free falls, rarely in which pass."""
+    n = len(sizes)
+    body = n - m
     waiting = {trace.id[i]: pos_of[trace.id[i]] for i in range(w.start, w.end)
                if trace.op[i] == OP_ALLOC and ends[pos_of[trace.id[i]]] < 0}
     out: dict[int, int] = {}
-    next_life = [-1] * body
-    born: dict[int, int] = {}  # the next pass's allocations not freed yet: id -> allocations before it
+    witness: list[tuple[int, int] | None] = [None] * body
+    matching = [True] * body  # a position's witnesses so far had its size
+    born: dict[int, int] = {}  # witnesses not freed yet: id -> allocations after the window before it
     allocs = 0
     for i in range(w.end, len(trace)):
-        if not waiting and not born and allocs >= body:
+        if not waiting and not born and allocs >= WITNESSES * body:
             break
         o = trace.op[i]
         if o == OP_ALLOC:
-            if allocs < body:
-                born[trace.id[i]] = allocs
+            if allocs < WITNESSES * body:
+                a = allocs % body
+                matching[a] = matching[a] and trace.size[i] == sizes[m + a]
+                if matching[a]:
+                    born[trace.id[i]] = allocs
             allocs += 1
         elif o == OP_FREE:
             p = waiting.pop(trace.id[i], None)
             if p is not None:
                 out[p] = n + allocs
-            a = born.pop(trace.id[i], None)
-            if a is not None:
-                next_life[a] = allocs - a
-    return out, next_life
+            q = born.pop(trace.id[i], None)
+            if q is not None:
+                a = q % body
+                x = a + allocs - q  # where it was freed, counted from its pass's start
+                seen = ((x - 1) // body, (x - 1) % body + 1)
+                old = witness[a]
+                if old is None or seen[0] < old[0] or (seen[0] == old[0] and seen[1] > old[1]):
+                    witness[a] = seen
+    return out, witness
