@@ -10,7 +10,6 @@ per call; kinds left out keep the default) to ``npu-pool replay --costs FILE`` o
 from __future__ import annotations
 
 import json
-import math
 from typing import Mapping
 
 from .config import show
@@ -20,6 +19,7 @@ from .vocab import CALL_NAMES
 __all__ = ["DEFAULT_COSTS", "load_costs", "estimate_us", "physical_calls"]
 
 _MAX_BYTES = 1 << 20  # a cost table is a few hundred bytes
+_MAX_US = 1e9  # no memory call takes a quarter of an hour: a larger figure is a mistake (and 1e308 sums to inf)
 _ASSUMED = "assumed order of magnitude (no public per-call measurement on record here); override with --costs"
 _SYNC = ("assumed: the host-side cost of a call that waits for the device to drain; the queued work "
          "itself is not counted (it depends on the model)")
@@ -74,8 +74,9 @@ def load_costs(path: str | None) -> dict[str, tuple[float, str]]:
     for kind, us in given.items():
         if kind not in costs:
             raise ValueError(f"cost table {path}: unknown call kind {show(kind)}; kinds: {', '.join(CALL_NAMES)}")
-        if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us) or us < 0:
-            raise ValueError(f"cost table {path}: {kind} must be a non-negative number of microseconds, got {show(us)}")
+        if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= _MAX_US:  # (False for NaN)
+            raise ValueError(f"cost table {path}: {kind} must be a number of microseconds from 0 to {_MAX_US:g}, "
+                             f"got {show(us)}")
         costs[kind] = (float(us), f"given in {path}")
     return costs
 

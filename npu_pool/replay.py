@@ -315,6 +315,14 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int |
 MAX_ITERATIONS = 10_000
 
 
+def _too_large(trace: Trace, name: str, policy: str, r: RunResult) -> TraceTooLarge:
+    """Why a run on the (unlimited) simulated device failed: the request it could not serve."""
+    i = r.fail_index
+    return TraceTooLarge(f"{name}: policy {policy} failed at event {i} (a request of {fmt_bytes(trace.size[i])} "
+                         f"with {fmt_bytes(r.peak_live_bytes)} live at most before it) on the simulated "
+                         "1 TiB device: the replay models one device of at most 1 TiB")
+
+
 def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
              plan: Any = None, device: str | None = None, bounds: list[int] | None = None) -> PolicyResult:
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
@@ -327,10 +335,7 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
     free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name,  # a wrong plan: named by file
                    bounds=bounds or None)
     if not free_run.ok:
-        i = free_run.fail_index
-        raise TraceTooLarge(f"{name}: policy {policy} failed at event {i} (a request of {fmt_bytes(trace.size[i])} "
-                            f"with {fmt_bytes(free_run.peak_live_bytes)} live at most before it) on the simulated "
-                            "1 TiB device: the replay models one device of at most 1 TiB")
+        raise _too_large(trace, name, policy, free_run)
     cap = retries = trims = cap_calls = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
@@ -386,7 +391,7 @@ def validate(trace: Trace, name: str) -> Fidelity:
                          "peak_reserved_bytes and segment_allocs)")
     r = run(trace, "torch", fidelity=True, hints="none")
     if not r.ok:
-        raise RuntimeError(f"{name}: the torch model failed at event {r.fail_index}")
+        raise _too_large(trace, name, "torch", r)
     primed = sum(1 for op in trace.op if op == OP_INIT_SEGMENT)
     return Fidelity(trace=name, recorded_peak_reserved=int(rec["peak_reserved_bytes"]),
                     simulated_peak_reserved=r.peak_reserved_bytes,

@@ -349,6 +349,7 @@ def test_a_capture_that_would_not_fit_in_memory_stops_after_two_steps(monkeypatc
     if real._MemoryGuard._rss() is None or real._MemoryGuard._available() is None:
         pytest.skip("no /proc to measure memory with")
     monkeypatch.setattr(real._MemoryGuard, "_available", staticmethod(lambda: 1))  # nothing to spare
+    monkeypatch.setattr(real, "_check_fits", lambda *a: None)  # (the check before the run would refuse it)
     seen: list[int] = []
     orig = real._MemoryGuard.check
 
@@ -362,3 +363,29 @@ def test_a_capture_that_would_not_fit_in_memory_stops_after_two_steps(monkeypatc
                                            r".*capture at most 2 steps"):
         capture("gpt", steps=1000, batch=1, seq=8, layers=1, dim=32, heads=2, vocab=64, progress=False)
     assert seen == [0, 1]  # stopped at the second step's optimizer, not after a thousand
+
+
+def test_a_real_capture_too_large_for_the_host_is_refused_before_it_runs(capsys: pytest.CaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes whose weights, gradients and AdamW states (or one micro-batch's logits) alone pass the
+    host's available memory are refused in one line before anything is built (they failed half-way
+    in torch's allocator with a traceback, or filled the host's memory); torch's own failure to
+    allocate is one line too."""
+    from npu_pool.capture import real
+    from npu_pool.cli import main
+
+    if real._MemoryGuard._available() is None:
+        pytest.skip("no /proc to measure memory with")
+    for argv in (["--dim", "1000000", "--layers", "1"], ["--batch", "1000000000"], ["--vocab", "100000000000"]):
+        assert main(["capture", *argv, "--steps", "1", "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert "GiB of host memory, more than the" in err and err.count("\n") == 1, err
+    import npu_pool.capture as package
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried "
+                           "to allocate 12000000000000 bytes")
+
+    monkeypatch.setattr(package, "capture", out_of_memory)
+    assert main(["capture", "--steps", "1", "--no-progress"]) == 1
+    assert "the host ran out of memory running the model" in capsys.readouterr().err

@@ -737,6 +737,46 @@ def test_replay_validate_that_compares_nothing_does_not_pass(tmp_path, capsys) -
     assert out.count("skipped:") == 2 and "compared nothing" in err and "Traceback" not in err
 
 
+def test_replay_validate_and_live_refuse_options_they_would_not_use(tmp_path, capsys) -> None:
+    """`replay --validate` replays the torch model only: --policy, --hints, --costs and --plan were
+    ignored without a word (`--policy bogus` exited 0); --json was ignored too, and now gets the
+    comparison's records. A snapshot whose request the simulated device cannot hold is skipped in
+    one line, as plain replay refuses it (it was a RuntimeError traceback)."""
+    snap = tmp_path / "big.pickle"
+    with open(snap, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1 << 40, "size": 2 << 40,
+                                                         "stream": 0, "frames": []}]]}, f)
+    assert main(["replay", str(snap), "--validate"]) == 1
+    out, err = capsys.readouterr()
+    assert "skipped: big: policy torch failed at event 0 (a request of 2.00 TiB" in out and "Traceback" not in err
+    for flag, value in (("--policy", "bogus"), ("--hints", "none"), ("--costs", "c.json"), ("--plan", "p.npplan")):
+        for mode in ("--validate", "--live"):
+            assert main(["replay", str(snap), mode, flag, value]) == 1
+            err = capsys.readouterr().err
+            assert f"{mode} takes no {flag}" in err and err.count("\n") == 1, err
+    shared = Path(__file__).resolve().parents[2] / "shared" / "traces" / "cnn-adam-train.pickle"
+    if shared.is_file():
+        out_json = tmp_path / "v.json"
+        assert main(["replay", str(shared), "--validate", "--json", str(out_json)]) == 0
+        (record,) = json.loads(out_json.read_text())
+        assert record["trace"] == "cnn-adam-train" and record["passed"] is True and record["compared"] > 0
+
+
+def test_replay_cost_table_is_bounded(tmp_path, capsys) -> None:
+    """A cost past 1e9 microseconds is a mistake: an integer of 400 digits raised OverflowError, and
+    1e308 summed to an estimate of inf; both are refused in one line, as NaN is."""
+    from test_hostile import small_trace
+
+    small_trace().save(tmp_path / "a.npt")
+    for text in ("{\"malloc\": 1" + "0" * 400 + "}", "{\"malloc\": 1e308}", "{\"malloc\": NaN}", "{\"map\": -1}"):
+        (tmp_path / "c.json").write_text(text)
+        assert main(["replay", str(tmp_path / "a.npt"), "--no-min-capacity", "--costs", str(tmp_path / "c.json")]) == 1
+        err = capsys.readouterr().err
+        assert "must be a number of microseconds from 0 to 1e+09" in err and err.count("\n") == 1, err
+    (tmp_path / "c.json").write_text("{\"malloc\": 1e9}")
+    assert main(["replay", str(tmp_path / "a.npt"), "--no-min-capacity", "--costs", str(tmp_path / "c.json")]) == 0
+
+
 def test_estimate_refuses_zero_where_zero_meant_the_default(capsys) -> None:
     """`estimate --ffn 0` (or --kv-heads, --micro-batches, --max-positions 0) silently meant "the
     default" (4 x hidden, the heads, the pipeline depth, the sequence): now one line naming the field."""

@@ -90,6 +90,7 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
     autocast(mixed_precision)  # validate early
     loop_mark, hook = _markers(markers)
     prepare(model_name)
+    _check_fits(model_name, _model_overrides(layers, dim, heads, vocab, seq), batch, seq)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     ident = Identity()
@@ -127,6 +128,24 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
                              total_s=round(time.perf_counter() - t0, 3)),
                 setup="profiled", expandable_segments=False, markers=markers)
     return to_trace(recs, ident, meta, keep_host_scalars)
+
+
+def _check_fits(model_name: str, overrides: dict[str, Any], batch: int, seq: int) -> None:
+    """CaptureTooLarge before anything is built when the run would need more host memory than the
+    system has available, from a low estimate: AdamW's fp32 weights, gradients and two states (16
+    bytes a parameter) and one micro-batch's logits with their gradient (8 bytes a token and vocabulary
+    entry) -- a larger model would fail in torch's allocator half-way or fill the host's memory."""
+    from ..workloads import make_config, param_count
+
+    cfg = make_config(model_name, **overrides)  # (ValueError for a shape the model cannot take)
+    params = param_count(cfg)
+    need = 16 * params + 8 * batch * seq * cfg.vocab
+    free = _MemoryGuard._available()
+    if free is not None and need > free:
+        raise CaptureTooLarge(f"a real capture of {model_name} with {params:,} parameters and micro-batches of "
+                              f"{batch}x{seq} tokens needs at least {need / 2**30:.1f} GiB of host memory, more than "
+                              f"the {free / 2**30:.1f} GiB this machine has available: make it smaller (--dim, "
+                              "--layers, --vocab, --batch, --seq), or capture a published shape with --fake --shape")
 
 
 class _MemoryGuard:

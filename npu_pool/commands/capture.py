@@ -78,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
     except CaptureError as e:
         print(f"npu-pool capture: error: {e}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as e:  # the host ran out while building or training the model
+        if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+            raise
+        print("npu-pool capture: error: the host ran out of memory running the model (make it smaller, or capture "
+              "a published shape with --fake --shape)", file=sys.stderr)
+        return 1
     trace.validate()
     if args.out:
         trace.save(args.out)  # before the summary: a stdout that cannot be written loses nothing

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from ..device_costs import estimate_us, load_costs, physical_calls
 from ..replay import HINTS, PolicyResult, evaluate, iteration_bounds, policies_from, validate
@@ -16,11 +17,11 @@ GiB = float(1 << 30)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help=".npt traces, snapshot pickles, or directories of them")
-    p.add_argument("--policy", default="torch,expandable,npu_pool",
+    p.add_argument("--policy", default=None,
                    help="comma-separated policies (default: torch,expandable,npu_pool; add planned to plan each "
                    "trace and replay its plan, or give --plan)")
     p.add_argument("--json", metavar="OUT", help="write the records as a JSON list")
-    p.add_argument("--hints", choices=list(HINTS), default="markers",
+    p.add_argument("--hints", choices=list(HINTS), default=None,
                    help="what npu_pool learns lifetimes from: phase markers (default: what a device running the "
                         "recorder sees), sites (markers and the trace's site ids), oracle (the profiler's "
                         "categories), none")
@@ -118,8 +119,9 @@ VALIDATE_LEGEND = """\
   same place           of the allocations both made, the share the model put at the recorded address"""
 
 
-def _validate(named: list) -> int:
+def _validate(named: list, out: str | None = None) -> int:
     failed = checked = 0
+    records = []
     print(f"{'trace':34} {'rec peak':>10} {'sim peak':>10} {'rec segs':>8} {'sim segs':>8} {'same place':>10}  verdict")
     for name, trace in named:
         try:
@@ -129,20 +131,38 @@ def _validate(named: list) -> int:
             continue
         failed += not v.passed
         checked += 1
+        records.append({**asdict(v), "passed": v.passed})
         print(f"{name[:34]:34} {v.recorded_peak_reserved / GiB:10.3f} {v.simulated_peak_reserved / GiB:10.3f} "
               f"{v.recorded_segment_allocs:8d} {v.simulated_segment_allocs:8d} {v.same_place:10.1%}  "
               f"{'ok' if v.passed else 'MISMATCH'}")
     print(VALIDATE_LEGEND)
+    if out:
+        from ..outputs import output
+
+        with output(out, "w") as f:  # whole or absent
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {out}", file=sys.stderr)
     if not checked:  # nothing was compared: not a pass
         print("npu-pool replay: error: --validate compared nothing: every trace was skipped (above)", file=sys.stderr)
         return 1
     return 1 if failed else 0
 
 
+DEFAULT_POLICIES = "torch,expandable,npu_pool"
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.plan and (args.live or args.validate or "planned" not in policies_from(args.policy)):
+    if args.live or args.validate:  # they replay no policy of ours: an option for one would go unused
+        given = [f"--{k}" for k in ("policy", "hints", "costs", "plan") if getattr(args, k) is not None]
+        if given:
+            mode = "--live" if args.live else "--validate"
+            raise ValueError(f"{mode} takes no {', '.join(given)}: it replays "
+                             f"{'the framework allocator and npu_pool on the real device' if args.live else 'the torch model against the recording'}")
+    args.policy = args.policy or DEFAULT_POLICIES
+    args.hints = args.hints or "markers"
+    if args.plan and "planned" not in policies_from(args.policy):
         raise ValueError("--plan is the plan policy planned replays: add planned to --policy "
-                         "(e.g. --policy npu_pool,planned); --live and --validate take no plan")
+                         "(e.g. --policy npu_pool,planned)")
     named = [nt for path in expand(args.traces) for nt in open_traces(path)]
     if args.live:
         return _live(named, args)
@@ -152,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _simulate(named: list, args: argparse.Namespace) -> int:
     if args.validate:
-        return _validate(named)
+        return _validate(named, args.json)
     policies = policies_from(args.policy)
     costs = load_costs(args.costs)
     results, online = [], []
@@ -199,7 +219,9 @@ def _live(named: list, args: argparse.Namespace) -> int:
     print(format_live(rows))
     print(LIVE_LEGEND)
     if args.json:
-        with open(args.json, "w") as f:
+        from ..outputs import output
+
+        with output(args.json, "w") as f:  # whole or absent
             json.dump([dict(r.as_dict(), **({"simulated": sim} if sim else {})) for r, sim in rows], f, indent=1)
         print(f"wrote {len(rows)} records to {args.json}", file=sys.stderr)
     return 1 if any(sim and not sim["same"] for _, sim in rows) else 0

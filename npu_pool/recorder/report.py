@@ -238,6 +238,21 @@ def imbalance(reports: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _missing_ranks(world: int, ranks: list[int], most: int = 8) -> str:
+    """The ranks of [0, world) not in ``ranks``, as ranges, the first ``most`` of them named and the
+    rest counted (a world of 2**31 ranks is not listed one by one)."""
+    spans, start = [], 0
+    for r in sorted(set(ranks)) + [world]:
+        if r > start:
+            spans.append(str(start) if r == start + 1 else f"{start}-{r - 1}")
+        start = max(start, r + 1)
+        if start >= world:
+            break
+    missing = world - len({r for r in ranks if r < world})
+    more = f", ... ({missing} in all)" if len(spans) > most else ""
+    return ", ".join(spans[:most]) + more
+
+
 def merge_table(reports: list[dict[str, Any]]) -> str:
     """All ranks in one table (GiB, seconds), then the imbalance across ranks."""
     head = ["rank", "mode"] + [c[0] for c in _COLUMNS]
@@ -251,7 +266,7 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
         out.append(f"warning: the reports come from runs of different sizes ({sorted(worlds)} ranks)")
     elif worlds and (w := worlds.pop()) > len(reports):
         out.append(f"warning: {len(reports)} reports for a world of {w} ranks (missing: "
-                   f"{sorted(set(range(w)) - {r['rank'] for r in reports})})")
+                   f"{_missing_ranks(w, [r['rank'] for r in reports])})")
     spread = imbalance(reports)
     if spread:
         out.append("")
