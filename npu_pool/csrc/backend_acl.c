@@ -155,10 +155,10 @@ static int acl_fail(acl_backend *a, const char *call, const char *args, acl_err 
   const char *name = "unknown aclError";
   for (size_t i = 0; i < sizeof acl_errors / sizeof *acl_errors; i++)
     if (acl_errors[i].code == e) name = acl_errors[i].name;
-  char recent[512] = "";
+  char recent[1024] = "";
   const char *msg = a->api.aclGetRecentErrMsg ? a->api.aclGetRecentErrMsg() : NULL;
   if (msg) {
-    snprintf(recent, sizeof recent, ": %s", msg);
+    np_format_text(recent, sizeof recent, ": %s", msg);
     for (char *p = recent; *p; p++)
       if (*p == '\n' || *p == '\r') *p = ' ';
   }

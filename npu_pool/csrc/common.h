@@ -44,6 +44,8 @@ const char *np_fmt_bytes(uint64_t bytes, char *buf);
 #define NP_ERR_TEXT 8192
 /* Copy text into dst (len bytes); one cut there ends in "...", as np_error's messages do. */
 void np_copy_text(char *dst, size_t len, const char *text);
+/* snprintf into dst (len bytes), a cut ending in "..." as np_copy_text's. */
+void np_format_text(char *dst, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Keep the current error message across calls that may overwrite it (a rollback's own failures). */
 typedef struct np_saved_error { int code; char text[NP_ERR_TEXT]; } np_saved_error;
 void np_save_error(np_saved_error *s, int code);

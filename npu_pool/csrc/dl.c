@@ -30,10 +30,11 @@ void *np_dl_open(const char *override, const char *const *names, const char *wha
     void *lib = dlopen(*n, RTLD_NOW | RTLD_LOCAL);
     if (lib) return lib;
     const char *e = dlerror();
-    snprintf(why, sizeof why, "%s", e ? e : "unknown dlopen error");
-    used += (size_t)snprintf(tried + used, used < sizeof tried ? sizeof tried - used : 0, "%s%s",
-                             n == names ? "" : ", ", *n);
-    if (used >= sizeof tried) used = sizeof tried - 1;
+    np_copy_text(why, sizeof why, e ? e : "unknown dlopen error");
+    if (used < sizeof tried - 1) { /* the names tried, a cut ending in "..." */
+      np_format_text(tried + used, sizeof tried - used, n == names ? "%s" : ", %s", *n);
+      used += strlen(tried + used);
+    }
   }
   np_error(NP_ERR_BACKEND, "cannot load %s (tried %s): %s; is the vendor runtime installed and on LD_LIBRARY_PATH?",
            what, tried, why);

@@ -23,8 +23,15 @@ int np_error(int code, const char *fmt, ...) {
   return code;
 }
 
-void np_copy_text(char *dst, size_t len, const char *text) {
-  if (len) mark_cut(dst, len, snprintf(dst, len, "%s", text));
+void np_copy_text(char *dst, size_t len, const char *text) { np_format_text(dst, len, "%s", text); }
+
+void np_format_text(char *dst, size_t len, const char *fmt, ...) {
+  if (!len) return;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(dst, len, fmt, ap);
+  va_end(ap);
+  mark_cut(dst, len, n);
 }
 
 const char *np_last_error(void) { return np_errbuf; }

@@ -50,8 +50,8 @@ static void append_line(char *buf, size_t len, const char *text, bool newline) {
     buf[n++] = '\n';
     buf[n] = '\0';
   }
-  if (len - n > 4) np_copy_text(buf + n, len - n, text); /* a cut there ends the buffer in "..." */
-  else if (*text && len > 4) memcpy(buf + len - 4, "...", 4);
+  if (strlen(text) < len - n || len - n > 4) np_copy_text(buf + n, len - n, text); /* a cut ends buf in "..." */
+  else if (len > 4) memcpy(buf + len - 4, "...", 4); /* no room for the cut's mark after the text before it */
 }
 
 /* Every path takes the table's lock here: the fork handlers are installed first, so that a fork

@@ -297,8 +297,8 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   /* a chunk that refused to unmap at the pause is held, still mapped at its address: return it
    * first (as empty_cache would), or mapping the tag's runs over it fails; what stays held is
    * named in the error */
-  char held[320] = "";
-  if (ctx->n_held && np_ctx_retry_held(ctx) != NP_OK) snprintf(held, sizeof held, " (%s)", np_last_error());
+  char held[1024] = "";
+  if (ctx->n_held && np_ctx_retry_held(ctx) != NP_OK) np_format_text(held, sizeof held, " (%s)", np_last_error());
   uint64_t need = 0;
   size_t n = runs(&g->arena, NULL, &need);
   uint64_t *r = n ? malloc(2 * n * sizeof *r) : NULL;
