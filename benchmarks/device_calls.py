@@ -287,7 +287,7 @@ NOTES = """
   rules of this arena and a script that prints these figures for each (waste, physical calls,
   both bounds): every switch meeting the bound at the minimum capacity on 7-8 of 13 traces needs
   350-1750 MiB of waste, and the rule that unmaps a wholly free chunk before a block pins it is
-  both what keeps the waste small and what makes the steady calls on a full device.
+  both what keeps the waste small and a source of the steady calls on a full device.
 - On a full device the arena moves chunks in steady iterations on two traces where the torch
   model's cached segments make no call after the second (16 and 36 calls in it; the table "Steady
   iterations there"; on 2026-11-26, 1584 calls over the iterations after the first of

@@ -29,7 +29,7 @@ def main() -> None:
     named = [(n, t) for n, t in named if not (n in seen or seen.add(n))]
     cache = Path(tempfile.gettempdir()) / "npu_pool_frontier_torch.json"
     torch = json.loads(cache.read_text()) if cache.is_file() else {}
-    tot = dict(waste=0.0, physical_min=0, bound_min=0, bound_full=0, steady_room=0, steady_full=0, repeating=0)
+    tot = dict(waste=0.0, peak_reserved_room=0.0, physical_min=0, bound_min=0, bound_full=0, steady_room=0, steady_full=0, repeating=0)
     for name, t in named:
         if name not in torch:
             r = evaluate(t, name, "torch")
@@ -45,6 +45,7 @@ def main() -> None:
               f"  full device {phys(full.calls) if full.ok else 'fails'}  steady: room {r.steady_calls} full {full_steady}",
               flush=True)
         tot["waste"] += waste
+        tot["peak_reserved_room"] += r.peak_reserved_bytes / MiB  # given room to spare (1 TiB), MiB
         tot["physical_min"] += at_min
         tot["bound_min"] += at_min <= torch[name]["min_phys"]
         tot["bound_full"] += full.ok and phys(full.calls) <= torch[name]["min_phys"]
