@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    if sys.stdout is None:  # started with stdout closed (`>&-`): print() would drop every line silently
+        print(f"npu-pool {args.command}: error: standard output is closed, so nothing could be printed "
+              "(redirect it instead, e.g. > /dev/null)", file=sys.stderr)
+        return 1
     from . import inputs, outputs
     from .pool import PoolError
 

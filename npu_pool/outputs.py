@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import io
 import os
 import signal
@@ -30,6 +31,7 @@ from typing import IO, Any, Callable, Iterator
 __all__ = ["output", "write_bytes", "write_text", "OutputBusy", "partial_path", "guard"]
 
 PARTIAL = ".partial"
+_NAME_MAX = 255  # bytes in a file name (Linux, and the file systems it mounts)
 _GUARDS: list[Callable[[Path], None]] = []
 
 
@@ -45,9 +47,14 @@ class OutputBusy(OSError):
 
 
 def partial_path(path: str | os.PathLike[str]) -> Path:
-    """The hidden file a write of ``path`` goes to before it is renamed into place."""
+    """The hidden file a write of ``path`` goes to before it is renamed into place: ``.NAME.partial``,
+    or for a name too long to take those 9 bytes more (a file name holds 255), ``.`` and a digest
+    of the name (the same for every writer of ``path``: it is also their lock)."""
     p = Path(path)
-    return p.with_name(f".{p.name}{PARTIAL}")
+    part = f".{p.name}{PARTIAL}"
+    if len(os.fsencode(part)) > _NAME_MAX:
+        part = f".{hashlib.sha256(os.fsencode(p.name)).hexdigest()[:32]}{PARTIAL}"
+    return p.with_name(part)
 
 
 def _fail(path: Path, e: OSError, what: str = "cannot write") -> OSError:
@@ -115,12 +122,19 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+# A file name the file system gave as bytes that are not UTF-8 (os.fsdecode's lone surrogates) is
+# written back as those bytes, as it is named on disk, instead of failing the whole output.
+_ERRORS = "surrogateescape"
+
+
 @contextmanager
 def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "utf-8") -> Iterator[IO[Any]]:
     """Open ``path`` for writing whole-or-nothing (``mode`` ``"wb"`` or ``"w"``). The
     destination appears, complete, only when the ``with`` block ends without an exception."""
     if mode not in ("wb", "w"):
         raise ValueError(f"output mode {mode!r}: use 'wb' or 'w'")
+    if os.fspath(path) == "-":  # (it would be a file named '-' in the current folder)
+        raise ValueError("an output named '-': name a file; standard output is not written through this option")
     p = Path(path)
     if p.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
@@ -140,7 +154,7 @@ def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "u
         fd = _claim(p)
         part = partial_path(p)
         raw = os.fdopen(fd, "wb", closefd=True)
-        f: IO[Any] = raw if mode == "wb" else io.TextIOWrapper(raw, encoding=encoding, newline="")
+        f: IO[Any] = raw if mode == "wb" else io.TextIOWrapper(raw, encoding=encoding, errors=_ERRORS, newline="")
         done = False
         try:
             try:
@@ -180,7 +194,7 @@ def _direct(p: Path, mode: str, encoding: str) -> Iterator[IO[Any]]:
             raise OSError(e.errno, f"{p}: a FIFO nobody reads; nothing was written") from None
         raise _fail(p, e) from None
     raw = os.fdopen(fd, "wb", closefd=True)
-    f: IO[Any] = raw if mode == "wb" else io.TextIOWrapper(raw, encoding=encoding, newline="")
+    f: IO[Any] = raw if mode == "wb" else io.TextIOWrapper(raw, encoding=encoding, errors=_ERRORS, newline="")
     try:
         yield f
         f.flush()

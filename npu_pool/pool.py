@@ -82,6 +82,13 @@ def _lookup(table: dict[str, int], value: object, what: str) -> int:
         raise _invalid(f"unknown {what} {value!r}; choose one of {', '.join(table)}") from None
 
 
+def _flag(value: object, what: str) -> bool:
+    """``value`` if it is a bool (``vmm="no"`` would be true)."""
+    if not isinstance(value, bool):
+        raise _invalid(f"{what} must be True or False, got {value!r}")
+    return value
+
+
 def _uint(value: object, what: str, maximum: int = _U64) -> int:
     """``value`` as an unsigned integer of at most 64 bits (never a silent wrap-around)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -193,8 +200,8 @@ class Pool:
         if _uint(capacity, "capacity") == 0:
             raise _invalid("capacity must be a positive number of bytes, got 0")
         cfg.capacity = capacity
-        cfg.host_backed = bool(host_backed)
-        cfg.vmm = bool(vmm)
+        cfg.host_backed = _flag(host_backed, "host_backed")
+        cfg.vmm = _flag(vmm, "vmm")
         cfg.fraction = _fraction(fraction)
         cfg.max_split_size = _uint(max_split_size or 0, "max_split_size")
         cfg.device = _uint(device, "device", 1 << 30)

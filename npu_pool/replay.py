@@ -169,6 +169,9 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     the device calls made before the first bound, between each bound and the next, and after the
     last (len(bounds) + 1 dicts; a run that failed, those of the stretches up to its failure),
     ``iteration_peaks`` each stretch's peak of requested live bytes (a run that failed: None)."""
+    if not isinstance(trace, Trace):  # (a path: npu_pool.trace.files.open_traces reads one)
+        raise TypeError(f"run replays a Trace, not {type(trace).__name__}; open a file with "
+                        "npu_pool.trace.files.open_traces")
     if hints not in HINTS:
         raise ValueError(f"unknown hints {hints!r}; choose one of {', '.join(HINTS)}")
     if plan is not None:
@@ -315,8 +318,9 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int |
 MAX_ITERATIONS = 10_000
 
 
-def _too_large(trace: Trace, name: str, policy: str, r: RunResult) -> TraceTooLarge:
-    """Why a run on the (unlimited) simulated device failed: the request it could not serve."""
+def too_large(trace: Trace, name: str, policy: str, r: RunResult) -> TraceTooLarge:
+    """The error for a run of ``trace`` that failed on the (1 TiB) simulated device: the request it
+    could not serve."""
     i = r.fail_index
     return TraceTooLarge(f"{name}: policy {policy} failed at event {i} (a request of {fmt_bytes(trace.size[i])} "
                          f"with {fmt_bytes(r.peak_live_bytes)} live at most before it) on the simulated "
@@ -335,7 +339,7 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
     free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name,  # a wrong plan: named by file
                    bounds=bounds or None)
     if not free_run.ok:
-        raise _too_large(trace, name, policy, free_run)
+        raise too_large(trace, name, policy, free_run)
     cap = retries = trims = cap_calls = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
@@ -391,7 +395,7 @@ def validate(trace: Trace, name: str) -> Fidelity:
                          "peak_reserved_bytes and segment_allocs)")
     r = run(trace, "torch", fidelity=True, hints="none")
     if not r.ok:
-        raise _too_large(trace, name, "torch", r)
+        raise too_large(trace, name, "torch", r)
     primed = sum(1 for op in trace.op if op == OP_INIT_SEGMENT)
     return Fidelity(trace=name, recorded_peak_reserved=int(rec["peak_reserved_bytes"]),
                     simulated_peak_reserved=r.peak_reserved_bytes,
@@ -443,4 +447,4 @@ def policies_from(spec: str | Iterable[str]) -> list[str]:
 
 
 __all__ = ["run", "iteration_bounds", "steady_stretches", "steady_calls", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
-           "PolicyResult", "Fidelity", "TraceTooLarge", "recorded_ooms", "OP_ALLOC"]
+           "PolicyResult", "Fidelity", "TraceTooLarge", "too_large", "recorded_ooms", "OP_ALLOC"]

@@ -777,6 +777,61 @@ def test_replay_cost_table_is_bounded(tmp_path, capsys) -> None:
     assert main(["replay", str(tmp_path / "a.npt"), "--no-min-capacity", "--costs", str(tmp_path / "c.json")]) == 0
 
 
+def test_probe_of_2026_11_26_each_mistake_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """What a hostile-input probe found (each was a traceback, a silent wrong answer or a refusal
+    of something legal): stdout closed at start (`>&-`: print() dropped every line, or
+    AttributeError); two config names of one field that disagree (the last won); a plan of a
+    request the simulated device cannot hold ('capacity must be a positive number of bytes, got 0');
+    an output named '-' (a file named '-'); a file name of non-UTF-8 bytes in an HTML report
+    (UnicodeEncodeError); an output name of 250 bytes (its partial file's name was too long)."""
+    small_trace().save(tmp_path / "a.npt")
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["estimate", "--hidden", "512", "--layers", "2", "--heads", "8", "--vocab", "1000"]) == 1
+    assert "standard output is closed" in capsys.readouterr().err
+    monkeypatch.undo()
+    (tmp_path / "c.yaml").write_text("hidden_size: 4096\nhidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\n"
+                                     "vocab_size: 1000\n")
+    assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "config keys 'hidden_size' and 'hidden' both give hidden, differently (4096 and 1024)" in err
+    (tmp_path / "c.yaml").write_text("hidden_size: 1024\nhidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\n"
+                                     "vocab_size: 1000\n")
+    assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 0  # the same value twice: fine
+    capsys.readouterr()
+    huge = tmp_path / "huge.pickle"
+    with open(huge, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1 << 40, "size": 256 << 40,
+                                                         "stream": 0, "frames": []}]]}, f)
+    assert main(["plan", str(huge)]) == 1
+    err = capsys.readouterr().err
+    assert "a request of 256.00 TiB" in err and "models one device of at most 1 TiB" in err
+    for argv in (["plan", str(tmp_path / "a.npt"), "--out", "-"], ["analyze", str(tmp_path / "a.npt"), "--out", "-"]):
+        assert main(argv) == 1
+        assert "an output named '-': name a file" in capsys.readouterr().err
+    assert not Path("-").exists()
+    odd = os.fsdecode(bytes(tmp_path) + b"/bad\xffname.npt")
+    small_trace().save(odd)
+    assert main(["analyze", odd, "--format", "html", "--out", str(tmp_path / "r.html"), "--no-progress"]) == 0
+    assert b"bad\xffname" in (tmp_path / "r.html").read_bytes()  # the name as it is on disk
+    long = tmp_path / ("e" * 250)
+    assert main(["plan", str(tmp_path / "a.npt"), "--out", str(long)]) == 0 and long.is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+    capsys.readouterr()
+
+
+def test_pool_flags_and_replay_arguments_are_checked() -> None:
+    """Pool(vmm="no") turned the virtual-memory API on (any true value did), and replay.run of a
+    path raised AttributeError: 'str' object has no attribute 'meta'."""
+    from npu_pool import replay
+    from npu_pool.pool import InvalidArgumentError
+
+    for kw in ({"vmm": "no"}, {"vmm": 0}, {"host_backed": "false"}, {"host_backed": 1}):
+        with pytest.raises(InvalidArgumentError, match="must be True or False"):
+            Pool("npu_pool", **kw)
+    with pytest.raises(TypeError, match="run replays a Trace, not str"):
+        replay.run("/tmp/a.npt", "npu_pool")
+
+
 def test_estimate_refuses_zero_where_zero_meant_the_default(capsys) -> None:
     """`estimate --ffn 0` (or --kv-heads, --micro-batches, --max-positions 0) silently meant "the
     default" (4 x hidden, the heads, the pipeline depth, the sequence): now one line naming the field."""

@@ -319,17 +319,21 @@ _INT_MAX = 1 << 40  # no model dimension or parallel size comes near it
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases."""
     out: dict[str, Any] = {}
+    given_by: dict[str, str] = {}  # field -> the key that set it
     for key, value in d.items():
         if not isinstance(key, str):
             raise ValueError(f"config key {show(key)} is not a name; known: {', '.join(sorted(_FIELDS))}")
         k = key.replace("-", "_")
         k = ALIASES.get(k, k)
         if k == "_untie":
-            out["tied_embeddings"] = not value
-            continue
+            k, value = "tied_embeddings", not value
         if k not in _FIELDS:
             raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
+        if k in out and (out[k] != value or type(out[k]) is not type(value)):  # two names of one field
+            raise ValueError(f"config keys {show(given_by[k])} and {show(key)} both give {k}, differently "
+                             f"({show(out[k])} and {show(value)}): keep one")
         out[k] = value
+        given_by[k] = key
     missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in out]
     if missing:
         raise ValueError(f"config lacks {', '.join(missing)}")

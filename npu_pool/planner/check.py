@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..replay import run
+from ..replay import run, too_large
 from ..trace.format import Trace
 from .plan import ONLINE, Plan
 
 __all__ = ["compare_online", "ONLINE"]
 
 
-def compare_online(trace: Trace, plan: Plan) -> dict[str, Any]:
+def compare_online(trace: Trace, plan: Plan, name: str = "the trace") -> dict[str, Any]:
     """Figures of ``plan`` against the online pool on ``trace``; ``worse`` names what is worse
-    (empty when the plan is never worse)."""
+    (empty when the plan is never worse). TraceTooLarge when the online pool cannot replay it on
+    the simulated device."""
     online = run(trace, "npu_pool")
+    if not online.ok:  # (no device it fits on to compare the plan on)
+        raise too_large(trace, name, "npu_pool", online)
     planned = run(trace, "planned", plan=plan)
     tight = online.peak_reserved_bytes  # the device the online pool needs
     planned_tight = run(trace, "planned", tight, plan=plan)

@@ -61,7 +61,7 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     }
     plan = Plan(lay.size, offset, lay.end, placed.peak, lay.loop, w.flags, meta)
     if check:
-        cmp = compare_online(trace, plan)
+        cmp = compare_online(trace, plan, name or "the trace")
         meta.update(replay_reserved_bytes=cmp["planned_reserved_bytes"],
                     online_reserved_bytes=cmp["online_reserved_bytes"], replay_counts=cmp["plan_counts"])
         if cmp["worse"]:
