@@ -533,6 +533,31 @@ def test_the_plan_counts_every_instance_a_deeper_prefetch_keeps():
     assert make_plan(b.t, check=False).outside == 8 * MiB + 2 * 16 * MiB
 
 
+def test_a_plan_that_plans_nothing_maps_what_it_leaves_out_at_its_first_position():
+    """A loop whose only request is a prefetched buffer: the plan plans nothing (region 0), so no
+    region is ever reserved to map what it leaves out with; it is mapped at the plan's first
+    position instead, and no iteration after the first maps (the iterations up to the queue's
+    depth each mapped one more buffer before)."""
+    for depth in (1, 2, 3):
+        b = _Builder(True)
+        b.mark(MARK_SETUP_BEGIN)
+        b.alloc(8 * MiB)  # a weight
+        b.mark(MARK_SETUP_END)
+        queue: list = []
+        for it in range(10):
+            b.mark(MARK_ITER_BEGIN, it)
+            queue.append(b.alloc(16 * MiB))
+            if len(queue) > depth:
+                b.free(queue.pop(0))
+            b.mark(MARK_ITER_END, it)
+        b.t.meta["n_ids"] = b.n
+        plan = make_plan(b.t, check=False)
+        assert plan.region == 0 and plan.outside == 8 * MiB + (depth + 1) * 16 * MiB
+        r = replay.run(b.t, "planned", plan=plan, bounds=replay.iteration_bounds(b.t))
+        per_iter = [sum(d.values()) for d in r.iteration_calls]
+        assert r.ok and per_iter[1] > 0 and per_iter[2:] == [0] * (len(per_iter) - 2), (depth, per_iter)
+
+
 def test_the_fallback_maps_ahead_where_requests_go():
     """What the fallback maps ahead is where its next requests go and makes up what it lacks:
     after an empty_cache that gave the region back, at the start of its free top, not above what it

@@ -61,6 +61,7 @@ typedef struct planned_state {
   np_segment *seg;             /* the region; NULL until the first planned request */
   bool seg_failed;             /* reserving it failed; tried again after empty_cache or a new plan */
   uint64_t outside;            /* bytes the plan expects live outside it: the fallback maps them with the region */
+  bool premapped;              /* a plan with no region (it plans nothing) mapped `outside` at its first position */
   np_tree free;                /* the region's free blocks, by address */
   uint64_t live;               /* allocated blocks in the region */
   bool synced;                 /* pos is trusted */
@@ -343,6 +344,12 @@ static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t s
 static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
   bool dynamic;
   uint64_t at = locate(ctx, st, req, &dynamic);
+  if (at != NP_PLAN_NONE && !st->plan.region && !st->premapped) {
+    /* no region will be reserved to map what the plan leaves out with: map it at the plan's first
+     * position instead (a refusal leaves the fallback to grow on demand) */
+    st->premapped = true;
+    np_arena_premap(ctx, budget(ctx, st), st->outside);
+  }
   if (at == NP_PLAN_NONE || (!dynamic && st->plan.offset[at] == NP_PLAN_NONE)) return NP_ERR_OOM;
   int rc = region_reserve(ctx, st);
   if (rc != NP_OK) return rc;
@@ -442,7 +449,7 @@ static int planned_empty_cache(np_ctx *ctx) {
   if (st->seg && st->live == 0) region_drop(ctx, st); /* nothing planned is live: return the region */
   for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
     if (!b->allocated) b->stream = NP_STREAM_ANY; /* the device was synchronised */
-  st->seg_failed = false;
+  st->seg_failed = st->premapped = false;
   return np_arena_empty_cache(ctx, budget(ctx, st));
 }
 
@@ -531,7 +538,7 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
   st->fb.growth = plan.n ? 0 : NP_ARENA_GROWTH;
   st->flags = flags;
   st->outside = plan.n ? outside : 0;
-  st->seg_failed = false;
+  st->seg_failed = st->premapped = false;
   st->synced = (flags & NP_PLAN_AT_START) != 0; /* tentatively: one mismatch ends it */
   st->began = st->steady = st->start_learned = st->start_known = st->ever_synced = false;
   st->lap_clean = st->synced;
