@@ -123,8 +123,8 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 # A file name the file system gave as bytes that are not UTF-8 (os.fsdecode's lone surrogates) is
-# written back as those bytes, as it is named on disk, instead of failing the whole output.
-_ERRORS = "surrogateescape"
+# written as an escape ("\udcff"), so that a text output stays UTF-8, instead of failing whole.
+_ERRORS = "backslashreplace"
 
 
 @contextmanager

@@ -749,6 +749,10 @@ def test_replay_validate_and_live_refuse_options_they_would_not_use(tmp_path, ca
     assert main(["replay", str(snap), "--validate"]) == 1
     out, err = capsys.readouterr()
     assert "skipped: big: policy torch failed at event 0 (a request of 2.00 TiB" in out and "Traceback" not in err
+    assert main(["replay", str(snap), "--validate", "--device", "npu"]) == 1  # the recording's own rules are compared
+    assert "--validate takes no --device" in capsys.readouterr().err
+    assert main(["replay", str(snap), "--policy", ""]) == 1  # (an unset variable): no policy, not the defaults
+    assert "unknown policy (none)" in capsys.readouterr().err
     for flag, value in (("--policy", "bogus"), ("--hints", "none"), ("--costs", "c.json"), ("--plan", "p.npplan")):
         for mode in ("--validate", "--live"):
             assert main(["replay", str(snap), mode, flag, value]) == 1
@@ -786,17 +790,29 @@ def test_probe_of_2026_11_26_each_mistake_is_one_line(tmp_path, capsys, monkeypa
     (UnicodeEncodeError); an output name of 250 bytes (its partial file's name was too long)."""
     small_trace().save(tmp_path / "a.npt")
     monkeypatch.setattr(sys, "stdout", None)
-    assert main(["estimate", "--hidden", "512", "--layers", "2", "--heads", "8", "--vocab", "1000"]) == 1
-    assert "standard output is closed" in capsys.readouterr().err
+    for argv in (["estimate", "--hidden", "512", "--layers", "2", "--heads", "8", "--vocab", "1000"],
+                 ["replay", str(tmp_path / "a.npt"), "--no-min-capacity"], ["plan", str(tmp_path / "a.npt"), "--json"]):
+        assert main(argv) == 1
+        assert "standard output is closed" in capsys.readouterr().err
     monkeypatch.undo()
     (tmp_path / "c.yaml").write_text("hidden_size: 4096\nhidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\n"
                                      "vocab_size: 1000\n")
     assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 1
     err = capsys.readouterr().err
-    assert "config keys 'hidden_size' and 'hidden' both give hidden, differently (4096 and 1024)" in err
+    assert "config keys 'hidden_size' (4096) and 'hidden' (1024) both give hidden, differently" in err
     (tmp_path / "c.yaml").write_text("hidden_size: 1024\nhidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\n"
                                      "vocab_size: 1000\n")
     assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 0  # the same value twice: fine
+    # as a Megatron argument dump gives them: the tokenizer's vocabulary, unset or not, and the
+    # padded one the embedding has (which wins); one dtype in two spellings
+    for extra in ("vocab_size: null\npadded_vocab_size: 1024\n", "vocab_size: 1000\npadded_vocab_size: 1024\n",
+                  "padded_vocab_size: 1024\nvocab_size: 1000\n", "params_dtype: bf16\ndtype: bfloat16\nvocab: 1024\n"):
+        (tmp_path / "c.yaml").write_text("hidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\n" + extra)
+        assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 0, extra
+    (tmp_path / "c.yaml").write_text("hidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\nvocab: 1000\n"
+                                     "untie_embeddings_and_output_weights: 'false'\n")
+    assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 1
+    assert "untie_embeddings_and_output_weights must be true or false, not 'false'" in capsys.readouterr().err
     capsys.readouterr()
     huge = tmp_path / "huge.pickle"
     with open(huge, "wb") as f:
@@ -812,8 +828,9 @@ def test_probe_of_2026_11_26_each_mistake_is_one_line(tmp_path, capsys, monkeypa
     odd = os.fsdecode(bytes(tmp_path) + b"/bad\xffname.npt")
     small_trace().save(odd)
     assert main(["analyze", odd, "--format", "html", "--out", str(tmp_path / "r.html"), "--no-progress"]) == 0
-    assert b"bad\xffname" in (tmp_path / "r.html").read_bytes()  # the name as it is on disk
+    assert "bad\\udcffname" in (tmp_path / "r.html").read_text("utf-8")  # escaped: the report stays UTF-8
     long = tmp_path / ("e" * 250)
+    assert len(outputs.partial_path(long).name) <= 255 and outputs.partial_path(long).name.endswith(".partial")
     assert main(["plan", str(tmp_path / "a.npt"), "--out", str(long)]) == 0 and long.is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
     capsys.readouterr()

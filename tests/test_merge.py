@@ -70,3 +70,12 @@ def test_merge_names_missing_ranks_as_ranges_however_large_the_world(tmp_path: P
         (tmp_path / f"npu_pool_rank{rank}.json").write_text(json.dumps({**rep, "rank": rank}))
     assert main(["merge", str(tmp_path)]) == 0
     assert "(missing: 1-4, 6-8, 10-11, 13, 15, 17, 19, 21, ... (2147483630 in all))" in capsys.readouterr().out
+
+
+def test_merge_refuses_a_rank_outside_its_world(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A report of rank 7 in a world of 4 made the missing ranks run past the world ('1-6')."""
+    for rank in (0, 7):
+        rep = {"version": 1, "rank": rank, "world_size": 4, "mode": "recorder", "iterations": 1}
+        (tmp_path / f"npu_pool_rank{rank}.json").write_text(json.dumps(rep))
+    assert main(["merge", str(tmp_path)]) == 1
+    assert "rank 7 is outside its world of 4 ranks" in capsys.readouterr().err

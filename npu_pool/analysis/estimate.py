@@ -316,24 +316,44 @@ _INT_FIELDS = ("hidden", "layers", "heads", "vocab", "ffn", "kv_heads", "seq", "
 _INT_MAX = 1 << 40  # no model dimension or parallel size comes near it
 
 
+_SAME_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _differ(a: Any, b: Any) -> bool:
+    """Whether two values given for one field disagree (1 and 1.0 do; "bf16" and "bfloat16" do not)."""
+    if isinstance(a, str) and isinstance(b, str):
+        return _SAME_DTYPE.get(a, a) != _SAME_DTYPE.get(b, b)
+    return a != b or type(a) is not type(b)
+
+
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases."""
     out: dict[str, Any] = {}
-    given_by: dict[str, str] = {}  # field -> the key that set it
+    given_by: dict[str, tuple[str, Any]] = {}  # field -> the key that set it, as written
     for key, value in d.items():
         if not isinstance(key, str):
             raise ValueError(f"config key {show(key)} is not a name; known: {', '.join(sorted(_FIELDS))}")
         k = key.replace("-", "_")
-        k = ALIASES.get(k, k)
+        written, k = value, ALIASES.get(k, k)
         if k == "_untie":
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, not {show(value)}")
             k, value = "tied_embeddings", not value
         if k not in _FIELDS:
             raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
-        if k in out and (out[k] != value or type(out[k]) is not type(value)):  # two names of one field
-            raise ValueError(f"config keys {show(given_by[k])} and {show(key)} both give {k}, differently "
-                             f"({show(out[k])} and {show(value)}): keep one")
+        if value is None and k in out:  # (an argument dump's unset name of a field another name sets)
+            continue
+        if k in out and given_by[k][1] is not None and _differ(out[k], value):  # two names of one field
+            first, was = given_by[k]
+            if key.replace("-", "_") == "padded_vocab_size":  # what the embedding has: it wins over vocab_size
+                pass
+            elif first.replace("-", "_") == "padded_vocab_size":
+                continue
+            else:
+                raise ValueError(f"config keys {show(first)} ({show(was)}) and {show(key)} ({show(written)}) both "
+                                 f"give {k}, differently: keep one")
         out[k] = value
-        given_by[k] = key
+        given_by[k] = (key, written)
     missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in out]
     if missing:
         raise ValueError(f"config lacks {', '.join(missing)}")

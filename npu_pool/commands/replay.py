@@ -154,11 +154,13 @@ DEFAULT_POLICIES = "torch,expandable,npu_pool"
 def run(args: argparse.Namespace) -> int:
     if args.live or args.validate:  # they replay no policy of ours: an option for one would go unused
         given = [f"--{k}" for k in ("policy", "hints", "costs", "plan") if getattr(args, k) is not None]
+        if args.validate and not args.live and args.device is not None:  # (the recording's own rules are compared)
+            given.append("--device")
         if given:
             mode = "--live" if args.live else "--validate"
             raise ValueError(f"{mode} takes no {', '.join(given)}: it replays "
                              f"{'the framework allocator and npu_pool on the real device' if args.live else 'the torch model against the recording'}")
-    args.policy = args.policy or DEFAULT_POLICIES
+    args.policy = DEFAULT_POLICIES if args.policy is None else args.policy  # ("" is refused as no policy)
     args.hints = args.hints or "markers"
     if args.plan and "planned" not in policies_from(args.policy):
         raise ValueError("--plan is the plan policy planned replays: add planned to --policy "

@@ -178,6 +178,8 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
     if not (r.get("world_size") is None or (isinstance(r["world_size"], int) and not isinstance(r["world_size"], bool)
                                             and 0 < r["world_size"] < 1 << 31)):
         return "world_size should be a whole number > 0 or null"
+    if r.get("world_size") is not None and r["rank"] >= r["world_size"]:
+        return f"rank {r['rank']} is outside its world of {r['world_size']} ranks"
     if not isinstance(r.get("mode", "?"), str):
         return "mode should be a string"
     for key in ("iterations", "host_peak_rss_bytes"):
@@ -242,7 +244,7 @@ def _missing_ranks(world: int, ranks: list[int], most: int = 8) -> str:
     """The ranks of [0, world) not in ``ranks``, as ranges, the first ``most`` of them named and the
     rest counted (a world of 2**31 ranks is not listed one by one)."""
     spans, start = [], 0
-    for r in sorted(set(ranks)) + [world]:
+    for r in sorted({r for r in ranks if r < world}) + [world]:
         if r > start:
             spans.append(str(start) if r == start + 1 else f"{start}-{r - 1}")
         start = max(start, r + 1)
