@@ -19,9 +19,11 @@ Pure Python: importing it needs neither torch nor the compiled core.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -235,9 +237,23 @@ def parse_plan(value: Any, source: str = PLAN) -> str:
 
 def parse_output_dir(value: str, source: str) -> str:
     """A folder to write into: one that exists, or none yet (made at the first write); never a
-    file, a FIFO or a device, found now rather than when the first write is due (hours later)."""
+    file, a FIFO or a device, nor a folder this process cannot write or make (/proc/x, a name
+    too long), found now rather than when the first write is due (hours later). The check makes
+    and removes an empty folder where the writes would go."""
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{source}={show(value, 400)} is not a directory: name a folder to write into (made when missing)")
+    where = os.path.abspath(value)
+    while not os.path.exists(where):  # the nearest folder that exists: the writes make the rest
+        where = os.path.dirname(where)
+    try:
+        if any(len(os.fsencode(part)) > 255 for part in value.split(os.sep)) or len(os.fsencode(value)) >= 4096:
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+        if not os.path.isdir(where):
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        os.rmdir(tempfile.mkdtemp(prefix=".npu_pool-check-", dir=where))
+    except OSError as e:
+        raise ConfigError(f"{source}={show(value, 400)}: cannot be written ({e.strerror or e} in {show(where, 200)}): "
+                          "name a folder this process can write") from None
     return value
 
 

@@ -165,6 +165,8 @@ def current_pool() -> Optional[Pool]:
 def set_fraction(fraction: float, device: Optional[int] = None) -> None:
     """Cap the installed device allocator at ``fraction`` of the device's memory (every device,
     or ``device``)."""
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+        raise _invalid(f"device must be a device index (an int) or None, got {device!r:.40}")
     pools = installed()
     if not pools:
         raise PoolError(lib.NP_ERR_STATE, "no npu_pool allocator is installed: call npu_pool.install() first, "

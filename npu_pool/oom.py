@@ -107,6 +107,8 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     kept no ``oom`` event; the diagnosis then comes from the counters alone)."""
     from .vocab import OOM_REASONS
 
+    if request is not None and (isinstance(request, bool) or not isinstance(request, int) or request < 1):
+        raise ValueError(f"request must be a size in bytes (an int >= 1) or None, got {request!r:.40}")
     st = pool.stats()
     ev = _last_oom(pool.history(HISTORY_IN_JSON))
     reserved, allocated = int(st["total"]["reserved"]["current"]), int(st["total"]["allocated"]["current"])

@@ -6,6 +6,7 @@ OOM snapshot writer (which import nothing above them), nothing else.
 from __future__ import annotations
 
 import array
+import os
 import threading
 from typing import Any, Optional, Sequence, Union
 
@@ -205,7 +206,9 @@ class Pool:
         cfg.fraction = _fraction(fraction)
         cfg.max_split_size = _uint(max_split_size or 0, "max_split_size")
         cfg.device = _uint(device, "device", 1 << 30)
-        path = ffi.new("char[]", lib_path.encode()) if lib_path else ffi.NULL
+        if lib_path is not None and (not isinstance(lib_path, str) or "\0" in lib_path):
+            raise _invalid(f"lib_path must be a path (a str without NUL characters), got {lib_path!r:.80}")
+        path = ffi.new("char[]", os.fsencode(lib_path)) if lib_path else ffi.NULL
         cfg.lib_path = path
         cfg.device_rules = _lookup(DEVICE_RULES, rules, "device rules")
         out = ffi.new("np_ctx **")
@@ -237,6 +240,15 @@ class Pool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __copy__(self) -> "Pool":  # two objects would own (and free) one context
+        raise TypeError("a Pool cannot be copied: it owns its device memory; share the object instead")
+
+    def __deepcopy__(self, memo: dict) -> "Pool":
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:  # (pickling would copy it too)
+        return self.__copy__()
 
     def __del__(self) -> None:
         # No thread can be inside a method now (each holds a reference): the struct may go.
@@ -376,14 +388,15 @@ class Pool:
         ``kind`` alloc, free, segment_alloc/free/map/unmap, empty_cache, oom or mark."""
         from .vocab import EVENT_NAMES
 
-        cap = _uint(limit, "limit", HISTORY_MAX) if limit is not None else 1 << 20
+        want = _uint(limit, "limit", HISTORY_MAX) if limit is not None else None
+        cap = min(want, 1 << 20) if want is not None else 1 << 20  # grown as the history holds more
         n = ffi.new("size_t *")
         while True:
             buf = ffi.new("np_event_info[]", max(cap, 1))
             _check(lib.np_history(self.ctx, buf, cap, n))
-            if n[0] < cap or limit is not None:
+            if n[0] < cap or cap == want:
                 return _event_dicts(buf, n[0], EVENT_NAMES)
-            cap *= 4
+            cap = cap * 4 if want is None else min(cap * 4, want)
 
     def set_history(self, max_entries: int) -> None:
         """Keep the latest ``max_entries`` events (0: none; default 4096); clears the history."""
@@ -420,7 +433,7 @@ class Pool:
         ``backup``, first copy their contents to pinned host memory (within the bound of
         :meth:`set_backup_limit`). Returns the bytes given back."""
         out = ffi.new("uint64_t *")
-        _check(lib.np_pause(self.ctx, _tag(tag), bool(backup), out))
+        _check(lib.np_pause(self.ctx, _tag(tag), _flag(backup, "backup"), out))
         return int(out[0])
 
     def resume(self, tag: str) -> int:
@@ -434,8 +447,12 @@ class Pool:
         """``{tag: {allocated, blocks, mapped, paused, backup, pauses, is_paused, current}}``."""
         n = ffi.new("size_t *")
         _check(lib.np_tags(self.ctx, ffi.NULL, 0, n))
-        buf = ffi.new("np_tag_info[]", max(n[0], 1))
-        _check(lib.np_tags(self.ctx, buf, n[0], n))
+        while True:  # (another thread may add a tag between the two calls: ask again with room for it)
+            cap = n[0]
+            buf = ffi.new("np_tag_info[]", max(cap, 1))
+            _check(lib.np_tags(self.ctx, buf, cap, n))
+            if n[0] <= cap:
+                break
         out = {}
         for i in range(n[0]):
             d = _as_dict(buf[i])
@@ -452,6 +469,8 @@ class Pool:
 def _tag(tag: object) -> bytes:
     if not isinstance(tag, str) or not tag:
         raise _invalid(f"a tag is a non-empty string, got {tag!r:.60}")
+    if "\0" in tag:  # (C would read the name up to it: "a\0b" would be tag "a")
+        raise _invalid(f"tag {tag!r:.60} holds a NUL character")
     try:
         return tag.encode("ascii")
     except UnicodeEncodeError:

@@ -290,3 +290,123 @@ def test_import_names_the_snapshot_of_a_bad_event(tmp_path: Path, capsys: pytest
     (tmp_path / "zero.pickle").write_bytes(pickle.dumps(snap))
     _refused(capsys, ["import", str(tmp_path / "zero.pickle"), "--out", str(tmp_path / "out")],
              "zero.pickle (device 0)", "alloc of 0 bytes")
+
+
+# ---- a probe of the Python API and the environment (2026-11-26) -------------------------------
+
+def test_a_pool_cannot_be_copied() -> None:
+    """copy.copy(pool) made two objects own one context: the second to go freed it again (a double
+    free: abort under -X dev, a hang at exit otherwise)."""
+    import copy
+
+    with Pool(capacity=1 << 30) as p:
+        for make in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="a Pool cannot be copied"):
+                make(p)
+        p.free(p.malloc(MiB))  # still its own
+
+
+def test_trace_columns_of_another_element_type_are_refused() -> None:
+    """validate() compared lengths only and handed the buffer to C as 64-bit values: an array('I')
+    size column was read past its end (a segfault past an unreadable page), a list raised a bare
+    TypeError."""
+    import array
+
+    t = Trace(meta={"n_ids": 1})
+    t.append(OP_ALLOC, id=0, size=512)
+    t.validate()
+    for bad, said in ((array.array("I", [512]), "holds I items of 4 bytes"), ([512], "is a list"),
+                      (array.array("q", [512]), "holds q items of 8 bytes")):
+        t.size = bad
+        with pytest.raises(TraceError, match=f"trace: column 'size' {said}"):
+            t.validate()
+
+
+def test_tags_under_threads_and_tag_names() -> None:
+    """tags() read past its buffer when another thread made a tag between its two core calls (a
+    bare IndexError, 1-25 a run); a NUL in a tag name was cut there ('a\\0b' was tag 'a')."""
+    import threading
+
+    with Pool(capacity=4 << 30) as p:
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def make() -> None:
+            for i in range(32):
+                with p.region(f"tag{i}"):
+                    p.malloc(512)
+            done.set()
+
+        def read() -> None:
+            while not done.is_set():
+                try:
+                    p.tags()
+                except BaseException as e:  # noqa: BLE001 - any failure is the finding
+                    errors.append(e)
+
+        threads = [threading.Thread(target=read) for _ in range(3)] + [threading.Thread(target=make)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(p.tags()) == 32
+        with pytest.raises(InvalidArgumentError, match="holds a NUL character"):
+            p.region("a\0b")
+        with pytest.raises(InvalidArgumentError, match="holds a NUL character"):
+            p.pause("tag0\0x")
+        with pytest.raises(InvalidArgumentError, match="backup must be True or False"):
+            p.pause("tag0", backup="no")
+
+
+def test_recorder_refuses_a_bad_marker_before_it_changes_anything() -> None:
+    """A marker argument the pools refuse (2**70) was kept as the micro-batch first, so every later
+    forward phase failed; a closed pool left the recorder claiming a phase open; step('3'),
+    layer(None) raised a bare TypeError; exiting a phase never entered an IndexError; pools that
+    are not pools an AttributeError at the first marker."""
+    from npu_pool.recorder import Recorder
+
+    pool = Pool(capacity=1 << 30)
+    r = Recorder([pool])
+    for bad in (lambda: r.mark("forward_begin", 2 ** 70), lambda: r.step("3"), lambda: r.layer(None),
+                lambda: r.mark("iter_begin", "a")):
+        with pytest.raises(ValueError, match="a marker argument is an int of 64 bits"):
+            bad()
+    with r.phase("forward"):
+        pass
+    assert r.state.marks == 2 and r.state.stage is None
+    with pytest.raises(RuntimeError, match="exited without being entered"):
+        r.phase("backward").__exit__(None, None, None)
+    pool.close()
+    with pytest.raises(Exception, match="closed pool"):
+        r.mark("forward_begin")
+    assert r.state.marks == 2 and r.state.stage is None
+    with pytest.raises(TypeError, match="pools are npu_pool Pool objects"):
+        Recorder([5])
+
+
+def test_api_arguments_of_the_wrong_kind_are_named() -> None:
+    """A fraction whose cap is 0 bytes (1e-300) was taken and every allocation then failed;
+    lib_path as bytes raised AttributeError and one with a NUL was cut; set_fraction(device=[0])
+    raised 'unhashable type'; oom.explain(pool, 'x') a bare int() error and -1 'request -1 B';
+    history(limit=19634136210) a MemoryError with no message."""
+    from npu_pool import oom
+    from npu_pool.install import set_fraction
+
+    with pytest.raises(InvalidArgumentError, match="is a cap of 0 bytes, less than the smallest block"):
+        Pool(fraction=1e-300)
+    with Pool(capacity=1 << 30) as p:
+        with pytest.raises(InvalidArgumentError, match="is a cap of 0 bytes"):
+            p.set_fraction(1e-300)
+        assert p.stats()["limit"] == 1 << 30  # unchanged
+        for bad in ("x", -1, True):
+            with pytest.raises(ValueError, match="request must be a size in bytes"):
+                oom.explain(p, bad)
+        p.set_history(16)
+        for _ in range(20):
+            p.free(p.malloc(MiB))
+        assert len(p.history(limit=19634136210)) == 16
+    for path in (b"/x", "/x\0y"):
+        with pytest.raises(InvalidArgumentError, match="lib_path must be a path"):
+            Pool(backend="acl", lib_path=path)
+    with pytest.raises(InvalidArgumentError, match="device must be a device index"):
+        set_fraction(0.5, device=[0])

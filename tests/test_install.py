@@ -555,6 +555,12 @@ def test_unknown_variables_and_output_folders() -> None:
     assert "did you mean" not in lines[1]
     assert config.parse_output_dir(str(ROOT), "X") == str(ROOT)
     assert config.parse_output_dir(str(ROOT / "not-yet"), "X") == str(ROOT / "not-yet")  # made when first written
+    assert not (ROOT / "not-yet").exists() and not list(ROOT.glob(".npu_pool-check-*"))
+    # a folder this process cannot make or write is found now, not at exit when the report is due
+    for bad, why in (("/proc/npu_pool-nowhere", "No such file or directory"), ("/tmp/" + "x" * 300, "File name too long"),
+                     (str(ROOT / "setup.py" / "sub"), "Not a directory")):
+        with pytest.raises(config.ConfigError, match=f"cannot be written \\({why} in"):
+            config.parse_output_dir(bad, "NPU_POOL_REPORT_DIR")
     with pytest.raises(ConfigError, match="X=.*setup.py.* is not a directory"):
         config.parse_output_dir(str(ROOT / "setup.py"), "X")
 

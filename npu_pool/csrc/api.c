@@ -23,6 +23,17 @@ void np_config_init(np_config *cfg) {
   cfg->fraction = 1.0;
 }
 
+/* The cap a fraction of the device gives: at least the smallest block, or nothing could ever be
+ * placed under it (a fraction of 1e-300 is a cap of 0 bytes). */
+static int cap_of(const np_backend *be, double fraction, uint64_t *limit) {
+  *limit = (uint64_t)floor(fraction * (double)be->total);
+  if (*limit >= NP_MIN_BLOCK) return NP_OK;
+  char t[32];
+  return np_error(NP_ERR_INVALID, "memory fraction %g of the %s device is a cap of %llu bytes, less than the smallest "
+                  "block (%llu bytes): the smallest fraction is %.3g", fraction, np_fmt_bytes(be->total, t),
+                  (unsigned long long)*limit, (unsigned long long)NP_MIN_BLOCK, (double)NP_MIN_BLOCK / (double)be->total);
+}
+
 static int check_fraction(double f) {
   if (!(f > 0.0 && f <= 1.0)) /* also rejects NaN */
     return np_error(NP_ERR_INVALID, "memory fraction must be in (0, 1], got %g", f);
@@ -111,7 +122,8 @@ int np_create(const np_config *cfg, np_ctx **out) {
     if (ctx->be->simulated) /* count as the rules' vendor: cudaFree waits for the device, aclrtFree does not */
       ctx->be->free_synchronizes = cfg->device_rules == NP_DEVICE_CUDA;
   }
-  ctx->limit = (uint64_t)floor(cfg->fraction * (double)ctx->be->total);
+  rc = cap_of(ctx->be, cfg->fraction, &ctx->limit);
+  if (rc != NP_OK) goto fail;
   rc = ctx->policy->init(ctx);
   if (rc != NP_OK) goto fail;
   np_fork_register(ctx);
@@ -231,7 +243,12 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
     pthread_mutex_unlock(&ctx->lock);
     return NP_ERR_STATE;
   }
-  uint64_t limit = (uint64_t)floor(fraction * (double)ctx->be->total);
+  uint64_t limit;
+  rc = cap_of(ctx->be, fraction, &limit);
+  if (rc != NP_OK) {
+    pthread_mutex_unlock(&ctx->lock);
+    return rc;
+  }
   np_vmm_spares_release(ctx); /* what a smaller cap may no longer hold */
   rc = ctx->policy->set_limit ? ctx->policy->set_limit(ctx, limit) : NP_OK;
   if (rc == NP_OK) {

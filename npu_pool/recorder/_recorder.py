@@ -74,6 +74,13 @@ def mark_profiled(code: int, arg: int = -1) -> None:
         pass
 
 
+def _marker_arg(arg: object) -> int:
+    """``arg`` if it is a marker argument the pools take: an int of 64 bits (-1: none)."""
+    if isinstance(arg, bool) or not isinstance(arg, int) or not -(1 << 63) <= arg < 1 << 63:
+        raise ValueError(f"a marker argument is an int of 64 bits (-1: none), got {arg!r:.40}")
+    return arg
+
+
 def _installed_targets() -> tuple[Any, ...]:
     """The installed allocator of the current device (never a device this process does not use)."""
     from ..install import current_pool
@@ -86,7 +93,7 @@ class Phase(contextlib.ContextDecorator):
     """A phase: its begin marker on entry and its end marker on exit; also a decorator."""
 
     def __init__(self, recorder: "Recorder", name: str, arg: int = -1):
-        self._rec, self.name, self.arg = recorder, name, arg
+        self._rec, self.name, self.arg = recorder, name, _marker_arg(arg)
         self._begin, self._end = phase_codes(name)
         self._args: list[int] = []  # a decorated function may be re-entered
 
@@ -99,6 +106,8 @@ class Phase(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self._args:
+            raise RuntimeError(f"phase {self.name!r} exited without being entered")
         self._rec.mark(self._end, self._args.pop())
 
 
@@ -116,6 +125,8 @@ class Recorder:
 
     def __init__(self, pools: Optional[Iterable[Any]] = None, *, profile: bool = True):
         self._pools = None if pools is None else tuple(pools)
+        if self._pools is not None and not all(callable(getattr(p, "mark", None)) for p in self._pools):
+            raise TypeError(f"pools are npu_pool Pool objects (or None: the installed one), got {self._pools!r:.80}")
         self.profile = profile
         self.state = RecorderState()
         self._listeners: list[Callable[[int, int], None]] = []
@@ -125,11 +136,12 @@ class Recorder:
         return self._pools if self._pools is not None else _installed_targets()
 
     def mark(self, code: Union[int, str], arg: int = -1) -> None:
-        """Send one marker (a ``MARK_*`` code or its name) with its argument."""
-        code = code_of(code)
-        self.state.track(code, arg)
+        """Send one marker (a ``MARK_*`` code or its name) with its argument. The recorder's state
+        follows only markers every pool took (a bad argument or a closed pool changes nothing)."""
+        code, arg = code_of(code), _marker_arg(arg)
         for p in self.targets():
             p.mark(code, arg)
+        self.state.track(code, arg)
         if self.profile and _profiling():
             mark_profiled(code, arg)
         for fn in self._listeners:
@@ -156,7 +168,7 @@ class Recorder:
     @contextlib.contextmanager
     def micro_batch(self, index: int):
         """Micro-batch ``index``: forward and backward markers inside carry it as argument."""
-        prev, self.state.micro = self.state.micro, index
+        prev, self.state.micro = self.state.micro, _marker_arg(index)
         try:
             yield self
         finally:

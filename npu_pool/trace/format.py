@@ -76,6 +76,23 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 _EVENT_BYTES = sum(array.array(code).itemsize for _, code in COLUMNS)  # one event across every column
 
 
+def _check_column(col: str, code: str, data: Any) -> None:
+    """TraceError unless ``data`` is a contiguous buffer of ``code``'s items (array('Q') for size,
+    or a numpy array of that width and sign): the core reads its bytes as those."""
+    want = array.array(code)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TraceError(f"column {col!r} is a {type(data).__name__}, not a buffer of numbers; "
+                         f"a trace column is array({code!r})") from None
+    fmt = view.format.lstrip("@=<>!")
+    same = (view.itemsize == want.itemsize and len(fmt) == 1 and fmt.isalpha()
+            and fmt.isupper() == code.isupper() and fmt.lower() in "bhilq")
+    if not same or not view.c_contiguous or view.ndim != 1:
+        raise TraceError(f"column {col!r} holds {fmt or '?'} items of {view.itemsize} bytes; a trace column is "
+                         f"array({code!r}) ({want.itemsize}-byte {'unsigned' if code.isupper() else 'signed'})")
+
+
 DEVICE_TYPES = ("npu", "cuda")  # runtimes whose request rules a replay applies (npu_pool.vocab.DEVICES)
 _forced: list[str] = []         # forced_device blocks, innermost last
 
@@ -190,7 +207,10 @@ class Trace:
         n_ids = self.meta.get("n_ids", 0)
         if isinstance(n_ids, bool) or not isinstance(n_ids, int) or not 0 <= n_ids < 1 << 63:
             raise TraceError(f"{name}: meta['n_ids'] is {n_ids!r:.40}; it must be the number of allocation ids")
-        inp, keep = self.c_columns()
+        try:
+            inp, keep = self.c_columns()
+        except TraceError as e:
+            raise TraceError(f"{name}: {e}") from None
         bad = ffi.new("uint64_t *")
         if lib.np_trace_validate(inp, len(sites), bad) != 0:
             raise TraceError(f"{name}: {ffi.string(lib.np_last_error()).decode(errors='replace')}")
@@ -202,6 +222,7 @@ class Trace:
         keep: list[Any] = [inp]
         for col, code in COLUMNS:
             data = getattr(self, col)
+            _check_column(col, code, data)
             ctype = {"B": "uint8_t[]", "i": "int32_t[]", "q": "int64_t[]", "Q": "uint64_t[]"}[code]
             buf = ffi.from_buffer(ctype, data) if len(data) else ffi.new(ctype, 1)
             keep.append(buf)
