@@ -214,7 +214,8 @@ class _Session:
         @functools.wraps(original)
         def forward_step(*args: Any, **kwargs: Any) -> Any:
             micro = kwargs.get("current_microbatch", args[11] if len(args) > 11 else None)
-            with self.recorder.phase("forward", micro if isinstance(micro, int) else -1):
+            micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else -1
+            with self.recorder.phase("forward", micro):
                 return original(*args, **kwargs)
 
         return forward_step

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -235,25 +236,31 @@ def parse_plan(value: Any, source: str = PLAN) -> str:
     return text
 
 
-def parse_output_dir(value: str, source: str) -> str:
+def parse_output_dir(value: str, source: str, *, unwritable_warns: bool = False) -> str:
     """A folder to write into: one that exists, or none yet (made at the first write); never a
     file, a FIFO or a device, nor a folder this process cannot write or make (/proc/x, a name
     too long), found now rather than when the first write is due (hours later). The check makes
-    and removes an empty folder where the writes would go."""
+    and removes an empty folder where the writes would go. ``unwritable_warns``: a folder that
+    cannot be written is a warning, not an error (an optional diagnostic another tool's switch
+    turned on: torch_npu's OOM_SNAPSHOT_PATH, the working directory by default)."""
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{source}={show(value, 400)} is not a directory: name a folder to write into (made when missing)")
-    where = os.path.abspath(value)
-    while not os.path.exists(where):  # the nearest folder that exists: the writes make the rest
-        where = os.path.dirname(where)
+    where = value
     try:
+        where = os.path.abspath(value)
+        while not os.path.exists(where):  # the nearest folder that exists: the writes make the rest
+            where = os.path.dirname(where)
         if any(len(os.fsencode(part)) > 255 for part in value.split(os.sep)) or len(os.fsencode(value)) >= 4096:
             raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
         if not os.path.isdir(where):
             raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         os.rmdir(tempfile.mkdtemp(prefix=".npu_pool-check-", dir=where))
     except OSError as e:
-        raise ConfigError(f"{source}={show(value, 400)}: cannot be written ({e.strerror or e} in {show(where, 200)}): "
-                          "name a folder this process can write") from None
+        message = (f"{source}={show(value, 400)}: cannot be written ({e.strerror or e} in {show(where, 200)}): "
+                   "name a folder this process can write")
+        if not unwritable_warns:
+            raise ConfigError(message) from None
+        warnings.warn(f"npu_pool: {message} (nothing will be written there)", RuntimeWarning, stacklevel=3)
     return value
 
 

@@ -14,6 +14,7 @@ start-up hook), or call ``npu_pool.install()`` at the top of the training script
 from __future__ import annotations
 
 import importlib.util
+import operator
 import sys
 import threading
 import types
@@ -165,8 +166,13 @@ def current_pool() -> Optional[Pool]:
 def set_fraction(fraction: float, device: Optional[int] = None) -> None:
     """Cap the installed device allocator at ``fraction`` of the device's memory (every device,
     or ``device``)."""
-    if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
-        raise _invalid(f"device must be a device index (an int) or None, got {device!r:.40}")
+    if device is not None:
+        try:
+            device = operator.index(device) if not isinstance(device, bool) else None
+        except TypeError:
+            device = None
+        if device is None:
+            raise _invalid("device must be a device index (an int) or None")
     pools = installed()
     if not pools:
         raise PoolError(lib.NP_ERR_STATE, "no npu_pool allocator is installed: call npu_pool.install() first, "
@@ -360,8 +366,8 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         raise config.ConfigError(f"{config.PLAN}={settings.plan} is the plan policy planned serves, but the policy is "
                                  f"{policy}: set {config.POLICY}=planned, or unset {config.PLAN}")
     snapshots = oom.snapshot_setting()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
-    if snapshots is not None:
-        config.parse_output_dir(*snapshots)
+    if snapshots is not None:  # (torch_npu's own switch names an optional folder: a warning only)
+        config.parse_output_dir(*snapshots, unwritable_warns=snapshots[1] == oom.PATH)
     for line in config.unknown_variables():
         warnings.warn(f"npu_pool: {line}", RuntimeWarning, stacklevel=2)
     import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -320,6 +321,17 @@ def test_trace_columns_of_another_element_type_are_refused() -> None:
         t.size = bad
         with pytest.raises(TraceError, match=f"trace: column 'size' {said}"):
             t.validate()
+    np = pytest.importorskip("numpy")
+    t.size = np.array([512], dtype="<u8" if sys.byteorder == "little" else ">u8")
+    t.validate()  # numpy of the same width, sign and byte order: taken as it is
+    t.size = np.array([512], dtype=">u8" if sys.byteorder == "little" else "<u8")  # read byte-swapped by C
+    with pytest.raises(TraceError, match="column 'size' holds .u8|column 'size' holds [<>]Q"):
+        t.validate()
+    t.size = array.array("Q", [512])
+    t.append(OP_FREE, id=0, size=512)
+    t.size = np.array([512, 0, 512, 0], dtype=np.uint64)[::2]  # two items, every other one of four
+    with pytest.raises(TraceError, match="column 'size' is not one contiguous row"):
+        t.validate()
 
 
 def test_tags_under_threads_and_tag_names() -> None:
@@ -376,10 +388,19 @@ def test_recorder_refuses_a_bad_marker_before_it_changes_anything() -> None:
     assert r.state.marks == 2 and r.state.stage is None
     with pytest.raises(RuntimeError, match="exited without being entered"):
         r.phase("backward").__exit__(None, None, None)
+    import numpy as np
+
+    with r.phase("forward", np.int64(3)):  # numpy's integers are integers
+        assert r.state.micro == 3
     pool.close()
     with pytest.raises(Exception, match="closed pool"):
         r.mark("forward_begin")
-    assert r.state.marks == 2 and r.state.stage is None
+    forward = r.phase("forward")
+    with pytest.raises(Exception, match="closed pool"):
+        forward.__enter__()
+    with pytest.raises(RuntimeError, match="exited without being entered"):  # the refused begin left nothing
+        forward.__exit__(None, None, None)
+    assert r.state.marks == 4 and r.state.stage is None
     with pytest.raises(TypeError, match="pools are npu_pool Pool objects"):
         Recorder([5])
 

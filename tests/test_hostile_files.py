@@ -753,6 +753,8 @@ def test_replay_validate_and_live_refuse_options_they_would_not_use(tmp_path, ca
     assert "--validate takes no --device" in capsys.readouterr().err
     assert main(["replay", str(snap), "--policy", ""]) == 1  # (an unset variable): no policy, not the defaults
     assert "unknown policy (none)" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "absent.npt"), "--policy", "bogus"]) == 1  # said before any trace is read
+    assert "unknown policy bogus" in capsys.readouterr().err
     for flag, value in (("--policy", "bogus"), ("--hints", "none"), ("--costs", "c.json"), ("--plan", "p.npplan")):
         for mode in ("--validate", "--live"):
             assert main(["replay", str(snap), mode, flag, value]) == 1
@@ -809,6 +811,9 @@ def test_probe_of_2026_11_26_each_mistake_is_one_line(tmp_path, capsys, monkeypa
                   "padded_vocab_size: 1024\nvocab_size: 1000\n", "params_dtype: bf16\ndtype: bfloat16\nvocab: 1024\n"):
         (tmp_path / "c.yaml").write_text("hidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\n" + extra)
         assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 0, extra
+    (tmp_path / "c.yaml").write_text("hidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\nvocab: 1000\n"
+                                     "recompute_granularity: null\n")  # a dump's unset setting: the default
+    assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 0
     (tmp_path / "c.yaml").write_text("hidden: 1024\nnum_layers: 2\nnum_attention_heads: 8\nvocab: 1000\n"
                                      "untie_embeddings_and_output_weights: 'false'\n")
     assert main(["estimate", "--config", str(tmp_path / "c.yaml")]) == 1

@@ -561,6 +561,9 @@ def test_unknown_variables_and_output_folders() -> None:
                      (str(ROOT / "setup.py" / "sub"), "Not a directory")):
         with pytest.raises(config.ConfigError, match=f"cannot be written \\({why} in"):
             config.parse_output_dir(bad, "NPU_POOL_REPORT_DIR")
+    # torch_npu's OOM_SNAPSHOT_PATH (the working directory by default) names an optional folder: a warning
+    with pytest.warns(RuntimeWarning, match="OOM_SNAPSHOT_PATH=.*cannot be written.*nothing will be written there"):
+        assert config.parse_output_dir("/proc/npu_pool-nowhere", "OOM_SNAPSHOT_PATH", unwritable_warns=True)
     with pytest.raises(ConfigError, match="X=.*setup.py.* is not a directory"):
         config.parse_output_dir(str(ROOT / "setup.py"), "X")
 

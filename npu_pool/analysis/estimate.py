@@ -341,9 +341,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             k, value = "tied_embeddings", not value
         if k not in _FIELDS:
             raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
-        if value is None and k in out:  # (an argument dump's unset name of a field another name sets)
+        if value is None:  # (an argument dump's unset setting: as if absent, the default or another name's)
             continue
-        if k in out and given_by[k][1] is not None and _differ(out[k], value):  # two names of one field
+        if k in out and _differ(out[k], value):  # two names of one field
             first, was = given_by[k]
             if key.replace("-", "_") == "padded_vocab_size":  # what the embedding has: it wins over vocab_size
                 pass

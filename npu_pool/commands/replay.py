@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             mode = "--live" if args.live else "--validate"
             raise ValueError(f"{mode} takes no {', '.join(given)}: it replays "
                              f"{'the framework allocator and npu_pool on the real device' if args.live else 'the torch model against the recording'}")
-    args.policy = DEFAULT_POLICIES if args.policy is None else args.policy  # ("" is refused as no policy)
+    args.policy = DEFAULT_POLICIES if args.policy is None else args.policy
+    policies_from(args.policy)  # before any trace is opened ("" is no policy)
     args.hints = args.hints or "markers"
     if args.plan and "planned" not in policies_from(args.policy):
         raise ValueError("--plan is the plan policy planned replays: add planned to --policy "

@@ -23,11 +23,12 @@ void np_config_init(np_config *cfg) {
   cfg->fraction = 1.0;
 }
 
-/* The cap a fraction of the device gives: at least the smallest block, or nothing could ever be
- * placed under it (a fraction of 1e-300 is a cap of 0 bytes). */
+/* The cap a fraction of the device gives: at least the smallest block where the device has one,
+ * or nothing could ever be placed under it (a fraction of 1e-300 is a cap of 0 bytes). A device
+ * smaller than a block is the device's own size, not the fraction's doing: its requests fail. */
 static int cap_of(const np_backend *be, double fraction, uint64_t *limit) {
   *limit = (uint64_t)floor(fraction * (double)be->total);
-  if (*limit >= NP_MIN_BLOCK) return NP_OK;
+  if (*limit >= NP_MIN_BLOCK || be->total < NP_MIN_BLOCK) return NP_OK;
   char t[32];
   return np_error(NP_ERR_INVALID, "memory fraction %g of the %s device is a cap of %llu bytes, less than the smallest "
                   "block (%llu bytes): the smallest fraction is %.3g", fraction, np_fmt_bytes(be->total, t),

@@ -344,9 +344,9 @@ static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t s
 static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
   bool dynamic;
   uint64_t at = locate(ctx, st, req, &dynamic);
-  if (at != NP_PLAN_NONE && !st->plan.region && !st->premapped) {
-    /* no region will be reserved to map what the plan leaves out with: map it at the plan's first
-     * position instead (a refusal leaves the fallback to grow on demand) */
+  if (at != NP_PLAN_NONE && (!st->plan.region || st->seg_failed) && !st->seg && !st->premapped) {
+    /* no region will be reserved to map what the plan leaves out with (none planned, or reserving it
+     * failed): map it at the plan's first position instead (a refusal leaves the fallback to grow) */
     st->premapped = true;
     np_arena_premap(ctx, budget(ctx, st), st->outside);
   }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 import time
 from dataclasses import dataclass, field
@@ -75,10 +76,15 @@ def mark_profiled(code: int, arg: int = -1) -> None:
 
 
 def _marker_arg(arg: object) -> int:
-    """``arg`` if it is a marker argument the pools take: an int of 64 bits (-1: none)."""
-    if isinstance(arg, bool) or not isinstance(arg, int) or not -(1 << 63) <= arg < 1 << 63:
+    """``arg`` if it is a marker argument the pools take: an integer of 64 bits (-1: none; numpy's
+    integers count, a bool does not)."""
+    try:
+        value = operator.index(arg) if not isinstance(arg, bool) else None
+    except TypeError:
+        value = None
+    if value is None or not -(1 << 63) <= value < 1 << 63:
         raise ValueError(f"a marker argument is an int of 64 bits (-1: none), got {arg!r:.40}")
-    return arg
+    return value
 
 
 def _installed_targets() -> tuple[Any, ...]:
@@ -101,8 +107,8 @@ class Phase(contextlib.ContextDecorator):
         arg = self.arg
         if arg < 0 and self._begin in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN):
             arg = self._rec.state.micro  # the micro-batch it belongs to
-        self._args.append(arg)
         self._rec.mark(self._begin, arg)
+        self._args.append(arg)  # (after the pools took it: a refused begin leaves nothing to end)
         return self
 
     def __exit__(self, *exc: object) -> None:

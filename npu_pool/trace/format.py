@@ -85,12 +85,18 @@ def _check_column(col: str, code: str, data: Any) -> None:
     except TypeError:
         raise TraceError(f"column {col!r} is a {type(data).__name__}, not a buffer of numbers; "
                          f"a trace column is array({code!r})") from None
-    fmt = view.format.lstrip("@=<>!")
+    order, fmt = (view.format[0], view.format[1:]) if view.format[:1] in "@=<>!" else ("", view.format)
+    native = order in ("", "@", "=") or order == ("<" if sys.byteorder == "little" else ">") or (
+        order == "!" and sys.byteorder == "big")
     same = (view.itemsize == want.itemsize and len(fmt) == 1 and fmt.isalpha()
             and fmt.isupper() == code.isupper() and fmt.lower() in "bhilq")
-    if not same or not view.c_contiguous or view.ndim != 1:
-        raise TraceError(f"column {col!r} holds {fmt or '?'} items of {view.itemsize} bytes; a trace column is "
-                         f"array({code!r}) ({want.itemsize}-byte {'unsigned' if code.isupper() else 'signed'})")
+    if not same or not native:
+        raise TraceError(f"column {col!r} holds {view.format or '?'} items of {view.itemsize} bytes; a trace column is "
+                         f"array({code!r}) ({want.itemsize}-byte {'unsigned' if code.isupper() else 'signed'}, "
+                         f"{sys.byteorder}-endian)")
+    if not view.c_contiguous or view.ndim != 1:
+        raise TraceError(f"column {col!r} is not one contiguous row of items (a strided or {view.ndim}-d view); "
+                         "copy it into an array first")
 
 
 DEVICE_TYPES = ("npu", "cuda")  # runtimes whose request rules a replay applies (npu_pool.vocab.DEVICES)
