@@ -157,9 +157,9 @@ def run(args: argparse.Namespace) -> int:
         if args.validate and not args.live and args.device is not None:  # (the recording's own rules are compared)
             given.append("--device")
         if given:
-            mode = "--live" if args.live else "--validate"
-            raise ValueError(f"{mode} takes no {', '.join(given)}: it replays "
-                             f"{'the framework allocator and npu_pool on the real device' if args.live else 'the torch model against the recording'}")
+            mode, what = (("--live", "the framework allocator and npu_pool on the real device") if args.live
+                          else ("--validate", "the torch model against the recording"))
+            raise ValueError(f"{mode} takes no {', '.join(given)}: it replays {what}")
     args.policy = DEFAULT_POLICIES if args.policy is None else args.policy
     policies_from(args.policy)  # before any trace is opened ("" is no policy)
     args.hints = args.hints or "markers"
