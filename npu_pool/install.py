@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import operator
+import os
 import sys
 import threading
 import types
@@ -409,8 +410,11 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
 
 
 def _already(current: _Installation) -> InstallError:
+    by_switch = os.environ.get(config.ENABLE, "").strip() not in ("", "0")
+    how = (f" ({config.ENABLE} installed it at start-up: choose its policy and cap with {config.POLICY} and "
+           f"{config.FRACTION}, or unset {config.ENABLE} to install it yourself)") if by_switch else ""
     return InstallError(f"npu_pool is already installed ({current.kind}, policy {current.policy}); "
-                        "a process can install one allocator, once")
+                        f"a process can install one allocator, once{how}")
 
 
 def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional[float], plan: Any,

@@ -514,8 +514,13 @@ def test_a_repeated_install_keeps_the_cap_set_since(fakes: dict, fake_cuda_torch
     npu_pool.install(device_type="cuda", fraction=0.75, lib_path=v.path)
     assert pools[0].stats()["limit"] == 192 * MiB
     # another device type than the installed one is that, not a missing device (DeviceUnavailableError before)
-    with pytest.raises(inst.InstallError, match=r"already installed \(cuda, policy npu_pool\)"):
+    with pytest.raises(inst.InstallError, match=r"already installed \(cuda, policy npu_pool\)") as e:
         npu_pool.install(device_type="npu")
+    assert "MEMORY_FRAGMENTATION installed it" not in str(e.value)
+    monkeypatch.setenv("MEMORY_FRAGMENTATION", "1")  # as the start-up hook had installed it: say so, and what to set
+    with pytest.raises(inst.InstallError, match="MEMORY_FRAGMENTATION installed it at start-up: choose its policy "
+                                                "and cap with NPU_POOL_POLICY and NPU_POOL_FRACTION"):
+        npu_pool.install(device_type="cuda", policy="torch", lib_path=v.path)
 
 
 def test_settings_install_would_ignore_are_refused_or_named(tmp_path: Path, fakes: dict, fake_cuda_torch: list,
