@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     named = collect(Path(args.shared), not args.no_capture)
     rows = []  # (name, policy, PolicyResult: its steady_calls given room to spare)
+    torch_of = {}  # name -> the torch model's PolicyResult (POLICIES' first: each trace's device is its min capacity)
     full: dict[tuple[str, str], dict[str, int]] = {}  # calls on the device the torch model just fits
     full_steady: dict[tuple[str, str], tuple[int, int] | None] = {}  # ... in its iterations after the first, steady ones
     for name, trace in named:
@@ -96,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         for policy in POLICIES:
             kw = {"plan": plan} if policy == "planned" else {}
             rows.append((name, policy, evaluate(trace, name, policy, bounds=bounds, **kw)))
-            device = next(x for n, p, x in rows if n == name and p == "torch").min_capacity_bytes
+            if policy == "torch":
+                torch_of[name] = rows[-1][2]
+            device = torch_of[name].min_capacity_bytes
             at = run(trace, policy, device, bounds=bounds or None, **kw)
             full[name, policy] = at.calls if at.ok else None
             full_steady[name, policy] = (sum(sum(d.values()) for d in at.iteration_calls[2:]),
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "than the torch model, so it has room to spare there, but not the 1 TiB of the first table.", "",
             "| trace | device (GiB) | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
     for name, _ in named:
-        device = next(x for n, p, x in rows if n == name and p == "torch").min_capacity_bytes
+        device = torch_of[name].min_capacity_bytes
         cells = [f"{physical_calls(full[name, p])} ({estimate_us(full[name, p], costs) / 1e3:.0f})" if full[name, p]
                  else "fails" for p in POLICIES]
         out.append(f"| {name} | {device / (1 << 30):.3f} | " + " | ".join(cells) + " |")
@@ -147,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeat; first steady: the first steady iteration (1 is the first iteration; - none).", "",
             "| trace | first steady | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
     for name in repeat:
-        r = next(x for n, p, x in rows if n == name and p == "torch")
-        marks = steady_stretches(r.iteration_peak_live or [])
+        marks = steady_stretches(torch_of[name].iteration_peak_live or [])
         first = next((k for k, s in enumerate(marks) if s), None)
         out.append(f"| {name} | {'-' if first is None else first} | " +
                    " | ".join("fails" if full_steady[name, p] is None else
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, policy, r in rows:
             if policy != "npu_pool":
                 continue
-            t = next(x for n, p, x in rows if n == name and p == "torch")
+            t = torch_of[name]
             a, b = (r.calls_at_min_capacity, t.calls_at_min_capacity) if at_min else (r.calls, t.calls)
             ok += physical_calls(a) <= physical_calls(b)
             bad += physical_calls(a) > physical_calls(b)

@@ -333,8 +333,8 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     for key, value in d.items():
         if not isinstance(key, str):
             raise ValueError(f"config key {show(key)} is not a name; known: {', '.join(sorted(_FIELDS))}")
-        k = key.replace("-", "_")
-        written, k = value, ALIASES.get(k, k)
+        name = key.replace("-", "_")
+        written, k = value, ALIASES.get(name, name)
         if k == "_untie":
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, not {show(value)}")
@@ -345,11 +345,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             continue
         if k in out and _differ(out[k], value):  # two names of one field
             first, was = given_by[k]
-            if key.replace("-", "_") == "padded_vocab_size":  # what the embedding has: it wins over vocab_size
-                pass
-            elif first.replace("-", "_") == "padded_vocab_size":
-                continue
-            else:
+            if name != "padded_vocab_size":  # (what the embedding has: it wins over vocab_size, either order)
+                if first.replace("-", "_") == "padded_vocab_size":
+                    continue
                 raise ValueError(f"config keys {show(first)} ({show(was)}) and {show(key)} ({show(written)}) both "
                                  f"give {k}, differently: keep one")
         out[k] = value

@@ -161,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
                           else ("--validate", "the torch model against the recording"))
             raise ValueError(f"{mode} takes no {', '.join(given)}: it replays {what}")
     args.policy = DEFAULT_POLICIES if args.policy is None else args.policy
-    policies_from(args.policy)  # before any trace is opened ("" is no policy)
+    policies = policies_from(args.policy)  # before any trace is opened ("" is no policy)
     args.hints = args.hints or "markers"
-    if args.plan and "planned" not in policies_from(args.policy):
+    if args.plan and "planned" not in policies:
         raise ValueError("--plan is the plan policy planned replays: add planned to --policy "
                          "(e.g. --policy npu_pool,planned)")
     named = [nt for path in expand(args.traces) for nt in open_traces(path)]

@@ -8,8 +8,9 @@
 static _Thread_local char np_errbuf[NP_ERR_TEXT];
 static _Thread_local int np_errcode;
 
-/* buf (len bytes) got n characters of text from snprintf: a cut one ends in "...", so that it shows. */
-static void mark_cut(char *buf, size_t len, int n) {
+/* vsnprintf into buf (len > 0 bytes); a cut text ends in "...", so that it shows. */
+static void format_v(char *buf, size_t len, const char *fmt, va_list ap) {
+  int n = vsnprintf(buf, len, fmt, ap);
   if (n >= 0 && (size_t)n >= len && len > 4) memcpy(buf + len - 4, "...", 4);
 }
 
@@ -17,9 +18,8 @@ int np_error(int code, const char *fmt, ...) {
   np_errcode = code;
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(np_errbuf, sizeof np_errbuf, fmt, ap);
+  format_v(np_errbuf, sizeof np_errbuf, fmt, ap);
   va_end(ap);
-  mark_cut(np_errbuf, sizeof np_errbuf, n);
   return code;
 }
 
@@ -29,9 +29,8 @@ void np_format_text(char *dst, size_t len, const char *fmt, ...) {
   if (!len) return;
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(dst, len, fmt, ap);
+  format_v(dst, len, fmt, ap);
   va_end(ap);
-  mark_cut(dst, len, n);
 }
 
 const char *np_last_error(void) { return np_errbuf; }

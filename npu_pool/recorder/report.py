@@ -243,14 +243,13 @@ def imbalance(reports: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def _missing_ranks(world: int, ranks: list[int], most: int = 8) -> str:
     """The ranks of [0, world) not in ``ranks``, as ranges, the first ``most`` of them named and the
     rest counted (a world of 2**31 ranks is not listed one by one)."""
+    inside = sorted({r for r in ranks if r < world})
     spans, start = [], 0
-    for r in sorted({r for r in ranks if r < world}) + [world]:
+    for r in inside + [world]:
         if r > start:
             spans.append(str(start) if r == start + 1 else f"{start}-{r - 1}")
-        start = max(start, r + 1)
-        if start >= world:
-            break
-    missing = world - len({r for r in ranks if r < world})
+        start = r + 1
+    missing = world - len(inside)
     more = f", ... ({missing} in all)" if len(spans) > most else ""
     return ", ".join(spans[:most]) + more
 
