@@ -19,12 +19,16 @@ import warnings
 
 def install_memory_pool() -> bool:
     """Install npu_pool when ``MEMORY_FRAGMENTATION=1``; returns whether it is installed."""
-    from npu_pool.config import load
+    from npu_pool.config import load, switched_on
 
-    settings = load()
-    if not settings.enabled:
+    if not switched_on():  # off: the pool's other settings are not read (an A/B run flips the switch only)
         return False
+    settings = load()
     from npu_pool.install import DeviceUnavailableError, install
+
+    from .megatron import settings as megatron_settings
+
+    megatron_settings()  # checked before the install: a bad one leaves torch's allocator in place
 
     try:
         install(policy=settings.policy, fraction=settings.fraction)

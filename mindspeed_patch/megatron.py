@@ -77,9 +77,13 @@ def parse_log_every(value: Any, source: str = LOG_EVERY) -> int:
                           "(e.g. 10; 0 turns the per-iteration line off)") from None
 
 
-def _settings(environ: Mapping[str, str]) -> tuple[int, Optional[str]]:
+def settings(environ: Optional[Mapping[str, str]] = None) -> tuple[int, Optional[str]]:
+    """``(NPU_POOL_LOG_EVERY, NPU_POOL_REPORT_DIR)``, checked (``ConfigError`` names a bad one):
+    ``mindspeed_patch`` reads them before it installs the pool, so that a bad one leaves torch's
+    allocator in place."""
     from npu_pool.config import parse_output_dir
 
+    environ = os.environ if environ is None else environ
     every = environ.get(LOG_EVERY, "")
     report_dir = environ.get(REPORT_DIR, "").strip() or None
     if report_dir:  # a file there is said now, not when the report is due at exit
@@ -421,11 +425,12 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
     bad npu_pool setting)."""
     global _session
     env = os.environ if environ is None else environ
-    from npu_pool.config import load
+    from npu_pool.config import load, switched_on
 
-    if not load(env).enabled:
+    if not switched_on(env):
         return False
-    log_every, report_dir = _settings(env)
+    load(env)  # every setting checked, as the install did
+    log_every, report_dir = settings(env)
     if _session is not None:
         _session.log_every, _session.report_dir = log_every, report_dir
         return True

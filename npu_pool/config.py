@@ -198,23 +198,31 @@ class Config:
     plan: Optional[str] = None  # plan file for the planned policy
 
 
+_BLANK = " \t\n\r\f\v"  # ASCII white space, what a shell or a YAML file leaves around a value
+# a decimal number written with ASCII characters (float() also takes other digits and "_")
+_NUMBER = re.compile(r"\+?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
 def parse_enabled(value: Any, source: str = ENABLE) -> bool:
     """``0``/``1`` (YAML booleans too) as a bool."""
     if isinstance(value, bool):
         return value
-    text = str(value).strip()
+    text = str(value).strip(_BLANK)
     if text in ("0", "1"):
         return text == "1"
     raise ConfigError(f"{source}={show(value)} is not valid: use 0 (off) or 1 (on)")
 
 
 def parse_fraction(value: Any, source: str = FRACTION) -> float:
-    """A number in (0, 1]."""
+    """A number in (0, 1]; a string in ASCII (``float()`` also reads "１" and "0.5_0")."""
+    f = math.nan
     try:
-        f = float(str(value).strip()) if isinstance(value, (str, int, float)) and not isinstance(value, bool) \
-            else math.nan
-    except (ValueError, OverflowError):
-        f = math.nan
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            f = float(value)
+        elif isinstance(value, str) and _NUMBER.fullmatch(value.strip(_BLANK)):
+            f = float(value.strip(_BLANK))
+    except OverflowError:  # an integer past float's range
+        pass
     if not 0.0 < f <= 1.0:  # also rejects NaN
         raise ConfigError(f"{source}={show(value)} is not valid: use a number in (0, 1], e.g. 0.9")
     return f
@@ -296,6 +304,18 @@ def unknown_variables(environ: Optional[Mapping[str, str]] = None) -> list[str]:
         hint = f"did you mean {close[0]}? " if close else ""
         lines.append(f"{name} is not a variable npu_pool reads ({hint}it reads {', '.join(KNOWN_VARIABLES[:8])})")
     return lines
+
+
+def switched_on(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``MEMORY_FRAGMENTATION`` (else the ``NPU_POOL_CONFIG`` file's key) turns the pool on.
+    Only the switch is read: with it off, the pool's other settings are not looked at (an A/B run
+    flips the one variable and leaves the rest as they are)."""
+    env = os.environ if environ is None else environ
+    if env.get(ENABLE, "").strip():
+        return parse_enabled(env[ENABLE])
+    path = env.get(CONFIG_FILE, "").strip()
+    value, source = _read_file(path).get(ENABLE, (False, ENABLE)) if path else (False, ENABLE)
+    return parse_enabled(value, source)
 
 
 def load(environ: Optional[Mapping[str, str]] = None) -> Config:

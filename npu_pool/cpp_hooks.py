@@ -185,9 +185,10 @@ def _verified(lib_path: Path) -> bool:
 @dataclass(frozen=True)
 class Hooks:
     """The loaded hooks: their library and the addresses the pluggable allocator's setters take
-    beyond malloc and free (torch_npu's only)."""
+    beyond malloc and free (the memory fraction's; the others torch_npu's only)."""
 
     path: str
+    memory_fraction: int = 0
     stats: int = 0
     record_stream: int = 0
     erase_stream: int = 0
@@ -195,7 +196,8 @@ class Hooks:
     FREE = "npu_pool_hooks_free"
 
     def setters(self) -> list[tuple[str, int]]:
-        return [(name, address) for name, address in (("set_get_device_stats_fn", self.stats),
+        return [(name, address) for name, address in (("set_memory_fraction_fn", self.memory_fraction),
+                                                      ("set_get_device_stats_fn", self.stats),
                                                       ("set_record_stream_fn", self.record_stream),
                                                       ("set_erase_stream_fn", self.erase_stream)) if address]
 
@@ -219,19 +221,19 @@ def _load(kind: str) -> Hooks:
     except OSError as e:
         raise HooksUnavailable(f"cannot load {path}: {e}") from None
     malloc_free = [_addr("npu_pool_malloc"), _addr("npu_pool_free")]
-    errors = [_addr("npu_pool_last_error"), _addr("npu_pool_last_code")]
-    if kind == "cuda":
-        so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 4
-        so.npu_pool_hooks_bind(*malloc_free, *errors)
-        return Hooks(str(path))
-    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 6
-    so.npu_pool_hooks_bind(*malloc_free, _addr("npu_pool_device_stats"), _addr("npu_pool_record_stream"), *errors)
+    last = [_addr("npu_pool_last_error"), _addr("npu_pool_last_code"), _addr("npu_pool_set_fraction")]  # both bind these last
 
     def address(name: str) -> int:
         return int(ctypes.cast(getattr(so, name), ctypes.c_void_p).value or 0)
 
-    return Hooks(str(path), address("npu_pool_hooks_device_stats"), address("npu_pool_hooks_record_stream"),
-                 address("npu_pool_hooks_erase_stream"))
+    if kind == "cuda":
+        so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 5
+        so.npu_pool_hooks_bind(*malloc_free, *last)
+        return Hooks(str(path), address("npu_pool_hooks_memory_fraction"))
+    so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 7
+    so.npu_pool_hooks_bind(*malloc_free, _addr("npu_pool_device_stats"), _addr("npu_pool_record_stream"), *last)
+    return Hooks(str(path), address("npu_pool_hooks_memory_fraction"), address("npu_pool_hooks_device_stats"),
+                 address("npu_pool_hooks_record_stream"), address("npu_pool_hooks_erase_stream"))
 
 
 load.cache_clear = _load.cache_clear  # type: ignore[attr-defined]

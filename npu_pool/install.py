@@ -224,8 +224,6 @@ def _cuda(torch: Any) -> tuple[Any, str]:
 
 def _find_device(device_type: str, torch: Any) -> tuple[str, Any]:
     """("npu", torch_npu.npu) or ("cuda", torch.cuda) for ``device_type``."""
-    if device_type not in ("auto", "npu", "cuda"):
-        raise ValueError(f"device_type must be 'auto', 'npu' or 'cuda', got {device_type!r}")
     reasons = []
     if device_type in ("auto", "npu"):
         mod, why = _npu(torch)
@@ -326,7 +324,8 @@ def _build_allocator(kind: str, module: Any, torch: Any) -> tuple[Any, list[str]
         allocator = pluggable(core_path(), "npu_pool_malloc", "npu_pool_free")
         return allocator, _register(allocator.allocator(), setters), False
     allocator = pluggable(hooks.path, hooks.MALLOC, hooks.FREE)
-    used = _register(allocator.allocator(), setters + hooks.setters())
+    cpp = hooks.setters()  # these replace the C hooks of the same setters
+    used = _register(allocator.allocator(), [s for s in setters if s[0] not in dict(cpp)] + cpp)
     lib.npu_pool_set_quiet(1)  # the C++ malloc hook raises the failure: torch.OutOfMemoryError
     return allocator, used, True
 
@@ -345,6 +344,8 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
     last; on any failure torch keeps its own allocator.
     """
     global _current
+    if device_type not in ("auto", "npu", "cuda"):  # (before "already installed": a typo is said as one)
+        raise ValueError(f"device_type must be 'auto', 'npu' or 'cuda', got {config.show(device_type)}")
     settings = config.load()
     policy = config.parse_policy(policy, "policy") if policy is not None else settings.policy
     given = fraction is not None  # a repeated install applies only a fraction given here (not the setting again)

@@ -45,8 +45,9 @@ def test_cuda_malloc_hook_throws_what_torch_raises(tmp_path, monkeypatch) -> Non
         cpp_hooks.build("rocm")
 
 
-def test_cuda_hooks_load_binds_malloc_and_free_only(tmp_path, monkeypatch) -> None:
-    """The CUDA hooks give torch's allocator a malloc and a free; nothing else is registered."""
+def test_cuda_hooks_load_binds_malloc_free_and_the_fraction(tmp_path, monkeypatch) -> None:
+    """The CUDA hooks give torch's allocator a malloc, a free and the memory-fraction hook (which
+    raises a fraction the pool refuses: tests/test_torch_npu.py runs the same code under torch_npu)."""
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("no C++ compiler")
     monkeypatch.setenv(cpp_hooks.CACHE_ENV, str(tmp_path / "cache"))
@@ -55,5 +56,6 @@ def test_cuda_hooks_load_binds_malloc_and_free_only(tmp_path, monkeypatch) -> No
         hooks = cpp_hooks.load("cuda")
     finally:
         cpp_hooks.load.cache_clear()
-    assert hooks.setters() == [] and (hooks.MALLOC, hooks.FREE) == ("npu_pool_hooks_malloc", "npu_pool_hooks_free")
+    assert [name for name, address in hooks.setters() if address] == ["set_memory_fraction_fn"]
+    assert (hooks.MALLOC, hooks.FREE) == ("npu_pool_hooks_malloc", "npu_pool_hooks_free")
     assert Path(hooks.path).parent == tmp_path / "cache"

@@ -64,6 +64,39 @@ def test_switch_off_patches_nothing(fresh: None) -> None:
     assert mod.train_step is original and patch.session() is None
 
 
+def test_switch_off_reads_none_of_the_pools_other_settings(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An A/B run flips MEMORY_FRAGMENTATION alone: with it at 0 a setting left for the pool's runs,
+    even a bad one, is not read (before: importing mindspeed_patch raised on it)."""
+    import mindspeed_patch
+
+    stale = {"MEMORY_FRAGMENTATION": "0", "NPU_POOL_FRACTION": "garbage", "NPU_POOL_POLICY": "bogus",
+             "NPU_POOL_LOG_EVERY": "x"}
+    for k, v in stale.items():
+        monkeypatch.setenv(k, v)
+    assert patch.patch_megatron(stale) is False and patch.session() is None
+    assert mindspeed_patch.install_memory_pool() is False
+    monkeypatch.setenv("MEMORY_FRAGMENTATION", "1")
+    with pytest.raises(ConfigError, match="NPU_POOL_FRACTION='garbage' is not valid"):
+        mindspeed_patch.install_memory_pool()
+
+
+def test_a_bad_megatron_setting_is_refused_before_the_pool_is_installed(fresh: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """All or nothing: NPU_POOL_LOG_EVERY and NPU_POOL_REPORT_DIR are checked before install()
+    swaps torch's allocator (before: the import raised with the pool already installed)."""
+    import mindspeed_patch
+
+    calls: list[Any] = []
+    monkeypatch.setattr(install_mod, "install", lambda **kw: calls.append(kw))
+    for k, v in {**ON, "NPU_POOL_LOG_EVERY": "-5"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="NPU_POOL_LOG_EVERY='-5'"):
+        mindspeed_patch.install_memory_pool()
+    assert calls == []
+    monkeypatch.setenv("NPU_POOL_LOG_EVERY", "5")
+    assert mindspeed_patch.install_memory_pool() is True and len(calls) == 1
+
+
 @pytest.mark.parametrize("bad", ["abc", "-1", "1.5", "ten", "0x10"])
 def test_bad_log_every_is_rejected_naming_the_variable(fresh: None, bad: str) -> None:
     with pytest.raises(ConfigError, match=f"NPU_POOL_LOG_EVERY={bad!r} is not valid: use a whole number"):

@@ -81,6 +81,21 @@ try:
     r["capped"] = "no error"
 except torch.OutOfMemoryError as e:
     r["capped"] = str(e)
+r["refused_fractions"] = []                  # raised, not printed: the cap stays what it was
+for f, d in ((float("nan"), 0), (0.0, 0), (0.5, 7)):
+    try:
+        torch.npu.set_per_process_memory_fraction(f, d)
+        r["refused_fractions"].append("accepted")
+    except Exception as e:
+        r["refused_fractions"].append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+r["limit_after_refusals"] = p.stats()["limit"]
+try:
+    torch.empty(1 << 62, dtype=torch.uint8, device="npu")
+    r["absurd"] = "no error"
+except torch.OutOfMemoryError as e:
+    r["absurd"] = "OutOfMemoryError: " + str(e).splitlines()[0]
+except Exception as e:
+    r["absurd"] = type(e).__name__
 print(json.dumps(r))
 """, MEMORY_FRAGMENTATION="1")
     assert out["devices"] == [0, 1]
@@ -106,6 +121,12 @@ print(json.dumps(r))
     assert out["recorded_block_tagged"] and out["reuse_waited"] == 1
     assert out["limit"] == CAPACITY // 4
     assert "out of memory on device 0 (policy npu_pool)" in out["capped"] and "256.00 MiB cap" in out["capped"]
+    nan, zero, device7 = out["refused_fractions"]
+    assert nan.startswith("RuntimeError: npu_pool: memory fraction must be in (0, 1], got nan"), nan
+    assert zero.startswith("RuntimeError: npu_pool: memory fraction must be in (0, 1], got 0"), zero
+    assert device7.startswith("RuntimeError: npu_pool: device 7 is out of range (0..1)"), device7
+    assert out["limit_after_refusals"] == CAPACITY // 4
+    assert out["absurd"].startswith("OutOfMemoryError: npu_pool: malloc of 4611686018427387904 bytes"), out["absurd"]
     assert "Traceback" not in err
 
 

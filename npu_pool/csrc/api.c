@@ -29,15 +29,16 @@ void np_config_init(np_config *cfg) {
 static int cap_of(const np_backend *be, double fraction, uint64_t *limit) {
   *limit = (uint64_t)floor(fraction * (double)be->total);
   if (*limit >= NP_MIN_BLOCK || be->total < NP_MIN_BLOCK) return NP_OK;
-  char t[32];
-  return np_error(NP_ERR_INVALID, "memory fraction %g of the %s device is a cap of %llu bytes, less than the smallest "
-                  "block (%llu bytes): the smallest fraction is %.3g", fraction, np_fmt_bytes(be->total, t),
+  char t[32], f[32];
+  return np_error(NP_ERR_INVALID, "memory fraction %s of the %s device is a cap of %llu bytes, less than the smallest "
+                  "block (%llu bytes): the smallest fraction is %.3g", np_fmt_double(fraction, f), np_fmt_bytes(be->total, t),
                   (unsigned long long)*limit, (unsigned long long)NP_MIN_BLOCK, (double)NP_MIN_BLOCK / (double)be->total);
 }
 
-static int check_fraction(double f) {
+int np_check_fraction(double f) {
+  char x[32];
   if (!(f > 0.0 && f <= 1.0)) /* also rejects NaN */
-    return np_error(NP_ERR_INVALID, "memory fraction must be in (0, 1], got %g", f);
+    return np_error(NP_ERR_INVALID, "memory fraction must be in (0, 1], got %s", np_fmt_double(f, x));
   return NP_OK;
 }
 
@@ -95,7 +96,7 @@ int np_create(const np_config *cfg, np_ctx **out) {
       used += snprintf(known + used, sizeof known - (size_t)used, "%s%d=%s", i ? ", " : "", i, np_policy_name(i));
     return np_error(NP_ERR_INVALID, "unknown policy %d (%s)", cfg->policy, known);
   }
-  int rc = check_fraction(cfg->fraction);
+  int rc = np_check_fraction(cfg->fraction);
   if (rc != NP_OK) return rc;
   if (cfg->device_rules < 0 || cfg->device_rules >= NP_DEVICE_COUNT)
     return np_error(NP_ERR_INVALID, "unknown device rules %d (auto=0, npu=1, cuda=2)", cfg->device_rules);
@@ -237,7 +238,7 @@ int np_empty_cache(np_ctx *ctx) {
 }
 
 int np_set_fraction(np_ctx *ctx, double fraction) {
-  int rc = check_fraction(fraction);
+  int rc = np_check_fraction(fraction);
   if (rc != NP_OK) return rc;
   np_ctx_lock(ctx);
   if (np_ctx_usable(ctx, "set_fraction") != NP_OK) {

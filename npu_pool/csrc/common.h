@@ -38,6 +38,11 @@ int np_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)
 int np_last_code(void);
 /* Format a byte count as "1.50 GiB" into buf (at least 32 bytes); returns buf. */
 const char *np_fmt_bytes(uint64_t bytes, char *buf);
+/* Format x with the fewest significant digits (6 to 17) that read back as x, into buf (at least
+ * 32 bytes); returns buf. */
+const char *np_fmt_double(double x, char *buf);
+/* NP_OK for a memory fraction in (0, 1], else an NP_ERR_INVALID saying so (api.c). */
+int np_check_fraction(double f);
 
 /* The longest error message kept (a path of PATH_MAX bytes fits, with the loader's own message on it);
  * one cut there ends in "...". */

@@ -1,6 +1,7 @@
 /* error.c -- per-thread error messages (like errno: each caller sees its own). */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -43,6 +44,14 @@ void np_save_error(np_saved_error *s, int code) {
 }
 
 int np_restore_error(const np_saved_error *s) { return np_error(s->code, "%s", s->text); }
+
+const char *np_fmt_double(double x, char *buf) {
+  for (int digits = 6; digits <= 17; digits++) { /* the fewest digits that read back as x: 1.0000001, not 1 */
+    snprintf(buf, 32, "%.*g", digits, x);
+    if (strtod(buf, NULL) == x) break;
+  }
+  return buf; /* (NaN never reads back equal: 17 digits of "nan") */
+}
 
 const char *np_fmt_bytes(uint64_t bytes, char *buf) {
   if (bytes >= NP_GIB) snprintf(buf, 32, "%.2f GiB", (double)bytes / (double)NP_GIB);

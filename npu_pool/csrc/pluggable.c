@@ -103,11 +103,6 @@ static void report(int device, const char *what, bool quiet) {
   print_kept(device, what, quiet);
 }
 
-static int check_fraction(double f) {
-  if (!(f > 0.0 && f <= 1.0)) return np_error(NP_ERR_INVALID, "memory fraction must be in (0, 1], got %g", f);
-  return NP_OK;
-}
-
 static bool any_ctx_locked(void) {
   for (int d = 0; d < NP_MAX_DEVICES; d++)
     if (atomic_load(&table.ctx[d])) return true;
@@ -118,7 +113,7 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
   if (!np_policy_name(policy)) return np_error(NP_ERR_INVALID, "unknown policy %d (0..%d)", policy, np_policy_count() - 1);
   if (backend < 0 || backend >= NP_BACKEND_COUNT)
     return np_error(NP_ERR_INVALID, "unknown backend %d (sim=0, acl=1, cuda=2)", backend);
-  int rc = check_fraction(fraction);
+  int rc = np_check_fraction(fraction);
   if (rc != NP_OK) return rc;
   if (lib_path && strlen(lib_path) >= sizeof table.lib_path)
     return np_error(NP_ERR_INVALID, "lib_path is %zu bytes, longer than the %zu a path may have", strlen(lib_path),
@@ -186,9 +181,11 @@ np_ctx *npu_pool_device_ctx(int device) {
 }
 
 int npu_pool_set_fraction(int device, double fraction) {
-  if (!valid_device(device))
-    return np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device, NP_MAX_DEVICES - 1);
-  int rc = check_fraction(fraction);
+  int devices = atomic_load(&table.devices); /* torch's count, once its init hook said it */
+  if (!valid_device(device) || (devices > 0 && device >= devices))
+    return np_error(NP_ERR_INVALID, "device %d is out of range (0..%d)", device,
+                    (devices > 0 ? devices : NP_MAX_DEVICES) - 1);
+  int rc = np_check_fraction(fraction);
   if (rc != NP_OK) return rc;
   lock_table();
   np_ctx *ctx = atomic_load(&table.ctx[device]);

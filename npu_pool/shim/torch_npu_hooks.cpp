@@ -2,7 +2,8 @@
 // cannot be: they take or return C++ types. Built against the installed torch and torch_npu
 // headers by npu_pool/cpp_hooks.py (cached), bound to the core's C entry points at load.
 //
-//  - malloc / free: malloc_hook.h (a request the core cannot serve raises torch.OutOfMemoryError);
+//  - malloc / free / memory fraction: malloc_hook.h (a request the core cannot serve raises
+//    torch.OutOfMemoryError, a fraction or device it refuses a RuntimeError);
 //  - get_device_stats: c10::CachingDeviceAllocator::DeviceStats filled from np_stats
 //    (torch.npu.memory_stats() & co.; without it torch_npu's getDeviceStats returns nothing);
 //    a device torch does not have raises "Invalid device argument", as torch_npu's allocator does;
@@ -49,8 +50,8 @@ extern "C" {
 
 // The core's entry points (addresses from the binding); returns 0.
 int npu_pool_hooks_bind(void *malloc_fn, void *free_fn, void *stats_fn, void *record_fn, void *last_error_fn,
-                        void *last_code_fn) {
-  npu_pool_shim::bind_malloc(core, malloc_fn, free_fn, last_error_fn, last_code_fn);
+                        void *last_code_fn, void *set_fraction_fn) {
+  npu_pool_shim::bind_malloc(core, malloc_fn, free_fn, last_error_fn, last_code_fn, set_fraction_fn);
   core.stats = reinterpret_cast<int (*)(int, np_stats *)>(stats_fn);
   core.record_stream = reinterpret_cast<void (*)(void *, void *)>(record_fn);
   return 0;
@@ -62,14 +63,13 @@ void *npu_pool_hooks_malloc(size_t size, int device, void *stream) {
 
 void npu_pool_hooks_free(void *ptr, size_t size, int device, void *stream) { core.free(ptr, size, device, stream); }
 
+void npu_pool_hooks_memory_fraction(double fraction, int device) { npu_pool_shim::fraction_or_throw(core, fraction, device); }
+
 DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   np_stats st{};
   DeviceStats out;
-  if (core.stats(device, &st) != NP_OK) {
-    char msg[1024] = "";
-    core.last_error(-1, msg, sizeof msg);  // the calling thread's: why this device was refused
-    TORCH_CHECK(false, msg);
-  }
+  // the calling thread's error says why this device was refused
+  TORCH_CHECK(core.stats(device, &st) == NP_OK, npu_pool_shim::last_error(core));
   bool small_large = std::string(st.pool[0].name) == "small" && std::string(st.pool[1].name) == "large";
   fill(out.allocation, st, &np_pool_stats::blocks, small_large);
   fill(out.segment, st, &np_pool_stats::segments, small_large);
