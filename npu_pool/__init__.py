@@ -1,11 +1,15 @@
 """npu_pool: a fragmentation-aware device memory pool for large-model training.
 
-The names below load the compiled core (and torch, for ``install``) on first use, so that
-``import npu_pool`` itself stays cheap.
+Its public names (``__all__``, documented in docs/api.md): ``Pool`` and its errors
+(``PoolError``, ``OutOfMemoryError``, ``InvalidArgumentError``, ``DoubleFreeError``,
+``UnknownPointerError``, ``BackendError``), ``POLICIES``; torch's device allocator:
+``install``, ``installed``, ``current_pool``, ``set_fraction``; colocated training and
+inference: ``region``, ``pause``, ``resume``, ``set_backup_limit``. They load the compiled core
+(and torch, for ``install``) on first use, so that ``import npu_pool`` itself stays cheap.
 """
 from __future__ import annotations
 
-from typing import Any
+import typing as _typing
 
 __version__ = "0.1.0"
 
@@ -31,7 +35,7 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'npu_pool' has no attribute {name!r}")
@@ -40,3 +44,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(mod), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         print("npu-pool: interrupted", file=sys.stderr)
         return 130
     except (OSError, ValueError, PoolError, MemoryError, RecursionError) as e:  # bad files, settings, devices
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e)
+        if isinstance(e, OSError) and e.strerror and e.filename is None and e.errno is not None:
+            text = e.strerror  # a message of the package's own, without Python's "[Errno N]"
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         print(f"npu-pool {args.command}: error: {first}", file=sys.stderr)
         return 1
     finally:

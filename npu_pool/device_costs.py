@@ -65,7 +65,9 @@ def load_costs(path: str | None) -> dict[str, tuple[float, str]]:
         if len(raw) > _MAX_BYTES:
             raise ValueError(f"more than {_MAX_BYTES} bytes; not a cost table")
         given = json.loads(raw)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise ValueError(f"cost table {path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
         raise ValueError(f"cost table {path}: {e}") from None
     except RecursionError:
         raise ValueError(f"cost table {path}: nested too deeply; expected an object {{kind: microseconds}}") from None

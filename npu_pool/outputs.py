@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-__all__ = ["output", "write_bytes", "write_text", "OutputBusy", "partial_path", "guard"]
+__all__ = ["output", "check", "write_bytes", "write_text", "OutputBusy", "partial_path", "guard"]
 
 PARTIAL = ".partial"
 _NAME_MAX = 255  # bytes in a file name (Linux, and the file systems it mounts)
@@ -127,29 +127,50 @@ def _sigterm_raises() -> Iterator[None]:
 _ERRORS = "backslashreplace"
 
 
-@contextmanager
-def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "utf-8") -> Iterator[IO[Any]]:
-    """Open ``path`` for writing whole-or-nothing (``mode`` ``"wb"`` or ``"w"``). The
-    destination appears, complete, only when the ``with`` block ends without an exception."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"output mode {mode!r}: use 'wb' or 'w'")
+def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
+    """The file a write of ``path`` replaces (a link followed), the guards run; and whether it is
+    special (written directly). Raises for a destination no write can take."""
     if os.fspath(path) == "-":  # (it would be a file named '-' in the current folder)
         raise ValueError("an output named '-': name a file; standard output is not written through this option")
     p = Path(path)
     if p.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
     try:
-        special = not stat.S_ISREG(os.stat(p).st_mode)
+        if not stat.S_ISREG(os.stat(p).st_mode):
+            return p, True
     except OSError:
-        special = False  # absent (or a dangling link): created
-    if special:
-        with _direct(p, mode, encoding) as f:
-            yield f
-        return
+        pass  # absent (or a dangling link): created
     if p.is_symlink():
         p = Path(os.path.realpath(p))  # the file the link names is replaced; the link stays
     for check in _GUARDS:
         check(p)
+    return p, False
+
+
+def check(path: str | os.PathLike[str]) -> None:
+    """Raise now what :func:`output` would raise for ``path`` before writing a byte (a folder, a
+    missing or unwritable folder, a name too long, one of the command's inputs), for a command
+    that works a long time before it writes. Leaves nothing behind."""
+    p, special = _destination(path)
+    if not special:
+        fd = _claim(p)
+        try:
+            os.unlink(partial_path(p))
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "utf-8") -> Iterator[IO[Any]]:
+    """Open ``path`` for writing whole-or-nothing (``mode`` ``"wb"`` or ``"w"``). The
+    destination appears, complete, only when the ``with`` block ends without an exception."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"output mode {mode!r}: use 'wb' or 'w'")
+    p, special = _destination(path)
+    if special:
+        with _direct(p, mode, encoding) as f:
+            yield f
+        return
     with _sigterm_raises():
         fd = _claim(p)
         part = partial_path(p)

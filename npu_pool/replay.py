@@ -410,13 +410,8 @@ def _count(x: Any) -> bool:
 
 def recorded_ooms(trace: Trace) -> list[dict[str, int]]:
     """The recorded run's failed requests (``meta["ooms"]``: event, size, device_free), checked:
-    a ValueError names a malformed list instead of a failure somewhere later."""
-    ooms = trace.meta.get("ooms", [])
-    ok = isinstance(ooms, list) and all(isinstance(o, dict) and all(_count(o.get(k, 0)) for k in
-                                                                    ("event", "size", "device_free")) for o in ooms)
-    if not ok:
-        raise ValueError("the trace's meta['ooms'] is malformed (a list of {event, size, device_free} whole numbers)")
-    return [{k: o.get(k, 0) for k in ("event", "size", "device_free")} for o in ooms if "event" in o]
+    a ValueError (TraceError) names a malformed list instead of a failure somewhere later."""
+    return trace.ooms()
 
 
 def recorded_capacity(trace: Trace) -> int | None:

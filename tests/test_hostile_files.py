@@ -267,6 +267,23 @@ def test_a_billion_laughs_model_config_is_one_line(tmp_path: Path, capsys: pytes
         tracemalloc.stop()
 
 
+@pytest.mark.parametrize("text", ["１", "０.５", "٠.٥", "0.5_0", "\xa00.5", "0x1p-1", "5e-1.0", "."])
+def test_a_fraction_is_ascii_decimal(text: str) -> None:
+    """float() reads other scripts' digits and underscores; a setting is plain ASCII, as parse_int's."""
+    with pytest.raises(ConfigError, match="NPU_POOL_FRACTION=.* is not valid"):
+        config.parse_fraction(text)
+
+
+def test_fraction_and_switch_spellings_that_are_taken() -> None:
+    assert [config.parse_fraction(t) for t in (" 0.5\t", "+0.5", "5e-1", ".5", "1", 1, 0.25)] == \
+        [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 0.25]
+    assert config.parse_enabled(" 1\n") is True
+    with pytest.raises(ConfigError):
+        config.parse_enabled("\xa01\xa0")  # a no-break space is not white space a shell leaves
+    with pytest.raises(ConfigError):
+        config.parse_fraction(10 ** 400)
+
+
 def test_messages_never_expand_a_large_value() -> None:
     big = list(range(10 ** 6))
     for parse in (config.parse_policy, config.parse_fraction, config.parse_enabled, config.parse_plan):
@@ -698,6 +715,9 @@ def test_malformed_meta_of_traces_and_plans_is_named(tmp_path: Path, capsys: pyt
 
     _one_line(capsys, ["analyze", with_meta("o.npt", ooms=5)], "meta['ooms'] is malformed")
     _one_line(capsys, ["analyze", with_meta("p.npt", ooms=[{"event": 1, "size": [1]}])], "meta['ooms'] is malformed")
+    for command in (["replay"], ["plan", "--out", str(tmp_path / "x.npplan")], ["export", "--out", str(tmp_path / "x.pickle")]):
+        # one rule for every command (Trace.validate): before, only analyze read the list
+        _one_line(capsys, [command[0], with_meta("q.npt", ooms=[123456]), *command[1:]], "meta['ooms'] is malformed")
     capture = {"model": "gpt", "steps": 1, "batch": 4, "seq": 128, "layers": 4, "dim": 128, "heads": 0, "vocab": 512,
                "recompute": False, "grad_accum": 1, "mixed_precision": None, "fake": False}
     _one_line(capsys, ["estimate", "--trace", with_meta("c.npt", capture=capture)], "meta['capture'] is malformed")
@@ -942,3 +962,31 @@ def test_a_fake_capture_too_large_to_hold_is_refused_before_it_is_built(capsys, 
 
     with pytest.raises(ValueError, match="passed the 1,000 events"):
         colocated_capture(2, layers=2, decode_steps=1)  # estimated 160, records thousands
+
+
+@pytest.mark.parametrize("arg", [10 ** 9, 1 << 40, (1 << 63) - 1])
+def test_a_large_marker_argument_sizes_nothing_in_analyze(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                         arg: int) -> None:
+    """A marker's argument shares the id column: analyze sized its per-allocation arrays by it
+    (10^9: 8.8 GB and 16 s for a three-event trace; 2^63-1: a traceback)."""
+    t = Trace(meta={"n_ids": 1})
+    t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=arg)
+    t.append(OP_ALLOC, id=0, size=MiB)
+    t.append(OP_FREE, id=0, size=MiB)
+    t.save(tmp_path / "t.npt")
+    t0 = time.perf_counter()
+    assert main(["analyze", str(tmp_path / "t.npt"), "--format", "json"]) == 0
+    assert time.perf_counter() - t0 < 10
+    assert json.loads(capsys.readouterr().out)["traces"][0]["peak_live_bytes"] == MiB
+
+
+def test_capture_refuses_an_unwritable_out_before_it_trains(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Said at once, not after the training it would have thrown away (before: about 10 s of a
+    one-layer model, then the error); and without Python's "[Errno N]"."""
+    (tmp_path / "adir").mkdir()
+    for out, words in ((tmp_path / "nodir" / "x.npt", ("nodir/x.npt: cannot write", "nothing was written")),
+                       (tmp_path / "adir", ("adir: is a directory",))):
+        err = _one_line(capsys, ["capture", "--steps", "1", "--layers", "1", "--no-progress", "--out", str(out)], *words,
+                        seconds=3.0)
+        assert "[Errno" not in err
+    assert not list(tmp_path.rglob("*.partial"))

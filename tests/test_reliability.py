@@ -315,14 +315,20 @@ import json, os, signal, threading, time, torch, torch_npu
 import npu_pool
 pools = npu_pool.install()
 stop = threading.Event()
+started = threading.Barrier(3)  # each thread has allocated once before the first fork
 def churn():
+    first = True
     while not stop.is_set():
         x = torch.empty(1 << 20, dtype=torch.uint8, device="npu")
         del x
         torch.npu.memory_allocated()
+        if first:
+            started.wait(30)
+            first = False
 threads = [threading.Thread(target=churn) for _ in range(2)]
 for t in threads:
     t.start()
+started.wait(30)
 statuses = []
 for i in range(8):
     time.sleep(0.01)

@@ -172,8 +172,10 @@ def _category_source(trace: Trace) -> str:
 
 
 def _groups(trace: Trace, source: str) -> bytearray:
-    """Report group of every allocation id."""
-    n_ids = max(trace.n_ids, max(trace.id, default=-1) + 1)
+    """Report group of every allocation id. Sized by the ids of allocations and frees only: the
+    id column of other events holds other values (a marker's argument), which size nothing."""
+    ids = (i for op, i in zip(trace.op, trace.id) if op == OP_ALLOC or op == OP_INIT_ALLOC or op == OP_FREE)
+    n_ids = max(trace.n_ids, max(ids, default=-1) + 1)
     groups = bytearray([_U]) * n_ids
     if source == "trace":
         for op, cat, id_ in zip(trace.op, trace.cat, trace.id):

@@ -123,8 +123,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a whole number in 0..{_INT_MAX - 1}, not {show(v)}")
         if c.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, not {show(c.zero)}")
-        if c.norm not in ("layernorm", "rmsnorm") or c.position not in ("learned", "rope"):
-            raise ValueError("norm must be layernorm or rmsnorm; position learned or rope")
+        for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("position", ("learned", "rope"))):
+            if getattr(c, name) not in allowed:
+                raise ValueError(f"{name} must be {' or '.join(allowed)}, not {show(getattr(c, name))}")
         for name in ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep"):
             v = getattr(c, name)
             if not isinstance(v, int) or v < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import outputs
 from ..capture.real import DEFAULTS
 from ..units import fmt_bytes
 from . import whole
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with pause/resume of the trainer's and the rollout's tags (docs/colocated.md)")
     p.add_argument("--seed", type=whole(0, (1 << 64) - 1), default=0, help="torch's random seed (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", "-o", help="write the trace here (.npt)")
+    p.add_argument("--out", "-o", help="write the trace here (.npt); without it the trace is summarised, not saved")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     mp = "bf16" if args.bf16 else None
     progress = not args.no_progress
+    if args.out:
+        outputs.check(args.out)  # now, not after minutes of training
     try:
         if args.colocated > 0 and fake:
             from ..capture.colocated import colocated_capture
@@ -107,6 +110,5 @@ def run(args: argparse.Namespace) -> int:
     print("bytes by category at the peak:")
     for name, b in sorted(s["peak_by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:<16} {fmt_bytes(b):>14}  {100 * b / max(1, s['peak_bytes']):5.1f}%")
-    if args.out:
-        print(f"wrote {args.out}")
+    print(f"wrote {args.out}" if args.out else "not saved (--out FILE writes the trace)")
     return 0

@@ -14,6 +14,19 @@ static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) {
 /* Where cap pressure starts: 1 / NP_ARENA_NEAR_DIV of the arena's budget. Past it growths are
  * exact and carves keep free chunks whole (arena.h). */
 static uint64_t exact_from(const np_ctx *ctx, const np_arena *a) { return limit_of(ctx, a) / NP_ARENA_NEAR_DIV; }
+/* The out-of-memory error of an arena that would go past its budget by taking `bytes` more
+ * (`verb`: what it would do): the cap, or what is left of it to this arena when its owner or other
+ * arenas hold part of it (a tagged region's arena, the planned policy's fallback). */
+static int over_budget(const np_ctx *ctx, const np_arena *a, const char *verb, uint64_t bytes) {
+  char x[32], y[32], z[32];
+  if (!a->set_aside)
+    return np_error(NP_ERR_OOM, "%s %s more would exceed the memory fraction cap of %s", verb, np_fmt_bytes(bytes, x),
+                    np_fmt_bytes(ctx->limit, y));
+  return np_error(NP_ERR_OOM, "%s %s more would exceed the %s this arena may hold (the memory fraction cap of %s "
+                  "less what the rest of the pool holds)", verb, np_fmt_bytes(bytes, x), np_fmt_bytes(limit_of(ctx, a), y),
+                  np_fmt_bytes(ctx->limit, z));
+}
+
 /* Cap pressure: `more` bytes would take the arena past exact_from. */
 static bool near_cap(const np_ctx *ctx, const np_arena *a, uint64_t more) {
   return reserved_of(ctx, a) + more > exact_from(ctx, a);
@@ -48,9 +61,7 @@ static int ensure(np_ctx *ctx, np_arena *a) {
    * the runtime's own use), take what there is, down to half the cap. */
   for (uint64_t shrink = size / 16;;) {
     if (!a->vmm && reserved > limit - np_min_u64(size, limit)) {
-      char x[32], y[32];
-      rc = np_error(NP_ERR_OOM, "reserving %s more would exceed the memory fraction cap of %s", np_fmt_bytes(size, x),
-                    np_fmt_bytes(limit, y));
+      rc = over_budget(ctx, a, "reserving", size);
     } else {
       rc = np_segment_create(ctx, size, NP_STREAM_ANY, NP_POOL_SHARED, a->vmm, &seg);
     }
@@ -168,10 +179,8 @@ static uint64_t grow_end(const np_arena *a, uint64_t r0, uint64_t end, uint64_t 
 static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint64_t limit) {
   if (reserved_of(ctx, a) + need > limit) trim(ctx, a, b, reserved_of(ctx, a) + need - limit);
   if (reserved_of(ctx, a) + need > limit) {
-    char x[32], y[32];
     ctx->fail.needed = np_max_u64(ctx->fail.needed, need);
-    return np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s", np_fmt_bytes(need, x),
-                    np_fmt_bytes(limit, y));
+    return over_budget(ctx, a, "mapping", need);
   }
   uint64_t g = a->page, off = b->addr - a->seg->addr, end = (off + b->size + g - 1) / g, r0 = end;
   while (r0 > off / g && !a->seg->pages[r0 - 1]) r0--;

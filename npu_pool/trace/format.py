@@ -200,7 +200,7 @@ class Trace:
         first bad event: column lengths, ops, categories and markers in range, ids dense and each
         allocated once and freed once while live (at its alloc's size), sizes of allocations
         1..2^48, ``init_*`` events first, sites indexing ``meta["sites"]``, ``n_ids`` no more than
-        the allocations."""
+        the allocations, ``meta["ooms"]`` well formed (:meth:`ooms`)."""
         n = len(self.op)
         for col, _ in COLUMNS:
             if len(getattr(self, col)) != n:
@@ -214,12 +214,27 @@ class Trace:
         if isinstance(n_ids, bool) or not isinstance(n_ids, int) or not 0 <= n_ids < 1 << 63:
             raise TraceError(f"{name}: meta['n_ids'] is {n_ids!r:.40}; it must be the number of allocation ids")
         try:
+            self.ooms()
             inp, keep = self.c_columns()
         except TraceError as e:
             raise TraceError(f"{name}: {e}") from None
         bad = ffi.new("uint64_t *")
         if lib.np_trace_validate(inp, len(sites), bad) != 0:
             raise TraceError(f"{name}: {ffi.string(lib.np_last_error()).decode(errors='replace')}")
+
+    def ooms(self) -> list[dict[str, int]]:
+        """The recorded run's failed requests (``meta["ooms"]``: event, size, device_free, whole
+        numbers; an entry without an event is left out); TraceError when malformed."""
+        ooms = self.meta.get("ooms", []) if isinstance(self.meta, dict) else []
+        keys = ("event", "size", "device_free")
+
+        def count(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
+
+        if not (isinstance(ooms, list) and all(isinstance(o, dict) and all(count(o.get(k, 0)) for k in keys)
+                                               for o in ooms)):
+            raise TraceError("meta['ooms'] is malformed (a list of {event, size, device_free} whole numbers)")
+        return [{k: o.get(k, 0) for k in keys} for o in ooms if "event" in o]
 
     def c_columns(self) -> tuple[Any, list[Any]]:
         """The columns as the core's ``np_replay_in`` (ids 0..n_ids-1), and the buffers it points
