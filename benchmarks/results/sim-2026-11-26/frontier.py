@@ -29,11 +29,12 @@ def main() -> None:
     named = [(n, t) for n, t in named if not (n in seen or seen.add(n))]
     cache = Path(tempfile.gettempdir()) / "npu_pool_frontier_torch.json"
     torch = json.loads(cache.read_text()) if cache.is_file() else {}
-    tot = dict(waste=0.0, peak_reserved_room=0.0, physical_min=0, bound_min=0, bound_full=0, steady_room=0, steady_full=0, repeating=0)
+    tot = dict(waste=0.0, peak_reserved_room=0.0, physical_min=0, bound_min=0, bound_full=0, bound_room=0, steady_room=0, steady_full=0, repeating=0)
     for name, t in named:
-        if name not in torch:
+        if name not in torch or "room_phys" not in torch[name]:
             r = evaluate(t, name, "torch")
-            torch[name] = {"min": r.min_capacity_bytes, "min_phys": phys(r.calls_at_min_capacity)}
+            torch[name] = {"min": r.min_capacity_bytes, "min_phys": phys(r.calls_at_min_capacity),
+                           "room_phys": phys(r.calls)}
             cache.write_text(json.dumps(torch))
         b = iteration_bounds(t)
         r = evaluate(t, name, "npu_pool", bounds=b)
@@ -42,13 +43,14 @@ def main() -> None:
         full = run(t, "npu_pool", torch[name]["min"], bounds=b)  # the device the torch model just fits
         full_steady = steady_calls(full.iteration_calls, full.iteration_peaks) if full.ok else "fails"
         print(f"{name:28s} waste {waste:6.1f} MiB  physical at min cap {at_min:5d} (torch {torch[name]['min_phys']:5d})"
-              f"  full device {phys(full.calls) if full.ok else 'fails'}  steady: room {r.steady_calls} full {full_steady}",
-              flush=True)
+              f"  full device {phys(full.calls) if full.ok else 'fails'}  steady: room {r.steady_calls} full {full_steady}"
+              f"  given room {phys(r.calls)} (torch {torch[name]['room_phys']})", flush=True)
         tot["waste"] += waste
         tot["peak_reserved_room"] += r.peak_reserved_bytes / MiB  # given room to spare (1 TiB), MiB
         tot["physical_min"] += at_min
         tot["bound_min"] += at_min <= torch[name]["min_phys"]
         tot["bound_full"] += full.ok and phys(full.calls) <= torch[name]["min_phys"]
+        tot["bound_room"] += phys(r.calls) <= torch[name]["room_phys"]
         if r.steady_calls is not None:
             tot["repeating"] += 1
             tot["steady_room"] += r.steady_calls == 0
