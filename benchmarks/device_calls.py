@@ -325,12 +325,12 @@ NOTES = """
   530-922 MiB beyond the live bytes under CUDA's rules, where the torch model keeps none (every
   figure: `python benchmarks/results/sim-2026-11-26/freed_large.py`). Tried, on the arena's
   switches there (`NP_BIG`): a chunk of its own pages for every block of 20 MiB or more returns
-  them under CUDA's rules at no cost in waste (113 MiB against 115) but not under torch_npu's,
-  and doubles the chunks given room to spare on cs336-train-step-b (641 against 339); mapping
-  the page such a block shares as a chunk of its own too returns them under both (less a page
-  each, as torch_npu keeps) but breaks the bound given room to spare on 4 of the 13 traces
-  (cs336-train-step-b: 1205 chunks against the torch model's 995); starting such a block on a
-  page boundary raised the minimum-capacity waste to 415 MiB. Not adopted: the first gives
+  them under CUDA's rules at no cost in waste (frontier.py there: 113.1 MiB against 115.1) but not
+  under torch_npu's, and doubles the chunks given room to spare on cs336-train-step-b (641 against
+  339); mapping the page such a block shares as a chunk of its own too returns them under both
+  (less a page each, as torch_npu keeps) but breaks the bound given room to spare on 4 of the 13
+  traces (cs336-train-step-b: 1205 chunks against the torch model's 995); starting such a block on
+  a page boundary raised the minimum-capacity waste to 415 MiB. Not adopted: the first gives
   nothing on Ascend, the others cost what #19 bounds.
 - The first two iterations of a training run may grow the arena: the second's peak holds more
   than the first's did, since the optimizer's states, made in the first step's optimizer, are

@@ -514,3 +514,19 @@ def test_capture_command_colocated_needs_a_shape(capsys: pytest.CaptureFixture) 
 
     assert main(["capture", "--colocated", "3"]) == 2
     assert "--colocated needs --shape" in capsys.readouterr().err
+
+
+def test_an_out_of_memory_inside_a_region_names_its_room_beside_the_cap() -> None:
+    """A tagged region's arena may hold the cap less what the rest of the pool holds: its refusal
+    said that room was 'the memory fraction cap' (24 MiB, beside the 1 GiB cap in the same line)."""
+    with Pool("npu_pool", capacity=1 << 30) as p:
+        keep = [p.malloc(100 * MiB) for _ in range(10)]
+        with pytest.raises(OutOfMemoryError) as e:
+            with p.region("t"):
+                p.malloc(30 * MiB)
+        text = str(e.value)
+        assert "would exceed the 24.00 MiB this arena may hold (the memory fraction cap of 1.00 GiB" in text, text
+        assert "memory fraction cap of 24.00 MiB" not in text
+        for x in keep:
+            p.free(x)
+        p.check()
