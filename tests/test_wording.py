@@ -83,3 +83,25 @@ def test_capture_says_one_micro_batch_and_what_host_scalars_are(tmp_path: Path,
     assert "2 steps x 1 micro-batch of " in out and "micro-batches" not in out
     assert "host scalars left out" not in out
     assert "host scalars: 0-dim CPU tensors" in out and "--keep-host-scalars keeps them" in out
+
+
+def test_the_readmes_demo_transcript_is_what_the_demo_prints_now() -> None:
+    """docs/img/demo_terminal.txt (and the screenshot of its first screen) showed a 7B table two
+    arena changes old; `python benchmarks/demo_screenshot.py` writes both. The 7B part is
+    deterministic (the CPU captures' timings are not, so they are left out here)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "npu_pool.cli", "demo", "--no-capture"], cwd=root, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stdout[-2000:]
+
+    def seven_b(text: str) -> list[str]:
+        lines = text.splitlines()
+        return lines[:next(i for i, line in enumerate(lines) if line.startswith("made offline")) + 1]
+
+    saved = seven_b((root / "docs" / "img" / "demo_terminal.txt").read_text())
+    assert seven_b(r.stdout) == saved, "rerun python benchmarks/demo_screenshot.py"
