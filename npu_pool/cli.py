@@ -41,6 +41,9 @@ def _not_an_input(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="npu-pool", description="fragmentation-aware device memory pool tools")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"npu-pool {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Build only the requested sub-parser fully; others get their help line.
     wanted = next((a for a in argv if not a.startswith("-")), None)

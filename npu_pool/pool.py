@@ -205,6 +205,9 @@ class Pool:
         cfg.vmm = _flag(vmm, "vmm")
         cfg.fraction = _fraction(fraction)
         cfg.max_split_size = _uint(max_split_size or 0, "max_split_size")
+        if cfg.max_split_size and policy != "torch":  # (set and ignored, it would read as a setting that works)
+            raise _invalid(f"max_split_size applies to the torch policy only (PyTorch's max_split_size_mb); "
+                           f"the {policy} policy splits no segments")
         cfg.device = _uint(device, "device", 1 << 30)
         if lib_path is not None and (not isinstance(lib_path, str) or "\0" in lib_path):
             raise _invalid(f"lib_path must be a path (a str without NUL characters), got {lib_path!r:.80}")

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from ._core import ffi, lib
 from . import vocab
+from .config import show
 from .pool import POLICIES, Pool, _check, _event_dicts
 from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type
 from .trace.stats import live_profile
@@ -386,7 +387,10 @@ class Fidelity:
 def validate(trace: Trace, name: str) -> Fidelity:
     """Replay with the torch model from the recorded state and compare with what was recorded."""
     if trace.meta.get("expandable_segments"):
-        raise ValueError(f"{name}: recorded with expandable segments; --validate models the classic allocator only")
+        settings = trace.meta.get("allocator_settings")
+        policy = settings.get("npu_pool_policy") if isinstance(settings, dict) else None
+        what = f"npu_pool's {show(policy, 40)} policy" if isinstance(policy, str) else "expandable segments"
+        raise ValueError(f"{name}: recorded with {what}; --validate models PyTorch's classic allocator only")
     rec = trace.meta.get("recorded")
     if not rec:
         raise ValueError(f"{name}: the trace carries no recorded figures (import it from a PyTorch snapshot)")

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from npu_pool import Pool
-from npu_pool.pool import DoubleFreeError, OutOfMemoryError, PoolError, UnknownPointerError
+from npu_pool.pool import DoubleFreeError, InvalidArgumentError, OutOfMemoryError, PoolError, UnknownPointerError
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -219,6 +219,12 @@ def test_torch_max_split_size():
         assert b != a
         assert p.block_size(b) == 30 * MiB
         p.check()
+
+
+def test_max_split_size_is_refused_by_a_policy_that_ignores_it():
+    with pytest.raises(InvalidArgumentError, match="max_split_size applies to the torch policy only"):
+        Pool("npu_pool", capacity=4 * GiB, max_split_size=64 * MiB)
+    Pool("torch", capacity=4 * GiB, max_split_size=64 * MiB).close()
 
 
 # -- npu_pool policy: one arena, exact blocks, lifetime placement ------------------------------

@@ -115,6 +115,8 @@ def test_bad_magic(tmp_path: Path) -> None:
         Trace.load(_write(tmp_path / "x.npt", b"NOTATRACE" + b"\0" * 40))
     with pytest.raises(TraceError, match="bad magic"):
         Trace.load(_write(tmp_path / "short.npt", MAGIC[:5]))
+    with pytest.raises(TraceError, match=r"empty\.npt: not an npu_pool trace \(empty file: truncated"):
+        Trace.load(_write(tmp_path / "empty.npt", b""))  # said as the snapshot reader says it (was "bad magic")
 
 
 @pytest.mark.parametrize("cut", [20, -1, -9, -40])

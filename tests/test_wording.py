@@ -105,3 +105,31 @@ def test_the_readmes_demo_transcript_is_what_the_demo_prints_now() -> None:
 
     saved = seven_b((root / "docs" / "img" / "demo_terminal.txt").read_text())
     assert seven_b(r.stdout) == saved, "rerun python benchmarks/demo_screenshot.py"
+
+
+def test_version_and_validate_of_an_npu_pool_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`npu-pool --version` exists; --validate refusing a snapshot npu_pool exported named it
+    'recorded with expandable segments'."""
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("npu-pool ")
+    t = Trace(meta={"n_ids": 1, "expandable_segments": True, "allocator_settings": {"npu_pool_policy": "npu_pool"}})
+    t.append(OP_ALLOC, id=0, size=MiB)
+    t.append(OP_FREE, id=0, size=MiB)
+    t.save(tmp_path / "t.npt")
+    assert main(["replay", str(tmp_path / "t.npt"), "--validate"]) == 1
+    out = capsys.readouterr().out
+    assert "recorded with npu_pool's 'npu_pool' policy" in out and "expandable" not in out
+
+
+def test_estimate_says_one_range_for_a_field_and_names_the_wrong_one(capsys: pytest.CaptureFixture) -> None:
+    """--hidden -5 said '0..', then --hidden 0 'a positive integer'; --norm foo and --position foo
+    both said 'norm must be ...; position ...'."""
+    base = ["estimate", "--layers", "2", "--heads", "2", "--vocab", "10"]
+    for hidden in ("-5", "0"):
+        assert main([*base, "--hidden", hidden]) == 1
+        assert f"hidden must be a whole number in 1..1099511627775, not {hidden}" in capsys.readouterr().err
+    assert main([*base, "--hidden", "8", "--norm", "foo"]) == 1
+    assert "norm must be layernorm or rmsnorm, not 'foo'" in capsys.readouterr().err
+    assert main([*base, "--hidden", "8", "--position", "foo"]) == 1
+    assert "position must be learned or rope, not 'foo'" in capsys.readouterr().err

@@ -117,19 +117,21 @@ class ModelConfig:
             v = getattr(c, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true or false, not {show(v)}")
+        positive = ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep")
         for name in _INT_FIELDS:
             v = getattr(c, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _INT_MAX):
-                raise ValueError(f"{name} must be a whole number in 0..{_INT_MAX - 1}, not {show(v)}")
+                lo = 1 if name in positive else 0  # (what the check below would say of 0 too)
+                raise ValueError(f"{name} must be a whole number in {lo}..{_INT_MAX - 1}, not {show(v)}")
         if c.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, not {show(c.zero)}")
         for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("position", ("learned", "rope"))):
             if getattr(c, name) not in allowed:
                 raise ValueError(f"{name} must be {' or '.join(allowed)}, not {show(getattr(c, name))}")
-        for name in ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep"):
+        for name in positive:
             v = getattr(c, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, not {show(v)}")
+                raise ValueError(f"{name} must be a whole number in 1..{_INT_MAX - 1}, not {show(v)}")
         for name in ("ffn", "kv_heads", "micro_batches", "max_positions"):  # left out: the default
             if getattr(c, name) == 0:
                 raise ValueError(f"{name} must be a positive integer, or left out for its default; not 0")
