@@ -322,16 +322,17 @@ NOTES = """
   for 500 MiB live under torch_npu's rules, and a 300 MiB request then fails, where torch_npu's
   allocator (segments rounded up to 2 MiB) holds 510 and serves it; under CUDA's rules 500 and
   served; half of a 4 GiB device filled with 20-100 MiB blocks, every other one freed, keeps
-  530-922 MiB beyond the live bytes under CUDA's rules, where the torch model keeps none (every
-  figure: `python benchmarks/results/sim-2026-11-26/freed_large.py`). Tried, on the arena's
-  switches there (`NP_BIG`): a chunk of its own pages for every block of 20 MiB or more returns
-  them under CUDA's rules at no cost in waste (frontier.py there: 113.1 MiB against 115.1) but not
-  under torch_npu's, and doubles the chunks given room to spare on cs336-train-step-b (641 against
-  339); mapping the page such a block shares as a chunk of its own too returns them under both
-  (less a page each, as torch_npu keeps) but breaks the bound given room to spare on 4 of the 13
-  traces (cs336-train-step-b: 1205 chunks against the torch model's 995); starting such a block on
-  a page boundary raised the minimum-capacity waste to 415 MiB. Not adopted: the first gives
-  nothing on Ascend, the others cost what #19 bounds.
+  530-922 MiB beyond the live bytes under CUDA's rules, where the torch model keeps none, and
+  1001-1045 MiB under torch_npu's, where torch_npu's allocator keeps 9-101 (every figure: `python
+  benchmarks/results/sim-2026-11-26/freed_large.py`). Tried, on the arena's switches there
+  (`NP_BIG`): a chunk of its own pages for every block of 20 MiB or more returns them under CUDA's
+  rules at no cost in waste (frontier.py there: 113.1 MiB against 115.1) but not under
+  torch_npu's, and doubles the chunks given room to spare on cs336-train-step-b (641 against 339);
+  mapping the page such a block shares as a chunk of its own too returns them under both (less a
+  page each, as torch_npu keeps) but breaks the bound given room to spare on 4 of the 13 traces
+  (cs336-train-step-b: 1205 chunks against the torch model's 995); starting such a block on a page
+  boundary raised the minimum-capacity waste to 415 MiB. Not adopted: the first gives nothing on
+  Ascend, the others cost what #19 bounds.
 - The first two iterations of a training run may grow the arena: the second's peak holds more
   than the first's did, since the optimizer's states, made in the first step's optimizer, are
   live through the second's forward and backward. A pool mapped as tight as npu_pool's grows

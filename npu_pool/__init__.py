@@ -46,5 +46,5 @@ def __getattr__(name: str) -> _typing.Any:
     return value
 
 
-def __dir__() -> list[str]:
-    return sorted(__all__)
+def __dir__() -> list[str]:  # the lazy public names too; not __future__'s `annotations`
+    return sorted((set(globals()) - {"annotations"}) | set(__all__))

@@ -13,7 +13,7 @@ import json
 from typing import Mapping
 
 from .config import show
-from .inputs import open_regular
+from .inputs import NotRegularFile, open_regular
 from .vocab import CALL_NAMES
 
 __all__ = ["DEFAULT_COSTS", "load_costs", "estimate_us", "physical_calls"]
@@ -65,6 +65,8 @@ def load_costs(path: str | None) -> dict[str, tuple[float, str]]:
         if len(raw) > _MAX_BYTES:
             raise ValueError(f"more than {_MAX_BYTES} bytes; not a cost table")
         given = json.loads(raw)
+    except NotRegularFile as e:
+        raise ValueError(f"cost table {path}: not a regular file ({e.kind}); name a JSON file") from None
     except OSError as e:
         raise ValueError(f"cost table {path}: cannot read ({e.strerror or e})") from None
     except ValueError as e:

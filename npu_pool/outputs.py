@@ -133,15 +133,23 @@ def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     if os.fspath(path) == "-":  # (it would be a file named '-' in the current folder)
         raise ValueError("an output named '-': name a file; standard output is not written through this option")
     p = Path(path)
-    if p.is_dir():
-        raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
     try:
-        if not stat.S_ISREG(os.stat(p).st_mode):
-            return p, True
-    except OSError:
-        pass  # absent (or a dangling link): created
-    if p.is_symlink():
-        p = Path(os.path.realpath(p))  # the file the link names is replaced; the link stays
+        if p.is_dir():
+            raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
+        try:
+            mode = os.stat(p).st_mode
+            if stat.S_ISSOCK(mode):
+                raise OSError(errno.EINVAL, f"{p}: is a socket; name a file to write")
+            if not stat.S_ISREG(mode):
+                return p, True
+        except FileNotFoundError:
+            pass  # absent (or a dangling link): created
+        if p.is_symlink():
+            p = Path(os.path.realpath(p))  # the file the link names is replaced; the link stays
+    except OSError as e:  # (a loop of links, a name too long, a folder that cannot be searched, ...)
+        if e.filename is None:
+            raise
+        raise _fail(p, e) from None
     for check in _GUARDS:
         check(p)
     return p, False
@@ -149,8 +157,10 @@ def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
 
 def check(path: str | os.PathLike[str]) -> None:
     """Raise now what :func:`output` would raise for ``path`` before writing a byte (a folder, a
-    missing or unwritable folder, a name too long, one of the command's inputs), for a command
-    that works a long time before it writes. Leaves nothing behind."""
+    socket, a missing or unwritable folder, a name too long, a loop of links, one of the
+    command's inputs), for a command that works a long time before it writes. Leaves nothing
+    behind. A FIFO or a device is vouched for only when written (opening a FIFO to find out
+    whether anyone reads it would end the reader's input)."""
     p, special = _destination(path)
     if not special:
         fd = _claim(p)

@@ -990,3 +990,22 @@ def test_capture_refuses_an_unwritable_out_before_it_trains(tmp_path: Path, caps
                         seconds=3.0)
         assert "[Errno" not in err
     assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_outputs_check_refuses_sockets_and_loops_and_keeps_the_links(tmp_path: Path) -> None:
+    """A loop of symbolic links passed and was replaced by a regular file (the links lost); a
+    socket was taken for a FIFO nobody reads, after the work."""
+    import socket
+
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    with pytest.raises(OSError, match="loop1: cannot write .*symbolic links"):
+        outputs.check(tmp_path / "loop1")
+    with pytest.raises(OSError, match="loop1: cannot write"):
+        outputs.write_text(tmp_path / "loop1", "x")
+    assert (tmp_path / "loop1").is_symlink() and (tmp_path / "loop2").is_symlink()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "sock"))
+        with pytest.raises(OSError, match="sock: is a socket; name a file to write"):
+            outputs.check(tmp_path / "sock")
+    assert not list(tmp_path.rglob("*.partial"))
