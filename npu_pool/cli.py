@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"npu-pool {args.command}: error: standard output is closed, so nothing could be printed "
               "(redirect it instead, e.g. > /dev/null)", file=sys.stderr)
         return 1
+    for stream in (sys.stdout, sys.stderr):  # a string from a file (a lone surrogate) prints as an escape
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     from . import inputs, outputs
     from .pool import PoolError
 

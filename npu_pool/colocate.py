@@ -22,6 +22,8 @@ __all__ = ["region", "pause", "resume", "tags", "set_backup_limit"]
 
 def _pool(pool: Optional[Pool]) -> Pool:
     if pool is not None:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"pool must be an npu_pool.Pool (or None: the installed one), not {type(pool).__name__}")
         return pool
     p = current_pool()
     if p is None:

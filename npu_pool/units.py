@@ -1,4 +1,4 @@
-"""Byte and share formatting shared by messages, the text and the HTML reports (imports nothing)."""
+"""Byte, share and text formatting shared by messages, the text and the HTML reports (imports nothing)."""
 from __future__ import annotations
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -18,3 +18,18 @@ def fmt_bytes(n: float) -> str:
 def fmt_share(part: float, whole: float) -> str:
     """``part`` as a percentage of ``whole`` (``'-'`` when ``whole`` is 0)."""
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def md_cell(text: str) -> str:
+    """``text`` safe in a Markdown table cell printed to a terminal: control characters (ESC, CR,
+    newlines: a file's strings could retitle a terminal or forge a row) and lone surrogates
+    written as escapes, ``|`` escaped, ``<`` as ``&lt;`` (a renderer that passes HTML through
+    would run a ``<script>``)."""
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if o < 0x20 or 0x7F <= o < 0xA0 or 0xD800 <= o < 0xE000:
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
+        else:
+            out.append("\\|" if ch == "|" else "&lt;" if ch == "<" else ch)
+    return "".join(out)

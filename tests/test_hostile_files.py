@@ -1009,3 +1009,59 @@ def test_outputs_check_refuses_sockets_and_loops_and_keeps_the_links(tmp_path: P
         with pytest.raises(OSError, match="sock: is a socket; name a file to write"):
             outputs.check(tmp_path / "sock")
     assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_strings_from_files_cannot_drive_the_terminal_or_forge_rows(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """A snapshot's frame name reached analyze's Markdown raw: an OSC sequence retitled the
+    terminal, a newline forged a table row, a <script> went to renderers that pass HTML, and a
+    lone surrogate left nothing but a codec error. A rank report's mode did the same in merge."""
+    name = "evil|col\n| forged | row |\n\x1b]0;PWNED\x07\x1b[31mRED\r<script>alert(1)</script>\ud800"
+    events = [{"action": "alloc", "addr": 4096 * k, "size": 4096, "stream": 0,
+               "frames": [{"filename": "/a/b.py", "name": name, "line": 1}]} for k in range(1, 5)]
+    with open(tmp_path / "evil.pickle", "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [events]}, f)
+    assert main(["analyze", str(tmp_path / "evil.pickle"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "<script>" not in out and "| forged |" not in out
+    assert "\\x1b]0;PWNED" in out and "&lt;script>" in out and "\\ud800" in out
+    (tmp_path / "run").mkdir()
+    for bad, why in (({"version": 1, "rank": 0, "mode": "\x1b[31mred\nforged"}, "mode should be device or recorder"),
+                     ({"version": True, "rank": 0, "mode": "device"}, "not an npu_pool rank report of version 1")):
+        (tmp_path / "run" / "npu_pool_rank0.json").write_text(json.dumps(bad))
+        _one_line(capsys, ["merge", str(tmp_path / "run")], why)
+
+
+def test_a_plan_whose_region_disagrees_with_its_figures_is_refused(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """A plan rewritten with a 60 GiB region passed --check (which printed its meta's 0.1 GiB) and
+    made the planned policy reserve 60 GiB for a 0.1 GiB job."""
+    t = training(iters=3)
+    plan = make_plan(t, "t")
+    plan.region = 60 << 30
+    save_plan(plan, tmp_path / "bloat.npplan")
+    with pytest.raises(PlanError, match=r"a region of 64424509440 bytes where its figures say \d+"):
+        load_plan(tmp_path / "bloat.npplan")
+    _one_line(capsys, ["plan", "--check", str(tmp_path / "bloat.npplan")], "the file was edited or is corrupt")
+
+
+def test_replay_says_when_a_given_plan_runs_online(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The 'runs online' note was printed only for a plan replay made itself; a --plan file whose
+    planner found it worse than the online pool gave a 'planned' row that was npu_pool's, unsaid."""
+    t = training(iters=3)
+    t.save(tmp_path / "t.npt")
+    plan = make_plan(t, "t")
+    plan.meta["online"] = "worse on this trace"
+    save_plan(plan, tmp_path / "p.npplan")
+    assert main(["replay", str(tmp_path / "t.npt"), "--policy", "planned", "--plan", str(tmp_path / "p.npplan"),
+                 "--no-min-capacity"]) == 0
+    assert "planned on t: runs online (the plan worse on this trace)" in capsys.readouterr().out
+
+
+def test_colocate_functions_name_a_pool_of_the_wrong_type() -> None:
+    import npu_pool
+
+    for call in (lambda: npu_pool.pause("t", pool=5), lambda: npu_pool.resume("t", pool="x"),
+                 lambda: npu_pool.region("t", pool=[]), lambda: npu_pool.set_backup_limit(0, pool=1.5)):
+        with pytest.raises(TypeError, match="pool must be an npu_pool.Pool"):
+            call()

@@ -19,7 +19,7 @@ from ..timeline import Timeline, timeline
 from ..trace.format import Trace
 from ..trace.files import expand, open_traces
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
-from ..units import fmt_bytes, fmt_share
+from ..units import fmt_bytes, fmt_share, md_cell
 
 __all__ = ["PolicyFigures", "TraceAnalysis", "Analysis", "analyze_trace", "analyze_paths", "to_json", "to_markdown",
            "imbalance", "rank_groups"]
@@ -194,7 +194,7 @@ def _table(head: list[str], rows: list[list[str]], right: set[int] | None = None
     right = right if right is not None else set(range(1, len(head)))
     align = ["---:" if k in right else "---" for k in range(len(head))]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(md_cell(c) for c in r) + " |" for r in rows]
     return lines
 
 

@@ -179,6 +179,11 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
     policies = policies_from(args.policy)
     costs = load_costs(args.costs)
     results, online = [], []
+    given = None
+    if args.plan and "planned" in policies:
+        from ..planner.runtime import as_plan
+
+        given = as_plan(args.plan)  # read once, for every trace
     for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
         bounds = iteration_bounds(trace)  # (once: the steady column's, for every policy)
         for policy in policies:
@@ -186,8 +191,8 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
             if policy == "planned":
                 from ..planner import make_plan
 
-                plan = args.plan or make_plan(trace, name)
-                if not args.plan and plan.meta.get("online"):
+                plan = given or make_plan(trace, name)
+                if plan.meta.get("online"):  # (a plan given with --plan too: its row is the online pool's)
                     online.append(f"planned on {name}: runs online (the plan {plan.meta['online']})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds))

@@ -109,6 +109,10 @@ def verify(plan: Plan) -> None:
         raise PlanError(f"plan: {n} positions over a region of {plan.region} bytes (a multiple of {ALIGN} is needed)")
     if not 0 <= plan.loop < n:
         raise PlanError(f"plan: the loop body starts at position {plan.loop}, outside 0..{n - 1}")
+    said = plan.meta.get("region_bytes") if isinstance(plan.meta, dict) else None
+    if type(said) is int and said != plan.region:  # (--check prints the figures; a replay maps the region)
+        raise PlanError(f"plan: a region of {plan.region} bytes where its figures say {said}: the file was "
+                        "edited or is corrupt; make it again with `npu-pool plan`")
     pos, offset, size, span = [], [], [], []
     for p in range(n):
         if not 0 < plan.size[p] <= 1 << 48:

@@ -29,7 +29,7 @@ from ..inputs import NotRegularFile, open_regular
 VERSION = 1
 FILE_PATTERN = "npu_pool_rank*.json"
 GiB = float(1 << 30)
-_MAX_REPORT = 1 << 24  # bytes of one rank report read at most
+_MAX_REPORT = 1 << 20  # bytes of one rank report read at most (one is a few KiB; a merge keeps every one it reads)
 
 
 def memory_of(stats: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +147,8 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: not a readable npu_pool rank report (nested too deeply)") from None
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a readable npu_pool rank report ({str(e)[:160]})") from None
-        if not isinstance(r, dict) or r.get("version") != VERSION or not isinstance(r.get("rank"), int):
+        if not isinstance(r, dict) or type(r.get("version")) is not int or r["version"] != VERSION \
+                or not isinstance(r.get("rank"), int):
             raise ValueError(f"{path}: not an npu_pool rank report of version {VERSION}")
         problem = _shape_problem(r)
         if problem:
@@ -180,8 +181,8 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
         return "world_size should be a whole number > 0 or null"
     if r.get("world_size") is not None and r["rank"] >= r["world_size"]:
         return f"rank {r['rank']} is outside its world of {r['world_size']} ranks"
-    if not isinstance(r.get("mode", "?"), str):
-        return "mode should be a string"
+    if r.get("mode", "device") not in ("device", "recorder"):
+        return "mode should be device or recorder"
     for key in ("iterations", "host_peak_rss_bytes"):
         if not _number(r.get(key)):
             return f"{key} should be a number >= 0"
