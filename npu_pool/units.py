@@ -20,16 +20,20 @@ def fmt_share(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
-def md_cell(text: str) -> str:
-    """``text`` safe in a Markdown table cell printed to a terminal: control characters (ESC, CR,
-    newlines: a file's strings could retitle a terminal or forge a row) and lone surrogates
-    written as escapes, ``|`` escaped, ``<`` as ``&lt;`` (a renderer that passes HTML through
-    would run a ``<script>``)."""
+def printable(text: str) -> str:
+    """``text`` safe to print to a terminal: control characters (ESC, CR, newlines: a file's strings
+    could retitle a terminal or forge a line) and lone surrogates written as escapes."""
     out = []
     for ch in text:
         o = ord(ch)
         if o < 0x20 or 0x7F <= o < 0xA0 or 0xD800 <= o < 0xE000:
             out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
         else:
-            out.append("\\|" if ch == "|" else "&lt;" if ch == "<" else ch)
+            out.append(ch)
     return "".join(out)
+
+
+def md_cell(text: str) -> str:
+    """:func:`printable` ``text`` for a Markdown table cell or line: ``|`` escaped, ``<`` as ``&lt;``
+    (a renderer that passes HTML through would run a ``<script>``)."""
+    return printable(text).replace("|", "\\|").replace("<", "&lt;")

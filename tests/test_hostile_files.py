@@ -1025,6 +1025,18 @@ def test_strings_from_files_cannot_drive_the_terminal_or_forge_rows(tmp_path: Pa
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\r" not in out and "<script>" not in out and "| forged |" not in out
     assert "\\x1b]0;PWNED" in out and "&lt;script>" in out and "\\ud800" in out
+    t = small_trace(2)
+    t.meta["origin"] = name
+    t.save(tmp_path / "o.npt")
+    assert main(["analyze", str(tmp_path / "o.npt"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "origin `evil\\|col\\x0a" in out
+    plan = make_plan(training(iters=3), "t")
+    plan.meta["source"] = name
+    save_plan(plan, tmp_path / "p.npplan")
+    assert main(["plan", "--check", str(tmp_path / "p.npplan")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "trace         evil|col\\x0a" in out
     (tmp_path / "run").mkdir()
     for bad, why in (({"version": 1, "rank": 0, "mode": "\x1b[31mred\nforged"}, "mode should be device or recorder"),
                      ({"version": True, "rank": 0, "mode": "device"}, "not an npu_pool rank report of version 1")):

@@ -208,12 +208,12 @@ _SOURCE_TEXT = {"trace": "from the trace's tensor categories",
 
 def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
     p = t.profile
-    out = [f"{level} {t.name}", ""]
+    out = [f"{level} {md_cell(t.name)}", ""]
     where = (f"at event {p.peak_index} ({100 * p.peak_index / max(1, p.events - 1):.0f}% through the trace)"
              if p.peak_index >= 0 else "(no allocations)")
     out += [f"- events {p.events}, allocations {p.allocs} ({p.initial_allocs} of them live when the recording "
             f"began), frees {p.frees}, sites {len(p.sites)}"
-            + (f", origin `{t.origin}`" if t.origin else ""),
+            + (f", origin `{md_cell(t.origin)}`" if t.origin else ""),
             f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
             f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
     out += [f"{level}# Fragmentation per policy", ""]
@@ -264,7 +264,7 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
 
 def to_markdown(a: Analysis, top_sites: int = 15) -> str:
     """The report as Markdown: a rank table first when there are several traces."""
-    out = [f"# Memory analysis: {a.source}", ""]
+    out = [f"# Memory analysis: {md_cell(a.source)}", ""]
     if a.ranks:
         pols = [f.policy for f in a.traces[0].policies]
         groups = rank_groups(a)
@@ -281,7 +281,7 @@ def to_markdown(a: Analysis, top_sites: int = 15) -> str:
                  f"{r['max_over_mean']:.3f}", fmt_bytes(r["spread_bytes"])] for r in imbalance(a)]
         out += _table(["figure", "max", "on", "min", "on", "max / mean", "max - min"], rows, {1, 3, 5, 6}) + [""]
         worst = a.worst()
-        out += [f"Details of the rank with the highest peak ({worst.name}):", ""]
+        out += [f"Details of the rank with the highest peak ({md_cell(worst.name)}):", ""]
         out += _trace_md(worst, top_sites, "##")
     else:
         out += _trace_md(a.traces[0], top_sites)

@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..trace.format import device_type, forced_device
+from ..units import printable
 
 GiB = float(1 << 30)
 
@@ -73,7 +74,7 @@ def _rows(meta: dict) -> str:
         rows.insert(-1, ("runs online", f"the plan is worse than the online pool on this trace ({meta['online']}): "
                                          "installing it installs nothing, the planned policy serves every "
                                          "request as npu_pool does"))
-    return "\n".join(f"{k:13} {v}" for k, v in rows)
+    return "\n".join(f"{k:13} {printable(str(v))}" for k, v in rows)  # (a plan's meta is a file's: no escapes)
 
 
 def run(args: argparse.Namespace) -> int:

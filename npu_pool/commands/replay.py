@@ -11,6 +11,7 @@ from ..replay import HINTS, PolicyResult, evaluate, iteration_bounds, policies_f
 from ..trace.files import expand, open_traces
 from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
+from ..units import printable
 
 GiB = float(1 << 30)
 
@@ -193,7 +194,7 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
 
                 plan = given or make_plan(trace, name)
                 if plan.meta.get("online"):  # (a plan given with --plan too: its row is the online pool's)
-                    online.append(f"planned on {name}: runs online (the plan {plan.meta['online']})")
+                    online.append(f"planned on {name}: runs online (the plan {printable(str(plan.meta['online']))})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds))
     print(format_table(results))
