@@ -28,10 +28,12 @@ Three ways, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..trace.format import MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, Trace
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Window", "find_window"]
 
@@ -106,6 +108,8 @@ def _by_markers(trace: Trace) -> Window | None:
 
 def _signature(trace: Trace) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Alloc/free events: their trace indices, sizes, ages (-1 for allocs), signed sizes."""
+    import torch  # (imported here: reading a plan, which imports this module, needs no torch)
+
     index, sizes, ages, delta = [], [], [], []
     born: dict[int, int] = {}
     for i, (op, id_, size) in enumerate(zip(trace.op, trace.id, trace.size)):
@@ -122,6 +126,8 @@ def _signature(trace: Trace) -> tuple[list[int], torch.Tensor, torch.Tensor, tor
 
 def _candidates(sizes: torch.Tensor, ages: torch.Tensor) -> list[int]:
     """Distances at which k-grams of events repeat, most frequent first."""
+    import torch
+
     m = sizes.numel() - _GRAM + 1
     if m < 2:
         return []
@@ -145,6 +151,8 @@ def _candidates(sizes: torch.Tensor, ages: torch.Tensor) -> list[int]:
 
 def _longest_run(eq: torch.Tensor) -> tuple[int, int]:
     """Length and start of the longest run of True."""
+    import torch
+
     idx = torch.arange(eq.numel())
     last_false = torch.cummax(torch.where(eq, torch.full_like(idx, -1), idx), 0).values
     run = idx - last_false
@@ -153,6 +161,8 @@ def _longest_run(eq: torch.Tensor) -> tuple[int, int]:
 
 
 def _by_period(trace: Trace) -> Window | None:
+    import torch
+
     index, sizes, ages, delta = _signature(trace)
     best = None  # (run, -period, start)
     for p in _candidates(sizes, ages):
