@@ -59,15 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"npu-pool {args.command}: error: standard output is closed, so nothing could be printed "
               "(redirect it instead, e.g. > /dev/null)", file=sys.stderr)
         return 1
-    for stream in (sys.stdout, sys.stderr):  # a string from a file (a lone surrogate) prints as an escape
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
     from . import inputs, outputs
     from .pool import PoolError
+    from .units import printable
 
     inputs.remember()  # a command never replaces one of its own inputs with an output
     outputs.guard(_not_an_input)
+    streams = [(s, s.errors) for s in (sys.stdout, sys.stderr) if hasattr(s, "reconfigure")]
     try:
+        for stream, _ in streams:  # a string from a file (a lone surrogate) prints as an escape
+            stream.reconfigure(errors="backslashreplace")
         return int(_module(args.command).run(args) or 0)
     except KeyboardInterrupt:
         print("npu-pool: interrupted", file=sys.stderr)
@@ -77,10 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, OSError) and e.strerror and e.filename is None and e.errno is not None:
             text = e.strerror  # a message of the package's own, without Python's "[Errno N]"
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        print(f"npu-pool {args.command}: error: {first}", file=sys.stderr)
+        print(f"npu-pool {args.command}: error: {printable(first)}", file=sys.stderr)  # (it may quote a file)
         return 1
     finally:
         inputs.forget()
+        for stream, errors in streams:  # as the caller had them (npu-pool run in-process, by a test or a tool)
+            try:
+                stream.reconfigure(errors=errors)
+            except (ValueError, OSError):  # closed meanwhile
+                pass
 
 
 if __name__ == "__main__":

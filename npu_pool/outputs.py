@@ -23,6 +23,7 @@ import io
 import os
 import signal
 import stat
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -133,6 +134,9 @@ def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     if os.fspath(path) == "-":  # (it would be a file named '-' in the current folder)
         raise ValueError("an output named '-': name a file; standard output is not written through this option")
     p = Path(path)
+    # /dev/stdout, /proc/self/fd/1, ...: a stream's file, which a rename would replace (the lines
+    # written before it lost) and the stream would no longer reach
+    stream = os.path.abspath(p).startswith(("/dev/", "/proc/"))
     try:
         if p.is_dir():
             raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")
@@ -140,7 +144,7 @@ def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
             mode = os.stat(p).st_mode
             if stat.S_ISSOCK(mode):
                 raise OSError(errno.EINVAL, f"{p}: is a socket; name a file to write")
-            if not stat.S_ISREG(mode):
+            if not stat.S_ISREG(mode) or stream:
                 return p, True
         except FileNotFoundError:
             pass  # absent (or a dangling link): created
@@ -215,10 +219,17 @@ def output(path: str | os.PathLike[str], mode: str = "wb", *, encoding: str = "u
 
 @contextmanager
 def _direct(p: Path, mode: str, encoding: str) -> Iterator[IO[Any]]:
-    """Write straight into ``p``, which exists and is not a regular file (it cannot be replaced
-    whole). A FIFO nobody reads is refused instead of waited on."""
+    """Write straight into ``p``, which exists and is not a regular file, or is one reached as a
+    stream (/dev/stdout): it cannot be replaced whole. A regular file is appended to, after what
+    this process printed (a shell's > opened it once, for both). A FIFO nobody reads is refused
+    instead of waited on."""
     try:
-        fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        regular = stat.S_ISREG(os.stat(p).st_mode)
+        if regular:
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
+        fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_APPEND if regular else 0))
         os.set_blocking(fd, True)
     except OSError as e:
         if e.errno == errno.ENXIO:

@@ -1,5 +1,7 @@
-"""Byte, share and text formatting shared by messages, the text and the HTML reports (imports nothing)."""
+"""Byte, share and text formatting shared by messages, the text and the HTML reports (imports nothing of the package)."""
 from __future__ import annotations
+
+import re
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -33,7 +35,11 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+_TAG = re.compile(r"<(?=[A-Za-z/!?])")  # a "<" that can open an HTML tag (not the " < " between frames)
+
+
 def md_cell(text: str) -> str:
-    """:func:`printable` ``text`` for a Markdown table cell or line: ``|`` escaped, ``<`` as ``&lt;``
-    (a renderer that passes HTML through would run a ``<script>``)."""
-    return printable(text).replace("|", "\\|").replace("<", "&lt;")
+    """:func:`printable` ``text`` for a Markdown table cell or line: ``|`` escaped, a ``<`` that
+    could open an HTML tag as ``&lt;`` (a renderer that passes HTML through would run a
+    ``<script>``)."""
+    return _TAG.sub("&lt;", printable(text).replace("|", "\\|"))

@@ -882,7 +882,10 @@ def test_estimate_refuses_zero_where_zero_meant_the_default(capsys) -> None:
                         ("--max-positions", "max_positions")):
         assert main(base + [flag, "0"]) == 1
         err = capsys.readouterr().err
-        assert f"{field} must be a positive integer" in err and err.count("\n") == 1, err
+        assert f"{field} must be a whole number in 1..1099511627775, or left out for its default, not 0" in err
+        assert err.count("\n") == 1, err
+        assert main(base + [flag, "-5"]) == 1
+        assert f"{field} must be a whole number in 1..1099511627775, or left out" in capsys.readouterr().err
     assert main(base + ["--ffn", "1024"]) == 0
 
 
@@ -1030,7 +1033,7 @@ def test_strings_from_files_cannot_drive_the_terminal_or_forge_rows(tmp_path: Pa
     t.save(tmp_path / "o.npt")
     assert main(["analyze", str(tmp_path / "o.npt"), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "\x1b" not in out and "origin `evil\\|col\\x0a" in out
+    assert "\x1b" not in out and "origin `evil|col\\x0a" in out  # (a code span: printable, no Markdown escapes)
     plan = make_plan(training(iters=3), "t")
     plan.meta["source"] = name
     save_plan(plan, tmp_path / "p.npplan")
@@ -1077,3 +1080,38 @@ def test_colocate_functions_name_a_pool_of_the_wrong_type() -> None:
                  lambda: npu_pool.region("t", pool=[]), lambda: npu_pool.set_backup_limit(0, pool=1.5)):
         with pytest.raises(TypeError, match="pool must be an npu_pool.Pool"):
             call()
+
+
+def test_out_dev_stdout_appended_to_a_file_keeps_what_was_there(tmp_path: Path) -> None:
+    """/dev/stdout led to the regular file a shell's >> opened: the write renamed a new file over
+    it, its earlier lines lost (rc 0)."""
+    t = small_trace(2)
+    t.save(tmp_path / "t.npt")
+    log = tmp_path / "log.txt"
+    log.write_text("precious line\n")
+    with open(log, "a") as f:
+        r = subprocess.run([sys.executable, "-m", "npu_pool.cli", "analyze", str(tmp_path / "t.npt"), "--no-progress",
+                            "--out", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+                           timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = log.read_text()
+    assert text.startswith("precious line\n# Memory analysis:") and not list(tmp_path.glob(".*partial"))
+
+
+def test_errors_quoting_a_file_print_as_escapes_and_site_frames_stay_readable(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture) -> None:
+    """An error quoting a plan's source printed its OSC sequence raw (stderr); and md_cell wrote
+    the ' < ' between a site's frames as '&lt;'."""
+    from npu_pool.units import md_cell
+
+    assert md_cell("a.py:1:f < b.py:2:<module>") == "a.py:1:f < b.py:2:&lt;module>"
+    plan = make_plan(training(iters=3), "t")
+    plan.meta["source"] = "x\x1b]0;PWNED\x07y"
+    save_plan(plan, tmp_path / "p.npplan")
+    other = small_trace(2)
+    other.save(tmp_path / "o.npt")
+    errors = sys.stderr.errors
+    assert main(["plan", "--check", str(tmp_path / "p.npplan"), str(tmp_path / "o.npt")]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\\x1b]0;PWNED" in err, err
+    assert sys.stderr.errors == errors  # main put the stream back as it was

@@ -113,8 +113,12 @@ def _write(path: Path, data: bytes) -> Path:
 def test_bad_magic(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="bad magic"):
         Trace.load(_write(tmp_path / "x.npt", b"NOTATRACE" + b"\0" * 40))
-    with pytest.raises(TraceError, match="bad magic"):
+    with pytest.raises(TraceError, match="truncated: 5 bytes"):  # (the start of the magic: a cut file)
         Trace.load(_write(tmp_path / "short.npt", MAGIC[:5]))
+    with pytest.raises(TraceError, match="truncated: 10 bytes"):  # (was "of another format version")
+        Trace.load(_write(tmp_path / "short10.npt", MAGIC + b"\0\0"))
+    with pytest.raises(TraceError, match="bad magic"):
+        Trace.load(_write(tmp_path / "other.npt", b"NOTA"))
     with pytest.raises(TraceError, match=r"empty\.npt: not an npu_pool trace \(empty file: truncated"):
         Trace.load(_write(tmp_path / "empty.npt", b""))  # said as the snapshot reader says it (was "bad magic")
 

@@ -118,11 +118,13 @@ class ModelConfig:
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true or false, not {show(v)}")
         positive = ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep")
+        defaulted = ("ffn", "kv_heads", "micro_batches", "max_positions")  # left out: the default
         for name in _INT_FIELDS:
             v = getattr(c, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _INT_MAX):
-                lo = 1 if name in positive else 0  # (what the check below would say of 0 too)
-                raise ValueError(f"{name} must be a whole number in {lo}..{_INT_MAX - 1}, not {show(v)}")
+                lo = 1 if name in positive or name in defaulted else 0  # (what the checks below say of 0 too)
+                raise ValueError(f"{name} must be a whole number in {lo}..{_INT_MAX - 1}"
+                                 f"{', or left out for its default' if name in defaulted else ''}, not {show(v)}")
         if c.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, not {show(c.zero)}")
         for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("position", ("learned", "rope"))):
@@ -132,9 +134,10 @@ class ModelConfig:
             v = getattr(c, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a whole number in 1..{_INT_MAX - 1}, not {show(v)}")
-        for name in ("ffn", "kv_heads", "micro_batches", "max_positions"):  # left out: the default
+        for name in defaulted:
             if getattr(c, name) == 0:
-                raise ValueError(f"{name} must be a positive integer, or left out for its default; not 0")
+                raise ValueError(f"{name} must be a whole number in 1..{_INT_MAX - 1}, or left out for its default, "
+                                 "not 0")
         if c.hidden % c.heads:
             raise ValueError(f"hidden={c.hidden} is not divisible by heads={c.heads}")
         if c.heads % c.tp or (c.kv_heads or c.heads) % c.tp:

@@ -19,7 +19,7 @@ from ..timeline import Timeline, timeline
 from ..trace.format import Trace
 from ..trace.files import expand, open_traces
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
-from ..units import fmt_bytes, fmt_share, md_cell
+from ..units import fmt_bytes, fmt_share, md_cell, printable
 
 __all__ = ["PolicyFigures", "TraceAnalysis", "Analysis", "analyze_trace", "analyze_paths", "to_json", "to_markdown",
            "imbalance", "rank_groups"]
@@ -213,7 +213,7 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
              if p.peak_index >= 0 else "(no allocations)")
     out += [f"- events {p.events}, allocations {p.allocs} ({p.initial_allocs} of them live when the recording "
             f"began), frees {p.frees}, sites {len(p.sites)}"
-            + (f", origin `{md_cell(t.origin)}`" if t.origin else ""),
+            + (f", origin `{printable(t.origin).replace('`', chr(39))}`" if t.origin else ""),  # (a code span)
             f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
             f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
     out += [f"{level}# Fragmentation per policy", ""]

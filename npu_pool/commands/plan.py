@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             name, trace = _pick(args.trace, index)
             check_made_for(plan, trace, name, device_type(trace, kind))
             made_for = f" for {name}"
-        print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok{made_for}\n{_summary(plan.meta)}")
+        figures = {**plan.meta, "region_bytes": plan.region}  # the region the policy maps: the header's
+        print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok{made_for}\n{_summary(figures)}")
         return 0
     if not args.trace:
         raise ValueError("give a TRACE to plan (or --check PLAN)")

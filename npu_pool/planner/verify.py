@@ -110,7 +110,7 @@ def verify(plan: Plan) -> None:
     if not 0 <= plan.loop < n:
         raise PlanError(f"plan: the loop body starts at position {plan.loop}, outside 0..{n - 1}")
     said = plan.meta.get("region_bytes") if isinstance(plan.meta, dict) else None
-    if type(said) is int and said != plan.region:  # (--check prints the figures; a replay maps the region)
+    if said is not None and said != plan.region or isinstance(said, bool):  # (a replay maps the header's)
         raise PlanError(f"plan: a region of {plan.region} bytes where its figures say {said}: the file was "
                         "edited or is corrupt; make it again with `npu-pool plan`")
     pos, offset, size, span = [], [], [], []

@@ -291,7 +291,9 @@ class Trace:
     def _read(cls, f: BinaryIO, name: str, file_size: int) -> "Trace":
         head = f.read(16)
         if len(head) < 16 or head[:8] != MAGIC:
+            cut = len(head) < 16 and head[:8] == MAGIC[:len(head[:8])]  # the start of a trace, and no more
             what = ("empty file: truncated, or never written" if not head else
+                    f"truncated: {len(head)} bytes, not even a header" if cut else
                     "an npu_pool trace of another format version" if head[:7] == MAGIC[:7] else "bad magic")
             raise TraceError(f"{name}: not an npu_pool trace ({what})")
         (hlen,) = struct.unpack("<Q", head[8:])
