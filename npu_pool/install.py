@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import operator
-import os
 import sys
 import threading
 import types
@@ -411,7 +410,10 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
 
 
 def _already(current: _Installation) -> InstallError:
-    by_switch = os.environ.get(config.ENABLE, "").strip() not in ("", "0")
+    try:
+        by_switch = config.switched_on()  # (what the start-up hook read: the one rule of the switch)
+    except config.ConfigError:
+        by_switch = False
     how = (f" ({config.ENABLE} installed it at start-up: choose its policy and cap with {config.POLICY} and "
            f"{config.FRACTION}, or unset {config.ENABLE} to install it yourself)") if by_switch else ""
     return InstallError(f"npu_pool is already installed ({current.kind}, policy {current.policy}); "

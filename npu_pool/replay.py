@@ -20,7 +20,7 @@ from ._core import ffi, lib
 from . import vocab
 from .config import show
 from .pool import POLICIES, Pool, _check, _event_dicts
-from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type
+from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type, is_count
 from .trace.stats import live_profile
 from .units import fmt_bytes
 
@@ -394,7 +394,7 @@ def validate(trace: Trace, name: str) -> Fidelity:
     rec = trace.meta.get("recorded")
     if not rec:
         raise ValueError(f"{name}: the trace carries no recorded figures (import it from a PyTorch snapshot)")
-    if not isinstance(rec, dict) or not all(_count(rec.get(k)) for k in ("peak_reserved_bytes", "segment_allocs")):
+    if not isinstance(rec, dict) or not all(is_count(rec.get(k)) for k in ("peak_reserved_bytes", "segment_allocs")):
         raise ValueError(f"{name}: the trace's meta['recorded'] is malformed (it needs whole numbers "
                          "peak_reserved_bytes and segment_allocs)")
     r = run(trace, "torch", fidelity=True, hints="none")
@@ -406,10 +406,6 @@ def validate(trace: Trace, name: str) -> Fidelity:
                     recorded_segment_allocs=int(rec["segment_allocs"]),
                     simulated_segment_allocs=r.device_mallocs - primed,
                     same_place=r.same_addr / r.compared if r.compared else 1.0, compared=r.compared)
-
-
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
 
 
 def recorded_ooms(trace: Trace) -> list[dict[str, int]]:

@@ -76,6 +76,12 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 _EVENT_BYTES = sum(array.array(code).itemsize for _, code in COLUMNS)  # one event across every column
 
 
+def is_count(x: Any) -> bool:
+    """Whether ``x`` is a whole number a trace's meta may hold as a count or a byte size: an int
+    (not a bool) in 0..2^63-1."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
+
+
 def _check_column(col: str, code: str, data: Any) -> None:
     """TraceError unless ``data`` is a contiguous buffer of ``code``'s items (array('Q') for size,
     or a numpy array of that width and sign): the core reads its bytes as those."""
@@ -227,11 +233,7 @@ class Trace:
         numbers; an entry without an event is left out); TraceError when malformed."""
         ooms = self.meta.get("ooms", []) if isinstance(self.meta, dict) else []
         keys = ("event", "size", "device_free")
-
-        def count(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
-
-        if not (isinstance(ooms, list) and all(isinstance(o, dict) and all(count(o.get(k, 0)) for k in keys)
+        if not (isinstance(ooms, list) and all(isinstance(o, dict) and all(is_count(o.get(k, 0)) for k in keys)
                                                for o in ooms)):
             raise TraceError("meta['ooms'] is malformed (a list of {event, size, device_free} whole numbers)")
         return [{k: o.get(k, 0) for k in keys} for o in ooms if "event" in o]
