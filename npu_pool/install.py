@@ -16,12 +16,12 @@ from __future__ import annotations
 import importlib.util
 import operator
 import sys
-import threading
 import types
 import warnings
 from typing import Any, Optional
 
 from . import config, oom
+from .locks import ForkSafeLock
 from ._core import ffi, lib
 from .pool import BACKENDS, POLICIES, Pool, PoolError, _check, _fraction, _invalid
 
@@ -75,7 +75,7 @@ class _Installation:
 
 
 _current: Optional[_Installation] = None
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def core_path() -> str:

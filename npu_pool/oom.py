@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from . import snapshot
+from .locks import ForkSafeLock
 from .units import fmt_bytes
 
 __all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "HISTORY_WRITTEN", "OomExplanation", "explain",
@@ -47,7 +47,7 @@ HISTORY_WHEN_ENABLED = HISTORY_WRITTEN  # events kept per device when OOM snapsh
 HISTORY_IN_JSON = 64             # the events around the failure, in the .json
 BLOCKS_IN_JSON = 4096            # blocks listed in the .json (the pickle's segments hold all of them)
 _written = 0
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 _SHORTAGE_LEVERS = (
     "lower the micro-batch size and raise gradient accumulation (same global batch, fewer activations)",

@@ -1,16 +1,16 @@
 """The Python face of the C core: :class:`Pool` (one allocator context) and its errors.
 
-The bottom of the package's import graph: it imports the binding, the vocabulary and the
-OOM snapshot writer (which import nothing above them), nothing else.
+The bottom of the package's import graph: it imports the binding, the vocabulary, the
+fork-safe lock and the OOM snapshot writer (which import nothing above them), nothing else.
 """
 from __future__ import annotations
 
 import array
 import os
-import threading
 from typing import Any, Optional, Sequence, Union
 
 from . import oom
+from .locks import ForkSafeLock
 from ._core import ffi, lib
 from .vocab import BACKENDS as _BACKEND_NAMES, CALL_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
 from .vocab import DEVICES as _DEVICE_NAMES
@@ -480,7 +480,7 @@ def _tag(tag: object) -> bytes:
         raise _invalid(f"tag {tag!r:.60} is not ASCII") from None
 
 
-_REGIONS_LOCK = threading.Lock()  # a pool's open regions change whole: entered or left with its core region
+_REGIONS_LOCK = ForkSafeLock()  # a pool's open regions change whole: entered or left with its core region
 
 
 class _Region:

@@ -90,10 +90,13 @@ def test_no_import_circle():
 
 def test_the_binding_is_the_bottom_layer():
     graph = _graph()
-    # pool.py: the binding, the vocabulary and the OOM snapshot writer, which import nothing above them
-    assert graph["npu_pool.pool"] <= {"npu_pool.vocab", "npu_pool.oom"}
+    # pool.py: the binding, the vocabulary, the fork-safe lock and the OOM snapshot writer, which
+    # import nothing above them
+    assert graph["npu_pool.pool"] <= {"npu_pool.vocab", "npu_pool.oom", "npu_pool.locks"}
     assert graph["npu_pool.vocab"] == set()
-    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab", "npu_pool.units", "npu_pool.outputs"}
+    assert graph["npu_pool.locks"] == set()
+    assert graph["npu_pool.oom"] <= {"npu_pool.snapshot", "npu_pool.vocab", "npu_pool.units", "npu_pool.outputs",
+                                     "npu_pool.locks"}
     assert graph["npu_pool.units"] == set()
     assert graph["npu_pool.outputs"] == set()  # whole-or-absent files: every writer uses it
     assert graph["npu_pool.inputs"] == set()  # regular files only, opened without blocking: every reader uses it

@@ -151,6 +151,55 @@ def test_fork_while_threads_are_inside_the_pool() -> None:
     assert out["statuses"] == [0] * 12
 
 
+FORK_IN_REGION = """
+import json, os, signal, threading, time
+from npu_pool.install import _lock
+from npu_pool.pool import Pool
+pool = Pool("npu_pool", capacity=1 << 30)
+stop = threading.Event()
+def churn():  # enters and leaves a region without end: its Python lock is often held
+    while not stop.is_set():
+        with pool.region("train"):
+            pool.free(pool.malloc(4096))
+t = threading.Thread(target=churn)
+t.start()
+statuses = []
+for i in range(12):
+    time.sleep(0.005)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a hang dies of SIGALRM
+        before = pool.tags()["train"]["allocated"]  # the parent's thread may have held a block
+        with pool.region("train"):
+            pool.free(pool.malloc(4096))
+        os._exit(0 if pool.tags()["train"]["allocated"] == before else 3)
+    statuses.append(os.waitpid(pid, 0)[1])
+stop.set()
+t.join()
+def fork_holding():  # a fork by the thread that holds a module lock: its child leaves the with, then takes it again
+    with _lock:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+    if pid == 0:
+        with _lock:
+            os._exit(0)
+    return os.waitpid(pid, 0)[1]
+statuses.append(fork_holding())
+with _lock:
+    pass  # the parent's lock is free again
+print(json.dumps({"statuses": statuses}))
+"""
+
+
+def test_fork_while_a_thread_enters_a_region() -> None:
+    """A forked child enters a tagged region even when another thread was entering or leaving one
+    at fork() (before: the child hung on pool.py's Python lock, which the thread held); the
+    package's module locks are all of that kind (npu_pool.locks)."""
+    out = _last_json(_python(FORK_IN_REGION))
+    assert out["statuses"] == [0] * 13
+
+
 # -- 3. a truncated hooks library in the cache -------------------------------------------------
 
 def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) -> None:

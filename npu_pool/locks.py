@@ -1,0 +1,63 @@
+"""A lock a forked child finds free: the package's module-level locks are of this kind.
+
+A ``threading.Lock`` held by another thread when the process forks stays held in the child for
+ever (that thread does not exist there), so the child's first use of it hangs. The core remakes
+its own C locks at fork (fork.c); these are the Python side's. ``os.fork()`` waits for the lock
+(so the state it guards is whole in the child), and the child gets a new one; a fork made by the
+thread that holds it (nothing here does) does not wait for itself, and its child holds the new
+lock, to release it when that thread leaves its ``with``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+__all__ = ["ForkSafeLock"]
+
+
+class ForkSafeLock:
+    """``with lock:`` as a ``threading.Lock``, safe across ``os.fork()`` (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner = 0          # the thread holding it (0: none)
+        self._forking = False    # taken by the fork hook, to be released in the parent
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(before=lambda: _call(ref, "_before_fork"),
+                                after_in_parent=lambda: _call(ref, "_after_in_parent"),
+                                after_in_child=lambda: _call(ref, "_after_in_child"))
+
+    def __enter__(self) -> "ForkSafeLock":
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = 0
+        self._lock.release()
+
+    def _before_fork(self) -> None:
+        if self._owner != threading.get_ident():
+            self._lock.acquire()
+            self._forking = True
+
+    def _after_in_parent(self) -> None:
+        if self._forking:
+            self._forking = False
+            self._lock.release()
+
+    def _after_in_child(self) -> None:
+        held = self._owner == threading.get_ident()  # the forking thread's own: still inside its with
+        self._lock, self._forking = threading.Lock(), False
+        if held:
+            self._lock.acquire()
+        else:
+            self._owner = 0
+
+
+def _call(ref: "weakref.ref[ForkSafeLock]", method: str) -> None:
+    lock = ref()
+    if lock is not None:
+        getattr(lock, method)()
