@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     out = ["# Device calls: what each policy asks of the device", "",
            f"Written by `{cmd}` ({len(named)} traces, {time.time() - t0:.0f} s). Every figure is a count",
            "of calls the simulated device received, which counts what the ACL backend would call for the",
-           "same requests (tests/test_device_calls.py checks it against the fake CANN's own counters).",
+           "same requests (tests/test_device_calls.py checks it against the fake CANN's own counters);",
+           "the torch model's, what torch_npu's own allocator calls (tests/test_live_replay.py: live, kind",
+           "by kind): no device lookup, and on a device the cap is the whole of, a malloc past its memory",
+           "asked of the device and refused (a call, counted) before it frees its cache and asks again.",
            "`npu-pool replay TRACE` prints these groups for any trace, the steady calls among them",
            "(`--json`: `calls`, `calls_at_min_capacity`, and per iteration `iteration_calls` and",
            "`iteration_peak_live`).", "",
@@ -291,7 +294,7 @@ NOTES = """
   350-1750 MiB of waste, and the rule that unmaps a wholly free chunk before a block pins it is
   both what keeps the waste small and a source of the steady calls on a full device.
 - On a full device the arena moves chunks in steady iterations on two traces where the torch
-  model's cached segments make no call after the second (16 and 36 calls in it; the table "Steady
+  model's cached segments make no call after the second (9 and 19 calls in it; the table "Steady
   iterations there"; on 2026-11-26, 1584 calls over the iterations after the first of
   cs336-medium-ctx1024-infer, all steady, and 1339 of h100-gpt-bf16-train, 821 of them in its
   steady iterations, from the third; 82% and 62% of the 1584 and 1339 unmaps and maps, most maps

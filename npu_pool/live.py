@@ -35,9 +35,11 @@ ALLOCATORS = ("native", "npu_pool")
 STEP = 2 << 20  # resolution of the minimum-capacity search, as in the simulator's
 # The vendor calls reported when the runtime counts them (the fake runtimes of tests/fake_vendor):
 # the device-memory calls of the core's vocabulary (what npu_pool's stats count by kind, so a live
-# run and its simulation compare kind by kind) and the device synchronisation.
+# run and its simulation compare kind by kind), the device synchronisation, and the current
+# device's lookup.
 MEMORY_KINDS = ("malloc", "free", "reserve", "release", "phys_create", "phys_release", "map", "unmap", "sync_device")
-VENDOR_CALLS = {device: tuple(CALL_VENDOR[vendor][k] for k in MEMORY_KINDS)
+COUNTED_KINDS = MEMORY_KINDS + ("get_device",)
+VENDOR_CALLS = {device: tuple(CALL_VENDOR[vendor][k] for k in COUNTED_KINDS)
                 for device, vendor in (("npu", "acl"), ("cuda", "cuda"))}
 # Of those, the calls that take device memory: one per segment, or one per mapped chunk.
 ALLOC_CALLS = {"npu": ("aclrtMalloc", "aclrtMapMem"), "cuda": ("cudaMalloc", "cuMemMap")}
@@ -65,6 +67,7 @@ class LiveResult:
     vendor_calls: Optional[dict[str, int]]  # per vendor function (runtimes that count them)
     seconds: float                 # wall time of one replay (the room-to-spare one)
     pool_calls: Optional[dict[str, int]] = None  # npu_pool's own device calls by kind (its run only)
+    device_bytes: Optional[int] = None  # the device's free memory when the replay began (mem_get_info)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,21 +128,26 @@ under the framework's own caching allocator (native) and under npu_pool, each in
   seconds     wall time of one replay
 With --validate each live row has the simulation's beside it (sim: the torch model for native,
 the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
-same device's rules); 'same' compares peak reserved. --policy and --hints do not apply to --live."""
+same device's rules, on a device of the memory the live one had free); 'same' compares peak
+reserved, and where a run ran out of memory, the event. --policy and --hints do not apply to --live."""
 
 
 def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> dict[str, Any]:
     """The simulator's figures for what ``r`` measured: the model of its allocator under the rules
-    of its device, learning from the phase markers as the live pool does; ``same``: equal peaks."""
-    from .replay import min_capacity, run
+    of its device, on a device of the memory the live one had free when the replay began,
+    learning from the phase markers as the live pool does; ``same``: equal peaks, and the same
+    event failing where the live run ran out of memory."""
+    from .replay import UNLIMITED, min_capacity, run
 
     policy = SIMULATED[r.allocator]
-    sim = run(trace, policy, device=r.device)
+    sim = run(trace, policy, r.device_bytes or UNLIMITED, device=r.device)
     cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity else None
+    same = (sim.peak_reserved_bytes == r.peak_reserved_bytes and sim.ok == r.ok
+            and (r.ok or sim.fail_index == r.fail_index))
     return {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
             "peak_allocated_bytes": sim.stats["total"]["allocated"]["peak"], "min_capacity_bytes": cap,
             "device_mallocs": sim.device_mallocs, "device_frees": sim.stats["device_frees"],
-            "seconds": sim.ns / 1e9, "same": sim.peak_reserved_bytes == r.peak_reserved_bytes}
+            "seconds": sim.ns / 1e9, "same": same, "ok": sim.ok, "fail_index": None if sim.ok else sim.fail_index}
 
 
 def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> str:
@@ -160,10 +168,13 @@ def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> 
             lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
                          f"{gib(sim['peak_allocated_bytes']):>10} {gib(sim['min_capacity_bytes']):>9} "
                          f"{sim['device_mallocs']:>10} {'-':>7} {sim['seconds']:8.3f} {'yes' if sim['same'] else 'NO':>4}")
-    for r, _ in rows:
+    for r, sim in rows:
         if not r.ok:
             lines.append(f"{r.trace}: under {r.allocator} the device ran out of memory at event {r.fail_index}; "
                          "its figures are those up to there")
+        if sim is not None and not sim["ok"]:
+            lines.append(f"{r.trace}: simulated on a device of the {gib(r.device_bytes)} GiB it had free, "
+                         f"{r.allocator} runs out of memory at event {sim['fail_index']}")
     return "\n".join(lines)
 
 
@@ -344,6 +355,7 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
     before = {n: counter(n) for n in names} if counter else {}
     stats0 = module.memory_stats(player.dev)
     module.reset_peak_memory_stats(player.dev)
+    free0 = int(module.mem_get_info(player.dev)[0])
     t0 = time.perf_counter()
     failed = player.play()
     seconds = time.perf_counter() - t0
@@ -357,7 +369,7 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
                peak_reserved_bytes=int(module.max_memory_reserved(player.dev)),
                peak_allocated_bytes=int(module.max_memory_allocated(player.dev)), min_capacity_bytes=None,
                device_allocs=delta("num_device_alloc"), device_frees=delta("num_device_free"), vendor_calls=calls,
-               seconds=seconds,
+               seconds=seconds, device_bytes=free0,
                pool_calls={k: int(v) for k, v in pool.stats()["calls"].items() if v} if pool is not None else None)
     if min_capacity and failed is None:
         player.reset()

@@ -170,6 +170,42 @@ def test_a_failed_unmap_then_remap_never_hands_out_a_lost_page(builds: dict, bac
     p.close()
 
 
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_a_chunk_whose_unmap_failed_is_unmapped_before_its_place_is_mapped_again(builds: dict, backend: str) -> None:
+    """A chunk the device refused to unmap at a trim of the expandable model stays mapped, held;
+    its pages are unmapped in the page table, so the next growth maps there. The held chunk is
+    unmapped first (before: the map was refused as an invalid value, request after request, until
+    an empty_cache)."""
+    v = _vendor(builds, backend)
+    p = v.pool("expandable")
+    a = p.malloc(40 * MiB)
+    keep = p.malloc(40 * MiB)  # keeps the segment: a's place is mapped again, not a new segment
+    p.free(a)
+    v.fail("unmap", skip=0, count=1)
+    with pytest.raises(BackendError):
+        p.empty_cache()
+    assert p.stats()["unreleased"] > 0
+    b = p.malloc(40 * MiB)
+    assert b == a and p.stats()["unreleased"] == 0
+    ctypes.memset(b, 0x42, 40 * MiB)
+    _books_match(p, v, {})
+    p.free(b)
+    v.fail("unmap", skip=0, count=3)  # empty_cache tries it twice; it refuses again when the map needs its place
+    with pytest.raises(BackendError):
+        p.empty_cache()
+    with pytest.raises(BackendError, match="refused to unmap before, and refuses again"):
+        p.malloc(40 * MiB)
+    _books_match(p, v, {})
+    c = p.malloc(40 * MiB)  # the device gives in: served there
+    assert c == a
+    _books_match(p, v, {})
+    p.free(c)
+    p.free(keep)
+    p.empty_cache()
+    assert v.lib.fake_used() == 0
+    p.close()
+
+
 full_steps = st.lists(st.one_of(
     st.tuples(st.just("alloc"), st.sampled_from([1000, 300_000, 3 * MiB + 5, 9 * MiB, 17 * MiB, 21 * MiB]),
               st.sampled_from(["long", "short"]), st.sampled_from([1, 2])),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TorchNpu
-from npu_pool.live import ALLOC_CALLS, MEMORY_KINDS, LiveResult, replay_live
+from npu_pool.live import ALLOC_CALLS, COUNTED_KINDS, LiveResult, replay_live
 from npu_pool.vocab import CALL_VENDOR
 from npu_pool.replay import min_capacity, run
 from npu_pool.trace.files import open_traces
@@ -129,15 +129,19 @@ def test_live_device_calls_equal_the_simulation_kind_by_kind(played) -> None:
     and release one page) is made when torch's first request creates the pool, inside the live
     play, where the simulator counts it at creation (so reservations compare net); and the live
     player synchronises once at its end (on both allocators: torch_npu's own synchronises once per
-    cache release, as the torch model does)."""
+    cache release, as the torch model does). torch_npu's allocator looks up no current device (the
+    torch model counts none); npu_pool's pool looks it up as the simulator says, once more when it
+    is created inside the play."""
     acl = CALL_VENDOR["acl"]
     exact = ("malloc", "free", "phys_create", "phys_release", "map", "unmap")
     for name, trace, live in played[0]:
         for allocator, policy in (("native", "torch"), ("npu_pool", "npu_pool")):
             sim = run(trace, policy, device="npu").calls
             got = live[allocator].vendor_calls
-            assert set(got) == {acl[k] for k in MEMORY_KINDS}, (name, allocator)
+            assert set(got) == {acl[k] for k in COUNTED_KINDS}, (name, allocator)
             assert {k: got[acl[k]] for k in exact} == {k: sim[k] for k in exact}, (name, allocator)
+            lookups = got[acl["get_device"]] - sim["get_device"]
+            assert lookups == 0 if allocator == "native" else lookups in (0, 1), (name, allocator, lookups)
         pool, sim = live["npu_pool"].vendor_calls, run(trace, "npu_pool", device="npu").calls
         net = pool[acl["reserve"]] - pool[acl["release"]]
         assert net == sim["reserve"] - sim["release"], name
@@ -177,6 +181,46 @@ def test_cli_live_validate(played) -> None:
         assert sim["device"] == "npu" and sim["same"]
         assert sim["peak_reserved_bytes"] == rec["peak_reserved_bytes"]
         assert sim["min_capacity_bytes"] == rec["min_capacity_bytes"]
+
+
+def test_cli_live_validate_on_a_device_too_small_for_the_trace(torch_npu: TorchNpu, tmp_path) -> None:
+    """A live run that runs out of memory is held to a simulation on a device of the memory the
+    live one had free (before: to one with room to spare, which said NO)."""
+    path, out = tmp_path / "synthetic.npt", tmp_path / "live.json"
+    _synthetic().save(path)
+    r = subprocess.run([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live", "--validate",
+                        "--no-min-capacity", "--json", str(out)], env=torch_npu.env(FAKE_CAPACITY=str(64 * MiB)),
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = json.loads(out.read_text())
+    for rec in records:
+        sim = rec["simulated"]
+        assert not rec["ok"] and not sim["ok"] and sim["same"], rec
+        assert sim["fail_index"] == rec["fail_index"] and rec["device_bytes"] == 64 * MiB
+    assert "simulated on a device of the 0.062 GiB it had free, native runs out of memory at event" in r.stdout
+
+
+def test_on_a_device_just_too_small_torch_npu_asks_it_and_is_refused_as_simulated(torch_npu: TorchNpu,
+                                                                                   tmp_path) -> None:
+    """With no memory fraction set torch_npu's allocator has no cap of its own: a segment past the
+    device's memory is asked of the device (aclrtMalloc, refused) before it frees its cache and asks
+    again. On a fake device of 2 MiB less than the torch model's minimum capacity the live run makes
+    the refused calls the simulator counts, and fails at the same request (before: the simulator
+    refused against the cap without a call, and counted fewer aclrtMalloc)."""
+    trace = _synthetic()
+    cap = min_capacity(trace, "torch", device="npu")[0] - 2 * MiB
+    sim = run(trace, "torch", cap, device="npu")
+    assert not sim.ok and sim.calls["malloc"] > sim.device_mallocs  # refused calls among them
+    path, out = tmp_path / "synthetic.npt", tmp_path / "live.json"
+    trace.save(path)
+    r = subprocess.run([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live", "--validate",
+                        "--no-min-capacity", "--json", str(out)], env=torch_npu.env(FAKE_CAPACITY=str(cap)),
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    native = next(rec for rec in json.loads(out.read_text()) if rec["allocator"] == "native")
+    assert not native["ok"] and native["fail_index"] == sim.fail_index
+    assert native["vendor_calls"]["aclrtMalloc"] == sim.calls["malloc"]
+    assert native["device_allocs"] == sim.device_mallocs
 
 
 def test_cli_live_without_a_device_says_so(tmp_path) -> None:

@@ -124,6 +124,8 @@ int np_create(const np_config *cfg, np_ctx **out) {
     if (ctx->be->simulated) /* count as the rules' vendor: cudaFree waits for the device, aclrtFree does not */
       ctx->be->free_synchronizes = cfg->device_rules == NP_DEVICE_CUDA;
   }
+  ctx->be->no_lookups = ctx->be->simulated && ctx->policy->framework;
+  ctx->device_caps = ctx->policy->framework;
   rc = cap_of(ctx->be, cfg->fraction, &ctx->limit);
   if (rc != NP_OK) goto fail;
   rc = ctx->policy->init(ctx);

@@ -34,6 +34,7 @@ struct np_backend {
   uint32_t request_align;  /* requests round up to a multiple of this (0: no rule) */
   uint32_t request_tail;   /* ... and get this many bytes more */
   bool simulated;          /* the simulated device: it counts what the rules' vendor would be called for */
+  bool no_lookups;         /* simulated for a framework's own allocator (np_policy.framework): no device lookup */
   bool free_synchronizes;  /* `free` waits for the device by itself (cudaFree); otherwise (aclrtFree) the
                             * caller synchronises the device once before the frees of one call (memory.c) */
   uint64_t calls[NP_CALL_COUNT]; /* vendor calls made, by kind */

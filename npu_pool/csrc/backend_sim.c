@@ -65,9 +65,10 @@ typedef struct sim_backend {
 static __thread int sim_current = -1;
 
 /* Count what the ACL backend's device guard calls before a call: a lookup always (`check`),
- * or only while the thread's cached device is not ours. */
+ * or only while the thread's cached device is not ours; none for a framework's own allocator
+ * (no_lookups), which keeps the device itself. */
 static void sim_enter(sim_backend *s, bool check) {
-  if (!check && sim_current == s->device) return;
+  if (s->base.no_lookups || (!check && sim_current == s->device)) return;
   s->base.calls[NP_CALL_GET_DEVICE]++;
   sim_current = s->device; /* the caller made it current (torch_npu does) */
 }

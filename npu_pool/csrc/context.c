@@ -241,8 +241,6 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   out->policy = ctx->cfg.policy;
   out->largest_free = 0;
   for (int k = 0; k < NP_CALL_COUNT; k++) out->calls[k] = ctx->be->calls[k] - ctx->calls_base[k];
-  out->device_mallocs = out->calls[NP_CALL_MALLOC] + out->calls[NP_CALL_MAP];
-  out->device_frees = out->calls[NP_CALL_FREE] + out->calls[NP_CALL_UNMAP];
   if (ctx->policy->fill_stats) ctx->policy->fill_stats(ctx, out);
 }
 

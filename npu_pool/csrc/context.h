@@ -86,6 +86,8 @@ struct np_ctx {
   int base_life;             /* default_life outside set-up and the first optimizer step */
   uint64_t clock;            /* allocations so far */
   bool trimming;             /* unmaps now are trims (history) */
+  bool device_caps;          /* a segment past the cap is asked of the device when the cap is the whole device
+                              * (np_policy.framework: the framework's allocator has no cap of its own then) */
   bool synced;               /* the device was synchronised during the current call (cleared at every entry
                               * under the lock: work may have been queued between calls) */
   np_fail fail;              /* the policy's account of the latest failed request */

@@ -21,6 +21,8 @@ static void change_reserved(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
 void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, uint64_t bytes) {
   bool add = action == NP_EV_SEGMENT_ALLOC || action == NP_EV_SEGMENT_MAP;
   change_reserved(ctx, seg->pool, bytes, add);
+  if (add) ctx->st.device_mallocs++;
+  else ctx->st.device_frees++;
   if (add) {
     seg->mapped += bytes;
   } else {
@@ -65,6 +67,16 @@ static int free_device(np_ctx *ctx, uintptr_t addr, uint64_t size) {
   return ctx->be->free(ctx->be, addr, size);
 }
 
+/* Held item i is gone (returned): out of the books. */
+static void drop_held(np_ctx *ctx, size_t i) {
+  np_held *h = &ctx->held[i];
+  if (h->kind != NP_HELD_RESERVATION) {
+    change_reserved(ctx, h->pool, h->size, false);
+    ctx->st.unreleased -= h->size;
+  }
+  ctx->held[i] = ctx->held[--ctx->n_held];
+}
+
 /* Try to return one held item; NP_OK when it is gone. */
 static int retry_one(np_ctx *ctx, np_held *h) {
   np_backend *be = ctx->be;
@@ -73,13 +85,15 @@ static int retry_one(np_ctx *ctx, np_held *h) {
     case NP_HELD_SEGMENT:
       rc = free_device(ctx, h->addr, h->size);
       if (rc == NP_OK) {
+        ctx->st.device_frees++;
         np_ctx_record(ctx, NP_EV_SEGMENT_FREE, h->addr, h->size, 0, -1, h->pool, 0);
       }
       return rc;
     case NP_HELD_PAGE: {
       np_vmm_left left = {h->addr, h->size, h->handle};
       rc = np_vmm_chunk_return(be, &left);
-      h->addr = left.addr; /* unmapped even if the release failed */
+      if (h->addr && !left.addr) ctx->st.device_frees++; /* unmapped now, even if the release failed */
+      h->addr = left.addr;
       return rc;
     }
     default:
@@ -110,15 +124,37 @@ int np_ctx_retry_held(np_ctx *ctx) {
         i++;
         continue;
       }
-      if (h->kind != NP_HELD_RESERVATION) {
-        change_reserved(ctx, h->pool, h->size, false);
-        ctx->st.unreleased -= h->size;
-      }
-      ctx->held[i] = ctx->held[--ctx->n_held];
+      drop_held(ctx, i);
     }
   }
   if (first == NP_OK) return NP_OK;
   return still_held(ctx, first, s.text);
+}
+
+/* Chunks the device still maps inside [lo, hi) after refusing to unmap them: the page table
+ * says unmapped there (a whole unmap forgets them), so a map over them would be refused, and
+ * by an error that names the map. Unmap them first; NP_OK when none is left mapped there. */
+static int unmap_held_in(np_ctx *ctx, uintptr_t lo, uintptr_t hi) {
+  for (size_t i = 0; i < ctx->n_held;) {
+    np_held *h = &ctx->held[i];
+    if (h->kind != NP_HELD_PAGE || !h->addr || h->addr >= hi || h->addr + h->size <= lo) {
+      i++;
+      continue;
+    }
+    uintptr_t at = h->addr;
+    char sz[32];
+    int rc = retry_one(ctx, h);
+    if (rc == NP_OK) {
+      drop_held(ctx, i);
+    } else if (h->addr) {
+      return np_error(rc, "cannot map memory at %#lx: the device still maps a chunk of %s there that it refused to "
+                      "unmap before, and refuses again: %s", (unsigned long)at, np_fmt_bytes(h->size, sz),
+                      np_last_error());
+    } else {
+      i++; /* unmapped; only its release is still refused: held, out of the way */
+    }
+  }
+  return NP_OK;
 }
 
 int np_ctx_new_holds(np_ctx *ctx, uint64_t holds_before) {
@@ -274,7 +310,7 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
   uint64_t g = ctx->be->granularity, u = unit ? np_max_u64(unit / g, 1) : 0;
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
   uint64_t *fresh = NULL, n_fresh = 0, cap_fresh = 0; /* first pages of the chunks this call mapped (whole) */
-  int rc = NP_OK;
+  int rc = ctx->n_held ? unmap_held_in(ctx, seg->addr + first * g, seg->addr + end * g) : NP_OK;
   for (uint64_t p = first; p < end && rc == NP_OK;) {
     if (seg->pages[p]) {
       p++;
@@ -353,7 +389,8 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
     if (rc != NP_OK) return rc;
   } else {
     np_vmm_spares_release(ctx); /* physical memory taken other than by a growth's map */
-    if (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size) {
+    bool capped = !ctx->device_caps || ctx->limit < ctx->be->total; /* else the device refuses: a call */
+    if (capped && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size)) {
       char a[32], b[32];
       return np_error(NP_ERR_OOM, "reserving %s more would exceed the memory fraction cap of %s",
                       np_fmt_bytes(size, a), np_fmt_bytes(ctx->limit, b));

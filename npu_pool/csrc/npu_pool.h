@@ -142,8 +142,8 @@ typedef struct np_stats {
   uint64_t limit;           /* fraction * device_total */
   np_counter arena_hwm;     /* arena policies: highest byte offset in use in the arena */
   uint64_t largest_free;    /* largest free block (arena policies: including the arena's unused top) */
-  uint64_t device_mallocs;  /* calls[NP_CALL_MALLOC] + calls[NP_CALL_MAP]: segments and chunks taken */
-  uint64_t device_frees;    /* calls[NP_CALL_FREE] + calls[NP_CALL_UNMAP]: segments and chunks given back */
+  uint64_t device_mallocs;  /* segments and chunks taken: mallocs and maps the device served (calls counts refused ones too) */
+  uint64_t device_frees;    /* segments and chunks given back: frees and unmaps the device took */
   uint64_t ooms;            /* requests that failed for lack of memory */
   uint64_t retries;         /* release-cache-and-retry events */
   uint64_t syncs;           /* device synchronisations the pool asked for */

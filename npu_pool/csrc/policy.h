@@ -20,6 +20,12 @@ struct np_policy {
   /* The policy orders reuse across streams itself (event waits): a freed block that was used
    * on other streams (record_stream) needs no device synchronisation from the context. */
   bool orders_streams;
+  /* A model of a framework's own allocator (PyTorch's, torch_npu's): its device calls are the
+   * framework's. With no memory fraction set it asks the device for a segment without a cap of
+   * its own (a refused malloc is a device call; it then frees its cache and asks again), and it
+   * keeps each thread's current device without asking (the simulated device counts no lookup:
+   * torch_npu's allocator made none, measured live). */
+  bool framework;
   int (*init)(np_ctx *ctx);
   void (*destroy)(np_ctx *ctx);       /* return every segment */
   int (*malloc)(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, np_block **out);

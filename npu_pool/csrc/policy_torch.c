@@ -288,6 +288,7 @@ const np_policy np_policy_torch = {
     .pool_name = {"small", "large"},
     .pool_meaning = {"requests of at most 1 MiB, from 2 MiB segments",
                      "larger requests, from 20 MiB segments (below 10 MiB) or segments of their own size"},
+    .framework = true,
     .init = torch_init,
     .destroy = torch_destroy,
     .malloc = torch_malloc,
