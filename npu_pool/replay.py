@@ -432,12 +432,19 @@ def recorded_capacity(trace: Trace) -> int | None:
     return best or None
 
 
-def policies_from(spec: str | Iterable[str]) -> list[str]:
-    """Parse "torch,npu_pool" (or a list) into known policy names."""
+# What a command that replays without planning says to a "planned" (replay plans the trace first).
+NEEDS_PLAN = ("the planned policy needs a plan made from the trace: `npu-pool replay TRACE --policy planned` "
+              "plans and replays it (`npu-pool plan` writes one); without a plan it is the npu_pool policy")
+
+
+def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[str]:
+    """Parse "torch,npu_pool" (or a list) into known policy names (``planned``: "planned" among them)."""
     names = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
         raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
+    if not planned and "planned" in names:
+        raise ValueError(NEEDS_PLAN)
     return names
 
 

@@ -240,7 +240,17 @@ def _memviz():
     return _memory_viz
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+def test_export_refuses_the_planned_policy_without_a_plan(tmp_path) -> None:
+    """Without a plan the planned policy is the npu_pool policy: an export 'under planned' would
+    show npu_pool's memory under planned's name, so it is refused, saying what plans a trace."""
+    with pytest.raises(ValueError, match="needs a plan made from the trace"):
+        memviz.snapshot_of([toy_trace()], "planned")
+    with pytest.raises(ValueError, match="needs a plan made from the trace"):
+        memviz.export([toy_trace()], "planned", tmp_path / "x.pickle")
+    assert not (tmp_path / "x.pickle").exists()
+
+
+@pytest.mark.parametrize("policy", memviz.POLICIES[:-1])  # the pool policies ("recorded": below)
 def test_export_opens_in_memory_viz(policy, tmp_path):
     t = toy_trace(empty_cache=True)
     snap = memviz.snapshot_of([t], policy)

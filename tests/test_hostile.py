@@ -241,7 +241,8 @@ def test_a_free_of_another_size_than_its_alloc_is_refused(tmp_path: Path, capsys
     (["capture", "--vocab", "0"], "argument --vocab: must be >= 1, not 0"),
     (["capture", "--layers", "-1"], "argument --layers: must be >= 1"),
     (["capture", "--steps", "two"], "argument --steps: expected a whole number, not 'two'"),
-    (["capture", "--colocated", "-2"], "argument --colocated: must be >= 0"),
+    (["capture", "--colocated", "-2"], "argument --colocated: must be >= 1"),
+    (["capture", "--colocated", "0"], "argument --colocated: must be >= 1"),
     (["analyze", "x.npt", "--top", "-1"], "argument --top: must be >= 0, not -1"),
 ])
 def test_counts_out_of_range_are_usage_errors(capsys: pytest.CaptureFixture, argv: list, words: str) -> None:
@@ -252,6 +253,14 @@ def test_counts_out_of_range_are_usage_errors(capsys: pytest.CaptureFixture, arg
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and words in err, err
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_a_real_capture_refuses_parallel_degrees(capsys: pytest.CaptureFixture, flag: str) -> None:
+    """--tp and --pp slice a published shape; a real capture trains the small model whole (before:
+    they were ignored, and the trace was the same as without them)."""
+    assert main(["capture", flag, "2", "--steps", "1", "--no-progress"]) == 2
+    assert "--tp and --pp slice a published shape: give --shape" in capsys.readouterr().err
 
 
 def test_a_fake_capture_with_more_stages_than_layers_is_refused(capsys: pytest.CaptureFixture) -> None:

@@ -643,6 +643,8 @@ def test_an_output_that_is_an_input_of_the_command_is_refused(tmp_path: Path, ca
                  ["analyze", str(trace), "--out", str(trace)]):
         _one_line(capsys, argv, "a.npt: is also an input of this command; not overwritten")
         assert trace.read_bytes() == before
+    assert main(["replay", str(trace), "--json", str(trace)]) == 1
+    assert capsys.readouterr().out == ""  # refused before any replay (before: after all of them, tables printed)
     assert main(["replay", str(trace), "--no-min-capacity", "--json", str(tmp_path / "out.json")]) == 0  # others: fine
     capsys.readouterr()
 

@@ -21,15 +21,17 @@ def test_merge_rejects_missing_and_bad_reports(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_merge_table_reports_device_imbalance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Device-mode reports (as a GPU/NPU run writes them): the rank with the highest peak is named."""
+    """Device-mode reports (as a GPU/NPU run writes them): the rank with the highest peak is named;
+    npu_pool's long/short columns are the bytes each class has allocated (their arena is shared:
+    before, the columns read the pools' reserved bytes, always 0 under npu_pool)."""
     from npu_pool.recorder import report
 
     GiB = 1 << 30
     for rank, peak in enumerate((10 * GiB, 13 * GiB, 11 * GiB)):
         mem = {"allocated_bytes": peak // 2, "reserved_bytes": peak, "peak_allocated_bytes": peak * 9 // 10,
                "peak_reserved_bytes": peak, "utilization": 0.9,
-               "pools": {"long": {"allocated_bytes": GiB, "reserved_bytes": 2 * GiB},
-                         "short": {"allocated_bytes": GiB, "reserved_bytes": peak - 2 * GiB}},
+               "pools": {"long": {"allocated_bytes": 3 * GiB, "reserved_bytes": 0},  # one shared arena
+                         "short": {"allocated_bytes": 2 * GiB, "reserved_bytes": 0}},
                "device_mallocs": 3 + rank, "device_frees": 0, "ooms": 0, "retries": 0, "trims": 0}
         rep = {"version": report.VERSION, "rank": rank, "world_size": 4, "mode": "device", "iterations": 5,
                "step_seconds": {"mean": 1.0 + rank / 10}, "host_peak_rss_bytes": GiB, "memory": mem}
@@ -39,7 +41,7 @@ def test_merge_table_reports_device_imbalance(tmp_path: Path, capsys: pytest.Cap
     assert "peak reserved   max 13.00 GiB on rank 1, min 10.00 GiB on rank 0, spread 26.5%" in out
     assert "warning: 3 reports for a world of 4 ranks (missing: 3)" in out
     row1 = next(ln.split() for ln in out.splitlines() if ln.split()[:2] == ["1", "device"])
-    assert row1[4:10] == ["11.70", "13.00", "90.0%", "2.00", "11.00", "4"]
+    assert row1[4:10] == ["11.70", "13.00", "90.0%", "3.00", "2.00", "4"]
 
 
 def test_merge_of_runs_outside_a_distributed_job_does_not_invent_missing_ranks(tmp_path: Path,

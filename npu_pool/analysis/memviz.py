@@ -9,8 +9,9 @@ by piece, ``segment_map``/``segment_unmap``, and ``oom``).
 
 Two sources of addresses:
 
-- ``policy`` = a policy (``torch``, ``expandable``, ``npu_pool``, ``planned``): the trace
-  replayed through it on the simulated device with the core's history on
+- ``policy`` = a policy (``torch``, ``expandable``, ``npu_pool``; not ``planned``, which needs
+  a plan: ``npu-pool replay --policy planned`` plans and replays): the trace replayed through
+  it on the simulated device with the core's history on
   (:func:`npu_pool.timeline.timeline`); the events are what the core recorded and the
   segments its end state, written by :mod:`npu_pool.snapshot` as for a live pool;
 - ``policy`` = ``recorded``: the trace's own addresses and segment events (an imported
@@ -31,6 +32,7 @@ from typing import Any, Iterator
 
 from .. import snapshot as _snap
 from ..pool import POLICIES as _POOL_POLICIES
+from ..replay import NEEDS_PLAN
 from ..timeline import timeline
 from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_SEG_FREE, OP_SEG_HINT,
                             Trace, TraceError)
@@ -39,7 +41,7 @@ from ..vocab import ROUND
 __all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames",
            "export", "Exported"]
 
-POLICIES = tuple(_POOL_POLICIES) + ("recorded",)
+POLICIES = tuple(p for p in _POOL_POLICIES if p != "planned") + ("recorded",)
 
 
 def site_frames(name: str | None) -> list[dict[str, Any]]:
@@ -183,10 +185,16 @@ def snapshot_recorded(trace: Trace, device: int = 0, devices: int = 1) -> dict[s
     return dict(rec.rest(), device_traces=traces)
 
 
-def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> dict[str, Any]:
-    """One snapshot for the traces of one process: trace ``k`` becomes device ``meta['device']`` (or ``k``)."""
+def _check_policy(policy: str) -> None:
+    if policy == "planned":
+        raise ValueError(NEEDS_PLAN)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def snapshot_of(traces: list[Trace], policy: str, *, hints: str = "markers") -> dict[str, Any]:
+    """One snapshot for the traces of one process: trace ``k`` becomes device ``meta['device']`` (or ``k``)."""
+    _check_policy(policy)
     devs = _devices(traces)
     n = max(devs) + 1 if devs else 1
     out: dict[str, Any] = {"segments": [], "device_traces": [[] for _ in range(n)], "external_annotations": []}
@@ -224,8 +232,7 @@ class Exported:
 def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "markers") -> Exported:
     """Write the snapshot :func:`snapshot_of` makes straight to ``path``, streaming the trace
     entries (whole or absent: :mod:`npu_pool.outputs`). One trace is replayed at a time."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    _check_policy(policy)
     devs = _devices(traces)
     n = max(devs) + 1 if devs else 1
     by_dev = dict(zip(devs, traces))

@@ -26,9 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("md", "json", "html"), default="md", help="report format (default md)")
     p.add_argument("--out", "-o", metavar="PATH", help="write the report here (default: stdout; html: "
                    "<first trace>.html)")
-    p.add_argument("--policy", default="torch,expandable,npu_pool", help="comma-separated policies to replay")
+    p.add_argument("--policy", default="torch,expandable,npu_pool", help="comma-separated policies to replay, of torch, expandable, npu_pool (default: all three)")
     p.add_argument("--hints", choices=[h for h in HINTS if h != "oracle"], default="markers",
-                   help="what npu_pool learns from during the replay (default: sites and markers)")
+                   help="what npu_pool learns lifetimes from during the replay: the phase markers (markers, the "
+                   "default), markers and the trace's site ids (sites), or nothing (none)")
     p.add_argument("--min-capacity", action="store_true", help="also search each policy's minimum device size (slower)")
     p.add_argument("--top", type=whole(0), default=15, help="allocation sites listed in md/json (default 15)")
     p.add_argument("--estimate", action="store_true",
@@ -59,7 +60,7 @@ def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
 def run(args: argparse.Namespace) -> int:
     from ..analysis.report import analyze_paths, to_json, to_markdown
 
-    policies = policies_from(args.policy)
+    policies = policies_from(args.policy, planned=False)
     show = None if not args.no_progress else False
     with forced_device(args.device):
         analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",

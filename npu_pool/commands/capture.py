@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=whole(), default=1, help="pipeline stages to divide the layers by (fake)")
     p.add_argument("--keep-host-scalars", action="store_true",
                    help="keep 0-dim host scalars (wrapped Python numbers) in real captures")
-    p.add_argument("--colocated", type=whole(0), default=0, metavar="CYCLES",
+    p.add_argument("--colocated", type=whole(1), metavar="CYCLES",
                    help="colocated RL: CYCLES iterations of rollout (modelled) and one training step of --shape, "
                         "with pause/resume of the trainer's and the rollout's tags (docs/colocated.md)")
     p.add_argument("--seed", type=whole(0, (1 << 64) - 1), default=0, help="torch's random seed (default 0)")
@@ -52,18 +52,22 @@ def run(args: argparse.Namespace) -> int:
     if fake and args.shape is None:
         print("npu-pool capture: error: --fake needs --shape (one of 7b, 13b, 70b)", file=sys.stderr)
         return 2
+    if not fake and (args.tp > 1 or args.pp > 1):
+        print("npu-pool capture: error: --tp and --pp slice a published shape: give --shape (one of 7b, 13b, 70b); "
+              "a real capture trains the small model whole", file=sys.stderr)
+        return 2
     mp = "bf16" if args.bf16 else None
     progress = not args.no_progress
     if args.out:
         outputs.check(args.out)  # now, not after minutes of training
     try:
-        if args.colocated > 0 and fake:
+        if args.colocated is not None and fake:
             from ..capture.colocated import colocated_capture
 
             trace = colocated_capture(args.colocated, args.model, args.shape, tp=args.tp, batch=args.batch,
                                       seq=args.seq or _FAKE_SEQ, layers=args.layers, progress=progress)
-        elif args.colocated:
-            print("npu-pool capture: error: --colocated needs --shape (one of 7b, 13b, 70b) and a cycle count >= 1",
+        elif args.colocated is not None:
+            print("npu-pool capture: error: --colocated needs --shape (one of 7b, 13b, 70b)",
                   file=sys.stderr)
             return 2
         elif fake:

@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="npu_pool", choices=POLICIES,
                    help="replay under this policy for addresses and segments (default npu_pool); 'recorded' keeps "
                         "the trace's own addresses (imported snapshots)")
-    p.add_argument("--hints", choices=("markers", "sites", "none"), default="markers", help="hints for the replay")
+    p.add_argument("--hints", choices=("markers", "sites", "none"), default="markers",
+                   help="what npu_pool learns lifetimes from during the replay (default: markers; as analyze)")
     p.add_argument("--out", "-o", required=True, metavar="FILE.pickle", help="snapshot to write")
     add_device_argument(p)
 

@@ -168,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--plan is the plan policy planned replays: add planned to --policy "
                          "(e.g. --policy npu_pool,planned)")
     named = [nt for path in expand(args.traces) for nt in open_traces(path)]
+    if args.json:  # now, not after every replay (the traces are read: one of them is refused as --json too)
+        from ..outputs import check
+
+        check(args.json)
     if args.live:
         return _live(named, args)
     with forced_device(args.device):

@@ -203,8 +203,8 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
         return "memory.utilization should be at most 1 (peak allocated / peak reserved)"
     pools = mem.get("pools", {})
     if not isinstance(pools, dict) or not all(isinstance(p, dict) and _number(p.get("reserved_bytes"))
-                                              for p in pools.values()):
-        return "memory.pools should map pool names to objects with numeric reserved_bytes"
+                                              and _number(p.get("allocated_bytes")) for p in pools.values()):
+        return "memory.pools should map pool names to objects with numeric reserved_bytes and allocated_bytes"
     return None
 
 
@@ -215,8 +215,8 @@ _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
     ("peak alloc", lambda r: (r.get("memory") or {}).get("peak_allocated_bytes"), _gib),
     ("peak rsvd", lambda r: (r.get("memory") or {}).get("peak_reserved_bytes"), _gib),
     ("util", lambda r: (r.get("memory") or {}).get("utilization"), lambda v: f"{v:.1%}"),
-    ("long", lambda r: ((r.get("memory") or {}).get("pools", {}).get("long") or {}).get("reserved_bytes"), _gib),
-    ("short", lambda r: ((r.get("memory") or {}).get("pools", {}).get("short") or {}).get("reserved_bytes"), _gib),
+    ("long", lambda r: ((r.get("memory") or {}).get("pools", {}).get("long") or {}).get("allocated_bytes"), _gib),
+    ("short", lambda r: ((r.get("memory") or {}).get("pools", {}).get("short") or {}).get("allocated_bytes"), _gib),
     ("mallocs", lambda r: (r.get("memory") or {}).get("device_mallocs"), str),
     ("ooms", lambda r: (r.get("memory") or {}).get("ooms"), str),
     ("host rss", lambda r: r.get("host_peak_rss_bytes"), _gib),
@@ -283,7 +283,7 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
         out.append("mode 'recorder': no device allocator was installed on those ranks (CPU, or no NPU/GPU): "
                    "memory columns are '-'; host RSS and step times are still measured")
     out.append("(GiB unless marked; util = peak allocated / peak reserved; long/short = npu_pool's lifetime "
-               "classes, reserved bytes)")
+               "classes, the bytes each has allocated: they share one arena, whose reserved bytes are neither's)")
     return "\n".join(out)
 
 
