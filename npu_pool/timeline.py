@@ -3,7 +3,8 @@ segment changes, and the memory's segments at the end.
 
 :func:`timeline` is :func:`npu_pool.replay.run` (the same C loop, the same figures) with the
 pool's history on: the core records allocations, frees, segments allocated, mapped, unmapped
-and freed, and failed requests, each stamped with the trace event that caused it. Timelines,
+and freed, memory it keeps mapped nowhere (hold, unhold: spare chunks, memory the device refused
+to take back), and failed requests, each stamped with the trace event that caused it. Timelines,
 reports and memory_viz exports read that record; nothing models a policy a second time.
 """
 from __future__ import annotations
@@ -17,8 +18,9 @@ from .trace.format import Trace
 
 __all__ = ["Timeline", "timeline", "SEGMENT_EVENTS"]
 
-_GROW = ("segment_alloc", "segment_map")
-SEGMENT_EVENTS = _GROW + ("segment_free", "segment_unmap")
+_GROW = ("segment_alloc", "segment_map", "hold")
+SEGMENT_EVENTS = ("segment_alloc", "segment_map", "segment_free", "segment_unmap")
+_RESERVED_EVENTS = SEGMENT_EVENTS + ("hold", "unhold")  # the reserved bytes are their sum
 
 
 @dataclass
@@ -54,14 +56,15 @@ def timeline(trace: Trace, policy: str, capacity: int = UNLIMITED, *, hints: str
     cur = peak = 0
     peak_at, at = -1, 0  # reserved[:at] is written
     for e in r.history:
-        if e["kind"] not in SEGMENT_EVENTS:
+        if e["kind"] not in _RESERVED_EVENTS:
             continue
         t = e["time"]
         while at < t:
             reserved[at] = cur
             at += 1
         cur += e["size"] if e["kind"] in _GROW else -e["size"]
-        segs.append(e)
+        if e["kind"] in SEGMENT_EVENTS:
+            segs.append(e)
         if cur > peak:
             peak, peak_at = cur, t
     while at < end:

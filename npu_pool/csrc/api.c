@@ -125,7 +125,7 @@ int np_create(const np_config *cfg, np_ctx **out) {
       ctx->be->free_synchronizes = cfg->device_rules == NP_DEVICE_CUDA;
   }
   ctx->be->no_lookups = ctx->be->simulated && ctx->policy->framework;
-  ctx->device_caps = ctx->policy->framework;
+  ctx->device_caps = ctx->policy->framework && cfg->fraction >= 1.0;
   rc = cap_of(ctx->be, cfg->fraction, &ctx->limit);
   if (rc != NP_OK) goto fail;
   rc = ctx->policy->init(ctx);
@@ -200,7 +200,7 @@ int np_close(np_ctx *ctx) {
   if (!ctx) return NP_OK;
   np_ctx_lock(ctx); /* waits for the call in flight; those queued behind it see `closed` */
   int rc = ctx->closed ? NP_OK : close_locked(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -221,21 +221,21 @@ int np_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, void **out) {
 int np_malloc_ex(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out) {
   np_ctx_lock(ctx);
   int rc = np_ctx_malloc(ctx, size, stream, lifetime, site, out);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
 int np_free(np_ctx *ctx, void *ptr) {
   np_ctx_lock(ctx);
   int rc = np_ctx_free(ctx, ptr);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
 int np_empty_cache(np_ctx *ctx) {
   np_ctx_lock(ctx);
   int rc = np_ctx_empty_cache(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -244,13 +244,13 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
   if (rc != NP_OK) return rc;
   np_ctx_lock(ctx);
   if (np_ctx_usable(ctx, "set_fraction") != NP_OK) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return NP_ERR_STATE;
   }
   uint64_t limit;
   rc = cap_of(ctx->be, fraction, &limit);
   if (rc != NP_OK) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return rc;
   }
   np_vmm_spares_release(ctx); /* what a smaller cap may no longer hold */
@@ -258,8 +258,9 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
   if (rc == NP_OK) {
     ctx->limit = limit;
     ctx->cfg.fraction = fraction;
+    ctx->device_caps = false; /* a fraction set: a framework's allocator caps itself from now on, even at 1.0 */
   }
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -271,7 +272,7 @@ void np_get_stats(np_ctx *ctx, np_stats *out) {
   } else {
     np_get_stats_locked(ctx, out);
   }
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
 }
 
 /* Every counter of the statistics, for the resets. */
@@ -291,7 +292,7 @@ void np_reset_peak(np_ctx *ctx) {
   np_ctx_lock(ctx);
   np_counter *c[6 * (NP_POOLS + 1) + 1];
   for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->peak = c[i]->current;
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
 }
 
 void np_reset_accumulated(np_ctx *ctx) {
@@ -301,7 +302,7 @@ void np_reset_accumulated(np_ctx *ctx) {
   np_stats *st = &ctx->st;
   st->ooms = st->retries = st->syncs = st->device_mallocs = st->device_frees = 0;
   for (int k = 0; ctx->be && k < NP_CALL_COUNT; k++) ctx->calls_base[k] = ctx->be->calls[k]; /* closed: no backend */
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
 }
 
 int np_forget(np_ctx *ctx) {
@@ -316,7 +317,7 @@ int np_forget(np_ctx *ctx) {
     ctx->phase = 0;
     ctx->default_life = ctx->base_life = NP_LIFE_LONG; /* as np_create leaves them */
   }
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   if (rc != NP_OK) np_lifetime_destroy(&fresh);
   return rc;
 }
@@ -328,14 +329,14 @@ int np_set_phase(np_ctx *ctx, uint32_t phase, int default_lifetime) {
   np_ctx_lock(ctx);
   int rc = ctx->closed ? np_ctx_refuse(ctx, "set_phase") : NP_OK;
   if (rc == NP_OK) np_ctx_set_phase(ctx, phase, default_lifetime == NP_LIFE_AUTO ? NP_LIFE_LONG : default_lifetime);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
 int np_mark(np_ctx *ctx, int code, int64_t arg) {
   np_ctx_lock(ctx);
   int rc = ctx->closed ? np_ctx_refuse(ctx, "mark") : np_ctx_mark(ctx, code, arg);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -343,19 +344,19 @@ int np_block_size(np_ctx *ctx, void *ptr, uint64_t *size) {
   *size = 0;
   np_ctx_lock(ctx);
   if (ctx->closed) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return np_ctx_refuse(ctx, "block_size");
   }
   np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
   *size = b ? b->size : 0;
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return b ? NP_OK : np_error(NP_ERR_UNKNOWN_PTR, "%p is not an allocated block of this pool", ptr);
 }
 
 int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
   np_ctx_lock(ctx);
   if (np_ctx_usable(ctx, "record_stream") != NP_OK) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return NP_ERR_STATE;
   }
   np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
@@ -363,14 +364,14 @@ int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
     b->shared = 1;
     if (ctx->policy->record_stream) ctx->policy->record_stream(ctx, b, stream);
   }
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return b ? NP_OK : np_error(NP_ERR_UNKNOWN_PTR, "record_stream on %p: not an allocated block of this pool", ptr);
 }
 
 int np_check(np_ctx *ctx) {
   np_ctx_lock(ctx);
   int rc = ctx->closed ? np_ctx_refuse(ctx, "check") : np_ctx_check(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -406,13 +407,13 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   *n = 0;
   np_ctx_lock(ctx);
   if (ctx->closed) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return np_ctx_refuse(ctx, "blocks");
   }
   size_t nseg = 0, k = 0;
   np_segment **segs = sorted_segments(ctx, &nseg);
   if (!segs) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return np_error(NP_ERR_HOST, "host out of memory listing blocks");
   }
   for (size_t i = 0; i < nseg; i++) {
@@ -428,7 +429,7 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   }
   *n = k;
   free(segs);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return NP_OK;
 }
 
@@ -454,18 +455,18 @@ int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
   *n = 0;
   np_ctx_lock(ctx);
   if (ctx->closed) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return np_ctx_refuse(ctx, "mapped_ranges");
   }
   size_t nseg = 0, k = 0;
   np_segment **segs = sorted_segments(ctx, &nseg);
   if (!segs) {
-    pthread_mutex_unlock(&ctx->lock);
+    np_ctx_unlock(ctx);
     return np_error(NP_ERR_HOST, "host out of memory listing mapped ranges");
   }
   for (size_t i = 0; i < nseg; i++) k = segment_runs(ctx, segs[i], out, cap, k);
   *n = k;
   free(segs);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return NP_OK;
 }

@@ -9,8 +9,9 @@
  * which chunks of a reservation are mapped, what failed and is still held -- is the core's
  * VMM layer (vmm.h), the same for every vendor.
  *
- * Every vendor call is counted in `calls` (NP_CALL_*) at the one place it is made, failed
- * calls too, so the counts equal the vendor's own. Vendor rules stay here: `request_align` /
+ * Every device call of the vocabulary (NP_CALL_*: memory, synchronisation, events, device
+ * queries) is counted in `calls` at the one place it is made, failed calls too, so the counts
+ * equal the vendor's own; the backups' copies and pinned host memory are not device calls. Vendor rules stay here: `request_align` /
  * `request_tail` pad every request (Ascend kernels may touch 32 bytes past a tensor: round up
  * to 32, add 32).
  *

@@ -25,7 +25,6 @@ typedef struct np_block {
   struct np_block *hnext;        /* pointer-map chain */
   uint32_t prio;                 /* treap priority */
   uint32_t phase;                /* phase counter when allocated */
-  uint64_t born;                 /* allocation clock when allocated */
   int32_t site;                  /* allocation site, -1 if unknown */
   uint8_t allocated;
   uint8_t pool;                  /* index into the context's pool stats */

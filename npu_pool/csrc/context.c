@@ -168,7 +168,6 @@ static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **o
   b->requested = size;
   b->site = site;
   b->phase = ctx->phase;
-  b->born = ctx->clock++;
   if (!np_ptrmap_insert(&ctx->live, b)) {
     b->allocated = 0;
     ctx->policy->free(ctx, b);
@@ -201,17 +200,24 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
                         "(double free, or a pointer into the middle of a tensor)", ptr);
     return np_error(NP_ERR_UNKNOWN_PTR, "free of %p: this pool never allocated it (foreign pointer)", ptr);
   }
+  if (b->shared && !ctx->policy->orders_streams) {
+    /* the policy reuses a block on its own stream at once: first let the other streams' work on
+     * it finish; a device that cannot say so keeps the block allocated (nothing changed) */
+    int rc = np_ctx_synchronize(ctx);
+    if (rc != NP_OK) {
+      np_saved_error s;
+      np_save_error(&s, rc);
+      np_ptrmap_insert(&ctx->live, b); /* into the slot the remove freed: the map does not grow */
+      return np_error(NP_ERR_BACKEND, "free of %p: synchronising for a recorded stream failed, so the block stays "
+                      "allocated: %s", ptr, s.text);
+    }
+    b->shared = 0;
+  }
   account(ctx, b, false);
   np_ctx_record(ctx, NP_EV_FREE, b->addr, b->requested, b->stream, b->site, b->pool, b->life);
   if (ctx->marks.any) np_lifetime_learn(&ctx->life, b->site, ctx->phase != b->phase); /* outlived its phase? */
   b->allocated = 0;
   b->requested = 0;
-  if (b->shared && !ctx->policy->orders_streams) {
-    /* the policy reuses a block on its own stream at once: first let the other streams'
-     * work on it finish */
-    if (np_ctx_synchronize(ctx) != NP_OK) np_error(NP_ERR_BACKEND, "free of %p: synchronising for a recorded stream failed", ptr);
-    b->shared = 0;
-  }
   ctx->policy->free(ctx, b);
   ctx->st.frees++;
   return NP_OK;
@@ -246,7 +252,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
 
 /* Generic invariants: segments tiled by blocks, the map holds exactly the allocated ones,
  * reserved bytes are what the segments have mapped plus what the device still holds (refused
- * returns and spare chunks), no recycle window outlives its call. */
+ * returns, listed in `held`, and spare chunks), no recycle window outlives its call. */
 int np_ctx_check(np_ctx *ctx) {
   size_t allocated_blocks = 0;
   uint64_t allocated_bytes = 0, reserved = ctx->st.unreleased, spare = 0;
@@ -281,6 +287,11 @@ int np_ctx_check(np_ctx *ctx) {
     return np_error(NP_ERR_STATE, "check: %zu spare chunks hold %llu bytes but stats say %llu", ctx->n_spare,
                     (unsigned long long)spare, (unsigned long long)ctx->st.spare);
   reserved += spare;
+  uint64_t held = 0;
+  for (size_t i = 0; i < ctx->n_held; i++) held += ctx->held[i].kind != NP_HELD_RESERVATION ? ctx->held[i].size : 0;
+  if (held != ctx->st.unreleased) /* (a held item the host had no room to list is lost to its retries) */
+    return np_error(NP_ERR_STATE, "check: %zu held items hold %llu bytes but stats say %llu unreleased", ctx->n_held,
+                    (unsigned long long)held, (unsigned long long)ctx->st.unreleased);
   if (allocated_blocks != ctx->live.count || allocated_bytes != ctx->st.total.allocated.current)
     return np_error(NP_ERR_STATE, "check: %zu allocated blocks (%llu bytes) but the map has %zu and stats say %llu bytes",
                     allocated_blocks, (unsigned long long)allocated_bytes, ctx->live.count,

@@ -7,9 +7,12 @@
  *
  * Invariants: live holds exactly the allocated blocks; st.total.allocated is the sum of their
  * sizes; st.total.reserved is the bytes the device holds for this context: every segment's
- * mapped bytes plus st.unreleased (memory whose return failed, kept in `held` and retried);
- * reserved changes only through np_ctx_reserved, which also writes the history; a
- * successful malloc leaves reserved <= limit.
+ * mapped bytes, st.spare (chunks a trim unmapped and kept) and st.unreleased (memory whose
+ * return failed, kept in `held` and retried; the sum of the held items' sizes). Reserved
+ * changes only in memory.c, which writes every change to the history (segment_* events, hold
+ * and unhold for memory mapped nowhere), so the history adds up to it. A successful malloc
+ * leaves reserved <= limit, unless the cap was lowered below what the pool held: the torch and
+ * expandable models keep their cache until empty_cache or an out-of-memory retry, as PyTorch's.
  */
 #ifndef NP_CONTEXT_H
 #define NP_CONTEXT_H
@@ -84,10 +87,9 @@ struct np_ctx {
   int last_life;             /* class the latest successful malloc was placed as */
   int default_life;          /* class of NP_LIFE_AUTO requests with no site history */
   int base_life;             /* default_life outside set-up and the first optimizer step */
-  uint64_t clock;            /* allocations so far */
   bool trimming;             /* unmaps now are trims (history) */
-  bool device_caps;          /* a segment past the cap is asked of the device when the cap is the whole device
-                              * (np_policy.framework: the framework's allocator has no cap of its own then) */
+  bool device_caps;          /* a segment past the cap is asked of the device: a framework's allocator
+                              * (np_policy.framework) before any memory fraction is set, which caps it from then on */
   bool synced;               /* the device was synchronised during the current call (cleared at every entry
                               * under the lock: work may have been queued between calls) */
   np_fail fail;              /* the policy's account of the latest failed request */
@@ -148,9 +150,19 @@ static inline void np_stats_fill_active(np_stats *st) {
   for (int i = 0; i < NP_POOLS; i++) st->pool[i].active = st->pool[i].allocated;
 }
 int np_ctx_check(np_ctx *ctx);
-/* Synchronise the device (counted in stats.syncs). */
-/* Synchronise the device (counted); sets `synced` for the rest of the call. */
+/* Synchronise the device (counted in stats.syncs); sets `synced` for the rest of the call. */
 int np_ctx_synchronize(np_ctx *ctx);
+/* Leave a public call. Debug builds (NP_DEBUG) first check every invariant (np_ctx_check) and
+ * abort naming the first one broken: a call that breaks one is caught as it returns. */
+static inline void np_ctx_unlock(np_ctx *ctx) {
+#ifdef NP_DEBUG
+  if (!ctx->closed && np_ctx_check(ctx) != NP_OK) {
+    fprintf(stderr, "npu_pool: invariant broken by a call: %s\n", np_last_error());
+    abort();
+  }
+#endif
+  pthread_mutex_unlock(&ctx->lock);
+}
 /* Take the context's lock for one call: what the device ran before is not known synchronised. */
 static inline void np_ctx_lock(np_ctx *ctx) {
   pthread_mutex_lock(&ctx->lock);

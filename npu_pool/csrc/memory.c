@@ -18,6 +18,13 @@ static void change_reserved(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
   }
 }
 
+/* Reserved bytes the device holds for the pool mapped nowhere (a spare chunk, held memory):
+ * counted and recorded (hold / unhold events), so the history adds up to the reserved bytes. */
+static void change_held(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
+  change_reserved(ctx, pool, bytes, add);
+  np_ctx_record(ctx, add ? NP_EV_HOLD : NP_EV_UNHOLD, 0, bytes, 0, -1, pool, 0);
+}
+
 void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, uint64_t bytes) {
   bool add = action == NP_EV_SEGMENT_ALLOC || action == NP_EV_SEGMENT_MAP;
   change_reserved(ctx, seg->pool, bytes, add);
@@ -41,9 +48,12 @@ void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t 
   bool memory = kind != NP_HELD_RESERVATION; /* a reservation is address space, not device memory */
   if (memory && from) {
     NP_ASSERT(from->mapped >= size);
-    from->mapped -= size; /* stays reserved: now counted as held */
+    from->mapped -= size; /* stays reserved: now counted as held (in the history: out of its segment, held) */
+    np_ctx_record(ctx, kind == NP_HELD_SEGMENT ? NP_EV_SEGMENT_FREE : NP_EV_SEGMENT_UNMAP, addr, size, from->stream, -1,
+                  pool, 0);
+    np_ctx_record(ctx, NP_EV_HOLD, 0, size, 0, -1, pool, 0);
   } else if (memory) {
-    change_reserved(ctx, pool, size, true);
+    change_held(ctx, pool, size, true);
   }
   if (memory) ctx->st.unreleased += size;
   if (ctx->n_held == ctx->cap_held) {
@@ -71,7 +81,7 @@ static int free_device(np_ctx *ctx, uintptr_t addr, uint64_t size) {
 static void drop_held(np_ctx *ctx, size_t i) {
   np_held *h = &ctx->held[i];
   if (h->kind != NP_HELD_RESERVATION) {
-    change_reserved(ctx, h->pool, h->size, false);
+    change_held(ctx, h->pool, h->size, false);
     ctx->st.unreleased -= h->size;
   }
   ctx->held[i] = ctx->held[--ctx->n_held];
@@ -84,10 +94,7 @@ static int retry_one(np_ctx *ctx, np_held *h) {
   switch (h->kind) {
     case NP_HELD_SEGMENT:
       rc = free_device(ctx, h->addr, h->size);
-      if (rc == NP_OK) {
-        ctx->st.device_frees++;
-        np_ctx_record(ctx, NP_EV_SEGMENT_FREE, h->addr, h->size, 0, -1, h->pool, 0);
-      }
+      if (rc == NP_OK) ctx->st.device_frees++; /* (its segment_free was recorded when it was held) */
       return rc;
     case NP_HELD_PAGE: {
       np_vmm_left left = {h->addr, h->size, h->handle};
@@ -147,9 +154,10 @@ static int unmap_held_in(np_ctx *ctx, uintptr_t lo, uintptr_t hi) {
     if (rc == NP_OK) {
       drop_held(ctx, i);
     } else if (h->addr) {
+      np_saved_error why; /* the vendor's reason, out of the buffer np_error writes */
+      np_save_error(&why, rc);
       return np_error(rc, "cannot map memory at %#lx: the device still maps a chunk of %s there that it refused to "
-                      "unmap before, and refuses again: %s", (unsigned long)at, np_fmt_bytes(h->size, sz),
-                      np_last_error());
+                      "unmap before, and refuses again: %s", (unsigned long)at, np_fmt_bytes(h->size, sz), why.text);
     } else {
       i++; /* unmapped; only its release is still refused: held, out of the way */
     }
@@ -184,7 +192,7 @@ static void release_spare(np_ctx *ctx, uint64_t handle, uint64_t size) {
 /* Spare i leaves the books (no longer reserved as a spare); the last spare takes its slot. */
 static np_spare drop_spare(np_ctx *ctx, size_t i) {
   np_spare x = ctx->spare[i];
-  change_reserved(ctx, x.pool, x.size, false);
+  change_held(ctx, x.pool, x.size, false);
   ctx->st.spare -= x.size;
   ctx->spare[i] = ctx->spare[--ctx->n_spare];
   return x;
@@ -240,7 +248,7 @@ static void keep_spare(np_ctx *ctx, uint64_t handle, uint64_t size, int pool) {
   }
   ctx->spare[ctx->n_spare++] = (np_spare){handle, size, pool};
   ctx->st.spare += size;
-  change_reserved(ctx, pool, size, true);
+  change_held(ctx, pool, size, true);
 }
 
 /* The largest spare of at most `most` bytes, taken out of the spares: its handle, and its size in
@@ -389,8 +397,8 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
     if (rc != NP_OK) return rc;
   } else {
     np_vmm_spares_release(ctx); /* physical memory taken other than by a growth's map */
-    bool capped = !ctx->device_caps || ctx->limit < ctx->be->total; /* else the device refuses: a call */
-    if (capped && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size)) {
+    /* past the cap: refused here, or by the device (a call) for a framework's allocator with no fraction set */
+    if (!ctx->device_caps && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size)) {
       char a[32], b[32];
       return np_error(NP_ERR_OOM, "reserving %s more would exceed the memory fraction cap of %s",
                       np_fmt_bytes(size, a), np_fmt_bytes(ctx->limit, b));
@@ -402,7 +410,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
   np_block *b = seg ? np_block_new(&ctx->blocks) : NULL;
   if (!b) {
     free(seg);
-    np_vmm_table_free(pages, size / ctx->be->granularity); /* NULL without a reservation */
+    if (reserve_only) np_vmm_table_free(pages, size / ctx->be->granularity); /* (no page table otherwise) */
     /* never used by the device: no synchronisation needed */
     int frc = reserve_only ? ctx->be->release(ctx->be, addr, size) : ctx->be->free(ctx->be, addr, size);
     if (frc != NP_OK) { /* the device keeps it: hold it, counted */

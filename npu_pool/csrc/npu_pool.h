@@ -64,10 +64,14 @@ enum {
 /* What a replay learns lifetimes from: nothing, markers and the trace's sites, that and the
  * categories (an oracle), markers alone (what a device running the recorder sees). */
 enum { NP_HINTS_NONE = 0, NP_HINTS_SITES = 1, NP_HINTS_ORACLE = 2, NP_HINTS_MARKERS = 3, NP_HINTS_COUNT = 4 };
-/* Event history kinds (np_history), PyTorch's TraceEntry actions where they exist. */
+/* Event history kinds (np_history), PyTorch's TraceEntry actions where they exist. HOLD / UNHOLD:
+ * device memory the pool keeps mapped nowhere (a spare chunk, or memory the device refused to
+ * take back) comes / goes, so that the reserved bytes are the sum of the segment_alloc/map and
+ * hold events less the segment_free/unmap and unhold ones. */
 enum {
   NP_EV_ALLOC = 0, NP_EV_FREE = 1, NP_EV_SEGMENT_ALLOC = 2, NP_EV_SEGMENT_FREE = 3, NP_EV_SEGMENT_MAP = 4,
-  NP_EV_SEGMENT_UNMAP = 5, NP_EV_EMPTY_CACHE = 6, NP_EV_OOM = 7, NP_EV_MARK = 8, NP_EV_COUNT = 9
+  NP_EV_SEGMENT_UNMAP = 5, NP_EV_EMPTY_CACHE = 6, NP_EV_OOM = 7, NP_EV_MARK = 8, NP_EV_HOLD = 9, NP_EV_UNHOLD = 10,
+  NP_EV_COUNT = 11
 };
 /* Why a request failed (np_event_info.detail of an NP_EV_OOM). */
 enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_COUNT = 4 };

@@ -66,6 +66,8 @@ static uint64_t ulist_fit(const np_ulist *l, uint64_t off, uint64_t size) {
 
 int np_occ_init(np_occ *o, uint32_t n_pos) {
   memset(o, 0, sizeof *o);
+  if (n_pos > NP_OCC_MAX_POS) /* the leaves are a power of two in 32 bits */
+    return np_error(NP_ERR_INVALID, "a plan index of %u positions: at most %u", n_pos, NP_OCC_MAX_POS);
   o->base = 1;
   while (o->base < n_pos) o->base <<= 1;
   o->full = calloc(2 * (size_t)o->base, sizeof *o->full);
@@ -291,6 +293,9 @@ int np_plan_place(uint32_t n_pos, uint64_t n, const uint64_t *size, const uint32
     const uint32_t *s = span + 4 * i;
     if (order[i] >= n || s[0] > s[1] || s[1] > n_pos || s[2] > s[3] || s[3] > n_pos)
       return np_error(NP_ERR_INVALID, "np_plan_place: rectangle %llu is malformed", (unsigned long long)i);
+    if (size[i] > NP_MAX_REQUEST) /* (an offset past 2^64 is refused below) */
+      return np_error(NP_ERR_INVALID, "np_plan_place: rectangle %llu is %llu bytes, more than any device", (unsigned long long)i,
+                      (unsigned long long)size[i]);
   }
   int rc = np_occ_init(&o, n_pos);
   for (uint64_t i = 0; i < n && rc == NP_OK; i++) {
@@ -298,6 +303,10 @@ int np_plan_place(uint32_t n_pos, uint64_t n, const uint64_t *size, const uint32
     const uint32_t *s4 = span + 4 * (uint64_t)r;
     np_span s = {s4[0], s4[1], s4[2], s4[3]};
     uint64_t off = np_occ_lowest(&o, &s, size[r], 0);
+    if (off > UINT64_MAX - size[r]) {
+      rc = np_error(NP_ERR_INVALID, "np_plan_place: rectangle %u would end past 2^64 bytes", r);
+      break;
+    }
     offset[r] = off;
     if (off + size[r] > *peak) *peak = off + size[r];
     rc = np_occ_add(&o, &s, off, size[r]);

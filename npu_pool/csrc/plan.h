@@ -43,6 +43,7 @@ typedef struct np_occ {
   np_ulist *any;
 } np_occ;
 
+#define NP_OCC_MAX_POS (1u << 31) /* positions an index takes */
 int np_occ_init(np_occ *o, uint32_t n_pos);
 void np_occ_destroy(np_occ *o);
 /* Mark [off, off + size) used during span s. */

@@ -559,6 +559,6 @@ int np_set_plan(np_ctx *ctx, uint64_t n, uint64_t loop, const uint64_t *size, co
   else if (rc == NP_OK && size)
     rc = install(ctx, state(ctx), n, loop, size, offset, end, region, outside, flags);
   if (rc == NP_OK && counts) memcpy(counts, state(ctx)->count, sizeof state(ctx)->count);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }

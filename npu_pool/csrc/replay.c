@@ -155,7 +155,7 @@ static int place_initial_run(replay *r, uint64_t first, uint64_t end) {
 static int run(replay *r) {
   const np_replay_in *in = r->in;
   np_ctx *ctx = r->ctx;
-  bool fidelity = in->fidelity && ctx->policy->alloc_at;
+  bool fidelity = in->fidelity && ctx->policy->alloc_at && ctx->policy->prime_segment; /* both, or neither */
   uint64_t bound = 0;
   for (uint64_t i = 0; i < in->n; i++) {
     for (; bound < in->n_bounds && in->bounds[bound] <= i; bound++) { /* an iteration starts: the calls so far */
@@ -280,7 +280,7 @@ int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out) {
     ctx->replay_time = -1;
     if (ctx->policy->region) ctx->policy->region(ctx, NULL); /* leave the trace's region */
   }
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   free(r.ptrs);
   free(r.sizes);
   free(r.tag);

@@ -429,7 +429,7 @@ int np_region(np_ctx *ctx, const char *tag) {
   np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "region");
   if (rc == NP_OK) rc = ctx->policy->region ? ctx->policy->region(ctx, tag) : no_tags(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -438,7 +438,7 @@ int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes) {
   np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "pause");
   if (rc == NP_OK) rc = ctx->policy->pause ? ctx->policy->pause(ctx, tag, backup != 0, &b) : no_tags(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   if (bytes) *bytes = b;
   return rc;
 }
@@ -448,7 +448,7 @@ int np_resume(np_ctx *ctx, const char *tag, uint64_t *bytes) {
   np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "resume");
   if (rc == NP_OK) rc = ctx->policy->resume ? ctx->policy->resume(ctx, tag, &b) : no_tags(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   if (bytes) *bytes = b;
   return rc;
 }
@@ -458,7 +458,7 @@ int np_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n) {
   if (cap && !out) return np_error(NP_ERR_INVALID, "np_tags: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
   int rc = ctx->policy->tags ? ctx->policy->tags(ctx, out, cap, n) : NP_OK;
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }
 
@@ -467,6 +467,6 @@ int np_set_backup_limit(np_ctx *ctx, uint64_t bytes) {
   np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "set_backup_limit");
   if (rc == NP_OK) rc = ctx->policy->set_backup_limit ? ctx->policy->set_backup_limit(ctx, bytes) : no_tags(ctx);
-  pthread_mutex_unlock(&ctx->lock);
+  np_ctx_unlock(ctx);
   return rc;
 }

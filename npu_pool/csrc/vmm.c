@@ -60,7 +60,10 @@ int np_vmm_chunk_map(np_backend *be, np_segment *seg, uint64_t first, uint64_t n
   *left = (np_vmm_left){0};
   NP_ASSERT(n > 0 && (first + n) * g <= seg->size);
   int prev, rc = enter(be, &prev);
-  if (rc != NP_OK) return rc;
+  if (rc != NP_OK) {
+    if (h) *left = (np_vmm_left){0, size, h}; /* the spare, unmapped and not released: the caller holds it */
+    return rc;
+  }
   bool mapped = false;
   if (!h) rc = be->page_create(be, size, &h);
   if (rc == NP_OK) mapped = (rc = be->page_map(be, va, size, h)) == NP_OK;
@@ -120,8 +123,4 @@ uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t add
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
   for (uint64_t p = first; p < end; p++) n += !seg->pages[p];
   return n * g;
-}
-
-bool np_vmm_page_mapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr) {
-  return seg->pages[(addr - seg->addr) / ctx->be->granularity] != 0;
 }

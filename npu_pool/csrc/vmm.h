@@ -97,7 +97,5 @@ void np_vmm_release(np_ctx *ctx, np_segment *seg);
 
 /* Bytes of the pages under [addr, addr+size) that are not mapped. */
 uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size);
-/* Whether the page holding addr is mapped. */
-bool np_vmm_page_mapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr);
 
 #endif

@@ -16,7 +16,8 @@ static const char *const cats[NP_CAT_COUNT] = {"unknown",    "parameter", "gradi
 static const char *const hints[NP_HINTS_COUNT] = {"none", "sites", "oracle", "markers"};
 static const char *const events[NP_EV_COUNT] = {"alloc",         "free",          "segment_alloc",
                                                 "segment_free",  "segment_map",   "segment_unmap",
-                                                "empty_cache",   "oom",           "mark"};
+                                                "empty_cache",   "oom",           "mark",
+                                                "hold",          "unhold"};
 static const char *const errors[] = {"ok",      "out_of_memory", "invalid", "double_free",
                                      "unknown_pointer", "backend", "host", "state"};
 
