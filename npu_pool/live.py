@@ -82,6 +82,8 @@ class LiveResult:
 
 # ---- the parent: one process per allocator -------------------------------------------------
 
+_WORKER_SAYS = "npu-pool replay --live: "  # how a worker's LiveError starts on its stderr (exit 2)
+
 def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, allocators: Sequence[str] = ALLOCATORS,
                 min_capacity: bool = False, python: Optional[str] = None, timeout: float = 3600.0,
                 env: Optional[dict[str, str]] = None) -> list[LiveResult]:
@@ -107,6 +109,8 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
             lines = r.stdout.strip().splitlines()
             if r.returncode or not lines:
                 why = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
+                if r.returncode == 2 and why.startswith(_WORKER_SAYS):  # its own reason (no device): that alone
+                    raise LiveError(f"{name}: {why[len(_WORKER_SAYS):]}")
                 raise LiveError(f"{name}: the live replay under {allocator} failed (exit {r.returncode}): {why}")
             rec = json.loads(lines[-1])
             out.append(LiveResult(trace=name, **rec))
@@ -128,8 +132,9 @@ under the framework's own caching allocator (native) and under npu_pool, each in
   seconds     wall time of one replay
 With --validate each live row has the simulation's beside it (sim: the torch model for native,
 the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
-same device's rules, on a device of the memory the live one had free); 'same' compares peak
-reserved, and where a run ran out of memory, the event. --policy and --hints do not apply to --live."""
+same device's rules, on a device of the memory the live one had free: on a GPU that others use
+too, near its end the two may part); 'same' compares peak reserved, and where a run ran out of
+memory, the event. --policy and --hints do not apply to --live."""
 
 
 def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> dict[str, Any]:
@@ -388,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         rec = run_worker(args.trace, args.allocator, args.device, args.min_capacity)
     except LiveError as e:
-        print(f"npu-pool replay --live: {e}", file=sys.stderr)
+        print(f"{_WORKER_SAYS}{e}", file=sys.stderr)
         return 2
     print(json.dumps(rec))
     return 0

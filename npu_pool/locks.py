@@ -3,9 +3,12 @@
 A ``threading.Lock`` held by another thread when the process forks stays held in the child for
 ever (that thread does not exist there), so the child's first use of it hangs. The core remakes
 its own C locks at fork (fork.c); these are the Python side's. ``os.fork()`` waits for the lock
-(so the state it guards is whole in the child), and the child gets a new one; a fork made by the
-thread that holds it (nothing here does) does not wait for itself, and its child holds the new
-lock, to release it when that thread leaves its ``with``.
+(so the state it guards is whole in the child), and the child gets a new one. A fork made by the
+thread that holds it (nothing here does; a signal handler may) does not wait for itself, and its
+child holds the new lock, to release it when that thread leaves its ``with``. Whether the forking
+thread holds it is the lock's own answer (an ``RLock`` knows its owner from inside ``acquire``),
+so a signal that lands between taking the lock and any bookkeeping cannot make a fork wait for
+its own thread.
 """
 from __future__ import annotations
 
@@ -20,9 +23,8 @@ class ForkSafeLock:
     """``with lock:`` as a ``threading.Lock``, safe across ``os.fork()`` (module docstring)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner = 0          # the thread holding it (0: none)
-        self._forking = False    # taken by the fork hook, to be released in the parent
+        self._lock = threading.RLock()
+        self._forking = False  # taken by the fork hook, to be released in the parent
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(before=lambda: _call(ref, "_before_fork"),
@@ -31,17 +33,15 @@ class ForkSafeLock:
 
     def __enter__(self) -> "ForkSafeLock":
         self._lock.acquire()
-        self._owner = threading.get_ident()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._owner = 0
         self._lock.release()
 
     def _before_fork(self) -> None:
-        if self._owner != threading.get_ident():
-            self._lock.acquire()
+        if not self._lock._is_owned():  # (the fork of a thread inside its with: no wait for itself)
             self._forking = True
+            self._lock.acquire()
 
     def _after_in_parent(self) -> None:
         if self._forking:
@@ -49,12 +49,10 @@ class ForkSafeLock:
             self._lock.release()
 
     def _after_in_child(self) -> None:
-        held = self._owner == threading.get_ident()  # the forking thread's own: still inside its with
-        self._lock, self._forking = threading.Lock(), False
+        held = self._lock._is_owned() and not self._forking  # the forking thread's own: still inside its with
+        self._lock, self._forking = threading.RLock(), False
         if held:
             self._lock.acquire()
-        else:
-            self._owner = 0
 
 
 def _call(ref: "weakref.ref[ForkSafeLock]", method: str) -> None:

@@ -232,6 +232,7 @@ def test_cli_live_without_a_device_says_so(tmp_path) -> None:
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert "no NPU (torch_npu) or CUDA GPU on this machine" in r.stderr
+    assert "failed (exit" not in r.stderr  # the worker's reason, not wrapped in its exit
 
 
 def test_a_live_run_out_of_memory_is_said() -> None:

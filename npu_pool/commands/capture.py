@@ -61,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         outputs.check(args.out)  # now, not after minutes of training
     try:
+        unused = [flag for flag, on in (("--steps", args.steps != DEFAULTS["steps"]), ("--pp", args.pp > 1),
+                                        ("--recompute", args.recompute), ("--grad-accum", args.grad_accum > 1),
+                                        ("--bf16", args.bf16)) if on]
+        if args.colocated is not None and unused:  # (a colocated capture models one step of its own)
+            print(f"npu-pool capture: error: --colocated takes --shape, --tp, --batch, --seq and --layers; not "
+                  f"{', '.join(unused)}", file=sys.stderr)
+            return 2
         if args.colocated is not None and fake:
             from ..capture.colocated import colocated_capture
 

@@ -36,7 +36,7 @@ ABOUT = {"torch": "stock PyTorch allocator (model)", "expandable": "PyTorch, exp
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="torch,expandable,npu_pool", help="policies for the real traces' table")
+    p.add_argument("--policy", default="torch,expandable,npu_pool", help="policies for the real traces' table, of torch, expandable, npu_pool")
     p.add_argument("--shared", default=None, metavar="DIR",
                    help="folder of real snapshots (*.pickle) to replay too (default: ../shared/traces beside the "
                         "checkout, skipped when absent; a folder named here must hold some)")
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_case:
         print("tracing a Llama-7B training step on fake tensors ...", flush=True)
         print("\n".join(_case()), flush=True)
-    policies = policies_from(args.policy)
+    policies = policies_from(args.policy, planned=False)  # (the 7B case above plans its own trace)
     named = []
     if not args.no_capture:
         from ..capture import capture
