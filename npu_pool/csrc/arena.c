@@ -123,12 +123,7 @@ static bool whole_chunk_in(const np_ctx *ctx, const np_arena *a, const np_block 
 
 void np_arena_drop(np_ctx *ctx, np_arena *a) {
   if (!a->seg) return;
-  for (np_block *b = a->seg->head; b; b = b->next) {
-    if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
-    b->allocated = 0;
-    b->in_tree = 0;
-  }
-  np_segment_destroy(ctx, a->seg); /* unmaps what is mapped */
+  np_segment_drop(ctx, a->seg); /* unmaps what is mapped */
   /* what outlives the memory: the settings, the owner's budget and the streams seen */
   *a = (np_arena){.vmm = a->vmm, .page = a->page, .growth = a->growth, .set_aside = a->set_aside, .outside = a->outside,
                   .streams = a->streams};

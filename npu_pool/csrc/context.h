@@ -174,10 +174,14 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
 /* Return a segment to the device (a reservation's mapped pages are unmapped first); what the
  * device refuses is held and retried (np_ctx_retry_held). */
 void np_segment_destroy(np_ctx *ctx, np_segment *seg);
+/* Teardown: every block of seg forgotten (allocated ones leave the map: their owner is gone),
+ * then np_segment_destroy. */
+void np_segment_drop(np_ctx *ctx, np_segment *seg);
 
-/* The one accounting path for device memory: `action` (NP_EV_SEGMENT_ALLOC / FREE / MAP / UNMAP)
- * of `bytes` at addr in seg changes reserved bytes, the device call counters, seg->mapped
- * and the history. */
+/* The accounting path for a segment's memory: `action` (NP_EV_SEGMENT_ALLOC / FREE / MAP / UNMAP)
+ * of `bytes` at addr in seg changes reserved bytes, the served device calls (device_mallocs /
+ * device_frees), seg->mapped and the history. (Memory mapped nowhere, spares and held memory,
+ * is accounted inside memory.c: hold / unhold events.) */
 void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, uint64_t bytes);
 /* Memory the device refused to take back: counted reserved (and unreleased) until a retry works.
  * `from`: the segment whose mapped bytes it was counted in until now (NULL: not counted yet). */

@@ -437,6 +437,15 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
   return NP_OK;
 }
 
+void np_segment_drop(np_ctx *ctx, np_segment *seg) {
+  for (np_block *b = seg->head; b; b = b->next) {
+    if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
+    b->allocated = 0;
+    b->in_tree = 0;
+  }
+  np_segment_destroy(ctx, seg);
+}
+
 void np_segment_destroy(np_ctx *ctx, np_segment *seg) {
   for (np_block *b = seg->head, *n; b; b = n) {
     NP_ASSERT(!b->allocated && !b->in_tree);

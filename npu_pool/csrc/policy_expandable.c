@@ -118,15 +118,7 @@ static int release_cached(np_ctx *ctx) {
 }
 
 static void exp_destroy(np_ctx *ctx) {
-  while (ctx->segments) {
-    np_segment *s = ctx->segments;
-    for (np_block *b = s->head; b; b = b->next) {
-      if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
-      b->allocated = 0;
-      b->in_tree = 0;
-    }
-    np_segment_destroy(ctx, s); /* unmaps what is mapped */
-  }
+  while (ctx->segments) np_segment_drop(ctx, ctx->segments); /* unmaps what is mapped */
   free(ctx->pstate);
 }
 

@@ -128,12 +128,7 @@ static int region_reserve(np_ctx *ctx, planned_state *st) {
 
 static void region_drop(np_ctx *ctx, planned_state *st) {
   if (!st->seg) return;
-  for (np_block *b = st->seg->head; b; b = b->next) {
-    if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
-    b->allocated = 0;
-    b->in_tree = 0;
-  }
-  np_segment_destroy(ctx, st->seg);
+  np_segment_drop(ctx, st->seg);
   st->seg = NULL;
   st->free = (np_tree){.by_addr = true};
   st->live = 0;

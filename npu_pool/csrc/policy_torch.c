@@ -63,14 +63,7 @@ static int torch_init(np_ctx *ctx) {
 
 /* Return every segment, allocated or not, to the device (context teardown). */
 static void release_all(np_ctx *ctx) {
-  while (ctx->segments) {
-    for (np_block *b = ctx->segments->head; b; b = b->next) {
-      if (b->allocated) np_ptrmap_remove(&ctx->live, b->addr);
-      b->allocated = 0;
-      b->in_tree = 0;
-    }
-    np_segment_destroy(ctx, ctx->segments);
-  }
+  while (ctx->segments) np_segment_drop(ctx, ctx->segments);
 }
 
 static void torch_destroy(np_ctx *ctx) {
