@@ -84,6 +84,7 @@ class LiveResult:
 
 _WORKER_SAYS = "npu-pool replay --live: "  # how a worker's LiveError starts on its stderr (exit 2)
 
+
 def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, allocators: Sequence[str] = ALLOCATORS,
                 min_capacity: bool = False, python: Optional[str] = None, timeout: float = 3600.0,
                 env: Optional[dict[str, str]] = None) -> list[LiveResult]:
@@ -357,10 +358,10 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
     player = Player(trace, torch, module, kind, pool)
     counter = _vendor_counter(kind)
     names = VENDOR_CALLS[kind]
+    free0 = int(module.mem_get_info(player.dev)[0])  # (before the counters: its calls are not the play's)
     before = {n: counter(n) for n in names} if counter else {}
     stats0 = module.memory_stats(player.dev)
     module.reset_peak_memory_stats(player.dev)
-    free0 = int(module.mem_get_info(player.dev)[0])
     t0 = time.perf_counter()
     failed = player.play()
     seconds = time.perf_counter() - t0
@@ -400,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 __all__ = ["replay_live", "simulated", "format_live", "is_oom", "Player", "LiveResult", "LiveError", "ALLOCATORS",
-           "VENDOR_CALLS", "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
+           "MEMORY_KINDS", "COUNTED_KINDS", "VENDOR_CALLS", "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
 
 if __name__ == "__main__":
     sys.exit(main())
