@@ -250,9 +250,13 @@ def parse_output_dir(value: str, source: str, *, unwritable_warns: bool = False)
     too long), found now rather than when the first write is due (hours later). The check makes
     and removes an empty folder where the writes would go. ``unwritable_warns``: a folder that
     cannot be written is a warning, not an error (an optional diagnostic another tool's switch
-    turned on: torch_npu's OOM_SNAPSHOT_PATH, the working directory by default)."""
+    turned on: torch_npu's OOM_SNAPSHOT_PATH, the working directory by default); so is a file."""
     if os.path.exists(value) and not os.path.isdir(value):
-        raise ConfigError(f"{source}={show(value, 400)} is not a directory: name a folder to write into (made when missing)")
+        message = f"{source}={show(value, 400)} is not a directory: name a folder to write into (made when missing)"
+        if not unwritable_warns:
+            raise ConfigError(message)
+        warnings.warn(f"npu_pool: {message} (nothing will be written there)", RuntimeWarning, stacklevel=3)
+        return value
     where = value
     try:
         where = os.path.abspath(value)

@@ -24,6 +24,7 @@ Imports nothing above the vocabulary (and byte formatting): the pool is any obje
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -47,6 +48,7 @@ HISTORY_WHEN_ENABLED = HISTORY_WRITTEN  # events kept per device when OOM snapsh
 HISTORY_IN_JSON = 64             # the events around the failure, in the .json
 BLOCKS_IN_JSON = 4096            # blocks listed in the .json (the pickle's segments hold all of them)
 _written = 0
+_numbers = itertools.count()  # the <n> of snapshot names: in the order this process writes them
 _lock = ForkSafeLock()
 
 _SHORTAGE_LEVERS = (
@@ -123,16 +125,20 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
         kind = "too_large" if request > limit else "fragmentation" if limit - allocated >= request else "shortage"
     tips: list[str] = []
     policy = str(st["policy"])
-    if kind == "fragmentation":
-        if policy != "npu_pool":
-            tips.append("use the npu_pool policy (one arena, long- and short-lived tensors placed apart)")
+    if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
+        tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
+                    "needed, e.g. by collective-communication buffers")
+    if kind == "fragmentation" and policy in ("npu_pool", "planned"):
+        # (its failed request already returned every wholly free chunk and retried: empty_cache frees nothing more)
+        tips.append("plan the steady iteration (`npu-pool plan TRACE`, then NPU_POOL_POLICY=planned): every tensor "
+                    "at a fixed offset, the free memory in one piece (docs/planner.md)")
+        tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])
+    elif kind == "fragmentation":
+        tips.append("use the npu_pool policy (one arena, long- and short-lived tensors placed apart)")
         tips.append("call empty_cache() at phase boundaries (after evaluation, between iterations) to return "
                     "cached free memory")
     else:
         tips.extend(_SHORTAGE_LEVERS)
-    if total and limit < total:
-        tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
-                    "needed, e.g. by collective-communication buffers")
     return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips)
 
 
@@ -166,15 +172,26 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
         raise NotADirectoryError(f"{d} exists and is not a directory")
     d.mkdir(parents=True, exist_ok=True)
     exp = explanation or explain(pool)
-    stem = f"oom_snapshot_{os.getpid()}_{time.strftime('%Y%m%d-%H%M%S')}_{time.monotonic_ns() % 1_000_000:06d}"
+    stem = f"oom_snapshot_{os.getpid()}_{time.strftime('%Y%m%d-%H%M%S')}_{next(_numbers):04d}"
     pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
                                  d / f"{stem}.pickle")
     blocks = pool.blocks()
     doc = {"format": "npu_pool.oom/3", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
            "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": pool.stats(),
            "blocks": blocks[:BLOCKS_IN_JSON], "blocks_total": len(blocks), "history": pool.history(HISTORY_IN_JSON)}
-    write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
+    try:
+        write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
+    except OSError as e:
+        raise HalfWritten(pickle_path, e) from e
     return pickle_path
+
+
+class HalfWritten(OSError):
+    """The snapshot's pickle was written (``path``), its .json explanation was not (``cause``)."""
+
+    def __init__(self, path: Path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.path = path
 
 
 def on_oom(pool: Any, size: int, device: int = 0) -> Optional[str]:
@@ -192,10 +209,14 @@ def on_oom(pool: Any, size: int, device: int = 0) -> Optional[str]:
     with _lock:
         if _written >= MAX_SNAPSHOTS:
             return f"[OOM snapshot] not written: {MAX_SNAPSHOTS} already written by this process.{why}"
-        _written += 1
+        _written += 1  # (a slot taken now, so that threads failing at once write no more than the bound)
     try:
         path = write_snapshot(pool, directory, device=device, explanation=exp)
+    except HalfWritten as e:
+        return f"[OOM snapshot] written to {e.path}, but not its .json explanation: {e.strerror}.{why}"
     except Exception as e:
+        with _lock:
+            _written -= 1  # nothing written: the slot is free again (a full disk may have room later)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return f"[OOM snapshot] cannot write to {directory!r}: {reason}.{why}"
     return f"[OOM snapshot] written to {path} (open it at https://pytorch.org/memory_viz).{why}"

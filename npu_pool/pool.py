@@ -220,6 +220,13 @@ class Pool:
         self.policy = policy
         self.backend = backend
         self.device = device
+        self._rules = rules
+
+    @property
+    def device_rules(self) -> str:
+        """Whose request rules the pool applies: ``"npu"`` (torch_npu's padding) or ``"cuda"``."""
+        rules = getattr(self, "_rules", "auto")  # (the installed allocator's pools: the backend's own)
+        return rules if rules != "auto" else "npu" if self.backend == "acl" else "cuda"
 
     # -- lifetime -----------------------------------------------------------------------
     _closed = False

@@ -140,6 +140,9 @@ def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
         vmm = bool(st["vmm"])
     snap["allocator_settings"] = {"npu_pool_policy": ",".join(sorted(policies)),
                                   "expandable_segments": vmm, "round_size": ROUND}
+    kinds = {pool.device_rules for pool in pools.values()}
+    if len(kinds) == 1:  # whose request rules a replay of it applies (trace.snapshot reads it)
+        snap["allocator_settings"]["device_type"] = kinds.pop()
     return snap
 
 

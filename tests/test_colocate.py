@@ -534,3 +534,20 @@ def test_an_out_of_memory_inside_a_region_names_its_room_beside_the_cap() -> Non
         for x in keep:
             p.free(x)
         p.check()
+
+
+def test_an_out_of_memory_while_a_tag_is_paused_says_what_the_pause_holds() -> None:
+    """A paused tag's tensors stay allocated with no memory behind them: an out-of-memory message
+    said 'reserved 302 MiB ... allocated 800 MiB' and nothing of the pause; it names the paused
+    bytes now."""
+    with Pool("npu_pool", capacity=1 << 30) as p:
+        with p.region("rollout"):
+            kept = p.malloc(500 * MiB)
+        p.pause("rollout")
+        with pytest.raises(OutOfMemoryError) as e:
+            p.malloc(2 << 30)
+        assert "of the allocated, 500.00 MiB is in paused tagged regions (no memory behind it until resume)" in \
+            str(e.value), str(e.value)
+        p.resume("rollout")
+        p.free(kept)
+        p.check()

@@ -571,6 +571,8 @@ def test_unknown_variables_and_output_folders() -> None:
         assert config.parse_output_dir("/proc/npu_pool-nowhere", "OOM_SNAPSHOT_PATH", unwritable_warns=True)
     with pytest.raises(ConfigError, match="X=.*setup.py.* is not a directory"):
         config.parse_output_dir(str(ROOT / "setup.py"), "X")
+    with pytest.warns(RuntimeWarning, match="OOM_SNAPSHOT_PATH=.*setup.py.* is not a directory.*nothing will be"):
+        assert config.parse_output_dir(str(ROOT / "setup.py"), "OOM_SNAPSHOT_PATH", unwritable_warns=True)
 
 
 def test_install_too_late_says_what_to_move(fakes: dict, fake_cuda_torch: list,

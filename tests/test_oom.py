@@ -51,6 +51,24 @@ def test_fragmentation_is_named_in_the_pool_the_request_was_for() -> None:
     assert "Fragmentation" in x.summary()
 
 
+def test_npu_pools_fragmentation_advice_is_what_can_still_help() -> None:
+    """npu_pool's failed request has already returned every wholly free chunk and retried, so an
+    empty_cache frees nothing more: its advice is a plan of the iteration, or less held at once
+    (before: empty_cache, which did nothing). A fraction cap, when set, is the first lever named:
+    the error's notes are cut at 4 KiB, and it is the one that needs no change to the model."""
+    pool, _ = _fragmented("npu_pool")
+    _fails(pool, 12 * MiB)
+    x = oom.explain(pool)
+    assert x.kind == "fragmentation" and "npu-pool plan" in x.suggestions[0]
+    assert not any("empty_cache" in s for s in x.suggestions)
+    reserved = pool.stats()["total"]["reserved"]["current"]
+    pool.empty_cache()
+    assert pool.stats()["total"]["reserved"]["current"] == reserved  # (what the advice no longer says)
+    capped = Pool("torch", capacity=64 * MiB, fraction=0.5)
+    _fails(capped, 40 * MiB)
+    assert oom.explain(capped).suggestions[0].startswith("raise the memory fraction cap (50% of the device)")
+
+
 def test_a_shortage_and_a_request_larger_than_the_cap_are_told_apart() -> None:
     pool, _ = _fragmented("npu_pool")
     msg = _fails(pool, 40 * MiB)  # more than everything free, in any arrangement
@@ -90,6 +108,21 @@ def test_write_snapshot(tmp_path: Path) -> None:
     assert snap["device_traces"][0][-1]["action"] == "oom" and snap["device_traces"][0][-1]["size"] == 12 * MiB
 
 
+@pytest.mark.parametrize("rules", ["npu", "cuda"])
+def test_a_snapshot_says_whose_request_rules_it_was_made_under(tmp_path: Path, rules: str) -> None:
+    """An OOM snapshot of a pool under torch_npu's rules is read back as an NPU trace, so that
+    analyze replays it with torch_npu's padding (before: every snapshot of npu_pool's own read
+    as CUDA's, and analyze said a policy would have served a request the live pool could not)."""
+    from npu_pool.trace.snapshot import load_snapshot
+
+    pool = Pool("npu_pool", capacity=64 * MiB, rules=rules)
+    assert pool.device_rules == rules
+    _fails(pool, 100 * MiB)
+    path = oom.write_snapshot(pool, tmp_path)
+    assert pickle.loads(path.read_bytes())["allocator_settings"]["device_type"] == rules
+    assert load_snapshot(path)[0].meta["device_type"] == rules
+
+
 def test_on_oom_writes_only_when_asked_and_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool, _ = _fragmented()
     _fails(pool, 12 * MiB)
@@ -104,6 +137,34 @@ def test_on_oom_writes_only_when_asked_and_never_raises(tmp_path: Path, monkeypa
         monkeypatch.setenv(oom.ENV, str(bad))
         msg = oom.on_oom(pool, 12 * MiB)
         assert "cannot write" in msg and str(bad) in msg and "Fragmentation" in msg
+
+
+def test_a_failed_snapshot_takes_no_slot_and_a_half_written_one_is_named(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots that could not be written do not count toward the bound of MAX_SNAPSHOTS per
+    process (before: a full disk used the bound up, and later failures said '20 already written'
+    with none there); a pickle written without its .json is named as written."""
+    pool, _ = _fragmented()
+    _fails(pool, 12 * MiB)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setattr(oom, "_written", 0)
+    monkeypatch.setenv(oom.ENV, str(blocker))
+    for _ in range(oom.MAX_SNAPSHOTS + 2):
+        assert "cannot write" in oom.on_oom(pool, 12 * MiB)
+    monkeypatch.setenv(oom.ENV, str(tmp_path / "d"))
+    assert "written to" in oom.on_oom(pool, 12 * MiB) and oom._written == 1
+    from npu_pool import outputs
+
+    def no_room(path: object, text: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs, "write_text", no_room)
+    msg = oom.on_oom(pool, 12 * MiB)
+    pickles = sorted((tmp_path / "d").glob("*.pickle"))
+    assert len(pickles) == 2 and f"written to {pickles[-1]}, but not its .json explanation: No space left" in msg
+    assert oom._written == 2
+    assert pickles[0].name < pickles[1].name  # names sort in the order they were written
 
 
 def test_torch_npus_switch_asks_for_snapshots_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

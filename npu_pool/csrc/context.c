@@ -39,6 +39,8 @@ static int classify(const np_ctx *ctx, uint64_t size) {
 }
 
 /* Compose the out-of-memory message: what was asked, what the pool holds, and why it failed. */
+static uint64_t device_size(const np_ctx *ctx, uint64_t size);
+
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
   char cause[1024];
   np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
@@ -50,21 +52,26 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, room);
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], what[320], held[160] = "";
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], what[320], held[320] = "";
+  int at = 0;
   if (ctx->st.unreleased)
-    snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
-             "empty_cache, close and an out-of-memory)", np_fmt_bytes(ctx->st.unreleased, h));
+    at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
+                  "empty_cache, close and an out-of-memory)", np_fmt_bytes(ctx->st.unreleased, h));
+  if (st.paused && at >= 0 && (size_t)at < sizeof held) /* allocated, but nothing behind it: not in reserved */
+    snprintf(held + at, sizeof held - (size_t)at, "; of the allocated, %s is in paused tagged regions (no memory "
+             "behind it until resume)", np_fmt_bytes(st.paused, ps));
+  bool rounded = f->needed > device_size(ctx, size); /* past the vendor's padding: a segment or whole pages */
   if (why == NP_OOM_TOO_LARGE)
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));
   else if (why == NP_OOM_FRAGMENTED)
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "
              "but not in one piece of %s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),
-             f->needed > size ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
+             rounded ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
   else
     snprintf(what, sizeof what, "a real shortage: %s has only %s it could use, and the request needs %s in one piece%s, "
              "even with no fragmentation (lower the batch, recompute, shard more, or raise the fraction)",
              pool, np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n),
-             f->needed > size ? " (rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
+             rounded ? " (rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
   return np_error(NP_ERR_OOM,
                   "out of memory on device %d (policy %s): tried to allocate %s; reserved %s of the %s cap "
                   "(fraction %.3g of %s), allocated %s, largest free block %s%s; %s [%s]",

@@ -40,7 +40,7 @@ static struct {
  * failure on another thread may replace before this thread reads it. A handler whose own malloc
  * fails nests: its notes follow the outer call's and leave with its own message. */
 static _Thread_local int tl_noting = -1;
-static _Thread_local char tl_note[1024];
+static _Thread_local char tl_note[4096];
 
 /* Append `text` to the message in buf (len bytes), after a newline when `newline`; what does not
  * fit is cut, and the cut shows ("..." at the end), whatever was written before. */

@@ -315,7 +315,8 @@ def _traces(name: str, devices: Iterable[tuple[int, list["_Events"], "_Sites"]],
     return out
 
 
-# Which runtime recorded a snapshot, from the allocator named in its C++ frames (torch_npu's
+# Which runtime recorded a snapshot: the one npu_pool's own snapshots name
+# (allocator_settings["device_type"]), else the allocator named in its C++ frames (torch_npu's
 # NPUCachingAllocator in c10_npu, or CUDA's in c10::cuda) or a Python frame in torch_npu's code;
 # without those, from the "allocator_settings" CUDA's snapshots carry and torch_npu's do not
 # (torch_npu/csrc/npu/Module.cpp writes segments and device_traces only). Looks at no more than
@@ -350,7 +351,11 @@ class _Probe:
         self.budget -= len(frames) if isinstance(frames, list) else 0
 
     def result(self, segments: Any, settings: Any) -> str | None:
-        """"npu", "cuda", or None when the snapshot does not say."""
+        """"npu", "cuda", or None when the snapshot does not say (npu_pool's own snapshots say it
+        in allocator_settings["device_type"])."""
+        said = settings.get("device_type") if isinstance(settings, dict) else None
+        if said in ("npu", "cuda"):
+            return said
         for s in [s for s in segments or [] if isinstance(s, dict)][:_PROBE_ENTRIES]:
             self.look(s)
         return self.kind or ("cuda" if isinstance(settings, dict) else None)
