@@ -20,7 +20,7 @@ __all__ = ["ForkSafeLock"]
 
 
 class ForkSafeLock:
-    """``with lock:`` as a ``threading.Lock``, safe across ``os.fork()`` (module docstring)."""
+    """``with lock:``, re-entrant as a ``threading.RLock``, safe across ``os.fork()`` (module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -49,9 +49,12 @@ class ForkSafeLock:
             self._lock.release()
 
     def _after_in_child(self) -> None:
-        held = self._lock._is_owned() and not self._forking  # the forking thread's own: still inside its with
+        held = 0  # how deep the forking thread is inside its own with (nested, from a signal handler)
+        if self._lock._is_owned() and not self._forking:
+            count = getattr(self._lock, "_recursion_count", None)
+            held = count() if count else 1
         self._lock, self._forking = threading.RLock(), False
-        if held:
+        for _ in range(held):
             self._lock.acquire()
 
 

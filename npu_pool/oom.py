@@ -130,8 +130,12 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
                     "needed, e.g. by collective-communication buffers")
     if kind == "fragmentation" and policy in ("npu_pool", "planned"):
         # (its failed request already returned every wholly free chunk and retried: empty_cache frees nothing more)
-        tips.append("plan the steady iteration (`npu-pool plan TRACE`, then NPU_POOL_POLICY=planned): every tensor "
-                    "at a fixed offset, the free memory in one piece (docs/planner.md)")
+        if policy == "planned":
+            tips.append("plan again from a trace of this run (`npu-pool plan TRACE`): what the plan does not place "
+                        "goes to its npu_pool fallback (docs/planner.md)")
+        else:
+            tips.append("plan the steady iteration (`npu-pool plan TRACE`, then NPU_POOL_POLICY=planned): every "
+                        "tensor at a fixed offset, the free memory in one piece (docs/planner.md)")
         tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])
     elif kind == "fragmentation":
         tips.append("use the npu_pool policy (one arena, long- and short-lived tensors placed apart)")
@@ -164,7 +168,7 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
                    explanation: Optional[OomExplanation] = None) -> Path:
     """Write ``oom_snapshot_<pid>_<time>_<n>.pickle`` and ``.json`` into ``directory``, each
     whole or absent; returns the pickle's path. Raises OSError if the directory cannot be made
-    or written."""
+    or written, :class:`HalfWritten` when the pickle was written and the .json was not."""
     from .outputs import write_text
 
     d = Path(directory)
@@ -182,16 +186,19 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
     try:
         write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
     except OSError as e:
-        raise HalfWritten(pickle_path, e) from e
+        raise HalfWritten(pickle_path, e.strerror or str(e)) from e
     return pickle_path
 
 
-class HalfWritten(OSError):
-    """The snapshot's pickle was written (``path``), its .json explanation was not (``cause``)."""
+class HalfWritten(Exception):
+    """The snapshot's pickle was written (``path``), its .json explanation was not (``reason``)."""
 
-    def __init__(self, path: Path, cause: OSError):
-        super().__init__(cause.errno, cause.strerror or str(cause))
-        self.path = path
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} written, but not its .json explanation: {reason}")
+        self.path, self.reason = path, reason
+
+    def __reduce__(self) -> tuple:
+        return HalfWritten, (self.path, self.reason)
 
 
 def on_oom(pool: Any, size: int, device: int = 0) -> Optional[str]:
@@ -213,7 +220,7 @@ def on_oom(pool: Any, size: int, device: int = 0) -> Optional[str]:
     try:
         path = write_snapshot(pool, directory, device=device, explanation=exp)
     except HalfWritten as e:
-        return f"[OOM snapshot] written to {e.path}, but not its .json explanation: {e.strerror}.{why}"
+        return f"[OOM snapshot] written to {e.path}, but not its .json explanation: {e.reason}.{why}"
     except Exception as e:
         with _lock:
             _written -= 1  # nothing written: the slot is free again (a full disk may have room later)

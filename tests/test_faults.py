@@ -279,4 +279,16 @@ def test_a_free_whose_stream_synchronisation_fails_keeps_the_block(builds: dict,
     p.free(a)  # the device synchronises now
     p.free(b)
     p.check()
+    # a caller that drops the pointer after the refusal (torch does): the next empty_cache frees it
+    c = p.malloc(MiB)
+    p.record_stream(c, 7)
+    v.fail("sync", skip=0, count=1)
+    with pytest.raises(BackendError, match="freed again by the next empty_cache"):
+        p.free(c)
+    p.check()
+    p.empty_cache()
+    assert p.stats()["total"]["allocated"]["current"] == 0 and v.lib.fake_used() == 0
+    with pytest.raises(PoolError):
+        p.free(c)  # freed: a second free is a double free
+    p.check()
     p.close()

@@ -621,3 +621,21 @@ def test_mindspeed_patch_is_quiet_when_off_and_rejects_bad_values() -> None:
     r = _import_patch(MEMORY_FRAGMENTATION="1", NPU_POOL_POLICY="fast")
     assert r.returncode != 0
     assert "NPU_POOL_POLICY='fast' is not valid: use one of torch, npu_pool, expandable" in r.stderr
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_fraction_set_before_the_first_request_caps_the_torch_model_as_one_set_after(fakes: dict,
+                                                                                         early: bool) -> None:
+    """torch's allocator caps itself once any memory fraction is set, 1.0 included, and asks the
+    device no more; a fraction given to the hooks before the device's first request was taken as
+    none set (two refused cudaMalloc for a request past the device)."""
+    v = _vendor(fakes, "cuda")
+    _configure(v, "torch")
+    if early:
+        so.npu_pool_set_fraction(0, 1.0)
+    assert malloc(MiB)  # the device's context is made here
+    if not early:
+        so.npu_pool_set_fraction(0, 1.0)
+    before = v.calls("malloc")
+    assert malloc(1 << 30) == 0  # past the 256 MiB fake device
+    assert v.calls("malloc") == before  # refused by the pool itself, no device call

@@ -176,11 +176,12 @@ for i in range(12):
     statuses.append(os.waitpid(pid, 0)[1])
 stop.set()
 t.join()
-def fork_holding():  # a fork by the thread that holds a module lock: its child leaves the with, then takes it again
+def fork_holding():  # a fork by the thread that holds a module lock (twice): its child leaves both withs, takes it again
     with _lock:
-        pid = os.fork()
-        if pid == 0:
-            signal.alarm(10)
+        with _lock:
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(10)
     if pid == 0:
         with _lock:
             os._exit(0)

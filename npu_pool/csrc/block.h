@@ -32,6 +32,8 @@ typedef struct np_block {
   uint8_t mapped;                /* expandable: backed by physical pages */
   uint8_t shared;                /* allocated, and used on another stream too (record_stream) */
   uint8_t life;                  /* allocated: the NP_LIFE_* class it was placed as */
+  uint8_t orphan;                /* allocated, its free refused (the device could not synchronise for another
+                                  * stream's use): freed by the next empty_cache whose synchronisation succeeds */
 } np_block;
 
 /* Block structs come from a slab list owned by the context; never from the device. */

@@ -172,6 +172,7 @@ int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream,
 /* Mark a block the policy placed as allocated, file it and count it. */
 static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **out) {
   b->allocated = 1;
+  b->orphan = 0;
   b->requested = size;
   b->site = site;
   b->phase = ctx->phase;
@@ -215,10 +216,16 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
       np_saved_error s;
       np_save_error(&s, rc);
       np_ptrmap_insert(&ctx->live, b); /* into the slot the remove freed: the map does not grow */
+      if (!b->orphan) ctx->n_orphans++;
+      b->orphan = 1; /* (a caller that drops the pointer, as torch does, leaves it to empty_cache) */
       return np_error(NP_ERR_BACKEND, "free of %p: synchronising for a recorded stream failed, so the block stays "
-                      "allocated: %s", ptr, s.text);
+                      "allocated (freed again by the next empty_cache): %s", ptr, s.text);
     }
     b->shared = 0;
+  }
+  if (b->orphan) {
+    b->orphan = 0;
+    ctx->n_orphans--;
   }
   account(ctx, b, false);
   np_ctx_record(ctx, NP_EV_FREE, b->addr, b->requested, b->stream, b->site, b->pool, b->life);
@@ -230,12 +237,29 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
   return NP_OK;
 }
 
+/* Free the blocks whose free was refused (np_block.orphan), the device now synchronised: their
+ * addresses first (a free may merge blocks), each freed as its caller asked. */
+static void free_orphans(np_ctx *ctx) {
+  uintptr_t *addrs = malloc(ctx->n_orphans * sizeof *addrs);
+  size_t n = 0;
+  if (!addrs) return; /* (the next empty_cache tries again) */
+  for (np_segment *s = ctx->segments; s && n < ctx->n_orphans; s = s->next)
+    for (np_block *b = s->head; b && n < ctx->n_orphans; b = b->next)
+      if (b->allocated && b->orphan) addrs[n++] = b->addr;
+  np_saved_error keep;
+  np_save_error(&keep, NP_OK);
+  for (size_t i = 0; i < n; i++) np_ctx_free(ctx, (void *)addrs[i]); /* a refusal keeps it an orphan */
+  np_restore_error(&keep);
+  free(addrs);
+}
+
 int np_ctx_empty_cache(np_ctx *ctx) {
   if (np_ctx_usable(ctx, "empty_cache") != NP_OK) return NP_ERR_STATE;
   ctx->synced = false;
   np_ctx_record(ctx, NP_EV_EMPTY_CACHE, 0, 0, 0, -1, -1, 0);
   int rc = np_ctx_synchronize(ctx);
   if (rc != NP_OK) return rc;
+  if (ctx->n_orphans) free_orphans(ctx);
   int held = np_ctx_retry_held(ctx); /* what the device refused before: try again */
   np_saved_error s;
   if (held != NP_OK) np_save_error(&s, held);
@@ -261,7 +285,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
  * reserved bytes are what the segments have mapped plus what the device still holds (refused
  * returns, listed in `held`, and spare chunks), no recycle window outlives its call. */
 int np_ctx_check(np_ctx *ctx) {
-  size_t allocated_blocks = 0;
+  size_t allocated_blocks = 0, orphans = 0;
   uint64_t allocated_bytes = 0, reserved = ctx->st.unreleased, spare = 0;
   for (np_segment *s = ctx->segments; s; s = s->next) {
     uintptr_t at = s->addr;
@@ -277,6 +301,7 @@ int np_ctx_check(np_ctx *ctx) {
         if (b->in_tree) return np_error(NP_ERR_STATE, "check: allocated block %#lx in a free tree", (unsigned long)b->addr);
         allocated_blocks++;
         allocated_bytes += b->size;
+        orphans += b->orphan;
       }
       at += b->size;
     }
@@ -296,9 +321,13 @@ int np_ctx_check(np_ctx *ctx) {
   reserved += spare;
   uint64_t held = 0;
   for (size_t i = 0; i < ctx->n_held; i++) held += ctx->held[i].kind != NP_HELD_RESERVATION ? ctx->held[i].size : 0;
-  if (held != ctx->st.unreleased) /* (a held item the host had no room to list is lost to its retries) */
-    return np_error(NP_ERR_STATE, "check: %zu held items hold %llu bytes but stats say %llu unreleased", ctx->n_held,
-                    (unsigned long long)held, (unsigned long long)ctx->st.unreleased);
+  if (orphans != ctx->n_orphans)
+    return np_error(NP_ERR_STATE, "check: %zu blocks wait for their refused free but the context counts %zu", orphans,
+                    ctx->n_orphans);
+  if (held + ctx->unlisted != ctx->st.unreleased) /* (unlisted: what the host had no room to list) */
+    return np_error(NP_ERR_STATE, "check: %zu held items hold %llu bytes (%llu more unlisted) but stats say %llu "
+                    "unreleased", ctx->n_held, (unsigned long long)held, (unsigned long long)ctx->unlisted,
+                    (unsigned long long)ctx->st.unreleased);
   if (allocated_blocks != ctx->live.count || allocated_bytes != ctx->st.total.allocated.current)
     return np_error(NP_ERR_STATE, "check: %zu allocated blocks (%llu bytes) but the map has %zu and stats say %llu bytes",
                     allocated_blocks, (unsigned long long)allocated_bytes, ctx->live.count,

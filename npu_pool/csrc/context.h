@@ -8,7 +8,7 @@
  * Invariants: live holds exactly the allocated blocks; st.total.allocated is the sum of their
  * sizes; st.total.reserved is the bytes the device holds for this context: every segment's
  * mapped bytes, st.spare (chunks a trim unmapped and kept) and st.unreleased (memory whose
- * return failed, kept in `held` and retried; the sum of the held items' sizes). Reserved
+ * return failed, kept in `held` and retried: the sum of the held items' sizes and `unlisted`). Reserved
  * changes only in memory.c, which writes every change to the history (segment_* events, hold
  * and unhold for memory mapped nowhere), so the history adds up to it. A successful malloc
  * leaves reserved <= limit, unless the cap was lowered below what the pool held: the torch and
@@ -102,6 +102,8 @@ struct np_ctx {
   np_spare *spare;
   size_t n_spare, cap_spare;
   np_held *held;             /* memory whose return failed */
+  uint64_t unlisted;         /* bytes of it the host had no room to list (never retried): in st.unreleased */
+  size_t n_orphans;          /* allocated blocks whose free was refused (np_block.orphan) */
   size_t n_held, cap_held;
   uint64_t holds;            /* returns that failed so far (np_ctx_hold calls) */
   char hold_error[512];      /* the vendor's message of the latest one */

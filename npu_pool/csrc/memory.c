@@ -28,8 +28,8 @@ static void change_held(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
 void np_ctx_reserved(np_ctx *ctx, int action, np_segment *seg, uintptr_t addr, uint64_t bytes) {
   bool add = action == NP_EV_SEGMENT_ALLOC || action == NP_EV_SEGMENT_MAP;
   change_reserved(ctx, seg->pool, bytes, add);
-  if (add) ctx->st.device_mallocs++;
-  else ctx->st.device_frees++;
+  if (action == NP_EV_SEGMENT_MAP) ctx->st.device_mallocs++; /* (a segment's malloc is counted where it is made) */
+  else if (!add) ctx->st.device_frees++;
   if (add) {
     seg->mapped += bytes;
   } else {
@@ -59,7 +59,10 @@ void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t 
   if (ctx->n_held == ctx->cap_held) {
     size_t cap = ctx->cap_held ? 2 * ctx->cap_held : 16;
     np_held *h = realloc(ctx->held, cap * sizeof *h);
-    if (!h) return; /* the bytes stay counted as unreleased; only their retry is lost */
+    if (!h) { /* the bytes stay counted as unreleased (the device has them); only their retry is lost */
+      if (memory) ctx->unlisted += size;
+      return;
+    }
     ctx->held = h;
     ctx->cap_held = cap;
   }
@@ -405,6 +408,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
     }
     rc = ctx->be->malloc(ctx->be, size, &addr);
     if (rc != NP_OK) return rc;
+    ctx->st.device_mallocs++; /* (served: counted here, whatever the bookkeeping below makes of it) */
   }
   np_segment *seg = calloc(1, sizeof *seg);
   np_block *b = seg ? np_block_new(&ctx->blocks) : NULL;
@@ -413,6 +417,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
     if (reserve_only) np_vmm_table_free(pages, size / ctx->be->granularity); /* (no page table otherwise) */
     /* never used by the device: no synchronisation needed */
     int frc = reserve_only ? ctx->be->release(ctx->be, addr, size) : ctx->be->free(ctx->be, addr, size);
+    if (frc == NP_OK && !reserve_only) ctx->st.device_frees++;
     if (frc != NP_OK) { /* the device keeps it: hold it, counted */
       if (reserve_only) np_ctx_hold(ctx, NP_HELD_RESERVATION, addr, size, 0, NULL);
       else np_ctx_hold(ctx, NP_HELD_SEGMENT, addr, size, 0, NULL);

@@ -158,6 +158,9 @@ static np_ctx *create_locked(int device) {
   if (table.fraction[device] > 0) cfg.fraction = table.fraction[device];
   cfg.lib_path = table.lib_path[0] ? table.lib_path : NULL;
   if (np_create(&cfg, &ctx) != NP_OK) return NULL;
+  /* a fraction the caller set before this device's first request is set, as if set now (a framework
+   * model caps itself from then on, even at 1.0); it was accepted then, for this device's cap */
+  if (table.fraction[device] > 0) np_set_fraction(ctx, table.fraction[device]);
   if (table.history[device] >= 0) np_set_history(ctx, (uint64_t)table.history[device]);
   atomic_store_explicit(&table.ctx[device], ctx, memory_order_release);
   return ctx;
