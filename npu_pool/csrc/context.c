@@ -38,9 +38,9 @@ static int classify(const np_ctx *ctx, uint64_t size) {
   return f->usable >= needed ? NP_OOM_FRAGMENTED : NP_OOM_SHORTAGE;
 }
 
-/* Compose the out-of-memory message: what was asked, what the pool holds, and why it failed. */
 static uint64_t device_size(const np_ctx *ctx, uint64_t size);
 
+/* Compose the out-of-memory message: what was asked, what the pool holds, and why it failed. */
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
   char cause[1024];
   np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
