@@ -16,7 +16,6 @@ figure), and so does the player's final synchronisation (taken out of the live o
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -34,16 +33,6 @@ from npu_pool.vocab import CALL_VENDOR  # noqa: E402
 
 ACL = CALL_VENDOR["acl"]
 FAKE_CAPACITY = 64 << 30  # the fake device: room to spare for every trace here
-_CLEAN = ("MEMORY_FRAGMENTATION", "NPU_POOL_", "OOM_SNAPSHOT_", "LD_LIBRARY_PATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")
-
-
-def _env(cann_dir: Path, cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_CLEAN)}
-    env.update(LD_LIBRARY_PATH=str(cann_dir), NPU_POOL_CACHE=str(cache), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
-               FAKE_CAPACITY=str(FAKE_CAPACITY))
-    return env
-
-
 def _creation_calls() -> dict[str, int]:
     """The calls a new npu_pool pool makes on its device before its first request (the probe
     reservation, the device's size and granularity): the live pool is created inside the play,
@@ -111,7 +100,7 @@ def main() -> int:
     t0 = time.time()
     rows, differ = [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        env = _env(cann.build(Path(tmp) / "cann"), Path(tmp) / "cache")
+        env = cann.env(cann.build(Path(tmp) / "cann"), ROOT, Path(tmp) / "cache", FAKE_CAPACITY=str(FAKE_CAPACITY))
         creation = _creation_calls()
         for path in traces:
             for f in sorted(path.iterdir()) if path.is_dir() else [path]:

@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 SHARED_TRACES = SHARED / "traces"
 TORCH_NPU_VERSION = "2.13.0"
-_CLEAN = ("MEMORY_FRAGMENTATION", "NPU_POOL_", "OOM_SNAPSHOT_", "LD_LIBRARY_PATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+sys.path.insert(0, str(Path(__file__).parent / "fake_vendor"))
+try:
+    import cann  # the fake CANN runtime: its build and the environment of a process over it
+finally:
+    sys.path.pop(0)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,11 +59,7 @@ class TorchNpu:
     cache: Path   # where npu_pool builds its torch_npu hooks (once per test session)
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_CLEAN)}
-        env.update(LD_LIBRARY_PATH=str(self.cann), NPU_POOL_CACHE=str(self.cache), PYTHONPATH=str(ROOT),
-                   PYTHONUNBUFFERED="1")
-        env.update(extra)
-        return env
+        return cann.env(self.cann, ROOT, self.cache, **extra)
 
     def run(self, code: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
         """Run ``code`` under torch_npu; the test asserts on its output."""
@@ -85,11 +85,6 @@ def torch_npu(tmp_path_factory: pytest.TempPathFactory) -> TorchNpu:
     version = probe.stdout.strip()
     if probe.returncode or version != TORCH_NPU_VERSION:
         unavailable(f"{python} has no torch-npu {TORCH_NPU_VERSION} ({version or probe.stderr.strip()[-200:]})")
-    sys.path.insert(0, str(Path(__file__).parent / "fake_vendor"))
-    try:
-        import cann
-    finally:
-        sys.path.pop(0)
     try:
         lib_dir = cann.build(tmp_path_factory.mktemp("fake_cann"))
     except cann.BuildError as e:

@@ -106,7 +106,27 @@ def test_closed_pool_refuses_every_call_but_close() -> None:
 
 # -- 2. fork while another thread is inside the pool -----------------------------------------
 
-FORK_RACE = """
+# Both scripts below fork while their threads work: n children a few ms apart, each running
+# child() under an alarm (a hang dies of SIGALRM) and exiting with what it returns (4: it raised).
+_FORKS = """
+import os, signal, time
+def fork_children(child, n=12):
+    statuses = []
+    for _ in range(n):
+        time.sleep(0.005)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            try:
+                code = child()
+            except BaseException:
+                code = 4
+            os._exit(code)
+        statuses.append(os.waitpid(pid, 0)[1])
+    return statuses
+"""
+
+FORK_RACE = _FORKS + """
 import json, os, signal, threading, time
 from npu_pool._core import ffi, lib
 from npu_pool.pool import Pool
@@ -123,19 +143,14 @@ def churn():
 threads = [threading.Thread(target=inside), threading.Thread(target=churn)]
 for t in threads:
     t.start()
-statuses = []
-for i in range(12):
-    time.sleep(0.005)
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(10)  # a hang dies of SIGALRM
-        st = pool.stats()
-        p = pool.malloc(4096)  # a simulated device is host memory: the child's own copy
-        pool.free(p)
-        pool.check()
-        pool.close()
-        os._exit(0 if st["total"]["allocated"]["current"] >= 40000 * 512 else 3)
-    statuses.append(os.waitpid(pid, 0)[1])
+def child():
+    st = pool.stats()
+    p = pool.malloc(4096)  # a simulated device is host memory: the child's own copy
+    pool.free(p)
+    pool.check()
+    pool.close()
+    return 0 if st["total"]["allocated"]["current"] >= 40000 * 512 else 3
+statuses = fork_children(child)
 stop.set()
 for t in threads:
     t.join()
@@ -151,7 +166,7 @@ def test_fork_while_threads_are_inside_the_pool() -> None:
     assert out["statuses"] == [0] * 12
 
 
-FORK_IN_REGION = """
+FORK_IN_REGION = _FORKS + """
 import json, os, signal, threading, time
 from npu_pool.install import _lock
 from npu_pool.pool import Pool
@@ -163,17 +178,12 @@ def churn():  # enters and leaves a region without end: its Python lock is often
             pool.free(pool.malloc(4096))
 t = threading.Thread(target=churn)
 t.start()
-statuses = []
-for i in range(12):
-    time.sleep(0.005)
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(10)  # a hang dies of SIGALRM
-        before = pool.tags()["train"]["allocated"]  # the parent's thread may have held a block
-        with pool.region("train"):
-            pool.free(pool.malloc(4096))
-        os._exit(0 if pool.tags()["train"]["allocated"] == before else 3)
-    statuses.append(os.waitpid(pid, 0)[1])
+def child():
+    before = pool.tags()["train"]["allocated"]  # the parent's thread may have held a block
+    with pool.region("train"):
+        pool.free(pool.malloc(4096))
+    return 0 if pool.tags()["train"]["allocated"] == before else 3
+statuses = fork_children(child)
 stop.set()
 t.join()
 def fork_holding():  # a fork by the thread that holds a module lock (twice): its child leaves both withs, takes it again

@@ -15,6 +15,7 @@ and insists on, each with its C return type from the ACL headers torch_npu ships
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -74,6 +75,20 @@ def _run(cmd: list[str]) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise BuildError(f"{' '.join(cmd)} failed:\n{r.stderr}")
+
+
+# Settings of the calling process a child started over the fake must not inherit: they would switch
+# npu_pool on, configure it, ask for snapshots, or load another runtime.
+CLEAN = ("MEMORY_FRAGMENTATION", "NPU_POOL_", "OOM_SNAPSHOT_", "LD_LIBRARY_PATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+
+
+def env(lib_dir: Path, root: Path, cache: Path, **extra: str) -> dict[str, str]:
+    """The environment of a process that imports torch_npu over the fake built in ``lib_dir``,
+    with npu_pool from the checkout ``root`` and its hooks cached in ``cache``; ``extra`` on top."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(CLEAN)}
+    out.update(LD_LIBRARY_PATH=str(lib_dir), NPU_POOL_CACHE=str(cache), PYTHONPATH=str(root), PYTHONUNBUFFERED="1")
+    out.update(extra)
+    return out
 
 
 def build(out_dir: Path) -> Path:
