@@ -293,29 +293,30 @@ NOTES = """
   both bounds): every switch meeting the bound at the minimum capacity on 7-8 of 13 traces needs
   350-1750 MiB of waste, and the rule that unmaps a wholly free chunk before a block pins it is
   both what keeps the waste small and a source of the steady calls on a full device.
-- On a full device the arena moves chunks in steady iterations on two traces where the torch
-  model's cached segments make no call after the second (9 and 19 calls in it; the table "Steady
-  iterations there"; on 2026-11-26, 1584 calls over the iterations after the first of
-  cs336-medium-ctx1024-infer, all steady, and 1339 of h100-gpt-bf16-train, 821 of them in its
-  steady iterations, from the third; 82% and 62% of the 1584 and 1339 unmaps and maps, most maps
-  of spares): with the mapped memory at the cap, a request larger than every free mapped range
+- On a full device the arena moves chunks in steady iterations where the torch model's cached
+  segments make few calls or none (the table "Steady iterations there": 1584 calls over the
+  iterations after the first of cs336-medium-ctx1024-infer, all steady, where the torch model
+  makes 9 in the second and none after; 407 in the steady iterations of h100-gpt-bf16-train, where
+  the torch model, on the device it just fits, frees and mallocs segments every iteration too,
+  180 calls): with the mapped memory at the cap, a request larger than every free mapped range
   unmaps free chunks to map their memory where it goes, and the layout each iteration leaves is
   not the one the next needs, so it does so again. With room to spare it maps new memory instead,
   and the same two traces made 0 and 6 calls in their iterations after the first then (0 and 2 in
-  their steady ones). Measured on an H100 on 2026-11-26 (docs/gpu.md, "A full device"): replayed
-  as tensors there, every iteration made the calls the simulator says, kind by kind, and they cost
-  time: 8.8 ms per five iterations of ctx1024-infer under npu_pool against 0.9 ms under the CUDA
-  caching allocator. Training the recorded model capped at 2162 MiB, npu_pool made 5549 device
-  calls over steps 3-60 (about 100 a step to the end), where the caching allocator made none. On a
-  GPU the arena's choices there also depend on timing: it unmaps free memory under pressure (a
-  trim, or a wholly free chunk a small block would pin) only once the stream that used it has
-  finished (a stream query), and whether it has depends on how far the GPU runs behind the host,
-  which differs from step to step; the simulated device's streams are always done. An arena that
-  serves a full device from the memory it has mapped (a carve that maps nothing first, chunks
-  split in place rather than unmapped) made no call after the fifth step in the simulator, but on
-  an H200 it still did in real training at the tightest caps and ran out of memory at 2162 MiB in
-  both of its 60-step runs, where this arena fit (the note of 2026-11-26;
-  benchmarks/results/h200-2026-11-26): not adopted.
+  their steady ones). Measured on an H100 (docs/gpu.md, "A full device" and "cudaMalloc's
+  granules"): replayed as tensors there, every iteration made the calls the simulator says, kind
+  by kind, under both allocators, and they cost time: 0.4-5.2 ms per iteration of ctx1024-infer
+  under npu_pool against 0.2-0.3 ms under the CUDA caching allocator. Training the recorded model
+  capped at 2162 MiB (the caching allocator's peak there, no byte to spare), npu_pool made about
+  100 device calls a step to the end where the caching allocator made none, and in 3 of 7 such
+  runs it ran out of memory. On a GPU the arena's choices there also depend on timing: it unmaps
+  free memory under pressure (a trim, or a wholly free chunk a small block would pin) only once
+  the stream that used it has finished (a stream query), and whether it has depends on how far
+  the GPU runs behind the host, which differs from step to step; the simulated device's streams
+  are always done. An arena that serves a full device from the memory it has mapped (a carve that
+  maps nothing first, chunks split in place rather than unmapped, a device synchronisation where a
+  trim finds its stream busy) made no call after the fifth step in the simulator, but in real
+  training on an H100 and an H200 it still did at the tightest caps (benchmarks/results/
+  h200-2026-11-26 and h100-2026-11-26b): not adopted.
 - Far from the cap a chunk can hold several blocks (grown by an eighth of the arena, or by a
   granule), and a block that shares a page with its neighbour keeps the neighbour's chunk too:
   under torch_npu's request rules every block does (a request is padded by 32 bytes: a block of

@@ -24,7 +24,8 @@ stretches between ``replay.iteration_bounds``, the set-up first) the device call
 made in the first play (npu_pool: its memory calls by kind, less the address reservation;
 native: the framework's num_device_alloc and num_device_free, as malloc and free), the wall
 seconds of each play (synchronised at each bound), and the simulator's calls for the same
-stretches (the torch model for native, the npu_pool policy for npu_pool, at the same cap).
+stretches (the torch model for native, the npu_pool policy for npu_pool, capped by the same memory
+fraction of the same device: ``simulate_capped``).
 ``--device npu`` runs it under torch_npu (the tests' fake CANN: calls, not times).
 """
 from __future__ import annotations
@@ -60,8 +61,8 @@ def _player(path: str) -> tuple[Any, Any]:
 
 def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: str) -> dict[str, Any]:
     """The calls and wall time of each iteration under ``allocator`` at a cap (see the module doc)."""
-    from npu_pool.live import MEMORY_KINDS, SIMULATED, Player
-    from npu_pool.replay import iteration_bounds, min_capacity, run
+    from npu_pool.live import MEMORY_KINDS, Player
+    from npu_pool.replay import iteration_bounds, min_capacity
 
     trace = _trace(path)
     bounds = iteration_bounds(trace)
@@ -113,13 +114,29 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
     first = plays[0]
     live = [{k: b[1][k] - a[1][k] for k in b[1] if b[1][k] != a[1][k]} for a, b in zip(first, first[1:])]
     seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])] for p in plays]
-    sim = run(trace, SIMULATED[allocator], cap, device=rules, bounds=bounds)
-    simulated = [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls]
-    if allocator == "native":  # the torch model's segments are the framework's device allocations
-        simulated = [{k: v for k, v in d.items() if k in ("malloc", "free")} for d in simulated]
+    sim_ok, simulated = simulate_capped(trace, allocator, cap, player.total(), rules, bounds)
     return {"trace": Path(path).name, "allocator": allocator, "device": device, "cap_bytes": cap,
-            "ok": failed is None, "fail": failed, "sim_ok": sim.ok, "iteration_calls": live,
+            "ok": failed is None, "fail": failed, "sim_ok": sim_ok, "iteration_calls": live,
             "simulated_calls": simulated, "same": live == simulated, "seconds": seconds}
+
+
+def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str,
+                    bounds: list[int]) -> tuple[bool, list[dict[str, int]]]:
+    """The simulator's side of ``steady``: whether the model of ``allocator`` runs the trace, and its
+    device calls in each stretch, on a ``total``-byte device capped at ``cap`` bytes by a memory
+    fraction as the live play is (a framework's allocator then refuses past the cap without asking
+    the device; on a device of ``cap`` bytes it would ask and be refused, calls the framework's
+    counters leave out). Kinds as the live side counts them (no address reservation; native: the
+    segment mallocs and frees)."""
+    from npu_pool.live import MEMORY_KINDS, SIMULATED
+    from npu_pool.replay import run
+
+    kinds = [k for k in MEMORY_KINDS if k not in ("reserve", "release")]
+    if allocator == "native":  # the torch model's segments are the framework's device allocations
+        kinds = ["malloc", "free"]
+    sim = run(trace, SIMULATED[allocator], max(total, cap), device=rules, bounds=bounds,
+              fraction=min(1.0, (cap + 0.5) / max(total, cap)))
+    return sim.ok, [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls or []]
 
 
 def order(snapshots: list[str]) -> None:

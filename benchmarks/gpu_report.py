@@ -17,16 +17,24 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 
-def _live_rows(results: Path, shared: Path) -> list[str]:
-    from npu_pool.live import LiveResult, simulated
+def _traces(shared: Path) -> dict[str, Any]:
+    """The shared traces (where ``shared`` is a folder) and this repository's own (the H100
+    recording), by name."""
     from npu_pool.trace.files import open_traces
 
-    traces = {name.split(".")[0]: t for p in sorted(shared.glob("*.pickle")) for name, t in open_traces(p)}
+    files = sorted(shared.glob("*.pickle")) + sorted((ROOT / "benchmarks" / "traces").glob("*.pickle"))
+    return {name.split(".")[0]: t for p in files for name, t in open_traces(p)}
+
+
+def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]:
+    from npu_pool.live import LiveResult, simulated
+
     rows = ["| trace | allocator | peak reserved: live / sim (bytes) | minimum capacity: live / sim (bytes) | "
             "device allocations: live / sim | same |", "|---|---|---|---|---|---|"]
     same_all = total = 0
@@ -39,14 +47,14 @@ def _live_rows(results: Path, shared: Path) -> list[str]:
                 rows.append(f"| {r.trace} | {r.allocator} | (trace not in {shared}) | | | |")
                 continue
             sim = simulated(trace, r)
-            same = (sim["peak_reserved_bytes"], sim["min_capacity_bytes"], sim["device_mallocs"]) == \
-                (r.peak_reserved_bytes, r.min_capacity_bytes, r.device_allocs)
+            same = sim["same"]  # (the peaks, minimum capacity and device allocations: live.simulated)
             same_all += same
             total += 1
             rows.append(f"| {r.trace.split('.')[0]} | {r.allocator} | {r.peak_reserved_bytes} / "
                         f"{sim['peak_reserved_bytes']} | {r.min_capacity_bytes} / {sim['min_capacity_bytes']} | "
                         f"{r.device_allocs} / {sim['device_mallocs']} | {'yes' if same else 'NO'} |")
-    return rows + ["", f"All three figures equal on {same_all} of {total} rows."]
+    return rows + ["", f"Every figure equal (peak reserved and allocated, minimum capacity, device allocations) "
+                       f"on {same_all} of {total} rows."]
 
 
 def _training(results: Path) -> list[str]:
@@ -78,8 +86,14 @@ def _repeats(results: Path) -> list[str]:
     return rows
 
 
-def _steady(results: Path) -> list[str]:
-    """The calls and time of each iteration of a trace replayed on a full device (gpu_probe.py steady)."""
+def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
+    """The calls and time of each iteration of a trace replayed on a full device (gpu_probe.py steady).
+    The simulated calls are computed now, with this checkout, where the trace is at hand and cut into
+    as many iterations as on the device (else, as the probe computed them then)."""
+    from gpu_probe import simulate_capped
+
+    from npu_pool.replay import iteration_bounds
+
     f = results / "steady.log"
     if not f.is_file():
         return []
@@ -89,6 +103,12 @@ def _steady(results: Path) -> list[str]:
         if not line.startswith("{"):
             continue
         d = json.loads(line)
+        trace = traces.get(d["trace"].split(".")[0])
+        bounds = iteration_bounds(trace) if trace is not None else []
+        if bounds and len(bounds) + 1 == len(d["simulated_calls"]):
+            rules = "npu" if d["device"] == "npu" else "cuda"
+            _, d["simulated_calls"] = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds)
+            d["same"] = d["simulated_calls"] == d["iteration_calls"]
         live = ", ".join(str(sum(c.values())) for c in d["iteration_calls"])
         sim = ", ".join(str(sum(c.values())) for c in d["simulated_calls"])
         ms = [statistics.median(c) * 1e3 for c in zip(*d["seconds"])]
@@ -130,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     machine = args.results / "machine.txt"
     if machine.is_file():
         out += ["```text", machine.read_text().strip(), "```", ""]
+    traces = _traces(args.shared)
     if args.shared.is_dir():
-        out += ["## Live replay beside the simulator", ""] + _live_rows(args.results, args.shared) + [""]
+        out += ["## Live replay beside the simulator", ""] + _live_rows(args.results, args.shared, traces) + [""]
     training = _training(args.results)
     if training:
         out += ["## Training", ""] + training
     repeats = _repeats(args.results)
     if len(repeats) > 2:  # more than the header
         out += ["## Step time, repeated (the small model)", ""] + repeats + [""]
-    steady, capped = _steady(args.results), _capped(args.results)
+    steady, capped = _steady(args.results, traces), _capped(args.results)
     if steady or capped:
         out += ["## A full device", ""]
     if steady:

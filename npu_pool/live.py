@@ -134,24 +134,29 @@ under the framework's own caching allocator (native) and under npu_pool, each in
 With --validate each live row has the simulation's beside it (sim: the torch model for native,
 the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
 same device's rules, on a device of the memory the live one had free: on a GPU that others use
-too, near its end the two may part); 'same' compares peak reserved, and where a run ran out of
-memory, the event. --policy and --hints do not apply to --live."""
+too, near its end the two may part); 'same' compares both peaks, the device allocations and the
+minimum capacity (each where the live run has one), and where a run ran out of memory, the event.
+--policy and --hints do not apply to --live."""
 
 
 def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> dict[str, Any]:
     """The simulator's figures for what ``r`` measured: the model of its allocator under the rules
     of its device, on a device of the memory the live one had free when the replay began,
-    learning from the phase markers as the live pool does; ``same``: equal peaks, and the same
-    event failing where the live run ran out of memory."""
+    learning from the phase markers as the live pool does; ``same``: equal peaks (reserved and
+    allocated), device allocations and minimum capacities (each where the live run has one), and
+    the same event failing where the live run ran out of memory."""
     from .replay import UNLIMITED, min_capacity, run
 
     policy = SIMULATED[r.allocator]
     sim = run(trace, policy, r.device_bytes or UNLIMITED, device=r.device)
     cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity else None
-    same = (sim.peak_reserved_bytes == r.peak_reserved_bytes and sim.ok == r.ok
-            and (r.ok or sim.fail_index == r.fail_index))
+    peak_allocated = sim.stats["total"]["allocated"]["peak"]
+    same = (sim.peak_reserved_bytes == r.peak_reserved_bytes and peak_allocated == r.peak_allocated_bytes
+            and (r.device_allocs is None or sim.device_mallocs == r.device_allocs)
+            and (cap is None or r.min_capacity_bytes is None or cap == r.min_capacity_bytes)
+            and sim.ok == r.ok and (r.ok or sim.fail_index == r.fail_index))
     return {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
-            "peak_allocated_bytes": sim.stats["total"]["allocated"]["peak"], "min_capacity_bytes": cap,
+            "peak_allocated_bytes": peak_allocated, "min_capacity_bytes": cap,
             "device_mallocs": sim.device_mallocs, "device_frees": sim.stats["device_frees"],
             "seconds": sim.ns / 1e9, "same": same, "ok": sim.ok, "fail_index": None if sim.ok else sim.fail_index}
 

@@ -138,26 +138,34 @@ def test_cli_replay_bad_input(tmp_path, capsys):
 
 
 def test_cuda_rules_place_segments_as_cudamalloc_does():
-    """Under CUDA's rules the simulated device gives a malloc the highest free range that fits, at
-    its top end (measured on an H100, docs/gpu.md); under torch_npu's, the next range up."""
+    """Under CUDA's rules the simulated device places a malloc as the CUDA driver placed every
+    segment recorded on an H100 (docs/gpu.md): 32 MiB granules of address space taken top down, a
+    request under a granule at the low end of the lowest free range inside a granule already in
+    use, others at the low end of the highest free whole granules; under torch_npu's rules, the
+    next range up."""
+    G = 32 * MiB
+
     def segments(rules: str) -> list[int]:
         with Pool("torch", capacity=1 << 34, rules=rules) as pool:
-            a = pool.malloc(40 * MiB)
-            b = pool.malloc(40 * MiB)
-            c = pool.malloc(100 * MiB)
-            pool.free(b)
-            pool.empty_cache()  # b's segment goes back: a 40 MiB hole between a and c
-            d = pool.malloc(20 * MiB)  # a 20 MiB segment: into the hole, at its top end
-            e = pool.malloc(60 * MiB)  # fits no hole: below everything
-            return [a, b, c, d, e]
+            a = pool.malloc(20 * MiB)   # a 20 MiB segment: a granule of its own
+            s = pool.malloc(512 << 10)  # a 2 MiB segment (the small pool): the rest of a's granule
+            c = pool.malloc(20 * MiB)   # the next granule down
+            d = pool.malloc(64 * MiB)   # two whole granules below it
+            e = pool.malloc(12 * MiB)   # a's granule has 10 MiB left, c's 12: c's
+            pool.free(c)
+            pool.empty_cache()          # c's segment goes back; its granule still holds e
+            f = pool.malloc(16 * MiB)   # the lowest free range in a granule in use: c's old place
+            g = pool.malloc(40 * MiB)   # over a granule: the next two whole ones down
+            return [a, s, c, d, e, f, g]
 
     for rules in ("cuda", "auto"):  # (the simulator's own rules are CUDA's)
-        a, b, c, d, e = segments(rules)
-        assert b < a and c < b  # top down
-        assert d == b + 20 * MiB  # the hole's top end
-        assert e < c
-    a, b, c, d, e = segments("npu")
-    assert a < b < c < d < e  # bottom up, no range reused
+        a, s, c, d, e, f, g = segments(rules)
+        assert a % G == 0 and s == a + 20 * MiB
+        assert c == a - G and d == c - 2 * G
+        assert e == c + 20 * MiB and f == c
+        assert g == d - 2 * G
+    addrs = segments("npu")
+    assert addrs[:5] == sorted(addrs[:5]) and addrs[5] > addrs[4] and addrs[6] > addrs[5]  # bottom up, none reused
 
 
 def test_replay_shows_the_calls_of_the_steady_iterations() -> None:

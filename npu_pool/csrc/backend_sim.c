@@ -28,6 +28,7 @@
 #define SIM_WINDOW ((uintptr_t)1 << 52)
 #define SIM_DEVICES 64
 #define SIM_ALIGN (2 * NP_MIB)
+#define SIM_GRANULE (32 * NP_MIB) /* cudaMalloc's unit of address space (cuda_addr) */
 #define SIM_PAGE ((uint64_t)NP_SIM_PAGE)
 
 typedef struct sim_range {
@@ -46,9 +47,9 @@ typedef struct sim_backend {
   bool host;
   int device;
   uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down) */
-  bool top_down;       /* mallocs as cudaMalloc places them: the highest free range that fits, at its
-                        * top end, below `down_top` (CUDA's rules and the simulator's own; measured
-                        * on an H100, docs/gpu.md; not host-backed pools, whose ranges come from mmap) */
+  bool top_down;       /* mallocs as cudaMalloc places them (cuda_addr: granules taken top down,
+                        * below `down_top`; CUDA's rules and the simulator's own; measured on an
+                        * H100, docs/gpu.md; not host-backed pools, whose ranges come from mmap) */
   uintptr_t down_top;  /* ... the top of that region: the window's middle. Invariant: every range of
                         * `alloc` is disjoint from every other (a malloc never goes below `next`, a
                         * reservation never reaches a malloc: either refuses instead) */
@@ -125,19 +126,38 @@ static int charge(sim_backend *s, uint64_t size) {
   return NP_OK;
 }
 
-/* The highest range of `size` bytes (rounded up to SIM_ALIGN) free below s->down_top and above
- * s->next, at the top end of its gap: a first fit scanning down (s->alloc stays sorted). 0 when
- * the window below has no room. */
-static uintptr_t top_down_addr(const sim_backend *s, uint64_t size) {
+/* Where cudaMalloc puts `size` bytes (rounded up to SIM_ALIGN), as the CUDA driver did in every
+ * segment address recorded on an H100 (docs/gpu.md): address space goes in SIM_GRANULE units taken
+ * top down; a request under a granule goes at the low end of the lowest free range, inside a granule
+ * that already holds an allocation, with room for it; other requests, and one no such range takes,
+ * at the low end of the highest free run of whole granules. The window is [s->next, s->down_top);
+ * 0 when it has no room. */
+static uintptr_t cuda_addr(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
-  uintptr_t upper = s->down_top;
-  for (size_t i = find_pos(&s->alloc, s->down_top); i-- > 0;) {
-    const sim_range *r = &s->alloc.ranges[i];
-    uintptr_t end = np_round_up(r->addr + r->size, SIM_ALIGN);
-    if (end <= upper && upper - end >= need) break;
-    upper = r->addr & ~(uintptr_t)(SIM_ALIGN - 1); /* (a hinted range may start unaligned) */
+  const sim_range *rs = s->alloc.ranges;
+  size_t first = find_pos(&s->alloc, s->next), end = find_pos(&s->alloc, s->down_top);
+  if (need < SIM_GRANULE) {
+    for (size_t i = first; i < end; i++) { /* ascending: the first fit is the lowest */
+      uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
+      uintptr_t lo = i > first ? np_round_up(rs[i - 1].addr + rs[i - 1].size, SIM_ALIGN) : s->next;
+      if (lo < g) lo = g; /* the part of r's first granule below it */
+      if (rs[i].addr >= lo + need) return lo;
+      uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_ALIGN);
+      uintptr_t hi = np_round_up(top, SIM_GRANULE); /* the rest of r's last granule */
+      if (i + 1 < end && rs[i + 1].addr < hi) hi = rs[i + 1].addr;
+      if (hi > s->down_top) hi = s->down_top;
+      if (hi >= top + need) return top;
+    }
   }
-  return upper >= s->next + need ? upper - need : 0;
+  uint64_t span = np_round_up(need, SIM_GRANULE);
+  uintptr_t upper = s->down_top & ~(uintptr_t)(SIM_GRANULE - 1);
+  for (size_t i = end; i-- > first;) { /* descending: the first fit is the highest */
+    uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_GRANULE);
+    if (top <= upper && upper - top >= span) break;
+    uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
+    if (g < upper) upper = g;
+  }
+  return upper >= s->next + span ? upper - span : 0;
 }
 
 /* Pick an address range of `size` bytes: real host memory, the hinted range, or a virtual range
@@ -150,7 +170,7 @@ static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
   } else if (s->hint && !overlaps(&s->alloc, s->hint, size)) {
     *out = s->hint;
   } else if (s->top_down && prot != PROT_NONE) {
-    *out = top_down_addr(s, size);
+    *out = cuda_addr(s, size);
     if (!*out) return np_error(NP_ERR_OOM, "sim: the device's virtual address window is full");
   } else {
     if (overlaps(&s->alloc, s->next, size) || s->next + size > s->down_top)
