@@ -38,6 +38,7 @@ def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]
     rows = ["| trace | allocator | peak reserved: live / sim (bytes) | minimum capacity: live / sim (bytes) | "
             "device allocations: live / sim | same |", "|---|---|---|---|---|---|"]
     same_all = total = 0
+    notes: list[str] = []
     for f in sorted(results.glob("live_*.json")):
         for rec in json.loads(f.read_text()):
             rec.pop("simulated", None)
@@ -53,8 +54,12 @@ def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]
             rows.append(f"| {r.trace.split('.')[0]} | {r.allocator} | {r.peak_reserved_bytes} / "
                         f"{sim['peak_reserved_bytes']} | {r.min_capacity_bytes} / {sim['min_capacity_bytes']} | "
                         f"{r.device_allocs} / {sim['device_mallocs']} | {'yes' if same else 'NO'} |")
+            if not same:  # (what the columns do not show: the peak allocated, the failing event)
+                notes.append(f"{r.trace.split('.')[0]}, {r.allocator}: peak allocated {r.peak_allocated_bytes} live, "
+                             f"{sim['peak_allocated_bytes']} simulated; ran out at event "
+                             f"{r.fail_index if not r.ok else '-'} live, {sim['fail_index'] or '-'} simulated.")
     return rows + ["", f"Every figure equal (peak reserved and allocated, minimum capacity, device allocations) "
-                       f"on {same_all} of {total} rows."]
+                       f"on {same_all} of {total} rows."] + notes
 
 
 def _training(results: Path) -> list[str]:
@@ -99,6 +104,7 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
         return []
     rows = ["| trace | allocator | cap (bytes) | calls per iteration: live | simulated | same | "
             "ms per iteration after the first (live, median of the plays) |", "|---|---|---:|---|---|---|---|"]
+    as_then: list[str] = []
     for line in f.read_text().splitlines():
         if not line.startswith("{"):
             continue
@@ -109,12 +115,17 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
             rules = "npu" if d["device"] == "npu" else "cuda"
             _, d["simulated_calls"] = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds)
             d["same"] = d["simulated_calls"] == d["iteration_calls"]
+        else:
+            as_then.append(f"{d['trace'].split('.')[0]} {d['allocator']}")
         live = ", ".join(str(sum(c.values())) for c in d["iteration_calls"])
         sim = ", ".join(str(sum(c.values())) for c in d["simulated_calls"])
         ms = [statistics.median(c) * 1e3 for c in zip(*d["seconds"])]
         after = ", ".join(f"{x:.2f}" for x in ms[2:]) if d["ok"] else f"failed at event {d['fail']}"
         rows.append(f"| {d['trace'].split('.')[0]} | {d['allocator']} | {d['cap_bytes']} | {live} | {sim} | "
                     f"{'yes' if d['same'] else 'no'} | {after} |")
+    if as_then:
+        rows += ["", "Simulated as the probe computed them on the device, not now (this checkout cuts the trace "
+                 "into other iterations, or the trace is not at hand): " + ", ".join(as_then) + "."]
     return rows
 
 

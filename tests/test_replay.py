@@ -141,7 +141,7 @@ def test_cuda_rules_place_segments_as_cudamalloc_does():
     """Under CUDA's rules the simulated device places a malloc as the CUDA driver placed every
     segment recorded on an H100 (docs/gpu.md): 32 MiB granules of address space taken top down, a
     request under a granule at the low end of the lowest free range inside a granule already in
-    use, others at the low end of the highest free whole granules; under torch_npu's rules, the
+    use, others on the highest whole granules free; under torch_npu's rules, the
     next range up."""
     G = 32 * MiB
 

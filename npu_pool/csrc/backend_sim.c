@@ -130,16 +130,20 @@ static int charge(sim_backend *s, uint64_t size) {
  * segment address recorded on an H100 (docs/gpu.md): address space goes in SIM_GRANULE units taken
  * top down; a request under a granule goes at the low end of the lowest free range, inside a granule
  * that already holds an allocation, with room for it; other requests, and one no such range takes,
- * at the low end of the highest free run of whole granules. The window is [s->next, s->down_top);
- * 0 when it has no room. */
+ * get the highest whole granules free (the top of the highest free run that holds them). The window
+ * is [low, s->down_top), low being s->next or the end of a range reaching above it (a hinted
+ * one); 0 when it has no room. */
 static uintptr_t cuda_addr(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
   const sim_range *rs = s->alloc.ranges;
   size_t first = find_pos(&s->alloc, s->next), end = find_pos(&s->alloc, s->down_top);
+  uintptr_t low = s->next;
+  if (first > 0 && rs[first - 1].addr + rs[first - 1].size > low)
+    low = np_round_up(rs[first - 1].addr + rs[first - 1].size, SIM_ALIGN);
   if (need < SIM_GRANULE) {
     for (size_t i = first; i < end; i++) { /* ascending: the first fit is the lowest */
       uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
-      uintptr_t lo = i > first ? np_round_up(rs[i - 1].addr + rs[i - 1].size, SIM_ALIGN) : s->next;
+      uintptr_t lo = i > first ? np_round_up(rs[i - 1].addr + rs[i - 1].size, SIM_ALIGN) : low;
       if (lo < g) lo = g; /* the part of r's first granule below it */
       if (rs[i].addr >= lo + need) return lo;
       uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_ALIGN);
@@ -157,7 +161,7 @@ static uintptr_t cuda_addr(const sim_backend *s, uint64_t size) {
     uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
     if (g < upper) upper = g;
   }
-  return upper >= s->next + span ? upper - span : 0;
+  return upper >= low + span ? upper - span : 0;
 }
 
 /* Pick an address range of `size` bytes: real host memory, the hinted range, or a virtual range
