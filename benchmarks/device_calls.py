@@ -306,15 +306,17 @@ NOTES = """
   granules"): replayed as tensors there, every iteration made the calls the simulator says, kind
   by kind, under both allocators, and they cost time: 0.4-5.2 ms per iteration of ctx1024-infer
   under npu_pool against 0.2-0.3 ms under the CUDA caching allocator. Training the recorded model
-  capped at 2162 MiB (the caching allocator's peak there, no byte to spare), npu_pool made about
-  100 device calls a step to the end where the caching allocator made none, and in 3 of 7 such
-  runs it ran out of memory. On a GPU the arena's choices there also depend on timing: it unmaps
-  free memory under pressure (a trim, or a wholly free chunk a small block would pin) only once
-  the stream that used it has finished (a stream query), and whether it has depends on how far
-  the GPU runs behind the host, which differs from step to step; the simulated device's streams
-  are always done. An arena that serves a full device from the memory it has mapped (a carve that
-  maps nothing first, chunks split in place rather than unmapped, a device synchronisation where a
-  trim finds its stream busy) made no call after the fifth step in the simulator, but in real
+  capped at 2162 MiB (the caching allocator's peak there, no byte to spare), npu_pool makes 38
+  memory calls in every step from the 13th on (2313 after the second step, the same in every run,
+  and in steps 2-10 those of the simulator replaying the recording), where the caching allocator
+  makes none. Until 2026-11-26 the
+  arena's choices there also depended on timing: under pressure it skipped free memory whose
+  stream was still running (a stream query), and how far a GPU runs behind the host differs from
+  step to step, so the layout did: about 100 calls a step, and out of memory in 3 of 7 runs at
+  2162 MiB. It now waits for the device there (a synchronisation, at most one per request: about
+  two a step at 2162 MiB, 44-48 in 60 steps at 2226) and fit 6 of 6 runs. An arena that serves a
+  full device from the memory it has mapped (a carve that maps nothing first, chunks split in
+  place rather than unmapped) made no call after the fifth step in the simulator, but in real
   training on an H100 and an H200 it still did at the tightest caps (benchmarks/results/
   h200-2026-11-26 and h100-2026-11-26b): not adopted.
 - Far from the cap a chunk can hold several blocks (grown by an eighth of the arena, or by a

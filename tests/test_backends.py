@@ -394,16 +394,20 @@ def test_an_older_acl_runtime_gets_an_event_for_each_wait(builds: dict) -> None:
 
 
 @pytest.mark.parametrize("busy", [False, True])
-def test_trim_unmaps_only_pages_of_finished_streams(vendor: Vendor, busy: bool) -> None:
+def test_trim_unmaps_pages_of_a_busy_stream_once_the_device_is_synchronised(vendor: Vendor, busy: bool) -> None:
+    """Under the cap a trim unmaps free pages whose stream has finished; where it still runs work
+    that may use them, the trim waits for the device (one synchronisation) rather than skip them,
+    so that what it unmaps does not depend on timing: the same trim, no retry, either way."""
     with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
         a = p.malloc(16 * MiB, stream=1)
         b = p.malloc(8 * MiB, stream=1)
         p.free(a)
         vendor.lib.fake_set_busy(1, int(busy))  # stream 1 still runs work that may use a's pages
+        syncs = vendor.calls("sync")
         c = p.malloc(20 * MiB, stream=2)  # needs a's pages back under the cap
         st = p.stats()
-        assert (st["trims"], st["retries"]) == ((0, 1) if busy else (1, 0))
-        assert (vendor.calls("sync") > 0) == busy  # only a busy stream forces a device synchronisation
+        assert (st["trims"], st["retries"]) == (1, 0)
+        assert vendor.calls("sync") - syncs == int(busy)  # only a busy stream is waited for
         p.free(c)
         p.free(b)
         p.check()
@@ -544,30 +548,27 @@ def test_while_nothing_is_freed_far_from_the_cap_the_arena_grows_geometrically(v
 def test_a_block_placed_in_a_free_chunk_under_pressure_does_not_pin_it(vendor: Vendor, busy: bool) -> None:
     """Under cap pressure a block that must go inside a wholly free chunk (no other place) unmaps
     the chunk first, as a trim, and maps only its own page: the chunk's other pages can serve a
-    growth elsewhere. While the stream that freed the chunk still runs work, it stays mapped (the
-    block pins it) and that growth runs out of memory."""
+    growth elsewhere. While the stream that freed the chunk still runs work, the device is
+    synchronised first (once): the same layout either way."""
     with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
         p.malloc(16 * MiB - vendor.pad, lifetime="long")
         b = p.malloc(8 * MiB - vendor.pad, lifetime="short", stream=1)  # one chunk of 4 pages
         p.malloc(2 * MiB - vendor.pad, lifetime="short")
         p.free(b)
         vendor.lib.fake_set_busy(1, int(busy))
-        before = _counts(vendor)
+        before, syncs = _counts(vendor), vendor.calls("sync")
         p.malloc(MiB - vendor.pad, lifetime="short", stream=1)  # only b's hole has room
         d = _since(vendor, before)
-        if busy:
-            assert d["unmap"] == 0 and p.stats()["trims"] == 0
-            with pytest.raises(OutOfMemoryError):
-                p.malloc(12 * MiB - vendor.pad, lifetime="short")
-        else:
-            # the chunk stays the pool's, unmapped (a spare): the cap holds it and the new page
-            assert (d["unmap"], d["release"], d["create"], d["map"]) == (1, 0, 1, 1) and p.stats()["trims"] == 1
-            assert vendor.lib.fake_mapped() == 20 * MiB and p.stats()["spare"] == 8 * MiB
-            before = _counts(vendor)
-            p.malloc(12 * MiB - vendor.pad, lifetime="short")  # fits the cap: nothing is pinned
-            d = _since(vendor, before)
-            # the spare maps over 4 of the block's pages, a new chunk over the rest
-            assert (d["release"], d["create"], d["map"]) == (0, 1, 2) and p.stats()["spare"] == 0
+        assert vendor.calls("sync") - syncs == int(busy)
+        # the chunk stays the pool's, unmapped (a spare): the cap holds it and the new page
+        assert (d["unmap"], d["release"], d["create"], d["map"]) == (1, 0, 1, 1) and p.stats()["trims"] == 1
+        assert vendor.lib.fake_mapped() == 20 * MiB and p.stats()["spare"] == 8 * MiB
+        vendor.lib.fake_set_busy(1, 0)
+        before = _counts(vendor)
+        p.malloc(12 * MiB - vendor.pad, lifetime="short")  # fits the cap: nothing is pinned
+        d = _since(vendor, before)
+        # the spare maps over 4 of the block's pages, a new chunk over the rest
+        assert (d["release"], d["create"], d["map"]) == (0, 1, 2) and p.stats()["spare"] == 0
         st = p.stats()
         assert vendor.lib.fake_used() == st["total"]["reserved"]["current"] == vendor.lib.fake_mapped() + st["spare"]
         p.check()

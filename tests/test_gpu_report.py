@@ -144,3 +144,27 @@ def test_validate_says_same_only_when_every_figure_agrees() -> None:
                    {"device_allocs": live.device_allocs + 1}):
         sim = simulated(trace, dataclasses.replace(live, **change))
         assert sim["peak_reserved_bytes"] == live.peak_reserved_bytes and not sim["same"], change
+
+
+def test_waiting_for_busy_streams_the_gpu_made_the_simulators_calls_step_by_step() -> None:
+    """The third call of 2026-11-26b (docs/gpu.md): with the arena waiting for a busy stream, the
+    small model trained at 2162 and 2226 MiB made in steps 2-10, in every run, the device calls the
+    simulator makes in iterations 2-10 of the recording of that model, capped by the same fraction
+    (the live run had no optimizer markers: hints none); at 2162 MiB it fit every run."""
+    import json
+    import re
+
+    from npu_pool.replay import iteration_bounds, run
+    from npu_pool.trace.files import open_traces
+
+    (_, trace), = open_traces(ROOT / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle")
+    bounds, total = iteration_bounds(trace), 81559 << 20  # (the H100's memory; any total gives the cap)
+    for cap, runs in ((2162, ("1", "1b", "2", "2b", "3", "3b")), (2226, ("1", "2"))):
+        sim = run(trace, "npu_pool", total, device="cuda", bounds=bounds, hints="none",
+                  fraction=((cap << 20) + 0.5) / total)
+        counted = ("phys_create", "phys_release", "map", "unmap", "set_access")
+        simulated = [sum(d.get(k, 0) for k in counted) for d in sim.iteration_calls[2:11]]
+        for name in runs:
+            text = (LATEST / f"w_e1024_{cap}_{name}.log").read_text()
+            live = json.loads(re.search(r"^RESULT (.*)$", text, re.M).group(1))["step_calls"]
+            assert len(live) == 60 and live[1:10] == simulated, (cap, name, live[1:10], simulated)

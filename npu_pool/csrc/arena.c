@@ -129,15 +129,27 @@ void np_arena_drop(np_ctx *ctx, np_arena *a) {
                   .streams = a->streams};
 }
 
-/* Under cap pressure: unmap whole free pages of settled free blocks (not `skip`), highest
- * first, until `need` bytes are back. Returns the bytes unmapped. */
+/* Whether free memory last used on stream `tag` may be unmapped now, under cap pressure (trims and
+ * unpins only happen there). A stream still running is waited for: a device synchronisation, one
+ * per request at most (ctx->synced), so that what the arena unmaps, and so where later blocks go,
+ * depends on the requests alone and not on how far the device runs behind the host. Skipping
+ * such memory instead made the layout differ from step to step on a GPU: calls in every step and,
+ * at a cap with no byte to spare, out of memory in 3 of 7 runs where waiting fit 6 of 6 and made
+ * the simulator's calls, step by step (docs/gpu.md, "cudaMalloc's granules"). */
+static bool settled(np_ctx *ctx, np_arena *a, intptr_t tag) {
+  if (ctx->synced || np_tag_settled(ctx, &a->streams, tag)) return true;
+  return np_ctx_synchronize(ctx) == NP_OK;
+}
+
+/* Under cap pressure: unmap whole free pages of free blocks (not `skip`), highest first, until
+ * `need` bytes are back (waiting for their streams: settled). Returns the bytes unmapped. */
 static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t need) {
   uint64_t before = a->seg->mapped;
   np_block *last = a->seg->head;
   while (last->next) last = last->next;
   ctx->trimming = true;
   for (np_block *b = last; b && before - a->seg->mapped < need; b = b->prev) {
-    if (b->allocated || b == skip || !whole_chunk_in(ctx, a, b) || !np_tag_settled(ctx, &a->streams, b->stream)) continue;
+    if (b->allocated || b == skip || !whole_chunk_in(ctx, a, b) || !settled(ctx, a, b->stream)) continue;
     unmap_free(ctx, a, b);
   }
   ctx->trimming = false;
@@ -322,10 +334,11 @@ static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64
 
 /* Under cap pressure, before carving `size` bytes from hole h at its high (else low) end where the
  * carve would pin a wholly free chunk (avoid_pin found no better place): unmap that chunk (a trim,
- * kept as a spare) when it has pages the block does not touch and h's stream has finished its
- * work, so that the block maps only its own pages and the chunk's other pages can go where a
- * growth needs them, instead of staying pinned while the block lives. The chunks are found
- * first (the two the carve's ends fall in), and the stream is asked only when there is one. */
+ * kept as a spare) when it has pages the block does not touch, once h's stream has finished its
+ * work (settled: waited for), so that the block maps only its own pages and the chunk's other
+ * pages can go where a growth needs them, instead of staying pinned while the block lives. The
+ * chunks are found first (the two the carve's ends fall in), and the stream is asked only when
+ * there is one. */
 static void unpin(np_ctx *ctx, np_arena *a, const np_block *h, uint64_t size, bool high) {
   if (!a->vmm || !near_cap(ctx, a, size)) return;
   uint64_t g = a->page, lo = (high ? h->addr + h->size - size : h->addr) - a->seg->addr, hi = lo + size;
@@ -340,7 +353,7 @@ static void unpin(np_ctx *ctx, np_arena *a, const np_block *h, uint64_t size, bo
     bool pinned = first[found] < touched[0] || first[found] + n[found] > touched[1];
     if (inside && pinned && !(found == 1 && first[1] == first[0])) found++;
   }
-  if (!found || !np_tag_settled(ctx, &a->streams, h->stream)) return;
+  if (!found || !settled(ctx, a, h->stream)) return;
   uint64_t before = a->seg->mapped;
   bool was = np_vmm_recycle_begin(ctx);
   ctx->trimming = true;
