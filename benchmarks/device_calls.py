@@ -307,7 +307,7 @@ NOTES = """
   by kind, under both allocators, and they cost time: 0.4-5.2 ms per iteration of ctx1024-infer
   under npu_pool against 0.2-0.3 ms under the CUDA caching allocator. Training the recorded model
   capped at 2162 MiB (the caching allocator's peak there, no byte to spare), npu_pool makes 38
-  memory calls in every step from the 13th on (2313 after the second step, the same in every run,
+  memory calls in every step from the 14th on (2313 after the second step, the same in every run,
   and in steps 2-10 those of the simulator replaying the recording), where the caching allocator
   makes none. Until 2026-11-26 the
   arena's choices there also depended on timing: under pressure it skipped free memory whose

@@ -413,6 +413,25 @@ def test_trim_unmaps_pages_of_a_busy_stream_once_the_device_is_synchronised(vend
         p.check()
 
 
+def test_a_request_synchronises_the_device_once_however_it_fails(vendor: Vendor) -> None:
+    """A trim that waited for a busy stream leaves the device idle for the rest of the request:
+    the retry after it does not synchronise again (one synchronisation, one retry, then the
+    out-of-memory error; the books still match the device)."""
+    with vendor.pool(fraction=0.125) as p:  # cap: 32 MiB
+        a = p.malloc(16 * MiB, stream=1)
+        b = p.malloc(8 * MiB, stream=1)
+        p.free(a)
+        vendor.lib.fake_set_busy(1, 1)
+        syncs = vendor.calls("sync")
+        with pytest.raises(OutOfMemoryError):
+            p.malloc(30 * MiB, stream=2)  # a's pages back are not enough: b holds 8 of the 32 MiB
+        vendor.lib.fake_set_busy(1, 0)
+        assert vendor.calls("sync") - syncs == 1 and p.stats()["retries"] == 1
+        p.free(b)
+        p.check()
+        assert vendor.lib.fake_used() == p.stats()["total"]["reserved"]["current"]
+
+
 def _counts(vendor: Vendor) -> dict[str, int]:
     return {op: vendor.calls(op) for op in ("create", "release", "map", "unmap")}
 

@@ -546,7 +546,7 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
   if (rc == NP_ERR_OOM) {
     /* what PyTorch does on failure, at arena scale: synchronise, release free pages, retry once */
     ctx->st.retries++;
-    rc = np_ctx_synchronize(ctx);
+    rc = ctx->synced ? NP_OK : np_ctx_synchronize(ctx); /* (settled may have, this request) */
     if (rc != NP_OK) return rc;
     bool was = np_vmm_recycle_begin(ctx); /* the pages released, the retry maps again */
     release(ctx, a); /* a page the device refuses to unmap stays mapped and is counted */
