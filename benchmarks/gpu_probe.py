@@ -128,14 +128,14 @@ def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str
     the device; on a device of ``cap`` bytes it would ask and be refused, calls the framework's
     counters leave out). Kinds as the live side counts them (no address reservation; native: the
     segment mallocs and frees)."""
-    from npu_pool.live import MEMORY_KINDS, SIMULATED
+    from npu_pool.live import MEMORY_KINDS, SIMULATED, cap_fraction
     from npu_pool.replay import run
 
     kinds = [k for k in MEMORY_KINDS if k not in ("reserve", "release")]
     if allocator == "native":  # the torch model's segments are the framework's device allocations
         kinds = ["malloc", "free"]
-    sim = run(trace, SIMULATED[allocator], max(total, cap), device=rules, bounds=bounds,
-              fraction=min(1.0, (cap + 0.5) / max(total, cap)))
+    total = max(total, cap)
+    sim = run(trace, SIMULATED[allocator], total, device=rules, bounds=bounds, fraction=cap_fraction(cap, total))
     return sim.ok, [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls or []]
 
 

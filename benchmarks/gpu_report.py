@@ -26,10 +26,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 def _traces(shared: Path) -> dict[str, Any]:
     """The shared traces (where ``shared`` is a folder) and this repository's own (the H100
     recording), by name."""
+    from fragmentation import snapshots
+
     from npu_pool.trace.files import open_traces
 
-    files = sorted(shared.glob("*.pickle")) + sorted((ROOT / "benchmarks" / "traces").glob("*.pickle"))
-    return {name.split(".")[0]: t for p in files for name, t in open_traces(p)}
+    return {name.split(".")[0]: t for p in snapshots(shared) for name, t in open_traces(p)}
 
 
 def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]:

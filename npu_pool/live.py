@@ -234,6 +234,13 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in text or "data is not allocated yet" in text
 
 
+def cap_fraction(cap_bytes: int, total: int) -> float:
+    """The memory fraction that caps an allocator of a ``total``-byte device at exactly ``cap_bytes``
+    (1.0 where that is the whole device or more): allocators floor fraction * total, and half a byte
+    survives float error."""
+    return min(1.0, (cap_bytes + 0.5) / total)
+
+
 class Player:
     """Plays one trace as tensors; replays repeat (minimum capacity) in the same process."""
 
@@ -310,8 +317,8 @@ class Player:
 
     def cap(self, cap_bytes: Optional[int]) -> None:
         """Cap the framework's allocator at exactly ``cap_bytes`` (None: uncapped) through its memory
-        fraction: the pool floors fraction * total, and half a byte survives float error."""
-        fraction = 1.0 if cap_bytes is None else min(1.0, (cap_bytes + 0.5) / self.total())
+        fraction (:func:`cap_fraction`)."""
+        fraction = 1.0 if cap_bytes is None else cap_fraction(cap_bytes, self.total())
         self.module.set_per_process_memory_fraction(fraction, self.dev)
 
     def reset(self) -> None:
@@ -405,7 +412,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["replay_live", "simulated", "format_live", "is_oom", "Player", "LiveResult", "LiveError", "ALLOCATORS",
+__all__ = ["replay_live", "simulated", "format_live", "is_oom", "cap_fraction", "Player", "LiveResult", "LiveError", "ALLOCATORS",
            "MEMORY_KINDS", "COUNTED_KINDS", "VENDOR_CALLS", "ALLOC_CALLS", "SIMULATED", "LEGEND", "run_worker"]
 
 if __name__ == "__main__":

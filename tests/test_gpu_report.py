@@ -154,6 +154,7 @@ def test_waiting_for_busy_streams_the_gpu_made_the_simulators_calls_step_by_step
     import json
     import re
 
+    from npu_pool.live import cap_fraction
     from npu_pool.replay import iteration_bounds, run
     from npu_pool.trace.files import open_traces
 
@@ -161,7 +162,7 @@ def test_waiting_for_busy_streams_the_gpu_made_the_simulators_calls_step_by_step
     bounds, total = iteration_bounds(trace), 81559 << 20  # (the H100's memory; any total gives the cap)
     for cap, runs in ((2162, ("1", "1b", "2", "2b", "3", "3b")), (2226, ("1", "2"))):
         sim = run(trace, "npu_pool", total, device="cuda", bounds=bounds, hints="none",
-                  fraction=((cap << 20) + 0.5) / total)
+                  fraction=cap_fraction(cap << 20, total))
         counted = ("phys_create", "phys_release", "map", "unmap", "set_access")
         simulated = [sum(d.get(k, 0) for k in counted) for d in sim.iteration_calls[2:11]]
         for name in runs:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TorchNpu
-from npu_pool.live import ALLOC_CALLS, COUNTED_KINDS, LiveResult, replay_live
+from npu_pool.live import ALLOC_CALLS, COUNTED_KINDS, LiveResult, cap_fraction, replay_live
 from npu_pool.vocab import CALL_VENDOR
 from npu_pool.replay import min_capacity, run
 from npu_pool.trace.files import open_traces
@@ -261,7 +261,7 @@ def test_forget_makes_a_used_pool_place_as_a_first_run() -> None:
     def replay(pool: Pool, capacity: int | None, forget: bool) -> bool:
         pool.empty_cache()
         if capacity is not None:
-            pool.set_fraction((capacity + 0.5) / (1 << 40))  # exactly `capacity`, as the live search sets it
+            pool.set_fraction(cap_fraction(capacity, 1 << 40))  # exactly `capacity`, as the live search sets it
         if forget:
             pool.forget()
         inp, keep = trace.c_columns()

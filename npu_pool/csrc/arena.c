@@ -137,8 +137,7 @@ void np_arena_drop(np_ctx *ctx, np_arena *a) {
  * at a cap with no byte to spare, out of memory in 3 of 7 runs where waiting fit 6 of 6 and made
  * the simulator's calls, step by step (docs/gpu.md, "cudaMalloc's granules"). */
 static bool settled(np_ctx *ctx, np_arena *a, intptr_t tag) {
-  if (ctx->synced || np_tag_settled(ctx, &a->streams, tag)) return true;
-  return np_ctx_synchronize(ctx) == NP_OK;
+  return ctx->synced || np_tag_settled(ctx, &a->streams, tag) || np_ctx_drain(ctx) == NP_OK;
 }
 
 /* Under cap pressure: unmap whole free pages of free blocks (not `skip`), highest first, until
@@ -546,7 +545,7 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
   if (rc == NP_ERR_OOM) {
     /* what PyTorch does on failure, at arena scale: synchronise, release free pages, retry once */
     ctx->st.retries++;
-    rc = ctx->synced ? NP_OK : np_ctx_synchronize(ctx); /* (settled may have, this request) */
+    rc = np_ctx_drain(ctx); /* (settled may have synchronised, this request) */
     if (rc != NP_OK) return rc;
     bool was = np_vmm_recycle_begin(ctx); /* the pages released, the retry maps again */
     release(ctx, a); /* a page the device refuses to unmap stays mapped and is counted */

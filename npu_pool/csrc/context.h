@@ -154,6 +154,9 @@ static inline void np_stats_fill_active(np_stats *st) {
 int np_ctx_check(np_ctx *ctx);
 /* Synchronise the device (counted in stats.syncs); sets `synced` for the rest of the call. */
 int np_ctx_synchronize(np_ctx *ctx);
+/* The device idle for the rest of the call: synchronised, unless this call already did. (The
+ * framework models call np_ctx_synchronize where their framework synchronises again.) */
+static inline int np_ctx_drain(np_ctx *ctx) { return ctx->synced ? NP_OK : np_ctx_synchronize(ctx); }
 /* Leave a public call. Debug builds (NP_DEBUG) first check every invariant (np_ctx_check) and
  * abort naming the first one broken: a call that breaks one is caught as it returns. */
 static inline void np_ctx_unlock(np_ctx *ctx) {

@@ -73,11 +73,8 @@ void np_ctx_hold(np_ctx *ctx, int kind, uintptr_t addr, uint64_t size, uint64_t 
  * the device is synchronised first, once per call: torch_npu too synchronises once and then frees
  * every cached segment (release_cached_blocks). */
 static int free_device(np_ctx *ctx, uintptr_t addr, uint64_t size) {
-  if (!ctx->be->free_synchronizes && !ctx->synced) {
-    int rc = np_ctx_synchronize(ctx);
-    if (rc != NP_OK) return rc;
-  }
-  return ctx->be->free(ctx->be, addr, size);
+  int rc = ctx->be->free_synchronizes ? NP_OK : np_ctx_drain(ctx);
+  return rc != NP_OK ? rc : ctx->be->free(ctx->be, addr, size);
 }
 
 /* Held item i is gone (returned): out of the books. */

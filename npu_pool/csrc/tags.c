@@ -86,7 +86,7 @@ __attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np
   if (rc != NP_ERR_OOM) return rc;
   /* the other arenas' idle pages count against the same cap: return them, retry once (the device
    * is idle already where the arena's retry synchronised it, this request) */
-  rc = ctx->synced ? NP_OK : np_ctx_synchronize(ctx);
+  rc = np_ctx_drain(ctx);
   if (rc != NP_OK) return rc;
   np_tags_release_idle(ctx, t, main, a);
   np_tags_budget(ctx, t, main, a);
