@@ -306,14 +306,16 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- the parent: two runs and the table ---------------------------------------------------------
 
-def _run(mode: str, argv: list[str]) -> dict[str, Any]:
+def run_worker(mode: str, argv: list[str], script: str = __file__) -> dict[str, Any]:
+    """Run ``script --worker MODE`` (deterministic cuBLAS) and return what it printed after ``RESULT``;
+    exit 1 with the end of its stderr when it printed nothing."""
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, __file__, *argv, "--worker", mode], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, script, *argv, "--worker", mode], env=env, capture_output=True, text=True)
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    sys.stderr.write(f"gpu_check: the {mode} run failed (exit {r.returncode}):\n{r.stderr[-4000:]}\n")
+    sys.stderr.write(f"{Path(script).stem}: the {mode} run failed (exit {r.returncode}):\n{r.stderr[-4000:]}\n")
     raise SystemExit(1)
 
 
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: no CUDA GPU is usable here (torch {torch.__version__} is {why}); run this on a machine "
               "with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
         return 2
-    res = {mode: _run(mode, argv) for mode in MODES}
+    res = {mode: run_worker(mode, argv) for mode in MODES}
     if args.device == "cuda" and not res["npu_pool"].get("allocs"):
         print("gpu_check: npu_pool served no allocation: the pluggable allocator was not in use", file=sys.stderr)
         return 1

@@ -455,7 +455,7 @@ class Pool:
         return int(out[0])
 
     def tags(self) -> dict[str, dict[str, Any]]:
-        """``{tag: {allocated, blocks, mapped, paused, backup, pauses, is_paused, current}}``."""
+        """``{tag: {allocated, blocks, mapped, paused, backup, backup_held, pauses, is_paused, current}}``."""
         n = ffi.new("size_t *")
         _check(lib.np_tags(self.ctx, ffi.NULL, 0, n))
         while True:  # (another thread may add a tag between the two calls: ask again with room for it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import json
 import subprocess
 
 import pytest
@@ -274,6 +275,69 @@ def test_vendor_device_memory_goes_back_and_comes_back(builds: dict, backend: st
         p.check()
 
 
+def test_a_tags_pinned_buffer_serves_every_pause_until_close(builds: dict) -> None:  # noqa: F811
+    """Colocated RL pauses the same tensors every iteration: one pinned host allocation serves
+    them all (pinning and unpinning cost far more than the copies on an H100: docs/gpu.md)."""
+    v = _vendor(builds, "cuda", capacity=128 * MiB)
+    pinned = lambda: (v.lib.fake_calls(b"cudaMallocHost"), v.lib.fake_calls(b"cudaFreeHost"))  # noqa: E731
+    sizes = [3 * MiB + 100, 5 * MiB, 700, 64 * 1024]
+    with v.pool() as p:
+        with p.region("train"):
+            blocks = [p.malloc(n) for n in sizes]
+        with p.region("kv"):
+            kv = p.malloc(4 * MiB)
+        for i, (a, n) in enumerate(zip(blocks, sizes)):
+            _fill(a, n, 10 + i)
+        looked_up = 0
+        for _ in range(3):
+            before = v.lib.fake_calls(b"cudaGetDevice")
+            p.pause("train", backup=True)
+            st = p.stats()
+            assert st["backup"] == sum(sizes) and st["backup_held"] >= sum(sizes)
+            p.resume("train")
+            looked_up += v.lib.fake_calls(b"cudaGetDevice") - before
+            assert all(_holds(a, n, 10 + i) for i, (a, n) in enumerate(zip(blocks, sizes)))
+            assert p.stats()["backup"] == 0 and p.stats()["backup_held"] == st["backup_held"]
+            assert p.tags()["train"]["backup_held"] == st["backup_held"] and p.tags()["kv"]["backup_held"] == 0
+            p.empty_cache()  # device memory only (verl calls it around every offload): the buffer stays
+            p.check()
+        held = p.stats()["backup_held"]
+        assert pinned() == (1, 0)  # one buffer, three pauses
+        # copies use the device the pause synchronised: no lookup per copied block (a pause's own)
+        assert looked_up <= 3
+        # more to back up: a larger buffer replaces the kept one
+        with p.region("train"):
+            extra = p.malloc(2 * MiB)
+        _fill(extra, 2 * MiB, 9)
+        p.pause("train", backup=True)
+        assert pinned() == (2, 1) and p.stats()["backup_held"] > held
+        p.resume("train")
+        assert _holds(extra, 2 * MiB, 9) and _holds(blocks[0], sizes[0], 10)
+        # another tag's pause under a bound the kept buffer fills: the kept buffer goes back first
+        held = p.stats()["backup_held"]
+        p.set_backup_limit(held)
+        _fill(kv, 4 * MiB, 77)
+        p.pause("kv", backup=True)
+        assert p.tags()["train"]["backup_held"] == 0 and p.stats()["backup_held"] == p.tags()["kv"]["backup_held"]
+        p.resume("kv")
+        assert _holds(kv, 4 * MiB, 77)
+        # a lower bound gives back what holds no backup, not a paused tag's backup
+        p.set_backup_limit(1 << 40)
+        p.pause("train", backup=True)
+        p.set_backup_limit(MiB)
+        assert p.stats()["backup_held"] == p.tags()["train"]["backup_held"] > 0 and p.tags()["kv"]["backup_held"] == 0
+        p.resume("train")
+        assert _holds(extra, 2 * MiB, 9)
+        p.set_backup_limit(0)
+        assert p.stats()["backup_held"] == 0 and pinned()[0] == pinned()[1]
+        p.set_backup_limit(1 << 40)
+        p.pause("train", backup=True)
+        p.resume("train")
+        assert pinned()[0] == pinned()[1] + 1
+        p.check()
+    assert pinned()[0] == pinned()[1]  # close gives back every buffer
+
+
 @pytest.mark.parametrize("backend", ["acl", "cuda"])
 @pytest.mark.parametrize("op", ["map", "create", "unmap"])
 def test_vendor_failing_half_way_leaves_the_books_right(builds: dict, backend: str, op: str) -> None:  # noqa: F811
@@ -480,6 +544,23 @@ print(json.dumps(r))
     assert out["same_ptrs"] and out["contents"]
     assert out["books"][0] == out["books"][2] and out["books"][1] >= out["books"][0]
     assert "not paused" in out["resume_twice"]
+
+
+def test_the_gpu_colocate_benchmark_runs_under_torch_npu(torch_npu, tmp_path) -> None:
+    """benchmarks/gpu_colocate.py (docs/gpu.md, "Colocated RL on the H100") over the fake CANN,
+    copies only: under both allocators the trainer comes back whole, under npu_pool at the same
+    addresses, and the ballast keeps the trainer and the KV cache from fitting together."""
+    out = tmp_path / "r.json"
+    r = torch_npu.run(f"import runpy, sys; sys.path.insert(0, 'benchmarks'); sys.argv = ['gpu_colocate.py', '--device', 'npu', '--no-train', '--dim', '256', "
+                      f"'--layers', '2', '--vocab', '4096', '--cycles', '3', '--margin-mib', '0', '--json', {str(out)!r}]; "
+                      "runpy.run_path('benchmarks/gpu_colocate.py', run_name='__main__')", timeout=600)
+    assert r.returncode == 0 and "checks: passed" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    p, n = res["npu_pool"], res["native"]
+    assert not p["both_fit"] and not n["both_fit"] and p["trainer_bytes"] == n["trainer_bytes"] > 0
+    assert all(c["contents_same"] for c in p["cycles"] + n["cycles"])
+    assert {c["tensors_moved"] for c in p["cycles"]} == {0} and n["cycles"][0]["tensors_moved"] == n["cycles"][0]["tensors"]
+    assert p["calls"]["get_device"] < p["cycles"][0]["tensors"]  # not one per copied tensor
 
 
 def test_colocated_capture_replays_without_growth_from_cycle_to_cycle() -> None:

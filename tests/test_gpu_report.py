@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -169,3 +170,28 @@ def test_waiting_for_busy_streams_the_gpu_made_the_simulators_calls_step_by_step
             text = (LATEST / f"w_e1024_{cap}_{name}.log").read_text()
             live = json.loads(re.search(r"^RESULT (.*)$", text, re.M).group(1))["step_calls"]
             assert len(live) == 60 and live[1:10] == simulated, (cap, name, live[1:10], simulated)
+
+
+def test_the_colocated_rows_of_the_page_are_the_saved_runs() -> None:
+    """docs/gpu.md, "Colocated RL on the H100": every row's medians and ratios are those of the JSON
+    file it names (benchmarks/results/h100-2026-11-26c), and every file's checks passed."""
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import gpu_colocate
+    finally:
+        sys.path[:] = saved
+    folder = RESULTS.parent / "h100-2026-11-26c"
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line.rstrip().endswith(".json |")]
+    assert len(rows) == 9
+    for line in rows:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        res = json.loads((folder / cells[-1]).read_text())
+        assert gpu_colocate.report(res)[1], cells[-1]
+        want = []
+        for key in ("offload_s", "load_s"):
+            pm, nm = (gpu_colocate.median_ms(res[m], key) for m in ("npu_pool", "native"))
+            want += [f"{pm:.1f} / {nm:.1f}", f"{pm / nm:.2f}x"]
+        assert cells[1:5] == want, line
+

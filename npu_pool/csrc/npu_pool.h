@@ -162,6 +162,8 @@ typedef struct np_stats {
   int policy;
   uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */
   uint64_t backup;          /* host bytes holding paused tags' contents (np_pause with backup) */
+  uint64_t backup_held;     /* pinned host bytes the tags' backup buffers hold: those contents, and the rest
+                               kept for the next pause (until close, or a lower np_set_backup_limit) */
   uint64_t calls[20];       /* device calls by kind (NP_CALL_*, NP_CALL_COUNT of them) since creation or
                                np_reset_accumulated */
 } np_stats;
@@ -350,6 +352,7 @@ typedef struct np_tag_info {
   uint64_t mapped;          /* bytes of its address range backed by physical memory now */
   uint64_t paused;          /* paused: bytes np_resume will map again (pages under allocated blocks) */
   uint64_t backup;          /* host bytes holding its contents while paused */
+  uint64_t backup_held;     /* host bytes of its backup buffer, kept after resume for the next pause */
   uint64_t pauses;          /* times it was paused */
   uint8_t is_paused;
   uint8_t current;          /* the region now entered */
@@ -360,7 +363,8 @@ int np_pause(np_ctx *ctx, const char *tag, int backup, uint64_t *bytes);
 int np_resume(np_ctx *ctx, const char *tag, uint64_t *bytes);
 /* Up to cap tags into out; *n gets how many there are. */
 int np_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n);
-/* Host bytes np_pause may hold as backups, over all tags (default: the device's memory). */
+/* Host bytes np_pause may hold as backups, over all tags (default: the device's memory); buffers
+ * holding no backup go back if the pool holds more. */
 int np_set_backup_limit(np_ctx *ctx, uint64_t bytes);
 /* CDEF END */
 

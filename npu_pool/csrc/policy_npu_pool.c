@@ -65,7 +65,7 @@ static int npu_pool_tags(np_ctx *ctx, np_tag_info *out, size_t cap, size_t *n) {
   return np_tags_info(ctx, tags(ctx), out, cap, n);
 }
 static int npu_pool_set_backup_limit(np_ctx *ctx, uint64_t bytes) {
-  tags(ctx)->backup_limit = bytes;
+  np_tags_set_backup_limit(ctx, tags(ctx), bytes);
   return NP_OK;
 }
 

@@ -169,62 +169,110 @@ static void blocks_of(const np_arena *a, uint64_t *bytes, uint64_t *count) {
 
 /* ---- backups -------------------------------------------------------------------------------- */
 
-static void free_backup(np_ctx *ctx, np_tagset *t, np_tag *g) {
-  for (size_t i = 0; i < g->n_backup; i++) {
-    if (g->backup[i].host) ctx->be->host_free(ctx->be, g->backup[i].host);
-    t->backup_bytes -= g->backup[i].size;
-  }
+/* A block's place in its tag's host buffer: its requested bytes, rounded so that every copy starts
+ * aligned. */
+#define NP_BACKUP_ALIGN 512
+
+/* Drop g's backup entries (its host buffer stays, for the next pause). */
+static void free_backup(np_tagset *t, np_tag *g) {
+  for (size_t i = 0; i < g->n_backup; i++) t->backup_bytes -= g->backup[i].size;
   free(g->backup);
   g->backup = NULL;
   g->n_backup = 0;
 }
 
+/* Give g's host buffer back (g holds no backup in it). */
+static void drop_host(np_ctx *ctx, np_tagset *t, np_tag *g) {
+  if (g->host) ctx->be->host_free(ctx->be, g->host);
+  t->backup_held -= g->host_size;
+  g->host = NULL;
+  g->host_size = 0;
+}
+
+/* Give back the host buffers of the tags that hold no backup. */
+static void drop_kept(np_ctx *ctx, np_tagset *t) {
+  for (int i = 0; i < t->n; i++)
+    if (!t->at[i]->n_backup) drop_host(ctx, t, t->at[i]);
+}
+
+void np_tags_set_backup_limit(np_ctx *ctx, np_tagset *t, uint64_t bytes) {
+  t->backup_limit = bytes;
+  if (t->backup_held > bytes) drop_kept(ctx, t);
+}
+
 /* A device whose memory has no contents (the simulator without host backing) counts backups. */
 static bool counts_only(const np_ctx *ctx) { return ctx->cfg.backend == NP_BACKEND_SIM && !ctx->cfg.host_backed; }
 
-/* Copy the tag's allocated blocks to pinned host memory, within the bound; all or nothing. */
+/* A host buffer of at least `need` bytes for g, within the bound: g's own when large enough (one
+ * pinned allocation serves every pause of a tag whose tensors stay the same), else a new one,
+ * after giving back g's and, if the bound requires it, the other tags' kept buffers. */
+static int host_buffer(np_ctx *ctx, np_tagset *t, np_tag *g, uint64_t need, uint64_t contents, bool copies) {
+  if (g->host_size >= need) return NP_OK;
+  drop_host(ctx, t, g);
+  uint64_t room = t->backup_limit - np_min_u64(t->backup_held, t->backup_limit);
+  if (need > room) {
+    drop_kept(ctx, t);
+    room = t->backup_limit - np_min_u64(t->backup_held, t->backup_limit);
+  }
+  if (need > room) {
+    char x[32], y[32], z[32];
+    return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: %s of contents would pass the backup bound of %s "
+                    "(%s already held; set_backup_limit raises the bound); nothing was paused", g->name,
+                    np_fmt_bytes(contents, x), np_fmt_bytes(t->backup_limit, y), np_fmt_bytes(t->backup_held, z));
+  }
+  if (copies && need) {
+    int rc = ctx->be->host_alloc(ctx->be, need, &g->host);
+    if (rc != NP_OK) {
+      g->host = NULL;
+      np_saved_error s;
+      np_save_error(&s, rc);
+      char x[32];
+      return np_error(rc, "pause of tag '%s' with backup (%s): %s; nothing was paused", g->name,
+                      np_fmt_bytes(contents, x), s.text);
+    }
+  }
+  g->host_size = need;
+  t->backup_held += need;
+  return NP_OK;
+}
+
+/* Copy the tag's allocated blocks into its host buffer, within the bound; all or nothing. */
 static int save(np_ctx *ctx, np_tagset *t, np_tag *g) {
   np_backend *be = ctx->be;
   bool copies = be->copy && be->host_alloc && be->host_free;
   if (!copies && !counts_only(ctx))
     return np_error(NP_ERR_STATE, "pause of tag '%s' with backup: backend %s cannot copy device memory to the host; "
                     "pause without backup", g->name, be->name);
-  uint64_t bytes = 0, n = 0;
+  uint64_t bytes = 0, need = 0, n = 0;
   for (np_block *b = g->arena.seg ? g->arena.seg->head : NULL; b; b = b->next)
     if (b->allocated) {
       bytes += b->requested;
+      need += np_round_up(b->requested, NP_BACKUP_ALIGN);
       n++;
     }
-  if (bytes > t->backup_limit - np_min_u64(t->backup_bytes, t->backup_limit)) {
-    char x[32], y[32], z[32];
-    return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: %s of contents would pass the backup bound of %s "
-                    "(%s already held; set_backup_limit raises the bound); nothing was paused", g->name, np_fmt_bytes(bytes, x),
-                    np_fmt_bytes(t->backup_limit, y), np_fmt_bytes(t->backup_bytes, z));
-  }
   np_backup *k = n ? calloc(n, sizeof *k) : NULL;
   if (n && !k) return np_error(NP_ERR_HOST, "host out of memory for %llu backup entries", (unsigned long long)n);
+  int rc = host_buffer(ctx, t, g, need, bytes, copies);
+  if (rc != NP_OK) {
+    free(k);
+    return rc;
+  }
   g->backup = k;
   g->n_backup = 0;
-  int rc = NP_OK;
+  uint64_t off = 0;
   for (np_block *b = g->arena.seg ? g->arena.seg->head : NULL; b && rc == NP_OK; b = b->next) {
     if (!b->allocated) continue;
     np_backup *e = &k[g->n_backup];
-    *e = (np_backup){.addr = b->addr, .size = b->requested};
-    if (copies) {
-      rc = be->host_alloc(be, b->requested, &e->host);
-      if (rc == NP_OK && (rc = be->copy(be, e->host, (void *)b->addr, b->requested, 0)) != NP_OK) {
-        be->host_free(be, e->host);
-        e->host = NULL;
-      }
-    }
-    if (rc != NP_OK) break;
+    *e = (np_backup){.addr = b->addr, .size = b->requested, .host = g->host ? (char *)g->host + off : NULL};
+    off += np_round_up(b->requested, NP_BACKUP_ALIGN);
+    if (e->host && (rc = be->copy(be, e->host, (void *)b->addr, b->requested, 0)) != NP_OK) break;
     g->n_backup++;
     t->backup_bytes += e->size;
   }
   if (rc != NP_OK) {
     np_saved_error s;
     np_save_error(&s, rc);
-    free_backup(ctx, t, g);
+    free_backup(t, g); /* (the buffer stays, for the next pause) */
     np_restore_error(&s);
     char x[32];
     return np_error(rc, "pause of tag '%s' with backup (%s): %s; nothing was paused", g->name, np_fmt_bytes(bytes, x),
@@ -334,7 +382,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
                     np_fmt_bytes(ctx->st.total.reserved.current, y), np_fmt_bytes(ctx->limit, z),
                     rc == NP_ERR_OOM ? " after returning its idle memory" : "", cause, held);
   }
-  free_backup(ctx, t, g);
+  free_backup(t, g); /* the host buffer stays: the next pause copies into it */
   g->paused = false;
   *bytes = need;
   return NP_OK;
@@ -354,6 +402,7 @@ int np_tags_info(np_ctx *ctx, np_tagset *t, np_tag_info *out, size_t cap, size_t
     o->mapped = mapped_of(&g->arena);
     if (g->paused) runs(&g->arena, NULL, &o->paused);
     for (size_t k = 0; k < g->n_backup; k++) o->backup += g->backup[k].size;
+    o->backup_held = g->host_size;
     o->pauses = g->pauses;
     o->is_paused = g->paused;
     o->current = t->current == i;
@@ -383,16 +432,20 @@ void np_tags_fill_stats(np_ctx *ctx, np_tagset *t, np_arena *main, np_stats *st)
     st->paused += need;
   }
   st->backup = t->backup_bytes;
+  st->backup_held = t->backup_held;
   np_tags_budget(ctx, t, main, main);
   np_arena_fill_stats(ctx, main, st); /* last: the arena high-water mark is the main arena's */
 }
 
 int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main) {
   int rc = np_arena_check(ctx, main);
-  uint64_t backup = 0;
+  uint64_t backup = 0, held = 0;
   for (int i = 0; i < t->n && rc == NP_OK; i++) {
     np_tag *g = t->at[i];
-    for (size_t k = 0; k < g->n_backup; k++) backup += g->backup[k].size;
+    uint64_t own = 0;
+    for (size_t k = 0; k < g->n_backup; k++) own += g->backup[k].size;
+    backup += own;
+    held += g->host_size;
     if (!g->paused) rc = np_arena_check(ctx, &g->arena);
     else if (!np_tree_check(&g->arena.holes)) rc = np_error(NP_ERR_STATE, "check: tag '%s': hole tree is corrupt", g->name);
     else if (mapped_of(&g->arena)) rc = np_error(NP_ERR_STATE, "check: paused tag '%s' has memory mapped", g->name);
@@ -400,7 +453,12 @@ int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main) {
       rc = np_error(NP_ERR_STATE, "check: paused tag '%s' has chunks in its page table", g->name); /* the record */
     if (rc == NP_OK && !g->paused && g->n_backup)
       rc = np_error(NP_ERR_STATE, "check: tag '%s' is not paused but holds a backup", g->name);
+    if (rc == NP_OK && own > g->host_size)
+      rc = np_error(NP_ERR_STATE, "check: tag '%s': its backup is larger than its host buffer", g->name);
   }
+  if (rc == NP_OK && held != t->backup_held)
+    rc = np_error(NP_ERR_STATE, "check: host buffers hold %llu bytes but the books say %llu", (unsigned long long)held,
+                  (unsigned long long)t->backup_held);
   if (rc == NP_OK && backup != t->backup_bytes)
     rc = np_error(NP_ERR_STATE, "check: backups hold %llu bytes but the books say %llu", (unsigned long long)backup,
                   (unsigned long long)t->backup_bytes);
@@ -410,7 +468,8 @@ int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main) {
 
 void np_tags_drop(np_ctx *ctx, np_tagset *t) {
   for (int i = 0; i < t->n; i++) {
-    free_backup(ctx, t, t->at[i]);
+    free_backup(t, t->at[i]);
+    drop_host(ctx, t, t->at[i]);
     np_arena_drop(ctx, &t->at[i]->arena);
     free(t->at[i]);
     t->at[i] = NULL;

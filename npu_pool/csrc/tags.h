@@ -12,8 +12,17 @@
  * Invariants: a paused tag's reservation has nothing mapped (its page table is empty, its
  * segment's mapped bytes 0; what refused to unmap is held by the context) and the tag takes no requests; a
  * backup entry names a block of its tag allocated when the tag was paused (freed since: skipped
- * at resume); `backup_bytes` is the sum of the backups' sizes and never exceeds `backup_limit`;
- * `current` is -1 or a tag index. Every arena's budget is set (np_tags_budget) before a call
+ * at resume) and lies in its tag's host buffer; `backup_bytes` is the sum of the backups' sizes,
+ * `backup_held` the sum of the tags' host buffers' sizes (at least backup_bytes), and a pause
+ * never takes backup_held past `backup_limit`; `current` is -1 or a tag index.
+ *
+ * A tag's host buffer is one pinned allocation its backups are copied into, kept after resume for
+ * the next pause (colocated RL pauses the same tensors every iteration): pinning and unpinning
+ * host memory costs far more than the copies (measured on an H100: docs/gpu.md, "Colocated RL").
+ * A pause that needs more takes a larger one. The buffers stay until close, as torch keeps its
+ * pinned host blocks (empty_cache returns device memory only: an RL loop calling it every
+ * iteration would pin again every iteration); a lower bound gives back those that hold no
+ * backup, and so does a pause that needs room under the bound. Every arena's budget is set (np_tags_budget) before a call
  * into it: the others' mapped bytes are both set aside from its cap and outside its reserved.
  */
 #ifndef NP_TAGS_H
@@ -34,6 +43,8 @@ typedef struct np_tag {
   uint64_t pauses;
   np_backup *backup;
   size_t n_backup;
+  void *host;           /* the host buffer backups are copied into (NULL: none, or a device without contents) */
+  uint64_t host_size;   /* its bytes; counted on a device without contents too */
 } np_tag;
 
 typedef struct np_tagset {
@@ -41,11 +52,12 @@ typedef struct np_tagset {
   int n;
   int current;              /* the region entered: index into at, or -1 (the main arena) */
   uint64_t backup_limit;    /* host bytes backups may hold, over all tags */
-  uint64_t backup_bytes;
+  uint64_t backup_bytes;     /* host bytes holding paused tags' contents */
+  uint64_t backup_held;      /* host bytes of the tags' buffers: those contents and the kept rest */
 } np_tagset;
 
 void np_tags_init(np_ctx *ctx, np_tagset *t);
-/* Return every tag's memory and free its backups. */
+/* Return every tag's memory and free its backups and host buffers. */
 void np_tags_drop(np_ctx *ctx, np_tagset *t);
 /* Set a's view of the budget: the other arenas' mapped bytes are set aside and outside it. */
 void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a);
@@ -62,6 +74,8 @@ int np_tags_pause(np_ctx *ctx, np_tagset *t, const char *name, bool backup, uint
 int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, uint64_t *bytes);
 int np_tags_info(np_ctx *ctx, np_tagset *t, np_tag_info *out, size_t cap, size_t *n);
 int np_tags_empty_cache(np_ctx *ctx, np_tagset *t, np_arena *main);
+/* Bound the host bytes backups may hold; buffers holding no backup go back if the pool holds more. */
+void np_tags_set_backup_limit(np_ctx *ctx, np_tagset *t, uint64_t bytes);
 void np_tags_fill_stats(np_ctx *ctx, np_tagset *t, np_arena *main, np_stats *st);
 int np_tags_check(np_ctx *ctx, np_tagset *t, np_arena *main);
 
