@@ -259,10 +259,11 @@ NOTES = """
   it mapped at the first request the plan left out, in the second iteration of cnn-adam-train
   and the second and third of cs336-medium-ctx1024-infer, whose unplanned 16 MiB tensor lives
   into the next pass, two at once, which the plan's figure did not count).
-- The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries and
-  event waits make no `aclrtGetDevice`; the rarer calls that would go to the wrong device if a
-  caller changed it behind the pool's back (malloc, free, synchronise, reserve, release) look it
-  up. A forked child looks it up again; `np_forget_device()` forgets it.
+- The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries,
+  event waits and the copies of a paused tag's backup make no `aclrtGetDevice`; the rarer calls
+  that would go to the wrong device if a caller changed it behind the pool's back (malloc, free,
+  synchronise, reserve, release, and a pause or resume, once) look it up. A forked child looks it
+  up again; `np_forget_device()` forgets it.
 
 ## Known limits
 

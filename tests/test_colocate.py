@@ -172,6 +172,27 @@ def test_backup_is_bounded() -> None:
         assert not p.tags()["train"]["is_paused"] and p.stats()["total"]["reserved"]["current"] == reserved
         p.pause("train")  # without backup: fine
         _books_match(p)
+        p.resume("train")
+        # the bound lowered while a tag is paused with its backup: at resume its buffer goes back,
+        # and the next pause with backup is held to the bound again
+        p.set_backup_limit(64 * MiB)
+        p.pause("train", backup=True)
+        p.set_backup_limit(0)
+        assert p.stats()["backup_held"] >= 10 * MiB  # (it holds the backup: it stays until resume)
+        p.resume("train")
+        assert p.stats()["backup_held"] == 0
+        with pytest.raises(OutOfMemoryError, match="backup bound"):
+            p.pause("train", backup=True)
+        _books_match(p)
+    with Pool(capacity=64 * MiB, host_backed=True) as p:  # many small tensors: the bound counts their bytes
+        with p.region("small"):  # rounded up to 64 each, not to a block's 512
+            for _ in range(1000):
+                p.malloc(4)
+        p.set_backup_limit(65536)
+        p.pause("small", backup=True)
+        assert p.stats()["backup"] == 4000 and p.stats()["backup_held"] == 64000
+        p.resume("small")
+        _books_match(p)
 
 
 def test_module_api_needs_an_installed_pool_or_a_pool() -> None:
@@ -280,7 +301,7 @@ def test_a_tags_pinned_buffer_serves_every_pause_until_close(builds: dict) -> No
     them all (pinning and unpinning cost far more than the copies on an H100: docs/gpu.md)."""
     v = _vendor(builds, "cuda", capacity=128 * MiB)
     pinned = lambda: (v.lib.fake_calls(b"cudaMallocHost"), v.lib.fake_calls(b"cudaFreeHost"))  # noqa: E731
-    sizes = [3 * MiB + 100, 5 * MiB, 700, 64 * 1024]
+    sizes = [3 * MiB + 100, 5 * MiB, 700, 64 * 1024] + [4096 * k + 3 for k in range(1, 9)]
     with v.pool() as p:
         with p.region("train"):
             blocks = [p.malloc(n) for n in sizes]
@@ -303,8 +324,8 @@ def test_a_tags_pinned_buffer_serves_every_pause_until_close(builds: dict) -> No
             p.check()
         held = p.stats()["backup_held"]
         assert pinned() == (1, 0)  # one buffer, three pauses
-        # copies use the device the pause synchronised: no lookup per copied block (a pause's own)
-        assert looked_up <= 3
+        # one lookup for a pause (its synchronisation), one for a resume: none per copied block
+        assert looked_up <= 2 * 3
         # more to back up: a larger buffer replaces the kept one
         with p.region("train"):
             extra = p.malloc(2 * MiB)

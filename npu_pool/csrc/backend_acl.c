@@ -448,7 +448,7 @@ enum { ACL_MEMCPY_HOST_TO_DEVICE = 1, ACL_MEMCPY_DEVICE_TO_HOST = 2 };
 
 static int acl_copy(np_backend *be, void *dst, const void *src, uint64_t size, int to_device) {
   acl_backend *a = (acl_backend *)be;
-  int prev, rc = enter_ex(a, &prev, false); /* one per backed-up block: the device is known (pause synchronised it) */
+  int prev, rc = enter_ex(a, &prev, false); /* one per backed-up block: pause and resume look the device up first */
   if (rc != NP_OK) return rc;
   acl_err e = a->api.aclrtMemcpy(dst, size, src, size, to_device ? ACL_MEMCPY_HOST_TO_DEVICE : ACL_MEMCPY_DEVICE_TO_HOST);
   char s[32];

@@ -238,7 +238,7 @@ enum { CUDA_MEMCPY_HOST_TO_DEVICE = 1, CUDA_MEMCPY_DEVICE_TO_HOST = 2 };
 
 static int cuda_copy(np_backend *be, void *dst, const void *src, uint64_t size, int to_device) {
   cuda_backend *c = (cuda_backend *)be;
-  int prev, rc = enter_ex(c, &prev, false); /* one per backed-up block: the device is known (pause synchronised it) */
+  int prev, rc = enter_ex(c, &prev, false); /* one per backed-up block: pause and resume look the device up first */
   if (rc != NP_OK) return rc;
   cu_err e = c->api.cudaMemcpy(dst, src, size, to_device ? CUDA_MEMCPY_HOST_TO_DEVICE : CUDA_MEMCPY_DEVICE_TO_HOST);
   char a[32];

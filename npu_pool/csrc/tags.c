@@ -170,8 +170,8 @@ static void blocks_of(const np_arena *a, uint64_t *bytes, uint64_t *count) {
 /* ---- backups -------------------------------------------------------------------------------- */
 
 /* A block's place in its tag's host buffer: its requested bytes, rounded so that every copy starts
- * aligned. */
-#define NP_BACKUP_ALIGN 512
+ * aligned (the bound counts the buffer). */
+#define NP_BACKUP_ALIGN 64
 
 /* Drop g's backup entries (its host buffer stays, for the next pause). */
 static void free_backup(np_tagset *t, np_tag *g) {
@@ -205,8 +205,10 @@ static bool counts_only(const np_ctx *ctx) { return ctx->cfg.backend == NP_BACKE
 
 /* A host buffer of at least `need` bytes for g, within the bound: g's own when large enough (one
  * pinned allocation serves every pause of a tag whose tensors stay the same), else a new one,
- * after giving back g's and, if the bound requires it, the other tags' kept buffers. */
+ * after giving back g's and, if the bound requires it, the other tags' kept buffers. A bound
+ * lowered below what the pool holds gives back every buffer holding no backup (g's too) first. */
 static int host_buffer(np_ctx *ctx, np_tagset *t, np_tag *g, uint64_t need, uint64_t contents, bool copies) {
+  if (t->backup_held > t->backup_limit) drop_kept(ctx, t);
   if (g->host_size >= need) return NP_OK;
   drop_host(ctx, t, g);
   uint64_t room = t->backup_limit - np_min_u64(t->backup_held, t->backup_limit);
@@ -215,10 +217,11 @@ static int host_buffer(np_ctx *ctx, np_tagset *t, np_tag *g, uint64_t need, uint
     room = t->backup_limit - np_min_u64(t->backup_held, t->backup_limit);
   }
   if (need > room) {
-    char x[32], y[32], z[32];
-    return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: %s of contents would pass the backup bound of %s "
-                    "(%s already held; set_backup_limit raises the bound); nothing was paused", g->name,
-                    np_fmt_bytes(contents, x), np_fmt_bytes(t->backup_limit, y), np_fmt_bytes(t->backup_held, z));
+    char w[32], x[32], y[32], z[32];
+    return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: a host buffer of %s (%s of contents) would pass the "
+                    "backup bound of %s (%s already held; set_backup_limit raises the bound); nothing was paused",
+                    g->name, np_fmt_bytes(need, w), np_fmt_bytes(contents, x), np_fmt_bytes(t->backup_limit, y),
+                    np_fmt_bytes(t->backup_held, z));
   }
   if (copies && need) {
     int rc = ctx->be->host_alloc(ctx->be, need, &g->host);
@@ -343,6 +346,8 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   np_tag *g = find(t, name);
   if (!g) return unknown(t, "resume", name);
   if (!g->paused) return np_error(NP_ERR_STATE, "resume: tag '%s' is not paused", name);
+  np_device_cache_set(-1); /* a rarer call: its first device call looks the current device up (pause's
+                              synchronisation does), the chunk calls and copies after it use it */
   /* a chunk that refused to unmap at the pause is held, still mapped at its address: return it
    * first (as empty_cache would), or mapping the tag's runs over it fails; what stays held is
    * named in the error */
@@ -383,6 +388,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
                     rc == NP_ERR_OOM ? " after returning its idle memory" : "", cause, held);
   }
   free_backup(t, g); /* the host buffer stays: the next pause copies into it */
+  if (t->backup_held > t->backup_limit) drop_host(ctx, t, g); /* unless the bound was lowered meanwhile */
   g->paused = false;
   *bytes = need;
   return NP_OK;
