@@ -76,14 +76,19 @@ class OomExplanation:
     largest_free: int
     limit: int
     device_total: int
-    room: int                # bytes the cap still allowed reserving
-    kind: str                # "too_large", "fragmentation" or "shortage"
+    room: int                # bytes the cap still allowed reserving; "device": the device's free bytes
+    kind: str                # "too_large", "fragmentation", "shortage" or "device"
     suggestions: list[str] = field(default_factory=list)
 
     @property
     def cached_free(self) -> int:
         """Reserved bytes not in allocated blocks."""
         return max(0, self.reserved - self.allocated)
+
+    @property
+    def held_outside(self) -> int:
+        """For a "device" failure: the device's bytes neither free nor this pool's."""
+        return max(0, self.device_total - self.room - self.reserved) if self.kind == "device" else 0
 
     def summary(self) -> str:
         """One paragraph: the figures, the diagnosis and the levers."""
@@ -93,11 +98,14 @@ class OomExplanation:
         why = {"too_large": "The request alone needs more than the whole cap.",
                "fragmentation": (f"Fragmentation: {fmt_bytes(self.cached_free)} cached free in the pool and "
                                  f"{fmt_bytes(self.room)} more under the cap, but no free block fits the request."),
-               "shortage": "A real shortage: the pool cannot hold it even without fragmentation."}[self.kind]
+               "shortage": "A real shortage: the pool cannot hold it even without fragmentation.",
+               "device": (f"The device refused memory the cap allows: it had {fmt_bytes(self.room)} free, and "
+                          f"{fmt_bytes(self.held_outside)} of it is held outside this pool (other processes, "
+                          "collective-communication buffers, another allocator).")}[self.kind]
         return head + why + " Try: " + "; ".join(self.suggestions) + "."
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(asdict(self), cached_free=self.cached_free, text=self.summary())
+        return dict(asdict(self), cached_free=self.cached_free, held_outside=self.held_outside, text=self.summary())
 
 
 def _last_oom(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -125,6 +133,12 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
         kind = "too_large" if request > limit else "fragmentation" if limit - allocated >= request else "shortage"
     tips: list[str] = []
     policy = str(st["policy"])
+    if kind == "device":  # no setting of this pool helps: the memory is elsewhere
+        tips.append("see what else holds this device (nvidia-smi / npu-smi list the processes) and free it, or "
+                    "give the others less (their own memory settings: a colocated engine's memory fraction, "
+                    "collective-communication buffer sizes)")
+        tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])
+        return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips)
     if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
         tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
                     "needed, e.g. by collective-communication buffers")
@@ -180,7 +194,7 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
     pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
                                  d / f"{stem}.pickle")
     blocks = pool.blocks()
-    doc = {"format": "npu_pool.oom/3", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+    doc = {"format": "npu_pool.oom/4", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
            "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": pool.stats(),
            "blocks": blocks[:BLOCKS_IN_JSON], "blocks_total": len(blocks), "history": pool.history(HISTORY_IN_JSON)}
     try:

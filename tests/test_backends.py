@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from npu_pool import oom
 from npu_pool.pool import BackendError, OutOfMemoryError, Pool, PoolError
 
 MiB = 1 << 20
@@ -172,6 +173,14 @@ def test_device_oom_is_a_clean_out_of_memory_error(vendor: Vendor) -> None:
         msg = str(e.value)
         assert "out of memory on device 0" in msg and NAMES[vendor.backend]["oom_name"] in msg
         assert p.stats()["ooms"] == 1
+        # the cause named is the device, not the pool's layout: 16 MiB free, the rest held elsewhere
+        reserved = p.stats()["total"]["reserved"]["current"]
+        outside = 256 * MiB - 16 * MiB - reserved
+        assert "the device refused memory the cap allows: it has 16.00 MiB free" in msg, msg
+        assert f"{outside / MiB:.2f} MiB of it is held outside this pool" in msg and "fragmentation" not in msg
+        x = oom.explain(p)
+        assert (x.kind, x.room, x.held_outside) == ("device", 16 * MiB, outside)
+        assert "nvidia-smi" in x.suggestions[0] and "16.00 MiB free" in x.summary()
         p.check()
         vendor.lib.fake_set_used(0)
         p.free(p.malloc(32 * MiB))  # the pool recovers once the device has room

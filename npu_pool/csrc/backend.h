@@ -66,6 +66,8 @@ struct np_backend {
   int (*copy)(np_backend *be, void *dst, const void *src, uint64_t size, int to_device);
   int (*host_alloc)(np_backend *be, uint64_t size, void **out);
   void (*host_free)(np_backend *be, void *p);
+  /* the device's free bytes now (a call, counted: for an out-of-memory message, not per request) */
+  int (*free_bytes)(np_backend *be, uint64_t *out);
 };
 
 /* The current device of the calling thread as the vendor backends last saw or set it (-1:

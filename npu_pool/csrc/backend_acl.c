@@ -457,6 +457,18 @@ static int acl_copy(np_backend *be, void *dst, const void *src, uint64_t size, i
   return rc;
 }
 
+static int acl_free_bytes(np_backend *be, uint64_t *out) {
+  acl_backend *a = (acl_backend *)be;
+  int prev, rc = enter(a, &prev);
+  if (rc != NP_OK) return rc;
+  size_t free_bytes = 0, total = 0;
+  acl_err e = ACL(a, MEM_INFO, aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total));
+  if (e) rc = acl_fail(a, "aclrtGetMemInfo", "ACL_HBM_MEM", e);
+  leave(a, prev);
+  *out = free_bytes;
+  return rc;
+}
+
 static int acl_host_alloc(np_backend *be, uint64_t size, void **out) {
   acl_backend *a = (acl_backend *)be;
   acl_err e = a->api.aclrtMallocHost(out, size);
@@ -500,7 +512,7 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
   snprintf(a->name, sizeof a->name, "acl");
   a->base = (np_backend){.name = a->name, .request_align = ACL_PAD, .request_tail = ACL_PAD,
                          .malloc = acl_malloc, .free = acl_free, .enter = acl_enter, .leave = acl_leave,
-                         .synchronize = acl_synchronize, .destroy = acl_destroy};
+                         .synchronize = acl_synchronize, .destroy = acl_destroy, .free_bytes = acl_free_bytes};
   char missing[64] = "";
   if (acl_open(a, cfg->lib_path, missing, sizeof missing) != NP_OK) goto fail;
   int prev;

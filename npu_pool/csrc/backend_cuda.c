@@ -256,6 +256,18 @@ static int cuda_host_alloc(np_backend *be, uint64_t size, void **out) {
 
 static void cuda_host_free(np_backend *be, void *p) { ((cuda_backend *)be)->api.cudaFreeHost(p); }
 
+static int cuda_free_bytes(np_backend *be, uint64_t *out) {
+  cuda_backend *c = (cuda_backend *)be;
+  int prev, rc = enter(c, &prev);
+  if (rc != NP_OK) return rc;
+  size_t free_bytes = 0, total = 0;
+  cu_err e = CU(c, MEM_INFO, cudaMemGetInfo(&free_bytes, &total));
+  if (e) rc = rt_fail(c, "cudaMemGetInfo", "", e);
+  leave(c, prev);
+  *out = free_bytes;
+  return rc;
+}
+
 static int cuda_synchronize(np_backend *be, intptr_t stream) {
   cuda_backend *c = (cuda_backend *)be;
   int prev, rc = enter(c, &prev);
@@ -498,6 +510,7 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   snprintf(c->name, sizeof c->name, "cuda");
   c->base = (np_backend){.name = c->name, .malloc = cuda_malloc, .free = cuda_free, .enter = cuda_enter,
                          .leave = cuda_leave, .synchronize = cuda_synchronize, .destroy = cuda_destroy,
+                         .free_bytes = cuda_free_bytes,
                          .free_synchronizes = true};
   char missing[64] = "";
   if (cuda_open(c, cfg->lib_path, missing, sizeof missing) != NP_OK) goto fail;

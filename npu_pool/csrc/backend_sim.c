@@ -339,6 +339,13 @@ static void sim_host_free(np_backend *be, void *p) {
   free(p);
 }
 
+static int sim_free_bytes(np_backend *be, uint64_t *out) {
+  sim_backend *s = (sim_backend *)be;
+  s->base.calls[NP_CALL_MEM_INFO]++;
+  *out = s->base.total - s->used;
+  return NP_OK;
+}
+
 static int sim_chunk_enter(np_backend *be, int *prev) {
   *prev = -1;
   sim_enter((sim_backend *)be, false);
@@ -397,6 +404,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .copy = cfg->host_backed ? sim_copy : NULL,
       .host_alloc = cfg->host_backed ? sim_host_alloc : NULL,
       .host_free = cfg->host_backed ? sim_host_free : NULL,
+      .free_bytes = sim_free_bytes,
   };
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;

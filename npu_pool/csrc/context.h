@@ -68,6 +68,7 @@ typedef struct np_fail {
   uint64_t needed;           /* bytes it needed in one piece (a rounded block, a segment, whole pages) */
   uint64_t usable;           /* free bytes that pool could have used, were they in one piece: free
                                 blocks it may use plus what the cap still allows reserving */
+  bool refused;              /* the device refused physical memory the cap allowed (memory.c) */
 } np_fail;
 
 struct np_ctx {

@@ -314,6 +314,13 @@ int np_vmm_unmap(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bo
   return np_vmm_unmap_ex(ctx, seg, addr, size, whole, NULL);
 }
 
+/* Note a device that refused `bytes` of physical memory (rc NP_ERR_OOM) the cap allowed: the rest
+ * of the device is held outside the pool (the out-of-memory message says so, context.c). */
+static void refused(np_ctx *ctx, int rc, uint64_t bytes) {
+  uint64_t reserved = ctx->st.total.reserved.current;
+  if (rc == NP_ERR_OOM && bytes <= ctx->limit && reserved <= ctx->limit - bytes) ctx->fail.refused = true;
+}
+
 int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, uint64_t unit, bool whole) {
   uint64_t g = ctx->be->granularity, u = unit ? np_max_u64(unit / g, 1) : 0;
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;
@@ -344,6 +351,7 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
       np_saved_error s;
       np_save_error(&s, rc);
       hold_left(ctx, &left, NULL);
+      refused(ctx, rc, (q - p) * g);
       np_restore_error(&s);
       break;
     }
@@ -404,7 +412,10 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
                       np_fmt_bytes(size, a), np_fmt_bytes(ctx->limit, b));
     }
     rc = ctx->be->malloc(ctx->be, size, &addr);
-    if (rc != NP_OK) return rc;
+    if (rc != NP_OK) {
+      refused(ctx, rc, size);
+      return rc;
+    }
     ctx->st.device_mallocs++; /* (served: counted here, whatever the bookkeeping below makes of it) */
   }
   np_segment *seg = calloc(1, sizeof *seg);

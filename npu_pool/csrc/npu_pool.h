@@ -73,8 +73,10 @@ enum {
   NP_EV_SEGMENT_UNMAP = 5, NP_EV_EMPTY_CACHE = 6, NP_EV_OOM = 7, NP_EV_MARK = 8, NP_EV_HOLD = 9, NP_EV_UNHOLD = 10,
   NP_EV_COUNT = 11
 };
-/* Why a request failed (np_event_info.detail of an NP_EV_OOM). */
-enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_COUNT = 4 };
+/* Why a request failed (np_event_info.detail of an NP_EV_OOM). NP_OOM_DEVICE: the device refused
+ * memory the pool's cap allowed (other processes, collective-communication buffers or another
+ * allocator hold the rest of the device). */
+enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_DEVICE = 4, NP_OOM_COUNT = 5 };
 /* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed. */
 enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
 /* Whose request rules a context applies (np_config.device_rules): the backend's own (ACL pads where
@@ -223,7 +225,7 @@ typedef struct np_event_info {
   uint64_t time;            /* microseconds since the context was created; in replays the trace's event index */
   uint64_t addr;            /* block, segment or mapped range; 0 for a failed request */
   uint64_t size;            /* requested bytes (alloc, free, oom), segment or mapped bytes */
-  uint64_t device_free;     /* oom: bytes the device reported free (the pool's cap allowing) */
+  uint64_t device_free;     /* oom: bytes the pool's cap still allowed; NP_OOM_DEVICE: the device's free bytes */
   int64_t stream;           /* mark: the marker's argument */
   int32_t site;             /* mark: the marker code */
   uint8_t kind;             /* NP_EV_* */

@@ -21,7 +21,7 @@ static const char *const events[NP_EV_COUNT] = {"alloc",         "free",        
 static const char *const errors[] = {"ok",      "out_of_memory", "invalid", "double_free",
                                      "unknown_pointer", "backend", "host", "state"};
 
-static const char *const ooms[NP_OOM_COUNT] = {"none", "too_large", "fragmentation", "shortage"};
+static const char *const ooms[NP_OOM_COUNT] = {"none", "too_large", "fragmentation", "shortage", "device"};
 static const char *const devices[NP_DEVICE_COUNT] = {"auto", "npu", "cuda"};
 static const char *const calls[NP_CALL_COUNT] = {
     "malloc",       "free",         "reserve",      "release",       "phys_create", "phys_release", "map",
