@@ -449,9 +449,17 @@ class Pool:
 
     def resume(self, tag: str) -> int:
         """Map ``tag``'s blocks again at their addresses (returning the pool's idle memory first if
-        the device is short) and restore its backup. Returns the bytes mapped again."""
+        the device is short) and restore its backup. Returns the bytes mapped again. A resume the
+        device or the cap cannot hold raises :class:`OutOfMemoryError` as :meth:`malloc` does (its
+        request: the bytes to map; an OOM snapshot when one is asked for)."""
         out = ffi.new("uint64_t *")
-        _check(lib.np_resume(self.ctx, _tag(tag), out))
+        try:
+            _check(lib.np_resume(self.ctx, _tag(tag), out))
+        except OutOfMemoryError as e:
+            note = oom.on_oom(self, int(self.tags().get(tag, {}).get("paused", 0)) or 1, self.device)
+            if note:
+                e.args = (f"{e.args[0]}\n{note}",)
+            raise
         return int(out[0])
 
     def tags(self) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from npu_pool import Pool
 from npu_pool._core import ffi, lib as so
 from npu_pool.pool import BACKENDS, POLICIES, InvalidArgumentError, OutOfMemoryError, PoolError
 from npu_pool.trace.format import OP_ALLOC, OP_FREE, OP_PAUSE, OP_REGION, OP_RESUME, Trace, TraceError
-from npu_pool import replay
+from npu_pool import oom, replay
 
 from test_backends import FAKES, MiB, Vendor, _compiler, _vendor, builds  # noqa: F401  (fixture)
 
@@ -154,6 +154,8 @@ def test_resume_gives_back_idle_memory_first_and_fails_whole_when_short() -> Non
         with pytest.raises(OutOfMemoryError, match="resume of tag 'train'"):
             p.resume("train")
         assert p.stats()["total"]["reserved"]["current"] == reserved and p.tags()["train"]["is_paused"]
+        x = oom.explain(p)  # the failed resume is the failure explained, not an earlier one
+        assert (x.kind, x.request) == ("shortage", p.tags()["train"]["paused"]) and x.room == 64 * MiB - reserved
         _books_match(p)
         p.free(kv)
         p.resume("train")
@@ -291,6 +293,19 @@ def test_vendor_device_memory_goes_back_and_comes_back(builds: dict, backend: st
         p.free(kv)
         assert p.resume("train") == back
         assert v.lib.fake_used() <= 128 * MiB and p.stats()["total"]["reserved"]["current"] == v.lib.fake_mapped()
+        if backend == "cuda":
+            assert _holds(w, 60 * MiB - v.pad, 3)
+        p.check()
+        # another process takes the memory the pause gave back: the resume fails, naming the device
+        p.pause("train", backup=backend == "cuda")
+        v.lib.fake_set_used(128 * MiB - v.lib.fake_used())
+        with pytest.raises(OutOfMemoryError, match="resume of tag 'train'.*the device refused memory the cap allows"):
+            p.resume("train")
+        x = oom.explain(p)
+        assert (x.kind, x.request, x.room) == ("device", p.tags()["train"]["paused"], 0)
+        p.check()
+        v.lib.fake_set_used(0)
+        p.resume("train")
         if backend == "cuda":
             assert _holds(w, 60 * MiB - v.pad, 3)
         p.check()

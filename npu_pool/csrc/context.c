@@ -39,6 +39,28 @@ static int classify(const np_ctx *ctx, uint64_t size) {
   return f->usable >= needed ? NP_OOM_FRAGMENTED : NP_OOM_SHORTAGE;
 }
 
+int np_ctx_oom_reason(np_ctx *ctx, uint64_t size, uint64_t *free_bytes, bool *known) {
+  int why = classify(ctx, size);
+  uint64_t reserved = ctx->st.total.reserved.current;
+  *free_bytes = ctx->limit > reserved ? ctx->limit - reserved : 0;
+  *known = why != NP_OOM_DEVICE || (ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, free_bytes) == NP_OK);
+  if (!*known) *free_bytes = 0;
+  return why;
+}
+
+void np_ctx_device_refusal(const np_ctx *ctx, uint64_t free_bytes, bool known, char *buf, size_t cap) {
+  uint64_t reserved = ctx->st.total.reserved.current, total = ctx->be->total;
+  char u[32], o[32];
+  if (known)
+    snprintf(buf, cap, "the device refused memory the cap allows: it has %s free, and %s of it is held outside this "
+             "pool (other processes, collective-communication buffers, another allocator): free that memory or "
+             "lower what they take", np_fmt_bytes(free_bytes, u),
+             np_fmt_bytes(total > free_bytes + reserved ? total - free_bytes - reserved : 0, o));
+  else
+    snprintf(buf, cap, "the device refused memory the cap allows: memory outside this pool (other processes, "
+             "collective-communication buffers, another allocator) holds the rest of it");
+}
+
 static uint64_t device_size(const np_ctx *ctx, uint64_t size);
 
 /* Compose the out-of-memory message: what was asked, what the pool holds, and why it failed. */
@@ -48,14 +70,13 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   ctx->st.ooms++;
   np_stats st;
   np_get_stats_locked(ctx, &st);
-  int why = classify(ctx, size);
-  uint64_t room = ctx->limit > st.total.reserved.current ? ctx->limit - st.total.reserved.current : 0;
-  bool device_free = why == NP_OOM_DEVICE && ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, &room) == NP_OK;
-  if (why == NP_OOM_DEVICE && !device_free) room = 0; /* (unknown: the device did not say) */
+  uint64_t room;
+  bool known;
+  int why = np_ctx_oom_reason(ctx, size, &room, &known);
   np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, room);
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], o[32], what[400], held[320] = "";
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], what[400], held[320] = "";
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
@@ -66,15 +87,8 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   bool rounded = f->needed > device_size(ctx, size); /* past the vendor's padding: a segment or whole pages */
   if (why == NP_OOM_TOO_LARGE)
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));
-  else if (why == NP_OOM_DEVICE && device_free)
-    snprintf(what, sizeof what, "the device refused memory the cap allows: it has %s free, and %s of it is held "
-             "outside this pool (other processes, collective-communication buffers, another allocator): free that "
-             "memory or lower what they take", np_fmt_bytes(room, u),
-             np_fmt_bytes(st.device_total > room + st.total.reserved.current
-                               ? st.device_total - room - st.total.reserved.current : 0, o));
   else if (why == NP_OOM_DEVICE)
-    snprintf(what, sizeof what, "the device refused memory the cap allows: memory outside this pool (other "
-             "processes, collective-communication buffers, another allocator) holds the rest of it");
+    np_ctx_device_refusal(ctx, room, known, what, sizeof what);
   else if (why == NP_OOM_FRAGMENTED)
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "
              "but not in one piece of %s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),

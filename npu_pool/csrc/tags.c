@@ -358,6 +358,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   uint64_t *r = n ? malloc(2 * n * sizeof *r) : NULL;
   if (n && !r) return np_error(NP_ERR_HOST, "host out of memory for %zu ranges", n);
   runs(&g->arena, r, &need);
+  ctx->fail = (np_fail){.pool = NP_POOL_SHARED, .needed = need}; /* (at fixed addresses: nothing else usable) */
   rc = map_runs(ctx, g, r, n, need);
   if (rc == NP_ERR_OOM) {
     /* as a failed malloc does before it retries: what rollouts used and freed must not block */
@@ -379,13 +380,24 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   }
   free(r);
   if (rc != NP_OK) {
-    char x[32], y[32], z[32], cause[1024];
+    char x[32], y[32], z[32], cause[1024], why[400] = "";
     np_copy_text(cause, sizeof cause, np_last_error());
-    if (rc == NP_ERR_OOM) ctx->st.ooms++;
+    if (rc == NP_ERR_OOM) { /* an out-of-memory of its own, in the history as a malloc's is (oom.explain) */
+      ctx->st.ooms++;
+      uint64_t free_bytes;
+      bool known;
+      int reason = np_ctx_oom_reason(ctx, need, &free_bytes, &known);
+      np_ctx_record_oom(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, NP_POOL_SHARED, reason, free_bytes);
+      if (reason == NP_OOM_DEVICE) {
+        why[0] = ';';
+        why[1] = ' ';
+        np_ctx_device_refusal(ctx, free_bytes, known, why + 2, sizeof why - 2);
+      }
+    }
     return np_error(rc, "resume of tag '%s' failed: its blocks need %s mapped again at their addresses; the pool "
-                    "holds %s of the %s cap%s; nothing was mapped, the tag stays paused [%s]%s", name, np_fmt_bytes(need, x),
-                    np_fmt_bytes(ctx->st.total.reserved.current, y), np_fmt_bytes(ctx->limit, z),
-                    rc == NP_ERR_OOM ? " after returning its idle memory" : "", cause, held);
+                    "holds %s of the %s cap%s%s; nothing was mapped, the tag stays paused [%s]%s", name,
+                    np_fmt_bytes(need, x), np_fmt_bytes(ctx->st.total.reserved.current, y), np_fmt_bytes(ctx->limit, z),
+                    rc == NP_ERR_OOM ? " after returning its idle memory" : "", why, cause, held);
   }
   free_backup(t, g); /* the host buffer stays: the next pause copies into it */
   if (t->backup_held > t->backup_limit) drop_host(ctx, t, g); /* unless the bound was lowered meanwhile */
