@@ -228,7 +228,9 @@ NOTES = """
   set-up that only places), of at least an eighth of what it holds, so that it grows
   geometrically, in few chunks. It stops while a freed hole is in the arena: a large chunk
   holding freed holes cannot be trimmed, and growing geometrically regardless held 80-320 MiB
-  more at the peak over five fake 7B-13B captures (1.03-1.4x their peak live). Past half of the
+  more at the peak over five fake 7B-13B captures (1.03-1.4x their peak live). A growth the
+  device refuses whole (it has less free than that: other processes hold the rest) maps the
+  block's own pages instead, before the request fails. Past half of the
   cap growths are exact, in chunks that free up whole with their block: the pages a block covers
   whole are one chunk, and a page it shares with a neighbour (its first or last, when it starts
   or ends inside one) one of its own, so that a trim under cap pressure can return a freed

@@ -51,6 +51,7 @@ _written = 0
 _numbers = itertools.count()  # the <n> of snapshot names: in the order this process writes them
 _lock = ForkSafeLock()
 
+_UNKNOWN = (1 << 64) - 1  # an oom event's device_free when the device did not say (UINT64_MAX)
 _SHORTAGE_LEVERS = (
     "lower the micro-batch size and raise gradient accumulation (same global batch, fewer activations)",
     "recompute activations (full or selective, e.g. --recompute-granularity full --recompute-method block)",
@@ -76,9 +77,11 @@ class OomExplanation:
     largest_free: int
     limit: int
     device_total: int
-    room: int                # bytes the cap still allowed reserving; "device": the device's free bytes
+    room: Optional[int]      # bytes the cap still allowed reserving; "device": the device's free bytes
+                             # (None: the device did not say)
     kind: str                # "too_large", "fragmentation", "shortage" or "device"
     suggestions: list[str] = field(default_factory=list)
+    reserved_at_failure: Optional[int] = None  # the pool's reserved bytes when it failed (from its event)
 
     @property
     def cached_free(self) -> int:
@@ -86,9 +89,15 @@ class OomExplanation:
         return max(0, self.reserved - self.allocated)
 
     @property
-    def held_outside(self) -> int:
-        """For a "device" failure: the device's bytes neither free nor this pool's."""
-        return max(0, self.device_total - self.room - self.reserved) if self.kind == "device" else 0
+    def held_outside(self) -> Optional[int]:
+        """For a "device" failure: the device's bytes neither free nor this pool's when it failed
+        (None when the device did not say what it had free); 0 for the other kinds."""
+        if self.kind != "device":
+            return 0
+        if self.room is None:
+            return None
+        pool = self.reserved if self.reserved_at_failure is None else self.reserved_at_failure
+        return max(0, self.device_total - self.room - pool)
 
     def summary(self) -> str:
         """One paragraph: the figures, the diagnosis and the levers."""
@@ -97,11 +106,14 @@ class OomExplanation:
                 f"{fmt_bytes(self.largest_free)}, cap {fmt_bytes(self.limit)} of {fmt_bytes(self.device_total)}. ")
         why = {"too_large": "The request alone needs more than the whole cap.",
                "fragmentation": (f"Fragmentation: {fmt_bytes(self.cached_free)} cached free in the pool and "
-                                 f"{fmt_bytes(self.room)} more under the cap, but no free block fits the request."),
+                                 f"{fmt_bytes(self.room or 0)} more under the cap, but no free block fits the request."),
                "shortage": "A real shortage: the pool cannot hold it even without fragmentation.",
                "device": (f"The device refused memory the cap allows: it had {fmt_bytes(self.room)} free, and "
-                          f"{fmt_bytes(self.held_outside)} of it is held outside this pool (other processes, "
-                          "collective-communication buffers, another allocator).")}[self.kind]
+                          f"{fmt_bytes(self.held_outside or 0)} of it is held outside this pool (other processes, "
+                          "collective-communication buffers, another allocator)." if self.room is not None else
+                          "The device refused memory the cap allows (it did not say how much it had free): memory "
+                          "outside this pool (other processes, collective-communication buffers, another "
+                          "allocator) holds the rest of it.")}[self.kind]
         return head + why + " Try: " + "; ".join(self.suggestions) + "."
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,9 +136,14 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     reserved, allocated = int(st["total"]["reserved"]["current"]), int(st["total"]["allocated"]["current"])
     limit, total, largest = int(st["limit"]), int(st["device_total"]), int(st["largest_free"])
     names = list(st["pools"])
+    at_failure: Optional[int] = None
+    room: Optional[int]
     if ev is not None and (request is None or request == ev["size"]):
         request, kind = int(ev["size"]), OOM_REASONS[ev["detail"]]
         room, pool_name = int(ev["device_free"]), names[ev["pool"]] if ev["pool"] < len(names) else "arena"
+        at_failure = int(ev["addr"])
+        if room == _UNKNOWN:
+            room = None
     else:
         request = int(request or 0)
         room, pool_name = max(0, limit - reserved), "arena"
@@ -138,7 +155,8 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
                     "give the others less (their own memory settings: a colocated engine's memory fraction, "
                     "collective-communication buffer sizes)")
         tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])
-        return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips)
+        return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
+                              at_failure)
     if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
         tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
                     "needed, e.g. by collective-communication buffers")
@@ -157,7 +175,8 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
                     "cached free memory")
     else:
         tips.extend(_SHORTAGE_LEVERS)
-    return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips)
+    return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
+                          at_failure)
 
 
 def snapshot_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -104,7 +104,8 @@ def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRA
         elif kind in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
             yield dict(base, action=kind, stream=0 if e.get("pool", 0) > 1 else base["stream"], frames=[])
         elif kind == "oom":
-            yield dict(base, action="oom", addr=0, device_free=int(e["device_free"]), frames=frames(e))
+            free = int(e["device_free"])  # (UINT64_MAX: the device did not say)
+            yield dict(base, action="oom", addr=0, device_free=0 if free == (1 << 64) - 1 else free, frames=frames(e))
 
 
 def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str, Any]]:

@@ -187,6 +187,66 @@ def test_device_oom_is_a_clean_out_of_memory_error(vendor: Vendor) -> None:
         p.free(keep)
 
 
+@pytest.mark.parametrize("policy", ["torch", "expandable", "planned"])
+def test_every_policy_names_a_device_that_refuses(vendor: Vendor, policy: str) -> None:
+    """The device refusing what the cap allows is "device" whichever policy asked (the torch
+    model's segment malloc, the expandable model's pages, the planned fallback's chunks)."""
+    with vendor.pool(policy) as p:
+        keep = p.malloc(8 * MiB)
+        vendor.lib.fake_set_used(240 * MiB - vendor.lib.fake_used())
+        with pytest.raises(OutOfMemoryError, match="the device refused memory the cap allows: it has 16.00 MiB free"):
+            p.malloc(32 * MiB)
+        assert oom.explain(p).kind == "device"
+        p.check()
+        vendor.lib.fake_set_used(0)
+        p.free(keep)
+
+
+def test_a_granule_the_device_cannot_give_is_not_a_failure(vendor: Vendor) -> None:
+    """Far from the cap the arena grows by a 20 MiB chunk; a device with less than that free
+    (other processes hold the rest) still serves a request that fits: its own pages."""
+    with vendor.pool() as p:
+        keep = p.malloc(20 * MiB - vendor.pad)  # the first chunk, whole
+        assert vendor.lib.fake_mapped() == 20 * MiB
+        vendor.lib.fake_set_used(256 * MiB - 10 * MiB - vendor.lib.fake_used())
+        a = p.malloc(2 * MiB - vendor.pad)  # a growth the device cannot give whole: the block's page
+        _fill(a, 2 * MiB - vendor.pad, 5)
+        assert p.stats()["total"]["reserved"]["current"] == vendor.lib.fake_mapped() <= 256 * MiB
+        p.check()
+        vendor.lib.fake_set_used(0)
+        p.free(a)
+        p.free(keep)
+
+
+def test_a_device_that_does_not_say_what_it_has_free(builds: dict) -> None:
+    v = _vendor(builds, "cuda")
+    with v.pool() as p:
+        p.malloc(8 * MiB)
+        v.lib.fake_set_used(240 * MiB - v.lib.fake_used())
+        v.lib.fake_fail(b"cudaMemGetInfo", 0, 1, 999)
+        with pytest.raises(OutOfMemoryError, match="the device refused memory the cap allows: memory outside"):
+            p.malloc(32 * MiB)
+        x = oom.explain(p)
+        assert (x.kind, x.room, x.held_outside) == ("device", None, None) and "did not say" in x.summary()
+        assert x.as_dict()["held_outside"] is None
+        v.lib.fake_set_used(0)
+
+
+def test_held_outside_is_what_was_held_when_it_failed(builds: dict) -> None:
+    v = _vendor(builds, "cuda")
+    with v.pool() as p:
+        keep = p.malloc(8 * MiB)
+        v.lib.fake_set_used(240 * MiB - v.lib.fake_used())
+        reserved = p.stats()["total"]["reserved"]["current"]
+        with pytest.raises(OutOfMemoryError):
+            p.malloc(32 * MiB)
+        p.free(keep)
+        p.empty_cache()  # the pool gives its memory back afterwards: what was held outside did not change
+        x = oom.explain(p)
+        assert x.held_outside == 256 * MiB - 16 * MiB - reserved and x.reserved_at_failure == reserved
+        v.lib.fake_set_used(0)
+
+
 def test_fraction_caps_what_is_mapped(vendor: Vendor) -> None:
     with vendor.pool(fraction=0.25) as p:
         a = p.malloc(60 * MiB)

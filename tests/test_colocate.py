@@ -374,6 +374,26 @@ def test_a_tags_pinned_buffer_serves_every_pause_until_close(builds: dict) -> No
     assert pinned()[0] == pinned()[1]  # close gives back every buffer
 
 
+def test_a_restore_the_device_refuses_is_an_out_of_memory_event(builds: dict) -> None:  # noqa: F811
+    v = _vendor(builds, "cuda", capacity=128 * MiB)
+    with v.pool() as p:
+        with p.region("train"):
+            w = p.malloc(6 * MiB)
+        _fill(w, 6 * MiB, 4)
+        p.pause("train", backup=True)
+        v.lib.fake_fail(b"cudaMemcpy", 0, 1, 2)  # cudaErrorMemoryAllocation
+        ooms = p.stats()["ooms"]
+        with pytest.raises(OutOfMemoryError, match="restoring its backup failed"):
+            p.resume("train")
+        x = oom.explain(p)
+        assert p.stats()["ooms"] == ooms + 1 and (x.kind, x.request) == ("device", p.tags()["train"]["paused"])
+        assert p.tags()["train"]["is_paused"] and p.stats()["backup"] > 0
+        p.check()
+        p.resume("train")
+        assert _holds(w, 6 * MiB, 4)
+        p.check()
+
+
 @pytest.mark.parametrize("backend", ["acl", "cuda"])
 @pytest.mark.parametrize("op", ["map", "create", "unmap"])
 def test_vendor_failing_half_way_leaves_the_books_right(builds: dict, backend: str, op: str) -> None:  # noqa: F811

@@ -199,18 +199,24 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
    * Chunks mapped before a failure stay mapped. */
   uint64_t after = reserved_of(ctx, a) + need, keep = np_min_u64(limit, a->growth);
   bool near = near_cap(ctx, a, need);
-  int rc;
+  int rc = NP_OK;
+  if (!near) {
+    uint64_t room = after < limit - keep ? limit - keep - after : 0;
+    uint64_t e = r0 < end ? grow_end(a, r0, end, granule(ctx, a, after), room) : end;
+    rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, e * g - off, 0, false);
+    if (e > a->page_hwm) a->page_hwm = e;
+    /* a device with less free than the granule (other processes hold the rest): the block's own
+     * pages, as near the cap, before the request fails */
+    near = rc == NP_ERR_OOM && ctx->fail.refused && e > end;
+  }
   if (near) {
     uint64_t whole = np_round_up(off, g) / g, stop = np_max_u64((off + b->size) / g, whole); /* b's whole pages */
     uint64_t cut[4] = {off / g, whole, stop, end};
     rc = NP_OK;
     for (int i = 0; i < 3 && rc == NP_OK; i++)
       if (cut[i + 1] > cut[i]) rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + cut[i] * g, (cut[i + 1] - cut[i]) * g, 0, false);
-  } else {
-    if (r0 < end) end = grow_end(a, r0, end, granule(ctx, a, after), after < limit - keep ? limit - keep - after : 0);
-    rc = np_vmm_map_by(ctx, a->seg, a->seg->addr + off, end * g - off, 0, false);
+    if (end > a->page_hwm) a->page_hwm = end;
   }
-  if (end > a->page_hwm) a->page_hwm = end;
   return rc;
 }
 

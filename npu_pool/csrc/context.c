@@ -44,7 +44,7 @@ int np_ctx_oom_reason(np_ctx *ctx, uint64_t size, uint64_t *free_bytes, bool *kn
   uint64_t reserved = ctx->st.total.reserved.current;
   *free_bytes = ctx->limit > reserved ? ctx->limit - reserved : 0;
   *known = why != NP_OOM_DEVICE || (ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, free_bytes) == NP_OK);
-  if (!*known) *free_bytes = 0;
+  if (!*known) *free_bytes = UINT64_MAX;
   return why;
 }
 

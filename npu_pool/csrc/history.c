@@ -61,6 +61,7 @@ void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site
   e->lifetime = (uint8_t)lifetime;
   e->detail = (uint8_t)why;
   e->device_free = device_free;
+  e->addr = ctx->st.total.reserved.current; /* (what held_outside is computed against) */
 }
 
 uint64_t np_history_max(void) { return ((uint64_t)1 << 40) / sizeof(np_event_info); }

@@ -223,9 +223,10 @@ typedef struct np_block_info {
 typedef struct np_event_info {
   uint64_t seq;             /* position in the context's history (0 = first event ever) */
   uint64_t time;            /* microseconds since the context was created; in replays the trace's event index */
-  uint64_t addr;            /* block, segment or mapped range; 0 for a failed request */
+  uint64_t addr;            /* block, segment or mapped range; oom: the pool's reserved bytes at the failure */
   uint64_t size;            /* requested bytes (alloc, free, oom), segment or mapped bytes */
-  uint64_t device_free;     /* oom: bytes the pool's cap still allowed; NP_OOM_DEVICE: the device's free bytes */
+  uint64_t device_free;     /* oom: bytes the pool's cap still allowed; NP_OOM_DEVICE: the device's free bytes
+                               (UINT64_MAX: the device did not say) */
   int64_t stream;           /* mark: the marker's argument */
   int32_t site;             /* mark: the marker code */
   uint8_t kind;             /* NP_EV_* */

@@ -170,7 +170,7 @@ static int torch_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime
   }
   if (!b && rc == NP_ERR_OOM) { /* what the pool could have used: its cached free blocks, and room under the cap */
     uint64_t reserved = ctx->st.total.reserved.current;
-    ctx->fail = (np_fail){.pool = pool, .needed = asize,
+    ctx->fail = (np_fail){.pool = pool, .needed = asize, .refused = ctx->fail.refused,
                           .usable = ts->pools[pool].bytes + (ctx->limit > reserved ? ctx->limit - reserved : 0)};
   }
   if (!b) return rc;

@@ -372,6 +372,14 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   if (rc == NP_OK && g->n_backup && (rc = restore(ctx, g)) != NP_OK) {
     np_saved_error s;
     np_save_error(&s, rc);
+    if (rc == NP_ERR_OOM) { /* the device refused what a copy needed: an out-of-memory event too */
+      uint64_t free_bytes;
+      bool known;
+      ctx->st.ooms++;
+      ctx->fail.refused = true;
+      int reason = np_ctx_oom_reason(ctx, need, &free_bytes, &known);
+      np_ctx_record_oom(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, NP_POOL_SHARED, reason, free_bytes);
+    }
     for (size_t j = 0; j < n; j++) np_vmm_unmap(ctx, g->arena.seg, r[2 * j], r[2 * j + 1], true);
     free(r);
     np_restore_error(&s);
