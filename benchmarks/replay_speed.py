@@ -230,6 +230,14 @@ trim flag per event, PyTorch's accumulated allocated/freed sums, the arena's che
 pressure, and growths made as whole chunks through the VMM layer (accounted and recorded, where
 fe97307 mapped one page per call): a replay with room to spare grows the arena often, a steady
 training iteration not at all.
+
+The torch model's replay is slower than fe97307's since 2026-11-26 (beebde2): the simulated
+device now places each segment's cudaMalloc where the CUDA driver does (`cuda_addr`, inlined in
+`take_addr`: 32 MiB granules taken top down, a segment under a granule at the lowest free range
+of a granule in use), which made the torch model equal the real caching allocator on every live
+row (docs/gpu.md). It scans the device's ranges per segment malloc, where fe97307 bumped a
+pointer: 267 instructions per op on this trace against 3.9 in fe97307 (`--policies
+torch,npu_pool --instructions` lists them). The npu_pool policy makes no such malloc.
 """
 
 
