@@ -289,11 +289,15 @@ class Pool:
         try:
             _check(lib.np_malloc_ex(self.ctx, size, stream, life, site, out))
         except OutOfMemoryError as e:
-            note = oom.on_oom(self, size, self.device)
-            if note:
-                e.args = (f"{e.args[0]}\n{note}",)
+            self._on_oom(e, size)
             raise
         return int(ffi.cast("uintptr_t", out[0]))
+
+    def _on_oom(self, e: OutOfMemoryError, size: int) -> None:
+        """A failed request of ``size`` bytes: its OOM snapshot when one is asked for, noted in ``e``."""
+        note = oom.on_oom(self, size, self.device)
+        if note:
+            e.args = (f"{e.args[0]}\n{note}",)
 
     def free(self, ptr: int) -> None:
         """Free an address returned by :meth:`malloc`."""
@@ -456,9 +460,7 @@ class Pool:
         try:
             _check(lib.np_resume(self.ctx, _tag(tag), out))
         except OutOfMemoryError as e:
-            note = oom.on_oom(self, int(self.tags().get(tag, {}).get("paused", 0)) or 1, self.device)
-            if note:
-                e.args = (f"{e.args[0]}\n{note}",)
+            self._on_oom(e, int(self.tags().get(tag, {}).get("paused", 0)) or 1)
             raise
         return int(out[0])
 

@@ -457,13 +457,18 @@ static int acl_copy(np_backend *be, void *dst, const void *src, uint64_t size, i
   return rc;
 }
 
+/* The device's free and total HBM bytes (the device current); the error names the call. */
+static int mem_info(acl_backend *a, size_t *free_bytes, size_t *total) {
+  acl_err e = ACL(a, MEM_INFO, aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total));
+  return e ? acl_fail(a, "aclrtGetMemInfo", "ACL_HBM_MEM", e) : NP_OK;
+}
+
 static int acl_free_bytes(np_backend *be, uint64_t *out) {
   acl_backend *a = (acl_backend *)be;
   int prev, rc = enter(a, &prev);
   if (rc != NP_OK) return rc;
   size_t free_bytes = 0, total = 0;
-  acl_err e = ACL(a, MEM_INFO, aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total));
-  if (e) rc = acl_fail(a, "aclrtGetMemInfo", "ACL_HBM_MEM", e);
+  rc = mem_info(a, &free_bytes, &total);
   leave(a, prev);
   *out = free_bytes;
   return rc;
@@ -518,10 +523,9 @@ np_backend *np_backend_acl_create(const np_config *cfg) {
   int prev;
   if (enter(a, &prev) != NP_OK) goto fail;
   size_t free_bytes = 0, total = 0;
-  acl_err e = ACL(a, MEM_INFO, aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total));
-  if (e || total == 0) {
-    if (e) acl_fail(a, "aclrtGetMemInfo", "ACL_HBM_MEM", e);
-    else np_error(NP_ERR_BACKEND, "acl: aclrtGetMemInfo reports 0 bytes of HBM on device %d", a->device);
+  int info = mem_info(a, &free_bytes, &total);
+  if (info != NP_OK || total == 0) {
+    if (info == NP_OK) np_error(NP_ERR_BACKEND, "acl: aclrtGetMemInfo reports 0 bytes of HBM on device %d", a->device);
     leave(a, prev);
     goto fail;
   }

@@ -256,13 +256,18 @@ static int cuda_host_alloc(np_backend *be, uint64_t size, void **out) {
 
 static void cuda_host_free(np_backend *be, void *p) { ((cuda_backend *)be)->api.cudaFreeHost(p); }
 
+/* The device's free and total bytes (the device current); the error names the call. */
+static int mem_info(cuda_backend *c, size_t *free_bytes, size_t *total) {
+  cu_err e = CU(c, MEM_INFO, cudaMemGetInfo(free_bytes, total));
+  return e ? rt_fail(c, "cudaMemGetInfo", "", e) : NP_OK;
+}
+
 static int cuda_free_bytes(np_backend *be, uint64_t *out) {
   cuda_backend *c = (cuda_backend *)be;
   int prev, rc = enter(c, &prev);
   if (rc != NP_OK) return rc;
   size_t free_bytes = 0, total = 0;
-  cu_err e = CU(c, MEM_INFO, cudaMemGetInfo(&free_bytes, &total));
-  if (e) rc = rt_fail(c, "cudaMemGetInfo", "", e);
+  rc = mem_info(c, &free_bytes, &total);
   leave(c, prev);
   *out = free_bytes;
   return rc;
@@ -520,9 +525,7 @@ np_backend *np_backend_cuda_create(const np_config *cfg) {
   size_t free_bytes = 0, total = 0;
   /* (creates the device's primary context if needed, as cudaFree(NULL) would: no free is counted
    * where nothing is freed, and torch.cuda.memory_stats()'s num_device_free stays the segments') */
-  cu_err e = CU(c, MEM_INFO, cudaMemGetInfo(&free_bytes, &total));
-  if (e) {
-    rt_fail(c, "cudaMemGetInfo", "", e);
+  if (mem_info(c, &free_bytes, &total) != NP_OK) {
     leave(c, prev);
     goto fail;
   }

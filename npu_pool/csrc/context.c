@@ -39,12 +39,15 @@ static int classify(const np_ctx *ctx, uint64_t size) {
   return f->usable >= needed ? NP_OOM_FRAGMENTED : NP_OOM_SHORTAGE;
 }
 
-int np_ctx_oom_reason(np_ctx *ctx, uint64_t size, uint64_t *free_bytes, bool *known) {
+int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
+                     bool *known) {
+  ctx->st.ooms++;
   int why = classify(ctx, size);
   uint64_t reserved = ctx->st.total.reserved.current;
   *free_bytes = ctx->limit > reserved ? ctx->limit - reserved : 0;
   *known = why != NP_OOM_DEVICE || (ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, free_bytes) == NP_OK);
   if (!*known) *free_bytes = UINT64_MAX;
+  np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, *free_bytes);
   return why;
 }
 
@@ -67,13 +70,11 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size);
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
   char cause[1024];
   np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
-  ctx->st.ooms++;
-  np_stats st;
-  np_get_stats_locked(ctx, &st);
   uint64_t room;
   bool known;
-  int why = np_ctx_oom_reason(ctx, size, &room, &known);
-  np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, room);
+  int why = np_ctx_oom_event(ctx, size, stream, site, lifetime, &room, &known);
+  np_stats st;
+  np_get_stats_locked(ctx, &st);
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
   char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], what[400], held[320] = "";

@@ -203,40 +203,19 @@ void np_tags_set_backup_limit(np_ctx *ctx, np_tagset *t, uint64_t bytes) {
 /* A device whose memory has no contents (the simulator without host backing) counts backups. */
 static bool counts_only(const np_ctx *ctx) { return ctx->cfg.backend == NP_BACKEND_SIM && !ctx->cfg.host_backed; }
 
-/* A host buffer of at least `need` bytes for g, within the bound: g's own when large enough (one
+/* Host bytes the backup bound still allows. */
+static uint64_t room_of(const np_tagset *t) { return t->backup_limit - np_min_u64(t->backup_held, t->backup_limit); }
+
+/* Whether g may hold a host buffer of `need` bytes within the bound: its own when large enough (one
  * pinned allocation serves every pause of a tag whose tensors stay the same), else a new one,
  * after giving back g's and, if the bound requires it, the other tags' kept buffers. A bound
  * lowered below what the pool holds gives back every buffer holding no backup (g's too) first. */
-static int host_buffer(np_ctx *ctx, np_tagset *t, np_tag *g, uint64_t need, uint64_t contents, bool copies) {
+static bool room_for(np_ctx *ctx, np_tagset *t, np_tag *g, uint64_t need) {
   if (t->backup_held > t->backup_limit) drop_kept(ctx, t);
-  if (g->host_size >= need) return NP_OK;
+  if (g->host_size >= need) return true;
   drop_host(ctx, t, g);
-  uint64_t room = t->backup_limit - np_min_u64(t->backup_held, t->backup_limit);
-  if (need > room) {
-    drop_kept(ctx, t);
-    room = t->backup_limit - np_min_u64(t->backup_held, t->backup_limit);
-  }
-  if (need > room) {
-    char w[32], x[32], y[32], z[32];
-    return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: a host buffer of %s (%s of contents) would pass the "
-                    "backup bound of %s (%s already held; set_backup_limit raises the bound); nothing was paused",
-                    g->name, np_fmt_bytes(need, w), np_fmt_bytes(contents, x), np_fmt_bytes(t->backup_limit, y),
-                    np_fmt_bytes(t->backup_held, z));
-  }
-  if (copies && need) {
-    int rc = ctx->be->host_alloc(ctx->be, need, &g->host);
-    if (rc != NP_OK) {
-      g->host = NULL;
-      np_saved_error s;
-      np_save_error(&s, rc);
-      char x[32];
-      return np_error(rc, "pause of tag '%s' with backup (%s): %s; nothing was paused", g->name,
-                      np_fmt_bytes(contents, x), s.text);
-    }
-  }
-  g->host_size = need;
-  t->backup_held += need;
-  return NP_OK;
+  if (need > room_of(t)) drop_kept(ctx, t);
+  return need <= room_of(t);
 }
 
 /* Copy the tag's allocated blocks into its host buffer, within the bound; all or nothing. */
@@ -255,13 +234,26 @@ static int save(np_ctx *ctx, np_tagset *t, np_tag *g) {
     }
   np_backup *k = n ? calloc(n, sizeof *k) : NULL;
   if (n && !k) return np_error(NP_ERR_HOST, "host out of memory for %llu backup entries", (unsigned long long)n);
-  int rc = host_buffer(ctx, t, g, need, bytes, copies);
-  if (rc != NP_OK) {
+  if (!room_for(ctx, t, g, need)) {
     free(k);
-    return rc;
+    char w[32], x[32], y[32], z[32];
+    return np_error(NP_ERR_OOM, "pause of tag '%s' with backup: a host buffer of %s (%s of contents) would pass the "
+                    "backup bound of %s (%s already held; set_backup_limit raises the bound); nothing was paused",
+                    g->name, np_fmt_bytes(need, w), np_fmt_bytes(bytes, x), np_fmt_bytes(t->backup_limit, y),
+                    np_fmt_bytes(t->backup_held, z));
   }
   g->backup = k;
   g->n_backup = 0;
+  int rc = NP_OK;
+  if (g->host_size < need) { /* a new buffer (room_for gave g's back) */
+    if (copies) rc = be->host_alloc(be, need, &g->host);
+    if (rc == NP_OK) {
+      g->host_size = need;
+      t->backup_held += need;
+    } else {
+      g->host = NULL;
+    }
+  }
   uint64_t off = 0;
   for (np_block *b = g->arena.seg ? g->arena.seg->head : NULL; b && rc == NP_OK; b = b->next) {
     if (!b->allocated) continue;
@@ -275,7 +267,7 @@ static int save(np_ctx *ctx, np_tagset *t, np_tag *g) {
   if (rc != NP_OK) {
     np_saved_error s;
     np_save_error(&s, rc);
-    free_backup(t, g); /* (the buffer stays, for the next pause) */
+    free_backup(t, g); /* (a buffer it has stays, for the next pause) */
     np_restore_error(&s);
     char x[32];
     return np_error(rc, "pause of tag '%s' with backup (%s): %s; nothing was paused", g->name, np_fmt_bytes(bytes, x),
@@ -375,10 +367,8 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
     if (rc == NP_ERR_OOM) { /* the device refused what a copy needed: an out-of-memory event too */
       uint64_t free_bytes;
       bool known;
-      ctx->st.ooms++;
       ctx->fail.refused = true;
-      int reason = np_ctx_oom_reason(ctx, need, &free_bytes, &known);
-      np_ctx_record_oom(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, NP_POOL_SHARED, reason, free_bytes);
+      np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known);
     }
     for (size_t j = 0; j < n; j++) np_vmm_unmap(ctx, g->arena.seg, r[2 * j], r[2 * j + 1], true);
     free(r);
@@ -391,12 +381,9 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
     char x[32], y[32], z[32], cause[1024], why[400] = "";
     np_copy_text(cause, sizeof cause, np_last_error());
     if (rc == NP_ERR_OOM) { /* an out-of-memory of its own, in the history as a malloc's is (oom.explain) */
-      ctx->st.ooms++;
       uint64_t free_bytes;
       bool known;
-      int reason = np_ctx_oom_reason(ctx, need, &free_bytes, &known);
-      np_ctx_record_oom(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, NP_POOL_SHARED, reason, free_bytes);
-      if (reason == NP_OOM_DEVICE) {
+      if (np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known) == NP_OOM_DEVICE) {
         why[0] = ';';
         why[1] = ' ';
         np_ctx_device_refusal(ctx, free_bytes, known, why + 2, sizeof why - 2);
