@@ -32,7 +32,7 @@ PTH_LINE = (f"import os; (os.environ.get({ENABLE!r}, '').strip() not in ('', '0'
 WATCHED = ("torch", "torch_npu")  # the switch fires when the last of these that is importing has finished
 
 _importing: set[str] = set()
-_state = {"armed": False, "fired": False}
+_state = {"armed": False, "fired": False, "firing": False}
 
 
 def arm() -> None:
@@ -68,12 +68,20 @@ def fire() -> None:
     from npu_pool.install import InstallError
     from npu_pool.planner.plan import PlanError
 
+    _state["firing"] = True
     try:
         import mindspeed_patch  # noqa: F401  (installs the pool and patches Megatron when the switch is on)
     except (ConfigError, PlanError, InstallError) as e:  # a setting, its plan file, or the install it asked for
         print(f"npu_pool: {e} (the start-up hook reads it because {ENABLE} or {CONFIG_FILE} is set)",
               file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    finally:
+        _state["firing"] = False
+
+
+def firing() -> bool:
+    """Whether the hook is importing ``mindspeed_patch`` now (it then reports a bad setting itself)."""
+    return _state["firing"]
 
 
 class _Watch:

@@ -4,7 +4,8 @@ With ``MEMORY_FRAGMENTATION=1`` importing it installs npu_pool as the device all
 (settings: ``NPU_POOL_POLICY``, ``NPU_POOL_FRACTION``, ``NPU_POOL_CONFIG``; see
 ``npu_pool.config``). The import must come before the model is built and before any
 tensor is moved to the device. Without an NPU or GPU it warns and leaves torch alone;
-bad settings, or an import that comes too late, raise. It also patches Megatron's
+a bad setting, or an import that comes too late, stops the process with one line naming it
+(exit status 2; :func:`install_memory_pool` called by hand raises instead). It also patches Megatron's
 training loop (``mindspeed_patch.megatron``): phases for the pool, a per-iteration line
 (``NPU_POOL_LOG_EVERY``) and per-rank reports (``NPU_POOL_REPORT_DIR``).
 
@@ -14,6 +15,7 @@ is then not needed, and harmless (installing and patching happen once per proces
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 
@@ -38,8 +40,25 @@ def install_memory_pool() -> bool:
     return True
 
 
-install_memory_pool()
+def _at_import() -> None:
+    """What importing the module does: install the pool, patch Megatron. A user's mistake (a bad
+    setting, its plan file, an import after torch allocated) is one line on stderr and exit
+    status 2, as with the start-up hook, which says it itself when it is the importer."""
+    from .megatron import patch_megatron
 
-from .megatron import patch_megatron as _patch_megatron  # noqa: E402
+    try:
+        install_memory_pool()
+        patch_megatron()
+    except Exception as e:
+        from npu_pool.config import ConfigError  # here: with the switch off nothing imports torch
+        from npu_pool.install import InstallError
+        from npu_pool.planner.plan import PlanError
 
-_patch_megatron()
+        hook = sys.modules.get("npu_pool_startup")
+        if not isinstance(e, (ConfigError, PlanError, InstallError)) or (hook is not None and hook.firing()):
+            raise
+        print(f"npu_pool: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+_at_import()

@@ -178,6 +178,10 @@ def test_device_oom_is_a_clean_out_of_memory_error(vendor: Vendor) -> None:
         outside = 256 * MiB - 16 * MiB - reserved
         assert "the device refused memory the cap allows: it has 16.00 MiB free" in msg, msg
         assert f"{outside / MiB:.2f} MiB of it is held outside this pool" in msg and "fragmentation" not in msg
+        # its largest free block counts the cap's room, which the device did not give: said so
+        largest = p.stats()["largest_free"]
+        assert largest > reserved - p.stats()["total"]["allocated"]["current"]
+        assert "(address space the cap allows, not memory the device gave)" in msg, msg
         x = oom.explain(p)
         assert (x.kind, x.room, x.held_outside) == ("device", 16 * MiB, outside)
         assert "nvidia-smi" in x.suggestions[0] and "16.00 MiB free" in x.summary()
@@ -194,9 +198,12 @@ def test_every_policy_names_a_device_that_refuses(vendor: Vendor, policy: str) -
     with vendor.pool(policy) as p:
         keep = p.malloc(8 * MiB)
         vendor.lib.fake_set_used(240 * MiB - vendor.lib.fake_used())
-        with pytest.raises(OutOfMemoryError, match="the device refused memory the cap allows: it has 16.00 MiB free"):
+        with pytest.raises(OutOfMemoryError, match="the device refused memory the cap allows: it has 16.00 MiB free") as e:
             p.malloc(32 * MiB)
         assert oom.explain(p).kind == "device"
+        st = p.stats()  # a largest free block within what the pool holds free is memory it has: no remark
+        cached = st["total"]["reserved"]["current"] - st["total"]["allocated"]["current"]
+        assert ("not memory the device gave" in str(e.value)) == (st["largest_free"] > cached), str(e.value)
         p.check()
         vendor.lib.fake_set_used(0)
         p.free(keep)

@@ -349,8 +349,16 @@ def test_a_tags_pinned_buffer_serves_every_pause_until_close(builds: dict) -> No
         assert pinned() == (2, 1) and p.stats()["backup_held"] > held
         p.resume("train")
         assert _holds(extra, 2 * MiB, 9) and _holds(blocks[0], sizes[0], 10)
-        # another tag's pause under a bound the kept buffer fills: the kept buffer goes back first
+        # a pause the bound refuses even with every kept buffer given back gives none back
         held = p.stats()["backup_held"]
+        p.set_backup_limit(held + MiB)
+        with p.region("kv"):
+            big = p.malloc(held + 2 * MiB)
+        with pytest.raises(OutOfMemoryError, match="pause of tag 'kv'.*backup bound.*nothing was paused"):
+            p.pause("kv", backup=True)
+        assert p.tags()["train"]["backup_held"] == held and pinned() == (2, 1)
+        p.free(big)
+        # another tag's pause under a bound the kept buffer fills: the kept buffer goes back first
         p.set_backup_limit(held)
         _fill(kv, 4 * MiB, 77)
         p.pause("kv", backup=True)

@@ -618,9 +618,21 @@ def test_mindspeed_patch_warns_without_a_device() -> None:
 def test_mindspeed_patch_is_quiet_when_off_and_rejects_bad_values() -> None:
     r = _import_patch(MEMORY_FRAGMENTATION="0")
     assert r.returncode == 0 and r.stderr == "" and r.stdout.strip() == "False"  # torch not even imported
-    r = _import_patch(MEMORY_FRAGMENTATION="1", NPU_POOL_POLICY="fast")
-    assert r.returncode != 0
-    assert "NPU_POOL_POLICY='fast' is not valid: use one of torch, npu_pool, expandable" in r.stderr
+    # a user's mistake is one line and exit status 2, not a traceback (before: a ConfigError's)
+    for env, words in [({"NPU_POOL_POLICY": "fast"}, "NPU_POOL_POLICY='fast' is not valid: use one of torch, npu_pool, "
+                        "expandable"),
+                       ({"NPU_POOL_LOG_EVERY": "-5"}, "NPU_POOL_LOG_EVERY='-5' is not valid")]:
+        r = _import_patch(MEMORY_FRAGMENTATION="1", **env)
+        assert (r.returncode, r.stdout) == (2, "") and "Traceback" not in r.stderr, r.stderr
+        (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("npu_pool: ")]
+        assert words in line, r.stderr
+    # called by hand it raises, for the caller to handle
+    r = subprocess.run([sys.executable, "-c", "import os; os.environ['MEMORY_FRAGMENTATION'] = '0'; "
+                        "import mindspeed_patch; os.environ.update(MEMORY_FRAGMENTATION='1', NPU_POOL_POLICY='fast')\n"
+                        "try:\n    mindspeed_patch.install_memory_pool()\nexcept Exception as e:\n"
+                        "    print(type(e).__name__)"],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (0, "ConfigError"), r.stderr
 
 
 @pytest.mark.parametrize("early", [True, False])

@@ -85,6 +85,8 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   if (st.paused && at >= 0 && (size_t)at < sizeof held) /* allocated, but nothing behind it: not in reserved */
     snprintf(held + at, sizeof held - (size_t)at, "; of the allocated, %s is in paused tagged regions (no memory "
              "behind it until resume)", np_fmt_bytes(st.paused, ps));
+  uint64_t cached = st.total.reserved.current > st.total.allocated.current  /* paused bytes: allocated, not reserved */
+                        ? st.total.reserved.current - st.total.allocated.current : 0;
   bool rounded = f->needed > device_size(ctx, size); /* past the vendor's padding: a segment or whole pages */
   if (why == NP_OOM_TOO_LARGE)
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));
@@ -101,10 +103,15 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
              rounded ? " (rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
   return np_error(NP_ERR_OOM,
                   "out of memory on device %d (policy %s): tried to allocate %s; reserved %s of the %s cap "
-                  "(fraction %.3g of %s), allocated %s, largest free block %s%s; %s [%s]",
+                  "(fraction %.3g of %s), allocated %s, largest free block %s%s%s; %s [%s]",
                   ctx->cfg.device, ctx->policy->name, np_fmt_bytes(size, a), np_fmt_bytes(st.total.reserved.current, r),
                   np_fmt_bytes(ctx->limit, l), ctx->cfg.fraction, np_fmt_bytes(st.device_total, t),
-                  np_fmt_bytes(st.total.allocated.current, al), np_fmt_bytes(st.largest_free, lf), held, what, cause);
+                  np_fmt_bytes(st.total.allocated.current, al), np_fmt_bytes(st.largest_free, lf),
+                  /* an arena's free block counts pages the cap lets it map (more than the pool holds
+                   * free): here the device would not give them */
+                  why == NP_OOM_DEVICE && st.largest_free > cached ? " (address space the cap allows, not memory "
+                  "the device gave)" : "", held,
+                  what, cause);
 }
 
 static int adopt(np_ctx *ctx, np_block *b, uint64_t size, int32_t site, void **out);

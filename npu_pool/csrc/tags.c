@@ -206,13 +206,24 @@ static bool counts_only(const np_ctx *ctx) { return ctx->cfg.backend == NP_BACKE
 /* Host bytes the backup bound still allows. */
 static uint64_t room_of(const np_tagset *t) { return t->backup_limit - np_min_u64(t->backup_held, t->backup_limit); }
 
+/* Host bytes of the buffers kept by tags that hold no backup (drop_kept gives them back). */
+static uint64_t kept_of(const np_tagset *t) {
+  uint64_t kept = 0;
+  for (int i = 0; i < t->n; i++)
+    if (!t->at[i]->n_backup) kept += t->at[i]->host_size;
+  return kept;
+}
+
 /* Whether g may hold a host buffer of `need` bytes within the bound: its own when large enough (one
  * pinned allocation serves every pause of a tag whose tensors stay the same), else a new one,
- * after giving back g's and, if the bound requires it, the other tags' kept buffers. A bound
- * lowered below what the pool holds gives back every buffer holding no backup (g's too) first. */
+ * after giving back g's and, if the bound requires it, the other tags' kept buffers; none is
+ * given back when even that would not make room. A bound lowered below what the pool holds gives
+ * back every buffer holding no backup (g's too) first. */
 static bool room_for(np_ctx *ctx, np_tagset *t, np_tag *g, uint64_t need) {
   if (t->backup_held > t->backup_limit) drop_kept(ctx, t);
   if (g->host_size >= need) return true;
+  uint64_t backups = t->backup_held - kept_of(t); /* what no pause can give back */
+  if (backups > t->backup_limit || need > t->backup_limit - backups) return false;
   drop_host(ctx, t, g);
   if (need > room_of(t)) drop_kept(ctx, t);
   return need <= room_of(t);
