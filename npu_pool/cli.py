@@ -38,6 +38,17 @@ def _not_an_input(path: Path) -> None:
         raise FileExistsError(f"{path}: is also an input of this command; not overwritten (name another output)")
 
 
+def _empty_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first option of ``parser`` given an empty value in ``argv`` (``--out ""``, ``--out=``),
+    if any: read from the words themselves, since a type (Path) turns "" into ".")."""
+    options = parser._option_string_actions
+    for prev, word in zip([""] + argv, argv):
+        name = word[:-1] if word.startswith("--") and word.endswith("=") else prev if word == "" else None
+        if name in options and options[name].nargs != 0:
+            return "/".join(options[name].option_strings)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="npu-pool", description="fragmentation-aware device memory pool tools")
@@ -55,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    empty = _empty_option(sub.choices[args.command], argv)
+    if empty:  # ("" is no file, no number, no name: an unset variable, where it used to mean the default)
+        print(f"npu-pool {args.command}: error: {empty} was given an empty value (an unset variable?)",
+              file=sys.stderr)
+        return 1
     if sys.stdout is None:  # started with stdout closed (`>&-`): print() would drop every line silently
         print(f"npu-pool {args.command}: error: standard output is closed, so nothing could be printed "
               "(redirect it instead, e.g. > /dev/null)", file=sys.stderr)

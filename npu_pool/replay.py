@@ -20,7 +20,7 @@ from ._core import ffi, lib
 from . import vocab
 from .config import show
 from .pool import POLICIES, Pool, _check, _event_dicts
-from .trace.format import OP_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type, is_count
+from .trace.format import OP_ALLOC, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_OOM, OP_SEG_FREE, OP_SEG_HINT, Trace, device_type, is_count
 from .trace.stats import live_profile
 from .units import fmt_bytes
 
@@ -328,6 +328,17 @@ def too_large(trace: Trace, name: str, policy: str, r: RunResult) -> TraceTooLar
                          "1 TiB device: the replay models one device of at most 1 TiB")
 
 
+def past_the_device(asked: Trace, name: str) -> TraceTooLarge | None:
+    """The error for a trace one of whose requests (``asked``: as the device's rules round them)
+    is larger than the simulated device, before any replay; None when none is."""
+    requests = (OP_ALLOC, OP_INIT_ALLOC)
+    i = next((i for i, (op, size) in enumerate(zip(asked.op, asked.size)) if op in requests and size > UNLIMITED), None)
+    if i is None:
+        return None
+    return TraceTooLarge(f"{name}: event {i} is a request of {fmt_bytes(asked.size[i])}, more than the simulated "
+                         "1 TiB device: the replay models one device of at most 1 TiB")
+
+
 def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
              plan: Any = None, device: str | None = None, bounds: list[int] | None = None) -> PolicyResult:
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
@@ -440,6 +451,8 @@ NEEDS_PLAN = ("the planned policy needs a plan made from the trace: `npu-pool re
 def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[str]:
     """Parse "torch,npu_pool" (or a list) into known policy names (``planned``: "planned" among them)."""
     names = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
+    if "" in names:  # ("torch," or ",npu_pool")
+        raise ValueError(f"the policy list {','.join(names)!r} has an empty name; choose from {', '.join(POLICIES)}")
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
         raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
@@ -449,4 +462,4 @@ def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[st
 
 
 __all__ = ["run", "iteration_bounds", "steady_stretches", "steady_calls", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
-           "PolicyResult", "Fidelity", "TraceTooLarge", "too_large", "recorded_ooms", "OP_ALLOC"]
+           "PolicyResult", "Fidelity", "TraceTooLarge", "too_large", "past_the_device", "recorded_ooms", "OP_ALLOC"]

@@ -739,7 +739,7 @@ def test_demo_says_when_the_snapshot_folder_it_was_given_is_unusable(tmp_path, m
     (tmp_path / "file").write_text("x")
     monkeypatch.chdir(tmp_path)  # a folder holding a snapshot: "" must not stand for it
     (tmp_path / "x.pickle").write_bytes(b"not read")
-    for arg, why in ((tmp_path / "absent", "not a folder"), (tmp_path / "file", "not a folder"), ("", "an empty path"),
+    for arg, why in ((tmp_path / "absent", "not a folder"), (tmp_path / "file", "not a folder"), ("", "--shared was given an empty value"),
                      (tmp_path / "empty", "no snapshots")):
         assert main(["demo", "--no-capture", "--no-case", "--shared", str(arg)]) == 1
         err = capsys.readouterr().err
@@ -774,7 +774,7 @@ def test_replay_validate_and_live_refuse_options_they_would_not_use(tmp_path, ca
     assert main(["replay", str(snap), "--validate", "--device", "npu"]) == 1  # the recording's own rules are compared
     assert "--validate takes no --device" in capsys.readouterr().err
     assert main(["replay", str(snap), "--policy", ""]) == 1  # (an unset variable): no policy, not the defaults
-    assert "unknown policy (none)" in capsys.readouterr().err
+    assert "--policy was given an empty value" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "absent.npt"), "--policy", "bogus"]) == 1  # said before any trace is read
     assert "unknown policy bogus" in capsys.readouterr().err
     for flag, value in (("--policy", "bogus"), ("--hints", "none"), ("--costs", "c.json"), ("--plan", "p.npplan")):
@@ -1117,3 +1117,86 @@ def test_errors_quoting_a_file_print_as_escapes_and_site_frames_stay_readable(tm
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\\x1b]0;PWNED" in err, err
     assert sys.stderr.errors == errors  # main put the stream back as it was
+
+
+def test_probe_of_2026_11_26_second_snapshots_and_recorded_failures(tmp_path, capsys) -> None:
+    """A second hostile-input probe (2026-11-26): each case raised a traceback, failed deep inside a
+    command, or gave a wrong answer."""
+    from npu_pool.trace.format import OP_OOM, OP_PAUSE, OP_REGION, OP_RESUME
+
+    # a snapshot is held to a trace file's rules by every command (analyze and estimate raised
+    # OverflowError, plan and replay torch's 'Overflow when unpacking long long', export wrote it)
+    snap = tmp_path / "huge.pickle"
+    snap.write_bytes(pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 4096, "size": 1 << 63, "stream": 0, "frames": []}]]}))
+    for argv in (["analyze", str(snap)], ["estimate", "--trace", str(snap)], ["plan", str(snap)],
+                 ["replay", "--no-min-capacity", str(snap)], ["export", str(snap), "-o", str(tmp_path / "e.json")]):
+        _one_line(capsys, argv, f"{snap}: event 0: alloc of 9223372036854775808 bytes (1..2^48 allowed)")
+    assert not (tmp_path / "e.json").exists()
+    # a request the validator takes that the device's padding puts past any device: planned as replayed
+    edge = tmp_path / "edge.npt"
+    t = small_trace(1, 1 << 48)
+    t.meta["allocator_settings"] = {"device_type": "npu"}
+    t.save(edge)
+    for argv in (["plan", str(edge)], ["replay", "--policy", "planned", "--no-min-capacity", str(edge)]):
+        _one_line(capsys, argv, "event 0 is a request of 256.00 TiB, more than the simulated 1 TiB device")
+    # one iteration, then the next one's begin marker: nothing repeats, the whole trace is planned
+    t = Trace(meta={"n_ids": 1})
+    t.append(OP_MARK, cat=MARK_ITER_BEGIN, addr=0)
+    t.append(OP_ALLOC, id=0, size=MiB)
+    t.append(OP_FREE, id=0, size=MiB)
+    t.append(OP_MARK, cat=MARK_ITER_BEGIN, addr=1)
+    assert make_plan(t, "cut").meta["method"] == "whole"
+    # recorded failures: an entry must be an oom event of its size, its free bytes a device's
+    def with_ooms(name: str, events: list[tuple], ooms: list[dict]) -> str:
+        t = Trace(meta={"n_ids": sum(op == OP_ALLOC for op, _ in events), "ooms": ooms})
+        for op, kw in events:
+            t.append(op, **kw)
+        t.save(tmp_path / name)
+        return str(tmp_path / name)
+
+    events = [(OP_ALLOC, dict(id=0, size=MiB)), (OP_OOM, dict(size=4 * MiB)), (OP_FREE, dict(id=0, size=MiB))]
+    for ooms, words in [([{"event": 0, "size": 4 * MiB}], "entry 0: event 0 is not a failed request"),
+                        ([{"event": 99, "size": 4 * MiB}], "entry 0: event 99 is not a failed request"),
+                        ([{"event": 1, "size": MiB}], "entry 0: event 1 is not a failed request (an oom event) of 1048576"),
+                        ([{"event": 1, "size": 4 * MiB, "device_free": 300 << 40}], "more than any device has")]:
+        for command in ("analyze", "replay"):
+            _one_line(capsys, [command, with_ooms("o.npt", events, ooms)], "meta['ooms']", words)
+    assert main(["analyze", with_ooms("ok.npt", events, [{"event": 1, "size": 4 * MiB, "device_free": 0}])]) == 0
+    assert "1 request(s) failed" in capsys.readouterr().out
+    # a failed request inside a paused region: refused like an allocation there (npu_pool's replay
+    # stopped on it while the torch model's went on)
+    paused = [(OP_PAUSE, dict(id=0)), (OP_REGION, dict(id=0)), (OP_OOM, dict(size=MiB)), (OP_REGION, dict(id=-1)),
+              (OP_RESUME, dict(id=0))]
+    path = with_ooms("p.npt", paused, [{"event": 2, "size": MiB}])
+    for command in ("analyze", "replay"):
+        _one_line(capsys, [command, path], "event 2: oom inside region 0, which is paused")
+    # a snapshot's failed request whose free bytes no device has: named where it is
+    snap.write_bytes(pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "oom", "size": MiB, "device_free": (1 << 63) + 5, "stream": 0, "frames": []}]]}))
+    _one_line(capsys, ["import", "--out", str(tmp_path / "imp"), str(snap)], "device_free is 9223372036854775813 bytes",
+              "more than any device has")
+
+
+def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
+    """`--out "$UNSET"`: import wrote into the current folder, capture trained and dropped its
+    trace, --json, --plan, --costs and analyze's -o fell back to their defaults, export said
+    '.: is a directory'."""
+    trace = tmp_path / "a.npt"
+    small_trace().save(trace)
+    for argv, option in [(["import", "--out", "", str(trace)], "--out"), (["import", "--out=", str(trace)], "--out"),
+                         (["capture", "--out", ""], "--out/-o"), (["replay", str(trace), "--json", ""], "--json"),
+                         (["replay", str(trace), "--costs", ""], "--costs"),
+                         (["replay", str(trace), "--policy", "planned", "--plan", ""], "--plan"),
+                         (["analyze", "--format", "html", "-o", "", str(trace)], "--out/-o"),
+                         (["export", str(trace), "-o", ""], "--out/-o")]:
+        _one_line(capsys, argv, f"{option} was given an empty value (an unset variable?)")
+    _one_line(capsys, ["replay", str(trace), "--policy", "torch,"], "the policy list 'torch,' has an empty name")
+    with pytest.raises(SystemExit):  # argparse's line: a whole number is ASCII digits, as in settings
+        main(["capture", "--steps", "\u0663", "--out", str(tmp_path / "c.npt")])
+    assert "expected a whole number, not '\u0663'" in capsys.readouterr().err
+    t = small_trace()
+    t.meta["expandable_segments"] = "no"  # not false: would have read as true
+    t.save(tmp_path / "x.npt")
+    _one_line(capsys, ["replay", "--validate", str(tmp_path / "x.npt")], "meta['expandable_segments'] is 'no'")
+    assert not list(Path.cwd().glob("a.dev*.npt")) and sorted(p.name for p in tmp_path.iterdir()) == ["a.npt", "x.npt"]

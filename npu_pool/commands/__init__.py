@@ -12,6 +12,8 @@ def whole(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
+            if not text.isascii():  # int() takes any script's digits ('٣'); settings are ASCII
+                raise ValueError
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number, not {text[:40]!r}") from None

@@ -359,8 +359,8 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
     } else if (op >= NP_OP_COUNT) {
       rc = np_error(NP_ERR_INVALID, "event %llu: unknown op %u", ui, op);
     }
-    if (rc == NP_OK && op == NP_OP_ALLOC && region >= 0 && paused[region])
-      rc = np_error(NP_ERR_INVALID, "event %llu: alloc inside region %d, which is paused", ui, region);
+    if (rc == NP_OK && (op == NP_OP_ALLOC || op == NP_OP_OOM) && region >= 0 && paused[region]) /* (a failed one is replayed) */
+      rc = np_error(NP_ERR_INVALID, "event %llu: %s inside region %d, which is paused", ui, op_name(op), region);
     if (rc == NP_OK && (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC || op == NP_OP_FREE || op == NP_OP_OOM)) {
       if (cat >= NP_CAT_COUNT)
         rc = np_error(NP_ERR_INVALID, "event %llu: unknown tensor category %u (0..%d)", ui, cat, NP_CAT_COUNT - 1);

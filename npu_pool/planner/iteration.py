@@ -94,9 +94,12 @@ def _by_markers(trace: Trace) -> Window | None:
                 break
         sigs.append(tuple(sig))
     steady = [i for i in range(len(sigs) - 1) if sigs[i] and sigs[i] == sigs[i + 1]]
-    # no two equal neighbours (dynamic shapes, or only two steps): the second iteration is the
-    # body, seen once, and the first step (which creates the optimizer states) the prologue
-    k = steady[0] if steady else 1
+    # no two equal neighbours (dynamic shapes, or only two steps): the second iteration that
+    # allocates is the body, seen once, and what comes before (the first step, which creates the
+    # optimizer states) the prologue; none (a trace cut after the next step's marker): no window
+    k = steady[0] if steady else next((i for i in range(1, len(sigs)) if sigs[i]), None)
+    if k is None:
+        return None
 
     def first_is_alloc(b: int) -> bool:
         first = next((i for i in range(b + 1, len(trace)) if op[i] in (OP_ALLOC, OP_MARK)), None)

@@ -5,6 +5,7 @@ import array
 import time
 from typing import Sequence
 
+from ..replay import past_the_device
 from ..trace.format import Trace, device_type
 from ..trace.stats import device_requests, fingerprint
 from .check import ONLINE, compare_online
@@ -29,6 +30,9 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     t0 = time.perf_counter()
     device = device_type(trace)  # whose request rules the device applies: the plan holds what it is asked
     asked = device_requests(trace, device)
+    too_large = past_the_device(asked, name or "the trace")
+    if too_large:  # (the placement would refuse its rectangle, the comparison its replay)
+        raise too_large
     w = find_window(asked)
     lay = build_layout(asked, w)
     n = lay.n

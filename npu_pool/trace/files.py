@@ -36,9 +36,11 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     from .snapshot import load_snapshot
 
     traces = load_snapshot(p)
-    if len(traces) == 1:
-        return [(p.stem, traces[0])]
-    return [(f"{p.stem}.dev{t.meta.get('device', i)}", t) for i, t in enumerate(traces)]
+    named = [(p.stem, traces[0])] if len(traces) == 1 else \
+        [(f"{p.stem}.dev{t.meta.get('device', i)}", t) for i, t in enumerate(traces)]
+    for name, t in named:  # what a snapshot says is held to the rules an .npt file is (Trace.load)
+        t.validate(f"{p}" if len(named) == 1 else f"{p} ({name})")
+    return named
 
 
 

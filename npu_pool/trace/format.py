@@ -219,6 +219,9 @@ class Trace:
         n_ids = self.meta.get("n_ids", 0)
         if isinstance(n_ids, bool) or not isinstance(n_ids, int) or not 0 <= n_ids < 1 << 63:
             raise TraceError(f"{name}: meta['n_ids'] is {n_ids!r:.40}; it must be the number of allocation ids")
+        expandable = self.meta.get("expandable_segments", False)
+        if not isinstance(expandable, bool):  # ("no" would read as true)
+            raise TraceError(f"{name}: meta['expandable_segments'] is {expandable!r:.40}; it must be true or false")
         try:
             self.ooms()
             inp, keep = self.c_columns()
@@ -230,13 +233,24 @@ class Trace:
 
     def ooms(self) -> list[dict[str, int]]:
         """The recorded run's failed requests (``meta["ooms"]``: event, size, device_free, whole
-        numbers; an entry without an event is left out); TraceError when malformed."""
+        numbers; an entry without an event is left out); TraceError when malformed, or when an
+        entry's event is not a failed request (``OP_OOM``) of its size, or its device_free is
+        more than any device has (2^48 bytes)."""
         ooms = self.meta.get("ooms", []) if isinstance(self.meta, dict) else []
         keys = ("event", "size", "device_free")
         if not (isinstance(ooms, list) and all(isinstance(o, dict) and all(is_count(o.get(k, 0)) for k in keys)
                                                for o in ooms)):
             raise TraceError("meta['ooms'] is malformed (a list of {event, size, device_free} whole numbers)")
-        return [{k: o.get(k, 0) for k in keys} for o in ooms if "event" in o]
+        out = [{k: o.get(k, 0) for k in keys} for o in ooms if "event" in o]
+        for k, o in enumerate(out):
+            i = o["event"]
+            if not (i < len(self.op) and self.op[i] == OP_OOM and self.size[i] == o["size"]):
+                raise TraceError(f"meta['ooms'] entry {k}: event {i} is not a failed request (an oom event) of "
+                                 f"{o['size']} bytes; the trace has {len(self.op)} events")
+            if o["device_free"] > MAX_REQUEST:
+                raise TraceError(f"meta['ooms'] entry {k}: device_free {o['device_free']} is more than any "
+                                 "device has (2^48 bytes)")
+        return out
 
     def c_columns(self) -> tuple[Any, list[Any]]:
         """The columns as the core's ``np_replay_in`` (ids 0..n_ids-1), and the buffers it points

@@ -41,7 +41,7 @@ from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, M
                      POOL_SMALL, Trace, TraceError)
 from .pickle_stream import NotStreamable, overreach, stream_dict
 from ..inputs import NotRegularFile, open_regular
-from ..vocab import PROFILER_PREFIX, profiled_mark
+from ..vocab import MAX_REQUEST, PROFILER_PREFIX, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 
@@ -524,9 +524,12 @@ def _event_checked(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
     oom = action == "oom"  # a failed request: no address, the device's free bytes instead
     frames = _frames(e, name, where)
     site = sites.site(frames, where) if action == "alloc" or oom else -1
+    free = _int(e, "device_free", name, where, 0) if oom else 0
+    if free > MAX_REQUEST:
+        raise TraceError(f"{name}: {where}.device_free is {free} bytes, more than any device has (2^48)")
     return (sys.intern(action) if len(action) < 40 else action, _int(e, "addr", name, where, 0 if oom else None),
             _int(e, "size", name, where), _int(e, "stream", name, where, 0, signed=True), site,
-            _int(e, "time_us", name, where, -1, signed=True), _int(e, "device_free", name, where, 0) if oom else 0)
+            _int(e, "time_us", name, where, -1, signed=True), free)
 
 
 def _segment(s: Any, name: str, where: str) -> dict:
@@ -833,26 +836,39 @@ class _Builder:
     def _initial_segments(self) -> dict[int, tuple[int, int, int]]:
         """Segments reserved when the window began: end state, undone backwards (addr -> size, stream, pool).
         A segment_alloc/free makes or frees the segment at its address; a segment_map/unmap (expandable
-        segments) maps or unmaps a range, so undoing it removes or adds that range."""
-        segs = {s["addr"]: (s["size"], s["stream"], s["pool"] if s["pool"] is not None else _pool(s["size"]))
-                for s in self.segments}
+        segments) maps or unmaps a range, so undoing it removes or adds that range. Segments that
+        overlap one already there (no device hands out such) are left out with a warning."""
+        starts = {s["addr"] for s in self.segments}  # every start a segment can have: these, and the
+        for _, action, addr, size, _ in self.events.backwards():  # ends of the ranges events cut
+            if action in _SEG_NEW or action in _SEG_GONE:
+                starts.update((addr, addr + size))
+        segs = _SegmentMap(starts)
+        for s in self.segments:
+            self._put_segment(segs, s["addr"], (s["size"], s["stream"],
+                                                s["pool"] if s["pool"] is not None else _pool(s["size"])), "end state")
         for i, action, addr, size, stream in self.events.backwards():
             if action == "segment_unmap":
-                _add_range(segs, addr, size, stream)
+                segs.add_range(addr, size, stream)
             elif action == "segment_map":
-                if not _remove_range(segs, addr, size):
+                if not segs.remove_range(addr, size):
                     self.warn(f"event {i}: segment_map of {addr:#x} (+{size} bytes) mapped a range that is neither in "
                               "the end state nor unmapped later in the window")
             elif action in _SEG_GONE:
-                if addr in segs:
+                if segs.pop(addr) is not None:
                     self.warn(f"event {i}: {action} at {addr:#x}, but a segment is there again later "
                               "without a segment_alloc")
-                segs[addr] = (size, stream, _pool(size))
+                self._put_segment(segs, addr, (size, stream, _pool(size)), f"event {i}: {action}")
             elif action in _SEG_NEW:
-                if segs.pop(addr, None) is None:
+                if segs.pop(addr) is None:
                     self.warn(f"event {i}: {action} at {addr:#x} made a segment that is neither in the end "
                               "state nor freed later in the window")
-        return segs
+        return segs.segs
+
+    def _put_segment(self, segs: "_SegmentMap", addr: int, value: tuple[int, int, int], where: str) -> None:
+        other = segs.put(addr, value)
+        if other is not None:
+            self.warn(f"{where}: the segment at {addr:#x} (+{value[0]} bytes) overlaps the one at {other:#x}: "
+                      "left out")
 
     def _check_inside(self, segs: dict[int, tuple[int, int, int]]) -> None:
         if not self.check_segments or not self.init_allocs:
@@ -915,26 +931,88 @@ class _Builder:
         return {"peak_reserved_bytes": peak, "segment_allocs": n_new, "initial_reserved_bytes": initial}
 
 
-def _add_range(segs: dict[int, tuple[int, int, int]], addr: int, size: int, stream: int) -> None:
-    """Add [addr, addr+size) to the ranges, merging with the ranges it touches."""
-    lo, hi = addr, addr + size
-    for a in [a for a, (s, _, _) in segs.items() if a <= hi and a + s >= lo]:
-        s, _, _ = segs.pop(a)
-        lo, hi = min(lo, a), max(hi, a + s)
-    segs[lo] = (hi - lo, stream, POOL_LARGE)
+class _SegmentMap:
+    """Segments by start address (``segs``: addr -> (size, stream, pool)), disjoint. The starts
+    present are kept in a Fenwick tree over every start a segment can have (given up front), so
+    that the segments an event touches are found in O(log n) each: undoing a window of n segment
+    events costs O(n log n), not a scan (or a sorted insert) per event (40,000 unmaps in a 1.3 MB
+    snapshot took 35 s). Invariant: no two segments overlap (``put`` refuses one that would)."""
 
+    def __init__(self, starts: Iterable[int]) -> None:
+        self.segs: dict[int, tuple[int, int, int]] = {}
+        self.at = sorted(starts)
+        self.index = {a: i + 1 for i, a in enumerate(self.at)}  # 1-based positions in the tree
+        self.tree = [0] * (len(self.at) + 1)
+        self.top = 1 << max(len(self.at).bit_length() - 1, 0)
 
-def _remove_range(segs: dict[int, tuple[int, int, int]], addr: int, size: int) -> bool:
-    """Remove [addr, addr+size) from the ranges, splitting them; whether it was wholly there."""
-    lo, hi, covered = addr, addr + size, 0
-    for a in [a for a, (s, _, _) in segs.items() if a < hi and a + s > lo]:
-        s, stream, pool = segs.pop(a)
-        covered += min(a + s, hi) - max(a, lo)
-        if a < lo:
-            segs[a] = (lo - a, stream, pool)
-        if a + s > hi:
-            segs[hi] = (a + s - hi, stream, pool)
-    return covered == size
+    def _mark(self, addr: int, delta: int) -> None:
+        i = self.index[addr]
+        while i < len(self.tree):
+            self.tree[i] += delta
+            i += i & -i
+
+    def _before(self, addr: int) -> int | None:
+        """The start of the segment starting last at or below ``addr``, if any."""
+        i, k = bisect.bisect_right(self.at, addr), 0  # k: present starts among the first i
+        while i > 0:
+            k += self.tree[i]
+            i -= i & -i
+        if k == 0:
+            return None
+        pos, step = 0, self.top  # the k-th present start: a descent of the tree
+        while step:
+            if pos + step < len(self.tree) and self.tree[pos + step] < k:
+                pos += step
+                k -= self.tree[pos]
+            step >>= 1
+        return self.at[pos]
+
+    def _near(self, lo: int, hi: int, touching: bool) -> list[int]:
+        """Starts of the segments meeting [lo, hi) (``touching``: or ending at lo, starting at hi)."""
+        found = []
+        a = self._before(hi if touching else hi - 1)
+        while a is not None:  # disjoint segments: their ends rise with their starts
+            end = a + self.segs[a][0]
+            if end < lo or (end == lo and not touching):
+                break
+            found.append(a)
+            a = self._before(a - 1)
+        return found
+
+    def put(self, addr: int, value: tuple[int, int, int]) -> int | None:
+        """Add a segment; the start of one it would overlap instead (then nothing is added)."""
+        near = self._near(addr, addr + max(value[0], 1), touching=False)
+        if near:
+            return near[0]
+        self._mark(addr, 1)
+        self.segs[addr] = value
+        return None
+
+    def pop(self, addr: int) -> tuple[int, int, int] | None:
+        value = self.segs.pop(addr, None)
+        if value is not None:
+            self._mark(addr, -1)
+        return value
+
+    def add_range(self, addr: int, size: int, stream: int) -> None:
+        """Add [addr, addr+size), merged with the segments it touches."""
+        lo, hi = addr, addr + size
+        for a in self._near(lo, hi, touching=True):
+            s, _, _ = self.pop(a)
+            lo, hi = min(lo, a), max(hi, a + s)
+        self.put(lo, (hi - lo, stream, POOL_LARGE))
+
+    def remove_range(self, addr: int, size: int) -> bool:
+        """Remove [addr, addr+size), splitting the segments it cuts; whether it was wholly there."""
+        lo, hi, covered = addr, addr + size, 0
+        for a in self._near(lo, hi, touching=False):
+            s, stream, pool = self.pop(a)
+            covered += min(a + s, hi) - max(a, lo)
+            if a < lo:
+                self.put(a, (lo - a, stream, pool))
+            if a + s > hi:
+                self.put(hi, (a + s - hi, stream, pool))
+        return covered == size
 
 
 def _put(cols: Iterable, row: Iterable[int]) -> None:
