@@ -241,9 +241,9 @@ class Pool:
         refused to take some memory back even after retries (the message says how much; the pool
         is closed either way)."""
         ctx = getattr(self, "_ctx", None)
-        if ctx is not None and not self._closed:
-            self._closed = True
-            _check(lib.np_close(ctx))
+        if ctx is not None:
+            self._closed = True  # (calls from now on are refused here; those in flight finish first)
+            _check(lib.np_close(ctx))  # a second close waits for the first one's to return the memory
 
     def __enter__(self) -> "Pool":
         return self

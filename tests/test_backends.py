@@ -3,6 +3,7 @@ host-memory fakes in tests/fake_vendor (built here with the system C compiler)."
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -281,6 +282,57 @@ def test_missing_library_names_it(vendor: Vendor) -> None:
     if vendor.backend == "cuda":
         with pytest.raises(PoolError, match="driver part .after ':'. is 5026 bytes") as e:
             Pool(backend="cuda", lib_path="/nonexistent/libcudart.so:" + too_long)
+
+
+def test_a_library_path_that_is_no_regular_file_is_refused_without_blocking(vendor: Vendor, tmp_path: Path) -> None:
+    """dlopen open()s the path it is given: a FIFO there blocked the pool's creation for ever
+    (Pool and install(lib_path=...) alike). A driver the caller names for CUDA that does not
+    load made a pool without virtual memory, silently (the first request reserved the device)."""
+    fifo = tmp_path / "libvendor.so"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory")):
+        with pytest.raises(PoolError, match=f"from {path}: not a regular file \\({kind}\\)") as e:
+            Pool(backend=vendor.backend, lib_path=str(path))
+        assert e.value.code == NP_ERR_INVALID
+    if vendor.backend == "cuda":
+        with pytest.raises(PoolError, match="cannot load the CUDA driver .libcuda.*/typo/libcuda.so"):
+            Pool(backend="cuda", lib_path=f"{vendor.path}:/typo/libcuda.so")
+        with Pool(backend="cuda", lib_path=f"{vendor.path}:{vendor.path}") as p:  # the same, named: loads
+            assert p.stats()["vmm"]
+
+
+def test_a_close_racing_another_returns_once_the_memory_is_back(vendor: Vendor) -> None:
+    """Pool.close marked the pool closed before np_close ran: a second close returned at once,
+    while the first was still giving the device its memory back (1820 MiB still held, seen by a
+    helper); both return once the device has it all now."""
+    import threading
+
+    for _ in range(20):
+        p = vendor.pool("torch", vmm=False)
+        for _ in range(200):
+            p.malloc(MiB)  # 100 small-pool segments of 2 MiB
+        first = threading.Thread(target=p.close)
+        first.start()
+        while not p._closed:  # the first close has begun
+            pass
+        p.close()
+        assert vendor.lib.fake_used() == 0
+        first.join()
+
+
+def test_listing_calls_refuse_a_missing_buffer(vendor: Vendor) -> None:
+    """The C API's listings with no buffer but room claimed for entries wrote through NULL (np_tags
+    refused it)."""
+    from npu_pool._core import ffi, lib
+
+    with vendor.pool() as p:
+        p.free(p.malloc(MiB))
+        n = ffi.new("size_t *")
+        for call in (lib.np_blocks, lib.np_mapped_ranges, lib.np_history):
+            assert call(p.ctx, ffi.NULL, 4, n) == NP_ERR_INVALID and n[0] == 0
+            assert "no buffer for 4 entries" in ffi.string(lib.np_last_error()).decode()
+            assert call(p.ctx, ffi.NULL, 0, n) == 0  # asking for the count is fine
+        p.check()
 
 
 def test_a_library_without_the_vendor_symbols_is_named_whole(vendor: Vendor, tmp_path: Path) -> None:

@@ -696,3 +696,51 @@ def test_an_out_of_memory_while_a_tag_is_paused_says_what_the_pause_holds() -> N
         p.resume("rollout")
         p.free(kept)
         p.check()
+
+
+def test_resuming_a_tag_with_nothing_to_map_never_fails_on_the_cap() -> None:
+    """A paused tag whose tensors were all freed maps nothing at its resume: over a lowered cap it
+    failed ('mapping 0 bytes more would pass the memory fraction cap'), counted an out-of-memory
+    and stayed paused (found by a helper's fuzzing on a debug build)."""
+    with Pool("npu_pool", capacity=100 * MiB) as p:
+        with p.region("b"):
+            x = p.malloc(MiB)
+        p.pause("b")
+        p.free(x)
+        with p.region("empty"):
+            pass
+        p.pause("empty")  # a tag never allocated into
+        big = p.malloc(60 * MiB)
+        p.set_fraction(0.5)  # the pool now holds more than the cap
+        p.resume("b")
+        p.resume("empty")
+        assert p.stats()["ooms"] == 0 and not any(t["is_paused"] for t in p.tags().values())
+        p.free(big)
+        _books_match(p)
+
+
+def test_an_out_of_memory_names_the_idle_memory_other_regions_keep_mapped() -> None:
+    """Each tag's arena maps its own chunks: a 512-byte tensor keeps its 20 MiB chunk, which
+    empty_cache cannot return. The message said 'a real shortage ... lower the batch' with 1 KiB
+    allocated and 40 MiB reserved; it names the memory the other regions keep."""
+    with Pool("npu_pool", capacity=64 * MiB) as p:
+        with p.region("train"):
+            a = p.malloc(512)
+        with p.region("rollout"):
+            b = p.malloc(512)
+        p.empty_cache()
+        with pytest.raises(OutOfMemoryError) as e:
+            p.malloc(30 * MiB)
+        text = str(e.value)
+        idle = p.stats()["total"]["reserved"]["current"] - 1024
+        assert f"{idle / MiB:.2f} MiB more is free in the other tagged regions' arenas, kept mapped by their live " \
+               "tensors (empty_cache cannot return it: free those tensors, or pause their regions)" in text, text
+        assert "a real shortage" not in text
+        p.pause("train")
+        p.pause("rollout")
+        p.free(p.malloc(30 * MiB))  # paused, they hold nothing
+        p.resume("train")
+        p.resume("rollout")
+        p.free(a)
+        p.free(b)
+        _books_match(p)

@@ -405,6 +405,7 @@ static np_segment **sorted_segments(const np_ctx *ctx, size_t *nseg) {
 
 int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   *n = 0;
+  if (cap && !out) return np_error(NP_ERR_INVALID, "np_blocks: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
   if (ctx->closed) {
     np_ctx_unlock(ctx);
@@ -453,6 +454,7 @@ static size_t segment_runs(const np_ctx *ctx, const np_segment *s, uint64_t *out
 
 int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
   *n = 0;
+  if (cap && !out) return np_error(NP_ERR_INVALID, "np_mapped_ranges: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
   if (ctx->closed) {
     np_ctx_unlock(ctx);

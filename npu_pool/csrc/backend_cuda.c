@@ -483,6 +483,8 @@ static int cuda_open(cuda_backend *c, const char *lib_path, char *missing, size_
   rc = np_dl_bind(c->runtime, libname, runtime_syms, sizeof runtime_syms / sizeof *runtime_syms, &c->api, NULL, 0);
   if (rc != NP_OK) return rc;
   c->driver = np_dl_open(drv_path, driver_names, "the CUDA driver (libcuda)");
+  const char *colon = lib_path ? strchr(lib_path, ':') : NULL;
+  if (!c->driver && colon && colon[1]) return np_last_code(); /* named by the caller: not a quiet fixed arena */
   if (c->driver)
     np_dl_bind(c->driver, "libcuda", driver_syms, sizeof driver_syms / sizeof *driver_syms, &c->api, missing, len);
   return NP_OK;

@@ -77,7 +77,7 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   np_get_stats_locked(ctx, &st);
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], what[400], held[320] = "";
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[400], held[320] = "";
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
@@ -96,6 +96,11 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "
              "but not in one piece of %s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),
              rounded ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
+  else if (f->elsewhere)
+    snprintf(what, sizeof what, "%s has only %s it could use, and the request needs %s in one piece; %s more is "
+             "free in the other tagged regions' arenas, kept mapped by their live tensors (empty_cache cannot "
+             "return it: free those tensors, or pause their regions)", pool, np_fmt_bytes(f->usable, u),
+             np_fmt_bytes(np_max_u64(f->needed, size), n), np_fmt_bytes(f->elsewhere, el));
   else
     snprintf(what, sizeof what, "a real shortage: %s has only %s it could use, and the request needs %s in one piece%s, "
              "even with no fragmentation (lower the batch, recompute, shard more, or raise the fraction)",

@@ -69,6 +69,8 @@ typedef struct np_fail {
   uint64_t usable;           /* free bytes that pool could have used, were they in one piece: free
                                 blocks it may use plus what the cap still allows reserving */
   bool refused;              /* the device refused physical memory the cap allowed (memory.c) */
+  uint64_t elsewhere;        /* free bytes mapped in the other arenas (tagged regions), which their live
+                                blocks keep mapped: counted against the cap, usable by none of this pool */
 } np_fail;
 
 struct np_ctx {

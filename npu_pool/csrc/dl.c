@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "dl.h"
 
@@ -13,6 +14,12 @@ void *np_dl_open(const char *override, const char *const *names, const char *wha
     if (strlen(override) >= PATH_MAX) {
       np_error(NP_ERR_INVALID, "cannot load %s: lib_path is %zu bytes, longer than the %d a path may have", what,
                strlen(override), PATH_MAX - 1);
+      return NULL;
+    }
+    struct stat st; /* a path names a file dlopen would open(): a FIFO there blocks it for ever */
+    if (strchr(override, '/') && stat(override, &st) == 0 && !S_ISREG(st.st_mode)) {
+      np_error(NP_ERR_INVALID, "cannot load %s from %s: not a regular file (%s)", what, override,
+               S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO" : "a device or socket");
       return NULL;
     }
     void *lib = dlopen(override, RTLD_NOW | RTLD_LOCAL);

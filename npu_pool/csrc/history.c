@@ -86,6 +86,8 @@ void np_ctx_history_free(np_ctx *ctx) {
 }
 
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
+  *n = 0;
+  if (cap && !out) return np_error(NP_ERR_INVALID, "np_history: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
   uint64_t kept = np_min_u64(ctx->n_events, ctx->hist_slots);
   if (cap > kept) cap = kept;

@@ -68,6 +68,20 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
   }
 }
 
+/* Free bytes mapped in the arenas other than `a` (paused ones map nothing): what their live blocks
+ * keep mapped around them once empty_cache has returned every wholly free chunk. */
+static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a) {
+  uint64_t idle = 0;
+  for (int i = -1; i < t->n; i++) {
+    np_arena *o = i < 0 ? main : &t->at[i]->arena;
+    if (o == a || !o->seg || (i >= 0 && t->at[i]->paused)) continue;
+    uint64_t allocated = 0;
+    for (np_block *b = o->seg->head; b; b = b->next) allocated += b->allocated ? b->size : 0;
+    idle += o->seg->mapped > allocated ? o->seg->mapped - allocated : 0;
+  }
+  return idle;
+}
+
 /* np_tags_malloc once a tag exists (out of line: without tags a request is a tail call). */
 __attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size,
                                                    intptr_t stream, bool long_lived, np_block **out) {
@@ -90,7 +104,9 @@ __attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np
   if (rc != NP_OK) return rc;
   np_tags_release_idle(ctx, t, main, a);
   np_tags_budget(ctx, t, main, a);
-  return np_arena_malloc(ctx, a, size, stream, long_lived, out);
+  rc = np_arena_malloc(ctx, a, size, stream, long_lived, out);
+  if (rc == NP_ERR_OOM) ctx->fail.elsewhere = idle_elsewhere(t, main, a);
+  return rc;
 }
 
 int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, intptr_t stream, bool long_lived,
@@ -325,7 +341,7 @@ int np_tags_pause(np_ctx *ctx, np_tagset *t, const char *name, bool backup, uint
 static int map_runs(np_ctx *ctx, np_tag *g, const uint64_t *r, size_t n, uint64_t need) {
   np_vmm_spares_release(ctx); /* the runs map over their own pages, not a spare's size */
   uint64_t reserved = ctx->st.total.reserved.current;
-  if (need > ctx->limit || reserved > ctx->limit - need) {
+  if (need && (need > ctx->limit || reserved > ctx->limit - need)) { /* (nothing to map fits any cap) */
     char x[32], y[32];
     return np_error(NP_ERR_OOM, "mapping %s more would pass the memory fraction cap of %s", np_fmt_bytes(need, x),
                     np_fmt_bytes(ctx->limit, y));
