@@ -160,6 +160,12 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
         tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
                     "needed, e.g. by collective-communication buffers")
+    idle = {t: v["mapped"] - v["allocated"] for t, v in pool.tags().items()} if policy == "npu_pool" else {}
+    idle = {t: b for t, b in idle.items() if b > 0}
+    if kind == "fragmentation" and idle:  # (a region's arena keeps its chunks around its live tensors)
+        tips.append("free or pause the other tagged regions: their arenas keep chunks mapped around live tensors, "
+                    "which empty_cache cannot return (" + ", ".join(f"{t}: {fmt_bytes(b)}" for t, b in
+                                                           sorted(idle.items(), key=lambda x: -x[1])[:4]) + ")")
     if kind == "fragmentation" and policy in ("npu_pool", "planned"):
         # (its failed request already returned every wholly free chunk and retried: empty_cache frees nothing more)
         if policy == "planned":

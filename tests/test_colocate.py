@@ -722,7 +722,7 @@ def test_resuming_a_tag_with_nothing_to_map_never_fails_on_the_cap() -> None:
 def test_an_out_of_memory_names_the_idle_memory_other_regions_keep_mapped() -> None:
     """Each tag's arena maps its own chunks: a 512-byte tensor keeps its 20 MiB chunk, which
     empty_cache cannot return. The message said 'a real shortage ... lower the batch' with 1 KiB
-    allocated and 40 MiB reserved; it names the memory the other regions keep."""
+    allocated and 40 MiB reserved; it is fragmentation across regions, naming the memory they keep."""
     with Pool("npu_pool", capacity=64 * MiB) as p:
         with p.region("train"):
             a = p.malloc(512)
@@ -733,9 +733,13 @@ def test_an_out_of_memory_names_the_idle_memory_other_regions_keep_mapped() -> N
             p.malloc(30 * MiB)
         text = str(e.value)
         idle = p.stats()["total"]["reserved"]["current"] - 1024
-        assert f"{idle / MiB:.2f} MiB more is free in the other tagged regions' arenas, kept mapped by their live " \
+        assert "fragmentation across tagged regions: the arena has only 24.00 MiB it could use" in text, text
+        assert f"{idle / MiB:.2f} MiB more is free in the other regions' arenas, kept mapped by their live " \
                "tensors (empty_cache cannot return it: free those tensors, or pause their regions)" in text, text
         assert "a real shortage" not in text
+        x = oom.explain(p)  # the explanation says the same, with the regions that keep the memory
+        assert x.kind == "fragmentation" and x.suggestions[0].startswith("free or pause the other tagged regions")
+        assert "train: 20.00 MiB" in x.suggestions[0] and "rollout: 20.00 MiB" in x.suggestions[0], x.suggestions
         p.pause("train")
         p.pause("rollout")
         p.free(p.malloc(30 * MiB))  # paused, they hold nothing

@@ -36,7 +36,8 @@ static int classify(const np_ctx *ctx, uint64_t size) {
   uint64_t needed = np_max_u64(f->needed, size);
   if (needed > ctx->limit) return NP_OOM_TOO_LARGE;
   if (f->refused) return NP_OOM_DEVICE; /* whatever the pool's own layout: the device has no room */
-  return f->usable >= needed ? NP_OOM_FRAGMENTED : NP_OOM_SHORTAGE;
+  /* free memory of the pool's, in this arena or mapped in other regions' arenas: not in one piece */
+  return f->usable + f->elsewhere >= needed ? NP_OOM_FRAGMENTED : NP_OOM_SHORTAGE;
 }
 
 int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
@@ -92,15 +93,15 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));
   else if (why == NP_OOM_DEVICE)
     np_ctx_device_refusal(ctx, room, known, what, sizeof what);
+  else if (why == NP_OOM_FRAGMENTED && f->usable < np_max_u64(f->needed, size))
+    snprintf(what, sizeof what, "fragmentation across tagged regions: %s has only %s it could use, and the request "
+             "needs %s in one piece; %s more is free in the other regions' arenas, kept mapped by their live tensors "
+             "(empty_cache cannot return it: free those tensors, or pause their regions)", pool,
+             np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n), np_fmt_bytes(f->elsewhere, el));
   else if (why == NP_OOM_FRAGMENTED)
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "
              "but not in one piece of %s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),
              rounded ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
-  else if (f->elsewhere)
-    snprintf(what, sizeof what, "%s has only %s it could use, and the request needs %s in one piece; %s more is "
-             "free in the other tagged regions' arenas, kept mapped by their live tensors (empty_cache cannot "
-             "return it: free those tensors, or pause their regions)", pool, np_fmt_bytes(f->usable, u),
-             np_fmt_bytes(np_max_u64(f->needed, size), n), np_fmt_bytes(f->elsewhere, el));
   else
     snprintf(what, sizeof what, "a real shortage: %s has only %s it could use, and the request needs %s in one piece%s, "
              "even with no fragmentation (lower the batch, recompute, shard more, or raise the fraction)",
