@@ -109,6 +109,7 @@ class _Session:
         self.patched: dict[str, list[str]] = {}
         self.written: Optional[str] = None
         self._depth = 0
+        self._rank_world: Optional[tuple[int, int]] = None  # (rank, world size) last seen in a distributed run
         from npu_pool.install import installed
 
         if installed():  # the pool itself is looked up per report: Megatron picks the device later
@@ -127,10 +128,23 @@ class _Session:
 
         return current_pool() if self.mode == "device" else None
 
-    def report(self) -> dict[str, Any]:
+    def rank_and_world(self) -> tuple[int, Optional[int]]:
+        """This process's (rank, world size), as the run had them: a process group destroyed
+        before the report at exit (as torch asks) no longer says them, and every rank wrote
+        npu_pool_rank0.json; the last ones seen in training stand then."""
         from npu_pool.recorder import report
 
         rank, world = report.rank_and_world()
+        if world is not None:
+            self._rank_world = (rank, world)
+        elif self._rank_world is not None:
+            rank, world = self._rank_world
+        return rank, world
+
+    def report(self) -> dict[str, Any]:
+        from npu_pool.recorder import report
+
+        rank, world = self.rank_and_world()
         pool = self.pool()
         stats = pool.stats() if pool is not None else None
         reason = self.reason or ("" if pool is not None else "no installed pool serves the current device")
@@ -141,16 +155,30 @@ class _Session:
                             last_iteration=self.iteration, skipped_iterations=self.skipped)
 
     def after_step(self, seconds: float) -> None:
+        """Count the step and write its line: never raises into training (it runs in the
+        wrapper's finally, where it would also hide the step's own exception)."""
         self.iterations += 1
         self.step_times.append(seconds)
+        self.rank_and_world()  # while the process group is up
         if self.log_every and self.iterations % self.log_every == 0:
-            from npu_pool.recorder import report
+            try:
+                self._line()
+            except Exception as e:  # stdout closed or a broken pipe (`| head`), a pool gone: the run goes on
+                self.log_every = 0
+                warnings.warn(f"npu_pool.megatron: the per-iteration line could not be written ({e!r:.200}); "
+                              "no more lines from this rank", RuntimeWarning, stacklevel=2)
 
-            # one write per line: ranks share the terminal, and an unbuffered print() writes
-            # the text and its newline separately, so lines of two ranks could interleave
-            it = self.iteration + 1 if self.iteration is not None else self.iterations  # Megatron counts from 1
-            sys.stdout.write(report.format_line(self.report(), it) + "\n")
-            sys.stdout.flush()
+    def _line(self) -> None:
+        from npu_pool.recorder import report
+
+        # one write per line: ranks share the terminal, and an unbuffered print() writes
+        # the text and its newline separately, so lines of two ranks could interleave
+        it = self.iteration + 1 if self.iteration is not None else self.iterations  # Megatron counts from 1
+        out = sys.stdout
+        if out is None:  # started with stdout closed (`>&-`)
+            raise OSError("standard output is closed")
+        out.write(report.format_line(self.report(), it) + "\n")
+        out.flush()
 
     def write_report(self) -> Optional[str]:
         if not self.report_dir:

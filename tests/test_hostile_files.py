@@ -1200,3 +1200,13 @@ def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
     t.save(tmp_path / "x.npt")
     _one_line(capsys, ["replay", "--validate", str(tmp_path / "x.npt")], "meta['expandable_segments'] is 'no'")
     assert not list(Path.cwd().glob("a.dev*.npt")) and sorted(p.name for p in tmp_path.iterdir()) == ["a.npt", "x.npt"]
+
+
+def test_analyze_refuses_one_trace_given_twice(tmp_path, capsys) -> None:
+    """A snapshot imported into its own folder: each rank was listed twice and compared with itself
+    ('min on run.dev0, max on run.dev0')."""
+    small_trace().save(tmp_path / "run.npt")
+    (tmp_path / "sub").mkdir()
+    small_trace(8).save(tmp_path / "sub" / "run.npt")
+    _one_line(capsys, ["analyze", str(tmp_path), str(tmp_path / "sub")], "both hold the trace run: analyze one of them")
+    assert main(["analyze", str(tmp_path / "sub")]) == 0

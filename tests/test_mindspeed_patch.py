@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import types
 import warnings
 from pathlib import Path
@@ -249,3 +250,51 @@ def test_a_mindspeed_manager_that_refuses_the_wrapper_falls_back_to_direct_wrapp
     finally:
         stop()
     assert [(MARK_NAMES[c], a) for c, a in seen] == [("iter_begin", 7), ("iter_end", 7)]
+
+
+def test_the_line_never_stops_training_and_reports_keep_the_runs_rank(tmp_path: Path) -> None:
+    """From a hostile review: with stdout closed (`>&-`) or a broken pipe the per-iteration line
+    raised AttributeError / BrokenPipeError into train_step (hiding the step's own exception);
+    a process group destroyed before exit (as torch asks) made every rank write
+    npu_pool_rank0.json; RANK >= WORLD_SIZE wrote a report merge refuses."""
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, types
+        mod = types.ModuleType("megatron.training.training")  # (before torch: the start-up hook patches then)
+        mod.train_step = lambda *a, **k: ("loss", 0)
+        sys.modules["megatron.training.training"] = mod
+        import torch.distributed as dist
+        rank = int(sys.argv[1])
+        if rank >= 0:
+            dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+        import mindspeed_patch
+        for _ in range(3):
+            mod.train_step()
+        if rank >= 0:
+            dist.destroy_process_group()
+        """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(ON, PYTHONPATH=str(ROOT), NPU_POOL_REPORT_DIR=str(tmp_path / "rep"))
+    # stdout closed: training goes on, one warning says the line stopped
+    r = subprocess.run(f"{sys.executable} {script} -1 x >&-", shell=True, env=env, capture_output=False,
+                       stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("the per-iteration line could not be written") == 1, r.stderr
+    # two ranks, no RANK in the environment, the group destroyed before exit: two reports
+    rdv = tmp_path / "rdv"
+    procs = [subprocess.Popen([sys.executable, str(script), str(k), str(rdv)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    reports = sorted(p.name for p in (tmp_path / "rep").iterdir())
+    assert reports == ["npu_pool_rank0.json", "npu_pool_rank1.json"], reports
+    assert json.loads((tmp_path / "rep" / "npu_pool_rank1.json").read_text())["world_size"] == 2
+    # a rank outside its world: warned, the world unknown, and merge takes the report
+    for f in (tmp_path / "rep").iterdir():
+        f.unlink()
+    r = subprocess.run([sys.executable, str(script), "-1", "x"], env={**env, "RANK": "5", "WORLD_SIZE": "2"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "WORLD_SIZE=2 with RANK='5' is no world this rank belongs to" in r.stderr, r.stderr
+    from npu_pool.cli import main
+
+    assert main(["merge", str(tmp_path / "rep")]) == 0

@@ -222,6 +222,49 @@ def test_attach_marks_layers_passes_and_steps(recompute: bool) -> None:
     assert spy.marks == []
 
 
+def test_a_backward_that_raises_does_not_stop_the_markers() -> None:
+    """A backward that raised never ran its end callback: the stage stayed "backward" and no later
+    forward, optimizer or iteration was marked (an OOM-skip loop lost every marker after its first
+    skip). The next forward ends it."""
+
+    def boom(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory in backward")
+
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spy = Spy()
+    rec = Recorder([spy])
+    recorder.attach(model, opt, recorder=rec)
+    x = torch.randint(64, (2, 17))
+    hook = next(model.parameters()).register_hook(boom)  # late in backward: after its begin marker
+    with pytest.raises(RuntimeError, match="out of memory in backward"):
+        model(x[:, :-1], x[:, 1:]).backward()  # the loop skips this step
+    hook.remove()
+    opt.zero_grad(set_to_none=True)
+    assert rec.state.stage == "backward"
+    spy.marks.clear()
+    _train(model, opt, steps=1, micro=1)
+    got = names(spy.marks)
+    assert got[0] == ("backward_end", 0) and ("forward_begin", 1) in got and ("optimizer_end", 0) in got, got
+    assert got[-1] == ("iter_end", 0) and rec.state.stage is None
+
+
+def test_a_begin_without_its_end_is_dropped_at_the_iteration_bound() -> None:
+    """A forward_begin never ended stayed open for good: one more entry kept per iteration, and the
+    forward time was never counted again (balanced phases after it were inner ones)."""
+    rec = Recorder([Spy()])
+    for it in range(50):
+        with rec.step(it):
+            rec.mark("forward_begin", 0)  # no end
+            with rec.phase("backward", 0):
+                pass
+    assert len(rec.state._open) == 0 and rec.state.stage is None
+    with rec.step(50):
+        with rec.phase("forward", 0):
+            pass
+    assert rec.state.seconds.get("forward", 0) > 0
+
+
 def test_attach_leaves_explicit_phases_alone_and_wraps_megatron_style_optimizers() -> None:
     """Explicit phases win over the hooks' (no double forward/backward markers), and an
     optimizer that is not a torch.optim.Optimizer (Megatron's wrap torch's) gets its step

@@ -133,8 +133,13 @@ def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool =
                   hints: str = "markers", show_progress: bool | None = None) -> Analysis:
     """Analyze every trace in ``paths`` (files, or directories of per-rank traces)."""
     named: list[tuple[str, Trace]] = []
+    source: dict[str, Path] = {}
     for p in progress(expand(paths), desc="load", unit="file", enabled=show_progress):
-        named.extend(open_traces(p))
+        for name, t in open_traces(p):
+            if name in source:  # (a snapshot beside its own import: each rank twice, compared with itself)
+                raise ValueError(f"{source[name]} and {p} both hold the trace {name}: analyze one of them")
+            source[name] = p
+            named.append((name, t))
     if not named:
         raise ValueError("no traces to analyze")
     if any(Path(p).is_dir() for p in paths):

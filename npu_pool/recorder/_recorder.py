@@ -12,6 +12,9 @@ from ._marks import (END_OF, MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN, MARK_ITER_
                      STAGE_OF, code_of, phase_codes, profiler_label)
 
 
+_PER_ITERATION = ("forward", "backward", "optimizer")  # stages an iteration holds whole
+
+
 @dataclass
 class RecorderState:
     """Where the recorded program is: what the markers sent so far opened and closed."""
@@ -45,11 +48,21 @@ class RecorderState:
                     break
             self.stage = self._open[-1][0] if self._open else None
         elif code == MARK_ITER_BEGIN:
+            self._drop_stale()
             self.iteration = arg if arg >= 0 else self.iteration + 1
             self.in_iteration, self.micro = True, 0
         elif code == MARK_ITER_END:
+            self._drop_stale()
             self.in_iteration = False
             self.iterations += 1
+
+    def _drop_stale(self) -> None:
+        """At an iteration's bound a forward, backward or optimizer stage still open lost its end
+        (a begin with no end, a backward that raised): drop it, its time uncounted, rather than
+        keep it open for good (one more per iteration, and its stage's time never counted again)."""
+        if any(n in _PER_ITERATION for n, _ in self._open):
+            self._open = [(n, t) for n, t in self._open if n not in _PER_ITERATION]
+            self.stage = self._open[-1][0] if self._open else None
 
     def is_open(self, stage: str) -> bool:
         return any(n == stage for n, _ in self._open)

@@ -125,6 +125,7 @@ class Attachment:
         self._steps_hooked = False
         self._opened_opt = False
         self._fwd_micro = 0
+        self._backward: Optional[int] = None  # the micro-batch of the backward _fire opened, until it ends
 
     # -- markers on gradients ---------------------------------------------------------
     def _on_grad(self, t: Optional[torch.Tensor], code: int, arg: int) -> None:
@@ -151,14 +152,23 @@ class Attachment:
                 if rec.state.stage is not None:
                     continue  # the caller marks its backward itself
                 rec.mark(MARK_BACKWARD_BEGIN, arg)
+                self._backward = arg
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(self._backward_end, arg))
             elif (code, arg) != rec.state.last:  # recompute may repeat a layer marker: once is enough
                 rec.mark(code, arg)
 
     def _backward_end(self, arg: int) -> None:
+        self._backward = None
         if self.active and self.recorder.state.stage == "backward":
             self.recorder.mark(MARK_BACKWARD_END, arg)
+
+    def _close_failed_backward(self) -> None:
+        """A backward that raised never runs its end callback: the next forward or optimizer step
+        ends it (else the stage stayed "backward" and no later iteration was marked); one called
+        from inside a running backward (a recomputation) is not a later one."""
+        if self._backward is not None and getattr(torch._C, "_current_graph_task_id", lambda: -1)() < 0:
+            self._backward_end(self._backward)
 
     # -- layers -------------------------------------------------------------------------
     def _layer_pre(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -193,6 +203,7 @@ class Attachment:
                 rec.mark(MARK_EVAL_BEGIN, -1)
                 self._opened.append(MARK_EVAL_END)
             return
+        self._close_failed_backward()
         if rec.state.stage is not None:
             return
         if self._steps_hooked and not rec.state.in_iteration:
@@ -219,6 +230,8 @@ class Attachment:
     # -- the optimizer ------------------------------------------------------------------
     def _opt_pre(self, *_: Any) -> None:
         rec = self.recorder
+        if self.active:
+            self._close_failed_backward()
         if self.active and rec.state.stage is None:
             rec.mark(MARK_OPTIMIZER_BEGIN, rec.state.iteration)
             self._opened_opt = True

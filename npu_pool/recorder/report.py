@@ -59,6 +59,12 @@ def rank_and_world() -> tuple[int, Optional[int]]:
     a process that is not part of a distributed run has no world size to check reports against."""
     env = os.environ
     rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+    if world is not None and (world == 0 or (rank is not None and rank >= world)):
+        import warnings  # (merge would refuse the report: rank outside its world)
+
+        warnings.warn(f"npu_pool: WORLD_SIZE={world} with RANK={env.get('RANK', '')!r:.20} is no world this rank "
+                      "belongs to; the world size is taken as unknown", RuntimeWarning, stacklevel=2)
+        world = None
     if rank is not None:
         return rank, world
     dist = getattr(sys.modules.get("torch"), "distributed", None)
