@@ -24,11 +24,12 @@ def fmt_share(part: float, whole: float) -> str:
 
 def printable(text: str) -> str:
     """``text`` safe to print to a terminal: control characters (ESC, CR, newlines: a file's strings
-    could retitle a terminal or forge a line) and lone surrogates written as escapes."""
+    could retitle a terminal or forge a line), bidirectional overrides and isolates (they reorder
+    what follows them on the line, as in "Trojan Source") and lone surrogates written as escapes."""
     out = []
     for ch in text:
         o = ord(ch)
-        if o < 0x20 or 0x7F <= o < 0xA0 or 0xD800 <= o < 0xE000:
+        if o < 0x20 or 0x7F <= o < 0xA0 or 0xD800 <= o < 0xE000 or 0x202A <= o <= 0x202E or 0x2066 <= o <= 0x2069:
             out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
         else:
             out.append(ch)

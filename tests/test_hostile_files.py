@@ -1107,6 +1107,8 @@ def test_errors_quoting_a_file_print_as_escapes_and_site_frames_stay_readable(tm
     from npu_pool.units import md_cell
 
     assert md_cell("a.py:1:f < b.py:2:<module>") == "a.py:1:f < b.py:2:&lt;module>"
+    # bidirectional overrides reorder the rest of the line on a terminal or page ("Trojan Source")
+    assert md_cell("evil\u202eexe.py\u2066x") == "evil\\u202eexe.py\\u2066x"
     plan = make_plan(training(iters=3), "t")
     plan.meta["source"] = "x\x1b]0;PWNED\x07y"
     save_plan(plan, tmp_path / "p.npplan")
