@@ -479,8 +479,12 @@ def test_a_bad_rank_or_log_interval_never_loses_the_report(monkeypatch: pytest.M
     ("experts: 8\ntop_k: 9\n", "top_k=9 must be in 1..experts=8"),
     ("pp: 8\n", "pp=8 stages for 4 layers"),
     ("hidden: 2048\nhidden: 4096\n", "line 5: 'hidden' is given twice (first on line 4)"),
+    ("pp: 3\n", "layers=4 not divisible by pp=3"),  # (stages left empty before)
+    ("ep: 8\n", "ep=8 divides the experts"),  # (accepted and shown, meaning nothing)
+    ("experts: 1\n", "top_k=2 must be in 1..experts=1 (2 unless given: give top_k too)"),
 ], ids=["dtype-mapping", "optimizer-list", "bool-int", "huge-int", "int-key", "deep", "kv-heads-not-dividing",
-        "kv-heads-over-heads", "top-k-over-experts", "pp-over-layers", "repeated-key"])
+        "kv-heads-over-heads", "top-k-over-experts", "pp-over-layers", "repeated-key", "pp-not-dividing",
+        "ep-without-experts", "default-top-k"])
 def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, words: str) -> None:
     path = tmp_path / "m.yaml"
     base = {"hidden": 1024, "layers": 4, "heads": 16, "vocab": 32000}  # less the key the case gives

@@ -731,3 +731,30 @@ def test_a_plan_followed_from_its_first_request_keeps_its_prologue_once():
     assert r.stats["plan"]["fallback"] == 0 and r.stats["plan"]["served"] == plan.meta["replay_counts"]["served"]
     assert r.peak_reserved_bytes == plan.meta["region_bytes"]  # every request in the region, as planned
     assert r.peak_reserved_bytes < replay.run(trace, "npu_pool").peak_reserved_bytes
+
+
+def test_a_plan_is_refused_where_its_figures_or_rules_disagree(tmp_path) -> None:
+    """From a review of plan files (2026-11-26): install() put a plan made under CUDA's request rules
+    on a pool applying torch_npu's (every request missed, the region held: 13.69 GiB against 7.57
+    online); a plan whose region passes its placements (60 GiB with region_bytes deleted) or whose
+    loop body moved (the meta's prologue left) passed `plan --check`; a plan with no meta, which the
+    runtime takes, failed it; a NaN figure printed 'inf x peak live'."""
+    import dataclasses
+
+    plan = make_plan(training())
+    assert plan.meta["device"] == "cuda" and plan.meta["ghosts"] == 0
+    with Pool("planned", capacity=1 << 30, rules="npu") as p:
+        with pytest.raises(PlanError, match="made with cuda's request rules and this pool applies npu's"):
+            install(p, plan)
+    with Pool("planned", capacity=1 << 30, rules="cuda") as p:
+        assert install(p, plan)
+    for change, words in [(dict(region=plan.region + (60 << 30)), "placements reach"),
+                          (dict(loop=plan.loop + 1), "where its figures say")]:
+        bad = dataclasses.replace(plan, meta={k: v for k, v in plan.meta.items() if k != "region_bytes"}, **change)
+        save_plan(bad, tmp_path / "bad.npplan")
+        with pytest.raises(PlanError, match=words):
+            load_plan(tmp_path / "bad.npplan")
+    save_plan(dataclasses.replace(plan, meta={}), tmp_path / "bare.npplan")
+    assert main(["plan", "--check", str(tmp_path / "bare.npplan")]) == 0
+    save_plan(dataclasses.replace(plan, meta={**plan.meta, "ratio": float("nan")}), tmp_path / "nan.npplan")
+    assert main(["plan", "--check", str(tmp_path / "nan.npplan")]) == 1

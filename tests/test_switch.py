@@ -107,6 +107,12 @@ def test_a_bad_value_stops_at_import_torch_with_one_line(torch_npu: TorchNpu, tm
     python = hooked_python(torch_npu.python, tmp_path)
     afile = tmp_path / "afile"
     afile.write_bytes(b"not a plan")
+    from test_planner import training
+
+    from npu_pool.planner import make_plan, save_plan
+
+    cuda_plan = tmp_path / "cuda.npplan"
+    save_plan(make_plan(training()), cuda_plan)
     for env, words in [({"MEMORY_FRAGMENTATION": "yes"}, "MEMORY_FRAGMENTATION='yes' is not valid"),
                        # a bad plan file (a PlanError from install: a 26-line traceback before)
                        ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_POLICY": "planned", "NPU_POOL_PLAN": str(afile)},
@@ -115,6 +121,9 @@ def test_a_bad_value_stops_at_import_torch_with_one_line(torch_npu: TorchNpu, tm
                         "is the plan policy planned serves, but the policy is npu_pool"),
                        ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_OOM_SNAPSHOT": str(afile)},  # said at the first OOM before
                         "NPU_POOL_OOM_SNAPSHOT="),
+                       # a plan made under CUDA's request rules (a capture's): every request would miss
+                       ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_POLICY": "planned", "NPU_POOL_PLAN": str(cuda_plan)},
+                        "made with cuda's request rules and this npu device applies npu's"),
                        ]:
         r = subprocess.run([str(python), "-c", "print('started'); import torch; print('not reached')"],
                            env=torch_npu.env(**env), capture_output=True, text=True, timeout=300)

@@ -3,8 +3,8 @@
 Parameters come from the shapes (hidden size, layers, heads, KV heads, FFN size,
 vocabulary, experts), sliced as Megatron slices them: tensor parallelism (TP)
 divides the attention heads, the FFN and the vocabulary; pipeline parallelism (PP)
-gives each stage ``ceil(layers / pp)`` layers (embeddings on the first stage, the
-output head on the last); expert parallelism (EP) divides the experts.
+gives each stage ``layers / pp`` layers (a whole number, as Megatron requires; embeddings
+on the first stage, the output head on the last); expert parallelism (EP) divides the experts.
 
 Bytes per parameter (ZeRO, Rajbhandari et al. 2020): weights and gradients in the
 training dtype; Adam keeps two fp32 states, plus an fp32 master copy under mixed
@@ -147,9 +147,15 @@ class ModelConfig:
         if c.kv_heads and not (c.kv_heads <= c.heads and c.heads % c.kv_heads == 0):
             raise ValueError(f"kv_heads={c.kv_heads} must divide heads={c.heads} (grouped-query attention)")
         if c.experts and not 1 <= c.top_k <= c.experts:
-            raise ValueError(f"top_k={c.top_k} must be in 1..experts={c.experts}")
+            raise ValueError(f"top_k={c.top_k} must be in 1..experts={c.experts}"
+                             f"{' (2 unless given: give top_k too)' if c.top_k == 2 else ''}")
+        if c.ep > 1 and not c.experts:
+            raise ValueError(f"ep={c.ep} divides the experts of a mixture-of-experts model: give experts too")
         if c.pp > c.layers:
             raise ValueError(f"pp={c.pp} stages for {c.layers} layers: a stage would hold none")
+        if c.layers % c.pp:  # (ceil per stage left the last stages empty: 9 layers over 8 stages)
+            raise ValueError(f"layers={c.layers} not divisible by pp={c.pp}: Megatron gives every pipeline stage "
+                             "the same number of layers")
         return c
 
     @property

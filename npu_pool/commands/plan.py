@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ..trace.format import device_type, forced_device
@@ -55,19 +56,37 @@ def _summary(meta: dict) -> str:
                          "--json prints it as it is") from None
 
 
+def _number(meta: dict, key: str) -> float | None:
+    """A figure of the meta; None where it is missing (a plan with no meta installs as well); a
+    ValueError naming it where it is not a finite number."""
+    v = meta.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError(f"{key} is {str(v)[:40]!r}")
+    return v
+
+
+def _gib(meta: dict, key: str) -> str:
+    v = _number(meta, key)
+    return "-" if v is None else f"{v / GiB:.3f} GiB"
+
+
 def _rows(meta: dict) -> str:
-    rows = [("trace", meta.get("source", "")),
+    ratio = _number(meta, "ratio")
+    ratio = "-" if ratio is None else f"{ratio:.4f} x peak live"
+    rows = [("trace", str(meta.get("source", ""))[:200]),
             ("iteration", f"{meta.get('method')} (seen {meta.get('repeats')}x), {meta.get('positions')} positions"
                           f" ({meta.get('prologue', 0)} prologue), {meta.get('unplanned')} unplanned"),
-            ("peak live", f"{meta['peak_live_bytes'] / GiB:.3f} GiB"),
-            ("region", f"{meta['region_bytes'] / GiB:.3f} GiB (order: {meta.get('order')})"),
-            ("outside plan", f"{meta['outside_peak_bytes'] / GiB:.3f} GiB (held by the fallback)"),
-            ("planned peak", f"{meta['planned_peak_bytes'] / GiB:.3f} GiB = {meta['ratio']:.4f} x peak live"),
+            ("peak live", _gib(meta, "peak_live_bytes")),
+            ("region", f"{_gib(meta, 'region_bytes')} (order: {meta.get('order')})"),
+            ("outside plan", f"{_gib(meta, 'outside_peak_bytes')} (held by the fallback)"),
+            ("planned peak", f"{_gib(meta, 'planned_peak_bytes')} = {ratio}"),
             ("time", f"{meta.get('seconds', 0):.2f} s")]
     if "online_reserved_bytes" in meta:
         c = meta.get("replay_counts", {})
-        rows.insert(-1, ("replayed", f"{meta['replay_reserved_bytes'] / GiB:.3f} GiB reserved with the plan, "
-                                     f"{meta['online_reserved_bytes'] / GiB:.3f} GiB online (npu_pool); requests "
+        rows.insert(-1, ("replayed", f"{_gib(meta, 'replay_reserved_bytes')} reserved with the plan, "
+                                     f"{_gib(meta, 'online_reserved_bytes')} online (npu_pool); requests "
                                      f"served by the plan {c.get('served', 0)}, in idle ranges {c.get('idle', 0)}, "
                                      f"fallen back {c.get('fallback', 0)}"))
     if meta.get("online"):

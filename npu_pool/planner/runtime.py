@@ -69,6 +69,10 @@ def install(pool: Any, plan: PlanLike) -> bool:
         if getattr(pool, "policy", "planned") != "planned":
             raise PlanError(f"a plan installs on a 'planned' pool; this pool's policy is {pool.policy!r}, not planned")
         return False
+    made, rules = p.meta.get("device", "cuda"), getattr(pool, "device_rules", None)
+    if rules in ("npu", "cuda") and made != rules:  # (every request would miss, the region held for nothing)
+        raise PlanError(f"the plan {_file_of(p) or ''} was made with {made}'s request rules and this pool applies "
+                        f"{rules}'s: its sizes never match; make it with `npu-pool plan TRACE --device {rules}`")
     pool.set_plan(p.size, p.offset, p.end, p.loop, p.region, p.flags, outside=p.outside)
     return True
 

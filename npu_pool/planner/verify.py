@@ -136,6 +136,10 @@ def verify(plan: Plan) -> None:
     if said is not None and said != plan.region or isinstance(said, bool):  # (a replay maps the header's)
         raise PlanError(f"plan: a region of {plan.region} bytes where its figures say {said}: the file was "
                         "edited or is corrupt; make it again with `npu-pool plan`")
+    prologue = plan.meta.get("prologue") if isinstance(plan.meta, dict) else None
+    if prologue is not None and prologue != plan.loop:
+        raise PlanError(f"plan: the loop body starts at position {plan.loop} where its figures say {prologue!r:.20}: "
+                        "the file was edited or is corrupt; make it again with `npu-pool plan`")
     pos, offset, size, span = [], [], [], []
     for p in range(n):
         if not 0 < plan.size[p] <= 1 << 48:
@@ -153,3 +157,10 @@ def verify(plan: Plan) -> None:
         size.append(aligned(plan.size[p]))
         span.extend(plan.span(p))
     verify_rects(n, offset, size, span, plan.region, lambda r: f"position {pos[r]}")
+    top = max((o + s for o, s in zip(offset, size)), default=0)
+    ghosts = plan.meta.get("ghosts") if isinstance(plan.meta, dict) else None
+    if ghosts == 0 and not isinstance(ghosts, bool) and plan.region > top:
+        # (the region is reserved whole: past its placements it holds memory nothing is placed in;
+        # a plan with ghosts, rectangles the file does not keep, may reach further)
+        raise PlanError(f"plan: a region of {plan.region} bytes where its placements reach {top}: the file was "
+                        "edited or is corrupt; make it again with `npu-pool plan`")
