@@ -305,8 +305,10 @@ def _hooks(kind: str) -> Any:
     try:
         return cpp_hooks.load(kind)
     except cpp_hooks.HooksUnavailable as e:
-        lost = ("torch.npu.memory_stats() and friends are answered from Python, and an out-of-memory request "
-                "surfaces as torch_npu's 'Get data_ptr failed'" if kind == "npu" else
+        lost = ("Tensor.record_stream() does nothing (a tensor used on another NPU stream must then be kept alive "
+                "until that stream is done, or the stream synchronised, before it is freed), torch.npu.memory_stats() "
+                "and friends are answered from Python, and an out-of-memory request surfaces as torch_npu's "
+                "'Get data_ptr failed'" if kind == "npu" else
                 "an out-of-memory request is not raised by torch.empty(): the tensor it returns has no memory and "
                 "fails at first use ('data is not allocated yet')")
         warnings.warn(f"npu_pool: {e}; using the C hooks only: {lost}, after npu_pool's explanation on stderr",

@@ -114,7 +114,11 @@ def _reset_accumulated(device: Optional[int] = None) -> None:
 def _record_history(enabled: Any = "all", context: Any = None, stacks: Any = None, max_entries: Any = sys.maxsize,
                     *args: Any, **kwargs: Any) -> None:
     """``_record_memory_history``: from now on keep ``max_entries`` events on every device
-    (``enabled=None``/False: back to the default bound). Clears what was kept, as torch does."""
+    (``enabled=None``/False: back to the default bound). Clears what was kept, as torch does.
+    While OOM snapshots are on, no fewer than they keep (a profiler stopping cut them to the
+    default, ``max_entries=0`` to none, and a snapshot said written held no event)."""
+    from .oom import HISTORY_WHEN_ENABLED, snapshot_dir
+
     on = enabled not in (None, False)
     try:
         n = int(max_entries) if on else HISTORY_DEFAULT
@@ -122,6 +126,8 @@ def _record_history(enabled: Any = "all", context: Any = None, stacks: Any = Non
         raise ValueError(f"max_entries must be a number of events, got {max_entries!r}") from None
     if n < 0:
         raise ValueError(f"max_entries must be >= 0, got {n}")
+    if snapshot_dir():
+        n = max(n, HISTORY_WHEN_ENABLED)
     _check(lib.npu_pool_set_history(-1, min(n, HISTORY_MAX)))  # "unlimited" asks for sys.maxsize
 
 

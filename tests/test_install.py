@@ -487,6 +487,25 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
     assert not hasattr(torch._C, "_cuda_memoryStats") or torch._C._cuda_memoryStats is not torch_memory._memory_stats
 
 
+def test_record_memory_history_keeps_what_oom_snapshots_need(fakes: dict, fake_cuda_torch: list,
+                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With OOM snapshots on the pool keeps HISTORY_WHEN_ENABLED events; a profiler stopping
+    (_record_memory_history(enabled=None)) cut that to the default, max_entries=0 to none, and the
+    next snapshot, said written, held no event (found by a review of the torch_npu path)."""
+    from npu_pool import oom
+    from npu_pool.vocab import HISTORY_DEFAULT
+
+    monkeypatch.setenv(oom.ENV, str(tmp_path / "snaps"))
+    pools = npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
+    assert oom.HISTORY_WHEN_ENABLED > HISTORY_DEFAULT + 100
+    for stop in (dict(enabled=None), dict(max_entries=0)):
+        torch.cuda.memory._record_memory_history(**stop)
+        for _ in range((HISTORY_DEFAULT + 100) // 2):
+            free(malloc(4096))
+        assert len(pools[0].history()) >= HISTORY_DEFAULT + 100
+    inst._reset()
+
+
 def test_install_with_a_library_that_cannot_load_leaves_torch_alone(fakes: dict, fake_cuda_torch: list) -> None:
     """The vendor library is loaded when the pool is configured: a wrong lib_path is an
     InstallError naming it before torch's allocator is swapped (before: install returned, and

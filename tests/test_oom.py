@@ -188,3 +188,13 @@ def test_pool_malloc_oom_names_the_snapshot(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.delenv(oom.ENV)
     assert "OOM snapshot" not in _fails(pool, 12 * MiB)
     assert sorted(os.listdir(tmp_path / "oom")) == sorted([path.name, path.with_suffix(".json").name])
+
+
+def test_a_request_past_the_arena_names_itself_not_a_full_range() -> None:
+    """3 GiB on an empty 1 GiB device said '[the arena's address range is full]' (a review of the
+    torch_npu path): the request alone passes the range."""
+    with Pool(capacity=1 << 30) as p:
+        with pytest.raises(OutOfMemoryError) as e:
+            p.malloc(3 << 30)
+        assert "more than the whole cap [the request is larger than the arena's whole address range (2.00 GiB)]" \
+            in str(e.value) and "is full" not in str(e.value)

@@ -258,6 +258,7 @@ except RuntimeError as e:
 print(json.dumps(r))
 """, MEMORY_FRAGMENTATION="1", CXX="/nonexistent/g++", NPU_POOL_CACHE=str(tmp_path))
     assert "using the C hooks only" in err and "/nonexistent/g++" not in out.get("oom", "")
+    assert "Tensor.record_stream() does nothing" in err  # (it was dropped without a word)
     assert out["allocated"][0] == out["allocated"][1] == out["stats"] >= 5 * MiB
     assert "Get data_ptr failed" in out["oom"]  # what torch_npu says when a C hook returns NULL ...
     assert err.count("out of memory on device 0") == 1  # ... after the pool's explanation, printed once

@@ -384,6 +384,16 @@ static np_block *unpinned_hole(const np_ctx *ctx, const np_arena *a, intptr_t s,
   return NULL;
 }
 
+/* No room for `size` bytes in the arena's address range: full, or the request alone passes it. */
+static int range_full(const np_arena *a, uint64_t size) {
+  if (a->seg && size > a->seg->size) {
+    char x[32];
+    return np_error(NP_ERR_OOM, "the request is larger than the arena's whole address range (%s)",
+                    np_fmt_bytes(a->seg->size, x));
+  }
+  return np_error(NP_ERR_OOM, "the arena's address range is full");
+}
+
 /* Under cap pressure (reserved + size past budget / NP_ARENA_NEAR_DIV), keep free chunks whole so
  * trims can return them: when carving best fit h at its usual end would pin a wholly free chunk,
  * carve at its other end, or failing that take the smallest compatible hole with an end that
@@ -456,12 +466,12 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
     used_by = h->stream;
   } else {
     np_block *t = a->top;
-    if (!t) return np_error(NP_ERR_OOM, "the arena's address range is full");
+    if (!t) return range_full(a, size);
     np_block *below = t->prev;
     /* No hole fits, so a usable hole under the top is smaller than the request:
      * start the request there; it covers the whole hole, the rest is untagged. */
     bool absorb = below && !below->allocated && compatible(ctx, a, below->stream, stream) && below->size + t->size >= size;
-    if (!absorb && t->size < size) return np_error(NP_ERR_OOM, "the arena's address range is full");
+    if (!absorb && t->size < size) return range_full(a, size);
     used_by = NP_STREAM_ANY;
     if (absorb) {
       np_tree_remove(&a->holes, below);
