@@ -3,7 +3,9 @@
 Runs ``npu-pool demo`` (what ``./run demo`` runs once set up), writes its whole output, stderr's
 progress lines in place, to docs/img/demo_terminal.txt, and renders its first screen (up to the
 paragraph after the 7B table) as docs/img/demo_terminal.png in headless Chromium (``chromium``
-or ``chromium-browser`` on the PATH). Only the capture timings differ from run to run.
+or ``chromium-browser`` on the PATH; its profile in a temporary folder). Only the capture timings
+differ from run to run, given the same ../shared/traces (without them, their rows and the sums
+over all traces differ: the committed transcript was made with them).
 """
 from __future__ import annotations
 
@@ -43,9 +45,11 @@ def render(lines: list[str], out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "demo.html"
         src.write_text(page)
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+        profile = f"--user-data-dir={Path(tmp) / 'profile'}"  # (its state, and dconf's below, stay in tmp)
+        env = {**os.environ, "XDG_CONFIG_HOME": tmp, "XDG_CACHE_HOME": tmp}
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", profile,
                         f"--window-size={SIZE}", f"--screenshot={out}", src.as_uri()],
-                       check=True, capture_output=True, timeout=120)
+                       check=True, capture_output=True, timeout=120, env=env)
 
 
 def main() -> int:

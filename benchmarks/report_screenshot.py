@@ -34,9 +34,12 @@ def render(page: Path, out: Path, size: str) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if not browser:
         raise SystemExit("report_screenshot: no chromium on the PATH (Debian, Ubuntu: apt-get install chromium)")
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    "--virtual-time-budget=5000", f"--window-size={size}", f"--screenshot={out}", page.as_uri()],
-                   check=True, capture_output=True, timeout=180)
+    with tempfile.TemporaryDirectory() as tmp:  # chromium's profile and dconf's cache stay in tmp
+        profile = f"--user-data-dir={Path(tmp) / 'profile'}"
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", profile,
+                        "--virtual-time-budget=5000", f"--window-size={size}", f"--screenshot={out}", page.as_uri()],
+                       check=True, capture_output=True, timeout=180,
+                       env={**os.environ, "XDG_CONFIG_HOME": tmp, "XDG_CACHE_HOME": tmp})
 
 
 def main() -> int:

@@ -670,3 +670,20 @@ def test_a_fraction_set_before_the_first_request_caps_the_torch_model_as_one_set
     before = v.calls("malloc")
     assert malloc(1 << 30) == 0  # past the 256 MiB fake device
     assert v.calls("malloc") == before  # refused by the pool itself, no device call
+
+
+def test_run_refuses_to_install_into_the_systems_python(tmp_path: Path) -> None:
+    """`./run demo` outside a virtual environment installed torch and the package into whatever
+    python3 was first on the PATH, the system's included (a newcomer's walk-through): it refuses a
+    Python whose packages live under /usr, before installing anything."""
+    system = Path("/usr/bin/python3")
+    probe = "import sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and " \
+            "sysconfig.get_paths()['purelib'].startswith('/usr/')))"
+    if not system.exists() or subprocess.run([str(system), "-c", probe]).returncode != 0:
+        pytest.skip("no system Python under /usr on this machine")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")}
+    r = subprocess.run(["bash", str(ROOT / "run"), "demo"], env={**env, "PYTHON": str(system)}, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "is the system's Python: installing here would change the machine's packages" \
+        in r.stderr, r.stderr[-2000:]
+    assert "python3 -m venv .venv" in r.stderr and "installing" not in r.stderr.replace("installing here", "")

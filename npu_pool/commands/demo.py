@@ -138,4 +138,12 @@ def _run(args: argparse.Namespace) -> int:
         rs = [r for r in results if r.policy == policy]
         waste = sum(r.min_capacity_bytes - r.peak_live_bytes for r in rs) / GiB
         print(f"{policy:11} needs {waste:.3f} GiB beyond peak live, summed over the {len(rs)} traces (over live)")
+    print(NOTE)
     return 0
+
+
+NOTE = """Read min cap for the memory each needs (here retries are allowed and counted; the 7B case's
+"needs" allows none). peak rsvd and util are with room to spare, where npu_pool takes device
+memory in chunks of at least 20 MiB, as PyTorch's large pool does, to make few device calls
+(docs/device_calls.md): on models this small its util can be below the stock allocator's.
+Request rules: each trace's own (CUDA's for the CPU captures) unless --device says otherwise."""
