@@ -571,6 +571,13 @@ def test_a_trace_with_a_malformed_capture_config_is_one_line(tmp_path: Path, cap
     path = tmp_path / "t.npt"
     trace.save(path)
     _one_line(capsys, ["estimate", "--trace", str(path)], "meta['capture'] is malformed")
+    # fields of the wrong type are named, not read loosely ("no" was a full recompute, 2.7 a tp of 2)
+    for field, value, words in (("recompute", "no", "recompute is 'no', not true or false"),
+                                ("tp", 2.7, "tp is '2.7', not a whole number"),
+                                ("seq", "1024", "seq is '1024', not a whole number")):
+        trace.meta["capture"] = {"model": "llama", "seq": 64, "batch": 1, field: value}
+        trace.save(path)
+        _one_line(capsys, ["estimate", "--trace", str(path)], f"meta['capture'] is malformed: {words}")
 
 
 @pytest.mark.slow

@@ -400,7 +400,29 @@ def config_from_trace(meta: dict[str, Any]) -> ModelConfig | None:
         raise ValueError(f"the trace's meta['capture'] is malformed ({type(e).__name__}: {str(e)[:80]})") from None
 
 
+_CAPTURE_INTS = ("layers", "dim", "heads", "vocab", "seq", "batch", "tp")
+_CAPTURE_BOOLS = ("recompute", "fake")
+
+
+def _check_capture(cap: dict[str, Any]) -> None:
+    """Each field of the trace's ``meta["capture"]`` of the type ``npu-pool capture`` writes (a
+    string "no" read as true made a full recompute, 2.7 an int, "1024" failed naming a field the
+    user never gave)."""
+    for key in _CAPTURE_INTS:
+        v = cap.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"the trace's meta['capture'] is malformed: {key} is {str(v)[:40]!r}, not a whole number")
+    for key in _CAPTURE_BOOLS:
+        v = cap.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"the trace's meta['capture'] is malformed: {key} is {str(v)[:40]!r}, not true or false")
+    for key in ("seq", "batch"):
+        if not cap.get(key):
+            raise ValueError(f"the trace's meta['capture'] is malformed: it has no {key}")
+
+
 def _capture_config(cap: dict[str, Any], make_config: Any) -> ModelConfig:
+    _check_capture(cap)
     over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
                 vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))
     g = make_config(cap["model"], cap.get("shape") if cap.get("fake") else None,
