@@ -72,6 +72,7 @@ class _Installation:
         self.pools: dict[int, "_DevicePool"] = {}
         self.plan_used: list[bool] = []  # per device: the plan was installed (not found worse than online)
         self.unroute: Any = None  # puts torch's memory APIs back (torch_memory.route)
+        self.lib_path: Optional[str] = None  # the vendor library the caller named (None: the default)
 
 
 _current: Optional[_Installation] = None
@@ -389,6 +390,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         if _current is not None:
             if (_current.kind, _current.policy) != (kind, policy):
                 raise _already(_current)
+            if lib_path is not None and lib_path != _current.lib_path:  # (it was ignored, silently)
+                raise InstallError(f"npu_pool is already installed over {_current.lib_path or 'the default library'}; "
+                                   f"lib_path={lib_path!r:.200} cannot change it in this process")
             if given:  # the cap set since (torch's set_per_process_memory_fraction included) stays otherwise
                 for p in _current.pools.values():
                     p.set_fraction(fraction)
@@ -398,6 +402,7 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         if callable(is_initialized) and is_initialized():
             raise _too_late(kind)
         inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path)
+        inst.lib_path = lib_path
         change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
         try:  # the swap comes last: every failure before it left torch untouched
             change(inst.allocator)

@@ -446,6 +446,9 @@ def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cu
     assert pools[0].stats()["limit"] == 128 * MiB
     with pytest.raises(inst.InstallError, match="already installed"):
         npu_pool.install(device_type="cuda", policy="torch", lib_path=v.path)
+    with pytest.raises(inst.InstallError, match="already installed over .*; lib_path='/nonexistent.so' cannot"):
+        npu_pool.install(device_type="cuda", lib_path="/nonexistent.so")  # (it was ignored, silently)
+    assert npu_pool.install(device_type="cuda") == pools  # none named: the installed one serves
 
 
 def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: list,
