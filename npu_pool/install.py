@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import operator
+import os
 import sys
 import types
 import warnings
@@ -390,7 +391,7 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         if _current is not None:
             if (_current.kind, _current.policy) != (kind, policy):
                 raise _already(_current)
-            if lib_path is not None and lib_path != _current.lib_path:  # (it was ignored, silently)
+            if lib_path and not _same_library(kind, lib_path, _current.lib_path):  # (it was ignored, silently)
                 raise InstallError(f"npu_pool is already installed over {_current.lib_path or 'the default library'}; "
                                    f"lib_path={lib_path!r:.200} cannot change it in this process")
             if given:  # the cap set since (torch's set_per_process_memory_fraction included) stays otherwise
@@ -420,6 +421,15 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
                       f"({plan.meta.get('online', '')}); the planned policy serves every request online, "
                       "as npu_pool", RuntimeWarning, stacklevel=2)
     return dict(inst.pools)
+
+
+def _same_library(kind: str, a: Optional[str], b: Optional[str]) -> bool:
+    """Whether two lib_path values (None or "": the default) name one library."""
+    def resolved(p: Optional[str]) -> Optional[str]:
+        p = p or _default_lib_path(kind)
+        return os.path.realpath(p) if p and "/" in p else p
+
+    return resolved(a) == resolved(b)
 
 
 def _already(current: _Installation) -> InstallError:

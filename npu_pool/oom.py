@@ -160,12 +160,11 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
         tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
                     "needed, e.g. by collective-communication buffers")
-    idle = {t: v["mapped"] - v["allocated"] for t, v in pool.tags().items()} if policy == "npu_pool" else {}
-    idle = {t: b for t, b in idle.items() if b > 0}
-    if kind == "fragmentation" and idle:  # (a region's arena keeps its chunks around its live tensors)
-        tips.append("free or pause the other tagged regions: their arenas keep chunks mapped around live tensors, "
-                    "which empty_cache cannot return (" + ", ".join(f"{t}: {fmt_bytes(b)}" for t, b in
-                                                           sorted(idle.items(), key=lambda x: -x[1])[:4]) + ")")
+    idle = _idle_elsewhere(pool, st) if policy == "npu_pool" and kind == "fragmentation" else {}
+    if idle:  # (each arena keeps its chunks around its live tensors)
+        tips.append("free the tensors that keep the pool's other arenas mapped, or pause those regions: empty_cache "
+                    "cannot return their free memory (" + ", ".join(f"{t}: {fmt_bytes(b)}" for t, b in
+                                                            sorted(idle.items(), key=lambda x: -x[1])[:4]) + ")")
     if kind == "fragmentation" and policy in ("npu_pool", "planned"):
         # (its failed request already returned every wholly free chunk and retried: empty_cache frees nothing more)
         if policy == "planned":
@@ -183,6 +182,21 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
         tips.extend(_SHORTAGE_LEVERS)
     return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
                           at_failure)
+
+
+def _idle_elsewhere(pool: Any, st: dict[str, Any]) -> dict[str, int]:
+    """Free bytes mapped in the arenas other than the current region's, by name ("untagged": the
+    main arena's), where some are; {} when the pool has no tags."""
+    tags = pool.tags()
+    if not tags:
+        return {}
+    current = [t for t, v in tags.items() if v["current"]]
+    idle = {t: v["mapped"] - v["allocated"] for t, v in tags.items() if t not in current}
+    untagged = (int(st["total"]["reserved"]["current"]) - sum(v["mapped"] for v in tags.values())) - \
+        (int(st["total"]["allocated"]["current"]) - sum(v["allocated"] for v in tags.values()))
+    if current:  # (a request outside every region is the main arena's own: not elsewhere)
+        idle["untagged"] = untagged
+    return {t: b for t, b in idle.items() if b > 0}
 
 
 def snapshot_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -734,12 +734,20 @@ def test_an_out_of_memory_names_the_idle_memory_other_regions_keep_mapped() -> N
         text = str(e.value)
         idle = p.stats()["total"]["reserved"]["current"] - 1024
         assert "fragmentation across tagged regions: the arena has only 24.00 MiB it could use" in text, text
-        assert f"{idle / MiB:.2f} MiB more is free in the other regions' arenas, kept mapped by their live " \
-               "tensors (empty_cache cannot return it: free those tensors, or pause their regions)" in text, text
+        assert f"{idle / MiB:.2f} MiB more is free in the pool's other arenas (untagged tensors' and other " \
+               "regions'), kept mapped by their live tensors (empty_cache cannot return it: free those tensors, " \
+               "or pause those regions)" in text, text
         assert "a real shortage" not in text
         x = oom.explain(p)  # the explanation says the same, with the regions that keep the memory
-        assert x.kind == "fragmentation" and x.suggestions[0].startswith("free or pause the other tagged regions")
-        assert "train: 20.00 MiB" in x.suggestions[0] and "rollout: 20.00 MiB" in x.suggestions[0], x.suggestions
+        (tip,) = [s for s in x.suggestions if "other arenas" in s]
+        assert x.kind == "fragmentation" and "train: 20.00 MiB" in tip and "rollout: 20.00 MiB" in tip, tip
+        # inside a region: the region itself is not "other", the untagged tensors' arena is
+        with p.region("train"):  # (its own 20 MiB chunk and the cap's 24 serve 30 MiB here; not 50)
+            with pytest.raises(OutOfMemoryError):
+                p.malloc(50 * MiB)
+            tips = oom.explain(p).suggestions  # (as the OOM snapshot's, written at the failure)
+        (tip,) = [s for s in tips if "other arenas" in s]
+        assert "rollout: 20.00 MiB" in tip and "train" not in tip, tip
         p.pause("train")
         p.pause("rollout")
         p.free(p.malloc(30 * MiB))  # paused, they hold nothing

@@ -1221,5 +1221,10 @@ def test_analyze_refuses_one_trace_given_twice(tmp_path, capsys) -> None:
     small_trace().save(tmp_path / "run.npt")
     (tmp_path / "sub").mkdir()
     small_trace(8).save(tmp_path / "sub" / "run.npt")
-    _one_line(capsys, ["analyze", str(tmp_path), str(tmp_path / "sub")], "both hold the trace run: analyze one of them")
-    assert main(["analyze", str(tmp_path / "sub")]) == 0
+    (tmp_path / "run.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "frames": []}]]}))  # beside run.npt: the same
+    _one_line(capsys, ["analyze", str(tmp_path)], "both hold the trace run: analyze one of them")
+    (tmp_path / "run.pickle").unlink()
+    # two folders' traces of one name are two runs: both analysed, told apart by their folder
+    assert main(["analyze", str(tmp_path / "run.npt"), str(tmp_path / "sub" / "run.npt")]) == 0
+    assert "sub/run" in capsys.readouterr().out

@@ -677,13 +677,13 @@ def test_a_fraction_set_before_the_first_request_caps_the_torch_model_as_one_set
 
 def test_run_refuses_to_install_into_the_systems_python(tmp_path: Path) -> None:
     """`./run demo` outside a virtual environment installed torch and the package into whatever
-    python3 was first on the PATH, the system's included (a newcomer's walk-through): it refuses a
-    Python whose packages live under /usr, before installing anything."""
+    python3 was first on the PATH, the system's included (a newcomer's walk-through): it refuses
+    the Python its distribution manages (PEP 668's EXTERNALLY-MANAGED), before installing anything."""
     system = Path("/usr/bin/python3")
-    probe = "import sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and " \
-            "sysconfig.get_paths()['purelib'].startswith('/usr/')))"
+    probe = "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and " \
+            "os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED'))))"
     if not system.exists() or subprocess.run([str(system), "-c", probe]).returncode != 0:
-        pytest.skip("no system Python under /usr on this machine")
+        pytest.skip("no system Python its distribution manages (PEP 668) on this machine")
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")}
     r = subprocess.run(["bash", str(ROOT / "run"), "demo"], env={**env, "PYTHON": str(system)}, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)

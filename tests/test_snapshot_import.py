@@ -421,6 +421,19 @@ def test_a_snapshot_of_many_segment_events_imports(tmp_path: Path) -> None:
     assert op_counts(t)["init_segment"] == n and t.meta["recorded"]["initial_reserved_bytes"] == n * 2 * M
 
 
+def test_a_segment_of_no_bytes_is_left_out_not_a_crash() -> None:
+    """Two end-state segments at one address, the first of 0 bytes, then an unmap: the map counted
+    the address twice and the next lookup raised KeyError (a review of this session's change)."""
+    seg = lambda a, s: {"device": 0, "address": a, "total_size": s, "stream": 0,  # noqa: E731
+                        "segment_type": "large", "blocks": []}
+    snap = {"segments": [seg(100 * M, 0), seg(100 * M, 4 * M)],
+            "device_traces": [[_ev("alloc", 300 * M, M), _ev("segment_free", 100 * M, 4 * M),
+                               _ev("segment_alloc", 100 * M, 4 * M), _ev("segment_unmap", 104 * M, 2 * M)]]}
+    (t,) = snapshot_to_traces(snap, "zero.pickle")
+    t.validate()
+    assert any("(+0 bytes) holds no bytes: left out" in w for w in t.meta["warnings"]), t.meta["warnings"]
+
+
 def test_overlapping_segments_are_left_out_with_a_warning() -> None:
     snap = _windowed()
     snap["segments"].append({"device": 0, "address": 110 * M, "total_size": 4 * M, "stream": 0,

@@ -136,8 +136,10 @@ def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool =
     source: dict[str, Path] = {}
     for p in progress(expand(paths), desc="load", unit="file", enabled=show_progress):
         for name, t in open_traces(p):
-            if name in source:  # (a snapshot beside its own import: each rank twice, compared with itself)
+            if name in source and source[name].parent == p.parent:  # a snapshot beside its own import
                 raise ValueError(f"{source[name]} and {p} both hold the trace {name}: analyze one of them")
+            if name in source:  # two runs' files of one name (a/run.npt b/run.npt): told apart by folder
+                name = f"{p.parent.name}/{name}"
             source[name] = p
             named.append((name, t))
     if not named:

@@ -78,7 +78,7 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   np_get_stats_locked(ctx, &st);
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[400], held[320] = "";
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[480], held[320] = "";
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
@@ -95,8 +95,9 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
     np_ctx_device_refusal(ctx, room, known, what, sizeof what);
   else if (why == NP_OOM_FRAGMENTED && f->usable < np_max_u64(f->needed, size))
     snprintf(what, sizeof what, "fragmentation across tagged regions: %s has only %s it could use, and the request "
-             "needs %s in one piece; %s more is free in the other regions' arenas, kept mapped by their live tensors "
-             "(empty_cache cannot return it: free those tensors, or pause their regions)", pool,
+             "needs %s in one piece; %s more is free in the pool's other arenas (untagged tensors' and other regions'), "
+             "kept mapped by their live tensors (empty_cache cannot return it: free those tensors, or pause those "
+             "regions)", pool,
              np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n), np_fmt_bytes(f->elsewhere, el));
   else if (why == NP_OOM_FRAGMENTED)
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "

@@ -867,8 +867,8 @@ class _Builder:
     def _put_segment(self, segs: "_SegmentMap", addr: int, value: tuple[int, int, int], where: str) -> None:
         other = segs.put(addr, value)
         if other is not None:
-            self.warn(f"{where}: the segment at {addr:#x} (+{value[0]} bytes) overlaps the one at {other:#x}: "
-                      "left out")
+            self.warn(f"{where}: the segment at {addr:#x} (+{value[0]} bytes) "
+                      f"{'holds no bytes' if not value[0] else f'overlaps the one at {other:#x}'}: left out")
 
     def _check_inside(self, segs: dict[int, tuple[int, int, int]]) -> None:
         if not self.check_segments or not self.init_allocs:
@@ -980,8 +980,11 @@ class _SegmentMap:
         return found
 
     def put(self, addr: int, value: tuple[int, int, int]) -> int | None:
-        """Add a segment; the start of one it would overlap instead (then nothing is added)."""
-        near = self._near(addr, addr + max(value[0], 1), touching=False)
+        """Add a segment; the start of one it would overlap instead (then nothing is added; a
+        segment of no bytes is no segment: refused as overlapping itself)."""
+        if value[0] == 0 or addr in self.segs:
+            return addr
+        near = self._near(addr, addr + value[0], touching=False)
         if near:
             return near[0]
         self._mark(addr, 1)
@@ -1000,7 +1003,8 @@ class _SegmentMap:
         for a in self._near(lo, hi, touching=True):
             s, _, _ = self.pop(a)
             lo, hi = min(lo, a), max(hi, a + s)
-        self.put(lo, (hi - lo, stream, POOL_LARGE))
+        if hi > lo:
+            self.put(lo, (hi - lo, stream, POOL_LARGE))
 
     def remove_range(self, addr: int, size: int) -> bool:
         """Remove [addr, addr+size), splitting the segments it cuts; whether it was wholly there."""
