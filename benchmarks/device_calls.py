@@ -297,15 +297,15 @@ NOTES = """
   350-1750 MiB of waste, and the rule that unmaps a wholly free chunk before a block pins it is
   both what keeps the waste small and a source of the steady calls on a full device.
 - On a full device the arena moves chunks in steady iterations where the torch model's cached
-  segments make few calls or none (the table "Steady iterations there": 1584 calls over the
+  segments make few calls or none (the table "Steady iterations there": 2260 calls over the
   iterations after the first of cs336-medium-ctx1024-infer, all steady, where the torch model
-  makes 9 in the second and none after; 407 in the steady iterations of h100-gpt-bf16-train, where
+  makes 9 in the second and none after; 551 in the steady iterations of h100-gpt-bf16-train, where
   the torch model, on the device it just fits, frees and mallocs segments every iteration too,
   180 calls): with the mapped memory at the cap, a request larger than every free mapped range
   unmaps free chunks to map their memory where it goes, and the layout each iteration leaves is
   not the one the next needs, so it does so again. With room to spare it maps new memory instead,
-  and the same two traces made 0 and 6 calls in their iterations after the first then (0 and 2 in
-  their steady ones). Measured on an H100 (docs/gpu.md, "A full device" and "cudaMalloc's
+  and the same two traces made 0 and 9 calls in their iterations after the first then (0 and 3 in
+  their steady ones; CUDA's cuMemSetAccess after each map counted since 2026-11-26, ninth session). Measured on an H100 (docs/gpu.md, "A full device" and "cudaMalloc's
   granules"): replayed as tensors there, every iteration made the calls the simulator says, kind
   by kind, under both allocators, and they cost time: 0.4-5.2 ms per iteration of ctx1024-infer
   under npu_pool against 0.2-0.3 ms under the CUDA caching allocator. Training the recorded model
@@ -350,7 +350,7 @@ NOTES = """
   memory than every one before it (the second, on the four traces that show it: their
   `iteration_peak_live`; `replay.steady_stretches`). Given room to spare npu_pool then makes no
   call in steady iterations but on h100-gpt-bf16-train, where the third iteration maps one more
-  chunk (24 MiB: a creation and a map, the column's 2) and later ones none: the layout the
+  chunk (24 MiB: a creation, a map and CUDA's set_access, the column's 3) and later ones none: the layout the
   second leaves is not quite the one the third needs (the same without lifetime hints). Growing
   by an eighth of what the arena holds far from the cap, freed holes or not, leaves it room there
   (7 of 7, at no cost in minimum-capacity waste) but holds 3.5% more at the peak given room to

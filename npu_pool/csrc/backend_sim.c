@@ -268,6 +268,14 @@ static int sim_page_release(np_backend *be, uint64_t handle, uint64_t size) {
   return NP_OK;
 }
 
+/* CUDA's cuMemSetAccess after each map (the CUDA backend's page_access): counted, nothing to do. */
+static int sim_page_access(np_backend *be, uintptr_t va, uint64_t size) {
+  (void)va;
+  (void)size;
+  be->calls[NP_CALL_SET_ACCESS]++;
+  return NP_OK;
+}
+
 static int sim_page_map(np_backend *be, uintptr_t va, uint64_t size, uint64_t handle) {
   sim_backend *s = (sim_backend *)be;
   be->calls[NP_CALL_MAP]++;
@@ -406,6 +414,8 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .host_free = cfg->host_backed ? sim_host_free : NULL,
       .free_bytes = sim_free_bytes,
   };
+  if (cfg->vmm && cfg->device_rules != NP_DEVICE_NPU) /* CUDA's rules (auto included): a map grants access too */
+    s->base.page_access = sim_page_access;
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
   s->top_down = cfg->device_rules != NP_DEVICE_NPU; /* CUDA's, and auto: the simulator's own rules are CUDA's */
