@@ -381,12 +381,14 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         if _current is not None and device_type not in ("auto", _current.kind):
             raise _already(_current)
     kind, module = _find_device(device_type, torch)
-    if plan is not None and not plan.meta.get("online") and plan.meta.get("device", "cuda") != kind:
-        from .planner.plan import PlanError  # (said before anything changes; every request would miss)
+    if plan is not None and not plan.meta.get("online"):  # (said before anything changes)
+        from .planner.plan import PlanError
+        from .planner.runtime import check_rules
 
-        raise PlanError(f"{config.PLAN}: the plan was made with {plan.meta.get('device', 'cuda')}'s request rules and "
-                        f"this {kind} device applies {kind}'s: its sizes never match; make it with "
-                        f"`npu-pool plan TRACE --device {kind}`")
+        try:
+            check_rules(plan, kind, f"this {kind} device applies")
+        except PlanError as e:
+            raise PlanError(f"{config.PLAN}: {e}") from None
     with _lock:
         if _current is not None:
             if (_current.kind, _current.policy) != (kind, policy):

@@ -68,21 +68,10 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
   }
 }
 
-/* Free bytes mapped in the arenas other than `a` (paused ones map nothing): what their live blocks
- * keep mapped around them once empty_cache has returned every wholly free chunk. */
-static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a) {
-  uint64_t idle = 0;
-  for (int i = -1; i < t->n; i++) {
-    np_arena *o = i < 0 ? main : &t->at[i]->arena;
-    if (o == a || !o->seg || (i >= 0 && t->at[i]->paused)) continue;
-    uint64_t allocated = 0;
-    for (np_block *b = o->seg->head; b; b = b->next) allocated += b->allocated ? b->size : 0;
-    idle += o->seg->mapped > allocated ? o->seg->mapped - allocated : 0;
-  }
-  return idle;
-}
 
 /* np_tags_malloc once a tag exists (out of line: without tags a request is a tail call). */
+static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a);
+
 __attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size,
                                                    intptr_t stream, bool long_lived, np_block **out) {
   np_arena *a = main;
@@ -181,6 +170,20 @@ static void blocks_of(const np_arena *a, uint64_t *bytes, uint64_t *count) {
       *bytes += b->size;
       ++*count;
     }
+}
+
+/* Free bytes mapped in the arenas other than `a` (paused ones map nothing): what their live blocks
+ * keep mapped around them once empty_cache has returned every wholly free chunk. */
+static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a) {
+  uint64_t idle = 0;
+  for (int i = -1; i < t->n; i++) {
+    np_arena *o = i < 0 ? main : &t->at[i]->arena;
+    if (o == a || !o->seg || (i >= 0 && t->at[i]->paused)) continue;
+    uint64_t allocated, count;
+    blocks_of(o, &allocated, &count);
+    idle += o->seg->mapped > allocated ? o->seg->mapped - allocated : 0;
+  }
+  return idle;
 }
 
 /* ---- backups -------------------------------------------------------------------------------- */

@@ -11,7 +11,7 @@ from ..trace.stats import alloc_sizes, contains, device_requests, fingerprint
 from .plan import ONLINE, Plan, PlanError
 from .planfile import load_plan
 
-__all__ = ["COUNTS", "ENV", "as_plan", "install", "remove", "counts", "plan_from_env", "check_made_for"]
+__all__ = ["COUNTS", "ENV", "as_plan", "install", "remove", "counts", "plan_from_env", "check_made_for", "check_rules"]
 
 COUNTS = PLAN_COUNTS  # np_set_plan's counters, in order
 ENV = "NPU_POOL_PLAN"
@@ -39,14 +39,22 @@ def _file_of(plan: Plan) -> str:
     return entry[1] if entry is not None and entry[0] is plan else ""
 
 
+def check_rules(plan: Plan, rules: str | None, applied: str) -> None:
+    """PlanError when ``plan`` was made under other request rules than ``rules`` ("npu" or
+    "cuda"; anything else: no check), which the device ``applied`` them (words for the message):
+    its sizes never match, every request would miss while the region is held."""
+    made = plan.meta.get("device", "cuda")  # plans before device rules were made unpadded
+    if rules in ("npu", "cuda") and rules != made:
+        raise PlanError(f"the plan {_file_of(plan) or ''} was made with {made}'s request rules and {applied} "
+                        f"{rules}'s: its sizes never match; make it with `npu-pool plan TRACE --device {rules}`")
+
+
 def check_made_for(plan: Plan, trace: Trace, name: str = "the trace", device: str | None = None) -> None:
     """PlanError unless ``trace`` runs the iteration ``plan`` was made for: its allocation sizes
     hold the plan's loop body, in order. (A run may differ from the planned trace in the ways a
     plan copes with -- more iterations, an evaluation, a prologue -- but not in its iteration.)"""
-    made = plan.meta.get("device", "cuda")  # plans before device rules were made unpadded
-    if device in ("npu", "cuda") and device != made:
-        raise PlanError(f"the plan {_file_of(plan) or ''} was made with {made}'s request rules and would replay under "
-                        f"{device}'s: its sizes never match; make it with `npu-pool plan TRACE --device {device}`")
+    check_rules(plan, device, "would replay under")
+    made = plan.meta.get("device", "cuda")
     body = plan.size[plan.loop:]
     if not contains(alloc_sizes(device_requests(trace, made)), body):
         source = plan.meta.get("source") or "another trace"
@@ -69,10 +77,7 @@ def install(pool: Any, plan: PlanLike) -> bool:
         if getattr(pool, "policy", "planned") != "planned":
             raise PlanError(f"a plan installs on a 'planned' pool; this pool's policy is {pool.policy!r}, not planned")
         return False
-    made, rules = p.meta.get("device", "cuda"), getattr(pool, "device_rules", None)
-    if rules in ("npu", "cuda") and made != rules:  # (every request would miss, the region held for nothing)
-        raise PlanError(f"the plan {_file_of(p) or ''} was made with {made}'s request rules and this pool applies "
-                        f"{rules}'s: its sizes never match; make it with `npu-pool plan TRACE --device {rules}`")
+    check_rules(p, getattr(pool, "device_rules", None), "this pool applies")
     pool.set_plan(p.size, p.offset, p.end, p.loop, p.region, p.flags, outside=p.outside)
     return True
 
