@@ -20,7 +20,8 @@ capacity under the device's rules (the device the torch model just fits, as docs
 "Steady iterations there"), ``--repeat`` times, each play as a first run, after one play with room
 to spare (as ``npu-pool replay --live`` plays before it bisects: the device's address space then is
 the one the torch model was checked against). It prints one JSON line: per iteration (the
-stretches between ``replay.iteration_bounds``, the set-up first) the device calls the allocator
+stretches between ``replay.iteration_bounds``, the set-up first, the last up to
+``replay.iterations_end``) the device calls the allocator
 made in the first play (npu_pool: its memory calls by kind, less the address reservation;
 native: the framework's num_device_alloc and num_device_free, as malloc and free), the wall
 seconds of each play (synchronised at each bound), and the simulator's calls for the same
@@ -62,12 +63,14 @@ def _player(path: str) -> tuple[Any, Any]:
 def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: str) -> dict[str, Any]:
     """The calls and wall time of each iteration under ``allocator`` at a cap (see the module doc)."""
     from npu_pool.live import MEMORY_KINDS, Player
-    from npu_pool.replay import iteration_bounds, min_capacity
+    from npu_pool.replay import iteration_bounds, iterations_end, min_capacity
 
     trace = _trace(path)
     bounds = iteration_bounds(trace)
     if not bounds:
         raise SystemExit(f"{path}: no iterations (no iteration markers, no period)")
+    end = iterations_end(trace, bounds)  # (the teardown after it: no stretch, as the simulator counts)
+    cuts = bounds + ([end] if end is not None else [])
     rules = "npu" if device == "npu" else "cuda"
     cap = cap_mib * MiB if cap_mib else min_capacity(trace, "torch", device=rules)[0]
     pool = None
@@ -106,14 +109,14 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
         player.reset()
         plays.append([])
         mark(-1)
-        failed = player.play(bounds, mark)  # (play synchronises at its end)
-        mark(len(bounds))
+        failed = player.play(cuts, mark)  # (play synchronises at its end)
+        mark(len(cuts))
         if failed is not None:
             break
     player.cap(None)
     first = plays[0]
-    live = [{k: b[1][k] - a[1][k] for k in b[1] if b[1][k] != a[1][k]} for a, b in zip(first, first[1:])]
-    seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])] for p in plays]
+    live = [{k: b[1][k] - a[1][k] for k in b[1] if b[1][k] != a[1][k]} for a, b in zip(first, first[1:])][:len(bounds) + 1]
+    seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])][:len(bounds) + 1] for p in plays]
     sim_ok, simulated = simulate_capped(trace, allocator, cap, player.total(), rules, bounds)
     return {"trace": Path(path).name, "allocator": allocator, "device": device, "cap_bytes": cap,
             "ok": failed is None, "fail": failed, "sim_ok": sim_ok, "iteration_calls": live,

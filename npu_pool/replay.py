@@ -122,6 +122,18 @@ def iteration_bounds(trace: Trace) -> list[int]:
     return ([w.start] if w.start < w.body else []) + list(range(w.body, len(trace), period))
 
 
+def iterations_end(trace: Trace, bounds: Sequence[int]) -> int | None:
+    """Where the last of the iterations ``bounds`` start ends, when the trace says so and events
+    follow: the event after its last ``MARK_ITER_END`` past the last bound (captures and the
+    recorder mark each iteration's end); None otherwise (the last stretch then runs to the end).
+    What follows (teardown: frees, a final ``empty_cache``) is no iteration."""
+    if not bounds:
+        return None
+    end = next((i + 1 for i in range(len(trace) - 1, bounds[-1], -1)
+                if trace.op[i] == vocab.OP_MARK and trace.cat[i] == vocab.MARK_ITER_END), None)
+    return end if end is not None and end < len(trace) else None
+
+
 def steady_stretches(peaks: Sequence[int]) -> list[bool]:
     """Which stretches over :func:`iteration_bounds` are steady iterations, from each one's peak of
     live bytes: every iteration after the first (the third stretch on: before the first bound, the
@@ -168,8 +180,10 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     history (stamped with its trace event's index) and return it with the end state.
     ``bounds`` (increasing event indices, e.g. :func:`iteration_bounds`): ``iteration_calls`` gets
     the device calls made before the first bound, between each bound and the next, and after the
-    last (len(bounds) + 1 dicts; a run that failed, those of the stretches up to its failure),
-    ``iteration_peaks`` each stretch's peak of requested live bytes (a run that failed: None)."""
+    last up to the end of the last iteration (:func:`iterations_end`; the calls after it, teardown,
+    are in ``calls`` only) (len(bounds) + 1 dicts; a run that failed, those of the stretches up to
+    its failure), ``iteration_peaks`` each stretch's peak of requested live bytes (a run that
+    failed: None)."""
     if not isinstance(trace, Trace):  # (a path: npu_pool.trace.files.open_traces reads one)
         raise TypeError(f"run replays a Trace, not {type(trace).__name__}; open a file with "
                         "npu_pool.trace.files.open_traces")
@@ -206,12 +220,14 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         if bounds:
             if any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[0] < 0 or bounds[-1] >= len(trace):
                 raise ValueError(f"bounds must be increasing indices of the trace's {len(trace)} events")
-            keep.append(ffi.new("uint64_t[]", list(bounds)))
+            tail = iterations_end(trace, bounds)  # (the stretch from it on, teardown, is dropped below)
+            cuts = [*bounds, tail] if tail is not None else list(bounds)
+            keep.append(ffi.new("uint64_t[]", cuts))
             inp.bounds = keep[-1]
-            inp.n_bounds = len(bounds)
-            keep.append(ffi.new("uint64_t[]", len(bounds) * lib.NP_CALL_COUNT))
+            inp.n_bounds = len(cuts)
+            keep.append(ffi.new("uint64_t[]", len(cuts) * lib.NP_CALL_COUNT))
             inp.bound_calls = keep[-1]
-            keep.append(ffi.new("uint64_t[]", len(bounds) + 1))
+            keep.append(ffi.new("uint64_t[]", len(cuts) + 1))
             inp.bound_peaks = keep[-1]
         start = pool.stats()["calls"]  # what creating the device asked
         out = ffi.new("np_replay_out *")
@@ -220,12 +236,12 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         calls = {k: st["calls"][k] - start[k] for k in start}
         iteration_calls = iteration_peaks = None
         if bounds:  # (a run that failed reached the bounds up to its failure: the stretches it entered)
-            reached = len(bounds) if out.ok else sum(1 for b in bounds if b <= out.fail_index)
+            reached = len(cuts) if out.ok else sum(1 for b in cuts if b <= out.fail_index)
             if out.ok:  # (the stretch a run failed in has no peak: its request was not served)
-                iteration_peaks = [int(x) for x in inp.bound_peaks[0:reached + 1]]
+                iteration_peaks = [int(x) for x in inp.bound_peaks[0:reached + 1]][:len(bounds) + 1]
             snaps = [{name: int(inp.bound_calls[i * lib.NP_CALL_COUNT + k]) - start[name]
                       for k, name in enumerate(vocab.CALL_NAMES)} for i in range(reached)]
-            iteration_calls = split_calls({k: 0 for k in start}, snaps, calls)
+            iteration_calls = split_calls({k: 0 for k in start}, snaps, calls)[:len(bounds) + 1]
         if plan is not None:
             st["plan"] = pool.plan_counts()
         end = (_EventLog(pool, len(trace)), pool.blocks(), pool.mapped_ranges()) if history else (None, None, None)
@@ -461,5 +477,5 @@ def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[st
     return names
 
 
-__all__ = ["run", "iteration_bounds", "steady_stretches", "steady_calls", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
+__all__ = ["run", "iteration_bounds", "iterations_end", "steady_stretches", "steady_calls", "split_calls", "min_capacity", "evaluate", "validate", "policies_from", "recorded_capacity", "RunResult",
            "PolicyResult", "Fidelity", "TraceTooLarge", "too_large", "past_the_device", "recorded_ooms", "OP_ALLOC"]

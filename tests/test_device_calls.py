@@ -11,7 +11,7 @@ import pytest
 from npu_pool import OutOfMemoryError, Pool
 from npu_pool import vocab
 from npu_pool.device_costs import DEFAULT_COSTS, estimate_us, load_costs, physical_calls
-from npu_pool.replay import iteration_bounds, min_capacity, run, steady_stretches
+from npu_pool.replay import evaluate, iteration_bounds, iterations_end, min_capacity, run, steady_stretches
 from npu_pool.trace.files import open_traces
 from npu_pool.trace.format import OP_EMPTY_CACHE, Trace
 from test_backends import builds  # noqa: F401  (the fake vendor libraries, a fixture)
@@ -203,6 +203,32 @@ def test_captures_bound_and_steady_iterations(captures) -> None:
         assert steady_stretches(r.iteration_peaks) == [False, False, False, True, True], (name, r.iteration_peaks)
         assert per_iter[3:] == [0, 0], (name, per_iter)
         assert per_iter[1] > 0  # the first step grows the arena
+
+
+def test_the_teardown_after_the_last_iteration_is_no_iteration(captures) -> None:
+    """A run's end after its last iteration (every tensor freed, then empty_cache, as a script
+    ends) gives chunks back: calls in no iteration, so not in the steady ones. The last stretch
+    ends at the last iteration's end marker (replay.iterations_end)."""
+    t = captures["gpt"]
+    out, live = Trace(meta=dict(t.meta)), {}
+    for e in t.events():
+        out.append(e.op, id=e.id, size=e.size, stream=e.stream, site=e.site, cat=e.cat, addr=e.addr)
+        if e.op in (vocab.OP_ALLOC, vocab.OP_INIT_ALLOC):
+            live[e.id] = e
+        elif e.op == vocab.OP_FREE:
+            live.pop(e.id, None)
+    for e in live.values():
+        out.append(vocab.OP_FREE, id=e.id, size=e.size, stream=e.stream)
+    out.append(OP_EMPTY_CACHE)
+    b = iteration_bounds(out)
+    assert b == iteration_bounds(t) and iterations_end(out, b) == len(t) and iterations_end(t, b) is None
+    r = run(out, "npu_pool", bounds=b)
+    assert r.ok and r.calls["unmap"] > 0  # the teardown gives the chunks back ...
+    assert len(r.iteration_calls) == 5 and sum(r.iteration_calls[-1].values()) == 0  # ... in no iteration
+    assert r.iteration_calls == run(t, "npu_pool", bounds=b).iteration_calls
+    tail = {k: r.calls[k] - sum(d[k] for d in r.iteration_calls) for k in r.calls}
+    assert tail["unmap"] == r.calls["unmap"] and tail["phys_release"] > 0
+    assert evaluate(out, "gpt + teardown", "npu_pool", bounds=b, with_min_capacity=False).steady_calls == 0
 
 
 def test_a_capture_with_empty_cache_between_iterations(captures) -> None:
