@@ -26,7 +26,7 @@ from npu_pool.trace.format import (CAT_ACTIVATION, CAT_GRADIENT, CAT_INPUT, CAT_
                                    MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END,
                                    MARK_LAYER_ENTER, MARK_LAYER_EXIT, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
                                    MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK,
-                                   Trace)
+                                   OP_PAUSE, OP_REGION, OP_RESUME, Trace)
 from npu_pool.trace.snapshot import load_snapshot
 from npu_pool.trace.stats import live_profile
 from npu_pool.trace.files import open_traces
@@ -154,6 +154,33 @@ def test_breakdown_of_the_toy_peak():
     assert [(x.layer, x.passes, x.added_max, x.transient_max) for x in p.layers] == \
         [(k, 2, A, A + T) for k in range(L)]
     assert p.end_live == 3 * L * W  # weights and states
+
+
+def test_a_paused_regions_tensors_leave_the_breakdown_until_its_resume():
+    """A colocated run (docs/colocated.md): the training weights' region paused while a rollout's
+    activations fill the device. The peak is the rollout's alone, and so is what the breakdown,
+    the sites and the curve show there (they once counted the paused weights too: 162% of the peak)."""
+    t = Trace(meta={"n_ids": 4, "sites": ["model.py:10 (weights)", "rollout.py:20 (generate)"]})
+    t.append(OP_REGION, id=0)
+    t.append(OP_ALLOC, id=0, size=100 * MiB, cat=CAT_PARAMETER, site=0)
+    t.append(OP_REGION, id=-1)
+    t.append(OP_PAUSE, id=0, cat=1)
+    t.append(OP_ALLOC, id=1, size=160 * MiB, cat=CAT_ACTIVATION, site=1)
+    t.append(OP_FREE, id=1, size=160 * MiB, site=1)
+    t.append(OP_RESUME, id=0)
+    t.append(OP_REGION, id=0)
+    t.append(OP_ALLOC, id=2, size=10 * MiB, cat=CAT_ACTIVATION, site=1)
+    t.append(OP_REGION, id=-1)
+    t.append(OP_PAUSE, id=0, cat=1)
+    t.append(OP_FREE, id=2, size=10 * MiB, site=1)  # (freed while paused: it left the device at the pause)
+    t.append(OP_ALLOC, id=3, size=1 * MiB, cat=CAT_ACTIVATION, site=1)
+    t.validate("colocated")
+    p = breakdown.profile_trace(t, "colocated")
+    assert (p.peak_live, p.peak_index) == tuple(live_profile(t)) == (160 * MiB, 4)
+    assert p.at_peak["activations"] == 160 * MiB and p.at_peak["weights"] == 0
+    assert sum(p.at_peak.values()) == sum(s.live_at_peak for s in p.sites) == p.peak_live
+    assert [c // MiB for c in p.curve] == [0, 100, 100, 0, 160, 0, 100, 100, 110, 110, 0, 0, 1]
+    assert p.group_max["weights"] == 100 * MiB and p.end_live == 1 * MiB  # (the weights paused at the end)
 
 
 def test_categories_inferred_from_markers():
