@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 # name -> one-line help. The module is npu_pool.commands.<name with - replaced by _>.
 COMMANDS: dict[str, str] = {
@@ -38,20 +39,41 @@ def _not_an_input(path: Path) -> None:
         raise FileExistsError(f"{path}: is also an input of this command; not overwritten (name another output)")
 
 
-def _empty_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """The first option of ``parser`` given an empty value in ``argv`` (``--out ""``, ``--out=``),
-    if any: read from the words themselves, since a type (Path) turns "" into ".")."""
-    options = parser._option_string_actions
-    for prev, word in zip([""] + argv, argv):
-        name = word[:-1] if word.startswith("--") and word.endswith("=") else prev if word == "" else None
-        if name in options and options[name].nargs != 0:
-            return "/".join(options[name].option_strings)
-    return None
+_EMPTY = "an empty value (an unset variable?)"
+
+
+class _EmptyValue(Exception):
+    """An option or argument given "" (``--out "$UNSET"``): refused by its type, said in one line."""
+
+
+def _refusing_empty(type_: Any) -> Any:
+    """``type_`` (None: the string itself), refusing "": a type such as Path turns it into "."."""
+    def convert(text: str) -> Any:
+        if text == "":
+            raise argparse.ArgumentTypeError(_EMPTY)
+        return type_(text) if type_ is not None else text
+    convert.__name__ = getattr(type_, "__name__", "str")  # (argparse names a type in its messages)
+    return convert
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, every value-taking argument refusing "" (abbreviated options too: argparse
+    resolves them before it converts)."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if kwargs.get("action", "store") in ("store", "append", "extend") and kwargs.get("nargs") != 0:
+            kwargs["type"] = _refusing_empty(kwargs.get("type"))
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith(_EMPTY):
+            raise _EmptyValue(message)
+        super().error(message)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="npu-pool", description="fragmentation-aware device memory pool tools")
+    parser = _Parser(prog="npu-pool", description="fragmentation-aware device memory pool tools")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"npu-pool {__version__}")
@@ -62,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_, description=help_)
         if name == wanted:
             _module(name).add_arguments(p)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _EmptyValue as e:  # ("" is no file, no number, no name: an unset variable, not the default)
+        print(f"npu-pool {wanted}: error: {e}", file=sys.stderr)
+        return 1
     if not args.command:
         parser.print_help()
         return 2
-    empty = _empty_option(sub.choices[args.command], argv)
-    if empty:  # ("" is no file, no number, no name: an unset variable, where it used to mean the default)
-        print(f"npu-pool {args.command}: error: {empty} was given an empty value (an unset variable?)",
-              file=sys.stderr)
-        return 1
     if sys.stdout is None:  # started with stdout closed (`>&-`): print() would drop every line silently
         print(f"npu-pool {args.command}: error: standard output is closed, so nothing could be printed "
               "(redirect it instead, e.g. > /dev/null)", file=sys.stderr)

@@ -694,7 +694,7 @@ def test_a_trace_past_the_simulated_device_says_so(tmp_path: Path, capsys: pytes
 
 
 def test_empty_paths_and_clashing_names_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    _one_line(capsys, ["replay", ""], "an empty path was given")
+    _one_line(capsys, ["replay", ""], "argument TRACE: an empty value (an unset variable?)")
     snap = {"segments": [], "device_traces": [[]]}
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
@@ -750,7 +750,7 @@ def test_demo_says_when_the_snapshot_folder_it_was_given_is_unusable(tmp_path, m
     (tmp_path / "file").write_text("x")
     monkeypatch.chdir(tmp_path)  # a folder holding a snapshot: "" must not stand for it
     (tmp_path / "x.pickle").write_bytes(b"not read")
-    for arg, why in ((tmp_path / "absent", "not a folder"), (tmp_path / "file", "not a folder"), ("", "--shared was given an empty value"),
+    for arg, why in ((tmp_path / "absent", "not a folder"), (tmp_path / "file", "not a folder"), ("", "argument --shared: an empty value"),
                      (tmp_path / "empty", "no snapshots")):
         assert main(["demo", "--no-capture", "--no-case", "--shared", str(arg)]) == 1
         err = capsys.readouterr().err
@@ -785,7 +785,7 @@ def test_replay_validate_and_live_refuse_options_they_would_not_use(tmp_path, ca
     assert main(["replay", str(snap), "--validate", "--device", "npu"]) == 1  # the recording's own rules are compared
     assert "--validate takes no --device" in capsys.readouterr().err
     assert main(["replay", str(snap), "--policy", ""]) == 1  # (an unset variable): no policy, not the defaults
-    assert "--policy was given an empty value" in capsys.readouterr().err
+    assert "argument --policy: an empty value" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "absent.npt"), "--policy", "bogus"]) == 1  # said before any trace is read
     assert "unknown policy bogus" in capsys.readouterr().err
     for flag, value in (("--policy", "bogus"), ("--hints", "none"), ("--costs", "c.json"), ("--plan", "p.npplan")):
@@ -1202,8 +1202,10 @@ def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
                          (["replay", str(trace), "--costs", ""], "--costs"),
                          (["replay", str(trace), "--policy", "planned", "--plan", ""], "--plan"),
                          (["analyze", "--format", "html", "-o", "", str(trace)], "--out/-o"),
-                         (["export", str(trace), "-o", ""], "--out/-o")]:
-        _one_line(capsys, argv, f"{option} was given an empty value (an unset variable?)")
+                         (["export", str(trace), "-o", ""], "--out/-o"),
+                         (["import", "--ou", "", str(trace)], "--out"),  # (abbreviated, as argparse allows)
+                         (["replay", "", str(trace)], "TRACE")]:
+        _one_line(capsys, argv, f"argument {option}: an empty value (an unset variable?)")
     _one_line(capsys, ["replay", str(trace), "--policy", "torch,"], "the policy list 'torch,' has an empty name")
     with pytest.raises(SystemExit):  # argparse's line: a whole number is ASCII digits, as in settings
         main(["capture", "--steps", "\u0663", "--out", str(tmp_path / "c.npt")])
