@@ -96,6 +96,7 @@ class _Session:
 
     def __init__(self, log_every: int, report_dir: Optional[str]):
         from npu_pool.recorder import default
+        from npu_pool.recorder.report import StepTimes
 
         self.recorder = default
         self.log_every = log_every
@@ -104,7 +105,7 @@ class _Session:
         self.iteration: Optional[int] = None  # Megatron's number of the latest one
         self.skipped = 0                     # of them, optimizer steps Megatron did not apply
         self._backwards = 0                  # backward steps since the iteration began
-        self.step_times: list[float] = []
+        self.step_times = StepTimes()          # (mean, max and last: a long run's steps are not kept)
         self.attachments: list[Any] = []
         self.patched: dict[str, list[str]] = {}
         self.written: Optional[str] = None
@@ -158,7 +159,7 @@ class _Session:
         """Count the step and write its line: never raises into training (it runs in the
         wrapper's finally, where it would also hide the step's own exception)."""
         self.iterations += 1
-        self.step_times.append(seconds)
+        self.step_times.add(seconds)
         self.rank_and_world()  # while the process group is up
         if self.log_every and self.iterations % self.log_every == 0:
             try:

@@ -193,6 +193,22 @@ def test_missing_functions_warn_once_each_and_do_not_crash(fresh: None) -> None:
     assert patch.session().iterations == 1
 
 
+def test_step_times_are_summarised_in_constant_memory(fresh: None) -> None:
+    """A long run's report gives the mean, max and last step time; the session keeps those, not
+    every step (32 bytes a step grew without bound over a million-iteration run)."""
+    _module(train_step=lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (recorder mode: no installed pool)
+        assert patch.patch_megatron(ON)
+    s = patch.session()
+    for seconds in (0.5, 2.0, 1.0) * 1000:
+        s.after_step(seconds)
+    assert s.iterations == 3000 and s.step_times.count == 3000
+    got = s.report()["step_seconds"]
+    assert got == {"mean": pytest.approx(3.5 / 3), "max": 2.0, "last": 1.0}
+    assert sys.getsizeof(s.step_times) < 100 and not hasattr(s.step_times, "__dict__")
+
+
 def test_device_mode_line_and_report_show_the_pool(fresh: None, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """With an installed pool (here a simulated one standing for the device's) the line and

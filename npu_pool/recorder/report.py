@@ -293,18 +293,40 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+class StepTimes:
+    """A run's step times as a report gives them (mean, max, last), in constant memory: a run of a
+    million steps is not kept step by step."""
+
+    __slots__ = ("count", "total", "most", "last")
+
+    def __init__(self, seconds: Iterable[float] = ()) -> None:
+        self.count, self.total, self.most, self.last = 0, 0.0, 0.0, 0.0
+        for s in seconds:
+            self.add(s)
+
+    def add(self, seconds: float) -> None:
+        self.most = seconds if self.count == 0 else max(self.most, seconds)
+        self.count += 1
+        self.total += seconds
+        self.last = seconds
+
+    def as_dict(self) -> dict[str, float]:
+        """The report's ``step_seconds`` ({} before the first step)."""
+        return {"mean": self.total / self.count, "max": self.most, "last": self.last} if self.count else {}
+
+
 def build(*, rank: int, world_size: Optional[int], mode: str, reason: str, policy: Optional[str], device: Optional[int],
-          iterations: int, step_times: list[float], recorder_summary: dict[str, Any],
+          iterations: int, step_times: StepTimes | Iterable[float], recorder_summary: dict[str, Any],
           stats: Optional[dict[str, Any]], last_iteration: Optional[int] = None,
           skipped_iterations: int = 0) -> dict[str, Any]:
     """Assemble one rank's report (``last_iteration``: the training loop's own number of the
     latest iteration, e.g. Megatron's, which a resumed run continues)."""
-    steps = step_times
+    steps = step_times if isinstance(step_times, StepTimes) else StepTimes(step_times)
     return {
         "version": VERSION, "rank": rank, "world_size": world_size, "host": socket.gethostname(), "pid": os.getpid(),
         "mode": mode, "reason": reason, "policy": policy, "device": device, "iterations": iterations,
         "last_iteration": last_iteration, "skipped_iterations": skipped_iterations,
-        "step_seconds": {"mean": sum(steps) / len(steps), "max": max(steps), "last": steps[-1]} if steps else {},
+        "step_seconds": steps.as_dict(),
         "phase_seconds": recorder_summary.get("seconds", {}), "marks": recorder_summary.get("marks", 0),
         "host_peak_rss_bytes": host_peak_rss(),
         "memory": memory_of(stats) if stats is not None else None,
