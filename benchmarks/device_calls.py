@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r in rows if q == p) for p in POLICIES}
     if before:
         out += ["Each version measured by its own code on the same traces (baselines: built checkouts, " +
-                ", ".join(f"`{c}`" for _, c, _ in before) + "); physical: the calls at the minimum capacity,",
+                ", ".join(f"`{c}`" for _, c, _ in before) + ", each made by `git worktree add DIR COMMIT && cd DIR && "
+                "python setup.py -q build_ext --inplace`); physical: the calls at the minimum capacity,",
                 "summed over the traces (- where a version does not count them); / first: the waste over the",
                 "first version's.", "", "| policy | version | waste | / first | physical |", "|---|---|---:|---:|---:|"]
         for p in POLICIES:

@@ -4,8 +4,9 @@ Its public names (``__all__``, documented in docs/api.md): ``Pool`` and its erro
 (``PoolError``, ``OutOfMemoryError``, ``InvalidArgumentError``, ``DoubleFreeError``,
 ``UnknownPointerError``, ``BackendError``), ``POLICIES``; torch's device allocator:
 ``install``, ``installed``, ``current_pool``, ``set_fraction``; colocated training and
-inference: ``region``, ``pause``, ``resume``, ``set_backup_limit``. They load the compiled core
-(and torch, for ``install``) on first use, so that ``import npu_pool`` itself stays cheap.
+inference: ``region``, ``pause``, ``resume``, ``set_backup_limit``, ``tags``. They load the
+compiled core (and torch, for ``install``) on first use, so that ``import npu_pool`` itself
+stays cheap.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ _LAZY = {
     "pause": "npu_pool.colocate",
     "resume": "npu_pool.colocate",
     "set_backup_limit": "npu_pool.colocate",
+    "tags": "npu_pool.colocate",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -41,7 +43,10 @@ def __getattr__(name: str) -> _typing.Any:
         raise AttributeError(f"module 'npu_pool' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(mod), name)
+    module = importlib.import_module(mod)
+    # npu_pool.install is its module (which calls install() when called), whichever is asked first:
+    # the function in its place hid npu_pool.install.installed() and the rest
+    value = module if mod == f"{__name__}.{name}" else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -26,7 +26,7 @@ from npu_pool.pool import BACKENDS, POLICIES
 from test_backends import MiB, Vendor, _compiler, FAKES
 
 ROOT = Path(__file__).resolve().parent.parent
-inst = importlib.import_module("npu_pool.install")  # the module; the package attribute may be the function
+inst = importlib.import_module("npu_pool.install")  # the module (npu_pool.install is it too, callable)
 c = ctypes
 
 
@@ -334,6 +334,18 @@ def test_a_note_too_long_to_keep_is_cut_visibly(fakes: dict) -> None:
 
 
 # ---- npu_pool.install() ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("first", ["npu_pool.install", "npu_pool.installed", "import npu_pool.install"])
+def test_npu_pool_install_is_the_module_and_the_call_whatever_is_asked_first(first: str) -> None:
+    """docs/devices.md and recorder.md call npu_pool.install.installed() and .current_pool():
+    after `import npu_pool; npu_pool.install` the package attribute was the function, and those
+    raised AttributeError (after `import npu_pool.install` first, they worked)."""
+    ask = f"{first}; import npu_pool" if first.startswith("import") else f"import npu_pool; {first}"
+    code = (f"{ask}; m = npu_pool.install; print(m.installed(), m.current_pool is npu_pool.current_pool, "
+            "type(m).__name__, callable(m))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert r.returncode == 0 and r.stdout.split() == ["{}", "True", "_CallableModule", "True"], r.stderr[-2000:]
+
 
 def test_install_without_a_device_says_what_is_missing() -> None:
     with pytest.raises(inst.DeviceUnavailableError) as e:

@@ -223,8 +223,27 @@ def test_every_name_docs_api_gives_the_package_is_there():
 
     documented = {"Pool", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError",
                   "UnknownPointerError", "BackendError", "POLICIES", "install", "installed", "current_pool",
-                  "set_fraction", "region", "pause", "resume", "set_backup_limit"}
+                  "set_fraction", "region", "pause", "resume", "set_backup_limit", "tags"}
     text = (PKG.parent / "docs" / "api.md").read_text()
     for name in documented:
         assert getattr(npu_pool, name) is not None and re.search(rf"`(npu_pool\.)?{name}\b", text), name
     assert set(npu_pool.__all__) == documented | {"__version__"}
+
+
+def test_docs_cli_names_every_option_of_every_command(capsys):
+    """docs/cli.md lists each command's options (replay --hints, demo's and export's --device
+    were documented nowhere): the long options of `npu-pool COMMAND --help` and those of the
+    page's section for it are the same set."""
+    import pytest
+
+    from npu_pool.cli import COMMANDS, main
+
+    text = (PKG.parent / "docs" / "cli.md").read_text()
+    sections = dict(re.findall(r"^## (\S+)\n(.*?)(?=^## |\Z)", text, re.S | re.M))
+    assert set(sections) == set(COMMANDS)
+    option = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    for command, section in sections.items():
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        helped = set(option.findall(capsys.readouterr().out)) - {"--help"}
+        assert helped and set(option.findall(section)) == helped, (command, helped ^ set(option.findall(section)))

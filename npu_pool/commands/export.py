@@ -11,7 +11,8 @@ from .replay import add_device_argument
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE", help=".npt trace or snapshot pickle (every device in it is exported)")
-    p.add_argument("--policy", default="npu_pool", choices=(*POLICIES[:-1], "planned", POLICIES[-1]),  # planned: refused
+    p.add_argument("--policy", default="npu_pool", choices=(*POLICIES[:-1], "planned", POLICIES[-1]),
+                   metavar="{" + ",".join(POLICIES) + "}",  # (planned: accepted to be refused with why, not offered)
                    help="replay under this policy for addresses and segments (default npu_pool); 'recorded' keeps "
                         "the trace's own addresses (imported snapshots)")
     p.add_argument("--hints", choices=("markers", "sites", "none"), default="markers",
