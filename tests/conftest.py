@@ -39,15 +39,38 @@ def _hooks_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def shared_traces() -> Path:
     """The folder of real PyTorch snapshots; skips the test on a fresh clone without it."""
     if not SHARED_TRACES.is_dir() or not any(SHARED_TRACES.glob("*.pickle")):
-        pytest.skip("../shared/traces is absent (fresh clone)")
+        unavailable("../shared/traces is absent (fresh clone)")
     return SHARED_TRACES
+
+
+def in_ci() -> bool:
+    """Whether this is CI (``CI`` set), where every test must run."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
 
 
 def unavailable(why: str) -> None:
     """Skip with a reason; in CI (``CI`` set), where everything must run, fail instead."""
-    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
+    if in_ci():
         pytest.fail(f"{why} (CI must run these tests: `./run test` installs what they need)")
     pytest.skip(why)
+
+
+def mcore_missing() -> str:
+    """Why megatron-core cannot be used here ('' when it can): not installed, or broken (said,
+    not taken for absent)."""
+    try:
+        import megatron.core  # noqa: F401
+    except Exception as e:
+        return f"megatron-core is not importable ({type(e).__name__}: {e})"[:300]
+    return ""
+
+
+@pytest.fixture
+def megatron_core() -> None:
+    """For tests that train megatron-core's GPTModel on CPU (`pytest.mark.usefixtures`)."""
+    why = mcore_missing()
+    if why:  # (./run test installs it: CI runs these)
+        unavailable(why)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import pytest
 
 from npu_pool import oom
 from npu_pool.pool import BackendError, OutOfMemoryError, Pool, PoolError
+from conftest import unavailable
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -46,7 +47,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], st
     oldevents (ACL: no aclrtCreateEventExWithFlag, as before CANN 8)."""
     cc = _compiler()
     if cc is None:
-        pytest.skip("no C compiler to build the fake vendor libraries")
+        unavailable("no C compiler to build the fake vendor libraries")
     out = tmp_path_factory.mktemp("fakes")
     flags = {"full": [], "novmm": ["-DFAKE_NO_VMM"], "nofree": ["-DFAKE_OMIT_FREE"], "oldevents": ["-DFAKE_NO_EVENT_EX"]}
     paths = {}
@@ -340,7 +341,7 @@ def test_a_library_without_the_vendor_symbols_is_named_whole(vendor: Vendor, tmp
     whole however long (the name was cut at 1 KiB, silently)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        pytest.skip("no C compiler to build an empty library")
+        unavailable("no C compiler to build an empty library")
     where = tmp_path.joinpath(*["g" * 200] * 6)
     where.mkdir(parents=True)
     lib = where / "libempty.so"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import unavailable
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "npu_pool" / "csrc"
 
@@ -21,7 +23,7 @@ CSRC = ROOT / "npu_pool" / "csrc"
 def test_debug_build_under_sanitizers(tmp_path, driver, expected):
     cc = shutil.which("gcc") or shutil.which("cc")
     if not cc:
-        pytest.skip("no C compiler")
+        unavailable("no C compiler (gcc or cc)")
     exe = tmp_path / "driver"
     sources = [str(p) for p in sorted(CSRC.glob("*.c"))] + [str(ROOT / "tests" / "c" / driver)]
     flags = ["-std=c11", "-D_GNU_SOURCE", "-DNP_DEBUG", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
@@ -29,7 +31,7 @@ def test_debug_build_under_sanitizers(tmp_path, driver, expected):
     build = subprocess.run([cc, *flags, *sources, "-o", str(exe), "-lpthread", "-lm", "-ldl"],
                            capture_output=True, text=True)
     if build.returncode and "sanitize" in build.stderr and "cannot find" in build.stderr:
-        pytest.skip("the compiler lacks the sanitizer runtimes")
+        unavailable("the compiler lacks the sanitizer runtimes (libasan, libubsan)")
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                          env={"ASAN_OPTIONS": "detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"})

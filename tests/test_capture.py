@@ -25,6 +25,7 @@ from npu_pool.trace.format import (CAT_ACTIVATION, CAT_GRADIENT, CAT_OPTIMIZER_S
                                    MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER,
                                    MARK_LAYER_EXIT, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END, MARK_SETUP_BEGIN,
                                    MARK_SETUP_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, Trace)
+from conftest import unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(layers=2, dim=32, heads=2, vocab=128)  # activations dominate parameters at batch 4 x seq 64
@@ -347,7 +348,7 @@ def test_a_capture_that_would_not_fit_in_memory_stops_after_two_steps(monkeypatc
     from npu_pool.capture import real
 
     if real._MemoryGuard._rss() is None or real._MemoryGuard._available() is None:
-        pytest.skip("no /proc to measure memory with")
+        unavailable("no /proc to measure memory with")
     monkeypatch.setattr(real._MemoryGuard, "_available", staticmethod(lambda: 1))  # nothing to spare
     monkeypatch.setattr(real, "_check_fits", lambda *a: None)  # (the check before the run would refuse it)
     seen: list[int] = []
@@ -375,7 +376,7 @@ def test_a_real_capture_too_large_for_the_host_is_refused_before_it_runs(capsys:
     from npu_pool.cli import main
 
     if real._MemoryGuard._available() is None:
-        pytest.skip("no /proc to measure memory with")
+        unavailable("no /proc to measure memory with")
     for argv in (["--dim", "1000000", "--layers", "1"], ["--batch", "1000000000"], ["--vocab", "100000000000"]):
         assert main(["capture", *argv, "--steps", "1", "--no-progress"]) == 1
         err = capsys.readouterr().err

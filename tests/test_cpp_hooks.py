@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from npu_pool import cpp_hooks
+from conftest import unavailable
 
 HERE = Path(__file__).resolve().parent
 
@@ -22,7 +23,7 @@ def test_cuda_malloc_hook_throws_what_torch_raises(tmp_path, monkeypatch) -> Non
 
     cxx = shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        pytest.skip("no C++ compiler")
+        unavailable("no C++ compiler")
     monkeypatch.setenv(cpp_hooks.CACHE_ENV, str(tmp_path / "cache"))
     hooks = cpp_hooks.build("cuda")
     assert hooks.name.startswith("torch_cuda_hooks-") and hooks.parent == tmp_path / "cache"
@@ -49,7 +50,7 @@ def test_cuda_hooks_load_binds_malloc_free_and_the_fraction(tmp_path, monkeypatc
     """The CUDA hooks give torch's allocator a malloc, a free and the memory-fraction hook (which
     raises a fraction the pool refuses: tests/test_torch_npu.py runs the same code under torch_npu)."""
     if not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("no C++ compiler")
+        unavailable("no C++ compiler")
     monkeypatch.setenv(cpp_hooks.CACHE_ENV, str(tmp_path / "cache"))
     cpp_hooks.load.cache_clear()
     try:

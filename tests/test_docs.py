@@ -99,7 +99,7 @@ def _matches(expected: str, got: str) -> bool:
         else:
             pattern.append(".*?".join(re.escape(part) for part in line.split("...")) + r"[ \t]*\n")
     got = "\n".join(ln.rstrip() for ln in got.splitlines()) + "\n" if got.strip() else ""
-    return re.fullmatch("".join(pattern), got, re.S) is not None if pattern else got == ""
+    return re.fullmatch("".join(pattern), got) is not None if pattern else got == ""  # ('...' in a line: that line)
 
 
 def _env() -> dict[str, str]:
@@ -178,6 +178,7 @@ def test_the_convention_is_checked() -> None:
     """The matcher and the block reader themselves (so that a pass above means something)."""
     assert _matches("a\n...\nz\n", "a\nb\nc\nz\n") and _matches("t ... s\n", "t 0.41 s\n")
     assert not _matches("a\nz\n", "a\nb\nz\n") and not _matches("x 1\n", "x 2\n") and not _matches("", "out\n")
+    assert not _matches("t ... s\n", "t 0.41\nTraceback (most recent call last):\nboom s\n")  # within one line
     assert _commands("$ a \\\n  b\nout\n$ c\n") == [("a \\\n  b", "out\n"), ("c", "")]
     assert len(CHECKED) >= 10 and any(b.marker == "doc-run" for b in CHECKED)
 

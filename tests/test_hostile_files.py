@@ -29,6 +29,7 @@ from npu_pool.trace.format import MARK_ITER_BEGIN, OP_ALLOC, OP_FREE, OP_MARK, T
 from npu_pool.trace.snapshot import load_snapshot
 from test_hostile import small_trace
 from test_planner import training
+from conftest import unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -707,7 +708,7 @@ def test_empty_paths_and_clashing_names_are_refused(tmp_path: Path, capsys: pyte
 def test_capture_saves_its_trace_before_printing(tmp_path: Path) -> None:
     """A summary that cannot be printed (stdout on a full disk) must not lose the trace."""
     if not Path("/dev/full").is_char_device():
-        pytest.skip("no /dev/full")
+        unavailable("no /dev/full")
     out = tmp_path / "c.npt"
     with open("/dev/full", "w") as full:
         r = subprocess.run([sys.executable, "-m", "npu_pool.cli", "capture", "--steps", "1", "--layers", "1",

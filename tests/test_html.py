@@ -14,11 +14,18 @@ from npu_pool.analysis.html import downsample, render_html
 from npu_pool.analysis.report import Analysis, analyze_paths, analyze_trace
 from npu_pool.units import fmt_bytes
 from npu_pool.cli import main
+from conftest import unavailable
 from test_analysis import POLICIES, toy_trace
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
-                                    "(apt-get update && apt-get install -y chromium)")
+
+@pytest.fixture
+def _chromium_installed() -> None:
+    if CHROMIUM is None:  # (CI installs it: .ci/run)
+        unavailable("chromium is not installed (apt-get update && apt-get install -y chromium)")
+
+
+needs_chromium = pytest.mark.usefixtures("_chromium_installed")
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +119,16 @@ def test_page_runs_in_chromium(page, toy_analysis, tmp_path):
     assert 'id="report-error"' not in dom
     ready = re.search(r'<div id="report-ready"[^>]*>', dom)
     assert ready, "the page's script did not run to the end"
-    assert 'data-selftest="pass"' in ready.group(0)  # sorting and filtering worked in the browser
+    assert 'data-selftest="pass"' in ready.group(0)  # sorting and filtering worked in the browser ...
+    # ... as the page judges it; the self-test leaves the sites table sorted by its third column,
+    # ascending: the rows, read here from the browser's DOM, must be the page's rows in that order
+    def rows(html: str) -> list[tuple[str, float]]:  # (site, allocated in total) of each body row
+        table = re.search(r'<table[^>]*id="sites".*?</table>', html, re.S).group(0)
+        cells = [re.findall(r"<td([^>]*)>(.*?)</td>", tr) for tr in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S)]
+        return [(c[0][1], float(re.search(r'data-v="([^"]*)"', c[2][0]).group(1))) for c in cells if c]
+    before, after = rows(page.read_text()), rows(dom)
+    assert [v for _, v in before] != sorted(v for _, v in before)  # (so that a sort that does nothing shows)
+    assert after == sorted(before, key=lambda r: r[1]), after
     assert f'data-tables="{page.read_text().count("<table ")}"' in ready.group(0)
     assert fmt_bytes(toy_analysis.traces[0].profile.peak_live) in dom
     for pol in POLICIES:

@@ -24,6 +24,7 @@ from npu_pool.config import ConfigError
 from npu_pool.pool import BACKENDS, POLICIES
 
 from test_backends import MiB, Vendor, _compiler, FAKES
+from conftest import unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 inst = importlib.import_module("npu_pool.install")  # the module (npu_pool.install is it too, callable)
@@ -413,7 +414,7 @@ def test_install_on_cuda_registers_the_hooks_torch_supports(fakes: dict, fake_cu
         try:
             hooks = cpp_hooks.load("cuda")
         except cpp_hooks.HooksUnavailable as e:
-            pytest.skip(f"the C++ hooks cannot be built here: {e}")
+            unavailable(f"the C++ hooks cannot be built here: {e}")
         pools = npu_pool.install(device_type="cuda", fraction=0.5, lib_path=v.path)
     else:
         def unavailable(kind: str) -> None:

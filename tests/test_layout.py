@@ -112,26 +112,69 @@ def test_the_binding_is_the_bottom_layer():
             assert not {d for d in deps if d.startswith("npu_pool.workloads")}, name
 
 
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` of a Name or an attribute chain of Names, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _private_reads(name: str, path: Path, mods: dict[str, Path]) -> list[str]:
+    """``module._name`` reads in ``name`` of another module of the package, however it was
+    imported (``from . import oom``, ``from npu_pool import oom``, ``import npu_pool.install as
+    inst``, ``import npu_pool.oom`` then ``npu_pool.oom._x``)."""
+    base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    aliases: dict[str, str] = {}  # local name -> the package module (or package) it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            b = base
+            for _ in range(max(node.level - 1, 0)):
+                b = b.rpartition(".")[0]
+            mod = (b + ("." + node.module if node.module else "")) if node.level else (node.module or "")
+            for a in node.names:
+                if f"{mod}.{a.name}" in mods:
+                    aliases[a.asname or a.name] = f"{mod}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in mods and a.asname:
+                    aliases[a.asname] = a.name
+                elif a.name in mods:  # (import npu_pool.oom binds npu_pool)
+                    top = a.name.partition(".")[0]
+                    aliases[top] = top
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = _dotted(node.value)
+            if owner is None:
+                continue
+            first, _, rest = owner.partition(".")
+            module = aliases.get(first, "") + ("." + rest if rest else "") if first in aliases else None
+            if module in mods and module != name:
+                out.append(f"{name}: {owner}.{node.attr}")
+    return out
+
+
 def test_no_module_reads_another_modules_private_state():
     """``module._name`` of another package module is read nowhere (private helpers imported by
     name, like the binding's ``_check``, are the one allowed form)."""
     mods = _modules()
-    offenders = []
-    for name, path in mods.items():
-        tree = ast.parse(path.read_text())
-        aliases = {}  # local name -> a module of the package imported under it
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                for a in node.names:
-                    if any(m.endswith("." + a.name) for m in mods):
-                        aliases[a.asname or a.name] = a.name
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
-                    and not node.attr.startswith("__") and node.value.id in aliases):
-                offenders.append(f"{name}: {node.value.id}.{node.attr}")
-    assert offenders == []
+    assert [r for name, path in mods.items() for r in _private_reads(name, path, mods)] == []
+
+
+def test_the_private_state_check_sees_every_form_of_import(tmp_path):
+    """(It once followed relative imports only.)"""
+    mods = _modules()
+    for text in ("from .. import oom\nx = oom._written", "from npu_pool import oom\nx = oom._written",
+                 "import npu_pool.install as inst\nx = inst._current", "import npu_pool.oom\nx = npu_pool.oom._written",
+                 "from npu_pool.trace import snapshot as s\nx = s._SegmentMap"):
+        f = tmp_path / "probe.py"
+        f.write_text(text)
+        assert len(_private_reads("npu_pool.commands.probe", f, mods)) == 1, text
+    f.write_text("from .. import oom\nx = oom.ENV\ny = oom.__name__")
+    assert _private_reads("npu_pool.commands.probe", f, mods) == []
 
 
 def _c_enum(prefix: str) -> dict[str, int]:

@@ -306,8 +306,8 @@ def test_play_calls_back_at_each_bound_in_order() -> None:
     from npu_pool.live import Player
 
     t = Trace(meta={})
-    for _ in range(10):
-        t.append(OP_MARK, id=0, cat=0)
+    for i in range(10):
+        t.append(OP_MARK, id=i, cat=0)
 
     class Module:  # the device module: play synchronises at its end
         def synchronize(self) -> None:
@@ -317,10 +317,18 @@ def test_play_calls_back_at_each_bound_in_order() -> None:
         def device(self, *args: object) -> None:
             return None
 
-    p = Player(t, Torch(), Module(), "cuda", None)
-    for at, calls in (([2, 2, 8], [0, 1, 2]), ([0, 9], [0, 1])):
-        got: list[int] = []
-        assert p.play(at, got.append) is None and got == calls
+    class Pool:  # the markers the play has passed on: where in the trace each call back came
+        seen: list[int] = []
+
+        def mark(self, cat: int, arg: int) -> None:
+            self.seen.append(arg)
+
+    p = Player(t, Torch(), Module(), "cuda", Pool())
+    for at, calls in (([2, 2, 8], [(0, 2), (1, 2), (2, 8)]), ([0, 9], [(0, 0), (1, 9)])):
+        got: list[tuple[int, int]] = []
+        Pool.seen.clear()
+        assert p.play(at, lambda k: got.append((k, len(Pool.seen)))) is None and got == calls
+        assert Pool.seen == list(range(10))
     for at in ([8, 4], [4, 12], [-1]):
         with pytest.raises(ValueError, match="in order"):
             p.play(at, lambda k: None)

@@ -26,7 +26,7 @@ MINDSPEED = SHARED / "clients" / "mindspeed" / "mindspeed" / "patch_utils.py"
 @pytest.fixture(scope="module")
 def real_megatron() -> None:
     if not MEGATRON_LM.is_file():
-        pytest.skip("../shared/clients/megatron-lm is absent (fresh clone)")
+        unavailable("../shared/clients/megatron-lm is absent (fresh clone)")
     missing = [m for m in ("einops", "regex", "six", "pydantic", "megatron.core") if not _importable(m)]
     if missing:
         unavailable(f"the real megatron.training needs {', '.join(missing)} (`./run test` installs them)")
@@ -97,7 +97,7 @@ def test_real_setup_model_and_optimizer_is_marked_until_it_needs_cuda(real_megat
 @pytest.mark.parametrize("order", ["patch-first", "mindspeed-first"])
 def test_mindspeed_patch_manager_keeps_our_wrapper_around_its_replacement(real_megatron: None, order: str) -> None:
     if not MINDSPEED.is_file():
-        pytest.skip("../shared/clients/mindspeed is absent (fresh clone)")
+        unavailable("../shared/clients/mindspeed is absent (fresh clone)")
     out, _ = _run("mindspeed", order)
     # MindSpeed's replacement and its wrapper run, and so does ours: markers and iteration count
     assert out["calls"] == ["mindspeed wrapper", "replacement"] * 2

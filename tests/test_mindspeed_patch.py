@@ -23,12 +23,12 @@ import importlib
 install_mod = importlib.import_module("npu_pool.install")
 from npu_pool.config import ConfigError
 from npu_pool.pool import Pool
-from npu_pool.recorder import _mcore_cpu, default
+from npu_pool.recorder import default
 from npu_pool.trace.format import MARK_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 ON = {"MEMORY_FRAGMENTATION": "1"}
-needs_mcore = pytest.mark.skipif(not _mcore_cpu.available(), reason="megatron-core is not installed")
+needs_mcore = pytest.mark.usefixtures("megatron_core")
 pytestmark = pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex|deprecated|tp_group|ffn_hidden_size|"
                                         "full scope).*")
 

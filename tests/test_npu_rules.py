@@ -18,6 +18,7 @@ from npu_pool.replay import evaluate, run
 from npu_pool.trace.format import OP_ALLOC, OP_FREE, Trace, device_type, forced_device
 from npu_pool.trace.snapshot import snapshot_to_traces
 from npu_pool._core import ffi, lib
+from conftest import unavailable
 
 KiB, MiB = 1 << 10, 1 << 20
 FAKES = Path(__file__).parent / "fake_vendor"
@@ -146,7 +147,7 @@ def test_cli_device_option(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 def fake_acl(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDLL]:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        pytest.skip("no C compiler to build the fake ACL runtime")
+        unavailable("no C compiler to build the fake ACL runtime")
     so = tmp_path_factory.mktemp("acl") / "libfake_acl.so"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(so), str(FAKES / "fake_acl.c"), "-lpthread"], check=True,
                    capture_output=True)

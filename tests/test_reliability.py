@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TorchNpu
+from conftest import ROOT, TorchNpu, unavailable
 from npu_pool.pool import Pool, PoolError, UnknownPointerError
 from npu_pool.trace.files import expand, open_traces
 from npu_pool.trace.format import OP_ALLOC, OP_FREE, PLAN_MAGIC, Trace, TraceError
@@ -255,7 +255,7 @@ def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) 
     try:
         lib = cpp_hooks.build()
     except cpp_hooks.HooksUnavailable as e:
-        pytest.skip(f"no C compiler: {e}")
+        unavailable(f"no C compiler: {e}")
     assert len(builds) == 1 and lib.with_name(lib.name + ".sum").is_file()
     whole = lib.read_bytes()
     assert cpp_hooks.build() == lib and len(builds) == 1  # verified: reused

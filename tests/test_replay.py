@@ -109,12 +109,21 @@ def test_fidelity_on_a_real_trace(shared_traces):
 
 
 def test_cli_replay_json(tmp_path, capsys):
-    path = tmp_path / "t.npt"
+    path, marked = tmp_path / "t.npt", tmp_path / "m.npt"
     synthetic(11).save(path)
+    t, m = synthetic(12), Trace(meta={"origin": "marked"})
+    for i, e in enumerate(t.events()):  # the same with an iteration marker every 150 events
+        if i and i % 150 == 0:
+            m.append(OP_MARK, cat=MARK_ITER_BEGIN, id=i // 150)
+        m.append(e.op, id=e.id, size=e.size, stream=e.stream, site=e.site, cat=e.cat, addr=e.addr)
+    m.meta.update(n_ids=t.meta["n_ids"], sites=t.meta["sites"])
+    m.save(marked)
     out = tmp_path / "r.json"
-    assert main(["replay", str(path), "--policy", "torch,npu_pool", "--json", str(out)]) == 0
+    assert main(["replay", str(path), str(marked), "--policy", "torch,npu_pool", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert [r["policy"] for r in records] == ["torch", "npu_pool"]
+    assert [(r["trace"], r["policy"]) for r in records] == [(n, p) for n in ("t", "m") for p in ("torch", "npu_pool")]
+    assert [r["iteration_calls"] is None for r in records] == [True, True, False, False]
+    assert all(len(r["iteration_calls"]) == 1 + len(replay.iteration_bounds(m)) for r in records[2:])
     keys = {"trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
             "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity",
             "iteration_calls", "iteration_peak_live"}

@@ -162,7 +162,7 @@ MEGATRON_LM = SHARED / "clients" / "megatron-lm" / "megatron" / "training" / "tr
 
 def test_real_megatron_training_functions_are_wrapped_without_importing_mindspeed_patch(tmp_path: Path) -> None:
     if not MEGATRON_LM.is_file():
-        pytest.skip("../shared/clients/megatron-lm is absent (fresh clone)")
+        unavailable("../shared/clients/megatron-lm is absent (fresh clone)")
     for m in ("einops", "regex", "six", "pydantic", "megatron.core"):
         try:
             __import__(m)
@@ -243,7 +243,7 @@ def test_real_mindspeed_applies_its_patches_with_the_hook_armed(tmp_path: Path, 
     apply_patches() then imports megatron.training.training, and our wrapper registers with
     its manager while it iterates its patches. MindSpeed's replacement and wrapper run, and ours."""
     if not (MEGATRON_LM.is_file() and MINDSPEED.is_file()):
-        pytest.skip("../shared/clients is absent (fresh clone)")
+        unavailable("../shared/clients is absent (fresh clone)")
     python = hooked_python(sys.executable, tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMORY_FRAGMENTATION", "NPU_POOL_"))}
     env.update(MEMORY_FRAGMENTATION="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NPU_POOL_SHARED=str(SHARED))
