@@ -99,6 +99,7 @@ class _Session:
         from npu_pool.recorder.report import StepTimes
 
         self.recorder = default
+        self.pid = os.getpid()               # the process whose report this is (a forked child inherits it)
         self.log_every = log_every
         self.report_dir = report_dir
         self.iterations = 0                  # train_step calls of this process
@@ -474,7 +475,7 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def _at_exit() -> None:
-    if _session is not None:
+    if _session is not None and _session.pid == os.getpid():  # (a forked child that exits: not its report)
         try:
             _session.write_report()
         except OSError as e:

@@ -51,6 +51,17 @@ _written = 0
 _numbers = itertools.count()  # the <n> of snapshot names: in the order this process writes them
 _lock = ForkSafeLock()
 
+
+def _forked() -> None:
+    """A forked child is a process of its own: its snapshots count from none (with the parent's
+    count, a child of a parent that wrote MAX_SNAPSHOTS wrote none)."""
+    global _written, _numbers
+    _written, _numbers = 0, itertools.count()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
 _UNKNOWN = (1 << 64) - 1  # an oom event's device_free when the device did not say (UINT64_MAX)
 _SHORTAGE_LEVERS = (
     "lower the micro-batch size and raise gradient accumulation (same global batch, fewer activations)",

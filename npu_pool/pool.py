@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import os
+import threading
 from typing import Any, Optional, Sequence, Union
 
 from . import oom
@@ -140,14 +141,14 @@ def _event_layout() -> tuple[Any, tuple[str, ...]]:
     return struct.Struct(fmt), tuple(names)
 
 
-_EVENT_LAYOUT: list[Any] = []
+# (made once at import: made at first use, two threads' first histories could both add to it,
+# and every later history() failed)
+_EVENT_LAYOUT = _event_layout()
 
 
 def _event_dicts(buf: Any, n: int, kinds: Any) -> list[dict[str, Any]]:
     """The first ``n`` np_event_info of ``buf`` as dicts (``kind`` by name), read from their
     bytes at once: a failing request converts the history it reports without a per-field call."""
-    if not _EVENT_LAYOUT:
-        _EVENT_LAYOUT.extend(_event_layout())
     layout, names = _EVENT_LAYOUT
     k = names.index("kind")
     out = []
@@ -504,14 +505,26 @@ _REGIONS_LOCK = ForkSafeLock()  # a pool's open regions change whole: entered or
 class _Region:
     """The context manager of :meth:`Pool.region`: enters the tag; on exit leaves this region,
     and the innermost region still open becomes the pool's again (regions nest; a region left
-    while one opened after it, by another thread, is still open leaves that one current)."""
+    while one opened after it, by another thread, is still open leaves that one current).
+
+    The region is the pool's, so that torch's backward threads allocate into it; so another tag
+    cannot be entered while a thread other than this one holds a region open: each thread's
+    requests would go to whichever tag was entered last, and a pause of that tag would take a
+    tensor another thread is using (refused, PoolError)."""
 
     def __init__(self, pool: Pool, tag: bytes):
-        self.pool, self.tag = pool, tag
+        self.pool, self.tag, self.thread = pool, tag, 0
 
     def __enter__(self) -> "_Region":
+        self.thread = threading.get_ident()  # (the thread that enters it, wherever it was made)
         with _REGIONS_LOCK:
             open_ = self.pool.__dict__.setdefault("_regions", [])
+            other = next((r for r in open_ if r.thread != self.thread and r.tag != self.tag), None)
+            if other is not None:
+                raise PoolError(lib.NP_ERR_STATE, f"region {self.tag.decode()!r}: another thread holds region "
+                                f"{other.tag.decode()!r} open on this pool, and a region is the pool's (every "
+                                "thread's requests go to the current one): enter regions from one thread, or "
+                                "wait for that one to close")
             _check(lib.np_region(self.pool.ctx, self.tag))
             open_.append(self)
         return self
@@ -523,4 +536,10 @@ class _Region:
                 if open_[i] is self:
                     del open_[i]
                     break
-            _check(lib.np_region(self.pool.ctx, open_[-1].tag if open_ else ffi.NULL))
+            try:
+                ctx = self.pool.ctx
+            except PoolError:  # closed meanwhile (by another thread): nothing to leave, and the
+                return  # body's own exception, if any, is the one to see
+            rc = lib.np_region(ctx, open_[-1].tag if open_ else ffi.NULL)
+            if rc != lib.NP_OK and not self.pool._closed:  # (a close racing with this call: as above)
+                _raise(rc)

@@ -138,6 +138,57 @@ def test_a_region_left_under_a_later_one_leaves_the_later_one_current() -> None:
         _books_match(p)
 
 
+def test_another_thread_cannot_enter_another_tag_while_a_region_is_open() -> None:
+    """A region is the pool's (backward threads allocate into it): a second thread entering
+    another tag made the first thread's requests go to it, and pausing it unmapped a tensor the
+    first thread was using (the threads review: 8 MiB of 'train' allocated as 'rollout'). It is
+    refused; the same tag, and requests from threads that enter none, are as before."""
+    import threading
+
+    with Pool(capacity=256 * MiB) as p:
+        entered, done, got = threading.Event(), threading.Event(), {}
+
+        def trainer() -> None:
+            with p.region("train"):
+                entered.set()
+                done.wait(10)
+                got["train"] = p.malloc(8 * MiB)
+
+        def other(tag: str) -> None:
+            try:
+                with p.region(tag):
+                    got[tag] = p.malloc(MiB)
+            except PoolError as e:
+                got[tag] = e
+
+        t = threading.Thread(target=trainer)
+        t.start()
+        assert entered.wait(10)
+        for tag in ("rollout", "train"):
+            u = threading.Thread(target=other, args=(tag,))
+            u.start()
+            u.join()
+        backward = threading.Thread(target=lambda: got.__setitem__("backward", p.malloc(2 * MiB)))
+        backward.start()
+        backward.join()
+        done.set()
+        t.join()
+        assert isinstance(got["rollout"], PoolError) and "another thread holds region 'train'" in str(got["rollout"])
+        tags = p.tags()
+        assert "rollout" not in tags and tags["train"]["allocated"] == 11 * MiB  # 8 + 1 (same tag) + 2 (no region)
+        _books_match(p)
+
+
+def test_a_pool_closed_inside_a_region_leaves_the_bodys_exception() -> None:
+    """close() from another thread while a region is open: leaving the region raised 'closed
+    pool' over the body's own exception."""
+    p = Pool(capacity=64 * MiB)
+    with pytest.raises(KeyError, match="the body's own"):
+        with p.region("train"):
+            p.close()
+            raise KeyError("the body's own error")
+
+
 def test_resume_gives_back_idle_memory_first_and_fails_whole_when_short() -> None:
     with Pool(capacity=64 * MiB, host_backed=True) as p:
         with p.region("train"):

@@ -115,6 +115,40 @@ def test_a_report_dir_that_is_a_file_is_refused_when_patching(fresh: None, tmp_p
     assert patch.session() is None
 
 
+def test_a_forked_child_that_exits_leaves_the_ranks_report_alone(tmp_path: Path) -> None:
+    """The report is written at exit: a helper process forked by the training script (not a
+    multiprocessing worker, which leaves by os._exit) exited normally and rewrote the rank's
+    report with the figures it inherited (5 iterations where the rank ran 10)."""
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, types
+        mod = types.ModuleType("megatron.training.training")
+        mod.train_step = lambda *a, **k: ("loss", 0)
+        sys.modules["megatron.training.training"] = mod
+        import mindspeed_patch
+        for _ in range(5):
+            mod.train_step()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.read(r, 1)  # until the parent has run 5 more steps and written its report
+            sys.exit(0)    # a normal exit: atexit handlers run
+        for _ in range(5):
+            mod.train_step()
+        from mindspeed_patch.megatron import write_report
+        path = write_report()
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        import json
+        print(json.load(open(path))["iterations"])  # (before this process's own exit writes it again)
+        """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(ON, PYTHONPATH=str(ROOT), NPU_POOL_REPORT_DIR=str(tmp_path / "rep"), NPU_POOL_LOG_EVERY="0")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["10"], r.stdout
+
+
 def test_cpu_process_falls_back_with_a_clear_message(tmp_path: Path) -> None:
     """The switch set where there is no torch_npu and no CUDA: importing mindspeed_patch says
     why nothing was installed, the Megatron patch says it records phases only, and the run

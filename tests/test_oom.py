@@ -190,6 +190,41 @@ def test_pool_malloc_oom_names_the_snapshot(tmp_path: Path, monkeypatch: pytest.
     assert sorted(os.listdir(tmp_path / "oom")) == sorted([path.name, path.with_suffix(".json").name])
 
 
+def test_a_forked_child_writes_its_own_snapshots(tmp_path: Path) -> None:
+    """The bound of MAX_SNAPSHOTS is per process: a child forked after its parent wrote them all
+    wrote none ('20 already written by this process', the threads-and-fork review)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, npu_pool
+from npu_pool import oom
+os.environ[oom.ENV] = {str(tmp_path)!r}
+p = npu_pool.Pool("npu_pool", capacity=64 << 20)
+for _ in range(oom.MAX_SNAPSHOTS + 1):
+    try:
+        p.malloc(1 << 30)
+    except npu_pool.OutOfMemoryError as e:
+        last = str(e)
+assert "already written" in last, last
+pid = os.fork()
+if pid == 0:
+    try:
+        npu_pool.Pool("npu_pool", capacity=64 << 20).malloc(1 << 30)
+    except npu_pool.OutOfMemoryError as e:
+        os._exit(0 if "[OOM snapshot] written to" in str(e) else 3)
+    os._exit(4)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), pid)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    status, child = r.stdout.split()
+    assert status == "0"
+    written = sorted(f.name for f in tmp_path.glob("*.pickle"))
+    assert len(written) == oom.MAX_SNAPSHOTS + 1 and sum(f"_{child}_" in n for n in written) == 1
+
+
 def test_a_request_past_the_arena_names_itself_not_a_full_range() -> None:
     """3 GiB on an empty 1 GiB device said '[the arena's address range is full]' (a review of the
     torch_npu path): the request alone passes the range."""

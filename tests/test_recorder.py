@@ -41,6 +41,43 @@ def names(marks: list[tuple[int, int]]) -> list[tuple[str, int]]:
 
 
 # -- explicit phases ---------------------------------------------------------------------
+def test_markers_from_several_threads_keep_the_state_whole() -> None:
+    """Backward hooks run on torch's autograd threads: markers from four threads sharing one
+    phase object (as a decorated function is shared) raised IndexError out of a phase's exit and
+    left stages open for good (the threads review, about 2 runs in 5). Each begin pairs with its
+    own thread's end, and the pools see the markers in the order the state followed them."""
+    import sys
+    import threading
+
+    spy, n = Spy(), 3000
+    rec = Recorder([spy], profile=False)
+    fwd, errors = rec.phase("forward", 7), []
+
+    def worker(k: int) -> None:
+        try:
+            for _ in range(n):
+                with rec.phase("backward", k):
+                    with fwd:
+                        pass
+        except Exception as e:  # (reported below, with the rest)
+            errors.append(repr(e))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter lets them
+    try:
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == [] and rec.state.marks == len(spy.marks) == 4 * n * 4
+    assert rec.state._open == [] and rec.state.stage is None
+    ends = [a for c, a in spy.marks if MARK_NAMES[c] == "backward_end"]
+    assert sorted(ends) == sorted(k for k in range(4) for _ in range(n))
+
+
 def test_phases_as_context_managers_and_decorators() -> None:
     spy, sim = Spy(), Pool("npu_pool", capacity=1 << 30)
     rec = Recorder([spy, sim])

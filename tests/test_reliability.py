@@ -232,6 +232,33 @@ def test_fork_while_a_thread_enters_a_region() -> None:
 
 # -- 3. a truncated hooks library in the cache -------------------------------------------------
 
+def test_the_first_histories_of_a_process_may_come_from_many_threads_at_once() -> None:
+    """Several threads failing at once each convert the history (OOM snapshots, explain): the
+    event layout was made at the first conversion, and two threads making it left it broken for
+    the rest of the process ('too many values to unpack'; 5 of 15 fresh processes in the threads
+    review). Each fresh process here converts its first histories from 8 threads at once."""
+    code = """
+import sys, threading, npu_pool
+sys.setswitchinterval(1e-6)
+p = npu_pool.Pool("npu_pool", capacity=1 << 30)
+p.free(p.malloc(4096))
+bar, errs = threading.Barrier(8), []
+def first():
+    bar.wait()
+    try:
+        assert [e["kind"] for e in p.history()] == ["segment_map", "alloc", "free"]
+    except Exception as e:
+        errs.append(repr(e))
+ts = [threading.Thread(target=first) for _ in range(8)]
+for t in ts: t.start()
+for t in ts: t.join()
+print(errs)
+"""
+    for _ in range(5):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+        assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
 def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) -> None:
     """The hooks cache keeps a size and checksum beside each library; a truncated or altered
     library (which would kill the process with SIGBUS when loaded) is rebuilt instead."""

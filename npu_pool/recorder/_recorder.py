@@ -4,10 +4,12 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
+from ..locks import ForkSafeLock
 from ._marks import (END_OF, MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END,
                      STAGE_OF, code_of, phase_codes, profiler_label)
 
@@ -114,20 +116,28 @@ class Phase(contextlib.ContextDecorator):
     def __init__(self, recorder: "Recorder", name: str, arg: int = -1):
         self._rec, self.name, self.arg = recorder, name, _marker_arg(arg)
         self._begin, self._end = phase_codes(name)
-        self._args: list[int] = []  # a decorated function may be re-entered
+        self._local = threading.local()  # per thread, the args of its open entries: a decorated
+        # function may be re-entered, and run by several threads at once
+
+    def _args(self) -> list[int]:
+        args = getattr(self._local, "args", None)
+        if args is None:
+            args = self._local.args = []
+        return args
 
     def __enter__(self) -> "Phase":
         arg = self.arg
         if arg < 0 and self._begin in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN):
             arg = self._rec.state.micro  # the micro-batch it belongs to
         self._rec.mark(self._begin, arg)
-        self._args.append(arg)  # (after the pools took it: a refused begin leaves nothing to end)
+        self._args().append(arg)  # (after the pools took it: a refused begin leaves nothing to end)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._args:
+        args = self._args()
+        if not args:
             raise RuntimeError(f"phase {self.name!r} exited without being entered")
-        self._rec.mark(self._end, self._args.pop())
+        self._rec.mark(self._end, args.pop())
 
 
 class Recorder:
@@ -149,6 +159,9 @@ class Recorder:
         self.profile = profile
         self.state = RecorderState()
         self._listeners: list[Callable[[int, int], None]] = []
+        # markers come from several threads (torch's backward hooks run on its autograd threads):
+        # the pools take them and the state follows them in one order
+        self._lock = ForkSafeLock()
 
     def targets(self) -> tuple[Any, ...]:
         """The pools the next marker goes to."""
@@ -158,13 +171,14 @@ class Recorder:
         """Send one marker (a ``MARK_*`` code or its name) with its argument. The recorder's state
         follows only markers every pool took (a bad argument or a closed pool changes nothing)."""
         code, arg = code_of(code), _marker_arg(arg)
-        for p in self.targets():
-            p.mark(code, arg)
-        self.state.track(code, arg)
-        if self.profile and _profiling():
-            mark_profiled(code, arg)
-        for fn in self._listeners:
-            fn(code, arg)
+        with self._lock:
+            for p in self.targets():
+                p.mark(code, arg)
+            self.state.track(code, arg)
+            if self.profile and _profiling():
+                mark_profiled(code, arg)
+            for fn in list(self._listeners):
+                fn(code, arg)
 
     def listen(self, fn: Callable[[int, int], None]) -> Callable[[], None]:
         """Call ``fn(code, arg)`` after each marker; returns a function that stops it."""
