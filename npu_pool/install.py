@@ -296,6 +296,10 @@ def _npu_pool_on_oom(device: int, size: int, stream: Any) -> None:
         note = oom.on_oom(pool, int(size), device) if pool is not None else None
         if note:
             lib.npu_pool_note_error(device, note.encode(errors="replace"))
+        if pool is not None:
+            from .torch_memory import notify_oom
+
+            notify_oom(pool, device, int(size))  # torch's out-of-memory observers, after the snapshot
     except BaseException:  # nothing may escape into the C caller
         pass
 

@@ -124,10 +124,12 @@ def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str,
 
 def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
                   frames_of_site: Optional[Callable[[int], list]] = None, *,
-                  history_limit: Optional[int] = None) -> dict[str, Any]:
+                  history_limit: Optional[int] = None, devices: int = 0) -> dict[str, Any]:
     """One snapshot of the pools of a process, ``{device: pool}``, from their block maps,
-    mapped ranges and histories (``history_limit``: only each pool's latest events)."""
-    n = max(pools, default=-1) + 1
+    mapped ranges and histories (``history_limit``: only each pool's latest events); its
+    ``device_traces`` has one list per device, at least ``devices`` (torch's: one per device the
+    process sees, those that served nothing empty)."""
+    n = max(max(pools, default=-1) + 1, devices)
     snap: dict[str, Any] = {"segments": [], "device_traces": [[] for _ in range(n)], "external_annotations": []}
     policies, vmm = set(), False
     for device, pool in sorted(pools.items()):

@@ -5,20 +5,24 @@ raises), and torch_npu's ``NPUPluggableAllocator`` answers snapshots, memory his
 accumulated-statistics resets with a warning or nothing. Once npu_pool is installed, the
 functions of torch's C module that those Python APIs call are answered from the pool:
 
-=====================================  =======================================  ==========================
-torch (``torch._C``)                   torch_npu (``torch_npu._C``)             answered by
-=====================================  =======================================  ==========================
-``_cuda_memoryStats``                  ``_npu_memoryStats`` (without C++ hooks)  :func:`stats_dict`
-``_cuda_resetPeakMemoryStats``         ``_npu_resetPeakMemoryStats``            ``Pool.reset_peak``
-``_cuda_resetAccumulatedMemoryStats``  ``_npu_resetAccumulatedMemoryStats``     ``Pool.reset_accumulated``
-``_cuda_memorySnapshot``               ``_npu_memorySnapshot``                  ``npu_pool.snapshot``
-``_cuda_record_memory_history``        ``_npu_record_memory_history``           the pools' history bound
-=====================================  =======================================  ==========================
+=======================================  ========================================  =============================
+torch (``torch._C``)                     torch_npu (``torch_npu._C``)              answered by
+=======================================  ========================================  =============================
+``_cuda_memoryStats``                    ``_npu_memoryStats`` (without C++ hooks)  :func:`stats_dict`
+``_cuda_resetPeakMemoryStats``           ``_npu_resetPeakMemoryStats``             ``Pool.reset_peak``
+``_cuda_resetAccumulatedMemoryStats``    ``_npu_resetAccumulatedMemoryStats``      ``Pool.reset_accumulated``
+``_cuda_memorySnapshot``                 ``_npu_memorySnapshot``                   ``npu_pool.snapshot``
+``_cuda_record_memory_history``          ``_npu_record_memory_history``            the pools' history bound
+``_cuda_record_memory_history_legacy``                                             the same (``enabled`` a bool)
+``_cuda_attach_out_of_memory_observer``  ``_npu_attach_out_of_memory_observer``    :func:`notify_oom`
+``_cuda_getMemoryFraction``              ``_npu_getMemoryFraction``                ``stats()['fraction']``
+=======================================  ========================================  =============================
 
 So ``memory_stats``, ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
 ``max_memory_reserved``, ``reset_peak_memory_stats``, ``reset_accumulated_memory_stats``,
-``memory_summary``, ``memory_snapshot``, ``_record_memory_history``, ``_snapshot`` and
-``_dump_snapshot`` (``torch.cuda.*`` and ``torch.npu.*``) give the pool's exact figures (a device
+``memory_summary``, ``memory_snapshot``, ``_record_memory_history``, ``_snapshot``,
+``_dump_snapshot`` and ``get_per_process_memory_fraction`` (``torch.cuda.*`` and ``torch.npu.*``)
+give the pool's exact figures, and out-of-memory observers are called (a device
 torch does not have raises "Invalid device argument", as torch's own allocators do); with
 torch_npu's C++ hooks (``npu_pool.cpp_hooks``) ``memory_stats`` comes from C++, the same mapping.
 ``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
@@ -34,7 +38,7 @@ from ._core import lib
 from .pool import _check
 from .vocab import HISTORY_DEFAULT, HISTORY_MAX
 
-__all__ = ["stats_dict", "snapshot_of_installed", "route"]
+__all__ = ["stats_dict", "snapshot_of_installed", "route", "notify_oom"]
 
 _STAT_ARRAYS = {"allocation": "blocks", "segment": "segments", "active": "blocks", "allocated_bytes": "allocated",
                 "reserved_bytes": "reserved", "active_bytes": "active", "requested_bytes": "requested"}
@@ -65,7 +69,7 @@ def stats_dict(pool: Any) -> dict[str, Any]:
     out["inactive_split"] = {"all": dict(_ZERO), "small_pool": dict(_ZERO), "large_pool": dict(_ZERO)}
     out["oversize_allocations"] = dict(_ZERO)
     out["oversize_segments"] = dict(_ZERO)
-    out.update(num_alloc_retries=int(st["retries"]), num_ooms=int(st["ooms"]), max_split_size=0,
+    out.update(num_alloc_retries=int(st["retries"]), num_ooms=int(st["ooms"]), max_split_size=-1,  # (torch's unset)
                num_sync_all_streams=int(st["syncs"]), num_device_alloc=int(st["device_mallocs"]),
                num_device_free=int(st["device_frees"]), num_oom_rejections=0)
     return out
@@ -96,7 +100,7 @@ def _pool(device: Optional[int]) -> Any:
 
 def snapshot_of_installed(*_args: Any, **_kwargs: Any) -> dict[str, Any]:
     """A PyTorch snapshot of every device the installed pool serves (``_snapshot()``)."""
-    return snapshot.pool_snapshot(_existing())
+    return snapshot.pool_snapshot(_existing(), devices=len(_pools()))
 
 
 def _memory_stats(device: Optional[int] = None) -> dict[str, Any]:
@@ -131,13 +135,64 @@ def _record_history(enabled: Any = "all", context: Any = None, stacks: Any = Non
     _check(lib.npu_pool_set_history(-1, min(n, HISTORY_MAX)))  # "unlimited" asks for sys.maxsize
 
 
+def _memory_fraction(device: Optional[int] = None) -> float:
+    """``get_per_process_memory_fraction``: the fraction capping the device (1.0: none), the one
+    set before its first request included (the pluggable allocators raised "does not yet
+    support getMemoryFraction")."""
+    return float(_pool(device).stats()["fraction"])
+
+
+def _record_history_legacy(enabled: Any, record_context: Any = True, trace_alloc_max_entries: Any = 1,
+                           *args: Any, **kwargs: Any) -> None:
+    """torch's older form, ``_record_memory_history(True, trace_alloc_max_entries=N, ...)``
+    (MindSpeed's and Megatron's ``--record-memory-history``): ``enabled`` a bool, the bound
+    ``trace_alloc_max_entries``. The pluggable allocator raised "does not yet support
+    recordHistory" for it."""
+    _record_history("all" if enabled else None, max_entries=trace_alloc_max_entries if enabled else 0)
+
+
+_observers: list[Callable[[int, int, int, int], Any]] = []  # torch's out-of-memory observers
+
+
+def _attach_oom_observer(observer: Callable[[int, int, int, int], Any]) -> None:
+    """``torch._C._cuda_attach_out_of_memory_observer`` (and torch_npu's): ``observer(device,
+    request, cap, device_free)`` after each request the pool could not serve, as torch's
+    allocator calls it (the pluggable allocator raised "does not yet support" for it)."""
+    if not callable(observer):
+        raise TypeError(f"an out-of-memory observer is a callable, got {observer!r:.60}")
+    _observers.append(observer)
+
+
+def notify_oom(pool: Any, device: int, size: int) -> None:
+    """Call the attached out-of-memory observers for a request of ``size`` bytes ``pool`` (of
+    ``device``) could not serve; one that raises is reported on stderr and the rest still run
+    (the failing request raises either way)."""
+    if not _observers:
+        return
+    st = pool.stats()
+    last = next((e for e in reversed(pool.history(limit=8)) if e["kind"] == "oom"), None)
+    free = last["device_free"] if last is not None else (1 << 64) - 1
+    if free == (1 << 64) - 1:  # (no such event kept, or the device did not say: what the pool leaves it)
+        free = max(st["device_total"] - st["total"]["reserved"]["current"], 0)
+    for observer in list(_observers):
+        try:
+            observer(device, size, st["limit"], free)
+        except Exception as e:  # (it runs inside the failing malloc: nothing may escape there)
+            print(f"npu_pool: an out-of-memory observer raised {e!r:.200}", file=sys.stderr)
+
+
 # kind -> {name in torch's C module: replacement}; stats only where no C++ hook answers them
 _ROUTES: dict[str, dict[str, Callable[..., Any]]] = {
     "cuda": {"_cuda_memoryStats": _memory_stats, "_cuda_resetPeakMemoryStats": _reset_peak,
              "_cuda_resetAccumulatedMemoryStats": _reset_accumulated, "_cuda_memorySnapshot": snapshot_of_installed,
-             "_cuda_record_memory_history": _record_history},
+             "_cuda_record_memory_history": _record_history,
+             "_cuda_record_memory_history_legacy": _record_history_legacy,
+             "_cuda_attach_out_of_memory_observer": _attach_oom_observer,
+             "_cuda_getMemoryFraction": _memory_fraction},
     "npu": {"_npu_resetAccumulatedMemoryStats": _reset_accumulated, "_npu_memorySnapshot": snapshot_of_installed,
             "_npu_record_memory_history": _record_history,
+            "_npu_attach_out_of_memory_observer": _attach_oom_observer,
+            "_npu_getMemoryFraction": _memory_fraction,
             "_npu_resetPeakMemoryStats": _reset_peak},  # the C hook cannot refuse a device torch lacks
 }
 _NPU_STATS = {"_npu_memoryStats": _memory_stats}
@@ -165,6 +220,7 @@ def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_f
         setattr(target, name, fn)
 
     def restore() -> None:
+        _observers.clear()
         for name, old in saved.items():
             if old is _MISSING:
                 delattr(target, name)

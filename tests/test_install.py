@@ -483,12 +483,14 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
     stats = torch.cuda.memory_stats(0)
     assert stats["num_device_alloc"] == pools[0].stats()["device_mallocs"]
     assert stats["allocation.all.current"] == 2 and stats["requested_bytes.all.current"] == 1000 + 3 * MiB
+    assert stats["max_split_size"] == -1  # torch's "no limit"
     assert stats == torch.cuda.memory_stats(0) and "Tot Alloc" in torch.cuda.memory_summary(0)
     torch.cuda.reset_accumulated_memory_stats(0)
     assert torch.cuda.memory_stats(0)["allocated_bytes.all.freed"] == 0
     torch.cuda.memory._record_memory_history(max_entries=100)
     q = malloc(MiB)
     snap = torch.cuda.memory._snapshot()
+    assert len(snap["device_traces"]) == 2  # one per device torch sees, as torch's (device 1 served nothing)
     actions = [e["action"] for e in snap["device_traces"][0]]
     assert actions[-1] == "alloc" and snap["device_traces"][0][-1]["addr"] == q
     assert sum(s["total_size"] for s in snap["segments"]) == pools[0].stats()["total"]["reserved"]["current"]
@@ -501,6 +503,39 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
         free(p)
     inst._reset()
     assert not hasattr(torch._C, "_cuda_memoryStats") or torch._C._cuda_memoryStats is not torch_memory._memory_stats
+
+
+def test_what_frameworks_ask_the_installed_pool_besides_statistics(fakes: dict, fake_cuda_torch: list,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a review of torch's memory APIs under the installed pool: torch.cuda's
+    get_per_process_memory_fraction, the older _record_memory_history(True,
+    trace_alloc_max_entries=N) form and _cuda_attach_out_of_memory_observer (MindSpeed's
+    --record-memory-history uses both) raised the pluggable allocator's "does not yet support"."""
+    pools = npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
+    monkeypatch.setattr(torch.cuda.memory, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    assert torch._C._cuda_getMemoryFraction(0) == 1.0
+    npu_pool.set_fraction(0.25, device=1)  # before device 1's first request: said as it will be
+    assert torch._C._cuda_getMemoryFraction(1) == 0.25
+    pools[0].set_fraction(0.5)
+    assert torch.cuda.memory.get_per_process_memory_fraction(0) == 0.5
+    torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=3, trace_alloc_record_context=True)
+    ptrs = [malloc(n * MiB) for n in (1, 2, 3, 4)]
+    assert len(pools[0].history()) == 3  # the bound it asked for
+    seen: list[tuple] = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args))
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: 1 / 0)  # one that raises: the rest still run
+    with pytest.raises(TypeError, match="callable"):
+        torch._C._cuda_attach_out_of_memory_observer(3)
+    assert malloc(1 << 40) == 0  # past the cap: the request fails, the observers hear of it
+    st = pools[0].stats()
+    assert seen == [(0, 1 << 40, st["limit"], seen[0][3])] and 0 <= seen[0][3] <= st["device_total"]
+    for p in ptrs:
+        free(p)
+    torch.cuda.memory._record_memory_history(False)
+    inst._reset()
+    assert not hasattr(torch._C, "_cuda_getMemoryFraction") or torch._C._cuda_getMemoryFraction is not \
+        torch_memory._memory_fraction
 
 
 def test_record_memory_history_keeps_what_oom_snapshots_need(fakes: dict, fake_cuda_torch: list,

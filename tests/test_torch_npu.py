@@ -76,11 +76,15 @@ r["reuse_waited"] = pools[1].stats()["stream_waits"] - waits
 torch.npu.set_device(0)
 torch.npu.set_per_process_memory_fraction(0.25, 0)
 r["limit"] = p.stats()["limit"]
+r["fraction_read_back"] = torch.npu.get_per_process_memory_fraction(0)
+observed = []
+torch_npu._C._npu_attach_out_of_memory_observer(lambda *a: observed.append(list(a)))
 try:
     torch.empty(300 << 20, dtype=torch.uint8, device="npu")
     r["capped"] = "no error"
 except torch.OutOfMemoryError as e:
     r["capped"] = str(e)
+r["observed"] = observed
 r["refused_fractions"] = []                  # raised, not printed: the cap stays what it was
 for f, d in ((float("nan"), 0), (0.0, 0), (0.5, 7)):
     try:
@@ -119,7 +123,9 @@ print(json.dumps(r))
     index, torch_says, pool_says = out["device1"]
     assert index == 1 and torch_says == pool_says >= MiB
     assert out["recorded_block_tagged"] and out["reuse_waited"] == 1
-    assert out["limit"] == CAPACITY // 4
+    assert out["limit"] == CAPACITY // 4 and out["fraction_read_back"] == 0.25
+    (device, request, cap, device_free), = out["observed"]  # torch's out-of-memory observer, called once
+    assert (device, cap) == (0, CAPACITY // 4) and 300 << 20 <= request <= (300 << 20) + 64 and device_free >= 0
     assert "out of memory on device 0 (policy npu_pool)" in out["capped"] and "256.00 MiB cap" in out["capped"]
     nan, zero, device7 = out["refused_fractions"]
     assert nan.startswith("RuntimeError: npu_pool: memory fraction must be in (0, 1], got nan"), nan

@@ -272,6 +272,7 @@ void np_get_stats(np_ctx *ctx, np_stats *out) {
   } else {
     np_get_stats_locked(ctx, out);
   }
+  out->fraction = ctx->cfg.fraction;
   np_ctx_unlock(ctx);
 }
 

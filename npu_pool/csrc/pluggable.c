@@ -230,6 +230,8 @@ int npu_pool_device_stats(int device, np_stats *out) {
   memset(out, 0, sizeof *out); /* nothing allocated on this device yet */
   lock_table();
   int policy = table.configured ? table.cfg.policy : np_policy_index("npu_pool");
+  /* the fraction the device will get: one set for it before its first request, else the configured one */
+  out->fraction = table.fraction[device] > 0 ? table.fraction[device] : table.configured ? table.cfg.fraction : 1.0;
   pthread_mutex_unlock(&table.lock);
   out->policy = policy;
   snprintf(out->total.name, sizeof out->total.name, "all");

@@ -90,6 +90,7 @@ DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   out.num_sync_all_streams = static_cast<int64_t>(st.syncs);
   out.num_device_alloc = static_cast<int64_t>(st.device_mallocs);
   out.num_device_free = static_cast<int64_t>(st.device_frees);
+  out.max_split_size = -1;  // no split limit: torch's "unset" (its SIZE_MAX, read as int64)
   return out;
 }
 
