@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
            "physical: segments (malloc + free) or chunks (phys_create + phys_release) taken and given back;",
            "est ms: the estimated device time of all calls (cost table below); steady: calls in the steady",
            "iterations, every one after the first that needs no more live memory than an earlier stretch did",
-           "(the set-up included; iteration bounds: iteration markers, the last iteration up to its end",
-           "marker, else the optimizer's, else the planner's loop body; - when none repeat or none is",
-           "steady);",
+           "(the set-up included; iteration bounds: iteration markers, else the optimizer's, else the",
+           "planner's loop body, the last iteration up to the trace's last iteration-end marker; - when",
+           "none repeat or none is steady);",
            "waste: minimum capacity - peak live.", "",
            "| trace | policy | physical | map+unmap | est ms | steady | @min cap: physical | map+unmap | est ms | waste (MiB) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -56,14 +56,33 @@ def _refusing_empty(type_: Any) -> Any:
     return convert
 
 
+def _refusing(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``add_argument``'s keywords, a value-taking argument's type refusing "" (not where "" is
+    the default: argparse converts a string default too)."""
+    if kwargs.get("action", "store") in ("store", "append", "extend") and kwargs.get("nargs") != 0 \
+            and kwargs.get("default") != "":
+        kwargs["type"] = _refusing_empty(kwargs.get("type"))
+    return kwargs
+
+
+def _refusing_group(group: Any) -> Any:
+    add = group.add_argument
+    group.add_argument = lambda *args, **kwargs: add(*args, **_refusing(kwargs))
+    return group
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, every value-taking argument refusing "" (abbreviated options too: argparse
-    resolves them before it converts)."""
+    resolves them before it converts; those of argument groups too)."""
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        if kwargs.get("action", "store") in ("store", "append", "extend") and kwargs.get("nargs") != 0:
-            kwargs["type"] = _refusing_empty(kwargs.get("type"))
-        return super().add_argument(*args, **kwargs)
+        return super().add_argument(*args, **_refusing(kwargs))
+
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> Any:
+        return _refusing_group(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, *args: Any, **kwargs: Any) -> Any:
+        return _refusing_group(super().add_mutually_exclusive_group(*args, **kwargs))
 
     def error(self, message: str) -> NoReturn:
         if message.endswith(_EMPTY):

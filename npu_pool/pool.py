@@ -507,10 +507,11 @@ class _Region:
     and the innermost region still open becomes the pool's again (regions nest; a region left
     while one opened after it, by another thread, is still open leaves that one current).
 
-    The region is the pool's, so that torch's backward threads allocate into it; so another tag
-    cannot be entered while a thread other than this one holds a region open: each thread's
-    requests would go to whichever tag was entered last, and a pause of that tag would take a
-    tensor another thread is using (refused, PoolError)."""
+    The region is the pool's, so that torch's backward threads allocate into it. So when a thread
+    enters another tag while a region of another thread is open, every thread's requests go to
+    the tag entered last, and a pause of it would take a tensor the other thread allocated: safe
+    while that thread waits (an offload hook on torch's autograd thread), not while it allocates.
+    A warning says so, once per pool."""
 
     def __init__(self, pool: Pool, tag: bytes):
         self.pool, self.tag, self.thread = pool, tag, 0
@@ -520,13 +521,19 @@ class _Region:
         with _REGIONS_LOCK:
             open_ = self.pool.__dict__.setdefault("_regions", [])
             other = next((r for r in open_ if r.thread != self.thread and r.tag != self.tag), None)
-            if other is not None:
-                raise PoolError(lib.NP_ERR_STATE, f"region {self.tag.decode()!r}: another thread holds region "
-                                f"{other.tag.decode()!r} open on this pool, and a region is the pool's (every "
-                                "thread's requests go to the current one): enter regions from one thread, or "
-                                "wait for that one to close")
             _check(lib.np_region(self.pool.ctx, self.tag))
             open_.append(self)
+            warn = other is not None and not self.pool.__dict__.get("_warned_regions")
+            if warn:
+                self.pool.__dict__["_warned_regions"] = True
+        if warn:
+            import warnings
+
+            warnings.warn(f"npu_pool: region {self.tag.decode()!r} entered while another thread holds region "
+                          f"{other.tag.decode()!r} open on this pool: a region is the pool's, so that thread's "
+                          f"requests go to {self.tag.decode()!r} too until this one is left (pausing it would take "
+                          "them); enter regions from one thread unless the other waits meanwhile",
+                          RuntimeWarning, stacklevel=2)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -124,12 +124,13 @@ def iteration_bounds(trace: Trace) -> list[int]:
 
 def iterations_end(trace: Trace, bounds: Sequence[int]) -> int | None:
     """Where the last of the iterations ``bounds`` start ends, when the trace says so and events
-    follow: the event after its last ``MARK_ITER_END`` past the last bound (captures and the
-    recorder mark each iteration's end); None otherwise (the last stretch then runs to the end).
-    What follows (teardown: frees, a final ``empty_cache``) is no iteration."""
+    follow: the event after its last ``MARK_ITER_END`` from the last bound on (captures and the
+    recorder mark each iteration's end; whatever gave the bounds: markers, optimizer steps, a
+    period); None otherwise (the last stretch then runs to the end). What follows (teardown:
+    frees, a final ``empty_cache``) is no iteration."""
     if not bounds:
         return None
-    end = next((i + 1 for i in range(len(trace) - 1, bounds[-1], -1)
+    end = next((i + 1 for i in range(len(trace) - 1, bounds[-1] - 1, -1)
                 if trace.op[i] == vocab.OP_MARK and trace.cat[i] == vocab.MARK_ITER_END), None)
     return end if end is not None and end < len(trace) else None
 

@@ -138,12 +138,14 @@ def test_a_region_left_under_a_later_one_leaves_the_later_one_current() -> None:
         _books_match(p)
 
 
-def test_another_thread_cannot_enter_another_tag_while_a_region_is_open() -> None:
+def test_another_thread_entering_another_tag_is_warned_about() -> None:
     """A region is the pool's (backward threads allocate into it): a second thread entering
-    another tag made the first thread's requests go to it, and pausing it unmapped a tensor the
-    first thread was using (the threads review: 8 MiB of 'train' allocated as 'rollout'). It is
-    refused; the same tag, and requests from threads that enter none, are as before."""
+    another tag while the first's region is open sends the first thread's requests to it too,
+    and pausing it would take them (the threads review: 8 MiB of 'train' allocated as 'rollout').
+    Safe while the first thread waits (an offload hook on the autograd thread), so it is allowed,
+    with one warning per pool; the same tag, and threads that enter no region, say nothing."""
     import threading
+    import warnings
 
     with Pool(capacity=256 * MiB) as p:
         entered, done, got = threading.Event(), threading.Event(), {}
@@ -151,20 +153,20 @@ def test_another_thread_cannot_enter_another_tag_while_a_region_is_open() -> Non
         def trainer() -> None:
             with p.region("train"):
                 entered.set()
-                done.wait(10)
+                assert done.wait(120)
                 got["train"] = p.malloc(8 * MiB)
 
         def other(tag: str) -> None:
-            try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 with p.region(tag):
                     got[tag] = p.malloc(MiB)
-            except PoolError as e:
-                got[tag] = e
+            got[tag + " warned"] = [str(w.message) for w in caught]
 
         t = threading.Thread(target=trainer)
         t.start()
-        assert entered.wait(10)
-        for tag in ("rollout", "train"):
+        assert entered.wait(120)
+        for tag in ("train", "rollout", "offload"):
             u = threading.Thread(target=other, args=(tag,))
             u.start()
             u.join()
@@ -173,9 +175,12 @@ def test_another_thread_cannot_enter_another_tag_while_a_region_is_open() -> Non
         backward.join()
         done.set()
         t.join()
-        assert isinstance(got["rollout"], PoolError) and "another thread holds region 'train'" in str(got["rollout"])
+        assert got["train warned"] == [] and got["offload warned"] == []  # (once per pool)
+        (message,) = got["rollout warned"]
+        assert "region 'rollout' entered while another thread holds region 'train'" in message
         tags = p.tags()
-        assert "rollout" not in tags and tags["train"]["allocated"] == 11 * MiB  # 8 + 1 (same tag) + 2 (no region)
+        assert tags["rollout"]["allocated"] == tags["offload"]["allocated"] == MiB
+        assert tags["train"]["allocated"] == 11 * MiB  # 8 + 1 (same tag) + 2 (no region: the current one)
         _books_match(p)
 
 

@@ -231,6 +231,31 @@ def test_the_teardown_after_the_last_iteration_is_no_iteration(captures) -> None
     assert evaluate(out, "gpt + teardown", "npu_pool", bounds=b, with_min_capacity=False).steady_calls == 0
 
 
+def test_the_teardown_is_cut_off_whatever_gave_the_bounds() -> None:
+    """Bounds from the optimizer's markers (no iteration begin markers) with an iteration end
+    marker after each optimizer step: the last bound falls on that end marker, which the cut
+    once looked past (the diff review: the teardown's 4 calls counted as a steady iteration)."""
+    t = Trace(meta={})
+    t.append(vocab.OP_ALLOC, id=0, size=4 * MiB)
+    n = 0
+    for _ in range(4):
+        for k in range(3):
+            n += 1
+            t.append(vocab.OP_ALLOC, id=n, size=(k + 1) * MiB)
+        for k in range(3):
+            t.append(vocab.OP_FREE, id=n - k, size=(3 - k) * MiB)
+        t.append(vocab.OP_MARK, cat=vocab.MARK_OPTIMIZER_END)
+        t.append(vocab.OP_MARK, cat=vocab.MARK_ITER_END)
+    t.append(vocab.OP_FREE, id=0, size=4 * MiB)
+    t.append(OP_EMPTY_CACHE)
+    t.meta["n_ids"] = n + 1
+    b = iteration_bounds(t)
+    assert t.op[b[-1]] == vocab.OP_MARK and t.cat[b[-1]] == vocab.MARK_ITER_END
+    assert iterations_end(t, b) == b[-1] + 1
+    r = run(t, "npu_pool", bounds=b)
+    assert r.ok and r.calls["unmap"] > 0 and sum(d["unmap"] for d in r.iteration_calls) == 0
+
+
 def test_a_capture_with_empty_cache_between_iterations(captures) -> None:
     t = _with_empty_cache(captures["gpt"])
     _bound_holds(t, "gpt + empty_cache")

@@ -1205,6 +1205,7 @@ def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
                          (["analyze", "--format", "html", "-o", "", str(trace)], "--out/-o"),
                          (["export", str(trace), "-o", ""], "--out/-o"),
                          (["import", "--ou", "", str(trace)], "--out"),  # (abbreviated, as argparse allows)
+                         (["estimate", "--dtype", ""], "--dtype"),  # (an option of an argument group)
                          (["replay", "", str(trace)], "TRACE")]:
         _one_line(capsys, argv, f"argument {option}: an empty value (an unset variable?)")
     _one_line(capsys, ["replay", str(trace), "--policy", "torch,"], "the policy list 'torch,' has an empty name")
@@ -1216,6 +1217,19 @@ def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
     t.save(tmp_path / "x.npt")
     _one_line(capsys, ["replay", "--validate", str(tmp_path / "x.npt")], "meta['expandable_segments'] is 'no'")
     assert not list(Path.cwd().glob("a.dev*.npt")) and sorted(p.name for p in tmp_path.iterdir()) == ["a.npt", "x.npt"]
+
+
+def test_the_parsers_refusal_of_empty_values_reaches_groups_and_spares_empty_defaults() -> None:
+    from npu_pool.cli import _EmptyValue, _Parser
+
+    p = _Parser(prog="x")
+    p.add_argument("--keep", default="")  # "" is its default: an absent option is not refused
+    p.add_argument_group("g").add_argument("--n", type=int)
+    p.add_mutually_exclusive_group().add_argument("--m")
+    assert vars(p.parse_args([])) == {"keep": "", "n": None, "m": None}
+    for argv in (["--n", ""], ["--m="]):
+        with pytest.raises(_EmptyValue):
+            p.parse_args(argv)
 
 
 def test_analyze_refuses_one_trace_given_twice(tmp_path, capsys) -> None:

@@ -78,6 +78,33 @@ def test_markers_from_several_threads_keep_the_state_whole() -> None:
     assert sorted(ends) == sorted(k for k in range(4) for _ in range(n))
 
 
+def test_a_listener_may_wait_for_a_marker_of_another_thread_and_phases_cross_threads() -> None:
+    """(The lock that orders markers once covered the listeners too: a listener waiting for a
+    thread that marks hung. A phase entered on one thread may be left on another, as hooks do.)"""
+    import threading
+
+    spy = Spy()
+    rec = Recorder([spy], profile=False)
+    finished: list[bool] = []
+
+    def listener(code: int, arg: int) -> None:
+        if MARK_NAMES[code] == "setup_begin":
+            t = threading.Thread(target=lambda: rec.mark("optimizer_begin"))
+            t.start()
+            t.join(60)
+            finished.append(not t.is_alive())
+
+    rec.listen(listener)
+    rec.mark("setup_begin")
+    assert finished == [True]
+    ev = rec.phase("eval")
+    ev.__enter__()
+    t = threading.Thread(target=lambda: ev.__exit__(None, None, None))
+    t.start()
+    t.join(60)
+    assert names(spy.marks)[-2:] == [("eval_begin", -1), ("eval_end", -1)] and not rec.state.is_open("eval")
+
+
 def test_phases_as_context_managers_and_decorators() -> None:
     spy, sim = Spy(), Pool("npu_pool", capacity=1 << 30)
     rec = Recorder([spy, sim])

@@ -82,9 +82,9 @@ Device calls, given room to spare (and at min cap), each a stall on a real card:
   other      events, stream queries, device look-ups, reservations
   steady     calls of every kind in the steady iterations: after the first, each one that needs no more
              live memory than an earlier stretch did, set-up included (where the trace repeats: its
-             iteration markers, the last iteration up to its end marker, teardown after it left out;
-             else its optimizer steps, else the period the planner finds; - when none repeats or
-             none is steady)
+             iteration markers, else its optimizer steps, else the period the planner finds; the
+             last up to the trace's last iteration-end marker, teardown after it left out; - when
+             none repeats or none is steady)
   est ms     the calls' estimated device time from the per-call cost table (docs/device_calls.md; --costs)"""
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
@@ -15,6 +14,9 @@ from ._marks import (END_OF, MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN, MARK_ITER_
 
 
 _PER_ITERATION = ("forward", "backward", "optimizer")  # stages an iteration holds whole
+# Markers come from several threads (torch's backward hooks run on its autograd threads): one
+# lock for every recorder (a lock per recorder would register fork handlers per recorder)
+_MARKING = ForkSafeLock()
 
 
 @dataclass
@@ -116,28 +118,23 @@ class Phase(contextlib.ContextDecorator):
     def __init__(self, recorder: "Recorder", name: str, arg: int = -1):
         self._rec, self.name, self.arg = recorder, name, _marker_arg(arg)
         self._begin, self._end = phase_codes(name)
-        self._local = threading.local()  # per thread, the args of its open entries: a decorated
-        # function may be re-entered, and run by several threads at once
-
-    def _args(self) -> list[int]:
-        args = getattr(self._local, "args", None)
-        if args is None:
-            args = self._local.args = []
-        return args
+        self._args: list[int] = []  # a decorated function may be re-entered (its begin and end may
+        # come from different threads: hooks)
 
     def __enter__(self) -> "Phase":
         arg = self.arg
         if arg < 0 and self._begin in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN):
             arg = self._rec.state.micro  # the micro-batch it belongs to
         self._rec.mark(self._begin, arg)
-        self._args().append(arg)  # (after the pools took it: a refused begin leaves nothing to end)
+        self._args.append(arg)  # (after the pools took it: a refused begin leaves nothing to end)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        args = self._args()
-        if not args:
-            raise RuntimeError(f"phase {self.name!r} exited without being entered")
-        self._rec.mark(self._end, args.pop())
+        try:
+            arg = self._args.pop()  # (one call: two threads leaving at once never both see one entry)
+        except IndexError:
+            raise RuntimeError(f"phase {self.name!r} exited without being entered") from None
+        self._rec.mark(self._end, arg)
 
 
 class Recorder:
@@ -159,9 +156,6 @@ class Recorder:
         self.profile = profile
         self.state = RecorderState()
         self._listeners: list[Callable[[int, int], None]] = []
-        # markers come from several threads (torch's backward hooks run on its autograd threads):
-        # the pools take them and the state follows them in one order
-        self._lock = ForkSafeLock()
 
     def targets(self) -> tuple[Any, ...]:
         """The pools the next marker goes to."""
@@ -171,14 +165,15 @@ class Recorder:
         """Send one marker (a ``MARK_*`` code or its name) with its argument. The recorder's state
         follows only markers every pool took (a bad argument or a closed pool changes nothing)."""
         code, arg = code_of(code), _marker_arg(arg)
-        with self._lock:
-            for p in self.targets():
+        targets = self.targets()
+        with _MARKING:  # (the pools take a marker and the state follows it in one order)
+            for p in targets:
                 p.mark(code, arg)
             self.state.track(code, arg)
-            if self.profile and _profiling():
-                mark_profiled(code, arg)
-            for fn in list(self._listeners):
-                fn(code, arg)
+        if self.profile and _profiling():
+            mark_profiled(code, arg)
+        for fn in list(self._listeners):  # (outside the lock: a listener may wait for another marker)
+            fn(code, arg)
 
     def listen(self, fn: Callable[[int, int], None]) -> Callable[[], None]:
         """Call ``fn(code, arg)`` after each marker; returns a function that stops it."""
