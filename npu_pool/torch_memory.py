@@ -53,7 +53,8 @@ def stats_dict(pool: Any) -> dict[str, Any]:
     """``pool.stats()`` in the layout of ``torch.cuda.memory_stats_as_nested_dict()``: the totals
     under ``all``; ``small_pool``/``large_pool`` where the policy's pools are those (torch,
     expandable), zeros otherwise; ``inactive_split_bytes`` is the free memory the pool holds
-    (reserved, not active)."""
+    (reserved, not active) that ``empty_cache`` could not return (``stats()["releasable"]`` is
+    what it could): torch's "non-releasable memory"."""
     st = pool.stats()
     pools = st["pools"]
     small_large = list(pools) == ["small", "large"]
@@ -63,7 +64,8 @@ def stats_dict(pool: Any) -> dict[str, Any]:
                     "small_pool": _stat(pools["small"][field]) if small_large else dict(_ZERO),
                     "large_pool": _stat(pools["large"][field]) if small_large else dict(_ZERO)}
     # paused tags' blocks are active but not reserved (their pages went back to the device)
-    free = max(0, int(st["total"]["reserved"]["current"] + st.get("paused", 0) - st["total"]["active"]["current"]))
+    free = max(0, int(st["total"]["reserved"]["current"] + st.get("paused", 0) - st["total"]["active"]["current"]
+                      - st["releasable"]))
     out["inactive_split_bytes"] = {"all": dict(_ZERO, current=free, peak=free), "small_pool": dict(_ZERO),
                                    "large_pool": dict(_ZERO)}
     out["inactive_split"] = {"all": dict(_ZERO), "small_pool": dict(_ZERO), "large_pool": dict(_ZERO)}

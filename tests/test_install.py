@@ -487,6 +487,14 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
     assert stats == torch.cuda.memory_stats(0) and "Tot Alloc" in torch.cuda.memory_summary(0)
     torch.cuda.reset_accumulated_memory_stats(0)
     assert torch.cuda.memory_stats(0)["allocated_bytes.all.freed"] == 0
+    # non-releasable memory: the free bytes empty_cache cannot return, as torch's (it counted all)
+    before, st = torch.cuda.memory_stats(0), pools[0].stats()
+    free_bytes = st["total"]["reserved"]["current"] - st["total"]["active"]["current"]
+    assert before["inactive_split_bytes.all.current"] == free_bytes - st["releasable"]
+    so.npu_pool_empty_cache()  # (torch.cuda.empty_cache calls this hook; a CPU build has no _cuda_emptyCache)
+    after = torch.cuda.memory_stats(0)
+    assert before["reserved_bytes.all.current"] - after["reserved_bytes.all.current"] == st["releasable"]
+    assert after["inactive_split_bytes.all.current"] == before["inactive_split_bytes.all.current"]
     torch.cuda.memory._record_memory_history(max_entries=100)
     q = malloc(MiB)
     snap = torch.cuda.memory._snapshot()

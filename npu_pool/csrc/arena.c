@@ -597,8 +597,28 @@ int np_arena_set_limit(np_ctx *ctx, np_arena *a) {
   return NP_OK;
 }
 
+/* The bytes np_arena_empty_cache would return now: a fixed arena with nothing allocated whole,
+ * else the chunks wholly inside free memory (release: neighbours merged, then unmap_free). */
+static uint64_t releasable(const np_ctx *ctx, const np_arena *a) {
+  uint64_t bytes = 0;
+  bool empty = true;
+  for (const np_block *b = a->seg->head; b; b = b->next) {
+    empty = empty && !b->allocated;
+    if (b->allocated || !a->vmm) continue;
+    uint64_t off = b->addr - a->seg->addr, size = b->size;
+    while (b->next && !b->next->allocated) { /* (free neighbours: one block once synchronised) */
+      b = b->next;
+      size += b->size;
+    }
+    uint64_t first = np_round_up(off, a->page) / a->page, end = np_min_u64((off + size) / a->page, a->page_hwm);
+    if (first < end) bytes += np_vmm_whole_chunks(ctx, a->seg, a->seg->addr + first * a->page, (end - first) * a->page);
+  }
+  return a->vmm ? bytes : empty ? a->seg->mapped : 0;
+}
+
 void np_arena_fill_stats(np_ctx *ctx, np_arena *a, np_stats *st) {
   if (!a->seg) return;
+  st->releasable += releasable(ctx, a);
   np_block *m = np_tree_max(&a->holes);
   uint64_t largest = m ? m->size : 0;
   st->arena_hwm.current = (a->top ? a->top->addr : a->seg->addr + a->seg->size) - a->seg->addr;

@@ -318,6 +318,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   out->limit = ctx->limit;
   out->policy = ctx->cfg.policy;
   out->largest_free = 0;
+  out->releasable = ctx->st.spare; /* the policy's fill_stats adds what its empty_cache returns */
   for (int k = 0; k < NP_CALL_COUNT; k++) out->calls[k] = ctx->be->calls[k] - ctx->calls_base[k];
   if (ctx->policy->fill_stats) ctx->policy->fill_stats(ctx, out);
 }

@@ -263,9 +263,19 @@ static void exp_free(np_ctx *ctx, np_block *b) {
 static int exp_empty_cache(np_ctx *ctx) { return release_cached(ctx); }
 
 static void exp_fill_stats(np_ctx *ctx, np_stats *st) {
+  exp_state *es = state(ctx);
   for (int p = 0; p < 2; p++) {
-    np_block *m = np_tree_max(&state(ctx)->pools[p]);
+    np_block *m = np_tree_max(&es->pools[p]);
     if (m && m->size > st->largest_free) st->largest_free = m->size;
+  }
+  for (np_segment *seg = ctx->segments; seg; seg = seg->next) { /* what release_cached unmaps: the */
+    uint64_t page = page_size[seg->pool]; /* whole pages of every free block (each is cached) */
+    for (np_block *b = seg->head; b; b = b->next) {
+      if (b->allocated || !b->mapped) continue;
+      uintptr_t lo = seg->addr + np_round_up(b->addr - seg->addr, page);
+      uintptr_t hi = seg->addr + np_round_down(b->addr + b->size - seg->addr, page);
+      if (lo < hi) st->releasable += np_vmm_whole_chunks(ctx, seg, lo, hi - lo);
+    }
   }
 }
 

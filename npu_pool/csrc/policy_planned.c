@@ -461,6 +461,7 @@ static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
 static void planned_fill_stats(np_ctx *ctx, np_stats *out) {
   planned_state *st = state(ctx);
   np_arena_fill_stats(ctx, budget(ctx, st), out);
+  if (st->seg && st->live == 0) out->releasable += st->seg->mapped; /* the region, as planned_empty_cache drops it */
   for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
     if (!b->allocated && b->size > out->largest_free) out->largest_free = b->size;
 }

@@ -203,6 +203,8 @@ static void torch_fill_stats(np_ctx *ctx, np_stats *st) {
     np_block *m = np_tree_max(&state(ctx)->pools[p]);
     if (m && m->size > st->largest_free) st->largest_free = m->size;
   }
+  for (np_segment *s = ctx->segments; s; s = s->next) /* what release_cached frees */
+    if (is_whole_segment(s->head) && !s->head->allocated) st->releasable += s->size;
 }
 
 static int torch_check(np_ctx *ctx) {

@@ -118,6 +118,21 @@ int np_vmm_chunk_return(np_backend *be, np_vmm_left *left) {
   return rc;
 }
 
+uint64_t np_vmm_whole_chunks(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size) {
+  uint64_t g = ctx->be->granularity, bytes = 0, f, n;
+  uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g; /* as np_vmm_unmap */
+  for (uint64_t p = first; p < end && seg->mapped;) {
+    if (!seg->pages[p]) {
+      p++;
+      continue;
+    }
+    np_vmm_chunk_at(ctx->be, seg, p, &f, &n);
+    if (f >= first && f + n <= end) bytes += n * g;
+    p = f + n;
+  }
+  return bytes;
+}
+
 uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size) {
   uint64_t g = ctx->be->granularity, n = 0;
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr + g - 1) / g;

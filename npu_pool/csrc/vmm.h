@@ -95,6 +95,8 @@ void np_vmm_release(np_ctx *ctx, np_segment *seg);
 
 /* ---- queries -------------------------------------------------------------------------------- */
 
+/* Bytes of the mapped chunks lying wholly in [addr, addr+size): what np_vmm_unmap of it unmaps. */
+uint64_t np_vmm_whole_chunks(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size);
 /* Bytes of the pages under [addr, addr+size) that are not mapped. */
 uint64_t np_vmm_unmapped(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size);
 

@@ -78,11 +78,12 @@ DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   fill(out.reserved_bytes, st, &np_pool_stats::reserved, small_large);
   fill(out.active_bytes, st, &np_pool_stats::active, small_large);
   fill(out.requested_bytes, st, &np_pool_stats::requested, small_large);
-  // free bytes the pool holds (reserved, not active): what torch calls inactive and split
+  // free bytes the pool holds (reserved, not active) that empty_cache could not return: what torch
+  // calls inactive and split (non-releasable)
   Stat &inactive = out.inactive_split_bytes[static_cast<size_t>(StatType::AGGREGATE)];
   // (paused tags' blocks are active but not reserved: their pages went back to the device)
   inactive.current = static_cast<int64_t>(st.total.reserved.current + st.paused) -
-                     static_cast<int64_t>(st.total.active.current);
+                     static_cast<int64_t>(st.total.active.current) - static_cast<int64_t>(st.releasable);
   if (inactive.current < 0) inactive.current = 0;
   inactive.peak = inactive.current;
   out.num_alloc_retries = static_cast<int64_t>(st.retries);
