@@ -138,9 +138,19 @@ def test_a_failed_page_release_is_held_and_close_says_what_is_lost(builds: dict,
     st_ = p.stats()
     assert v.lib.fake_mapped() == 0 and st_["unreleased"] == 20 * MiB == st_["total"]["reserved"]["current"]
     assert v.lib.fake_used() == 20 * MiB  # held, not forgotten
+    assert st_["releasable"] == 20 * MiB  # (empty_cache retries it: what it returns once the device takes it)
     with pytest.raises(BackendError, match="still holds 20.00 MiB"):
         p.close()  # retried once more at close, then reported
     _clear_faults(v)
+    p = v.pool("npu_pool")
+    p.free(p.malloc(4 * MiB - v.pad))
+    v.fail("release")  # refused once: the next empty_cache returns it, as releasable said
+    with pytest.raises(BackendError, match="still holds"):
+        p.empty_cache()
+    st_ = p.stats()
+    p.empty_cache()
+    assert st_["releasable"] == 20 * MiB == st_["total"]["reserved"]["current"] - p.stats()["total"]["reserved"]["current"]
+    p.close()
 
 
 @pytest.mark.parametrize("backend", ["acl", "cuda"])

@@ -318,7 +318,9 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   out->limit = ctx->limit;
   out->policy = ctx->cfg.policy;
   out->largest_free = 0;
-  out->releasable = ctx->st.spare; /* the policy's fill_stats adds what its empty_cache returns */
+  /* the spares and what the device refused to take back (empty_cache gives back and retries
+   * them); the policy's fill_stats adds what its empty_cache returns */
+  out->releasable = ctx->st.spare + ctx->st.unreleased;
   for (int k = 0; k < NP_CALL_COUNT; k++) out->calls[k] = ctx->be->calls[k] - ctx->calls_base[k];
   if (ctx->policy->fill_stats) ctx->policy->fill_stats(ctx, out);
 }

@@ -119,16 +119,16 @@ int np_vmm_chunk_return(np_backend *be, np_vmm_left *left) {
 }
 
 uint64_t np_vmm_whole_chunks(const np_ctx *ctx, const np_segment *seg, uintptr_t addr, uint64_t size) {
-  uint64_t g = ctx->be->granularity, bytes = 0, f, n;
+  uint64_t g = ctx->be->granularity, pages = seg->size / g, bytes = 0;
   uint64_t first = (addr - seg->addr) / g, end = (addr + size - seg->addr) / g; /* as np_vmm_unmap */
+  /* each run of one handle in the range is a chunk, whole unless it goes on past either end (the
+   * range's pages only are read: a stats call costs the free pages, not the chunks around them) */
   for (uint64_t p = first; p < end && seg->mapped;) {
-    if (!seg->pages[p]) {
-      p++;
-      continue;
-    }
-    np_vmm_chunk_at(ctx->be, seg, p, &f, &n);
-    if (f >= first && f + n <= end) bytes += n * g;
-    p = f + n;
+    uint64_t h = seg->pages[p], q = p + 1;
+    while (q < end && seg->pages[q] == h) q++;
+    if (h && !(p == first && p > 0 && seg->pages[p - 1] == h) && !(q == end && q < pages && seg->pages[q] == h))
+      bytes += (q - p) * g;
+    p = q;
   }
   return bytes;
 }
