@@ -150,7 +150,7 @@ def _record_history_legacy(enabled: Any, record_context: Any = True, trace_alloc
     (MindSpeed's and Megatron's ``--record-memory-history``): ``enabled`` a bool, the bound
     ``trace_alloc_max_entries``. The pluggable allocator raised "does not yet support
     recordHistory" for it."""
-    _record_history("all" if enabled else None, max_entries=trace_alloc_max_entries if enabled else 0)
+    _record_history("all" if enabled else None, max_entries=trace_alloc_max_entries)
 
 
 _observers: list[Callable[[int, int, int, int], Any]] = []  # torch's out-of-memory observers

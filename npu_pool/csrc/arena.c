@@ -597,6 +597,9 @@ int np_arena_set_limit(np_ctx *ctx, np_arena *a) {
   return NP_OK;
 }
 
+/* Whether free block b starts a run of free blocks (release merges a run into one block). */
+static bool starts_run(const np_block *b) { return !b->allocated && (!b->prev || b->prev->allocated); }
+
 /* What unmap_free unmaps of the free run starting at b (its free neighbours merged, as release
  * merges them first). */
 static uint64_t releasable_run(const np_ctx *ctx, const np_arena *a, const np_block *b) {
@@ -619,13 +622,12 @@ static uint64_t releasable(const np_ctx *ctx, const np_arena *a) {
   }
   if (16 * (uint64_t)a->holes.count <= ctx->st.total.blocks.current) {
     for (const np_block *b = np_tree_lower_bound(&a->holes, INTPTR_MIN, 0); b; b = np_tree_next(&a->holes, b))
-      if (!b->prev || b->prev->allocated) bytes += releasable_run(ctx, a, b);
-    if (a->top && !a->top->allocated && (!a->top->prev || a->top->prev->allocated))
-      bytes += releasable_run(ctx, a, a->top);
+      if (starts_run(b)) bytes += releasable_run(ctx, a, b);
+    if (a->top && starts_run(a->top)) bytes += releasable_run(ctx, a, a->top);
     return bytes;
   }
   for (const np_block *b = a->seg->head; b; b = b->next)
-    if (!b->allocated && (!b->prev || b->prev->allocated)) bytes += releasable_run(ctx, a, b);
+    if (starts_run(b)) bytes += releasable_run(ctx, a, b);
   return bytes;
 }
 

@@ -68,10 +68,9 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
   }
 }
 
+static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a); /* (below, with blocks_of) */
 
 /* np_tags_malloc once a tag exists (out of line: without tags a request is a tail call). */
-static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a);
-
 __attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size,
                                                    intptr_t stream, bool long_lived, np_block **out) {
   np_arena *a = main;
