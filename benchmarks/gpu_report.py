@@ -3,7 +3,8 @@
     python benchmarks/gpu_report.py RESULTS_DIR [--shared ../shared/traces]
 
 RESULTS_DIR holds a session's files (``live_*.json``, ``gpt_small.json``, ``gpt_large.json``,
-``mcore.json``, ``costs.json``, ``repeat_*.json``, ``machine.txt``; on a full device
+``mcore.json``, ``costs.json``, ``repeat_*.json``, ``apis.json`` (``benchmarks/gpu_apis.py``),
+``machine.txt``; on a full device
 ``steady.log`` and ``full_*.json``, the steps ``steady`` and ``full``, or ``ab*_*.json``, runs of
 ``gpu_check.py --cap-mib`` named by hand): the GPU's figures are read
 from there, and the simulator's are computed now, on this machine, with this checkout (each live
@@ -170,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         out += ["## Training", ""] + training
     repeats = _repeats(args.results)
     if len(repeats) > 2:  # more than the header
-        out += ["## Step time, repeated (the small model)", ""] + repeats + [""]
+        out += ["## Step time, repeated", ""] + repeats + [""]
+    apis = args.results / "apis.json"
+    if apis.is_file():
+        from gpu_apis import report
+
+        out += ["## torch.cuda's memory APIs", "", report(json.loads(apis.read_text())["runs"])[0], ""]
     steady, capped = _steady(args.results, traces), _capped(args.results)
     if steady or capped:
         out += ["## A full device", ""]

@@ -195,3 +195,37 @@ def test_the_colocated_rows_of_the_page_are_the_saved_runs() -> None:
             want += [f"{pm:.1f} / {nm:.1f}", f"{pm / nm:.2f}x"]
         assert cells[1:5] == want, line
 
+
+
+def test_this_checkout_on_the_h100_and_torchs_memory_apis(shared_traces: Path) -> None:
+    """The session of 2026-11-26d (docs/gpu.md, "This checkout on the H100"): with the build of
+    cea9572 the live replays still equal the simulator on every row and every iteration of the full
+    device; the GPU-bound model's step-time ratios are those of the saved runs (losses identical,
+    no device call from the third step on); every memory API answered under npu_pool as under the
+    caching allocator; the page shows every row."""
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import gpu_apis
+        from gpu_check import median_step
+    finally:
+        sys.path[:] = saved
+    folder = RESULTS.parent / "h100-2026-11-26d"
+    text = _report(shared_traces, folder)
+    assert EQUAL.format(20) in text
+    steady = [line for line in text.splitlines()
+              if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line) and ", " in line]
+    assert len(steady) == 8 and all("| yes |" in line for line in steady), steady
+    ratios = []
+    for f in sorted(folder.glob("repeat_mid_*.json")):
+        runs = json.loads(f.read_text())["runs"]
+        assert runs["native"]["losses"] == runs["npu_pool"]["losses"]
+        assert all(sum(r["step_calls"][2:]) == 0 for r in runs.values())
+        ratios.append(median_step(runs["npu_pool"]["step_s"]) / median_step(runs["native"]["step_s"]))
+    assert len(ratios) == 3 and max(ratios) <= 1.01, ratios
+    res = json.loads((folder / "apis.json").read_text())["runs"]
+    table, agree = gpu_apis.report(res)
+    assert agree and res["npu_pool"]["non_releasable_identity"] is True
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    missing = [line for line in text.splitlines() + table.splitlines() if line.startswith("|") and line not in page]
+    assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"

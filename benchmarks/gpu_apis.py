@@ -1,0 +1,154 @@
+"""torch.cuda's memory APIs on a real GPU, once under torch's caching allocator and once with
+npu_pool installed, each in its own process, the same calls in the same order.
+
+    python benchmarks/gpu_apis.py [--json FILE]
+    python benchmarks/gpu_apis.py --report FILE    # the table of a saved --json file
+
+The calls are those frameworks make (MindSpeed's ``--record-memory-history``, Megatron's memory
+report, verl's offload): ``get/set_per_process_memory_fraction``, the older
+``_record_memory_history(True, trace_alloc_max_entries=N)`` form, an out-of-memory observer
+(``torch._C._cuda_attach_out_of_memory_observer``), ``memory_stats`` after a freed tensor (its
+``max_split_size``, and whether non-releasable memory, ``inactive_split_bytes``, is what
+``empty_cache`` does not give back: reserved - active - returned), a request past the cap
+(``torch.OutOfMemoryError``, the observer's arguments), allocation after it, ``memory_summary``,
+``memory_snapshot``, ``_snapshot()`` (one trace per device, the history's events),
+``mem_get_info`` and turning the history off. Prints one row per answer with both allocators'
+values and whether they agree where they should (byte counts are each allocator's own and are
+shown, not compared). Exits 2 when no CUDA GPU is usable, 1 when an answer that should agree
+does not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from gpu_check import run_worker  # (beside this script)
+
+MODES = ("native", "npu_pool")
+MiB = 1 << 20
+# answers both allocators must give alike; the others are each allocator's own figures
+SAME = ("fraction_default", "fraction_set", "history_legacy", "observer_attach", "max_split_size",
+        "non_releasable_identity", "oom_raises", "observer_calls", "observer_request", "observer_cap",
+        "after_oom", "memory_summary", "memory_snapshot", "device_traces", "history_has_events",
+        "mem_get_info", "history_off")
+
+
+def _answer(call: Callable[[], Any]) -> Any:
+    try:
+        got = call()
+        return "ok" if got is None else got
+    except Exception as e:  # noqa: BLE001  (what a user would see is the finding)
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _worker(mode: str) -> dict[str, Any]:
+    if mode == "npu_pool":
+        import npu_pool  # before torch touches the GPU
+
+        npu_pool.install(device_type="cuda")
+    import torch
+
+    r: dict[str, Any] = {"torch": torch.__version__}
+    torch.cuda.init()
+    r["device_name"] = torch.cuda.get_device_name()
+    mem = torch.cuda.memory
+    r["fraction_default"] = _answer(lambda: mem.get_per_process_memory_fraction(0))
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    r["fraction_set"] = _answer(lambda: mem.get_per_process_memory_fraction(0))
+    r["history_legacy"] = _answer(lambda: mem._record_memory_history(True, trace_alloc_max_entries=10_000,
+                                                                     trace_alloc_record_context=True))
+    seen: list[tuple] = []
+    r["observer_attach"] = _answer(lambda: torch._C._cuda_attach_out_of_memory_observer(
+        lambda *a: seen.append(tuple(int(x) for x in a))))
+    big = torch.empty(25 * MiB, dtype=torch.uint8, device="cuda")
+    keep = [torch.empty(100 * MiB, dtype=torch.uint8, device="cuda")]
+    keep += [torch.empty(1000 * i, dtype=torch.uint8, device="cuda") for i in range(1, 9)]
+    del big
+    st = torch.cuda.memory_stats()
+    for key in ("allocated_bytes.all.current", "reserved_bytes.all.current", "active_bytes.all.current",
+                "inactive_split_bytes.all.current", "num_device_alloc"):
+        r[key] = st.get(key)
+    r["max_split_size"] = st.get("max_split_size")
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    r["returned_by_empty_cache"] = reserved - torch.cuda.memory_reserved()
+    r["non_releasable_identity"] = (st["inactive_split_bytes.all.current"]
+                                    == st["reserved_bytes.all.current"] - st["active_bytes.all.current"]
+                                    - r["returned_by_empty_cache"])
+    cap = int(0.5 * torch.cuda.mem_get_info()[1])
+    try:
+        torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
+        r["oom_raises"] = "not raised"
+    except torch.OutOfMemoryError:
+        r["oom_raises"] = "torch.OutOfMemoryError"
+    except Exception as e:  # noqa: BLE001
+        r["oom_raises"] = f"{type(e).__name__}"
+    r["observer_calls"] = len(seen)
+    r["observer_request"] = seen[0][1] if seen else None
+    # torch passes the cap (allowed maximum) when a fraction is set; within 2 MiB of fraction * total
+    r["observer_cap"] = abs(seen[0][2] - cap) <= 2 * MiB if seen else None
+    r["after_oom"] = _answer(lambda: float(torch.ones(MiB, device="cuda").sum()))
+    r["memory_summary"] = _answer(lambda: "Non-releasable memory" in torch.cuda.memory_summary())
+    r["memory_snapshot"] = _answer(lambda: isinstance(torch.cuda.memory_snapshot(), list))
+    snap = _answer(lambda: mem._snapshot())
+    r["device_traces"] = (len(snap["device_traces"]) == torch.cuda.device_count()) if isinstance(snap, dict) else snap
+    r["history_has_events"] = (sum(1 for e in snap["device_traces"][0] if e["action"] == "alloc") > 0
+                               if isinstance(snap, dict) else snap)
+    r["mem_get_info"] = _answer(lambda: torch.cuda.mem_get_info()[1] > 0)
+    r["history_off"] = _answer(lambda: mem._record_memory_history(enabled=None))
+    del keep
+    return r
+
+
+def report(res: dict[str, dict[str, Any]]) -> tuple[str, bool]:
+    """The markdown table of both runs; and whether every answer in SAME agrees."""
+    nat, np_ = res["native"], res["npu_pool"]
+    rows = [f"torch.cuda's memory APIs on {nat.get('device_name', '?')}, torch {nat.get('torch', '?')}\n",
+            "| answer | native (torch caching allocator) | npu_pool | agree |", "|---|---|---|---|"]
+    ok = True
+    for key in nat:
+        if key in ("torch", "device_name"):
+            continue
+        same = nat[key] == np_.get(key)
+        if key in SAME:
+            ok &= same
+        rows.append(f"| {key} | {nat[key]} | {np_.get(key)} | {('yes' if same else 'NO') if key in SAME else '-'} |")
+    return "\n".join(rows), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write both runs' answers here")
+    ap.add_argument("--report", metavar="FILE", help="print the table of a saved --json file")
+    ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args.worker)), flush=True)
+        return 0
+    if args.report:
+        try:
+            with open(args.report, encoding="utf-8") as f:
+                res = json.load(f)["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"cannot read {args.report}: {e}")
+        text, ok = report(res)
+        print(text)
+        return 0 if ok else 1
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_apis: no CUDA GPU is usable here (torch {torch.__version__})", file=sys.stderr)
+        return 2
+    res = {mode: run_worker(mode, [], script=__file__) for mode in MODES}
+    text, ok = report(res)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"runs": res}, f)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
