@@ -12,10 +12,13 @@ report, verl's offload): ``get/set_per_process_memory_fraction``, the older
 ``empty_cache`` does not give back: reserved - active - returned), a request past the cap
 (``torch.OutOfMemoryError``, the observer's arguments), allocation after it, ``memory_summary``,
 ``memory_snapshot``, ``_snapshot()`` (one trace per device, the history's events),
-``mem_get_info`` and turning the history off. Prints one row per answer with both allocators'
-values and whether they agree where they should (byte counts are each allocator's own and are
-shown, not compared). Exits 2 when no CUDA GPU is usable, 1 when an answer that should agree
-does not.
+``mem_get_info`` and turning the history off; then a CUDA graph and a private memory pool
+(``graph_capture``: a graph whose intermediate tensor is freed inside the capture, a tensor made
+after it on the capture's stream, the graph replayed: is its output right, is that tensor intact;
+``mem_pool``: ``torch.cuda.MemPool`` with ``use_mem_pool``), which npu_pool refuses. Prints one row
+per answer with both allocators' values and whether they agree where they should (byte counts
+are each allocator's own and are shown, not compared; the graph rows neither). Exits 2 when no
+CUDA GPU is usable, 1 when an answer that should agree does not.
 """
 from __future__ import annotations
 
@@ -32,7 +35,11 @@ MiB = 1 << 20
 SAME = ("fraction_default", "fraction_set", "history_legacy", "observer_attach", "max_split_size",
         "non_releasable_identity", "oom_raises", "observer_calls", "observer_request", "observer_cap",
         "after_oom", "memory_summary", "memory_snapshot", "device_traces", "history_has_events",
-        "mem_get_info", "history_off")
+        "mem_get_info", "history_off", "after_graphs")
+
+
+def _raised(e: BaseException) -> str:
+    return f"raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def _answer(call: Callable[[], Any]) -> Any:
@@ -40,7 +47,44 @@ def _answer(call: Callable[[], Any]) -> Any:
         got = call()
         return "ok" if got is None else got
     except Exception as e:  # noqa: BLE001  (what a user would see is the finding)
-        return f"raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return _raised(e)
+
+
+def _graph(torch: Any) -> str:
+    """Capture ``out = x * 2 + 1`` (its intermediate freed inside the capture), make a tensor on the
+    capture's stream after it, replay: what a private pool keeps apart, a shared one hands out."""
+    n = 4 << 20  # floats: 16 MiB a tensor
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x = torch.full((n,), 1.0, device="cuda")
+        float((x * 2 + 1).sum())  # warm-up on the capture's stream, as torch's documentation advises
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, stream=s):
+            tmp = x * 2
+            out = tmp + 1
+            del tmp
+    except Exception as e:  # noqa: BLE001  (the finding)
+        torch.cuda.synchronize()
+        return _raised(e)
+    with torch.cuda.stream(s):
+        z = torch.full((n,), 7.0, device="cuda")  # made after the capture
+        x.fill_(3.0)
+        g.replay()
+    torch.cuda.synchronize()
+    right, intact = bool((out == 7.0).all()), bool((z == 7.0).all())
+    return f"captured; replay {'right' if right else 'WRONG'}; a tensor made after it {'intact' if intact else 'OVERWRITTEN'}"
+
+
+def _mem_pool(torch: Any) -> Any:
+    def use() -> str:
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        return f"allocated in the pool ({t.numel()} bytes)"
+    return _answer(use)
 
 
 def _worker(mode: str) -> dict[str, Any]:
@@ -99,6 +143,9 @@ def _worker(mode: str) -> dict[str, Any]:
     r["mem_get_info"] = _answer(lambda: torch.cuda.mem_get_info()[1] > 0)
     r["history_off"] = _answer(lambda: mem._record_memory_history(enabled=None))
     del keep
+    r["graph_capture"] = _answer(lambda: _graph(torch))
+    r["mem_pool"] = _mem_pool(torch)
+    r["after_graphs"] = _answer(lambda: float(torch.ones(MiB, device="cuda").sum()))
     return r
 
 

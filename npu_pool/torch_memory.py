@@ -27,9 +27,17 @@ torch does not have raises "Invalid device argument", as torch's own allocators 
 torch_npu's C++ hooks (``npu_pool.cpp_hooks``) ``memory_stats`` comes from C++, the same mapping.
 ``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
 (the pool records no stacks): memory_viz shows each block with its size, stream and time.
+
+Graph capture and private memory pools are refused (:class:`PrivatePoolError`): the pluggable
+allocators pass ``beginAllocateToPool`` to a hook npu_pool cannot serve and, without one, do
+nothing, so a captured graph's memory went back to the pool and was handed to other tensors while
+the graph replayed (measured on an H100: docs/gpu.md). The graph classes' ``capture_begin``, the
+``graph`` context managers and the C module's ``*beginAllocate*ToPool`` entry points (``MemPool``'s
+``use_mem_pool``) raise it instead.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any, Callable, Optional
 
@@ -38,7 +46,7 @@ from ._core import lib
 from .pool import _check
 from .vocab import HISTORY_DEFAULT, HISTORY_MAX
 
-__all__ = ["stats_dict", "snapshot_of_installed", "route", "notify_oom"]
+__all__ = ["stats_dict", "snapshot_of_installed", "route", "notify_oom", "PrivatePoolError"]
 
 _STAT_ARRAYS = {"allocation": "blocks", "segment": "segments", "active": "blocks", "allocated_bytes": "allocated",
                 "reserved_bytes": "reserved", "active_bytes": "active", "requested_bytes": "requested"}
@@ -200,6 +208,32 @@ _ROUTES: dict[str, dict[str, Callable[..., Any]]] = {
 _NPU_STATS = {"_npu_memoryStats": _memory_stats}
 
 
+class PrivatePoolError(RuntimeError):
+    """Graph capture or a private memory pool was asked of the installed npu_pool."""
+
+
+# kind -> (the C module's pool entry points, (graphs module, its graph class, its context manager))
+_POOLS: dict[str, tuple[tuple[str, ...], tuple[str, str, str]]] = {
+    "cuda": (("_cuda_beginAllocateToPool", "_cuda_beginAllocateCurrentThreadToPool"),
+             ("torch.cuda.graphs", "CUDAGraph", "graph")),
+    "npu": (("_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool",
+             "_npu_beginAllocateCurrentThreadToPool"), ("torch_npu.npu.graphs", "NPUGraph", "graph")),
+}
+
+
+def _refuser(kind: str) -> Callable[..., Any]:
+    compiled = 'torch.compile(mode="reduce-overhead"), ' if kind == "cuda" else ""
+    message = (f"npu_pool: graph capture and private memory pools (torch.{kind}.graph, {_POOLS[kind][1][1]}.capture_begin, "
+               f"{compiled}MemPool) are not supported while npu_pool is torch's allocator: the memory a captured graph "
+               "uses would go back to the pool and be handed to other tensors while the graph replays, silently "
+               "overwriting them. Run the captured part without npu_pool (unset MEMORY_FRAGMENTATION, no "
+               "npu_pool.install()) or uncaptured.")
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise PrivatePoolError(message)
+    return refuse
+
+
 _MISSING = object()
 
 
@@ -210,23 +244,37 @@ def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_f
     memory either way).
 
     ``kind`` "cuda" patches ``torch._C``, "npu" patches ``torch_npu._C``;
-    ``stats_from_python``: on an NPU also the statistics (no C++ hook answers them)."""
+    ``stats_from_python``: on an NPU also the statistics (no C++ hook answers them). Graph
+    capture and private pools are refused (:class:`PrivatePoolError`)."""
     global _installed
     _installed = pools
     target = torch._C if kind == "cuda" else sys.modules["torch_npu"]._C
     table = dict(_ROUTES[kind])
     if kind == "npu" and stats_from_python:
         table.update(_NPU_STATS)
-    saved = {name: getattr(target, name, _MISSING) for name in table}
-    for name, fn in table.items():
-        setattr(target, name, fn)
+    entries, (module_name, graph_class, manager) = _POOLS[kind]
+    refuse = _refuser(kind)
+    table.update({name: refuse for name in entries if hasattr(target, name)})
+    patched = [(target, name, fn) for name, fn in table.items()]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # (a framework without graphs: nothing to refuse there)
+        module = None
+    for cls, name in ((getattr(module, graph_class, None), "capture_begin"), (getattr(module, manager, None), "__init__")):
+        if isinstance(cls, type):
+            patched.append((cls, name, refuse))
+    # (a class's own attribute: restoring an inherited one would shadow its base's)
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name, _MISSING))
+             for obj, name, _ in patched]
+    for obj, name, fn in patched:
+        setattr(obj, name, fn)
 
     def restore() -> None:
         _observers.clear()
-        for name, old in saved.items():
+        for obj, name, old in saved:
             if old is _MISSING:
-                delattr(target, name)
+                delattr(obj, name)
             else:
-                setattr(target, name, old)
+                setattr(obj, name, old)
 
     return restore

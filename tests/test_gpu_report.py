@@ -226,6 +226,12 @@ def test_this_checkout_on_the_h100_and_torchs_memory_apis(shared_traces: Path) -
     res = json.loads((folder / "apis.json").read_text())["runs"]
     table, agree = gpu_apis.report(res)
     assert agree and res["npu_pool"]["non_releasable_identity"] is True
+    # graph capture: it overwrote a later tensor before (commit cea9572), it is refused now
+    before = json.loads((folder / "apis_before.json").read_text())["runs"]
+    assert before["native"]["graph_capture"] == res["native"]["graph_capture"] == \
+        "captured; replay right; a tensor made after it intact"
+    assert before["npu_pool"]["graph_capture"].endswith("a tensor made after it OVERWRITTEN")
+    assert res["npu_pool"]["graph_capture"].startswith("raised PrivatePoolError: npu_pool: graph capture")
     page = (ROOT / "docs" / "gpu.md").read_text()
     missing = [line for line in text.splitlines() + table.splitlines() if line.startswith("|") and line not in page]
     assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"

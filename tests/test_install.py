@@ -546,6 +546,30 @@ def test_what_frameworks_ask_the_installed_pool_besides_statistics(fakes: dict, 
         torch_memory._memory_fraction
 
 
+def test_graph_capture_and_private_pools_are_refused(fakes: dict, fake_cuda_torch: list) -> None:
+    """torch's CUDAPluggableAllocator does nothing on beginAllocateToPool without a hook, so a graph
+    captured under npu_pool had its memory handed to other tensors while it replayed (measured on an
+    H100, docs/gpu.md): capture and private pools raise npu_pool's error instead, and the originals
+    come back with the installation."""
+    from npu_pool.torch_memory import PrivatePoolError
+
+    graphs = torch.cuda.graphs
+    before = (graphs.CUDAGraph.__dict__.get("capture_begin"), graphs.graph.__dict__["__init__"],
+              torch._C._cuda_beginAllocateCurrentThreadToPool)
+    npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
+    calls = (lambda: torch.cuda.graph(None), lambda: graphs.CUDAGraph.capture_begin(object()),
+             lambda: torch._C._cuda_beginAllocateCurrentThreadToPool(0, (1, 0)),
+             lambda: torch._C._cuda_beginAllocateToPool(0, (1, 0)))
+    for call in calls:
+        with pytest.raises(PrivatePoolError, match=r"npu_pool: graph capture and private memory pools \(torch.cuda.graph"
+                                                   r".*handed to other tensors while the graph replays"):
+            call()
+    assert isinstance(PrivatePoolError("x"), RuntimeError)  # what torch's own refusals raise
+    inst._reset()
+    assert (graphs.CUDAGraph.__dict__.get("capture_begin"), graphs.graph.__dict__["__init__"],
+            torch._C._cuda_beginAllocateCurrentThreadToPool) == before
+
+
 def test_record_memory_history_keeps_what_oom_snapshots_need(fakes: dict, fake_cuda_torch: list,
                                                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """With OOM snapshots on the pool keeps HISTORY_WHEN_ENABLED events; a profiler stopping

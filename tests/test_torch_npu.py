@@ -268,3 +268,37 @@ print(json.dumps(r))
     assert out["allocated"][0] == out["allocated"][1] == out["stats"] >= 5 * MiB
     assert "Get data_ptr failed" in out["oom"]  # what torch_npu says when a C hook returns NULL ...
     assert err.count("out of memory on device 0") == 1  # ... after the pool's explanation, printed once
+
+
+def test_graph_capture_and_private_pools_are_refused(torch_npu: TorchNpu) -> None:
+    """torch_npu's NPUPluggableAllocator does nothing on beginAllocateToPool (no hook is set, and
+    torch_npu has no Python setter for one): an NPU graph captured under npu_pool would have its
+    memory handed to other tensors while it replays. Capture, MemPool and the pool entry points
+    raise npu_pool's error instead (here before the fake CANN's missing capture functions could)."""
+    out, _ = torch_npu.results(FAKE + """
+import torch, torch_npu, npu_pool
+npu_pool.install()
+x = torch.empty(4 << 20, dtype=torch.uint8, device="npu")
+r = {}
+def attempt(name, call):
+    try:
+        call()
+        r[name] = "ran"
+    except Exception as e:
+        r[name] = type(e).__name__ + ": " + str(e)
+attempt("graph", lambda: torch.npu.graph(torch.npu.NPUGraph()).__enter__())
+attempt("capture_begin", lambda: torch.npu.NPUGraph().capture_begin())
+for name in ("_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool", "_npu_beginAllocateCurrentThreadToPool"):
+    attempt(name, lambda: getattr(torch_npu._C, name)(0, (7, 0)))
+attempt("end", lambda: torch_npu._C._npu_endAllocateToPool(0, (7, 0)))
+r["stream"] = torch.npu.current_stream() == torch.npu.default_stream()
+r["after"] = torch.empty(1 << 20, dtype=torch.uint8, device="npu").numel()
+print(json.dumps(r))
+""")
+    refused = ("PrivatePoolError: npu_pool: graph capture and private memory pools (torch.npu.graph, "
+               "NPUGraph.capture_begin, MemPool) are not supported while npu_pool is torch's allocator")
+    for name in ("graph", "capture_begin", "_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool",
+                 "_npu_beginAllocateCurrentThreadToPool"):
+        assert out[name].startswith(refused), (name, out[name])
+    assert out["end"] == "ran"  # (nothing began: ending is harmless, as torch_npu's own no-op)
+    assert out["stream"] and out["after"] == 1 << 20  # refused before any state changed; allocation goes on
