@@ -18,7 +18,8 @@ after it on the capture's stream, the graph replayed: is its output right, is th
 ``mem_pool``: ``torch.cuda.MemPool`` with ``use_mem_pool``), which npu_pool refuses. Prints one row
 per answer with both allocators' values and whether they agree where they should (byte counts
 are each allocator's own and are shown, not compared; the graph rows neither). Exits 2 when no
-CUDA GPU is usable, 1 when an answer that should agree does not.
+CUDA GPU is usable (or ``--report`` cannot read its file), 1 when an answer that should agree does
+not or a captured graph overwrote a tensor or replayed wrong.
 """
 from __future__ import annotations
 
@@ -149,19 +150,30 @@ def _worker(mode: str) -> dict[str, Any]:
     return r
 
 
-def report(res: dict[str, dict[str, Any]]) -> tuple[str, bool]:
-    """The markdown table of both runs; and whether every answer in SAME agrees."""
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def report(res: Any) -> tuple[str, bool]:
+    """The markdown table of both runs (``res``: each mode's answers); and whether every answer in
+    SAME agrees (in value and type) and no captured graph overwrote a tensor or replayed wrong.
+    ValueError for anything but two runs of answers."""
+    if not isinstance(res, dict) or not all(isinstance(res.get(m), dict) and res[m] for m in MODES):
+        raise ValueError(f"expected the answers of both runs ({', '.join(MODES)}), each a non-empty object")
     nat, np_ = res["native"], res["npu_pool"]
-    rows = [f"torch.cuda's memory APIs on {nat.get('device_name', '?')}, torch {nat.get('torch', '?')}\n",
+    rows = [f"torch.cuda's memory APIs on {_cell(nat.get('device_name', '?'))}, torch {_cell(nat.get('torch', '?'))}\n",
             "| answer | native (torch caching allocator) | npu_pool | agree |", "|---|---|---|---|"]
     ok = True
-    for key in nat:
+    for key in list(nat) + [k for k in np_ if k not in nat]:
         if key in ("torch", "device_name"):
             continue
-        same = nat[key] == np_.get(key)
+        a, b = nat.get(key, "(missing)"), np_.get(key, "(missing)")
+        same = type(a) is type(b) and a == b
         if key in SAME:
             ok &= same
-        rows.append(f"| {key} | {nat[key]} | {np_.get(key)} | {('yes' if same else 'NO') if key in SAME else '-'} |")
+        if key == "graph_capture":
+            ok &= not any(bad in str(v) for v in (a, b) for bad in ("OVERWRITTEN", "WRONG"))
+        rows.append(f"| {_cell(key)} | {_cell(a)} | {_cell(b)} | {('yes' if same else 'NO') if key in SAME else '-'} |")
     return "\n".join(rows), ok
 
 
@@ -178,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with open(args.report, encoding="utf-8") as f:
                 res = json.load(f)["runs"]
+            text, ok = report(res)
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"cannot read {args.report}: {e}")
-        text, ok = report(res)
         print(text)
         return 0 if ok else 1
     import torch

@@ -176,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     if apis.is_file():
         from gpu_apis import report
 
-        out += ["## torch.cuda's memory APIs", "", report(json.loads(apis.read_text())["runs"])[0], ""]
+        try:
+            out += ["## torch.cuda's memory APIs", "", report(json.loads(apis.read_text())["runs"])[0], ""]
+        except (ValueError, KeyError, TypeError) as e:
+            ap.error(f"cannot read {apis}: {e}")
     steady, capped = _steady(args.results, traces), _capped(args.results)
     if steady or capped:
         out += ["## A full device", ""]

@@ -31,15 +31,15 @@ torch_npu's C++ hooks (``npu_pool.cpp_hooks``) ``memory_stats`` comes from C++, 
 Graph capture and private memory pools are refused (:class:`PrivatePoolError`): the pluggable
 allocators pass ``beginAllocateToPool`` to a hook npu_pool cannot serve and, without one, do
 nothing, so a captured graph's memory went back to the pool and was handed to other tensors while
-the graph replayed (measured on an H100: docs/gpu.md). The graph classes' ``capture_begin``, the
-``graph`` context managers and the C module's ``*beginAllocate*ToPool`` entry points (``MemPool``'s
-``use_mem_pool``) raise it instead.
+the graph replayed (measured on an H100: docs/gpu.md). The graph classes' ``capture_begin`` (and
+their C base classes'), the ``graph`` context managers and the ``*beginAllocate*ToPool`` entry
+points, wherever torch binds them (``use_mem_pool``), raise it instead.
 """
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from . import snapshot
 from ._core import lib
@@ -212,22 +212,35 @@ class PrivatePoolError(RuntimeError):
     """Graph capture or a private memory pool was asked of the installed npu_pool."""
 
 
-# kind -> (the C module's pool entry points, (graphs module, its graph class, its context manager))
-_POOLS: dict[str, tuple[tuple[str, ...], tuple[str, str, str]]] = {
-    "cuda": (("_cuda_beginAllocateToPool", "_cuda_beginAllocateCurrentThreadToPool"),
-             ("torch.cuda.graphs", "CUDAGraph", "graph")),
-    "npu": (("_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool",
-             "_npu_beginAllocateCurrentThreadToPool"), ("torch_npu.npu.graphs", "NPUGraph", "graph")),
+class _Pools(NamedTuple):
+    """Where a framework begins graph capture and private pools."""
+
+    entries: tuple[str, ...]     # the C module's pool entry points
+    modules: tuple[str, ...]     # Python modules that bind those names themselves (from ... import)
+    graphs: str                  # the graphs module
+    graph_class: str             # its graph class (capture_begin), whose C base class is base_class
+    base_class: str              # in the C module
+    compiled: str                # how a compiled model captures
+    uncaptured: str              # how it runs without capture
+
+
+_POOLS = {
+    "cuda": _Pools(("_cuda_beginAllocateToPool", "_cuda_beginAllocateCurrentThreadToPool"), ("torch.cuda.memory",),
+                   "torch.cuda.graphs", "CUDAGraph", "_CUDAGraph", 'torch.compile(mode="reduce-overhead"), ',
+                   ' (torch.compile: mode="max-autotune-no-cudagraphs" captures nothing)'),
+    "npu": _Pools(("_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool",
+                   "_npu_beginAllocateCurrentThreadToPool"), ("torch_npu.npu.memory",),
+                  "torch_npu.npu.graphs", "NPUGraph", "_NPUGraph", "torchair's aclgraph mode, ", ""),
 }
 
 
 def _refuser(kind: str) -> Callable[..., Any]:
-    compiled = 'torch.compile(mode="reduce-overhead"), ' if kind == "cuda" else ""
-    message = (f"npu_pool: graph capture and private memory pools (torch.{kind}.graph, {_POOLS[kind][1][1]}.capture_begin, "
-               f"{compiled}MemPool) are not supported while npu_pool is torch's allocator: the memory a captured graph "
-               "uses would go back to the pool and be handed to other tensors while the graph replays, silently "
-               "overwriting them. Run the captured part without npu_pool (unset MEMORY_FRAGMENTATION, no "
-               "npu_pool.install()) or uncaptured.")
+    at = _POOLS[kind]
+    message = (f"npu_pool: graph capture and private memory pools (torch.{kind}.graph, {at.graph_class}.capture_begin, "
+               f"{at.compiled}MemPool) are not supported while npu_pool is torch's allocator: the memory a "
+               "captured graph uses would go back to the pool and be handed to other tensors while the graph "
+               "replays, silently overwriting them. Run the captured part without npu_pool (unset "
+               f"MEMORY_FRAGMENTATION, no npu_pool.install()) or uncaptured{at.uncaptured}.")
 
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise PrivatePoolError(message)
@@ -235,6 +248,14 @@ def _refuser(kind: str) -> Callable[..., Any]:
 
 
 _MISSING = object()
+
+
+def _module(name: str) -> Any:
+    """The module ``name``, or None where the framework has none."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_from_python: bool
@@ -252,22 +273,22 @@ def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_f
     table = dict(_ROUTES[kind])
     if kind == "npu" and stats_from_python:
         table.update(_NPU_STATS)
-    entries, (module_name, graph_class, manager) = _POOLS[kind]
-    refuse = _refuser(kind)
-    table.update({name: refuse for name in entries if hasattr(target, name)})
+    at, refuse = _POOLS[kind], _refuser(kind)
+    table.update({name: refuse for name in at.entries if hasattr(target, name)})
     patched = [(target, name, fn) for name, fn in table.items()]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:  # (a framework without graphs: nothing to refuse there)
-        module = None
-    for cls, name in ((getattr(module, graph_class, None), "capture_begin"), (getattr(module, manager, None), "__init__")):
-        if isinstance(cls, type):
+    graphs = _module(at.graphs)
+    for module in map(_module, at.modules):  # (their own binding of an entry point, where they made one)
+        patched += [(module, name, refuse) for name in at.entries
+                    if getattr(module, name, _MISSING) is getattr(target, name, None)]
+    for cls, name in ((getattr(graphs, at.graph_class, None), "capture_begin"), (getattr(graphs, "graph", None), "__init__"),
+                      (getattr(target, at.base_class, None), "capture_begin")):  # (super().capture_begin)
+        if isinstance(cls, type) and hasattr(cls, name):
             patched.append((cls, name, refuse))
     # (a class's own attribute: restoring an inherited one would shadow its base's)
     saved = [(obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name, _MISSING))
              for obj, name, _ in patched]
     for obj, name, fn in patched:
-        setattr(obj, name, fn)
+        setattr(obj, name, fn)  # (pybind11's classes take attributes too)
 
     def restore() -> None:
         _observers.clear()

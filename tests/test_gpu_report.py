@@ -6,10 +6,12 @@ recording."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-25"
@@ -30,6 +32,16 @@ def _report(shared: Path, results: Path = RESULTS) -> str:
     finally:
         sys.path[:] = saved
     return out.getvalue()
+
+
+def _benchmark(name: str) -> Any:
+    """A module of benchmarks/, imported with the path put back after."""
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
 
 
 def test_the_simulator_equals_the_live_gpu_runs(shared_traces: Path) -> None:
@@ -175,12 +187,7 @@ def test_waiting_for_busy_streams_the_gpu_made_the_simulators_calls_step_by_step
 def test_the_colocated_rows_of_the_page_are_the_saved_runs() -> None:
     """docs/gpu.md, "Colocated RL on the H100": every row's medians and ratios are those of the JSON
     file it names (benchmarks/results/h100-2026-11-26c), and every file's checks passed."""
-    saved = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import gpu_colocate
-    finally:
-        sys.path[:] = saved
+    gpu_colocate = _benchmark("gpu_colocate")
     folder = RESULTS.parent / "h100-2026-11-26c"
     page = (ROOT / "docs" / "gpu.md").read_text()
     rows = [line for line in page.splitlines() if line.startswith("| ") and line.rstrip().endswith(".json |")]
@@ -196,20 +203,13 @@ def test_the_colocated_rows_of_the_page_are_the_saved_runs() -> None:
         assert cells[1:5] == want, line
 
 
-
 def test_this_checkout_on_the_h100_and_torchs_memory_apis(shared_traces: Path) -> None:
     """The session of 2026-11-26d (docs/gpu.md, "This checkout on the H100"): with the build of
     cea9572 the live replays still equal the simulator on every row and every iteration of the full
     device; the GPU-bound model's step-time ratios are those of the saved runs (losses identical,
     no device call from the third step on); every memory API answered under npu_pool as under the
     caching allocator; the page shows every row."""
-    saved = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import gpu_apis
-        from gpu_check import median_step
-    finally:
-        sys.path[:] = saved
+    gpu_apis, median_step = _benchmark("gpu_apis"), _benchmark("gpu_check").median_step
     folder = RESULTS.parent / "h100-2026-11-26d"
     text = _report(shared_traces, folder)
     assert EQUAL.format(20) in text

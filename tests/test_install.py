@@ -553,21 +553,26 @@ def test_graph_capture_and_private_pools_are_refused(fakes: dict, fake_cuda_torc
     come back with the installation."""
     from npu_pool.torch_memory import PrivatePoolError
 
-    graphs = torch.cuda.graphs
-    before = (graphs.CUDAGraph.__dict__.get("capture_begin"), graphs.graph.__dict__["__init__"],
-              torch._C._cuda_beginAllocateCurrentThreadToPool)
+    graphs, memory = torch.cuda.graphs, torch.cuda.memory
+
+    def state() -> tuple:
+        return (graphs.CUDAGraph.__dict__.get("capture_begin"), graphs.graph.__dict__["__init__"],
+                torch._C._cuda_beginAllocateCurrentThreadToPool, memory._cuda_beginAllocateCurrentThreadToPool)
+
+    before = state()
     npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
+    pool = type("P", (), {"id": (1, 0)})()
     calls = (lambda: torch.cuda.graph(None), lambda: graphs.CUDAGraph.capture_begin(object()),
              lambda: torch._C._cuda_beginAllocateCurrentThreadToPool(0, (1, 0)),
-             lambda: torch._C._cuda_beginAllocateToPool(0, (1, 0)))
+             lambda: torch._C._cuda_beginAllocateToPool(0, (1, 0)),
+             lambda: memory.use_mem_pool(pool, device=0).__enter__())  # (torch.cuda.memory binds the name itself)
     for call in calls:
         with pytest.raises(PrivatePoolError, match=r"npu_pool: graph capture and private memory pools \(torch.cuda.graph"
                                                    r".*handed to other tensors while the graph replays"):
             call()
     assert isinstance(PrivatePoolError("x"), RuntimeError)  # what torch's own refusals raise
     inst._reset()
-    assert (graphs.CUDAGraph.__dict__.get("capture_begin"), graphs.graph.__dict__["__init__"],
-            torch._C._cuda_beginAllocateCurrentThreadToPool) == before
+    assert state() == before
 
 
 def test_record_memory_history_keeps_what_oom_snapshots_need(fakes: dict, fake_cuda_torch: list,

@@ -288,6 +288,9 @@ def attempt(name, call):
         r[name] = type(e).__name__ + ": " + str(e)
 attempt("graph", lambda: torch.npu.graph(torch.npu.NPUGraph()).__enter__())
 attempt("capture_begin", lambda: torch.npu.NPUGraph().capture_begin())
+attempt("base_capture_begin", lambda: torch_npu._C._NPUGraph().capture_begin(pool=(0, 0), capture_error_mode="global"))
+attempt("super_capture_begin", lambda: super(torch.npu.NPUGraph, torch.npu.NPUGraph()).capture_begin(pool=(0, 0)))
+attempt("use_mem_pool", lambda: torch.npu.use_mem_pool(type("P", (), {"id": (7, 0)})(), device=0).__enter__())
 for name in ("_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool", "_npu_beginAllocateCurrentThreadToPool"):
     attempt(name, lambda: getattr(torch_npu._C, name)(0, (7, 0)))
 attempt("end", lambda: torch_npu._C._npu_endAllocateToPool(0, (7, 0)))
@@ -296,8 +299,10 @@ r["after"] = torch.empty(1 << 20, dtype=torch.uint8, device="npu").numel()
 print(json.dumps(r))
 """)
     refused = ("PrivatePoolError: npu_pool: graph capture and private memory pools (torch.npu.graph, "
-               "NPUGraph.capture_begin, MemPool) are not supported while npu_pool is torch's allocator")
-    for name in ("graph", "capture_begin", "_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool",
+               "NPUGraph.capture_begin, torchair's aclgraph mode, MemPool) are not supported while npu_pool is torch's "
+               "allocator")
+    for name in ("graph", "capture_begin", "base_capture_begin", "super_capture_begin", "use_mem_pool",
+                 "_npu_beginAllocateToPool", "_npu_beginAllocateCurrentStreamToPool",
                  "_npu_beginAllocateCurrentThreadToPool"):
         assert out[name].startswith(refused), (name, out[name])
     assert out["end"] == "ran"  # (nothing began: ending is harmless, as torch_npu's own no-op)
