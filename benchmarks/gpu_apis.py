@@ -15,7 +15,9 @@ report, verl's offload): ``get/set_per_process_memory_fraction``, the older
 ``mem_get_info`` and turning the history off; then a CUDA graph and a private memory pool
 (``graph_capture``: a graph whose intermediate tensor is freed inside the capture, a tensor made
 after it on the capture's stream, the graph replayed: is its output right, is that tensor intact;
-``mem_pool``: ``torch.cuda.MemPool`` with ``use_mem_pool``), which npu_pool refuses. Prints one row
+``mem_pool``: ``torch.cuda.MemPool`` with ``use_mem_pool``; ``c_base_capture_begin``: what the graph
+class's C base class holds as ``capture_begin``, a Python function where npu_pool replaced it;
+``compile_reduce_overhead``: ``torch.compile(mode="reduce-overhead")``), which npu_pool refuses. Prints one row
 per answer with both allocators' values and whether they agree where they should (byte counts
 are each allocator's own and are shown, not compared; the graph rows neither). Exits 2 when no
 CUDA GPU is usable (or ``--report`` cannot read its file), 1 when an answer that should agree does
@@ -88,6 +90,16 @@ def _mem_pool(torch: Any) -> Any:
     return _answer(use)
 
 
+def _compiled(torch: Any) -> str:
+    """torch.compile(mode="reduce-overhead") (CUDA graphs, through torch.cuda.graph) run three times."""
+    f = torch.compile(lambda a: a * 2 + 1, mode="reduce-overhead")
+    a = torch.ones(1 << 20, device="cuda")
+    for _ in range(3):
+        out = f(a)
+    torch.cuda.synchronize()
+    return f"ran; output {'right' if bool((out == 3).all()) else 'WRONG'}"
+
+
 def _worker(mode: str) -> dict[str, Any]:
     if mode == "npu_pool":
         import npu_pool  # before torch touches the GPU
@@ -146,6 +158,8 @@ def _worker(mode: str) -> dict[str, Any]:
     del keep
     r["graph_capture"] = _answer(lambda: _graph(torch))
     r["mem_pool"] = _mem_pool(torch)
+    r["c_base_capture_begin"] = type(torch._C._CUDAGraph.__dict__.get("capture_begin")).__name__
+    r["compile_reduce_overhead"] = _answer(lambda: _compiled(torch))
     r["after_graphs"] = _answer(lambda: float(torch.ones(MiB, device="cuda").sum()))
     return r
 
@@ -171,7 +185,7 @@ def report(res: Any) -> tuple[str, bool]:
         same = type(a) is type(b) and a == b
         if key in SAME:
             ok &= same
-        if key == "graph_capture":
+        if key in ("graph_capture", "compile_reduce_overhead"):
             ok &= not any(bad in str(v) for v in (a, b) for bad in ("OVERWRITTEN", "WRONG"))
         rows.append(f"| {_cell(key)} | {_cell(a)} | {_cell(b)} | {('yes' if same else 'NO') if key in SAME else '-'} |")
     return "\n".join(rows), ok

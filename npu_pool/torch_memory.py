@@ -284,11 +284,15 @@ def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_f
                       (getattr(target, at.base_class, None), "capture_begin")):  # (super().capture_begin)
         if isinstance(cls, type) and hasattr(cls, name):
             patched.append((cls, name, refuse))
-    # (a class's own attribute: restoring an inherited one would shadow its base's)
-    saved = [(obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name, _MISSING))
-             for obj, name, _ in patched]
+    saved = []
     for obj, name, fn in patched:
-        setattr(obj, name, fn)  # (pybind11's classes take attributes too)
+        # (a class's own attribute: restoring an inherited one would shadow its base's)
+        old = obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name, _MISSING)
+        try:
+            setattr(obj, name, fn)  # (pybind11's classes take attributes too)
+        except (TypeError, AttributeError):  # (a C class that does not: the Python paths above it still refuse)
+            continue
+        saved.append((obj, name, old))
 
     def restore() -> None:
         _observers.clear()

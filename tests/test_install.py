@@ -575,6 +575,28 @@ def test_graph_capture_and_private_pools_are_refused(fakes: dict, fake_cuda_torc
     assert state() == before
 
 
+def test_a_graph_class_that_takes_no_attribute_leaves_the_install_working(fakes: dict, fake_cuda_torch: list,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C base class that refuses attributes (a build of torch whose pybind classes do) is left as it
+    is: install() works and the Python paths above it still refuse."""
+    from npu_pool.torch_memory import PrivatePoolError
+
+    class Frozen(type):
+        def __setattr__(cls, name: str, value: object) -> None:
+            raise TypeError("immutable type")
+
+    class Base(metaclass=Frozen):
+        def capture_begin(self) -> str:
+            return "began"
+
+    monkeypatch.setattr(torch._C, "_CUDAGraph", Base, raising=False)
+    npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
+    assert Base().capture_begin() == "began"
+    with pytest.raises(PrivatePoolError):
+        torch.cuda.graph(None)
+    inst._reset()
+
+
 def test_record_memory_history_keeps_what_oom_snapshots_need(fakes: dict, fake_cuda_torch: list,
                                                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """With OOM snapshots on the pool keeps HISTORY_WHEN_ENABLED events; a profiler stopping
