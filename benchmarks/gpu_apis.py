@@ -12,16 +12,22 @@ report, verl's offload): ``get/set_per_process_memory_fraction``, the older
 ``empty_cache`` does not give back: reserved - active - returned), a request past the cap
 (``torch.OutOfMemoryError``, the observer's arguments), allocation after it, ``memory_summary``,
 ``memory_snapshot``, ``_snapshot()`` (one trace per device, the history's events),
-``mem_get_info`` and turning the history off; then a CUDA graph and a private memory pool
-(``graph_capture``: a graph whose intermediate tensor is freed inside the capture, a tensor made
-after it on the capture's stream, the graph replayed: is its output right, is that tensor intact;
-``mem_pool``: ``torch.cuda.MemPool`` with ``use_mem_pool``; ``c_base_capture_begin``: what the graph
-class's C base class holds as ``capture_begin``, a Python function where npu_pool replaced it;
-``compile_reduce_overhead``: ``torch.compile(mode="reduce-overhead")``), which npu_pool refuses. Prints one row
-per answer with both allocators' values and whether they agree where they should (byte counts
-are each allocator's own and are shown, not compared; the graph rows neither). Exits 2 when no
-CUDA GPU is usable (or ``--report`` cannot read its file), 1 when an answer that should agree does
-not or a captured graph overwrote a tensor or replayed wrong.
+``mem_get_info`` and turning the history off; memory a busy stream still reads, freed and asked
+for again on another stream (``record_stream``: a tensor read on a side stream;
+``freed_on_another_stream``: one freed on the side stream, which npu_pool may hand to another
+stream behind a device-side wait): is what the side stream read intact
+(``control_without_record_stream``: the first without ``record_stream``, a user's mistake that
+should come out wrong under both, which shows the check sees a reuse); then graph capture and
+private pools, which npu_pool refuses (``graph_capture``: a graph whose intermediate tensor is
+freed inside the capture, a tensor made after it on the capture's stream, the graph replayed: is
+its output right, is that tensor intact; ``mem_pool``: ``torch.cuda.MemPool`` with
+``use_mem_pool``; ``c_base_capture_begin``: what the graph class's C base class holds as
+``capture_begin``, a Python function where npu_pool replaced it; ``compile_reduce_overhead``:
+``torch.compile(mode="reduce-overhead")``). Prints one row per answer with both allocators' values
+and whether they agree where they should (byte counts are each allocator's own and are shown, not
+compared; the graph rows neither). Exits 2 when no CUDA GPU is usable (or ``--report`` cannot
+read its file), 1 when an answer that should agree does not, or a stream's read or a captured
+graph came out wrong.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ MiB = 1 << 20
 SAME = ("fraction_default", "fraction_set", "history_legacy", "observer_attach", "max_split_size",
         "non_releasable_identity", "oom_raises", "observer_calls", "observer_request", "observer_cap",
         "after_oom", "memory_summary", "memory_snapshot", "device_traces", "history_has_events",
-        "mem_get_info", "history_off", "after_graphs")
+        "mem_get_info", "history_off", "record_stream", "freed_on_another_stream", "after_graphs")
 
 
 def _raised(e: BaseException) -> str:
@@ -88,6 +94,32 @@ def _mem_pool(torch: Any) -> Any:
             t = torch.empty(MiB, dtype=torch.uint8, device="cuda")
         return f"allocated in the pool ({t.numel()} bytes)"
     return _answer(use)
+
+
+def _streams(torch: Any, record: bool, tell: bool = True) -> str:
+    """Memory still read by a busy stream, freed, then asked for again on another stream: with
+    ``record``, a tensor of the current stream read on a side stream (``record_stream``), else a
+    tensor of the side stream freed there (the pool may hand it to the current stream only behind
+    a device-side wait). The side stream sleeps before it reads, so a reuse without waiting would
+    overwrite what it reads. ``tell=False`` leaves out the ``record_stream`` call (a user's
+    mistake): the control that shows the check sees such a reuse."""
+    n, side = 16 << 20, torch.cuda.Stream()  # floats: 64 MiB
+    torch.cuda.synchronize()
+    if record:
+        x = torch.full((n,), 1.0, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        if not record:
+            x = torch.full((n,), 1.0, device="cuda")
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the side stream before it reads x
+        y = x * 2
+    if record and tell:
+        x.record_stream(side)
+    del x
+    z = torch.full((n,), 5.0, device="cuda")  # the current stream, while the side stream still sleeps
+    torch.cuda.synchronize()
+    right = bool((y == 2).all()) and bool((z == 5).all())
+    return "right" if right else "WRONG: memory the side stream still read was handed out"
 
 
 def _compiled(torch: Any) -> str:
@@ -156,6 +188,9 @@ def _worker(mode: str) -> dict[str, Any]:
     r["mem_get_info"] = _answer(lambda: torch.cuda.mem_get_info()[1] > 0)
     r["history_off"] = _answer(lambda: mem._record_memory_history(enabled=None))
     del keep
+    r["record_stream"] = _answer(lambda: _streams(torch, True))
+    r["freed_on_another_stream"] = _answer(lambda: _streams(torch, False))
+    r["control_without_record_stream"] = _answer(lambda: _streams(torch, True, tell=False))
     r["graph_capture"] = _answer(lambda: _graph(torch))
     r["mem_pool"] = _mem_pool(torch)
     r["c_base_capture_begin"] = type(torch._C._CUDAGraph.__dict__.get("capture_begin")).__name__
@@ -185,7 +220,7 @@ def report(res: Any) -> tuple[str, bool]:
         same = type(a) is type(b) and a == b
         if key in SAME:
             ok &= same
-        if key in ("graph_capture", "compile_reduce_overhead"):
+        if key in ("graph_capture", "compile_reduce_overhead", "record_stream", "freed_on_another_stream"):
             ok &= not any(bad in str(v) for v in (a, b) for bad in ("OVERWRITTEN", "WRONG"))
         rows.append(f"| {_cell(key)} | {_cell(a)} | {_cell(b)} | {('yes' if same else 'NO') if key in SAME else '-'} |")
     return "\n".join(rows), ok
