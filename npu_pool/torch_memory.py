@@ -29,9 +29,10 @@ torch_npu's C++ hooks (``npu_pool.cpp_hooks``) ``memory_stats`` comes from C++, 
 (the pool records no stacks): memory_viz shows each block with its size, stream and time.
 
 Graph capture and private memory pools are refused (:class:`PrivatePoolError`): the pluggable
-allocators pass ``beginAllocateToPool`` to a hook npu_pool cannot serve and, without one, do
-nothing, so a captured graph's memory went back to the pool and was handed to other tensors while
-the graph replayed (measured on an H100: docs/gpu.md). The graph classes' ``capture_begin`` (and
+allocators pass ``beginAllocateToPool`` to a hook where one is set and do nothing without one, and
+npu_pool has no private pools to keep a graph's memory apart, so a captured graph's memory went
+back to the pool and was handed to other tensors while the graph replayed (measured on an H100:
+docs/gpu.md). The graph classes' ``capture_begin`` (and
 their C base classes'), the ``graph`` context managers and the ``*beginAllocate*ToPool`` entry
 points, wherever torch binds them (``use_mem_pool``), raise it instead.
 """

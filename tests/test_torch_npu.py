@@ -273,8 +273,9 @@ print(json.dumps(r))
 def test_graph_capture_and_private_pools_are_refused(torch_npu: TorchNpu) -> None:
     """torch_npu's NPUPluggableAllocator does nothing on beginAllocateToPool (no hook is set, and
     torch_npu has no Python setter for one): an NPU graph captured under npu_pool would have its
-    memory handed to other tensors while it replays. Capture, MemPool and the pool entry points
-    raise npu_pool's error instead (here before the fake CANN's missing capture functions could)."""
+    memory handed to other tensors while it replays. Capture (the graph class, its C base class,
+    the context manager), use_mem_pool and the pool entry points raise npu_pool's error instead
+    (here before the fake CANN's missing capture functions could)."""
     out, _ = torch_npu.results(FAKE + """
 import torch, torch_npu, npu_pool
 npu_pool.install()

@@ -1,5 +1,5 @@
-# GPU session of 2026-11-26 (eleventh), fifth call: gpu_apis.py with the stream rows and their control (memory a busy stream reads, freed
-# and asked for on another stream), this checkout.
+# GPU session of 2026-11-26 (eleventh), fifth call: gpu_apis.py with the stream rows and their
+# control (record_stream left out), this checkout.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
