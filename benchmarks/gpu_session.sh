@@ -8,7 +8,7 @@
 # checkout (default ../shared/clients/megatron-lm). Each step has a time limit and its own log in
 # OUTDIR, and a failing step does not stop the others; BUDGET (seconds, default 420) skips steps
 # that would start too late; STEPS="smoke live ..." runs only the steps named (default: all of
-# smoke costs live steady gpt_small full record gpt_large mcore); PACK=FILE.tgz packs OUTDIR into FILE.tgz after each step (what a time
+# smoke apis costs live steady gpt_small full record gpt_large mcore); PACK=FILE.tgz packs OUTDIR into FILE.tgz after each step (what a time
 # limit cuts short still leaves the steps before it).
 set -u
 OUT=${1:?usage: gpu_session.sh OUTDIR TRACES_DIR [MEGATRON_LM_DIR]}
@@ -53,6 +53,7 @@ except torch.OutOfMemoryError as e:
     print("1 TiB request: torch.OutOfMemoryError:", str(e).splitlines()[0][:400])
 y = torch.ones(1 << 20, device="cuda")
 print("after it: allocated", torch.cuda.memory_allocated(), "sum", float(y.sum()))'
+step apis 120 60 $PY "$HERE/benchmarks/gpu_apis.py" --json "$OUT/apis.json"
 step costs 60 20 $PY "$HERE/benchmarks/cuda_call_costs.py" --sizes 2,20,512 --repeat 5 --count 32 \
   --json "$OUT/costs.json"
 
