@@ -72,9 +72,7 @@ def stats_dict(pool: Any) -> dict[str, Any]:
         out[key] = {"all": _stat(st["total"][field]),
                     "small_pool": _stat(pools["small"][field]) if small_large else dict(_ZERO),
                     "large_pool": _stat(pools["large"][field]) if small_large else dict(_ZERO)}
-    # paused tags' blocks are active but not reserved (their pages went back to the device)
-    free = max(0, int(st["total"]["reserved"]["current"] + st.get("paused", 0) - st["total"]["active"]["current"]
-                      - st["releasable"]))
+    free = int(st["non_releasable"])
     out["inactive_split_bytes"] = {"all": dict(_ZERO, current=free, peak=free), "small_pool": dict(_ZERO),
                                    "large_pool": dict(_ZERO)}
     out["inactive_split"] = {"all": dict(_ZERO), "small_pool": dict(_ZERO), "large_pool": dict(_ZERO)}

@@ -152,6 +152,9 @@ def test_releasable_is_what_empty_cache_returns(policy, vmm, tags):
                         assert st["total"]["reserved"]["current"] - p.stats()["total"]["reserved"]["current"] == \
                             st["releasable"], (seed, st["releasable"])
                         assert p.stats()["releasable"] == 0
+                        # torch's non-releasable bytes: the free rest, which empty_cache leaves as it was
+                        assert st["non_releasable"] == st["total"]["reserved"]["current"] + st["paused"] - \
+                            st["total"]["active"]["current"] - st["releasable"] == p.stats()["non_releasable"]
                         checked += 1
                 except (OutOfMemoryError, PoolError):
                     pass

@@ -48,6 +48,9 @@ r["pairs"] = {
 }
 r["stats_from_cpp_equal_python_mapping"] = torch.npu.memory_stats_as_nested_dict() == stats_dict(p)
 r["num_device_alloc"] = [torch.npu.memory_stats()["num_device_alloc"], st["device_mallocs"]]
+del dev[6]                                   # freed among live tensors: memory empty_cache cannot return
+r["non_releasable"] = [torch.npu.memory_stats()["inactive_split_bytes.all.current"], p.stats()["non_releasable"]]
+r["stats_from_cpp_equal_after_a_free"] = torch.npu.memory_stats_as_nested_dict() == stats_dict(p)
 summary = torch.npu.memory_summary()
 r["summary_has_figures"] = "Allocated memory" in summary and "NPU reserved memory" in summary
 free_b, total_b = torch.npu.mem_get_info()
@@ -111,6 +114,8 @@ print(json.dumps(r))
     assert out["pairs"]["allocated"][0] > 8 * MiB
     assert out["stats_from_cpp_equal_python_mapping"]
     assert out["num_device_alloc"][0] == out["num_device_alloc"][1] > 0
+    torch_says, pool_says = out["non_releasable"]  # (the C++ hook reads the core's figure, as the mapping does)
+    assert torch_says == pool_says >= 3 * MiB and out["stats_from_cpp_equal_after_a_free"]
     assert out["summary_has_figures"]
     free_b, total_b, used = out["mem_get_info"]
     assert total_b == CAPACITY and free_b == CAPACITY - used

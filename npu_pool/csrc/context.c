@@ -323,6 +323,8 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   out->releasable = ctx->st.spare + ctx->st.unreleased;
   for (int k = 0; k < NP_CALL_COUNT; k++) out->calls[k] = ctx->be->calls[k] - ctx->calls_base[k];
   if (ctx->policy->fill_stats) ctx->policy->fill_stats(ctx, out);
+  uint64_t held = out->total.reserved.current + out->paused, taken = out->total.active.current + out->releasable;
+  out->non_releasable = held > taken ? held - taken : 0;
 }
 
 /* Generic invariants: segments tiled by blocks, the map holds exactly the allocated ones,

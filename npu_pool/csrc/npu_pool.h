@@ -148,6 +148,9 @@ typedef struct np_stats {
   uint64_t limit;           /* fraction * device_total */
   double fraction;          /* the memory fraction set (1.0: none) */
   uint64_t releasable;      /* reserved bytes empty_cache would return now (spares included) */
+  uint64_t non_releasable;  /* free bytes held that empty_cache could not return: reserved + paused - active
+                               - releasable (paused tags' blocks are active, not reserved); torch's
+                               inactive_split_bytes */
   np_counter arena_hwm;     /* arena policies: highest byte offset in use in the arena */
   uint64_t largest_free;    /* largest free block (arena policies: including the arena's unused top) */
   uint64_t device_mallocs;  /* segments and chunks taken: mallocs and maps the device served (calls counts refused ones too) */

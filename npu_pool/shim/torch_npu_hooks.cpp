@@ -78,14 +78,10 @@ DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
   fill(out.reserved_bytes, st, &np_pool_stats::reserved, small_large);
   fill(out.active_bytes, st, &np_pool_stats::active, small_large);
   fill(out.requested_bytes, st, &np_pool_stats::requested, small_large);
-  // free bytes the pool holds (reserved, not active) that empty_cache could not return: what torch
-  // calls inactive and split (non-releasable)
+  // free bytes the pool holds that empty_cache could not return: what torch calls inactive and
+  // split (non-releasable)
   Stat &inactive = out.inactive_split_bytes[static_cast<size_t>(StatType::AGGREGATE)];
-  // (paused tags' blocks are active but not reserved: their pages went back to the device)
-  inactive.current = static_cast<int64_t>(st.total.reserved.current + st.paused) -
-                     static_cast<int64_t>(st.total.active.current) - static_cast<int64_t>(st.releasable);
-  if (inactive.current < 0) inactive.current = 0;
-  inactive.peak = inactive.current;
+  inactive.current = inactive.peak = static_cast<int64_t>(st.non_releasable);
   out.num_alloc_retries = static_cast<int64_t>(st.retries);
   out.num_ooms = static_cast<int64_t>(st.ooms);
   out.num_sync_all_streams = static_cast<int64_t>(st.syncs);
