@@ -44,7 +44,7 @@ from typing import Any
 from ..trace.format import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_OPTIMIZER_STATE,
                             CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_LAYER_ENTER, MARK_LAYER_EXIT, OP_ALLOC,
                             OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_PAUSE, OP_REGION, OP_RESUME, Trace)
-from ..trace.stats import live_profile
+from ..trace.stats import Regions, live_profile
 from .phases import NO_STAGE, Phase, PhaseTracker, Span, has_markers, phase_at, stage_spans
 
 __all__ = ["GROUPS", "GROUP_LABELS", "SiteStat", "LayerStat", "TraceProfile", "profile_trace", "group_of_category",
@@ -235,16 +235,13 @@ def profile_trace(trace: Trace, name: str = "trace") -> TraceProfile:
     live = initial = allocs = frees = n_initial = 0
     # Tagged regions (as live_profile counts them): a paused tag's tensors are off the device until
     # its resume, so they leave every live figure (groups, sites, the curve) meanwhile.
-    region, tag_of, tag_live, paused = -1, {}, {}, set()  # tag_live: tag -> {id: its alloc's event}
+    regions = Regions()
 
     def move(tag: int, sign: int) -> int:  # a tag's live tensors leave the device (-1) or come back (+1)
-        moved = 0
-        for id_, j in tag_live.get(tag, {}).items():
-            b = sign * trace.size[j]
-            glive[groups[id_]] += b
-            site_live[trace.site[j]] += b
-            moved += b
-        return moved
+        for id_, j in regions.live.get(tag, {}).items():
+            glive[groups[id_]] += sign * trace.size[j]
+            site_live[trace.site[j]] += sign * trace.size[j]
+        return sign * regions.bytes.get(tag, 0)
 
     for i, (op, cat, site, id_, size) in enumerate(zip(trace.op, trace.cat, trace.site, trace.id, trace.size)):
         if op == OP_ALLOC or op == OP_INIT_ALLOC:
@@ -265,30 +262,22 @@ def profile_trace(trace: Trace, name: str = "trace") -> TraceProfile:
             for rec in open_layers:
                 if live > rec[2]:
                     rec[2] = live
-            if region != -1:  # (untagged tensors are never paused)
-                tag_of[id_] = region
-                tag_live.setdefault(region, {})[id_] = i
+            regions.alloc(id_, i, size)
         elif op == OP_FREE:
             frees += 1
-            tag = tag_of.pop(id_, -1)
-            if tag != -1:
-                del tag_live[tag][id_]
-            if tag not in paused:  # (a paused tag's tensor left the device at the pause)
+            if regions.free(id_, size):  # (a paused tag's tensor left the device at the pause)
                 live -= size
                 glive[groups[id_]] -= size
                 site_live[site] -= size
-        elif op == OP_REGION:
-            region = id_
-        elif op == OP_PAUSE and id_ not in paused:
-            paused.add(id_)
-            live += move(id_, -1)
-        elif op == OP_RESUME and id_ in paused:
-            paused.discard(id_)
-            live += move(id_, +1)
-            for g in range(len(GROUPS)):
-                gmax[g] = max(gmax[g], glive[g])
-            for rec in open_layers:
-                rec[2] = max(rec[2], live)
+        elif op in (OP_REGION, OP_PAUSE, OP_RESUME):
+            sign = regions.switch(op, id_)
+            if sign:
+                live += move(id_, sign)
+            if sign > 0:  # (a resume: the tag's tensors count again)
+                for g in range(len(GROUPS)):
+                    gmax[g] = max(gmax[g], glive[g])
+                for rec in open_layers:
+                    rec[2] = max(rec[2], live)
         elif op == OP_MARK:
             tracker.mark(cat, id_)
             if cat == MARK_LAYER_ENTER and tracker.stage == "forward":

@@ -11,8 +11,8 @@ from ..vocab import NPU_PAD
 from .format import CAT_NAMES, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_NAMES, OP_OOM, Trace
 from .format import OP_PAUSE, OP_REGION, OP_RESUME  # tagged regions (docs/colocated.md)
 
-__all__ = ["LiveProfile", "live_profile", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint", "contains",
-           "summarize"]
+__all__ = ["LiveProfile", "live_profile", "Regions", "initial_live_bytes", "op_counts", "alloc_sizes", "fingerprint",
+           "contains", "summarize"]
 
 
 class LiveProfile(NamedTuple):
@@ -39,31 +39,64 @@ def live_profile(trace: Trace) -> LiveProfile:
     return LiveProfile(peak, at)
 
 
+class Regions:
+    """Tagged regions as a trace plays them (``OP_REGION``, ``OP_PAUSE``, ``OP_RESUME``;
+    docs/colocated.md): the tag each live tensor was allocated in and which tags are paused. A
+    paused tag's tensors are off the device from its pause to its resume; a pause of a paused
+    tag, or a resume of one that is not, moves nothing."""
+
+    def __init__(self) -> None:
+        self.region = -1                          # the tag requests go to now (-1: none)
+        self.paused: set[int] = set()
+        self.live: dict[int, dict[int, int]] = {}  # tag -> {id of a live tensor: the event allocating it}
+        self.bytes: dict[int, int] = {}           # tag -> its live tensors' bytes
+        self._tag_of: dict[int, int] = {}
+
+    def alloc(self, id_: int, index: int, size: int) -> None:
+        if self.region != -1:  # (untagged tensors are never paused)
+            self._tag_of[id_] = self.region
+            self.live.setdefault(self.region, {})[id_] = index
+            self.bytes[self.region] = self.bytes.get(self.region, 0) + size
+
+    def free(self, id_: int, size: int) -> bool:
+        """Forget a freed tensor; whether it was on the device (not in a paused tag)."""
+        tag = self._tag_of.pop(id_, -1)
+        if tag == -1:
+            return True
+        del self.live[tag][id_]
+        self.bytes[tag] -= size
+        return tag not in self.paused
+
+    def switch(self, op: int, tag: int) -> int:
+        """Play an ``OP_REGION``, ``OP_PAUSE`` or ``OP_RESUME`` of ``tag``: -1 when the tag's live
+        tensors leave the device (a pause), +1 when they come back (a resume), else 0."""
+        if op == OP_REGION:
+            self.region = tag
+        elif op == OP_PAUSE and tag not in self.paused:
+            self.paused.add(tag)
+            return -1
+        elif op == OP_RESUME and tag in self.paused:
+            self.paused.discard(tag)
+            return 1
+        return 0
+
+
 def _paused_live_profile(trace: Trace) -> LiveProfile:
     """live_profile of a trace with tagged regions: a paused tag's live bytes leave the device."""
     live = peak = 0
-    at, region = -1, -1
-    tag_of: dict[int, int] = {}
-    tag_live: dict[int, int] = {}
-    paused: set[int] = set()
+    at = -1
+    regions = Regions()
     for i, (op, iid, size) in enumerate(zip(trace.op, trace.id, trace.size)):
         if op == OP_ALLOC or op == OP_INIT_ALLOC:
-            tag_of[iid] = region
-            tag_live[region] = tag_live.get(region, 0) + size
+            regions.alloc(iid, i, size)
             live += size
         elif op == OP_FREE:
-            t = tag_of.pop(iid, -1)
-            tag_live[t] = tag_live.get(t, 0) - size
-            if t not in paused:
+            if regions.free(iid, size):
                 live -= size
-        elif op == OP_REGION:
-            region = iid
-        elif op == OP_PAUSE and iid not in paused:
-            paused.add(iid)
-            live -= tag_live.get(iid, 0)
-        elif op == OP_RESUME and iid in paused:
-            paused.discard(iid)
-            live += tag_live.get(iid, 0)
+        elif op in (OP_REGION, OP_PAUSE, OP_RESUME):
+            sign = regions.switch(op, iid)
+            if sign:
+                live += sign * regions.bytes.get(iid, 0)
         if live > peak:
             peak, at = live, i
     return LiveProfile(peak, at)
