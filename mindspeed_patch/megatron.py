@@ -31,7 +31,10 @@ replaces ``train_step``. Registered, npu_pool's wrapper runs around whatever rep
 MindSpeed applies, whichever of the two is imported first. A function missing in the
 installed Megatron gives one warning naming it, never an error.
 
-At exit each rank writes ``npu_pool_rank<N>.json`` into ``NPU_POOL_REPORT_DIR`` (when set);
+At exit each rank writes ``npu_pool_rank<N>.json`` into ``NPU_POOL_REPORT_DIR`` (when set),
+also when SIGTERM ends it (torchrun stopping the ranks that outlive a failed one, a scheduler's
+time limit) and nothing else handles that signal; a process that neither ran a training step
+nor used the device (a launcher, the parent of spawned ranks, a DataLoader worker) writes none.
 ``npu-pool merge DIR`` puts the ranks side by side.
 
 Without a device allocator (CPU, or no NPU/GPU: ``mindspeed_patch`` warns and does not
@@ -44,6 +47,7 @@ import atexit
 import functools
 import importlib.abc
 import os
+import signal
 import sys
 import time
 import warnings
@@ -88,6 +92,7 @@ def settings(environ: Optional[Mapping[str, str]] = None) -> tuple[int, Optional
     report_dir = environ.get(REPORT_DIR, "").strip() or None
     if report_dir:  # a file there is said now, not when the report is due at exit
         parse_output_dir(report_dir, REPORT_DIR)
+        report_dir = os.path.abspath(report_dir)  # (where it named at start: the run may change directory)
     return (parse_log_every(every) if every.strip() else 1), report_dir
 
 
@@ -128,7 +133,7 @@ class _Session:
         time: Megatron sets each rank's device after this module is imported."""
         from npu_pool.install import current_pool
 
-        return current_pool() if self.mode == "device" else None
+        return current_pool(start=False) if self.mode == "device" else None  # (a report starts no device)
 
     def rank_and_world(self) -> tuple[int, Optional[int]]:
         """This process's (rank, world size), as the run had them: a process group destroyed
@@ -189,6 +194,13 @@ class _Session:
 
         self.written = str(report.write(self.report(), self.report_dir))
         return self.written
+
+    def has_run(self) -> bool:
+        """Whether this process trained or used the device: one that did neither (a launcher, the
+        parent of spawned ranks, a DataLoader worker started with spawn) has nothing to report,
+        and its empty report, written as rank 0 or under an inherited RANK, would replace the
+        report of the rank that trained."""
+        return self.iterations > 0 or self.pool() is not None
 
     # -- wrappers --------------------------------------------------------------------------
     def setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -471,11 +483,34 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
         elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
             sys.meta_path.insert(0, _PatchOnImport(name, functions, warn))
     atexit.register(_at_exit)
+    if report_dir:
+        _catch_sigterm()
     return True
 
 
+def _catch_sigterm() -> None:
+    """Write the report on SIGTERM too, then die of it as before: torchrun sends it to the ranks
+    that outlive a failed one, as Slurm does at a time limit or a cancellation, and Python's
+    default action ends the process without running atexit (the runs a user most wants to
+    read). Only where the signal has its default action (a handler of the program's or of
+    Megatron's --exit-signal-handler is left alone, and the program then exits normally), and
+    from the main thread, where Python allows it."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # (not the main thread)
+        pass
+
+
+def _on_sigterm(signum: int, _frame: Any) -> None:
+    _at_exit()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def _at_exit() -> None:
-    if _session is not None and _session.pid == os.getpid():  # (a forked child that exits: not its report)
+    # (a forked child that exits: not its report; a process that neither trained nor used the device: none)
+    if _session is not None and _session.pid == os.getpid() and _session.has_run():
         try:
             _session.write_report()
         except OSError as e:
@@ -504,6 +539,8 @@ def _unpatch() -> None:
             att.detach()
     try:
         atexit.unregister(_at_exit)
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except Exception:
         pass
     _session = None

@@ -7,8 +7,8 @@ pluggable allocator checks: ``shim/malloc_hook.h``). torch_npu's ``set_get_devic
 also wants a function returning a C++ ``DeviceStats`` (it holds a hash map: no C function can
 fake it; without one, ``torch.npu.memory_stats()`` reads garbage and aborts), and
 ``set_record_stream_fn`` and ``set_erase_stream_fn`` pass a ``c10_npu::NPUStream``. A
-library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (else g++)
-into ``$NPU_POOL_CACHE`` (else ``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``);
+library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (else g++;
+words split as a shell would: ``CXX="ccache g++"``) into ``$NPU_POOL_CACHE`` (else ``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``);
 concurrent ranks wait for one build. Beside each library a ``.sum`` file holds its size and
 SHA-256: a cached library that does not match (truncated, overwritten, half copied) is rebuilt,
 never loaded (loading a truncated library kills the process with SIGBUS). Any failure raises
@@ -20,6 +20,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -49,21 +50,30 @@ def cache_dir() -> Path:
     return Path(base) / "npu_pool"
 
 
-def _compiler() -> str:
-    cxx = os.environ.get("CXX", "").strip() or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
+def _compiler() -> list[str]:
+    """The compiler's words: ``$CXX`` split as a shell would (``ccache g++``), else g++ or c++."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        try:
+            words = shlex.split(cxx)
+        except ValueError as e:
+            raise HooksUnavailable(f"CXX={cxx!r:.80} cannot be read as a command ({e})") from None
+        if words:
+            return words
+    found = shutil.which("g++") or shutil.which("c++")
+    if not found:
         raise HooksUnavailable("no C++ compiler (set CXX, or install g++) to build npu_pool's C++ hooks")
-    return cxx
+    return [found]
 
 
-def _command(cxx: str, kind: str) -> list[str]:
+def _command(cxx: list[str], kind: str) -> list[str]:
     """The compiler's command line for ``kind``'s hooks, less its output file."""
     import torch
 
     torch_dir = Path(torch.__file__).parent
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     core_h = Path(__file__).resolve().parent / "csrc"
-    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    cmd = [*cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
            f"-I{core_h}", f"-I{SHIM}"]
     libs = [f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
@@ -76,7 +86,7 @@ def _command(cxx: str, kind: str) -> list[str]:
                    str(SOURCES[kind]), f"-L{npu_dir / 'lib'}", "-ltorch_npu", f"-Wl,-rpath,{npu_dir / 'lib'}"] + libs)
 
 
-def _key(cxx: str, kind: str) -> str:
+def _key(cxx: list[str], kind: str) -> str:
     import torch
 
     versions = [torch.__version__]
@@ -87,7 +97,7 @@ def _key(cxx: str, kind: str) -> str:
     h = hashlib.sha256()
     for part in (SOURCES[kind].read_bytes(), (SHIM / "malloc_hook.h").read_bytes(),
                  (Path(__file__).parent / "csrc" / "npu_pool.h").read_bytes(),
-                 *(v.encode() for v in versions), cxx.encode(), sys.version.encode()):
+                 *(v.encode() for v in versions), shlex.join(cxx).encode(), sys.version.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -130,11 +140,11 @@ def build(kind: str = "npu") -> Path:
         try:
             r = subprocess.run(cmd + ["-o", str(tmp)], capture_output=True, text=True)
         except OSError as e:
-            raise HooksUnavailable(f"cannot run the C++ compiler {cxx} ({e.strerror})") from None
+            raise HooksUnavailable(f"cannot run the C++ compiler {shlex.join(cxx)} ({e.strerror})") from None
         if r.returncode != 0:
             tmp.unlink(missing_ok=True)
             tail = "\n".join(r.stderr.strip().splitlines()[-15:])
-            raise HooksUnavailable(f"building npu_pool's {framework} hooks with {cxx} failed:\n{tail}")
+            raise HooksUnavailable(f"building npu_pool's {framework} hooks with {shlex.join(cxx)} failed:\n{tail}")
         try:
             _seal(tmp, _sum_path(out))
             os.replace(tmp, out)

@@ -152,13 +152,18 @@ def installed() -> dict[int, Pool]:
     return dict(_current.pools) if _current else {}
 
 
-def current_pool() -> Optional[Pool]:
+def current_pool(start: bool = True) -> Optional[Pool]:
     """The installed allocator's pool of torch's current device (None before :func:`install`,
-    or when the current device cannot be asked)."""
+    or when the current device cannot be asked). ``start=False``: None too while torch has not
+    started the device in this process (asking starts it: torch_npu's ``current_device()``
+    initialises the runtime), so that a process that never used it (a launcher, a DataLoader
+    worker) is left without a device context."""
     inst = _current
     if inst is None:
         return None
     try:
+        if not start and not inst.module.is_initialized():
+            return None
         device = inst.module.current_device()
     except Exception:  # no device context yet (torch_npu before set_device, a broken runtime)
         return None

@@ -25,7 +25,9 @@ So ``memory_stats``, ``memory_allocated``, ``max_memory_allocated``, ``memory_re
 give the pool's exact figures, and out-of-memory observers are called (a device
 torch does not have raises "Invalid device argument", as torch's own allocators do); with
 torch_npu's C++ hooks (``npu_pool.cpp_hooks``) ``memory_stats`` comes from C++, the same mapping.
-``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
+torch_npu's Python ``_record_memory_history`` passes the older form to a function that takes only
+the newer one (a TypeError, npu_pool or not): ``torch_npu.npu.memory._record_memory_history_impl``
+takes both. ``mem_get_info`` asks the device itself and needs nothing. Snapshots carry no Python frames
 (the pool records no stacks): memory_viz shows each block with its size, stream and time.
 
 Graph capture and private memory pools are refused (:class:`PrivatePoolError`): the pluggable
@@ -160,6 +162,17 @@ def _record_history_legacy(enabled: Any, record_context: Any = True, trace_alloc
     _record_history("all" if enabled else None, max_entries=trace_alloc_max_entries)
 
 
+def _record_history_any(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+    """torch_npu's Python ``_record_memory_history`` hands both forms to its ``_impl``, which takes
+    only the newer one: the older ``(True, trace_alloc_max_entries=N)`` (MindSpeed's
+    ``--record-memory-history``) raised TypeError there. Told apart as torch's own wrapper does:
+    ``enabled`` a bool is the older form."""
+    if isinstance(enabled, bool):
+        _record_history_legacy(enabled, *args, **kwargs)
+    else:
+        _record_history(enabled, *args, **kwargs)
+
+
 _observers: list[Callable[[int, int, int, int], Any]] = []  # torch's out-of-memory observers
 
 
@@ -205,6 +218,10 @@ _ROUTES: dict[str, dict[str, Callable[..., Any]]] = {
             "_npu_resetPeakMemoryStats": _reset_peak},  # the C hook cannot refuse a device torch lacks
 }
 _NPU_STATS = {"_npu_memoryStats": _memory_stats}
+# kind -> (Python module, {name: replacement}): where a framework's Python layer fails before it reaches its C module
+_PYTHON_ROUTES: dict[str, tuple[str, dict[str, Callable[..., Any]]]] = {
+    "npu": ("torch_npu.npu.memory", {"_record_memory_history_impl": _record_history_any}),
+}
 
 
 class PrivatePoolError(RuntimeError):
@@ -275,6 +292,10 @@ def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_f
     at, refuse = _POOLS[kind], _refuser(kind)
     table.update({name: refuse for name in at.entries if hasattr(target, name)})
     patched = [(target, name, fn) for name, fn in table.items()]
+    if kind in _PYTHON_ROUTES:
+        module_name, functions = _PYTHON_ROUTES[kind]
+        module = _module(module_name)
+        patched += [(module, name, fn) for name, fn in functions.items() if hasattr(module, name)]
     graphs = _module(at.graphs)
     for module in map(_module, at.modules):  # (their own binding of an entry point, where they made one)
         patched += [(module, name, refuse) for name in at.entries

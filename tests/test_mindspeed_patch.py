@@ -149,6 +149,72 @@ def test_a_forked_child_that_exits_leaves_the_ranks_report_alone(tmp_path: Path)
     assert r.stdout.split() == ["10"], r.stdout
 
 
+_TRAINER = """
+import os, sys, time, types
+mod = types.ModuleType("megatron.training.training")
+mod.train_step = lambda *a, **k: ("loss", 0)
+sys.modules["megatron.training.training"] = mod
+import mindspeed_patch
+"""
+
+
+def _env(tmp_path: Path, report_dir: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(ON, PYTHONPATH=str(ROOT), NPU_POOL_REPORT_DIR=report_dir, NPU_POOL_LOG_EVERY="0")
+    return env
+
+
+def test_a_process_that_never_trained_leaves_the_ranks_report_alone(tmp_path: Path) -> None:
+    """Every process that imports torch with the switch on runs the patch: the parent of
+    spawned ranks (torch.multiprocessing.spawn), a launcher, a DataLoader worker started with
+    spawn. Such a process exited after the rank it started and wrote an empty report under the
+    rank's name (no RANK: rank 0), replacing the rank's (iterations 0)."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(_TRAINER + "for _ in range(3):\n    mod.train_step()\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text(_TRAINER + f"import subprocess\nsubprocess.run([sys.executable, {str(rank)!r}], check=True)\n")
+    env = _env(tmp_path, str(tmp_path / "rep"))
+    r = subprocess.run([sys.executable, str(parent)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (report,) = (tmp_path / "rep").glob("npu_pool_rank*.json")
+    assert json.loads(report.read_text())["iterations"] == 3
+
+
+def test_sigterm_writes_the_report_and_still_ends_the_process(tmp_path: Path) -> None:
+    """torchrun stops the ranks that outlive a failed one with SIGTERM (a scheduler's time limit
+    too), whose default action skips atexit: the surviving ranks' reports were lost. The report
+    is written, and the process still dies of the signal."""
+    import signal
+
+    script = tmp_path / "s.py"
+    script.write_text(_TRAINER + "for _ in range(4):\n    mod.train_step()\nprint('ready', flush=True)\n"
+                      "time.sleep(60)\n")
+    env = _env(tmp_path, str(tmp_path / "rep"))
+    p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        p.kill()
+        p.communicate()
+    report = json.loads((tmp_path / "rep" / "npu_pool_rank0.json").read_text())
+    assert report["iterations"] == 4
+
+
+def test_a_relative_report_dir_is_where_the_run_started(tmp_path: Path) -> None:
+    """NPU_POOL_REPORT_DIR=rep was checked against the starting directory and resolved again at
+    exit: a run that changed directory wrote its report somewhere else."""
+    script = tmp_path / "s.py"
+    (tmp_path / "elsewhere").mkdir()
+    script.write_text(_TRAINER + "os.chdir('elsewhere')\nmod.train_step()\n")
+    r = subprocess.run([sys.executable, str(script)], env=_env(tmp_path, "rep"), cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "rep" / "npu_pool_rank0.json").is_file() and not (tmp_path / "elsewhere" / "rep").exists()
+
+
 def test_cpu_process_falls_back_with_a_clear_message(tmp_path: Path) -> None:
     """The switch set where there is no torch_npu and no CUDA: importing mindspeed_patch says
     why nothing was installed, the Megatron patch says it records phases only, and the run
@@ -249,7 +315,7 @@ def test_device_mode_line_and_report_show_the_pool(fresh: None, monkeypatch: pyt
     the report carry its figures."""
     sim = Pool("npu_pool", capacity=1 << 32)
     monkeypatch.setattr(install_mod, "installed", lambda: {0: sim})
-    monkeypatch.setattr(install_mod, "current_pool", lambda: sim)
+    monkeypatch.setattr(install_mod, "current_pool", lambda start=True: sim)
     held: list[int] = []
 
     def train_step() -> None:

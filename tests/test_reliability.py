@@ -274,8 +274,8 @@ def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) 
         return run(cmd, **kw)
 
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
-    monkeypatch.setattr(cpp_hooks, "_compiler", lambda: os.environ.get("CC", "") or "gcc")
-    monkeypatch.setattr(cpp_hooks, "_command", lambda cxx, kind: [cxx, "-shared", "-fPIC", "-x", "c", str(src)])
+    monkeypatch.setattr(cpp_hooks, "_compiler", lambda: [os.environ.get("CC", "") or "gcc"])
+    monkeypatch.setattr(cpp_hooks, "_command", lambda cxx, kind: [*cxx, "-shared", "-fPIC", "-x", "c", str(src)])
     monkeypatch.setattr(cpp_hooks.subprocess, "run", compile_counted)
     monkeypatch.setattr(cpp_hooks, "_key", lambda cxx, kind: "test")
     monkeypatch.setenv(cpp_hooks.CACHE_ENV, str(tmp_path / "cache"))
@@ -296,6 +296,21 @@ def test_cached_hooks_library_is_verified_before_loading(tmp_path, monkeypatch) 
     assert cpp_hooks.build() == lib and len(builds) == 4
     import ctypes
     assert ctypes.CDLL(str(lib)).npu_pool_hooks_probe() == 42
+
+
+def test_cxx_with_words_is_a_command_not_a_program_name(monkeypatch) -> None:
+    """CXX="ccache g++" (or "nice g++") was run as one program name, so the C++ hooks were lost
+    (record_stream then protected nothing) with only a warning: it is split as a shell would,
+    and a value no shell could read is refused saying so."""
+    from npu_pool import cpp_hooks
+
+    monkeypatch.setenv("CXX", "  nice -n 5 'g++'  ")
+    assert cpp_hooks._compiler() == ["nice", "-n", "5", "g++"]
+    monkeypatch.setenv("CXX", "g++ 'unclosed")
+    with pytest.raises(cpp_hooks.HooksUnavailable, match="CXX=.* cannot be read as a command"):
+        cpp_hooks._compiler()
+    monkeypatch.setenv("CXX", " ")
+    assert len(cpp_hooks._compiler()) == 1  # (unset: g++ or c++ on the PATH, when there is one)
 
 
 # -- 4. a FIFO among the traces -----------------------------------------------------------------

@@ -103,6 +103,10 @@ except torch.OutOfMemoryError as e:
     r["absurd"] = "OutOfMemoryError: " + str(e).splitlines()[0]
 except Exception as e:
     r["absurd"] = type(e).__name__
+# the older form (MindSpeed's --record-memory-history): torch_npu's Python wrapper raised TypeError
+torch.npu.memory._record_memory_history(True, trace_alloc_max_entries=3, trace_alloc_record_context=True)
+kept = [torch.empty(n << 20, dtype=torch.uint8, device="npu") for n in (1, 2, 3, 4)]
+r["legacy_history"] = len(p.history())
 print(json.dumps(r))
 """, MEMORY_FRAGMENTATION="1")
     assert out["devices"] == [0, 1]
@@ -112,6 +116,7 @@ print(json.dumps(r))
     for name, (torch_says, pool_says) in out["pairs"].items():
         assert torch_says == pool_says, name
     assert out["pairs"]["allocated"][0] > 8 * MiB
+    assert out["legacy_history"] == 3  # the bound the older form asked for
     assert out["stats_from_cpp_equal_python_mapping"]
     assert out["num_device_alloc"][0] == out["num_device_alloc"][1] > 0
     torch_says, pool_says = out["non_releasable"]  # (the C++ hook reads the core's figure, as the mapping does)
@@ -184,6 +189,26 @@ print(json.dumps(r))
 """)
     assert out["raised"] and "came too late" in out["raised"] and "Set MEMORY_FRAGMENTATION=1" in out["raised"]
     assert out["installed"] == {}
+
+
+def test_a_process_that_never_used_the_device_is_left_without_one(torch_npu: TorchNpu, tmp_path: Path) -> None:
+    """With reports asked, a process that imported torch with the switch on and never used the
+    NPU (a launcher, the parent of spawned ranks, a DataLoader worker) started torch_npu's runtime
+    at exit to look up the current device for its report, then wrote an empty report under rank
+    0's name. It now starts nothing and writes nothing."""
+    rep = tmp_path / "rep"
+    out, _ = torch_npu.results(f"""
+import atexit, json, os
+def after_everything():                      # (registered first: runs after the patch's own exit handler)
+    import torch
+    print(json.dumps({{"initialized": torch.npu.is_initialized(), "reports": sorted(os.listdir({str(rep)!r}))
+                      if os.path.isdir({str(rep)!r}) else []}}))
+atexit.register(after_everything)
+import mindspeed_patch, torch, torch_npu
+from npu_pool.install import current_pool, installed
+assert installed() and current_pool(start=False) is None
+""", MEMORY_FRAGMENTATION="1", NPU_POOL_REPORT_DIR=str(rep))
+    assert out == {"initialized": False, "reports": []}
 
 
 def test_memory_history_snapshots_and_oom_snapshots(torch_npu: TorchNpu, tmp_path: Path) -> None:
