@@ -214,6 +214,25 @@ def test_numbers_outside_64_bits_are_invalid_arguments() -> None:
             Pool("torch", **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("policy", ["npu_pool", "torch", "expandable"])
+def test_the_pools_own_stream_tags_are_no_callers_stream(policy: str) -> None:
+    """The two lowest 64-bit values tag free memory (any stream; several): a block allocated on
+    the first, or recorded on it, was reused on another stream with no wait (a helper's review),
+    and a trace carrying one replayed so. Refused, and the books stay as they were."""
+    with Pool(policy, capacity=1 << 30) as p:
+        ptr = p.malloc(4096, stream=5)
+        before = p.stats()
+        for stream in (-(1 << 63), 1 - (1 << 63)):
+            with pytest.raises(InvalidArgumentError, match="reserved"):
+                p.malloc(4096, stream=stream)
+            with pytest.raises(InvalidArgumentError, match="reserved"):
+                p.record_stream(ptr, stream)
+        assert p.stats()["total"] == before["total"]
+        assert p.malloc(4096, stream=2 - (1 << 63)) != 0  # the next value is a stream like any other
+        p.free(ptr)
+        p.check()
+
+
 # ---- the trace's ordering rules, and options a user mistypes -------------------------------------
 
 def test_an_initial_event_inside_the_window_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

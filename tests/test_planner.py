@@ -558,6 +558,21 @@ def test_a_plan_that_plans_nothing_maps_what_it_leaves_out_at_its_first_position
         assert r.ok and per_iter[1] > 0 and per_iter[2:] == [0] * (len(per_iter) - 2), (depth, per_iter)
 
 
+def test_a_request_off_a_plan_with_no_region_goes_to_the_fallback():
+    """A plan that plans nothing (region 0) and a request of another size at its position (a
+    dynamic size): the policy reserved a region of 0 bytes for it, a device malloc of nothing and
+    a segment its own check refused (a helper's review, from a fuzzer)."""
+    none = 2**64 - 1
+    with Pool("planned", capacity=64 * MiB) as p:
+        p.set_plan([4096, 8192], [none, none], [none, none], 0, 0, 1)  # flags: NP_PLAN_AT_ITER_BEGIN
+        p.mark("iter_begin")
+        ptr = p.malloc(5000)
+        p.check()
+        st = p.stats()
+        assert st["calls"]["malloc"] == 0 and all(b["segment_size"] > 0 for b in p.blocks())
+        p.free(ptr)
+
+
 def test_the_fallback_maps_ahead_where_requests_go():
     """What the fallback maps ahead is where its next requests go and makes up what it lacks:
     after an empty_cache that gave the region back, at the start of its free top, not above what it

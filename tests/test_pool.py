@@ -105,6 +105,25 @@ def test_fraction_caps_reserved(pool):
     assert pool.stats()["total"]["reserved"]["current"] == 0
 
 
+def test_a_fraction_below_what_is_mapped_still_serves_from_free_mapped_memory(pool):
+    """A fraction lowered below what the pool holds (a colocated job shrinking its share): a
+    request that fits free mapped memory is served from it, as from torch's cached blocks. The
+    arena unmapped that free chunk (to keep it from being pinned under cap pressure), then could
+    not map the request's own pages under the cap: out of memory, "a real shortage", with 100 MiB
+    free a moment before (a helper's review)."""
+    a, b = pool.malloc(100 * MiB), pool.malloc(100 * MiB)
+    pool.set_fraction(0.01)  # 41 MiB of 4 GiB: below the 100 MiB still held
+    pool.free(a)
+    before = pool.stats()
+    c = pool.malloc(10 * MiB)
+    after = pool.stats()
+    assert after["total"]["reserved"]["current"] == before["total"]["reserved"]["current"]
+    assert after["calls"] == before["calls"]  # no device call: the memory was there
+    pool.free(b)
+    pool.free(c)
+    pool.check()
+
+
 def test_empty_cache_returns_everything(pool):
     ptrs = [pool.malloc(s) for s in (100, 2 * MiB, 30 * MiB, 700)]
     assert pool.stats()["total"]["reserved"]["current"] > 0

@@ -360,6 +360,10 @@ int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
     np_ctx_unlock(ctx);
     return NP_ERR_STATE;
   }
+  if (np_ctx_check_stream(stream) != NP_OK) {
+    np_ctx_unlock(ctx);
+    return NP_ERR_INVALID;
+  }
   np_block *b = np_ptrmap_find(&ctx->live, (uintptr_t)ptr);
   if (b && stream != b->stream) {
     b->shared = 1;

@@ -343,9 +343,11 @@ static bool pins(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64
  * work (settled: waited for), so that the block maps only its own pages and the chunk's other
  * pages can go where a growth needs them, instead of staying pinned while the block lives. The
  * chunks are found first (the two the carve's ends fall in), and the stream is asked only when
- * there is one. */
+ * there is one. Never past the cap: see below. */
 static void unpin(np_ctx *ctx, np_arena *a, const np_block *h, uint64_t size, bool high) {
-  if (!a->vmm || !near_cap(ctx, a, size)) return;
+  /* Past the cap (a fraction lowered below what is mapped) the block could not map its own pages
+   * once the chunk is gone: it takes the chunk's mapped memory instead, as from torch's cache. */
+  if (!a->vmm || !near_cap(ctx, a, size) || reserved_of(ctx, a) > limit_of(ctx, a)) return;
   uint64_t g = a->page, lo = (high ? h->addr + h->size - size : h->addr) - a->seg->addr, hi = lo + size;
   uint64_t touched[2] = {lo / g, (hi + g - 1) / g}, at[2] = {lo / g, (hi - 1) / g};
   uint64_t first[2], n[2];

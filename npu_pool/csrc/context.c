@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "policy.h"
+#include "streams.h"
 #include "vmm.h"
 
 /* Count b in (add) or out of the totals and its pool's counters. Written out, not looped over
@@ -147,6 +148,12 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size) {
   return size + be->request_tail;
 }
 
+int np_ctx_check_stream(intptr_t stream) {
+  if (stream != NP_STREAM_ANY && stream != NP_STREAM_MIXED) return NP_OK;
+  return np_error(NP_ERR_INVALID, "stream %lld is reserved: the pool tags free memory with it (%s streams)",
+                  (long long)stream, stream == NP_STREAM_ANY ? "any of the" : "several");
+}
+
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out) {
   *out = NULL;
   if (np_ctx_usable(ctx, "malloc") != NP_OK) return NP_ERR_STATE;
@@ -159,6 +166,7 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   }
   if (lifetime < NP_LIFE_AUTO || lifetime > NP_LIFE_SHORT)
     return np_error(NP_ERR_INVALID, "lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d", lifetime);
+  if (np_ctx_check_stream(stream) != NP_OK) return NP_ERR_INVALID;
   if (ctx->marks.any) {
     /* Without a caller's site, a request is known by where it comes in its phase: the
      * k-th allocation of this size after a layer-enter marker is the same tensor in
@@ -200,6 +208,7 @@ int np_ctx_alloc_at(np_ctx *ctx, uintptr_t addr, uint64_t size, intptr_t stream,
   ctx->synced = false; /* one request: a replay holds the lock across many */
   if (!ctx->policy->alloc_at) return np_error(NP_ERR_STATE, "policy %s cannot place blocks at given addresses", ctx->policy->name);
   if (size == 0 || size > NP_MAX_REQUEST) return np_error(NP_ERR_INVALID, "bad size %llu", (unsigned long long)size);
+  if (np_ctx_check_stream(stream) != NP_OK) return NP_ERR_INVALID;
   np_block *b = NULL;
   int rc = ctx->policy->alloc_at(ctx, addr, size, stream, &b);
   if (rc != NP_OK) return rc;

@@ -133,6 +133,9 @@ int np_ctx_refuse(const np_ctx *ctx, const char *what);
 static inline int np_ctx_usable(const np_ctx *ctx, const char *what) {
   return ctx->closed || ctx->inherited ? np_ctx_refuse(ctx, what) : NP_OK;
 }
+/* NP_ERR_INVALID for a caller's stream that the pool reserves: NP_STREAM_ANY and NP_STREAM_MIXED
+ * tag free memory (streams.h), so a block used on one would be ordered after no stream. */
+int np_ctx_check_stream(intptr_t stream);
 /* fork.c: every live context is listed for the fork handlers (np_create / np_destroy), which
  * np_fork_init installs once: before the first lock of the core that a fork must not find held
  * (a context's, the device table's). */

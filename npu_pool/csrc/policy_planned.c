@@ -346,6 +346,7 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
     np_arena_premap(ctx, budget(ctx, st), st->outside);
   }
   if (at == NP_PLAN_NONE || (!dynamic && st->plan.offset[at] == NP_PLAN_NONE)) return NP_ERR_OOM;
+  if (!st->plan.region) return NP_ERR_OOM; /* no region to place in (a dynamic request too): the fallback's */
   int rc = region_reserve(ctx, st);
   if (rc != NP_OK) return rc;
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);

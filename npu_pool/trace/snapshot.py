@@ -495,6 +495,17 @@ def _int(d: dict, key: str, name: str, where: str, default: int | None = None, s
     return v
 
 
+_STREAM_MIN = -(1 << 63) + 2  # the two lowest values are the pool's own tags of free memory (csrc/streams.h)
+
+
+def _stream(d: dict, name: str, where: str) -> int:
+    v = _int(d, "stream", name, where, 0, signed=True)
+    if v < _STREAM_MIN:
+        raise TraceError(f"{name}: {where}.stream is {v}, a value npu_pool reserves for its own tags of free "
+                         "memory; no device stream has it")
+    return v
+
+
 def _frames(d: dict, name: str, where: str) -> list:
     frames = d.get("frames", [])
     _expect(isinstance(frames, list), name, f"{where}.frames", "a list", frames)
@@ -509,7 +520,7 @@ def _event(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
         if type(action) is str and action != "oom" and type(frames) is list:
             addr, size, stream, t = e.get("addr"), e.get("size"), e.get("stream", 0), e.get("time_us", -1)
             if (type(addr) is int and type(size) is int and type(stream) is int and type(t) is int
-                    and 0 <= addr < 1 << 64 and 0 <= size < 1 << 64 and -(1 << 63) <= stream < 1 << 63
+                    and 0 <= addr < 1 << 64 and 0 <= size < 1 << 64 and _STREAM_MIN <= stream < 1 << 63
                     and -(1 << 63) <= t < 1 << 63):
                 return (sys.intern(action) if len(action) < 40 else action, addr, size, stream,
                         sites.site(frames, where) if action == "alloc" else -1, t, 0)
@@ -528,7 +539,7 @@ def _event_checked(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
     if free > MAX_REQUEST:
         raise TraceError(f"{name}: {where}.device_free is {free} bytes, more than any device has (2^48)")
     return (sys.intern(action) if len(action) < 40 else action, _int(e, "addr", name, where, 0 if oom else None),
-            _int(e, "size", name, where), _int(e, "stream", name, where, 0, signed=True), site,
+            _int(e, "size", name, where), _stream(e, name, where), site,
             _int(e, "time_us", name, where, -1, signed=True), free)
 
 
@@ -549,7 +560,7 @@ def _segment(s: Any, name: str, where: str) -> dict:
                            "frames": _frames(b, name, bw)})
     kind = s.get("segment_type")
     return {"device": _int(s, "device", name, where, 0), "addr": _int(s, "address", name, where),
-            "size": _int(s, "total_size", name, where), "stream": _int(s, "stream", name, where, 0, signed=True),
+            "size": _int(s, "total_size", name, where), "stream": _stream(s, name, where),
             "pool": {"small": POOL_SMALL, "large": POOL_LARGE}.get(kind) if isinstance(kind, str) else None,
             "is_expandable": bool(s.get("is_expandable", False)), "blocks": out_blocks}
 
