@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from .units import name_width
 from .vocab import CALL_VENDOR
 from .trace.format import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, Trace
 
@@ -166,17 +167,18 @@ def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> 
     def gib(b: Optional[int]) -> str:
         return "-" if b is None else f"{b / GiB:.3f}"
 
-    head = (f"{'trace':25} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
+    w = name_width(r.trace for r, _ in rows)
+    head = (f"{'trace':{w}} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
             f"{'dev allocs':>10} {'vendor':>7} {'seconds':>8} {'same':>4}")
     lines = [head, "-" * len(head)]
     for r, sim in rows:
         vendor = "-" if r.vendor_allocs is None else str(r.vendor_allocs)
         devs = "-" if r.device_allocs is None else str(r.device_allocs)
-        lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'live':5} {gib(r.peak_reserved_bytes):>9} "
+        lines.append(f"{r.trace:{w}} {r.allocator:9} {'live':5} {gib(r.peak_reserved_bytes):>9} "
                      f"{gib(r.peak_allocated_bytes):>10} {gib(r.min_capacity_bytes):>9} {devs:>10} {vendor:>7} "
                      f"{r.seconds:8.3f} {'':>4}")
         if sim is not None:
-            lines.append(f"{r.trace[:25]:25} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
+            lines.append(f"{r.trace:{w}} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
                          f"{gib(sim['peak_allocated_bytes']):>10} {gib(sim['min_capacity_bytes']):>9} "
                          f"{sim['device_mallocs']:>10} {'-':>7} {sim['seconds']:8.3f} {'yes' if sim['same'] else 'NO':>4}")
     for r, sim in rows:

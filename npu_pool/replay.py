@@ -113,6 +113,8 @@ def iteration_bounds(trace: Trace) -> list[int]:
             if op == vocab.OP_MARK and cat == vocab.MARK_OPTIMIZER_END and first < i + 1 < len(trace)]
     if len(ends) >= 2:
         return [first] + ends
+    if vocab.OP_ALLOC not in trace.op:  # only what was live before the recording: no loop body
+        return []
     from .planner.iteration import find_window
 
     w = find_window(trace)
@@ -469,10 +471,12 @@ def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[st
     """Parse "torch,npu_pool" (or a list) into known policy names (``planned``: "planned" among them)."""
     names = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
     if "" in names:  # ("torch," or ",npu_pool")
-        raise ValueError(f"the policy list {','.join(names)!r} has an empty name; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"the policy list {','.join(names)!r} has an empty name; choose from "
+                         f"{', '.join(p for p in POLICIES if planned or p != 'planned')}")
+    known = [p for p in POLICIES if planned or p != "planned"]
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
-        raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(known)}")
     if not planned and "planned" in names:
         raise ValueError(NEEDS_PLAN)
     return names

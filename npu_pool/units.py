@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -20,6 +21,12 @@ def fmt_bytes(n: float) -> str:
 def fmt_share(part: float, whole: float) -> str:
     """``part`` as a percentage of ``whole`` (``'-'`` when ``whole`` is 0)."""
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def name_width(names: Iterable[str], least: int = 25) -> int:
+    """The width of a table's name column: ``least``, or the longest name's (never cut: the two
+    devices of one snapshot, ``run.dev0`` and ``run.dev1``, cut alike could not be told apart)."""
+    return max([least, *map(len, names)])
 
 
 def printable(text: str) -> str:

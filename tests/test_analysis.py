@@ -310,6 +310,8 @@ def test_export_cli_and_memory_viz_cli(tmp_path):
     t = toy_trace()
     src = tmp_path / "toy.npt"
     t.save(src)
+    assert main(["export", str(src), "--out", str(tmp_path / "x.npt")]) == 2  # a snapshot named as a trace
+    assert not (tmp_path / "x.npt").exists()
     out = tmp_path / "toy.pickle"
     assert main(["export", str(src), "--policy", "npu_pool", "--out", str(out)]) == 0
     r = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(out)], capture_output=True,
@@ -336,6 +338,38 @@ def test_export_recorded_addresses_round_trip(shared_traces, tmp_path):
     assert live_profile(back).peak_bytes == live_profile(t).peak_bytes
     with pytest.raises(ValueError, match="no recorded addresses"):
         memviz.snapshot_of([toy_trace()], "recorded")
+
+
+def test_repairs_made_on_import_are_said_by_analyze_and_replay(tmp_path, capsys):
+    """A snapshot the importer had to repair (a block allocated again at a live address: the old
+    one freed first) was analysed and replayed without a word; only `import` said "(N warnings in
+    meta)". analyze's reports and replay name the repairs."""
+    MiB = 1 << 20
+    ev = [{"action": "alloc", "addr": 1 << 24, "size": MiB, "stream": 0, "frames": [], "time_us": k} for k in (1, 2)]
+    src = tmp_path / "fixed.pickle"
+    src.write_bytes(pickle.dumps({"segments": [], "device_traces": [ev]}))
+    a = analyze_paths([str(src)], ["npu_pool"], show_progress=False)
+    (t,) = a.traces
+    assert t.repairs and "still live" in t.repairs[0]
+    assert to_json(a)["traces"][0]["import_repairs"] == t.repairs
+    assert "the recording was repaired on import (1): event 1: alloc at 0x1000000 which is still live" in to_markdown(a)
+    assert main(["replay", str(src), "--policy", "torch", "--no-min-capacity"]) == 0
+    assert "note: fixed: the recording was repaired on import (1)" in capsys.readouterr().err
+
+
+def test_export_recorded_keeps_the_runs_failed_requests(tmp_path):
+    """A recorded out-of-memory (a failed request, with the device's free bytes) was left out of
+    the recorded export, so the exported snapshot, imported again, had lost it (a helper's review)."""
+    MiB = 1 << 20
+    entries = [{"action": "alloc", "addr": 1 << 30, "size": 3 * MiB, "stream": 0, "frames": [], "time_us": 1},
+               {"action": "oom", "size": 64 * MiB, "device_free": 5 * MiB, "stream": 0, "frames": [], "time_us": 2},
+               {"action": "free_completed", "addr": 1 << 30, "size": 3 * MiB, "stream": 0, "frames": [], "time_us": 3}]
+    src = tmp_path / "oom.pickle"
+    src.write_bytes(pickle.dumps({"segments": [], "device_traces": [entries]}))
+    t, = load_snapshot(src)
+    assert t.ooms() and t.ooms()[0]["device_free"] == 5 * MiB
+    back, = load_snapshot(memviz.write_snapshot(memviz.snapshot_of([t], "recorded"), tmp_path / "r.pickle"))
+    assert back.ooms() == t.ooms()
 
 
 def test_site_frames_parse_imported_and_captured_sites():
@@ -400,7 +434,7 @@ def test_parameter_count_matches_the_models():
         c = est.ModelConfig(hidden=g.dim, layers=g.n_layers, heads=g.n_heads, vocab=g.vocab, ffn=g.ffn_dim,
                             kv_heads=g.kv_heads, tp=tp, experts=g.n_experts, top_k=g.top_k,
                             gated_mlp=g.mlp == "swiglu", bias=g.bias, norm=g.norm,
-                            position="rope" if g.rope else "learned", max_positions=g.max_seq)
+                            position="rope" if g.rope else "learned", max_positions=g.max_seq, seq=g.max_seq)
         assert est.estimate(c).stage.params == param_count(g), (flavour, shape, tp)
 
 

@@ -731,7 +731,7 @@ def test_capture_command_colocated_needs_a_shape(capsys: pytest.CaptureFixture) 
     assert "--colocated needs --shape" in capsys.readouterr().err
     # a colocated capture models one training step of its own: what it would ignore is refused
     assert main(["capture", "--shape", "7b", "--colocated", "3", "--recompute", "--steps", "5"]) == 2
-    assert "--colocated takes --shape, --tp, --batch, --seq and --layers; not --steps, --recompute" in \
+    assert "--colocated takes --shape, --model, --tp, --batch, --seq and --layers; not --steps, --recompute" in \
         capsys.readouterr().err
 
 

@@ -483,9 +483,11 @@ def test_a_bad_rank_or_log_interval_never_loses_the_report(monkeypatch: pytest.M
     ("pp: 3\n", "layers=4 not divisible by pp=3"),  # (stages left empty before)
     ("ep: 8\n", "ep=8 divides the experts"),  # (accepted and shown, meaning nothing)
     ("experts: 1\n", "top_k=2 must be in 1..experts=1 (2 unless given: give top_k too)"),
+    ("seq: 4096\nmax_positions: 10\n", "seq=4096 passes max_positions=10"),
+    ("model_type: llama\narchitectures: [LlamaForCausalLM]\n", "this is a Hugging Face config.json (model 'llama')"),
 ], ids=["dtype-mapping", "optimizer-list", "bool-int", "huge-int", "int-key", "deep", "kv-heads-not-dividing",
         "kv-heads-over-heads", "top-k-over-experts", "pp-over-layers", "repeated-key", "pp-not-dividing",
-        "ep-without-experts", "default-top-k"])
+        "ep-without-experts", "default-top-k", "seq-over-learned-positions", "hugging-face-config"])
 def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, words: str) -> None:
     path = tmp_path / "m.yaml"
     base = {"hidden": 1024, "layers": 4, "heads": 16, "vocab": 32000}  # less the key the case gives
@@ -502,7 +504,8 @@ def test_bad_model_configs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     ({"iterations": 1e400}, "iterations"),
     ({"rank": -1}, "rank should be"),
     ({"memory": {"peak_reserved_bytes": -5}}, "memory.peak_reserved_bytes should be a number >= 0"),
-    ({"memory": {"utilization": 5.0}}, "memory.utilization should be at most 1"),
+    ({"memory": {"peak_allocated_bytes": 10, "peak_reserved_bytes": 5, "utilization": 0.9}},
+     "memory.utilization is 0.9, but peak allocated / peak reserved is 10/5: the figures do not add up"),
     ({"step_seconds": {"mean": -1.0}}, "step_seconds values should be numbers >= 0"),
     ({"rank": 3}, "the report of rank 3 under another name"),  # npu_pool_rank0.json claiming rank 3
 ])
@@ -756,6 +759,16 @@ def test_demo_says_when_the_snapshot_folder_it_was_given_is_unusable(tmp_path, m
         assert main(["demo", "--no-capture", "--no-case", "--shared", str(arg)]) == 1
         err = capsys.readouterr().err
         assert why in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_demo_refuses_a_policy_list_before_any_work(capsys) -> None:
+    """`demo --policy` was read after the 7B case had run (seconds of work, then the error), and its
+    message offered `planned`, which the demo then refused."""
+    for spec, why in (("foo", "unknown policy foo; choose from torch, npu_pool, expandable\n"),
+                      ("planned", "the planned policy needs a plan")):
+        assert main(["demo", "--no-capture", "--policy", spec]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and why in out.err and out.err.count("\n") == 1, out
 
 
 def test_replay_validate_that_compares_nothing_does_not_pass(tmp_path, capsys) -> None:

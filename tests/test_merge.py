@@ -88,3 +88,28 @@ def test_merge_refuses_a_rank_outside_its_world(tmp_path: Path, capsys: pytest.C
         (tmp_path / f"npu_pool_rank{rank}.json").write_text(json.dumps(rep))
     assert main(["merge", str(tmp_path)]) == 1
     assert "rank 7 is outside its world of 4 ranks" in capsys.readouterr().err
+
+
+def test_merge_takes_a_colocated_ranks_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A paused tag's tensors stay allocated while their memory is back with the device, so a
+    colocated run's peak allocated passes its peak reserved: merge refused its report
+    ("utilization should be at most 1"). It checks that the figures agree with each other."""
+    from npu_pool import Pool
+    from npu_pool.recorder import report
+
+    GiB = 1 << 30
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        with p.region("train"):
+            weights = p.malloc(GiB)
+        p.pause("train")
+        with p.region("rollout"):
+            cache = p.malloc(GiB)
+        mem = report.memory_of(p.stats())
+        p.free(cache)
+        p.resume("train")
+        p.free(weights)
+    assert mem["utilization"] == 2.0
+    rep = {"version": report.VERSION, "rank": 0, "mode": "device", "iterations": 1, "memory": mem}
+    (tmp_path / "npu_pool_rank0.json").write_text(json.dumps(rep))
+    assert main(["merge", str(tmp_path)]) == 0
+    assert "200.0%" in capsys.readouterr().out

@@ -256,6 +256,23 @@ def test_iteration_bounds_past_the_trace_and_failed_runs() -> None:
     assert replay.steady_calls(r.iteration_calls, r.iteration_peaks) is None
 
 
+def test_a_window_of_frees_only_replays(tmp_path, capsys) -> None:
+    """A recording whose window holds only frees of tensors made before it (OP_INIT_ALLOC): the
+    iteration bounds asked the planner for a loop body it cannot find in a trace with no request,
+    and `replay` refused the trace ("no allocations to plan") that analyze and export read."""
+    MiB = 1 << 20
+    t = Trace(meta={"n_ids": 3})
+    for i in range(3):
+        t.append(OP_INIT_ALLOC, id=i, size=(i + 1) * MiB, addr=(i + 1) << 30)
+    for i in range(3):
+        t.append(OP_FREE, id=i, size=(i + 1) * MiB)
+    assert replay.iteration_bounds(t) == []
+    t.save(tmp_path / "frees.npt")
+    assert main(["replay", str(tmp_path / "frees.npt"), "--json", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == 3 and all(r["peak_live_bytes"] == 6 * MiB and r["iteration_calls"] is None for r in rows)
+
+
 def test_a_trace_of_markers_costs_no_table_per_marker() -> None:
     """A trace's iteration markers decide how many per-iteration tables evaluate keeps: past
     replay.MAX_ITERATIONS it keeps none (a small file of markers would otherwise cost a table each)."""
@@ -266,3 +283,19 @@ def test_a_trace_of_markers_costs_no_table_per_marker() -> None:
     t.append(OP_FREE, id=0, size=1 << 20)
     r = replay.evaluate(t, "marks", "torch", with_min_capacity=False, bounds=replay.iteration_bounds(t))
     assert r.iteration_calls is None and r.steady_calls is None and sum(r.calls.values()) > 0
+
+
+def test_tables_keep_whole_trace_names_and_tell_same_named_files_apart(tmp_path, capsys) -> None:
+    """Names were cut at 25 characters, so the devices of one snapshot (name.dev0, name.dev1) with a
+    long name printed alike, and two folders' run.npt printed as "run" twice (analyze told them
+    apart by folder; replay now does too)."""
+    long = "llama7b-offload-inference-rank0-of-a-long-run"
+    paths = []
+    for folder, name in (("a", "run"), ("b", "run"), ("c", long)):
+        (tmp_path / folder).mkdir()
+        synthetic(3).save(tmp_path / folder / f"{name}.npt")
+        paths.append(str(tmp_path / folder / f"{name}.npt"))
+    assert main(["replay", *paths, "--policy", "torch", "--no-min-capacity"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["torch"]]
+    assert rows[:3] == ["run", "b/run", long], out

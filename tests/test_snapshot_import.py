@@ -216,6 +216,7 @@ def test_missing_file(tmp_path: Path) -> None:
     ({"device_traces": [[{"action": 3}]]}, r"action should be a string"),
     ({"device_traces": [[{**_ev("alloc"), "size": "big"}]]}, r"\[0\]\[0\]\.size should be a non-negative"),
     ({"device_traces": [[{**_ev("alloc"), "addr": -5}]]}, r"addr should be a non-negative"),
+    ({"device_traces": [[{**_ev("alloc"), "size": True}]]}, r"size should be a non-negative 64-bit integer, got True"),
     ({"device_traces": [[{**_ev("alloc"), "stream": -(1 << 63)}]]}, r"\[0\]\[0\]\.stream is -9223372036854775808, a value "
      "npu_pool reserves"),  # (the pool's tag of free memory any stream may take: no ordering at all)
     ({"device_traces": [[_ev("alloc")]], "segments": [{"address": 1, "total_size": 2, "stream": 1 - (1 << 63)}]},

@@ -151,6 +151,9 @@ class ModelConfig:
                              f"{' (2 unless given: give top_k too)' if c.top_k == 2 else ''}")
         if c.ep > 1 and not c.experts:
             raise ValueError(f"ep={c.ep} divides the experts of a mixture-of-experts model: give experts too")
+        if c.position == "learned" and c.max_positions is not None and c.seq > c.max_positions:
+            raise ValueError(f"seq={c.seq} passes max_positions={c.max_positions}: a learned position table has "
+                             "a row per position (give a longer table, or position rope)")
         if c.pp > c.layers:
             raise ValueError(f"pp={c.pp} stages for {c.layers} layers: a stage would hold none")
         if c.layers % c.pp:  # (ceil per stage left the last stages empty: 9 layers over 8 stages)
@@ -340,6 +343,12 @@ def _differ(a: Any, b: Any) -> bool:
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases."""
+    if "architectures" in d or "model_type" in d:  # a whole config.json: no field says the layers' details
+        kind = d.get("model_type", d.get("architectures"))
+        raise ValueError(f"this is a Hugging Face config.json (model {show(kind)}): its size keys (hidden_size, "
+                         "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size, ...) are read, but "
+                         "what its architecture implies is not: copy them into a config of their own with gated_mlp, "
+                         "norm, position, bias and tied_embeddings as the model has them (docs/analysis.md)")
     out: dict[str, Any] = {}
     given_by: dict[str, tuple[str, Any]] = {}  # field -> the key that set it, as written
     for key, value in d.items():

@@ -34,7 +34,7 @@ from .. import snapshot as _snap
 from ..pool import POLICIES as _POOL_POLICIES
 from ..replay import NEEDS_PLAN
 from ..timeline import timeline
-from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_SEG_FREE, OP_SEG_HINT,
+from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT,
                             Trace, TraceError)
 from ..vocab import ROUND
 
@@ -129,6 +129,7 @@ class _Recorded:
 
     def entries(self) -> Iterator[dict[str, Any]]:
         segs, live, frames = self.segs, self.live, self.frames
+        device_free = {o["event"]: o["device_free"] for o in self.trace.ooms()}
         for i, (op, cat, site, id_, size, stream, addr) in enumerate(self.trace.events()):
             if op == OP_INIT_SEGMENT:
                 segs[addr] = (size, stream, cat)
@@ -148,6 +149,8 @@ class _Recorded:
             elif op == OP_SEG_FREE:
                 seg_size, seg_stream, _ = segs.pop(addr, (size, stream, 0))
                 yield _event("segment_free", addr, seg_size, seg_stream, i)
+            elif op == OP_OOM:  # a request the recorded run could not serve
+                yield dict(_event("oom", 0, size, stream, i, frames(site)), device_free=device_free.get(i, 0))
         self.done = True
 
     def rest(self) -> dict[str, Any]:

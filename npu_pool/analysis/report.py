@@ -17,7 +17,7 @@ from ..progress import progress
 from ..replay import evaluate, recorded_capacity, recorded_ooms, run
 from ..timeline import Timeline, timeline
 from ..trace.format import Trace
-from ..trace.files import expand, open_traces
+from ..trace.files import distinct_name, expand, open_traces, repairs
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
 from ..units import fmt_bytes, fmt_share, md_cell, printable
 
@@ -66,6 +66,7 @@ class TraceAnalysis:
     origin: str = ""
     timelines: dict[str, Timeline] = field(default_factory=dict, repr=False)
     ooms: RecordedOoms | None = None
+    repairs: list[str] = field(default_factory=list)  # what the importer repaired in the recording
 
     @property
     def name(self) -> str:
@@ -77,6 +78,7 @@ class TraceAnalysis:
         d["policies"] = [p.as_dict() for p in self.policies]
         if self.ooms is not None:
             d["recorded_ooms"] = self.ooms.as_dict()
+        d["import_repairs"] = list(self.repairs)
         return d
 
 
@@ -115,7 +117,8 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
             f.peak_reserved_index = tl.peak_reserved_index
         figs.append(f)
         step()
-    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), timelines, _recorded_ooms(trace, policies, hints))
+    return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), timelines, _recorded_ooms(trace, policies, hints),
+                         repairs(trace))
 
 
 def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> RecordedOoms | None:
@@ -138,10 +141,7 @@ def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool =
         for name, t in open_traces(p):
             if name in source and source[name].parent == p.parent:  # a snapshot beside its own import
                 raise ValueError(f"{source[name]} and {p} both hold the trace {name}: analyze one of them")
-            if name in source:  # two runs' files of one name (a/run.npt b/run.npt): told apart by folder
-                name = f"{p.parent.name}/{name}"
-            source[name] = p
-            named.append((name, t))
+            named.append((distinct_name(name, p, source), t))  # (a/run.npt b/run.npt: told apart by folder)
     if not named:
         raise ValueError("no traces to analyze")
     if any(Path(p).is_dir() for p in paths):
@@ -223,6 +223,10 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
             + (f", origin `{printable(t.origin).replace('`', chr(39))}`" if t.origin else ""),  # (a code span)
             f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
             f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
+    if t.repairs:
+        out += [f"- the recording was repaired on import ({len(t.repairs)}{'+' if len(t.repairs) >= 20 else ''}): "
+                f"{md_cell(printable(t.repairs[0]))}" + ("; ..." if len(t.repairs) > 1 else "")
+                + " (`npu-pool import` keeps them all in the trace's meta)", ""]
     out += [f"{level}# Fragmentation per policy", ""]
     rows = []
     for f in t.policies:

@@ -59,6 +59,7 @@ class Loop:
     before_opt: Callable[[int], None] = lambda step: None
     generator: torch.Generator | None = None
     on_batch: Callable[[torch.Tensor], None] = lambda tokens: None
+    after_micro: Callable[[int], None] = lambda unit: None  # after each micro-batch, counted over the run
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         kw = {"generator": self.generator} if self.generator is not None else {}
@@ -83,6 +84,7 @@ class Loop:
                     loss.backward()
                     self.mark(MARK_BACKWARD_END, micro)
                 del loss, x, y
+                self.after_micro(step * self.grad_accum + micro)
             self.mark(MARK_OPTIMIZER_BEGIN, step)
             self.before_opt(step)
             self.opt_step()

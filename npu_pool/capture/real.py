@@ -105,15 +105,14 @@ def capture(model_name: str = DEFAULTS["model"], steps: int = DEFAULTS["steps"],
         n_vocab = _vocab_of(model)
         mark_profiled(MARK_SETUP_END, -1)
 
-        guard = _MemoryGuard(steps)
+        guard = _MemoryGuard(steps, grad_accum)
 
         def before_opt(step: int) -> None:
             ident.grads[step] = {storage_ptr(p.grad) for p in model.parameters() if p.grad is not None}
-            guard.check(step)
 
         try:
             Loop(model, optimizer.step, lambda: optimizer.zero_grad(set_to_none=True), loop_mark, steps, batch,
-                 seq, n_vocab, grad_accum, mixed_precision, progress, before_opt, gen).run()
+                 seq, n_vocab, grad_accum, mixed_precision, progress, before_opt, gen, after_micro=guard.check).run()
         finally:
             for remove in removers:
                 remove()
@@ -150,15 +149,17 @@ def _check_fits(model_name: str, overrides: dict[str, Any], batch: int, seq: int
 
 class _MemoryGuard:
     """The profiler keeps every op of the run in host memory (about 27 MB a step for the default
-    small model, `npu-pool capture --steps 5` against `--steps 25`): after the second step, the
-    growth the second step measured is projected over the steps left, three times over (a
-    margin: later steps grew more than the second, and the profile is read afterwards), and a run
-    that would not fit in the memory the system has available stops then, with a CaptureTooLarge
-    (a CaptureError) saying how many steps would fit, instead of being killed. Linux only
-    (/proc); elsewhere it checks nothing."""
+    small model, `npu-pool capture --steps 5` against `--steps 25`; about 23 MB a micro-batch):
+    after each micro-batch from the second on, the growth per micro-batch since the first is
+    projected over the micro-batches left, three times over (a margin: later steps grew more than
+    the second, and the profile is read afterwards), and a run that would not fit in the memory
+    the system has available stops then, with a CaptureTooLarge (a CaptureError) saying how many
+    steps would fit, instead of being killed. Checked per micro-batch, not per step: one step of
+    many micro-batches (``--grad-accum``) grows as much as many steps. Linux only (/proc);
+    elsewhere it checks nothing."""
 
-    def __init__(self, steps: int) -> None:
-        self.steps, self.first = steps, None
+    def __init__(self, steps: int, grad_accum: int = 1) -> None:
+        self.steps, self.grad_accum, self.first = steps, grad_accum, None
 
     @staticmethod
     def _rss() -> int | None:
@@ -179,23 +180,29 @@ class _MemoryGuard:
             pass
         return None
 
-    def check(self, step: int) -> None:
-        """At step 0 note the memory; at step 1 project it (later steps: nothing)."""
-        if step == 0:
-            self.first = self._rss()
-        if step != 1 or self.first is None:
+    def check(self, unit: int) -> None:
+        """After micro-batch ``unit`` (counted over the run from 0): note the memory after the
+        first, project it after each later one."""
+        now = self._rss()
+        if unit == 0 or self.first is None:
+            self.first = now if unit == 0 else None
             return
-        now, free = self._rss(), self._available()
-        if now is None or free is None:
+        left = self.steps * self.grad_accum - 1 - unit
+        if now is None or left <= 0:
             return
-        per_step = max(0, now - self.first)
-        need = 3 * per_step * (self.steps - 2)
-        if need > free:
-            fit = 2 + free // (3 * per_step)  # (need > free >= 0: per_step > 0)
-            raise CaptureTooLarge(f"capturing {self.steps} steps would hold about {need / 2**30:.1f} GiB more of "
-                                  f"profiler records ({per_step / 2**20:.0f} MiB a step) than the "
-                                  f"{free / 2**30:.1f} GiB this machine has available: capture at most {fit} steps "
-                                  "(an iteration repeats; a few show it)")
+        per_unit = max(0, now - self.first) / unit
+        need = 3 * per_unit * left
+        free = self._available() if need > 0 else None
+        if free is None or need <= free:
+            return
+        fit_units = unit + 1 + int(free // (3 * per_unit))  # (need > free >= 0: per_unit > 0)
+        what = "a step" if self.grad_accum == 1 else "a micro-batch"
+        fix = (f"capture at most {fit_units // self.grad_accum} steps (an iteration repeats; a few show it)"
+               if fit_units >= self.grad_accum else f"lower --grad-accum to at most {fit_units} (or --batch, --seq)")
+        of = f" of {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
+        raise CaptureTooLarge(f"capturing {self.steps} steps{of} would hold about "
+                              f"{need / 2**30:.1f} GiB more of profiler records ({per_unit / 2**20:.0f} MiB {what}) "
+                              f"than the {free / 2**30:.1f} GiB this machine has available: {fix}")
 
 
 def _vocab_of(model: nn.Module) -> int:

@@ -52,6 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if fake and args.shape is None:
         print("npu-pool capture: error: --fake needs --shape (one of 7b, 13b, 70b)", file=sys.stderr)
         return 2
+    real_only = [flag for flag, on in (("--dim", args.dim is not None), ("--heads", args.heads is not None),
+                                       ("--vocab", args.vocab is not None), ("--seed", args.seed != 0),
+                                       ("--keep-host-scalars", args.keep_host_scalars)) if on]
+    if fake and real_only:
+        print(f"npu-pool capture: error: {', '.join(real_only)} apply to a real capture; a fake one (--fake, --shape) "
+              "takes its sizes from the published shape and draws no data", file=sys.stderr)
+        return 2
     if not fake and (args.tp > 1 or args.pp > 1):
         print("npu-pool capture: error: --tp and --pp slice a published shape: give --shape (one of 7b, 13b, 70b); "
               "a real capture trains the small model whole", file=sys.stderr)
@@ -65,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                         ("--recompute", args.recompute), ("--grad-accum", args.grad_accum > 1),
                                         ("--bf16", args.bf16)) if on]
         if args.colocated is not None and unused:  # (a colocated capture models one step of its own)
-            print(f"npu-pool capture: error: --colocated takes --shape, --tp, --batch, --seq and --layers; not "
+            print(f"npu-pool capture: error: --colocated takes --shape, --model, --tp, --batch, --seq and --layers; not "
                   f"{', '.join(unused)}", file=sys.stderr)
             return 2
         if args.colocated is not None and fake:

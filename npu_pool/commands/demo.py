@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    policies = policies_from(args.policy, planned=False)  # before any work; (the 7B case plans its own trace)
     if not args.no_case:
         print("tracing a Llama-7B training step on fake tensors ...", flush=True)
         print("\n".join(_case()), flush=True)
-    policies = policies_from(args.policy, planned=False)  # (the 7B case above plans its own trace)
     named = []
     if not args.no_capture:
         from ..capture import capture

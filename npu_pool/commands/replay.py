@@ -8,10 +8,10 @@ from dataclasses import asdict
 
 from ..device_costs import estimate_us, load_costs, physical_calls
 from ..replay import HINTS, PolicyResult, evaluate, iteration_bounds, policies_from, validate
-from ..trace.files import expand, open_traces
+from ..trace.files import distinct_name, expand, open_traces, repairs
 from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
-from ..units import printable
+from ..units import name_width, printable
 
 GiB = float(1 << 30)
 
@@ -49,14 +49,15 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
 
 def format_table(results: list[PolicyResult]) -> str:
     """A fixed-width table of replay figures (GiB, 100 columns); :data:`LEGEND` says what each column is."""
-    head = (f"{'trace':25} {'policy':10} {'peak live':>9} {'peak rsvd':>9} {'util':>7} {'min cap':>9} "
+    w = name_width(r.trace for r in results)
+    head = (f"{'trace':{w}} {'policy':10} {'peak live':>9} {'peak rsvd':>9} {'util':>7} {'min cap':>9} "
             f"{'over live':>9} {'retries':>7} {'mallocs':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         cap = "-" if r.min_capacity_bytes is None else f"{r.min_capacity_bytes / GiB:.3f}"
         over = "-" if r.min_capacity_bytes is None else f"{(r.min_capacity_bytes - r.peak_live_bytes) / GiB:.3f}"
         retries = "-" if r.retries_at_min_capacity is None else str(r.retries_at_min_capacity)
-        lines.append(f"{r.trace[:25]:25} {r.policy:10} {r.peak_live_bytes / GiB:9.3f} {r.peak_reserved_bytes / GiB:9.3f} "
+        lines.append(f"{r.trace:{w}} {r.policy:10} {r.peak_live_bytes / GiB:9.3f} {r.peak_reserved_bytes / GiB:9.3f} "
                      f"{r.utilization:7.2%} {cap:>9} {over:>9} {retries:>7} {r.device_mallocs:7d}")
     return "\n".join(lines)
 
@@ -97,7 +98,8 @@ def _call_groups(c: dict[str, int]) -> tuple[int, int, int, int]:
 
 def format_calls(results: list[PolicyResult], costs: dict) -> str:
     """Device calls by group for each result, with the estimated device time (ms)."""
-    head = (f"{'trace':25} {'policy':10} {'physical':>9} {'map/unmap':>9} {'syncs':>6} {'other':>6} {'steady':>6}"
+    w = name_width(r.trace for r in results)
+    head = (f"{'trace':{w}} {'policy':10} {'physical':>9} {'map/unmap':>9} {'syncs':>6} {'other':>6} {'steady':>6}"
             f" {'est ms':>8} {'@min cap: phys':>14} {'map/unmap':>9} {'est ms':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -105,7 +107,7 @@ def format_calls(results: list[PolicyResult], costs: dict) -> str:
             continue
         p, m, sy, o = _call_groups(r.calls)
         steady = "-" if r.steady_calls is None else str(r.steady_calls)
-        line = (f"{r.trace[:25]:25} {r.policy:10} {p:9d} {m:9d} {sy:6d} {o:6d} {steady:>6}"
+        line = (f"{r.trace:{w}} {r.policy:10} {p:9d} {m:9d} {sy:6d} {o:6d} {steady:>6}"
                 f" {estimate_us(r.calls, costs) / 1e3:8.1f}")
         if r.calls_at_min_capacity is not None:
             cp, cm, _, _ = _call_groups(r.calls_at_min_capacity)
@@ -124,17 +126,18 @@ VALIDATE_LEGEND = """\
 def _validate(named: list, out: str | None = None) -> int:
     failed = checked = 0
     records = []
-    print(f"{'trace':34} {'rec peak':>10} {'sim peak':>10} {'rec segs':>8} {'sim segs':>8} {'same place':>10}  verdict")
+    w = name_width((name for name, _ in named), 34)
+    print(f"{'trace':{w}} {'rec peak':>10} {'sim peak':>10} {'rec segs':>8} {'sim segs':>8} {'same place':>10}  verdict")
     for name, trace in named:
         try:
             v = validate(trace, name)
         except ValueError as e:
-            print(f"{name[:34]:34} skipped: {e}")
+            print(f"{name:{w}} skipped: {e}")
             continue
         failed += not v.passed
         checked += 1
         records.append({**asdict(v), "passed": v.passed})
-        print(f"{name[:34]:34} {v.recorded_peak_reserved / GiB:10.3f} {v.simulated_peak_reserved / GiB:10.3f} "
+        print(f"{name:{w}} {v.recorded_peak_reserved / GiB:10.3f} {v.simulated_peak_reserved / GiB:10.3f} "
               f"{v.recorded_segment_allocs:8d} {v.simulated_segment_allocs:8d} {v.same_place:10.1%}  "
               f"{'ok' if v.passed else 'MISMATCH'}")
     print(VALIDATE_LEGEND)
@@ -168,7 +171,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plan and "planned" not in policies:
         raise ValueError("--plan is the plan policy planned replays: add planned to --policy "
                          "(e.g. --policy npu_pool,planned)")
-    named = [nt for path in expand(args.traces) for nt in open_traces(path)]
+    seen: dict = {}
+    named = [(distinct_name(n, path, seen), t) for path in expand(args.traces) for n, t in open_traces(path)]
+    for name, t in named:
+        fixed = repairs(t)
+        if fixed:
+            print(f"note: {printable(name)}: the recording was repaired on import ({len(fixed)}"
+                  f"{'+' if len(fixed) >= 20 else ''}): {printable(fixed[0])}{'; ...' if len(fixed) > 1 else ''} "
+                  "(`npu-pool import` keeps them all in the trace's meta)", file=sys.stderr)
     if args.json:  # now, not after every replay (the traces are read: one of them is refused as --json too)
         from ..outputs import check
 

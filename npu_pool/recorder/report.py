@@ -12,11 +12,13 @@ A report is a plain dict (``VERSION`` 1)::
     retries, trims}
 
 ``utilization`` is peak allocated / peak reserved: how much of the high-water mark the
-program ever used (1.0 = no fragmentation overhead).
+program ever used (1.0 = no fragmentation overhead; above 1 in a colocated run, whose paused
+tag's tensors stay allocated while their memory is back with the device).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import socket
@@ -205,8 +207,11 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "utilization", "device_mallocs", "ooms"):
         if not _number(mem.get(key)):
             return f"memory.{key} should be a number >= 0"
-    if mem.get("utilization") is not None and mem["utilization"] > 1:
-        return "memory.utilization should be at most 1 (peak allocated / peak reserved)"
+    peak_alloc, peak_rsvd, util = mem.get("peak_allocated_bytes"), mem.get("peak_reserved_bytes"), mem.get("utilization")
+    if None not in (peak_alloc, peak_rsvd, util) and \
+            not math.isclose(util, peak_alloc / peak_rsvd if peak_rsvd else 1.0, rel_tol=1e-9):
+        return (f"memory.utilization is {util:.6g}, but peak allocated / peak reserved is "
+                f"{peak_alloc}/{peak_rsvd}: the figures do not add up")
     pools = mem.get("pools", {})
     if not isinstance(pools, dict) or not all(isinstance(p, dict) and _number(p.get("reserved_bytes"))
                                               and _number(p.get("allocated_bytes")) for p in pools.values()):

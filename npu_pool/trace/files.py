@@ -43,6 +43,21 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     return named
 
 
+def repairs(trace: Trace, at_most: int = 20) -> list[str]:
+    """What the snapshot importer repaired in the recording behind ``trace`` (``meta["warnings"]``: a
+    block allocated again while live, a free of an unknown block, ...), its first ``at_most``."""
+    w = trace.meta.get("warnings") if isinstance(trace.meta, dict) else None
+    return [str(x) for x in w[:at_most] if isinstance(x, str)] if isinstance(w, list) else []
+
+
+def distinct_name(name: str, path: Path, seen: dict[str, Path]) -> str:
+    """``name`` as a table shows the trace read from ``path``: prefixed with the file's folder when
+    an earlier file gave a trace that name (a/run.npt, b/run.npt); noted in ``seen``."""
+    if name in seen:
+        name = f"{path.parent.name}/{name}"
+    seen[name] = path
+    return name
+
 
 def expand(paths: list[str]) -> list[Path]:
     """Files named on a command line; a directory stands for its regular .npt and .pickle files

@@ -489,7 +489,7 @@ def _int(d: dict, key: str, name: str, where: str, default: int | None = None, s
     if v is None:
         raise TraceError(f"{name}: {where} has no {key!r}")
     lo, hi = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
-    if not isinstance(v, int) or not lo <= v < hi:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:  # (True is no size of 1 byte)
         raise TraceError(f"{name}: {where}.{key} should be a{'n' if signed else ' non-negative'} "
                          f"64-bit integer, got {_shown(v, 60)}")
     return v
