@@ -98,6 +98,8 @@ def _rows(meta: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..planner import make_plan, save_plan
+    from ..planner.make import STAGES
+    from ..progress import progress
 
     if args.check:
         if args.out:
@@ -118,8 +120,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give a TRACE to plan (or --check PLAN)")
     kind, index = args.device or (None, None)
     name, trace = _pick(args.trace, index)
+    bar = progress(range(len(STAGES)), desc="plan", unit="stage", total=len(STAGES))  # (a terminal only)
+    steps = iter(bar)
+
+    def on_stage(stage: str) -> None:
+        next(steps, None)
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(stage)
+
     with forced_device(kind):
-        plan = make_plan(trace, name)
+        plan = make_plan(trace, name, on_stage=on_stage)
+    next(steps, None)  # (let the bar see its end, and close)
     if args.out:
         save_plan(plan, args.out)
     print(json.dumps(plan.meta, indent=1) if args.json else _summary(plan.meta))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import array
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..replay import past_the_device
 from ..trace.format import Trace, device_type
@@ -15,10 +15,14 @@ from .place import ORDERS, Rects, place
 from .plan import NONE, Plan, aligned, span
 from .verify import verify_rects
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "STAGES"]
 
 
-def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS), *, check: bool = True) -> Plan:
+STAGES = ("iteration", "layout", "placement", "check")  # what make_plan's on_stage hears, in order
+
+
+def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS), *, check: bool = True,
+              on_stage: Callable[[str], None] | None = None) -> Plan:
     """Plan the steady iteration of ``trace``; the plan is verified overlap-free and (``check``)
     compared with the online pool on ``trace``: a plan that would be worse runs online
     (``meta["online"]`` says why; :mod:`.check`).
@@ -26,14 +30,18 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     ``meta`` records the window and the figures: ``peak_live_bytes`` (the window's peak
     of live requested bytes, everything included: the lower bound), ``region_bytes``,
     ``outside_peak_bytes`` (static and unplanned bytes, held by the fallback),
-    ``planned_peak_bytes`` (region + outside) and ``ratio`` (planned / peak live)."""
+    ``planned_peak_bytes`` (region + outside) and ``ratio`` (planned / peak live).
+    ``on_stage(stage)`` is called as each of :data:`STAGES` begins (progress on long traces)."""
+    stage = on_stage or (lambda _s: None)
     t0 = time.perf_counter()
     device = device_type(trace)  # whose request rules the device applies: the plan holds what it is asked
     asked = device_requests(trace, device)
     too_large = past_the_device(asked, name or "the trace")
     if too_large:  # (the placement would refuse its rectangle, the comparison its replay)
         raise too_large
+    stage("iteration")
     w = find_window(asked)
+    stage("layout")
     lay = build_layout(asked, w)
     n = lay.n
     rects = Rects(n)
@@ -45,6 +53,7 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     for size, e in lay.ghosts:
         rects.add(aligned(size), 0, e)
         who.append(-1)
+    stage("placement")
     placed = place(rects, orders)
     verify_rects(n, placed.offset, rects.size, rects.span, placed.peak,
                  lambda r: f"position {who[r]}" if who[r] >= 0 else f"ghost {r}")
@@ -65,6 +74,7 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     }
     plan = Plan(lay.size, offset, lay.end, placed.peak, lay.loop, w.flags, meta)
     if check:
+        stage("check")
         cmp = compare_online(trace, plan, name or "the trace")
         meta.update(replay_reserved_bytes=cmp["planned_reserved_bytes"],
                     online_reserved_bytes=cmp["online_reserved_bytes"], replay_counts=cmp["plan_counts"])
