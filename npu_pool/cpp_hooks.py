@@ -7,9 +7,9 @@ pluggable allocator checks: ``shim/malloc_hook.h``). torch_npu's ``set_get_devic
 also wants a function returning a C++ ``DeviceStats`` (it holds a hash map: no C function can
 fake it; without one, ``torch.npu.memory_stats()`` reads garbage and aborts), and
 ``set_record_stream_fn`` and ``set_erase_stream_fn`` pass a ``c10_npu::NPUStream``. A
-library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (else g++;
-words split as a shell would: ``CXX="ccache g++"``) into ``$NPU_POOL_CACHE`` (else ``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``);
-concurrent ranks wait for one build. Beside each library a ``.sum`` file holds its size and
+library is compiled once per (source, torch, torch_npu, compiler) with ``$CXX`` (split as a
+shell would: ``CXX="ccache g++"``; else g++) into ``$NPU_POOL_CACHE`` (else
+``$XDG_CACHE_HOME/npu_pool``, else ``~/.cache/npu_pool``); concurrent ranks wait for one build. Beside each library a ``.sum`` file holds its size and
 SHA-256: a cached library that does not match (truncated, overwritten, half copied) is rebuilt,
 never loaded (loading a truncated library kills the process with SIGBUS). Any failure raises
 :class:`HooksUnavailable` saying why.

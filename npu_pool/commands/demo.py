@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    policies = policies_from(args.policy, planned=False)  # before any work; (the 7B case plans its own trace)
+    policies = policies_from(args.policy, planned=False)  # (checked before any work; the 7B case plans its own)
     if not args.no_case:
         print("tracing a Llama-7B training step on fake tensors ...", flush=True)
         print("\n".join(_case()), flush=True)

@@ -48,7 +48,8 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
 
 
 def format_table(results: list[PolicyResult]) -> str:
-    """A fixed-width table of replay figures (GiB, 100 columns); :data:`LEGEND` says what each column is."""
+    """A fixed-width table of replay figures (GiB; 100 columns where no name is longer than 25
+    characters, never cut); :data:`LEGEND` says what each column is."""
     w = name_width(r.trace for r in results)
     head = (f"{'trace':{w}} {'policy':10} {'peak live':>9} {'peak rsvd':>9} {'util':>7} {'min cap':>9} "
             f"{'over live':>9} {'retries':>7} {'mallocs':>7}")
