@@ -31,11 +31,12 @@ replaces ``train_step``. Registered, npu_pool's wrapper runs around whatever rep
 MindSpeed applies, whichever of the two is imported first. A function missing in the
 installed Megatron gives one warning naming it, never an error.
 
-At exit each rank writes ``npu_pool_rank<N>.json`` into ``NPU_POOL_REPORT_DIR`` (when set),
-also when SIGTERM ends it (torchrun stopping the ranks that outlive a failed one, a scheduler's
-time limit) and nothing else handles that signal; a process that neither ran a training step
-nor used the device (a launcher, the parent of spawned ranks, a DataLoader worker) writes none.
-``npu-pool merge DIR`` puts the ranks side by side.
+Each rank writes ``npu_pool_rank<N>.json`` into ``NPU_POOL_REPORT_DIR`` (when set) at exit,
+and after its first training step and every ``REPORT_EVERY_S`` seconds of training, so that a
+rank ended by a signal (torchrun stopping the ranks that outlive a failed one, a scheduler's time
+limit, the kernel's out-of-memory killer: no exit handler runs) leaves its report as of then. A
+process that neither ran a training step nor used the device (a launcher, the parent of spawned
+ranks, a DataLoader worker) writes none. ``npu-pool merge DIR`` puts the ranks side by side.
 
 Without a device allocator (CPU, or no NPU/GPU: ``mindspeed_patch`` warns and does not
 install one) the patch runs in *recorder* mode: it says so once, still marks phases, times
@@ -47,7 +48,6 @@ import atexit
 import functools
 import importlib.abc
 import os
-import signal
 import sys
 import time
 import warnings
@@ -55,6 +55,7 @@ from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
 
 LOG_EVERY = "NPU_POOL_LOG_EVERY"
+REPORT_EVERY_S = 30.0  # seconds of training between two writes of the rank report (besides the first step's and exit's)
 REPORT_DIR = "NPU_POOL_REPORT_DIR"
 TARGET = "megatron.training.training"
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -115,6 +116,7 @@ class _Session:
         self.attachments: list[Any] = []
         self.patched: dict[str, list[str]] = {}
         self.written: Optional[str] = None
+        self._reported_at: Optional[float] = None  # when training last wrote the report (perf_counter)
         self._depth = 0
         self._rank_world: Optional[tuple[int, int]] = None  # (rank, world size) last seen in a distributed run
         from npu_pool.install import installed
@@ -167,6 +169,7 @@ class _Session:
         self.iterations += 1
         self.step_times.add(seconds)
         self.rank_and_world()  # while the process group is up
+        self._report_now()
         if self.log_every and self.iterations % self.log_every == 0:
             try:
                 self._line()
@@ -194,6 +197,21 @@ class _Session:
 
         self.written = str(report.write(self.report(), self.report_dir))
         return self.written
+
+    def _report_now(self) -> None:
+        """Write the report after the first step and every REPORT_EVERY_S seconds: a rank killed
+        by a signal runs no exit handler. A failure says why once and stops these writes (the
+        one at exit is still tried)."""
+        now = time.perf_counter()
+        if not self.report_dir or (self._reported_at is not None and now - self._reported_at < REPORT_EVERY_S):
+            return
+        self._reported_at = now
+        try:
+            self.write_report()
+        except Exception as e:  # a full disk, a folder removed: training goes on
+            self._reported_at = float("inf")
+            warnings.warn(f"npu_pool.megatron: the rank report could not be written during training ({e!r:.200}); "
+                          "it is tried again at exit", RuntimeWarning, stacklevel=3)
 
     def has_run(self) -> bool:
         """Whether this process trained or used the device: one that did neither (a launcher, the
@@ -483,29 +501,7 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
         elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
             sys.meta_path.insert(0, _PatchOnImport(name, functions, warn))
     atexit.register(_at_exit)
-    if report_dir:
-        _catch_sigterm()
     return True
-
-
-def _catch_sigterm() -> None:
-    """Write the report on SIGTERM too, then die of it as before: torchrun sends it to the ranks
-    that outlive a failed one, as Slurm does at a time limit or a cancellation, and Python's
-    default action ends the process without running atexit (the runs a user most wants to
-    read). Only where the signal has its default action (a handler of the program's or of
-    Megatron's --exit-signal-handler is left alone, and the program then exits normally), and
-    from the main thread, where Python allows it."""
-    try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # (not the main thread)
-        pass
-
-
-def _on_sigterm(signum: int, _frame: Any) -> None:
-    _at_exit()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
 
 
 def _at_exit() -> None:
@@ -539,8 +535,6 @@ def _unpatch() -> None:
             att.detach()
     try:
         atexit.unregister(_at_exit)
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except Exception:
         pass
     _session = None

@@ -235,6 +235,18 @@ def test_the_pools_own_stream_tags_are_no_callers_stream(policy: str) -> None:
 
 # ---- the trace's ordering rules, and options a user mistypes -------------------------------------
 
+def test_a_trace_with_a_reserved_stream_is_refused_naming_the_event(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """An .npt trace's stream of -2^63 (the core's tag of free memory any stream may take) reached
+    the replay, which failed with the core's message naming neither the file nor the event."""
+    t = Trace(meta={"n_ids": 1, "sites": []})
+    t.append(OP_ALLOC, id=0, size=MiB, stream=-(1 << 63))
+    t.append(OP_FREE, id=0, size=MiB, stream=-(1 << 63))
+    t.save(tmp_path / "tag.npt")
+    _refused(capsys, ["replay", str(tmp_path / "tag.npt"), "--no-min-capacity"], "tag.npt", "event 0",
+             "stream -9223372036854775808, a value npu_pool reserves")
+
+
 def test_an_initial_event_inside_the_window_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """init_* events come first (docs/trace_format.md): one after an alloc is named, not replayed."""
     t = Trace(meta={"n_ids": 2, "sites": []})

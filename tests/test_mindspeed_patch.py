@@ -180,15 +180,17 @@ def test_a_process_that_never_trained_leaves_the_ranks_report_alone(tmp_path: Pa
     assert json.loads(report.read_text())["iterations"] == 3
 
 
-def test_sigterm_writes_the_report_and_still_ends_the_process(tmp_path: Path) -> None:
+def test_a_rank_ended_by_a_signal_leaves_its_report(tmp_path: Path) -> None:
     """torchrun stops the ranks that outlive a failed one with SIGTERM (a scheduler's time limit
-    too), whose default action skips atexit: the surviving ranks' reports were lost. The report
-    is written, and the process still dies of the signal."""
+    too; the kernel's out-of-memory killer with SIGKILL), whose default action runs no exit
+    handler: the surviving ranks' reports were lost. The report is written during training (after
+    the first step, then every REPORT_EVERY_S seconds; 0 here: every step), and the signal still
+    ends the process at once (a handler would wait for a rank blocked in a collective)."""
     import signal
 
     script = tmp_path / "s.py"
-    script.write_text(_TRAINER + "for _ in range(4):\n    mod.train_step()\nprint('ready', flush=True)\n"
-                      "time.sleep(60)\n")
+    script.write_text(_TRAINER + "mindspeed_patch.megatron.REPORT_EVERY_S = 0\nfor _ in range(4):\n"
+                      "    mod.train_step()\nprint('ready', flush=True)\ntime.sleep(60)\n")
     env = _env(tmp_path, str(tmp_path / "rep"))
     p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -201,6 +203,26 @@ def test_sigterm_writes_the_report_and_still_ends_the_process(tmp_path: Path) ->
         p.communicate()
     report = json.loads((tmp_path / "rep" / "npu_pool_rank0.json").read_text())
     assert report["iterations"] == 4
+
+
+def test_reports_during_training_are_paced(fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report is written after the first step, then once REPORT_EVERY_S seconds have passed:
+    not at every step (ranks share a file system)."""
+    clock = [100.0]
+    monkeypatch.setattr(patch.time, "perf_counter", lambda: clock[0])
+    writes: list[int] = []
+    mod = _module(train_step=lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.patch_megatron({**ON, "NPU_POOL_REPORT_DIR": str(tmp_path), "NPU_POOL_LOG_EVERY": "0"})
+    session = patch.session()
+    monkeypatch.setattr(session, "write_report", lambda: writes.append(session.iterations))
+    for _ in range(3):
+        mod.train_step()
+    clock[0] += patch.REPORT_EVERY_S
+    mod.train_step()
+    mod.train_step()
+    assert writes == [1, 4]
 
 
 def test_a_relative_report_dir_is_where_the_run_started(tmp_path: Path) -> None:

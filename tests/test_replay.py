@@ -299,3 +299,13 @@ def test_tables_keep_whole_trace_names_and_tell_same_named_files_apart(tmp_path,
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["torch"]]
     assert rows[:3] == ["run", "b/run", long], out
+
+
+def test_same_named_traces_get_distinct_names_however_deep_their_folders() -> None:
+    from pathlib import Path
+
+    from npu_pool.trace.files import distinct_name
+
+    seen: dict = {}
+    paths = ("x/a/run.npt", "y/a/run.npt", "z/a/run.npt", "z/a/run.npt")
+    assert [distinct_name("run", Path(p), seen) for p in paths] == ["run", "a/run", "z/a/run", "run (2)"]

@@ -197,8 +197,12 @@ class _MemoryGuard:
             return
         fit_units = unit + 1 + int(free // (3 * per_unit))  # (need > free >= 0: per_unit > 0)
         what = "a step" if self.grad_accum == 1 else "a micro-batch"
-        fix = (f"capture at most {fit_units // self.grad_accum} steps (an iteration repeats; a few show it)"
-               if fit_units >= self.grad_accum else f"lower --grad-accum to at most {fit_units} (or --batch, --seq)")
+        if fit_units >= self.grad_accum:
+            fix = f"capture at most {fit_units // self.grad_accum} steps (an iteration repeats; a few show it)"
+        elif fit_units >= self.steps:
+            fix = f"lower --grad-accum to at most {fit_units // self.steps} for {self.steps} steps (or --batch, --seq)"
+        else:
+            fix = f"capture 1 step with --grad-accum at most {fit_units} (or lower --batch, --seq)"
         of = f" of {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
         raise CaptureTooLarge(f"capturing {self.steps} steps{of} would hold about "
                               f"{need / 2**30:.1f} GiB more of profiler records ({per_unit / 2**20:.0f} MiB {what}) "

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "policy.h"
+#include "streams.h"
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -370,6 +371,11 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
       else if (in->site[i] < -1 || (int64_t)in->site[i] >= (int64_t)n_sites)
         rc = np_error(NP_ERR_INVALID, "event %llu: site %d indexes none of the %llu sites", ui, in->site[i],
                       (unsigned long long)n_sites);
+    }
+    if (rc == NP_OK && op != NP_OP_MARK && op != NP_OP_REGION && op != NP_OP_PAUSE && op != NP_OP_RESUME &&
+        (in->stream[i] == NP_STREAM_ANY || in->stream[i] == NP_STREAM_MIXED)) {
+      rc = np_error(NP_ERR_INVALID, "event %llu: stream %lld, a value npu_pool reserves for its own tags of free memory; "
+                    "no device stream has it", ui, (long long)in->stream[i]);
     } else if (rc == NP_OK && op == NP_OP_MARK && cat >= NP_MARK_COUNT) {
       rc = np_error(NP_ERR_INVALID, "event %llu: unknown marker code %u (0..%d)", ui, cat, NP_MARK_COUNT - 1);
     } else if (rc == NP_OK && (op == NP_OP_SEG_HINT || op == NP_OP_SEG_FREE || op == NP_OP_INIT_SEGMENT) && cat > 1) {

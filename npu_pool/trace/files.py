@@ -51,12 +51,19 @@ def repairs(trace: Trace, at_most: int = 20) -> list[str]:
 
 
 def distinct_name(name: str, path: Path, seen: dict[str, Path]) -> str:
-    """``name`` as a table shows the trace read from ``path``: prefixed with the file's folder when
-    an earlier file gave a trace that name (a/run.npt, b/run.npt); noted in ``seen``."""
-    if name in seen:
-        name = f"{path.parent.name}/{name}"
-    seen[name] = path
-    return name
+    """``name`` as a table shows the trace read from ``path``: prefixed with as many of the file's
+    folders as it takes when an earlier file gave a trace that name (a/run.npt, b/run.npt;
+    x/a/run.npt, y/a/run.npt), numbered when no folder tells them apart; noted in ``seen``."""
+    shown, parts = name, path.parent.parts
+    for k in range(1, len(parts) + 1):
+        if shown not in seen:
+            break
+        shown = "/".join((*parts[-k:], name)).replace("//", "/")
+    n = 2
+    while shown in seen:
+        shown, n = f"{name} ({n})", n + 1
+    seen[shown] = path
+    return shown
 
 
 def expand(paths: list[str]) -> list[Path]:
