@@ -2,9 +2,13 @@
 
 Each allocation event becomes ``torch.empty(size, dtype=uint8)`` on the device (torch_npu's
 ``npu``, or CUDA), each free drops that tensor, ``empty_cache`` events call the framework's
-``empty_cache``, phase markers reach npu_pool's pool; nothing else runs. The trace is played
-once under the framework's own caching allocator (``native``) and once under npu_pool, each in
-a process of its own (a process chooses its allocator once). Each process reports peak
+``empty_cache``, phase markers reach npu_pool's pool, and a colocated trace's regions, pauses
+and resumes are played as the simulator plays them (npu_pool's tags; under the native allocator,
+explicit offload: a pause drops the tag's tensors and empties the cache, a resume makes them
+again); nothing else runs. The trace is played once under the framework's own caching allocator
+(``native``) and once under npu_pool, each in a process of its own (a process chooses its
+allocator once), with the allocators' defaults (the caller's ``MEMORY_FRAGMENTATION``, npu_pool
+settings, torch allocator settings and OOM-snapshot settings are left out of its environment). Each process reports peak
 reserved and allocated bytes (the framework's ``max_memory_*``), the device calls the
 framework counts (``num_device_alloc`` / ``num_device_free``), the vendor runtime's own
 per-function call counts where the runtime exposes them (the tests' fake CANN does:
@@ -18,19 +22,23 @@ by bisection inside the same process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .units import name_width
 from .vocab import CALL_VENDOR
-from .trace.format import OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, Trace
+from .trace.format import (OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, OP_PAUSE, OP_REGION,
+                           OP_RESUME, Trace)
 
 ALLOCATORS = ("native", "npu_pool")
 STEP = 2 << 20  # resolution of the minimum-capacity search, as in the simulator's
@@ -45,6 +53,13 @@ VENDOR_CALLS = {device: tuple(CALL_VENDOR[vendor][k] for k in COUNTED_KINDS)
 # Of those, the calls that take device memory: one per segment, or one per mapped chunk.
 ALLOC_CALLS = {"npu": ("aclrtMalloc", "aclrtMapMem"), "cuda": ("cudaMalloc", "cuMemMap")}
 _RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
+# The caller's settings a worker leaves out, so that each runs the allocator its row names, with
+# its defaults: the switch and npu_pool's settings (its start-up hook would install npu_pool in
+# the native worker too), torch's allocator settings (the simulator models the defaults), and
+# out-of-memory snapshots (the minimum-capacity search fails requests on purpose).
+_CALLER_SETTINGS = ("MEMORY_FRAGMENTATION", "NPU_POOL_FRACTION", "NPU_POOL_POLICY", "NPU_POOL_PLAN", "NPU_POOL_CONFIG",
+                    "NPU_POOL_OOM_SNAPSHOT", "OOM_SNAPSHOT_ENABLE", "OOM_SNAPSHOT_PATH", "PYTORCH_NPU_ALLOC_CONF",
+                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 class LiveError(RuntimeError):
@@ -97,15 +112,16 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
     if bad or not allocators:
         raise ValueError(f"unknown allocator {', '.join(bad) or '(none)'}; choose from {', '.join(ALLOCATORS)}")
     out = []
-    with tempfile.TemporaryDirectory(prefix="npu_pool_live_") as d:
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k not in _CALLER_SETTINGS}
+    with _terminated_cleanly(), tempfile.TemporaryDirectory(prefix="npu_pool_live_") as d:
         path = Path(d) / "trace.npt"
         trace.save(path)
         for allocator in allocators:
             cmd = [python or sys.executable, "-m", "npu_pool.live", str(path), "--allocator", allocator,
                    "--device", device or "auto"] + (["--min-capacity"] if min_capacity else [])
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                   env=env if env is not None else dict(os.environ))
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
             except subprocess.TimeoutExpired:
                 raise LiveError(f"{name}: the live replay under {allocator} ran past {timeout:.0f} s") from None
             lines = r.stdout.strip().splitlines()
@@ -117,6 +133,37 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
             rec = json.loads(lines[-1])
             out.append(LiveResult(trace=name, **rec))
     return out
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived while a worker ran."""
+
+
+@contextlib.contextmanager
+def _terminated_cleanly() -> Iterator[None]:
+    """SIGTERM's default action would end this process at once and leave its worker running (on a
+    device: holding memory) and the temporary folder behind. Meanwhile it raises instead, so that
+    the worker is killed and the folder removed, and then the process dies of it as before. Only
+    from the main thread where nothing else handles it (Python's rule; a handler of the caller's
+    is left alone); the main thread waits on the worker there, so the signal acts at once."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def raise_terminated(_signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one while cleaning up changes nothing)
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise  # (not reached: the process ends)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---- beside the simulation ------------------------------------------------------------------
@@ -150,7 +197,8 @@ def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> di
 
     policy = SIMULATED[r.allocator]
     sim = run(trace, policy, r.device_bytes or UNLIMITED, device=r.device)
-    cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity else None
+    # (the live run's minimum capacity, where it found one: a trace it could not play has none)
+    cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity and r.min_capacity_bytes else None
     peak_allocated = sim.stats["total"]["allocated"]["peak"]
     same = (sim.peak_reserved_bytes == r.peak_reserved_bytes and peak_allocated == r.peak_allocated_bytes
             and (r.device_allocs is None or sim.device_mallocs == r.device_allocs)
@@ -251,6 +299,47 @@ class Player:
         self.dev = torch.device(kind, 0)
         self.streams: dict[int, Any] = {}
         self._total: Optional[int] = None  # the device's memory, asked once (cap)
+        self._made: set[int] = set()  # tags whose region the pool has (a pause needs one)
+        self._paused: set[int] = set()  # tags npu_pool holds paused
+
+    def _tag_op(self, op: int, tag: int, backup: bool, live: list[Any], tag_of: list[int], off: dict[int, int],
+                region: contextlib.ExitStack) -> None:
+        """A region, pause or resume of the trace, as the simulator plays it (csrc/replay.c,
+        tag_op): under npu_pool its tags ("tag<N>"); under the native allocator what a user of
+        it does, explicit offload: a pause drops the tag's tensors and empties the cache, a
+        resume makes them again. A resume the device cannot hold raises the framework's
+        out-of-memory error."""
+        name = f"tag{tag}"
+        if op == OP_REGION:
+            region.close()
+            if tag >= 0 and self.pool is not None:
+                region.enter_context(self.pool.region(name))
+                self._made.add(tag)
+        elif self.pool is not None:
+            if op == OP_PAUSE:
+                if tag not in self._made:  # a tag paused before any request in it: made, as the simulator does
+                    with self.pool.region(name):
+                        pass
+                    self._made.add(tag)
+                self.pool.pause(name, backup)
+                self._paused.add(tag)
+            else:
+                from .pool import OutOfMemoryError
+
+                try:
+                    self.pool.resume(name)
+                except OutOfMemoryError as e:  # (the same failure as a request's)
+                    raise MemoryError(f"out of memory: {e}") from None
+                self._paused.discard(tag)
+        elif op == OP_PAUSE:
+            for i, t in enumerate(tag_of):
+                if t == tag and live[i] is not None:
+                    off[i] = live[i].numel()
+                    live[i] = None
+            self.module.empty_cache()
+        else:
+            for i in [i for i in off if tag_of[i] == tag]:
+                live[i] = self._alloc(off.pop(i), 0)
 
     def _stream(self, s: int) -> Any:
         if s not in self.streams:
@@ -276,6 +365,10 @@ class Player:
         if on_bound and (any(b < a for a, b in zip(at, at[1:])) or any(not 0 <= x < len(op) for x in at)):
             raise ValueError(f"bounds must be event indices in order, in 0..{len(op) - 1}")
         live: list[Any] = [None] * t.n_ids
+        tag_of = [-1] * t.n_ids  # the tag of the region each allocation was made in
+        off: dict[int, int] = {}  # id -> size, of a native run's tensors dropped at their tag's pause
+        current = -1
+        region = contextlib.ExitStack()
         failed = None
         k, nxt = 0, (at[0] if at and on_bound else -1)
         try:
@@ -293,8 +386,19 @@ class Player:
                             raise
                         failed = i
                         break
+                    tag_of[ids[i]] = current
                 elif o == OP_FREE:
                     live[ids[i]] = None
+                    off.pop(ids[i], None)
+                elif o == OP_REGION or o == OP_PAUSE or o == OP_RESUME:
+                    current = ids[i] if o == OP_REGION else current
+                    try:
+                        self._tag_op(o, ids[i], cat[i] != 0, live, tag_of, off, region)
+                    except (RuntimeError, MemoryError) as e:
+                        if not is_oom(e):
+                            raise
+                        failed = i
+                        break
                 elif o == OP_MARK:
                     if self.pool is not None:
                         self.pool.mark(cat[i], ids[i])
@@ -308,6 +412,9 @@ class Player:
                     self.module.empty_cache()
         finally:
             live.clear()
+            region.close()
+            while self._paused:  # each play starts with every tag running, as a new process's pool
+                self.pool.resume(f"tag{self._paused.pop()}")  # (its tensors are gone: nothing to map)
             self.module.synchronize()
         return failed
 
@@ -392,8 +499,12 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
                seconds=seconds, device_bytes=free0,
                pool_calls={k: int(v) for k, v in pool.stats()["calls"].items() if v} if pool is not None else None)
     if min_capacity and failed is None:
+        from .trace.stats import live_profile
+
         player.reset()
-        rec["min_capacity_bytes"] = _min_capacity(player, rec["peak_allocated_bytes"],
+        # from the trace's peak live bytes: the peak allocated counts a failed request of the recorded
+        # run that this one could serve (room to spare), and the search must go below it
+        rec["min_capacity_bytes"] = _min_capacity(player, live_profile(trace).peak_bytes,
                                                   rec["peak_reserved_bytes"])
     return rec
 

@@ -19,7 +19,7 @@ from npu_pool.vocab import CALL_VENDOR
 from npu_pool.replay import min_capacity, run
 from npu_pool.trace.files import open_traces
 from npu_pool.trace.format import (MARK_BACKWARD_BEGIN, MARK_FORWARD_BEGIN, MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC,
-                                   OP_EMPTY_CACHE, OP_FREE, OP_MARK, Trace)
+                                   OP_EMPTY_CACHE, OP_FREE, OP_MARK, OP_OOM, OP_PAUSE, OP_REGION, OP_RESUME, Trace)
 
 MiB = 1 << 20
 FAKE_CAPACITY = str(64 << 30)  # the fake device: address space only, nothing touches it
@@ -181,6 +181,90 @@ def test_cli_live_validate(played) -> None:
         assert sim["device"] == "npu" and sim["same"]
         assert sim["peak_reserved_bytes"] == rec["peak_reserved_bytes"]
         assert sim["min_capacity_bytes"] == rec["min_capacity_bytes"]
+
+
+def _colocated_with_a_failed_request() -> Trace:
+    """Two tags taking turns (a trainer paused while a rollout runs) and a request the recorded run
+    could not serve: what live replay did not play (regions, pauses, resumes) or searched the
+    minimum capacity of from too high (a failed request counted in the peak)."""
+    t = Trace(meta={"origin": "colocated", "n_ids": 4})
+    t.append(OP_REGION, id=0)
+    t.append(OP_ALLOC, id=0, size=8 * MiB)
+    t.append(OP_ALLOC, id=1, size=4 * MiB + 100)
+    t.append(OP_REGION, id=-1)
+    t.append(OP_PAUSE, id=0, cat=1)
+    t.append(OP_REGION, id=1)
+    t.append(OP_ALLOC, id=2, size=10 * MiB)
+    t.append(OP_OOM, size=30 * MiB)
+    t.append(OP_FREE, id=2, size=10 * MiB)
+    t.append(OP_REGION, id=-1)
+    t.append(OP_RESUME, id=0)
+    t.append(OP_ALLOC, id=3, size=3 * MiB)
+    for i, size in ((0, 8 * MiB), (1, 4 * MiB + 100), (3, 3 * MiB)):
+        t.append(OP_FREE, id=i, size=size)
+    t.validate("colocated")
+    return t
+
+
+def test_cli_live_plays_regions_and_pauses_with_each_allocator_as_asked(torch_npu: TorchNpu, tmp_path) -> None:
+    """From a review of live replay: with MEMORY_FRAGMENTATION=1 exported (as MindSpeed users have
+    it) the native worker ran npu_pool too (its start-up hook), and torch's allocator settings
+    changed the native row; a colocated trace's regions, pauses and resumes were not played; the
+    minimum capacity was searched from the peak allocated, which counts a failed request the run
+    could serve. Every row now equals its simulation, minimum capacity included."""
+    path, out = tmp_path / "colocated.npt", tmp_path / "live.json"
+    _colocated_with_a_failed_request().save(path)
+    env = torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY, MEMORY_FRAGMENTATION="1", NPU_POOL_POLICY="torch",
+                        PYTORCH_NPU_ALLOC_CONF="expandable_segments:True")
+    r = subprocess.run([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live", "--validate",
+                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = {rec["allocator"]: rec for rec in json.loads(out.read_text())}
+    assert records["native"]["vendor_calls"]["aclrtMalloc"] > 0  # torch_npu's own allocator, not npu_pool
+    assert records["npu_pool"]["vendor_calls"]["aclrtMalloc"] == 0
+    for allocator, rec in records.items():
+        assert rec["ok"] and rec["simulated"]["same"], (allocator, rec)
+        # (below the peak allocated, which counts the failed request this run had room for)
+        assert rec["min_capacity_bytes"] == rec["simulated"]["min_capacity_bytes"] < rec["peak_allocated_bytes"]
+
+
+def test_sigterm_to_a_live_replay_ends_its_worker_and_removes_its_folder(torch_npu: TorchNpu, tmp_path) -> None:
+    """SIGTERM's default action ended the command and left its worker running (on a device, holding
+    memory) and its temporary folder behind. The worker is killed, the folder removed, and the
+    command still dies of the signal."""
+    import os
+    import signal
+    import time
+
+    path, scratch = tmp_path / "t.npt", tmp_path / "tmp"
+    scratch.mkdir()
+    _synthetic().save(path)
+    p = subprocess.Popen([torch_npu.python, "-m", "npu_pool.cli", "replay", str(path), "--live"],
+                         env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY, TMPDIR=str(scratch)),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(scratch.glob("npu_pool_live_*")) and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        (folder,) = scratch.glob("npu_pool_live_*")
+        workers = lambda: [q for q in Path("/proc").glob("[0-9]*")  # noqa: E731
+                           if str(folder).encode() in _cmdline(q)]
+        while not workers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers(), "no worker started"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        p.kill()
+        p.communicate()
+    assert not folder.exists() and not workers()
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_cli_live_validate_on_a_device_too_small_for_the_trace(torch_npu: TorchNpu, tmp_path) -> None:
