@@ -36,7 +36,8 @@ and after its first training step and every ``REPORT_EVERY_S`` seconds of traini
 rank ended by a signal (torchrun stopping the ranks that outlive a failed one, a scheduler's time
 limit, the kernel's out-of-memory killer: no exit handler runs) leaves its report as of then. A
 process that neither ran a training step nor used the device (a launcher, the parent of spawned
-ranks, a DataLoader worker) writes none. ``npu-pool merge DIR`` puts the ranks side by side.
+ranks, a DataLoader worker) writes none; a rank forked from the process that patched reports as
+a process of its own from its first step. ``npu-pool merge DIR`` puts the ranks side by side.
 
 Without a device allocator (CPU, or no NPU/GPU: ``mindspeed_patch`` warns and does not
 install one) the patch runs in *recorder* mode: it says so once, still marks phases, times
@@ -117,6 +118,8 @@ class _Session:
         self.patched: dict[str, list[str]] = {}
         self.written: Optional[str] = None
         self._reported_at: Optional[float] = None  # when training last wrote the report (perf_counter)
+        self._report_failed = False  # a write during training failed (said once)
+        self.exited = False  # the report at exit was written (atexit, or a multiprocessing finalizer)
         self._depth = 0
         self._rank_world: Optional[tuple[int, int]] = None  # (rank, world size) last seen in a distributed run
         from npu_pool.install import installed
@@ -200,18 +203,33 @@ class _Session:
 
     def _report_now(self) -> None:
         """Write the report after the first step and every REPORT_EVERY_S seconds: a rank killed
-        by a signal runs no exit handler. A failure says why once and stops these writes (the
-        one at exit is still tried)."""
+        by a signal runs no exit handler. A failure is said once; the next write is tried an
+        interval later (a full disk, a folder removed: training goes on)."""
         now = time.perf_counter()
         if not self.report_dir or (self._reported_at is not None and now - self._reported_at < REPORT_EVERY_S):
             return
         self._reported_at = now
         try:
             self.write_report()
-        except Exception as e:  # a full disk, a folder removed: training goes on
-            self._reported_at = float("inf")
-            warnings.warn(f"npu_pool.megatron: the rank report could not be written during training ({e!r:.200}); "
-                          "it is tried again at exit", RuntimeWarning, stacklevel=3)
+        except Exception as e:
+            if not self._report_failed:
+                self._report_failed = True
+                warnings.warn(f"npu_pool.megatron: the rank report could not be written during training ({e!r:.200}); "
+                              f"tried again every {REPORT_EVERY_S:g} s and at exit", RuntimeWarning, stacklevel=2)
+
+    def adopt_if_forked(self) -> None:
+        """A rank forked from the process that patched (multiprocessing's fork start method) trains
+        as a process of its own: from its first step the session is its own, counted from zero,
+        and so is its report (a forked helper that runs no step leaves the rank's alone)."""
+        if self.pid == os.getpid():
+            return
+        from npu_pool.recorder.report import StepTimes
+
+        self.pid, self.iterations, self.skipped, self.step_times = os.getpid(), 0, 0, StepTimes()
+        self._reported_at, self._report_failed, self._rank_world, self.written = None, False, None, None
+        self.exited = False
+        from multiprocessing import util  # a multiprocessing process leaves by os._exit after its finalizers:
+        util.Finalize(None, _at_exit, exitpriority=0)  # no atexit handler runs there
 
     def has_run(self) -> bool:
         """Whether this process trained or used the device: one that did neither (a launcher, the
@@ -259,6 +277,7 @@ class _Session:
         def train_step(*args: Any, **kwargs: Any) -> Any:
             if self._depth:  # a wrapped train_step calling another: count the step once
                 return original(*args, **kwargs)
+            self.adopt_if_forked()
             self._depth += 1
             self.iteration = _megatron_iteration(args, kwargs, self.iteration)
             self._backwards = 0
@@ -506,7 +525,8 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 def _at_exit() -> None:
     # (a forked child that exits: not its report; a process that neither trained nor used the device: none)
-    if _session is not None and _session.pid == os.getpid() and _session.has_run():
+    if _session is not None and _session.pid == os.getpid() and not _session.exited and _session.has_run():
+        _session.exited = True
         try:
             _session.write_report()
         except OSError as e:

@@ -59,7 +59,8 @@ _RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
 # out-of-memory snapshots (the minimum-capacity search fails requests on purpose).
 _CALLER_SETTINGS = ("MEMORY_FRAGMENTATION", "NPU_POOL_FRACTION", "NPU_POOL_POLICY", "NPU_POOL_PLAN", "NPU_POOL_CONFIG",
                     "NPU_POOL_OOM_SNAPSHOT", "OOM_SNAPSHOT_ENABLE", "OOM_SNAPSHOT_PATH", "PYTORCH_NPU_ALLOC_CONF",
-                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_NPU_MEMORY_CACHING",
+                    "PYTORCH_NO_CUDA_MEMORY_CACHING", "MULTI_STREAM_MEMORY_REUSE")
 
 
 class LiveError(RuntimeError):
@@ -450,7 +451,8 @@ def _min_capacity(player: Player, lo: int, hi: int) -> Optional[int]:
         player.reset()
         return ok
 
-    k_lo, k_hi = max(1, -(-lo // STEP)), max(1, -(-hi // STEP))
+    k_lo = max(1, -(-lo // STEP))
+    k_hi = max(k_lo, -(-hi // STEP))  # (an allocator that reserved less than the live bytes: no answer below them)
     while not fits(k_hi):  # a capped device may behave differently from the free one
         if k_hi * STEP > total:
             player.cap(None)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ._core import ffi, lib
 
-__all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
+__all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "STREAM_TAGS", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "CALL_NAMES", "CALL_VENDOR", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
            "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
@@ -31,6 +31,10 @@ ROUND: int = lib.NP_ROUND          # every block is a multiple of this many byte
 NPU_PAD: int = lib.NP_NPU_PAD      # torch_npu pads each request: round up to this many bytes, add as many
 MAX_REQUEST: int = lib.NP_MAX_REQUEST  # larger requests (and capacities) are absurd
 SIM_PAGE: int = lib.NP_SIM_PAGE    # the simulated device's mapping page
+# The core's tags of free memory, never a caller's stream (refused there): NP_STREAM_ANY (usable
+# by every stream; csrc/common.h) and NP_STREAM_MIXED (merged memory of several; csrc/streams.h),
+# INTPTR_MIN and INTPTR_MIN + 1, which no enum of the binding can carry.
+STREAM_TAGS: tuple[int, int] = (-(1 << 63), -(1 << 63) + 1)
 POOLS: int = lib.NP_POOLS          # pools per policy, besides the total
 HISTORY_DEFAULT: int = lib.NP_HISTORY_DEFAULT  # history events a pool keeps unless told otherwise
 HISTORY_MAX: int = lib.np_history_max()        # the largest history bound the core takes

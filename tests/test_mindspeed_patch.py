@@ -189,20 +189,51 @@ def test_a_rank_ended_by_a_signal_leaves_its_report(tmp_path: Path) -> None:
     import signal
 
     script = tmp_path / "s.py"
-    script.write_text(_TRAINER + "mindspeed_patch.megatron.REPORT_EVERY_S = 0\nfor _ in range(4):\n"
-                      "    mod.train_step()\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    script.write_text(_TRAINER + "import signal\nmindspeed_patch.megatron.REPORT_EVERY_S = 0\nfor _ in range(4):\n"
+                      "    mod.train_step()\nprint('ready', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "
+                      "flush=True)\ntime.sleep(60)\n")
     env = _env(tmp_path, str(tmp_path / "rep"))
     p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
-    try:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == -signal.SIGTERM
+    try:  # (no SIGTERM handler: a handler waits for a rank blocked in C; SIGKILL runs none either way)
+        assert p.stdout.readline().strip() == "ready True", p.stderr.read()[-2000:]
+        p.send_signal(signal.SIGKILL)
+        assert p.wait(timeout=60) == -signal.SIGKILL
     finally:
         p.kill()
         p.communicate()
     report = json.loads((tmp_path / "rep" / "npu_pool_rank0.json").read_text())
     assert report["iterations"] == 4
+
+
+def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path: Path) -> None:
+    """Ranks started with multiprocessing's fork inherit the parent's session: the exit rule (a
+    forked child's exit is not its report) kept them from writing at exit, so a rank's report was
+    the one written after its first step (a review). A forked process that trains makes the
+    session its own."""
+    script = tmp_path / "s.py"
+    script.write_text(_TRAINER + textwrap.dedent("""
+        import multiprocessing as mp
+
+        def rank(r):
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(r), "2"
+            for _ in range(4 + r):
+                mod.train_step()
+
+        if __name__ == "__main__":
+            procs = [mp.get_context("fork").Process(target=rank, args=(r,)) for r in (0, 1)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+                assert p.exitcode == 0
+        """))
+    r = subprocess.run([sys.executable, str(script)], env=_env(tmp_path, str(tmp_path / "rep")), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    reports = {json.loads(f.read_text())["rank"]: json.loads(f.read_text()) for f in (tmp_path / "rep").glob("*.json")}
+    assert {k: v["iterations"] for k, v in reports.items()} == {0: 4, 1: 5}
+    assert len({v["pid"] for v in reports.values()}) == 2
 
 
 def test_reports_during_training_are_paced(fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -308,4 +308,4 @@ def test_same_named_traces_get_distinct_names_however_deep_their_folders() -> No
 
     seen: dict = {}
     paths = ("x/a/run.npt", "y/a/run.npt", "z/a/run.npt", "z/a/run.npt")
-    assert [distinct_name("run", Path(p), seen) for p in paths] == ["run", "a/run", "z/a/run", "run (2)"]
+    assert [distinct_name("run", Path(p), seen) for p in paths] == ["run", "y/a/run", "z/a/run", "run (2)"]

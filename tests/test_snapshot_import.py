@@ -201,6 +201,33 @@ def test_missing_file(tmp_path: Path) -> None:
         load_snapshot(tmp_path / "nope.pickle")
 
 
+def test_the_pools_own_snapshots_carry_device_streams_and_older_ones_still_load(tmp_path: Path) -> None:
+    """npu_pool's snapshot wrote the core's tags of free memory as streams (a segment kept for
+    several streams after a record_stream; a failed resume's oom entry: -2^63 + 1 and -2^63), which
+    no device stream has and the importer came to refuse (a helper's review): written as stream 0,
+    and files written so before read with stream 0."""
+    from npu_pool import Pool
+    from npu_pool.snapshot import pool_snapshot
+    from npu_pool.vocab import STREAM_TAGS
+
+    M = 1 << 20
+    with Pool("npu_pool", capacity=1 << 30) as p:
+        a, b = p.malloc(3 * M, stream=0), p.malloc(M, stream=0)
+        p.record_stream(a, 7)
+        p.free(a)  # its memory now waits for both streams: tagged "several"
+        snap = pool_snapshot({0: p})
+        p.free(b)
+    streams = [s["stream"] for s in snap["segments"]] + [e["stream"] for e in snap["device_traces"][0]]
+    assert not set(streams) & set(STREAM_TAGS)
+    path = tmp_path / "own.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert load_snapshot(path)
+    older = {"device_traces": [[_ev("alloc", 4096, 512, stream=-(1 << 63)), _ev("oom", 0, M, stream=1 - (1 << 63))]],
+             "segments": [{"address": 0, "total_size": 2 * M, "stream": -(1 << 63), "blocks": []}]}
+    (t,) = snapshot_to_traces(older, "older.pickle")
+    assert set(t.stream) == {0}
+
+
 @pytest.mark.parametrize("obj, msg", [
     ([1, 2], "top level is list"),
     ({"segments": []}, "recorded without torch.cuda.memory._record_memory_history"),
@@ -217,10 +244,6 @@ def test_missing_file(tmp_path: Path) -> None:
     ({"device_traces": [[{**_ev("alloc"), "size": "big"}]]}, r"\[0\]\[0\]\.size should be a non-negative"),
     ({"device_traces": [[{**_ev("alloc"), "addr": -5}]]}, r"addr should be a non-negative"),
     ({"device_traces": [[{**_ev("alloc"), "size": True}]]}, r"size should be a non-negative 64-bit integer, got True"),
-    ({"device_traces": [[{**_ev("alloc"), "stream": -(1 << 63)}]]}, r"\[0\]\[0\]\.stream is -9223372036854775808, a value "
-     "npu_pool reserves"),  # (the pool's tag of free memory any stream may take: no ordering at all)
-    ({"device_traces": [[_ev("alloc")]], "segments": [{"address": 1, "total_size": 2, "stream": 1 - (1 << 63)}]},
-     r"segments\[0\]\.stream is -9223372036854775807"),
     ({"device_traces": [[{"action": "alloc", "size": 1}]]}, r"has no 'addr'"),
     ({"device_traces": [[{**_ev("alloc"), "frames": "x"}]]}, r"frames should be a list"),
     ({"device_traces": [[{**_ev("alloc"), "frames": [1]}]]}, r"frames should hold dicts"),

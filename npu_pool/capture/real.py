@@ -200,7 +200,8 @@ class _MemoryGuard:
         if fit_units >= self.grad_accum:
             fix = f"capture at most {fit_units // self.grad_accum} steps (an iteration repeats; a few show it)"
         elif fit_units >= self.steps:
-            fix = f"lower --grad-accum to at most {fit_units // self.steps} for {self.steps} steps (or --batch, --seq)"
+            fix = (f"lower --grad-accum to at most {fit_units // self.steps} for {self.steps} step"
+                   f"{'s' if self.steps > 1 else ''} (or --batch, --seq)")
         else:
             fix = f"capture 1 step with --grad-accum at most {fit_units} (or lower --batch, --seq)"
         of = f" of {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""

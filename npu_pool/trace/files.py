@@ -51,14 +51,15 @@ def repairs(trace: Trace, at_most: int = 20) -> list[str]:
 
 
 def distinct_name(name: str, path: Path, seen: dict[str, Path]) -> str:
-    """``name`` as a table shows the trace read from ``path``: prefixed with as many of the file's
-    folders as it takes when an earlier file gave a trace that name (a/run.npt, b/run.npt;
-    x/a/run.npt, y/a/run.npt), numbered when no folder tells them apart; noted in ``seen``."""
-    shown, parts = name, path.parent.parts
-    for k in range(1, len(parts) + 1):
-        if shown not in seen:
-            break
-        shown = "/".join((*parts[-k:], name)).replace("//", "/")
+    """``name`` as a table shows the trace read from ``path``: when an earlier file gave a trace
+    that name, prefixed with the fewest of the file's folders that differ from that file's
+    (a/run.npt, b/run.npt: b/run; x/a/run.npt, y/a/run.npt: y/a/run), numbered when none do;
+    noted in ``seen``."""
+    shown = name
+    if name in seen:
+        mine, theirs = path.parent.parts, seen[name].parent.parts
+        k = next((k for k in range(1, len(mine) + 1) if mine[-k:] != theirs[-k:]), None)
+        shown = "/".join((*mine[-k:], name)).replace("//", "/") if k else name
     n = 2
     while shown in seen:
         shown, n = f"{name} ({n})", n + 1

@@ -41,7 +41,7 @@ from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, M
                      POOL_SMALL, Trace, TraceError)
 from .pickle_stream import NotStreamable, overreach, stream_dict
 from ..inputs import NotRegularFile, open_regular
-from ..vocab import MAX_REQUEST, PROFILER_PREFIX, profiled_mark
+from ..vocab import MAX_REQUEST, PROFILER_PREFIX, STREAM_TAGS, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 
@@ -495,15 +495,15 @@ def _int(d: dict, key: str, name: str, where: str, default: int | None = None, s
     return v
 
 
-_STREAM_MIN = -(1 << 63) + 2  # the two lowest values are the pool's own tags of free memory (csrc/streams.h)
+_STREAM_MIN = max(STREAM_TAGS) + 1  # (the fast path's bound: the tags are the two lowest values)
 
 
 def _stream(d: dict, name: str, where: str) -> int:
+    """A stream of the file; the core's tags of free memory (vocab.STREAM_TAGS: no device stream
+    has them; npu_pool's snapshots before 2026-11-27 wrote them for memory kept for no one
+    stream, or a resume that failed) read as the default stream, which the core takes."""
     v = _int(d, "stream", name, where, 0, signed=True)
-    if v < _STREAM_MIN:
-        raise TraceError(f"{name}: {where}.stream is {v}, a value npu_pool reserves for its own tags of free "
-                         "memory; no device stream has it")
-    return v
+    return 0 if v in STREAM_TAGS else v
 
 
 def _frames(d: dict, name: str, where: str) -> list:
