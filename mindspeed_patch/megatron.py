@@ -226,6 +226,7 @@ class _Session:
         from npu_pool.recorder.report import StepTimes
 
         self.pid, self.iterations, self.skipped, self.step_times = os.getpid(), 0, 0, StepTimes()
+        self.iteration = None
         self._reported_at, self._report_failed, self._rank_world, self.written = None, False, None, None
         self.exited = False
         from multiprocessing import util  # a multiprocessing process leaves by os._exit after its finalizers:
@@ -278,6 +279,7 @@ class _Session:
             if self._depth:  # a wrapped train_step calling another: count the step once
                 return original(*args, **kwargs)
             self.adopt_if_forked()
+            pid = os.getpid()
             self._depth += 1
             self.iteration = _megatron_iteration(args, kwargs, self.iteration)
             self._backwards = 0
@@ -289,7 +291,8 @@ class _Session:
                 return result
             finally:
                 self._depth -= 1
-                self.after_step(time.perf_counter() - t0)
+                if os.getpid() == pid:  # (a child forked inside the step and leaving through it ran no step)
+                    self.after_step(time.perf_counter() - t0)
 
         return train_step
 

@@ -451,13 +451,14 @@ def _min_capacity(player: Player, lo: int, hi: int) -> Optional[int]:
         player.reset()
         return ok
 
+    k_max = total // STEP
     k_lo = max(1, -(-lo // STEP))
-    k_hi = max(k_lo, -(-hi // STEP))  # (an allocator that reserved less than the live bytes: no answer below them)
-    while not fits(k_hi):  # a capped device may behave differently from the free one
-        if k_hi * STEP > total:
+    k_hi = min(max(k_lo, -(-hi // STEP)), k_max)  # (reserved below the live bytes: no answer below them)
+    while k_lo > k_max or not fits(k_hi):  # a capped device may behave differently from the free one
+        if k_hi >= k_max:  # (the whole device tried)
             player.cap(None)
             return None
-        k_lo, k_hi = k_hi + 1, k_hi * 2
+        k_lo, k_hi = k_hi + 1, min(k_hi * 2, k_max)
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
         if fits(mid):

@@ -9,7 +9,7 @@ message) or a real **shortage**. The levers follow the MindSpeed-MM memory tunin
 
 Snapshots: ``NPU_POOL_OOM_SNAPSHOT=DIR``, or torch_npu's ``OOM_SNAPSHOT_ENABLE=1`` with
 ``OOM_SNAPSHOT_PATH=DIR`` (default: the working directory; the switch MindSpeed-MM documents),
-make every failed request write ``oom_snapshot_<pid>_<time>_<n>.pickle`` (for
+make every failed request write ``oom_snapshot_<host>_<pid>_dev<device>_<time>_<n>.pickle`` (for
 https://pytorch.org/memory_viz: the pool's segments and its latest :data:`HISTORY_WRITTEN` events
 up to the failure) and a compact ``.json`` beside it (explanation, statistics, the first
 :data:`BLOCKS_IN_JSON` blocks and the last :data:`HISTORY_IN_JSON` events; the pickle holds the rest), at most
@@ -27,6 +27,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -230,7 +232,7 @@ def snapshot_setting(environ: Optional[Mapping[str, str]] = None) -> Optional[tu
 
 def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
                    explanation: Optional[OomExplanation] = None) -> Path:
-    """Write ``oom_snapshot_<pid>_<time>_<n>.pickle`` and ``.json`` into ``directory``, each
+    """Write ``oom_snapshot_<host>_<pid>_dev<device>_<time>_<n>.pickle`` and ``.json`` into ``directory``, each
     whole or absent; returns the pickle's path. Raises OSError if the directory cannot be made
     or written, :class:`HalfWritten` when the pickle was written and the .json was not."""
     from .outputs import write_text
@@ -240,7 +242,11 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
         raise NotADirectoryError(f"{d} exists and is not a directory")
     d.mkdir(parents=True, exist_ok=True)
     exp = explanation or explain(pool)
-    stem = f"oom_snapshot_{os.getpid()}_{time.strftime('%Y%m%d-%H%M%S')}_{next(_numbers):04d}"
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    while True:  # (ranks in containers of one host name may share a pid and a second: skip a name taken)
+        stem = f"oom_snapshot_{host}_{os.getpid()}_dev{device}_{time.strftime('%Y%m%d-%H%M%S')}_{next(_numbers):04d}"
+        if not (d / f"{stem}.pickle").exists() and not (d / f"{stem}.json").exists():
+            break
     pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
                                  d / f"{stem}.pickle")
     blocks = pool.blocks()

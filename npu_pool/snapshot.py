@@ -78,8 +78,8 @@ def segments(blocks: list[dict[str, Any]], ranges: Iterable[tuple[int, int]], de
             lo, hi = max(b["addr"], start), min(b["addr"] + b["size"], end)
             alloc = bool(b["allocated"])
             bl.append(block_entry(lo, hi - lo, b["requested"], alloc, frames_of_site(b["site"]) if alloc else []))
-            if (alloc or b.get("tagged")) and stream is None:  # the stream the memory is kept for
-                stream = b["stream"]
+            if (alloc or b.get("tagged")) and stream is None and b["stream"] not in STREAM_TAGS:
+                stream = b["stream"]  # the stream the memory is kept for (a tag of several streams is none)
             pool, vmm = b["pool"], bool(b.get("vmm", False))
             k += 1
         covered = sum(b["size"] for b in bl)

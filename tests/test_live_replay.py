@@ -416,3 +416,30 @@ def test_play_calls_back_at_each_bound_in_order() -> None:
     for at in ([8, 4], [4, 12], [-1]):
         with pytest.raises(ValueError, match="in order"):
             p.play(at, lambda k: None)
+
+
+def test_the_live_minimum_capacity_search_tries_the_whole_device() -> None:
+    """Doubling from the peak reserved past the device's memory, the search gave up without
+    trying the device whole (a trace needing 90 steps of a 100-step device, from 40: None), and
+    it answered below the live bytes where the allocator reserved less than them."""
+    from npu_pool.live import STEP, _min_capacity
+
+    class Stub:  # a device of 100 steps on which the trace needs `need`
+        def __init__(self, need: int) -> None:
+            self.need, self.capped = need, None
+
+        def total(self) -> int:
+            return 100 * STEP
+
+        def cap(self, b: int | None) -> None:
+            self.capped = b
+
+        def reset(self) -> None:
+            pass
+
+        def play(self) -> int | None:
+            return None if self.capped is None or self.capped >= self.need * STEP else 0
+
+    assert _min_capacity(Stub(90), 1, 40 * STEP) == 90 * STEP
+    assert _min_capacity(Stub(101), 1, 40 * STEP) is None
+    assert _min_capacity(Stub(1), 10 * STEP, 0) == 10 * STEP  # (reserved 0: an uncached allocator)

@@ -236,6 +236,31 @@ def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path:
     assert len({v["pid"] for v in reports.values()}) == 2
 
 
+def test_a_child_forked_inside_a_step_that_leaves_through_it_writes_nothing(tmp_path: Path) -> None:
+    """A helper forked inside train_step that ends by sys.exit passes through the wrapper's
+    finally: it counted a step and wrote the rank's report as its own (a review)."""
+    script = tmp_path / "s.py"
+    script.write_text(_TRAINER.replace('mod.train_step = lambda *a, **k: ("loss", 0)', textwrap.dedent("""
+        import json
+        writers = set()
+        def step(*a, **k):
+            if os.fork() == 0:
+                sys.exit(0)  # a helper's normal end, from inside the step
+            os.wait()
+            path = os.path.join(os.environ["NPU_POOL_REPORT_DIR"], "npu_pool_rank0.json")
+            if os.path.exists(path):  # (who wrote the report last, the helper included)
+                writers.add(json.load(open(path))["pid"])
+            return ("loss", 0)
+        mod.train_step = step""")) + "mindspeed_patch.megatron.REPORT_EVERY_S = 0\nfor _ in range(3):\n    mod.train_step()\n"
+                      "print(json.dumps(dict(json.load(open(mindspeed_patch.megatron.write_report())), "
+                      "writers=sorted(writers))))\n")
+    r = subprocess.run([sys.executable, str(script)], env=_env(tmp_path, str(tmp_path / "rep")), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.splitlines()[-1])
+    assert report["iterations"] == 3 and report["writers"] == [report["pid"]]
+
+
 def test_reports_during_training_are_paced(fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report is written after the first step, then once REPORT_EVERY_S seconds have passed:
     not at every step (ranks share a file system)."""

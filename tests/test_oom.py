@@ -108,6 +108,27 @@ def test_write_snapshot(tmp_path: Path) -> None:
     assert snap["device_traces"][0][-1]["action"] == "oom" and snap["device_traces"][0][-1]["size"] == 12 * MiB
 
 
+def test_snapshot_names_skip_one_another_process_took(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks in containers (their own pid namespaces, often pid 1) writing to one folder could take
+    one name in the same second and silently replace each other's snapshot (a review): the name
+    carries the host and the device, and a name already taken is skipped."""
+    import itertools
+    import socket
+    import time
+
+    pool, _ = _fragmented()
+    _fails(pool, 12 * MiB)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261127-000000")
+    monkeypatch.setattr(oom, "_numbers", itertools.count())
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node/7")
+    taken = tmp_path / "oom_snapshot_node-7_1_dev3_20261127-000000_0000.pickle"
+    taken.write_bytes(b"another rank's")
+    path = oom.write_snapshot(pool, tmp_path, device=3)
+    assert path.name == "oom_snapshot_node-7_1_dev3_20261127-000000_0001.pickle"
+    assert taken.read_bytes() == b"another rank's" and path.with_suffix(".json").is_file()
+
+
 @pytest.mark.parametrize("rules", ["npu", "cuda"])
 def test_a_snapshot_says_whose_request_rules_it_was_made_under(tmp_path: Path, rules: str) -> None:
     """An OOM snapshot of a pool under torch_npu's rules is read back as an NPU trace, so that

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import ROOT
 from npu_pool import Pool, replay
+from npu_pool.pool import OutOfMemoryError
 from npu_pool.cli import main
 from npu_pool.planner import (NONE, Plan, PlanError, counts, find_window, install, load_plan, make_plan, plan_from_env,
                               save_plan, verify)
@@ -345,6 +346,13 @@ def test_corrupt_and_foreign_plan_files_are_refused(tmp_path):
     struct.pack_into("<Q", bad, rows_at + 24 * (p + 1) + 16, plan.offset[p])
     with pytest.raises(PlanError, match="overlaps"):
         plan_from_bytes(_resealed(bytes(bad)))
+    # an unplanned row's end out of range: `plan --check` passed it, the core refused it at install
+    q = plan.loop
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, rows_at + 24 * q + 4, 0)  # end 0
+    struct.pack_into("<Q", bad, rows_at + 24 * q + 16, NONE)  # unplanned
+    with pytest.raises(PlanError, match=f"position {q} has end 0"):
+        plan_from_bytes(_resealed(bytes(bad)))
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path / "missing.npplan")
 
@@ -571,6 +579,22 @@ def test_a_request_off_a_plan_with_no_region_goes_to_the_fallback():
         st = p.stats()
         assert st["calls"]["malloc"] == 0 and all(b["segment_size"] > 0 for b in p.blocks())
         p.free(ptr)
+
+
+def test_an_out_of_memory_beside_a_free_region_is_called_fragmentation():
+    """The planned policy's failures counted only the fallback arena's free memory: with 400 MiB
+    free in the region and 424 MiB left under the cap, a 450 MiB request was "a real shortage",
+    with the advice to shrink the model (a helper's review)."""
+    from npu_pool import oom
+
+    with Pool("planned", capacity=1024 * MiB) as p:
+        p.set_plan([100 * MiB, 100 * MiB], [0, 500 * MiB], [2, 2], 0, 600 * MiB, 2)
+        a, b = p.malloc(100 * MiB), p.malloc(100 * MiB)
+        with pytest.raises(OutOfMemoryError, match="fragmentation"):
+            p.malloc(450 * MiB)
+        assert oom.explain(p).kind == "fragmentation"
+        p.free(a)
+        p.free(b)
 
 
 def test_the_fallback_maps_ahead_where_requests_go():

@@ -212,13 +212,14 @@ def test_the_pools_own_snapshots_carry_device_streams_and_older_ones_still_load(
 
     M = 1 << 20
     with Pool("npu_pool", capacity=1 << 30) as p:
-        a, b = p.malloc(3 * M, stream=0), p.malloc(M, stream=0)
-        p.record_stream(a, 7)
+        a, b = p.malloc(3 * M, stream=7), p.malloc(M, stream=7)
+        p.record_stream(a, 9)
         p.free(a)  # its memory now waits for both streams: tagged "several"
         snap = pool_snapshot({0: p})
         p.free(b)
     streams = [s["stream"] for s in snap["segments"]] + [e["stream"] for e in snap["device_traces"][0]]
     assert not set(streams) & set(STREAM_TAGS)
+    assert [s["stream"] for s in snap["segments"]] == [7]  # b's: the several streams' memory is no one's
     path = tmp_path / "own.pickle"
     path.write_bytes(pickle.dumps(snap))
     assert load_snapshot(path)

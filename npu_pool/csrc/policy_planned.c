@@ -424,6 +424,8 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   if (rc == NP_OK) {
     (*out)->pool = FALLBACK_POOL;
     if (st->plan.n) st->count[FALLBACK]++; /* served by the fallback (a last resort is `idle`, a failure neither) */
+  } else if (rc == NP_ERR_OOM && st->seg) {
+    ctx->fail.usable += st->free.bytes; /* the region's free ranges are this pool's memory too (the arena said its own) */
   }
   return rc;
 }

@@ -144,12 +144,13 @@ def verify(plan: Plan) -> None:
     for p in range(n):
         if not 0 < plan.size[p] <= 1 << 48:
             raise PlanError(f"plan: position {p} asks for {plan.size[p]} bytes")
+        limit = n if p < plan.loop else p + n - plan.loop  # a body request lives at most one pass
+        if plan.end[p] != NONE and not p < plan.end[p] <= limit:  # (every row: the core checks them all)
+            raise PlanError(f"plan: position {p} has end {plan.end[p]} (it must be in ({p}, {limit}], or none)")
         if plan.offset[p] == NONE:
             continue
-        limit = n if p < plan.loop else p + n - plan.loop  # a body request lives at most one pass
-        if plan.end[p] == NONE or not p < plan.end[p] <= limit:
-            raise PlanError(f"plan: position {p} has offset {plan.offset[p]} but end {plan.end[p]} "
-                            f"(it must be in ({p}, {limit}])")
+        if plan.end[p] == NONE:
+            raise PlanError(f"plan: position {p} has offset {plan.offset[p]} but no end (it must be in ({p}, {limit}])")
         if plan.offset[p] % ALIGN:
             raise PlanError(f"plan: position {p} has an unaligned offset {plan.offset[p]}")
         pos.append(p)
