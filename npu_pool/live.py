@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from . import alloc_conf, config, oom
 from .units import name_width
 from .vocab import CALL_VENDOR
 from .trace.format import (OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, OP_PAUSE, OP_REGION,
@@ -57,10 +58,10 @@ _RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
 # its defaults: the switch and npu_pool's settings (its start-up hook would install npu_pool in
 # the native worker too), torch's allocator settings (the simulator models the defaults), and
 # out-of-memory snapshots (the minimum-capacity search fails requests on purpose).
-_CALLER_SETTINGS = ("MEMORY_FRAGMENTATION", "NPU_POOL_FRACTION", "NPU_POOL_POLICY", "NPU_POOL_PLAN", "NPU_POOL_CONFIG",
-                    "NPU_POOL_OOM_SNAPSHOT", "OOM_SNAPSHOT_ENABLE", "OOM_SNAPSHOT_PATH", "PYTORCH_NPU_ALLOC_CONF",
-                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_NPU_MEMORY_CACHING",
-                    "PYTORCH_NO_CUDA_MEMORY_CACHING", "MULTI_STREAM_MEMORY_REUSE")
+_CALLER_SETTINGS = (config.ENABLE, config.FRACTION, config.POLICY, config.PLAN, config.CONFIG_FILE, oom.ENV, oom.ENABLE,
+                    oom.PATH, *alloc_conf.VARIABLES,
+                    # (torch's and torch_npu's switches no npu_pool module reads)
+                    "PYTORCH_NO_NPU_MEMORY_CACHING", "PYTORCH_NO_CUDA_MEMORY_CACHING", "MULTI_STREAM_MEMORY_REUSE")
 
 
 class LiveError(RuntimeError):
@@ -453,8 +454,10 @@ def _min_capacity(player: Player, lo: int, hi: int) -> Optional[int]:
 
     k_max = total // STEP
     k_lo = max(1, -(-lo // STEP))
+    if k_lo > k_max:  # (the live bytes alone pass the device)
+        return None
     k_hi = min(max(k_lo, -(-hi // STEP)), k_max)  # (reserved below the live bytes: no answer below them)
-    while k_lo > k_max or not fits(k_hi):  # a capped device may behave differently from the free one
+    while not fits(k_hi):  # a capped device may behave differently from the free one
         if k_hi >= k_max:  # (the whole device tried)
             player.cap(None)
             return None

@@ -470,10 +470,9 @@ NEEDS_PLAN = ("the planned policy needs a plan made from the trace: `npu-pool re
 def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[str]:
     """Parse "torch,npu_pool" (or a list) into known policy names (``planned``: "planned" among them)."""
     names = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
-    if "" in names:  # ("torch," or ",npu_pool")
-        raise ValueError(f"the policy list {','.join(names)!r} has an empty name; choose from "
-                         f"{', '.join(p for p in POLICIES if planned or p != 'planned')}")
     known = [p for p in POLICIES if planned or p != "planned"]
+    if "" in names:  # ("torch," or ",npu_pool")
+        raise ValueError(f"the policy list {','.join(names)!r} has an empty name; choose from {', '.join(known)}")
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
         raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(known)}")

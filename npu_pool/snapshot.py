@@ -23,7 +23,7 @@ import pickle
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional
 
-from .vocab import MARK_NAMES, ROUND, STREAM_TAGS
+from .vocab import MARK_NAMES, ROUND, STREAM_TAGS, device_stream
 
 __all__ = ["pool_snapshot", "segments", "device_trace", "iter_device_trace", "annotations", "write", "write_parts",
            "Frames", "block_entry", "segment_entry"]
@@ -32,12 +32,6 @@ __all__ = ["pool_snapshot", "segments", "device_trace", "iter_device_trace", "an
 Frames = Callable[[dict[str, Any]], list[dict[str, Any]]]
 _NO_FRAMES: Frames = lambda event: []  # noqa: E731
 _EDGES = {"begin": "START", "enter": "START", "end": "END", "exit": "END"}
-
-
-def _stream(s: int) -> int:
-    """A stream as PyTorch's snapshots have them: the core's tags of free memory (any stream,
-    several) are no stream, written as the default one."""
-    return 0 if s in STREAM_TAGS else s
 
 
 def block_entry(addr: int, size: int, requested: int, allocated: bool, frames: list) -> dict[str, Any]:
@@ -86,7 +80,7 @@ def segments(blocks: list[dict[str, Any]], ranges: Iterable[tuple[int, int]], de
         if covered < size:  # a range not tiled by blocks cannot happen; keep the accounting whole if it does
             bl.append(block_entry(start + covered, size - covered, 0, False, []))
         kind = "small" if pool < len(pool_names) and pool_names[pool] == "small" else "large"
-        out.append(segment_entry(device, start, size, _stream(stream or 0), kind, vmm, bl))
+        out.append(segment_entry(device, start, size, stream or 0, kind, vmm, bl))
     return out
 
 
@@ -99,7 +93,7 @@ def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRA
     """:func:`device_trace`, one entry at a time."""
     for e in events:
         kind = e["kind"]
-        base = {"addr": int(e["addr"]), "size": int(e["size"]), "stream": _stream(int(e["stream"])),
+        base = {"addr": int(e["addr"]), "size": int(e["size"]), "stream": device_stream(int(e["stream"])),
                 "time_us": int(e["time"])}
         if kind == "alloc":
             yield dict(base, action="alloc", frames=frames(e))

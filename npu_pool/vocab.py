@@ -14,7 +14,7 @@ from typing import Optional
 
 from ._core import ffi, lib
 
-__all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "STREAM_TAGS", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
+__all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "STREAM_TAGS", "device_stream", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "CALL_NAMES", "CALL_VENDOR", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
            "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
@@ -35,6 +35,12 @@ SIM_PAGE: int = lib.NP_SIM_PAGE    # the simulated device's mapping page
 # by every stream; csrc/common.h) and NP_STREAM_MIXED (merged memory of several; csrc/streams.h),
 # INTPTR_MIN and INTPTR_MIN + 1, which no enum of the binding can carry.
 STREAM_TAGS: tuple[int, int] = (-(1 << 63), -(1 << 63) + 1)
+
+
+def device_stream(stream: int) -> int:
+    """``stream`` as a device stream: the core's tags of free memory are no one stream, the default
+    one (0) stands for them (what the snapshots npu_pool writes say, and what it reads of them)."""
+    return 0 if stream in STREAM_TAGS else stream
 POOLS: int = lib.NP_POOLS          # pools per policy, besides the total
 HISTORY_DEFAULT: int = lib.NP_HISTORY_DEFAULT  # history events a pool keeps unless told otherwise
 HISTORY_MAX: int = lib.np_history_max()        # the largest history bound the core takes

@@ -210,9 +210,7 @@ def _trace_section(t: TraceAnalysis, estimate_rows: list | None) -> str:
            f'<script type="application/json" id="timeline-data">{json.dumps(data)}</script>',
            "<h3>Live bytes at the peak by category</h3>", _breakdown_svg(p)]
     if t.repairs:
-        out.insert(2, f'<p class="note">The recording was repaired on import ({len(t.repairs)}'
-                      f'{"+" if len(t.repairs) >= 20 else ""}): {_esc(t.repairs[0])}'
-                      f'{"; ..." if len(t.repairs) > 1 else ""} (<code>npu-pool import</code> keeps them all).</p>')
+        out.insert(2, f'<p class="note">{_esc(repairs_said(t.repairs))}.</p>')
     rows = ["<tr>" + _td(GROUP_LABELS[g]) + _td(fmt_bytes(p.at_peak[g]), p.at_peak[g])
             + _td(fmt_share(p.at_peak[g], p.peak_live), p.at_peak[g] / max(1, p.peak_live))
             + _td(fmt_bytes(p.group_max[g]), p.group_max[g]) + "</tr>"

@@ -17,7 +17,7 @@ from ..progress import progress
 from ..replay import evaluate, recorded_capacity, recorded_ooms, run
 from ..timeline import Timeline, timeline
 from ..trace.format import Trace
-from ..trace.files import distinct_name, expand, open_traces, repairs
+from ..trace.files import distinct_name, expand, open_traces, repairs, repairs_said
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile, profile_trace
 from ..units import fmt_bytes, fmt_share, md_cell, printable
 
@@ -224,9 +224,7 @@ def _trace_md(t: TraceAnalysis, top_sites: int, level: str = "##") -> list[str]:
             f"- **peak live {fmt_bytes(p.peak_live)}** {where}, phase: {p.peak_phase.describe()}",
             f"- live when the window began {fmt_bytes(p.initial_live)}, at the end {fmt_bytes(p.end_live)}", ""]
     if t.repairs:
-        out += [f"- the recording was repaired on import ({len(t.repairs)}{'+' if len(t.repairs) >= 20 else ''}): "
-                f"{md_cell(printable(t.repairs[0]))}" + ("; ..." if len(t.repairs) > 1 else "")
-                + " (`npu-pool import` keeps them all in the trace's meta)", ""]
+        out += [f"- {md_cell(repairs_said(t.repairs))}", ""]
     out += [f"{level}# Fragmentation per policy", ""]
     rows = []
     for f in t.policies:

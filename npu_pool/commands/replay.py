@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from ..device_costs import estimate_us, load_costs, physical_calls
 from ..replay import HINTS, PolicyResult, evaluate, iteration_bounds, policies_from, validate
-from ..trace.files import distinct_name, expand, open_traces, repairs
+from ..trace.files import distinct_name, expand, open_traces, repairs, repairs_said
 from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
 from ..units import name_width, printable
@@ -177,9 +177,7 @@ def run(args: argparse.Namespace) -> int:
     for name, t in named:
         fixed = repairs(t)
         if fixed:
-            print(f"note: {printable(name)}: the recording was repaired on import ({len(fixed)}"
-                  f"{'+' if len(fixed) >= 20 else ''}): {printable(fixed[0])}{'; ...' if len(fixed) > 1 else ''} "
-                  "(`npu-pool import` keeps them all in the trace's meta)", file=sys.stderr)
+            print(f"note: {printable(name)}: {printable(repairs_said(fixed))}", file=sys.stderr)
     if args.json:  # now, not after every replay (the traces are read: one of them is refused as --json too)
         from ..outputs import check
 

@@ -149,7 +149,7 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size) {
 }
 
 int np_ctx_check_stream(intptr_t stream) {
-  if (stream != NP_STREAM_ANY && stream != NP_STREAM_MIXED) return NP_OK;
+  if (!np_stream_is_tag(stream)) return NP_OK;
   return np_error(NP_ERR_INVALID, "stream %lld is reserved: the pool tags free memory with it (%s streams)",
                   (long long)stream, stream == NP_STREAM_ANY ? "any of the" : "several");
 }

@@ -373,7 +373,7 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
                       (unsigned long long)n_sites);
     }
     if (rc == NP_OK && op != NP_OP_MARK && op != NP_OP_REGION && op != NP_OP_PAUSE && op != NP_OP_RESUME &&
-        (in->stream[i] == NP_STREAM_ANY || in->stream[i] == NP_STREAM_MIXED)) {
+        np_stream_is_tag(in->stream[i])) {
       rc = np_error(NP_ERR_INVALID, "event %llu: stream %lld, a value npu_pool reserves for its own tags of free memory; "
                     "no device stream has it", ui, (long long)in->stream[i]);
     } else if (rc == NP_OK && op == NP_OP_MARK && cat >= NP_MARK_COUNT) {

@@ -17,6 +17,9 @@
 #define NP_STREAM_MIXED (INTPTR_MIN + 1)
 #define NP_MAX_STREAMS 64
 
+/* Whether `stream` is one of the two tags (never a caller's stream: refused where one comes in). */
+static inline bool np_stream_is_tag(intptr_t stream) { return stream == NP_STREAM_ANY || stream == NP_STREAM_MIXED; }
+
 typedef struct np_streams {
   intptr_t ids[NP_MAX_STREAMS];
   int n;

@@ -43,11 +43,20 @@ def open_traces(path: str | Path) -> list[tuple[str, Trace]]:
     return named
 
 
-def repairs(trace: Trace, at_most: int = 20) -> list[str]:
+_REPAIRS_KEPT = 20
+
+
+def repairs(trace: Trace) -> list[str]:
     """What the snapshot importer repaired in the recording behind ``trace`` (``meta["warnings"]``: a
-    block allocated again while live, a free of an unknown block, ...), its first ``at_most``."""
+    block allocated again while live, a free of an unknown block, ...), its first 20."""
     w = trace.meta.get("warnings") if isinstance(trace.meta, dict) else None
-    return [str(x) for x in w[:at_most] if isinstance(x, str)] if isinstance(w, list) else []
+    return [str(x) for x in w[:_REPAIRS_KEPT] if isinstance(x, str)] if isinstance(w, list) else []
+
+
+def repairs_said(fixed: list[str]) -> str:
+    """The sentence the reports and replay say of :func:`repairs` (not empty): how many, the first."""
+    return (f"the recording was repaired on import ({len(fixed)}{'+' if len(fixed) >= _REPAIRS_KEPT else ''}): "
+            f"{fixed[0]}{'; ...' if len(fixed) > 1 else ''} (`npu-pool import` keeps them all in the trace's meta)")
 
 
 def distinct_name(name: str, path: Path, seen: dict[str, Path]) -> str:

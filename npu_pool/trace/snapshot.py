@@ -41,7 +41,7 @@ from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, M
                      POOL_SMALL, Trace, TraceError)
 from .pickle_stream import NotStreamable, overreach, stream_dict
 from ..inputs import NotRegularFile, open_regular
-from ..vocab import MAX_REQUEST, PROFILER_PREFIX, STREAM_TAGS, profiled_mark
+from ..vocab import MAX_REQUEST, PROFILER_PREFIX, STREAM_TAGS, device_stream, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 
@@ -502,8 +502,7 @@ def _stream(d: dict, name: str, where: str) -> int:
     """A stream of the file; the core's tags of free memory (vocab.STREAM_TAGS: no device stream
     has them; npu_pool's snapshots before 2026-11-27 wrote them for memory kept for no one
     stream, or a resume that failed) read as the default stream, which the core takes."""
-    v = _int(d, "stream", name, where, 0, signed=True)
-    return 0 if v in STREAM_TAGS else v
+    return device_stream(_int(d, "stream", name, where, 0, signed=True))
 
 
 def _frames(d: dict, name: str, where: str) -> list:
