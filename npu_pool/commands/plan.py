@@ -89,10 +89,18 @@ def _rows(meta: dict) -> str:
                                      f"{_gib(meta, 'online_reserved_bytes')} online (npu_pool); requests "
                                      f"served by the plan {c.get('served', 0)}, in idle ranges {c.get('idle', 0)}, "
                                      f"fallen back {c.get('fallback', 0)}"))
+    if "onward_reserved_bytes" in meta and "onward_passes" in meta:
+        rows.insert(-1, ("goes on", f"{_gib(meta, 'onward_reserved_bytes')} reserved with the plan, "
+                                    f"{_gib(meta, 'onward_online_reserved_bytes')} online, with the recorded step "
+                                    f"made {meta.get('onward_passes')} more times (a plan of a whole trace: "
+                                    "docs/planner.md)"))
     if meta.get("online"):
-        rows.insert(-1, ("runs online", f"the plan is worse than the online pool on this trace ({meta['online']}): "
+        advice = ("; the trace shows one step, so the planner cannot see how the steps after it differ: "
+                  "record two or more (a memory snapshot over several iterations, or `npu-pool capture --steps 3`)"
+                  if meta.get("method") == "whole" else "")
+        rows.insert(-1, ("runs online", f"the plan is worse than the online pool ({meta['online']}): "
                                          "installing it installs nothing, the planned policy serves every "
-                                         "request as npu_pool does"))
+                                         f"request as npu_pool does{advice}"))
     return "\n".join(f"{k:13} {printable(str(v))}" for k, v in rows)  # (a plan's meta is a file's: no escapes)
 
 

@@ -23,7 +23,8 @@ Three ways, in order:
   prologue (a replay of the trace runs it once).
 - ``whole``: no repetition (one recorded step): the window is the whole trace, the
   allocations live before the recording began (``OP_INIT_ALLOC``) included: a replay
-  makes them first, so they are its first positions.
+  makes them first, so they are its first positions, and the prologue (a run that goes on
+  does not make them again); the loop body is the recorded step.
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def find_window(trace: Trace) -> Window:
 
 
 def _whole(trace: Trace) -> Window:
-    return Window(_first(trace), len(trace), "whole", 1, False)
+    start = _first(trace)
+    body = next(i for i in range(start, len(trace)) if trace.op[i] == OP_ALLOC)
+    return Window(start, len(trace), "whole", 1, False, body if trace.op[start] == OP_INIT_ALLOC else -1)
 
 
 def _by_markers(trace: Trace) -> Window | None:

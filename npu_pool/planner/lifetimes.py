@@ -15,12 +15,19 @@ again and again). A request at position p that is freed at end is live for [p, e
 - a prologue request still live after the first pass of the body: end = N, its range
   is held through the whole body (the optimizer states the first step creates).
 
-When nothing follows the window (``whole``), tensors still live at its end are
-planned until the end. Tensors allocated before the window and freed inside it are
-the previous instances of wrapping requests (without a prologue); those no wrapping
-request accounts for become "ghosts": rectangles [0, end) that take room in the plan
-and are never served. Tensors live through the whole window (weights, ...) are
-outside the plan: the fallback holds them.
+When nothing follows the window (``whole``: one recorded step, its prologue the tensors
+live before the recording began), a run that goes on makes the step again. A body request
+never freed then wraps: the k-th of its size stands for the k-th prologue tensor of that
+size freed in the body (the previous step's instance: it is freed at that position of the
+next pass), and one that stands for none is made once and held for good (the optimizer
+states a first step creates): its range is its own throughout the body. The prologue tensor
+and the body request that stands for it are one rectangle at one offset (``pairs``): in the
+first pass the prologue's tensor holds the range the next passes' previous instance holds
+(as two rectangles the plan would hold both at once in the first pass). Tensors allocated
+before the window and freed inside it are the previous instances of wrapping requests
+(without a prologue); those no wrapping request accounts for become "ghosts": rectangles
+[0, end) that take room in the plan and are never served. Tensors live through the whole
+window (weights, ...) are outside the plan: the fallback holds them.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class Layout:
     end: array.array                  # per position: end position, NONE if unplanned
     loop: int = 0                     # first position of the loop body (0: no prologue)
     ghosts: list[tuple[int, int]] = field(default_factory=list)  # (bytes, end): live [0, end), never served
+    pairs: dict[int, int] = field(default_factory=dict)  # prologue position -> the body position at its offset
     static_bytes: int = 0             # live through the whole window, outside the plan
     outside_peak: int = 0             # highest bytes live outside the plan (static and unplanned)
     peak_live: int = 0                # the window's peak live bytes, everything included
@@ -97,15 +105,16 @@ def build_layout(trace: Trace, w: Window) -> Layout:
     body = n - m
     after, witness = _ends_after(trace, w, pos_of, ends, sizes, m)
     end = array.array("Q", [NONE]) * n
+    pairs: dict[int, int] = {}
+    if w.method == "whole":  # nothing follows: the step made again takes the place of the prologue's
+        after, pairs = _step_again(sizes, ends, m)
     for p, e in enumerate(ends):
         if e < 0:
             e = after.get(p, -1)
         if p < m:  # prologue: held through the body when it outlives its first pass
             end[p] = e if 0 <= e <= n else n
-        elif e < 0:  # never freed
-            end[p] = n if w.method == "whole" else NONE
-        else:
-            end[p] = e if e <= p + body else NONE
+        else:  # (never freed: unplanned)
+            end[p] = e if 0 <= e <= p + body else NONE
     wraps = Counter((sizes[p], end[p] - n) for p in range(m, n) if end[p] != NONE and end[p] > n and not m)
     ghosts = []
     for s, e in freed_pre:
@@ -114,8 +123,58 @@ def build_layout(trace: Trace, w: Window) -> Layout:
         elif e > 0:
             ghosts.append((s, e))
     static = sum(pre.values())
+    if w.method == "whole":  # the loop holds what the recorded step makes once from then on
+        peak = max(peak, static + _loop_peak(sizes, end, m))
     freed = [e if e >= 0 else after.get(p, -1) for p, e in enumerate(ends)]
-    return Layout(sizes, end, m, ghosts, static, static + _unplanned_peak(sizes, end, freed, m, witness), peak)
+    return Layout(sizes, end, m, ghosts, pairs, static, static + _unplanned_peak(sizes, end, freed, m, witness), peak)
+
+
+def _step_again(sizes: array.array, ends: list[int], m: int) -> tuple[dict[int, int], dict[int, int]]:
+    """End positions of a whole window's body requests never freed, in a run that makes the
+    recorded step again, and the pairs (prologue position -> body position) that share a range.
+    The k-th such request of a size stands for the k-th prologue tensor of that size freed in the
+    body: it is freed where that one was (n + its position in the body), unless that is after the
+    request itself (it would live longer than a pass: unplanned). One that stands for none is
+    held for good (p + body: its range throughout the body)."""
+    n = len(sizes)
+    freed: dict[int, list[int]] = {}  # size -> prologue positions freed in the body, in the order freed
+    for q in sorted((q for q in range(m) if ends[q] >= m), key=lambda q: ends[q]):
+        freed.setdefault(sizes[q], []).append(q)
+    taken: Counter = Counter()
+    out: dict[int, int] = {}
+    pairs: dict[int, int] = {}
+    for p in range(m, n):
+        if ends[p] < 0:
+            s = sizes[p]
+            k = taken[s]
+            taken[s] += 1
+            qs = freed.get(s, ())
+            if k >= len(qs):
+                out[p] = p + (n - m)
+            elif ends[qs[k]] <= p:
+                out[p] = n + ends[qs[k]] - m
+                pairs[qs[k]] = p
+    return out, pairs
+
+
+def _loop_peak(sizes: array.array, end: array.array, m: int) -> int:
+    """Highest requested bytes the planned requests hold at a position of the steady loop: the
+    body's, the previous pass's instances wrapping into it, and prologue tensors held through it
+    (the first pass, where the prologue's tensors hold what later passes' instances do, is the
+    window's own peak)."""
+    n = len(sizes)
+    diff = [0] * (n + 1)
+    for p in range(n):
+        e = end[p]
+        if e == NONE or (p < m and e < n):
+            continue
+        lo = max(p, m)
+        diff[lo] += sizes[p]
+        diff[min(e, n)] -= sizes[p]
+        if e > n:
+            diff[m] += sizes[p]
+            diff[m + e - n] -= sizes[p]
+    return max(accumulate(diff[m:]), default=0)
 
 
 WITNESSES = 4  # later passes whose instance of a body position shows how long such tensors live

@@ -46,9 +46,11 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     n = lay.n
     rects = Rects(n)
     who: list[int] = []  # position of each rectangle, -1 for a ghost
+    joined = {p: q for q, p in lay.pairs.items()}  # a prologue tensor and the request standing for it: one rectangle
     for p in range(n):
-        if lay.end[p] != NONE:
-            rects.add(aligned(lay.size[p]), *span(n, lay.loop, p, lay.end[p]))
+        if lay.end[p] != NONE and p not in lay.pairs:
+            lo, hi, lo2, hi2 = span(n, lay.loop, p, lay.end[p])
+            rects.add(aligned(lay.size[p]), lo, hi, joined.get(p, lo2), hi2)
             who.append(p)
     for size, e in lay.ghosts:
         rects.add(aligned(size), 0, e)
@@ -61,12 +63,15 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     for r, p in enumerate(who):
         if p >= 0:
             offset[p] = placed.offset[r]
+    for q, p in lay.pairs.items():
+        offset[q] = offset[p]
     planned_peak = placed.peak + lay.outside_peak
     meta = {
         "source": name or str(trace.meta.get("origin", "")), "device": device,
         "iteration_fingerprint": fingerprint(lay.size[lay.loop:]),
         "method": w.method, "window": [w.start, w.end], "loop_event": w.body, "repeats": w.repeats,
-        "positions": n, "prologue": lay.loop, "unplanned": lay.unplanned, "ghosts": len(lay.ghosts), "order": placed.order,
+        "positions": n, "prologue": lay.loop, "paired": len(lay.pairs), "unplanned": lay.unplanned,
+        "ghosts": len(lay.ghosts), "order": placed.order,
         "peak_live_bytes": lay.peak_live, "region_bytes": placed.peak, "static_bytes": lay.static_bytes,
         "outside_peak_bytes": lay.outside_peak, "planned_peak_bytes": planned_peak,
         "ratio": planned_peak / lay.peak_live if lay.peak_live else 1.0,
@@ -78,6 +83,9 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
         cmp = compare_online(trace, plan, name or "the trace")
         meta.update(replay_reserved_bytes=cmp["planned_reserved_bytes"],
                     online_reserved_bytes=cmp["online_reserved_bytes"], replay_counts=cmp["plan_counts"])
+        if "onward_planned_reserved_bytes" in cmp:
+            meta.update(onward_passes=cmp["onward_passes"], onward_reserved_bytes=cmp["onward_planned_reserved_bytes"],
+                        onward_online_reserved_bytes=cmp["onward_online_reserved_bytes"])
         if cmp["worse"]:
             meta[ONLINE] = "; ".join(cmp["worse"])
         meta["seconds"] = round(time.perf_counter() - t0, 3)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..vocab import ROUND
 from .lifetimes import NONE
 
-__all__ = ["ALIGN", "NONE", "ONLINE", "Plan", "PlanError", "aligned", "span"]
+__all__ = ["ALIGN", "NONE", "ONLINE", "Plan", "PlanError", "aligned", "paired", "span"]
 
 ALIGN = ROUND  # the core's block granularity: planned sizes round up to it, offsets are multiples of it
 
@@ -65,6 +65,24 @@ def span(n: int, loop: int, p: int, end: int) -> tuple[int, int, int, int]:
     if end == NONE or end <= n:
         return p, n if end == NONE else end, 0, 0
     return p, n, loop, loop + end - n
+
+
+def paired(n: int, loop: int, size: Sequence[int], offset: Sequence[int], end: Sequence[int]) -> dict[int, int]:
+    """Prologue positions whose range a wrapping body position holds in the passes after the
+    first, q -> p: one offset, one size, and p's previous instance freed where q is (a plan of a
+    whole recorded step: the body request stands for the prologue's tensor in the step made
+    again). Placed as one rectangle, live at [p, n) and [q, end[q])."""
+    wrapping: dict[tuple[int, int, int], int] = {}
+    for p in range(loop, n):
+        if offset[p] != NONE and end[p] != NONE and end[p] > n:
+            wrapping[(offset[p], aligned(size[p]), loop + end[p] - n)] = p
+    out = {}
+    for q in range(loop):
+        if offset[q] != NONE and end[q] != NONE and loop < end[q] <= n:
+            p = wrapping.pop((offset[q], aligned(size[q]), end[q]), None)
+            if p is not None:
+                out[q] = p
+    return out
 
 
 def aligned(size: int) -> int:

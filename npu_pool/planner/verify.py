@@ -10,7 +10,7 @@ import array
 from bisect import bisect_left, bisect_right
 from typing import Callable, Sequence
 
-from .plan import ALIGN, NONE, Plan, PlanError, aligned
+from .plan import ALIGN, NONE, Plan, PlanError, aligned, paired
 
 __all__ = ["verify", "verify_rects"]
 
@@ -141,6 +141,8 @@ def verify(plan: Plan) -> None:
         raise PlanError(f"plan: the loop body starts at position {plan.loop} where its figures say {prologue!r:.20}: "
                         "the file was edited or is corrupt; make it again with `npu-pool plan`")
     pos, offset, size, span = [], [], [], []
+    pairs = paired(n, plan.loop, plan.size, plan.offset, plan.end)
+    joined = {p: q for q, p in pairs.items()}  # one rectangle each: make_plan placed them so
     for p in range(n):
         if not 0 < plan.size[p] <= 1 << 48:
             raise PlanError(f"plan: position {p} asks for {plan.size[p]} bytes")
@@ -153,10 +155,13 @@ def verify(plan: Plan) -> None:
             raise PlanError(f"plan: position {p} has offset {plan.offset[p]} but no end (it must be in ({p}, {limit}])")
         if plan.offset[p] % ALIGN:
             raise PlanError(f"plan: position {p} has an unaligned offset {plan.offset[p]}")
+        if p in pairs:
+            continue
+        lo, hi, lo2, hi2 = plan.span(p)
         pos.append(p)
         offset.append(plan.offset[p])
         size.append(aligned(plan.size[p]))
-        span.extend(plan.span(p))
+        span.extend((lo, hi, joined.get(p, lo2), hi2))
     verify_rects(n, offset, size, span, plan.region, lambda r: f"position {pos[r]}")
     top = max((o + s for o, s in zip(offset, size)), default=0)
     ghosts = plan.meta.get("ghosts") if isinstance(plan.meta, dict) else None
