@@ -24,7 +24,7 @@ from typing import Any, Optional
 from . import config, oom
 from .locks import ForkSafeLock
 from ._core import ffi, lib
-from .pool import BACKENDS, POLICIES, Pool, PoolError, _check, _fraction, _invalid
+from .pool import BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, _check, _fraction, _invalid, _lib_path, _uint
 
 __all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
            "TooLateError", "last_error", "core_path"]
@@ -143,6 +143,42 @@ class _DevicePool(Pool):
         """Cap this device at ``fraction`` of its memory (applied when its context exists)."""
         _check(lib.npu_pool_set_fraction(self.device, _fraction(fraction)))
 
+    # A device that served nothing has no context, and nothing to show: reading it makes none (on a
+    # device, a context on every device of every rank).
+    def blocks(self) -> list[dict[str, Any]]:
+        return super().blocks() if self.serving else []
+
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        return super().mapped_ranges() if self.serving else []
+
+    def history(self, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        return super().history(limit) if self.serving else []
+
+    def tags(self) -> dict[str, dict[str, Any]]:
+        return super().tags() if self.serving else {}
+
+    def check(self) -> None:
+        if self.serving:
+            super().check()
+
+    def empty_cache(self) -> None:
+        if self.serving:
+            super().empty_cache()
+
+    def forget(self) -> None:
+        if self.serving:
+            super().forget()
+
+    def set_history(self, max_entries: int) -> None:
+        _check(lib.npu_pool_set_history(self.device, _uint(max_entries, "max_entries")))
+
+    def plan_counts(self) -> dict[str, int]:
+        if self.serving:
+            return super().plan_counts()
+        if self.policy != "planned":  # (the core's refusal, without making a context to hear it)
+            raise PoolError(lib.NP_ERR_STATE, f"np_set_plan: the pool's policy is {self.policy}, not planned")
+        return dict.fromkeys(PLAN_COUNTS, 0)
+
     def close(self) -> None:
         self._ctx = None
 
@@ -187,8 +223,26 @@ def set_fraction(fraction: float, device: Optional[int] = None) -> None:
     chosen = pools.values() if device is None else [pools[device]] if device in pools else []
     if not chosen:
         raise _invalid(f"no npu_pool allocator installed on device {device}; installed: {sorted(pools)}")
-    for p in chosen:
-        p.set_fraction(fraction)
+    _set_fractions(chosen, fraction)
+
+
+def _set_fractions(pools: Any, fraction: float) -> None:
+    """Cap every pool of ``pools`` at ``fraction``, or none: a device that refuses it (a cap below
+    the smallest block, a planned region that would not fit) leaves the others as they were. Devices
+    serving memory go first (they can refuse); those without a context keep it for their first
+    allocation."""
+    serving = sorted(pools, key=lambda p: not p.serving)
+    done = []
+    try:
+        for p in serving:
+            before = p.stats()["fraction"] if p.serving else None
+            p.set_fraction(fraction)
+            done.append((p, before))
+    except PoolError:
+        for p, before in reversed(done):
+            if before is not None:
+                p.set_fraction(before)
+        raise
 
 
 def _importable(name: str) -> bool:
@@ -360,6 +414,8 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         raise ValueError(f"device_type must be 'auto', 'npu' or 'cuda', got {config.show(device_type)}")
     settings = config.load()
     policy = config.parse_policy(policy, "policy") if policy is not None else settings.policy
+    if lib_path is not None:
+        _lib_path(lib_path)  # (a path, before anything is touched)
     given = fraction is not None  # a repeated install applies only a fraction given here (not the setting again)
     if given:
         fraction = config.parse_fraction(fraction, "fraction")
@@ -406,8 +462,10 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
                 raise InstallError(f"npu_pool is already installed over {_current.lib_path or 'the default library'}; "
                                    f"lib_path={lib_path!r:.200} cannot change it in this process")
             if given:  # the cap set since (torch's set_per_process_memory_fraction included) stays otherwise
-                for p in _current.pools.values():
-                    p.set_fraction(fraction)
+                try:
+                    _set_fractions(_current.pools.values(), fraction)
+                except PoolError as e:
+                    raise config.ConfigError(f"fraction={fraction!r}: {e}") from None
                 _current.fraction = fraction
             return dict(_current.pools)
         is_initialized = getattr(module, "is_initialized", None)
@@ -462,7 +520,7 @@ def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional
     backend = _BACKEND_OF[kind]
     path = lib_path if lib_path is not None else _default_lib_path(kind)
     rc = lib.npu_pool_configure(POLICIES[policy], BACKENDS[backend], fraction or 1.0, 1,
-                                path.encode() if path else ffi.NULL)
+                                _lib_path(path) if path else ffi.NULL)
     if rc:
         raise InstallError(f"npu_pool could not be configured: {last_error()}")
     inst: Optional[_Installation] = None

@@ -47,7 +47,8 @@ class InvalidArgumentError(PoolError, ValueError):
 
 
 class DoubleFreeError(PoolError):
-    """The pointer was allocated by this pool and already freed."""
+    """The pointer lies in this pool's memory but is no allocated block: freed already (a double
+    free), or an address inside a tensor rather than its start."""
 
 
 class UnknownPointerError(PoolError):
@@ -112,8 +113,18 @@ def _int(value: object, what: str) -> int:
 def _fraction(value: object) -> float:
     """A memory fraction as the core takes it (the core checks the range: (0, 1])."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _invalid(f"fraction must be a number in (0, 1], got {value!r}")
-    return float(value)
+        raise _invalid(f"fraction must be a number in (0, 1], got {value!r:.80}")
+    try:
+        return float(value)
+    except OverflowError:  # (an int past what a float holds: no fraction)
+        raise _invalid(f"fraction must be a number in (0, 1], got {value!r:.80}") from None
+
+
+def _lib_path(value: object) -> bytes:
+    """A vendor library's path as the core takes it (bytes, as the file system names it)."""
+    if not isinstance(value, str) or "\0" in value:  # (C would read "a\0b" as "a")
+        raise _invalid(f"lib_path must be a path (a str without NUL characters), got {value!r:.80}")
+    return os.fsencode(value)
 
 
 def _u64_column(values: Sequence[int], what: str) -> array.array:
@@ -209,10 +220,10 @@ class Pool:
         if cfg.max_split_size and policy != "torch":  # (set and ignored, it would read as a setting that works)
             raise _invalid(f"max_split_size applies to the torch policy only (PyTorch's max_split_size_mb); "
                            f"the {policy} policy splits no segments")
-        cfg.device = _uint(device, "device", 1 << 30)
-        if lib_path is not None and (not isinstance(lib_path, str) or "\0" in lib_path):
-            raise _invalid(f"lib_path must be a path (a str without NUL characters), got {lib_path!r:.80}")
-        path = ffi.new("char[]", os.fsencode(lib_path)) if lib_path else ffi.NULL
+        cfg.device = _uint(device, "device", lib.NP_MAX_DEVICES - 1)
+        if lib_path is not None and backend == "sim":  # (given and ignored, it would read as a library in use)
+            raise _invalid(f"lib_path names a vendor library; the sim backend loads none, got {lib_path!r:.80}")
+        path = ffi.new("char[]", _lib_path(lib_path)) if lib_path else ffi.NULL
         cfg.lib_path = path
         cfg.device_rules = _lookup(DEVICE_RULES, rules, "device rules")
         out = ffi.new("np_ctx **")

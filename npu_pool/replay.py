@@ -478,6 +478,9 @@ def policies_from(spec: str | Iterable[str], *, planned: bool = True) -> list[st
         raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(known)}")
     if not planned and "planned" in names:
         raise ValueError(NEEDS_PLAN)
+    twice = sorted({p for p in names if names.count(p) > 1})
+    if twice:  # (a second row of the same figures, or a policy meant and mistyped as another)
+        raise ValueError(f"the policy list {','.join(names)!r} names {', '.join(twice)} twice")
     return names
 
 

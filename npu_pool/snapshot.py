@@ -89,23 +89,82 @@ def device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) 
     return list(iter_device_trace(events, frames))
 
 
+_BUCKET = 21  # alloc entries indexed by a byte of theirs >> _BUCKET (2 MiB), to find those a range holds
+
+
 def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> Iterator[dict[str, Any]]:
-    """:func:`device_trace`, one entry at a time."""
+    """:func:`device_trace`, one entry at a time.
+
+    A paused tag's memory is unmapped while its tensors stay allocated (docs/colocated.md);
+    PyTorch's tools know no allocation outside device memory, so they leave the device with it:
+    freed at the unmap and allocated again where a map brings their range back, as an
+    allocator that offloads them shows it."""
+    live: _Index = {}    # by first byte
+    paused: _Index = {}  # off the device: by last byte
     for e in events:
         kind = e["kind"]
         base = {"addr": int(e["addr"]), "size": int(e["size"]), "stream": device_stream(int(e["stream"])),
                 "time_us": int(e["time"])}
         if kind == "alloc":
-            yield dict(base, action="alloc", frames=frames(e))
+            entry = dict(base, action="alloc", frames=frames(e))
+            live.setdefault(_first(entry) >> _BUCKET, {})[entry["addr"]] = entry
+            yield entry
         elif kind == "free":
-            fr = frames(e)
-            yield dict(base, action="free_requested", frames=fr)
-            yield dict(base, action="free_completed", frames=fr)
+            if _drop(live, base, _first) or not _drop(paused, base, _last):  # (a paused one left at its unmap)
+                fr = frames(e)
+                yield dict(base, action="free_requested", frames=fr)
+                yield dict(base, action="free_completed", frames=fr)
         elif kind in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
-            yield dict(base, action=kind, stream=0 if e.get("pool", 0) > 1 else base["stream"], frames=[])
+            entry = dict(base, action=kind, stream=0 if e.get("pool", 0) > 1 else base["stream"], frames=[])
+            if kind == "segment_unmap":  # at the unmap of its first bytes (a pause unmaps its tag's range at once)
+                for b in _move(live, _first, paused, _last, base["addr"], base["size"]):
+                    left = {k: b[k] for k in ("addr", "size", "stream", "frames")}
+                    yield dict(left, action="free_requested", time_us=base["time_us"])
+                    yield dict(left, action="free_completed", time_us=base["time_us"])
+            yield entry
+            if kind == "segment_map":  # at the map of its last bytes (a resume maps in address order)
+                for b in _move(paused, _last, live, _first, base["addr"], base["size"]):
+                    yield dict(b, time_us=base["time_us"])
         elif kind == "oom":
             free = int(e["device_free"])  # (UINT64_MAX: the device did not say)
             yield dict(base, action="oom", addr=0, device_free=0 if free == (1 << 64) - 1 else free, frames=frames(e))
+
+
+def _first(b: dict[str, Any]) -> int:
+    return b["addr"]
+
+
+def _last(b: dict[str, Any]) -> int:
+    return b["addr"] + max(b["size"], 1) - 1
+
+
+_Index = dict  # bucket (a byte of the entry >> _BUCKET) -> addr -> alloc entry
+
+
+def _drop(index: _Index, freed: dict[str, Any], by: Callable[[dict[str, Any]], int]) -> bool:
+    """Remove the entry at ``freed``'s address from ``index`` (bucketed ``by``); whether it was there."""
+    bucket = by(freed) >> _BUCKET
+    held = index.get(bucket)
+    if held is None or held.pop(freed["addr"], None) is None:
+        return False
+    if not held:
+        del index[bucket]
+    return True
+
+
+def _move(index: _Index, by: Callable[[dict[str, Any]], int], to: _Index, to_by: Callable[[dict[str, Any]], int],
+          addr: int, size: int) -> list[dict[str, Any]]:
+    """Move the entries of ``index`` whose byte ``by`` lies in [addr, addr + size) to ``to``
+    (bucketed ``to_by``); return them in address order."""
+    out = []
+    for bucket in range(addr >> _BUCKET, ((addr + size - 1) >> _BUCKET) + 1 if size else addr >> _BUCKET):
+        held = index.get(bucket)
+        for a in [a for a, b in held.items() if addr <= by(b) < addr + size] if held else ():
+            out.append(held.pop(a))
+            to.setdefault(to_by(out[-1]) >> _BUCKET, {})[a] = out[-1]
+        if held is not None and not held:
+            del index[bucket]
+    return sorted(out, key=_first)
 
 
 def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str, Any]]:

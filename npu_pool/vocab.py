@@ -98,7 +98,7 @@ POLICY_SUMMARIES: dict[str, str] = {name: _text(lib.np_policy_summary(i)) for i,
 # A marker's name in a torch.profiler trace (and in PyTorch snapshots' external_annotations):
 # a record_function range named npu_pool::<marker>::<arg> (npu_pool.recorder.mark_profiled).
 PROFILER_PREFIX = "npu_pool::"
-_PROFILED = re.compile(r"^npu_pool::([a-z_]+)::(-?\d+)$")
+_PROFILED = re.compile(r"^npu_pool::([a-z_]+)::(-?[0-9]{1,19})$")
 
 
 def profiler_label(code: int, arg: int) -> str:
@@ -109,6 +109,6 @@ def profiler_label(code: int, arg: int) -> str:
 def profiled_mark(name: str) -> Optional[tuple[int, int]]:
     """``(code, arg)`` of a range named by :func:`profiler_label`; None for any other name."""
     m = _PROFILED.match(name)
-    if m is None or m.group(1) not in MARK_NAMES:
-        return None
+    if m is None or m.group(1) not in MARK_NAMES or not -(1 << 63) <= int(m.group(2)) < 1 << 63:
+        return None  # (an argument a trace's 64-bit column cannot hold names no marker)
     return MARK_NAMES.index(m.group(1)), int(m.group(2))

@@ -310,7 +310,7 @@ def test_export_cli_and_memory_viz_cli(tmp_path):
     t = toy_trace()
     src = tmp_path / "toy.npt"
     t.save(src)
-    assert main(["export", str(src), "--out", str(tmp_path / "x.npt")]) == 2  # a snapshot named as a trace
+    assert main(["export", str(src), "--out", str(tmp_path / "x.npt")]) == 1  # a snapshot named as a trace: exit 1
     assert not (tmp_path / "x.npt").exists()
     out = tmp_path / "toy.pickle"
     assert main(["export", str(src), "--policy", "npu_pool", "--out", str(out)]) == 0
@@ -527,6 +527,76 @@ def test_estimate_command_against_a_capture(captured, tmp_path, capsys):
     assert "## Estimate vs the trace" in text and "| weights |" in text
     assert main(["analyze", str(src), "--estimate", "--policy", "npu_pool", "--no-progress"]) == 0
     assert "Static estimate vs the trace" in capsys.readouterr().out
+
+
+def test_analyze_estimate_takes_the_config_of_the_worst_of_two_same_named_captures(captured, tmp_path, capsys):
+    """Same-named traces in two folders are told apart by folder (b/cap); --estimate used to look
+    the worst one up by its original name and found none."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    small = Trace(meta=dict(captured.meta))
+    for column in ("op", "cat", "site", "id", "size", "stream", "addr"):  # (same capture, fewer bytes)
+        getattr(small, column).extend(getattr(captured, column))
+    small.size = array.array("Q", (s // 2 for s in captured.size))
+    small.save(tmp_path / "a" / "cap.npt")
+    captured.save(tmp_path / "b" / "cap.npt")
+    assert main(["analyze", str(tmp_path / "a" / "cap.npt"), str(tmp_path / "b" / "cap.npt"), "--estimate",
+                 "--policy", "npu_pool", "--no-progress"]) == 0
+    assert "Static estimate vs the trace" in capsys.readouterr().out
+
+
+def test_estimate_without_an_optimizer_and_tensor_parallel_shapes(capsys):
+    base = ["estimate", "--hidden", "512", "--layers", "2", "--heads", "8", "--format", "json"]
+    assert main(base + ["--vocab", "1000", "--optimizer", "none"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["optimizer_states_bytes"] == 0  # no optimizer: no states, and no fp32 master copy either
+    assert main(base + ["--vocab", "3", "--tp", "8"]) == 0  # a vocabulary smaller than tp: padded, a row a rank
+    e = json.loads(capsys.readouterr().out)
+    assert main(base + ["--vocab", "8", "--tp", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_bytes"] == e["weights_bytes"]
+    assert main(base + ["--vocab", "1000", "--ffn", "2", "--tp", "4"]) == 1
+    assert "ffn=2 not divisible by tp=4" in capsys.readouterr().err
+
+
+def test_a_policy_named_twice_is_refused(tmp_path, capsys):
+    src = tmp_path / "toy.npt"
+    toy_trace().save(src)
+    assert main(["replay", str(src), "--policy", "torch,torch"]) == 1
+    assert "names torch twice" in capsys.readouterr().err
+
+
+def test_export_of_a_paused_tag_leaves_the_device_with_it(tmp_path):
+    """npu_pool unmaps a paused tag's memory and keeps its tensors allocated; PyTorch's tools know
+    no allocation off the device: the export frees them at the unmap and allocates them again at
+    the map that brings them back, as the torch policy's export (explicit offload) shows them."""
+    t = Trace(meta={"n_ids": 2})
+    t.append(OP_REGION, id=0)
+    t.append(OP_ALLOC, id=0, size=64 << 20)
+    t.append(OP_REGION, id=-1)
+    t.append(OP_PAUSE, id=0, cat=1)
+    t.append(OP_ALLOC, id=1, size=64 << 20)
+    t.append(OP_FREE, id=1, size=64 << 20)
+    t.append(OP_RESUME, id=0)
+    t.append(OP_FREE, id=0, size=64 << 20)
+    t.validate()
+    for policy in ("torch", "npu_pool"):
+        out = tmp_path / f"{policy}.pickle"
+        memviz.export([t], policy, str(out))
+        snap = pickle.loads(out.read_bytes())
+        live, mapped, peak = {}, [], 0
+        for e in snap["device_traces"][0]:
+            a, n = e["addr"], e["size"]
+            if e["action"] in ("segment_map", "segment_alloc"):
+                mapped.append((a, a + n))
+            elif e["action"] in ("segment_unmap", "segment_free"):
+                assert not any(a <= b < a + n for b in live), (policy, e)  # nothing allocated leaves the device
+                mapped = [(lo, hi) for lo, hi in mapped if not (a <= lo and hi <= a + n)]
+            elif e["action"] == "alloc":
+                assert a not in live and any(lo <= a and a + n <= hi for lo, hi in mapped), (policy, e)
+                live[a] = n
+                peak = max(peak, sum(live.values()))
+            elif e["action"] == "free_completed":
+                assert live.pop(a) == n, (policy, e)
+        assert peak == 64 << 20 and not live, policy  # the peak live bytes, as analyze says
 
 
 # -- OOM snapshots ----------------------------------------------------------------------------------------------

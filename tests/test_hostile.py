@@ -209,9 +209,19 @@ def test_numbers_outside_64_bits_are_invalid_arguments() -> None:
                 call()
         p.free(ptr)
     for kwargs in ({"capacity": 1 << 70}, {"capacity": -1}, {"capacity": 1 << 50}, {"max_split_size": 1 << 70},
-                   {"fraction": "most"}):
-        with pytest.raises(InvalidArgumentError):
+                   {"fraction": "most"}, {"fraction": 10 ** 400}, {"device": 64}, {"lib_path": "/x"}):
+        with pytest.raises(InvalidArgumentError):  # (10**400: an OverflowError; device 2**21: a 4 MB OOM snapshot)
             Pool("torch", **kwargs)  # type: ignore[arg-type]
+
+
+def test_reset_peak_starts_every_peak_at_its_current_value() -> None:
+    """The arena's high-water mark is computed when read: reset_peak set its peak to 0, below it."""
+    with Pool("npu_pool", capacity=1 << 30) as p:
+        ptr = p.malloc(5 * MiB)
+        p.reset_peak()
+        hwm = p.stats()["arena_hwm"]
+        assert hwm["peak"] == hwm["current"] >= 5 * MiB
+        p.free(ptr)
 
 
 @pytest.mark.parametrize("policy", ["npu_pool", "torch", "expandable"])

@@ -21,7 +21,7 @@ import npu_pool
 from npu_pool import config, torch_memory
 from npu_pool._core import ffi, lib as so
 from npu_pool.config import ConfigError
-from npu_pool.pool import BACKENDS, POLICIES
+from npu_pool.pool import BACKENDS, POLICIES, PoolError
 
 from test_backends import MiB, Vendor, _compiler, FAKES
 from conftest import unavailable
@@ -650,6 +650,51 @@ def test_a_repeated_install_keeps_the_cap_set_since(fakes: dict, fake_cuda_torch
     with pytest.raises(inst.InstallError, match="MEMORY_FRAGMENTATION installed it at start-up: choose its policy "
                                                 "and cap with NPU_POOL_POLICY and NPU_POOL_FRACTION"):
         npu_pool.install(device_type="cuda", policy="torch", lib_path=v.path)
+
+
+def test_a_fraction_a_device_refuses_is_set_on_none(fakes: dict, fake_cuda_torch: list) -> None:
+    """A cap one device refuses (below its smallest block) was kept pending on a device that had
+    not allocated yet, which could then allocate nothing, while the call raised: all or none."""
+    v = _vendor(fakes, "cuda")
+    pools = npu_pool.install(device_type="cuda", lib_path=v.path)
+    free(malloc(MiB, 1), 1)  # device 1 serves memory; device 0 has not allocated yet
+    npu_pool.set_fraction(0.5, device=1)
+    with pytest.raises(PoolError, match="less than the smallest block"):
+        npu_pool.set_fraction(1e-300)
+    assert pools[1].stats()["fraction"] == 0.5  # as it was
+    ptr = malloc(MiB, 0)
+    assert ptr and pools[0].stats()["limit"] == 256 * MiB  # no cap came with it
+    free(ptr, 0)
+    with pytest.raises(ConfigError, match="fraction=1e-300"):  # install() names a bad fraction so
+        npu_pool.install(device_type="cuda", fraction=1e-300, lib_path=v.path)
+    assert [p.stats()["fraction"] for p in pools.values()] == [1.0, 0.5]
+
+
+def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake_cuda_torch: list) -> None:
+    """Every reading of an installed pool answers for a device that served nothing without making
+    its context (on a device: a runtime context on every device of every rank); stats() did, the
+    others made one."""
+    from npu_pool.snapshot import pool_snapshot
+
+    v = _vendor(fakes, "cuda")
+    pools = npu_pool.install(device_type="cuda", lib_path=v.path)
+    free(malloc(MiB, 0), 0)
+    idle = pools[1]
+    assert (idle.blocks(), idle.mapped_ranges(), idle.history(), idle.tags()) == ([], [], [], {})
+    idle.check(), idle.empty_cache(), idle.forget(), idle.set_history(16)
+    with pytest.raises(PoolError, match="not planned"):
+        idle.plan_counts()
+    snap = pool_snapshot(npu_pool.installed())
+    assert len(snap["device_traces"]) == 2 and snap["device_traces"][1] == []
+    assert [p.serving for p in pools.values()] == [True, False]
+    assert malloc(MiB, 1)  # and the device works once it is used
+
+
+def test_a_library_path_that_is_no_path_is_refused(fakes: dict, fake_cuda_torch: list) -> None:
+    for bad in (5, "a\0b", b"/lib.so"):
+        with pytest.raises(npu_pool.InvalidArgumentError, match="lib_path must be a path"):
+            npu_pool.install(device_type="cuda", lib_path=bad)
+    assert not fake_cuda_torch and not npu_pool.installed()  # torch untouched
 
 
 def test_settings_install_would_ignore_are_refused_or_named(tmp_path: Path, fakes: dict, fake_cuda_torch: list,

@@ -133,6 +133,18 @@ def test_phases_as_context_managers_and_decorators() -> None:
     sim.check()
 
 
+def test_a_micro_batch_holds_across_the_start_of_an_iteration_inside_it() -> None:
+    """A step's start counts micro-batches from 0 again, unless the caller named one around it."""
+    spy = Spy()
+    rec = Recorder([spy])
+    with rec.micro_batch(1), rec.step(7), rec.phase("forward"):
+        pass
+    with rec.step(8), rec.phase("forward"):
+        pass
+    assert names(spy.marks) == [("iter_begin", 7), ("forward_begin", 1), ("forward_end", 1), ("iter_end", 7),
+                                ("iter_begin", 8), ("forward_begin", 0), ("forward_end", 0), ("iter_end", 8)]
+
+
 def test_markers_by_name_and_bad_names_rejected() -> None:
     spy = Spy()
     rec = Recorder([spy])

@@ -472,3 +472,17 @@ def test_overlapping_segments_are_left_out_with_a_warning() -> None:
     assert any("the segment at 0x6e00000 (+4194304 bytes) overlaps the one at 0x6400000: left out" in w
                for w in t.meta["warnings"]), t.meta["warnings"]
     assert [e.addr // M for e in t.events() if e.op == OP_INIT_SEGMENT] == [100, 200, 400, 500]
+
+
+def test_an_own_marker_whose_argument_no_trace_holds_names_no_phase() -> None:
+    """npu_pool::<marker>::<arg> ranges are read back as that very marker; an argument past 64 bits
+    raised OverflowError (a traceback for a hostile file): such a name names no phase."""
+    events = [_timed("alloc", 1, 100 * M, 1000), _timed("alloc", 3, 200 * M, 1000)]
+    snap = {"segments": [], "device_traces": [events], "external_annotations": [
+        {"device": 0, "name": "npu_pool::layer_enter::99999999999999999999999", "stage": "START", "time_us": 0},
+        {"device": 0, "name": "npu_pool::layer_enter::5", "stage": "START", "time_us": 2}]}
+    (t,) = snapshot_to_traces(snap, "marks.pickle")
+    t.validate()
+    from npu_pool.trace.format import MARK_LAYER_ENTER, OP_MARK
+
+    assert [(e.cat, e.id) for e in t.events() if e.op == OP_MARK] == [(MARK_LAYER_ENTER, 5)]

@@ -23,7 +23,7 @@ recomputed. The terms are generalised for a FFN size other than ``4h`` (``3sbh +
 flash attention (no ``s*s`` terms, a fp32 log-sum-exp per row instead), other
 activation dtypes and MoE (top-k copies of the MLP activations). With the 1F1B
 pipeline schedule stage ``k`` holds ``min(pp - k, micro-batches)`` micro-batches
-in flight; the last stage adds the output layer (``4*s*b*h/t + 4*s*b*v/t``).
+in flight; the last stage adds the output layer (``4*s*b*h`` -- ``/t`` with sequence parallelism -- ``+ 4*s*b*v/t``).
 
 Not estimated: temporaries (kernel workspaces, communication buffers), allocator
 rounding and fragmentation -- compare with a trace to see those.
@@ -142,6 +142,9 @@ class ModelConfig:
             raise ValueError(f"hidden={c.hidden} is not divisible by heads={c.heads}")
         if c.heads % c.tp or (c.kv_heads or c.heads) % c.tp:
             raise ValueError(f"heads={c.heads} (kv {c.kv_heads or c.heads}) not divisible by tp={c.tp}")
+        if c.ffn_size % c.tp:
+            raise ValueError(f"ffn={c.ffn_size} not divisible by tp={c.tp}: tensor parallelism splits the MLP's "
+                             "hidden size evenly over the ranks")
         if c.experts and c.experts % c.ep:
             raise ValueError(f"experts={c.experts} not divisible by ep={c.ep}")
         if c.kv_heads and not (c.kv_heads <= c.heads and c.heads % c.kv_heads == 0):
@@ -169,6 +172,9 @@ class ModelConfig:
 
     @property
     def master_weights(self) -> bool:
+        """Whether the optimizer keeps an fp32 master copy (none without an optimizer)."""
+        if self.optimizer == "none":
+            return False
         return self.mixed_precision if self.mixed_precision is not None else DTYPE_BYTES[self.dtype] < 4
 
 
@@ -232,7 +238,7 @@ def _stage_params(c: ModelConfig, stage: int) -> tuple[int, int]:
     per = math.ceil(c.layers / c.pp)
     layers = max(0, min(per, c.layers - stage * per))
     n = layers * _layer_params(c)
-    h, v = c.hidden, c.vocab // c.tp
+    h, v = c.hidden, _vocab_rows(c)
     if stage == 0:
         n += v * h + (h * (c.max_positions or c.seq) if c.position == "learned" else 0)
     if stage == c.pp - 1:
@@ -240,6 +246,12 @@ def _stage_params(c: ModelConfig, stage: int) -> tuple[int, int]:
         if not (c.tied_embeddings and c.pp == 1):
             n += v * h  # output head (a tied head on another stage still needs its copy)
     return layers, n
+
+
+def _vocab_rows(c: ModelConfig) -> int:
+    """Vocabulary rows on one tensor-parallel rank: Megatron pads the vocabulary so that every
+    rank holds as many (a vocabulary smaller than tp still gives each rank a row)."""
+    return -(-c.vocab // c.tp)
 
 
 def _total_params(c: ModelConfig) -> int:
@@ -278,7 +290,7 @@ def _output_activations(c: ModelConfig) -> int:
     s, b, h, t = c.seq, c.micro_batch, c.hidden, c.tp
     e = DTYPE_BYTES[c.act_dtype or c.dtype] / 2
     sp = t if c.sequence_parallel else 1
-    return int(e * 4 * s * b * h / sp + 4 * s * b * (c.vocab // t))
+    return int(e * 4 * s * b * h / sp + 4 * s * b * _vocab_rows(c))
 
 
 def _formula(c: ModelConfig) -> str:

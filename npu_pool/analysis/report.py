@@ -67,6 +67,7 @@ class TraceAnalysis:
     timelines: dict[str, Timeline] = field(default_factory=dict, repr=False)
     ooms: RecordedOoms | None = None
     repairs: list[str] = field(default_factory=list)  # what the importer repaired in the recording
+    capture: Any = None  # meta["capture"] of a trace npu-pool capture made: the model's config (estimate)
 
     @property
     def name(self) -> str:
@@ -118,7 +119,7 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
         figs.append(f)
         step()
     return TraceAnalysis(prof, figs, str(trace.meta.get("origin", "")), timelines, _recorded_ooms(trace, policies, hints),
-                         repairs(trace))
+                         repairs(trace), trace.meta.get("capture"))
 
 
 def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> RecordedOoms | None:

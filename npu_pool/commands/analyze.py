@@ -48,10 +48,7 @@ def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
     if args.config:
         cfg = load_config(args.config)
     else:
-        from ..trace.files import expand, open_traces
-
-        meta = next((t.meta for p in expand(args.traces) for n, t in open_traces(p) if n == worst.name), {})
-        cfg = config_from_trace(meta)
+        cfg = config_from_trace({"capture": worst.capture})
         if cfg is None:
             raise ValueError(f"{worst.name}: not a capture of a known model; give --config YAML for --estimate")
     return compare(estimate(cfg), worst.profile)

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.endswith(".npt"):  # (replay, analyze and plan would read it as an npu_pool trace and refuse it)
         print(f"npu-pool export: error: --out {args.out}: export writes a PyTorch snapshot; name it .pickle "
               "(`npu-pool import` makes .npt traces)", file=sys.stderr)
-        return 2
+        return 1
     named = open_traces(args.trace)
     with forced_device(args.device):
         done = export([t for _, t in named], args.policy, args.out, hints=args.hints)  # streamed, whole or absent

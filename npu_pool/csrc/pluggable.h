@@ -20,9 +20,8 @@
 
 #include "npu_pool.h"
 
-#define NP_MAX_DEVICES 64
-
 /* CDEF BEGIN */
+#define NP_MAX_DEVICES 64 /* devices a process's table holds (and a pool's device index is below) */
 /* Configuration of the contexts still to be created (policy index, NP_BACKEND_*, fraction in
  * (0, 1], vmm 0/1, lib_path NULL for the vendor's default library, which is loaded here: one
  * that cannot be is an error now, not at the first allocation). NP_ERR_STATE once a context

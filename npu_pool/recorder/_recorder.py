@@ -28,6 +28,7 @@ class RecorderState:
     in_iteration: bool = False
     iterations: int = 0              # iterations closed so far
     micro: int = 0                   # current micro-batch index
+    micro_held: int = 0              # open micro_batch() contexts: their index holds across an iteration's start
     marks: int = 0                   # markers sent
     last: tuple[int, int] = (-1, -1)  # the latest marker (code, arg)
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per stage (outermost wins)
@@ -54,7 +55,9 @@ class RecorderState:
         elif code == MARK_ITER_BEGIN:
             self._drop_stale()
             self.iteration = arg if arg >= 0 else self.iteration + 1
-            self.in_iteration, self.micro = True, 0
+            self.in_iteration = True
+            if not self.micro_held:
+                self.micro = 0
         elif code == MARK_ITER_END:
             self._drop_stale()
             self.in_iteration = False
@@ -197,9 +200,11 @@ class Recorder:
     def micro_batch(self, index: int):
         """Micro-batch ``index``: forward and backward markers inside carry it as argument."""
         prev, self.state.micro = self.state.micro, _marker_arg(index)
+        self.state.micro_held += 1
         try:
             yield self
         finally:
+            self.state.micro_held -= 1
             self.state.micro = prev
 
     def summary(self) -> dict[str, Any]:
