@@ -262,7 +262,11 @@ NOTES = """
   region is reserved, short of cap pressure (the plan's `outside_peak_bytes`; before 2026-11-26
   it mapped at the first request the plan left out, in the second iteration of cnn-adam-train
   and the second and third of cs336-medium-ctx1024-infer, whose unplanned 16 MiB tensor lives
-  into the next pass, two at once, which the plan's figure did not count).
+  into the next pass, two at once, which the plan's figure did not count). Since 2026-11-27 a
+  plan of a whole trace is checked on the recorded step made twice more as well (docs/planner.md,
+  "Never worse than the online pool"), and five of the six whole-trace plans here run online: the
+  planned rows of those traces are the npu_pool policy's, and the planned policy's
+  minimum-capacity waste below rose with them (those plans held in the recorded step only).
 - The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries,
   event waits and the copies of a paused tag's backup make no `aclrtGetDevice`; the rarer calls
   that would go to the wrong device if a caller changed it behind the pool's back (malloc, free,
