@@ -24,7 +24,8 @@ from typing import Any, Optional
 from . import config, oom
 from .locks import ForkSafeLock
 from ._core import ffi, lib
-from .pool import BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, _check, _fraction, _invalid, _lib_path, _uint
+from .pool import (BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, UnknownPointerError, _check, _fraction, _invalid,
+                   _lib_path, _tag, _uint)
 
 __all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
            "TooLateError", "last_error", "core_path"]
@@ -171,6 +172,27 @@ class _DevicePool(Pool):
 
     def set_history(self, max_entries: int) -> None:
         _check(lib.npu_pool_set_history(self.device, _uint(max_entries, "max_entries")))
+
+    def block_size(self, ptr: int) -> int:
+        if not self.serving:  # (the core's refusal, without making a context to hear it)
+            raise UnknownPointerError(lib.NP_ERR_UNKNOWN_PTR, f"{ptr:#x} on device {self.device}: this pool "
+                                      "never allocated it (the device has served nothing)")
+        return super().block_size(ptr)
+
+    def pause(self, tag: str, backup: bool = False) -> int:
+        if not self.serving and self.policy == "npu_pool":  # (another policy: the core says it has no tags)
+            raise self._no_tag("pause", tag)
+        return super().pause(tag, backup)
+
+    def resume(self, tag: str) -> int:
+        if not self.serving and self.policy == "npu_pool":
+            raise self._no_tag("resume", tag)
+        return super().resume(tag)
+
+    def _no_tag(self, what: str, tag: object) -> PoolError:
+        _tag(tag)  # (a bad name is that first)
+        return _invalid(f"{what}: no tag {tag!r:.60} (tags: none yet: device {self.device} has served nothing); "
+                        "tensors get a tag when allocated inside npu_pool.region(tag)")
 
     def plan_counts(self) -> dict[str, int]:
         if self.serving:

@@ -122,8 +122,9 @@ def _fraction(value: object) -> float:
 
 def _lib_path(value: object) -> bytes:
     """A vendor library's path as the core takes it (bytes, as the file system names it)."""
-    if not isinstance(value, str) or "\0" in value:  # (C would read "a\0b" as "a")
-        raise _invalid(f"lib_path must be a path (a str without NUL characters), got {value!r:.80}")
+    if not isinstance(value, str) or "\0" in value or not value:  # (C would read "a\0b" as "a"; "" as none)
+        raise _invalid(f"lib_path must be a path (a non-empty str without NUL characters; None for the default "
+                       f"library), got {value!r:.80}")
     return os.fsencode(value)
 
 
@@ -223,7 +224,7 @@ class Pool:
         cfg.device = _uint(device, "device", lib.NP_MAX_DEVICES - 1)
         if lib_path is not None and backend == "sim":  # (given and ignored, it would read as a library in use)
             raise _invalid(f"lib_path names a vendor library; the sim backend loads none, got {lib_path!r:.80}")
-        path = ffi.new("char[]", _lib_path(lib_path)) if lib_path else ffi.NULL
+        path = ffi.new("char[]", _lib_path(lib_path)) if lib_path is not None else ffi.NULL
         cfg.lib_path = path
         cfg.device_rules = _lookup(DEVICE_RULES, rules, "device rules")
         out = ffi.new("np_ctx **")

@@ -222,6 +222,11 @@ def test_reset_peak_starts_every_peak_at_its_current_value() -> None:
         hwm = p.stats()["arena_hwm"]
         assert hwm["peak"] == hwm["current"] >= 5 * MiB
         p.free(ptr)
+    with Pool("npu_pool", capacity=1 << 30, vmm=False) as p:  # a fixed arena: empty_cache gives it back whole
+        p.free(p.malloc(100 * MiB))
+        p.empty_cache()
+        p.reset_peak()
+        assert p.stats()["arena_hwm"]["peak"] == p.stats()["arena_hwm"]["current"] == 0
 
 
 @pytest.mark.parametrize("policy", ["npu_pool", "torch", "expandable"])

@@ -684,6 +684,10 @@ def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake
     idle.check(), idle.empty_cache(), idle.forget(), idle.set_history(16)
     with pytest.raises(PoolError, match="not planned"):
         idle.plan_counts()
+    with pytest.raises(npu_pool.UnknownPointerError, match="never allocated"):
+        idle.block_size(0x1000)
+    with pytest.raises(npu_pool.InvalidArgumentError, match="no tag 'x'"):
+        idle.pause("x")
     snap = pool_snapshot(npu_pool.installed())
     assert len(snap["device_traces"]) == 2 and snap["device_traces"][1] == []
     assert [p.serving for p in pools.values()] == [True, False]
@@ -691,7 +695,7 @@ def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake
 
 
 def test_a_library_path_that_is_no_path_is_refused(fakes: dict, fake_cuda_torch: list) -> None:
-    for bad in (5, "a\0b", b"/lib.so"):
+    for bad in (5, "a\0b", b"/lib.so", ""):  # ("": loaded the default library, silently)
         with pytest.raises(npu_pool.InvalidArgumentError, match="lib_path must be a path"):
             npu_pool.install(device_type="cuda", lib_path=bad)
     assert not fake_cuda_torch and not npu_pool.installed()  # torch untouched

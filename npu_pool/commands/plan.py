@@ -94,6 +94,8 @@ def _rows(meta: dict) -> str:
                                     f"{_gib(meta, 'onward_online_reserved_bytes')} online, with the recorded step "
                                     f"made {meta.get('onward_passes')} more times (a plan of a whole trace: "
                                     "docs/planner.md)"))
+    if meta.get("onward_skipped"):
+        rows.insert(-1, ("goes on", f"not checked past the recorded step ({meta['onward_skipped']})"))
     if meta.get("online"):
         advice = ("; the trace shows one step, so the planner cannot see how the steps after it differ: "
                   "record two or more (a memory snapshot over several iterations, or `npu-pool capture --steps 3`)"

@@ -291,13 +291,11 @@ static int counters(np_ctx *ctx, np_counter **c) {
 
 void np_reset_peak(np_ctx *ctx) {
   np_ctx_lock(ctx);
-  if (!ctx->closed) { /* the arena's high-water mark is computed when read, not kept: read it first */
-    np_stats now;
-    np_get_stats_locked(ctx, &now);
-    ctx->st.arena_hwm.current = now.arena_hwm.current;
-  }
+  np_stats now = ctx->st; /* the arena's high-water mark is computed when read (not kept): read it */
+  if (!ctx->closed) np_get_stats_locked(ctx, &now);
   np_counter *c[6 * (NP_POOLS + 1) + 1];
   for (int i = 0, n = counters(ctx, c); i < n; i++) c[i]->peak = c[i]->current;
+  ctx->st.arena_hwm.peak = now.arena_hwm.current;
   np_ctx_unlock(ctx);
 }
 

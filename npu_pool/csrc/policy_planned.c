@@ -19,6 +19,9 @@
  *    ahead resynchronises (requests went missing); when lost, only a position that holds
  *    the hash alone (identical layers repeat theirs); before the first sync, the one
  *    nearest the count of requests since set-up;
+ *  - a request that matches the first position after the expected one that is not held for good
+ *    (end = p + body) takes it: a plan of one recorded step holds what that step made once
+ *    (weights, optimizer states) for good, and the steps after it do not make them again;
  *  - otherwise it is a dynamic size at the expected position (MoE routing, variable
  *    lengths). When the next request matches the position it consumed instead, it was an
  *    extra request and the position is taken back; MAX_MISSES in a row: lost.
@@ -221,6 +224,21 @@ static void learn_start(np_ctx *ctx, planned_state *st) {
   st->start = ctx->marks;
 }
 
+/* A body position held for good (end = p + body: its range is its own throughout the body): in a plan
+ * of one recorded step, a tensor that step made once (weights, optimizer states), which the steps
+ * after it do not make again. */
+static bool made_once(const np_plan *p, uint64_t pos) {
+  return pos >= p->loop && p->end[pos] != NP_PLAN_NONE && p->end[pos] == pos + (p->n - p->loop);
+}
+
+/* The first position from `pos` on that is not made once (`pos` itself when it is not; after a whole
+ * body of them, `pos`). */
+static uint64_t past_once(const np_plan *p, uint64_t pos) {
+  uint64_t q = pos;
+  for (uint64_t k = 0; k < p->n && made_once(p, q); k++) q = np_plan_next(p, q);
+  return made_once(p, q) ? pos : q;
+}
+
 /* Is this request the first of an iteration? A request right after MARK_ITER_BEGIN is, where the
  * plan says so; one in the learned start context is, unless that context recurs inside the
  * iteration (a request matching the plan mid-way): then it is forgotten. */
@@ -271,11 +289,14 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     st->misses = 0;
     skipped = NP_PLAN_NONE;
   }
-  uint64_t at = NP_PLAN_NONE;
+  uint64_t at = NP_PLAN_NONE, past;
   if (st->synced && p->size[st->pos] == req) {
     at = st->pos;
   } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
     at = skipped;
+  } else if (st->synced && made_once(p, st->pos) && (past = past_once(p, st->pos)) != st->pos &&
+             p->size[past] == req) {
+    at = past; /* the tensors made once, expected here, were made in an earlier pass: not missed */
   } else if (st->n_recent >= NP_PLAN_GRAM && (st->began || !(st->flags & NP_PLAN_AT_ITER_BEGIN) || !ctx->marks.any)) {
     /* markers, where the plan relies on them, decide where the loop starts: set-up that
      * happens to repeat a stretch of the iteration is not taken for it */
@@ -298,8 +319,8 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   }
   if (at != NP_PLAN_NONE) {
     st->began = true; /* (a plan followed from its first request, NP_PLAN_AT_START, began there) */
-    if (at == p->loop && st->last == p->n - 1) {
-      lap_done(st);
+    if (at == p->loop && st->last != NP_PLAN_NONE && past_once(p, np_plan_next(p, st->last)) == p->loop) {
+      lap_done(st); /* (the body's last positions may be made once: the lap ends where they would) */
       learn_start(ctx, st);
     }
     st->misses = 0;

@@ -38,6 +38,7 @@ from itertools import accumulate
 
 from ..trace.format import OP_ALLOC, OP_FREE, OP_INIT_ALLOC, Trace
 from .iteration import Window
+from .onward import onward, peak_live
 
 __all__ = ["Layout", "NONE", "build_layout"]
 
@@ -124,7 +125,7 @@ def build_layout(trace: Trace, w: Window) -> Layout:
             ghosts.append((s, e))
     static = sum(pre.values())
     if w.method == "whole":  # the loop holds what the recorded step makes once from then on
-        peak = max(peak, static + _loop_peak(sizes, end, m))
+        peak = max(peak, peak_live(onward(trace, 1)))  # (the model the plan is checked on: .check)
     freed = [e if e >= 0 else after.get(p, -1) for p, e in enumerate(ends)]
     return Layout(sizes, end, m, ghosts, pairs, static, static + _unplanned_peak(sizes, end, freed, m, witness), peak)
 
@@ -153,28 +154,9 @@ def _step_again(sizes: array.array, ends: list[int], m: int) -> tuple[dict[int, 
                 out[p] = p + (n - m)
             elif ends[qs[k]] <= p:
                 out[p] = n + ends[qs[k]] - m
-                pairs[qs[k]] = p
+                if ends[qs[k]] > m:  # (freed before the step allocates: no wrap, no range in common)
+                    pairs[qs[k]] = p
     return out, pairs
-
-
-def _loop_peak(sizes: array.array, end: array.array, m: int) -> int:
-    """Highest requested bytes the planned requests hold at a position of the steady loop: the
-    body's, the previous pass's instances wrapping into it, and prologue tensors held through it
-    (the first pass, where the prologue's tensors hold what later passes' instances do, is the
-    window's own peak)."""
-    n = len(sizes)
-    diff = [0] * (n + 1)
-    for p in range(n):
-        e = end[p]
-        if e == NONE or (p < m and e < n):
-            continue
-        lo = max(p, m)
-        diff[lo] += sizes[p]
-        diff[min(e, n)] -= sizes[p]
-        if e > n:
-            diff[m] += sizes[p]
-            diff[m + e - n] -= sizes[p]
-    return max(accumulate(diff[m:]), default=0)
 
 
 WITNESSES = 4  # later passes whose instance of a body position shows how long such tensors live

@@ -83,6 +83,8 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
         cmp = compare_online(trace, plan, name or "the trace")
         meta.update(replay_reserved_bytes=cmp["planned_reserved_bytes"],
                     online_reserved_bytes=cmp["online_reserved_bytes"], replay_counts=cmp["plan_counts"])
+        if "onward_skipped" in cmp:
+            meta["onward_skipped"] = cmp["onward_skipped"][:300]
         if "onward_planned_reserved_bytes" in cmp:
             meta.update(onward_passes=cmp["onward_passes"], onward_reserved_bytes=cmp["onward_planned_reserved_bytes"],
                         onward_online_reserved_bytes=cmp["onward_online_reserved_bytes"])
