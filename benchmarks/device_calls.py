@@ -264,7 +264,7 @@ NOTES = """
   and the second and third of cs336-medium-ctx1024-infer, whose unplanned 16 MiB tensor lives
   into the next pass, two at once, which the plan's figure did not count). Since 2026-11-27 a
   plan of a whole trace is checked on the recorded step made twice more as well (docs/planner.md,
-  "Never worse than the online pool"), and five of the six whole-trace plans here run online: the
+  "Never worse than the online pool"), and four of the six whole-trace plans here run online: the
   planned rows of those traces are the npu_pool policy's, and the planned policy's
   minimum-capacity waste below rose with them (those plans held in the recorded step only).
 - The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries,

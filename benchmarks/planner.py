@@ -2,6 +2,11 @@
 
     python benchmarks/planner.py [--shared ../shared/traces] [--no-captures] [--out docs/planner_results.md]
 
+A second table plans one recorded step (a real CPU capture of the small models, first step) and
+replays the same run's three real steps with it, as the plan would meet them: whether the planner
+kept it, peak reserved with it against the online pool's, and release-and-retry events on the
+device the online pool needs.
+
 For fake captures of 7B/13B shapes (gpt, llama, moe; 2 and 3 steps; recompute; gradient
 accumulation; tensor- and pipeline-parallel slices; no real memory, see
 ``npu_pool.capture.fake_capture``) and the shared traces, each planned from itself as
@@ -69,6 +74,47 @@ def measure(name: str, trace: Any) -> dict[str, Any]:
                 min_cap=cap, retries=at_cap.retries, plan_s=plan_s, window=m["method"], positions=m["positions"])
 
 
+# (name, capture arguments): the small CPU models, one step planned, three replayed
+ONE_STEP: list[tuple[str, dict[str, Any]]] = [
+    ("gpt", dict(model_name="gpt")),
+    ("gpt accum 2", dict(model_name="gpt", grad_accum=2)),
+    ("gpt recompute", dict(model_name="gpt", recompute=True)),
+    ("llama bf16", dict(model_name="llama", mixed_precision="bf16")),
+    ("moe", dict(model_name="moe")),
+    ("moe accum 2", dict(model_name="moe", grad_accum=2)),
+]
+
+
+def one_step_rows() -> list[dict[str, Any]]:
+    """Each model captured for one step and for three (same seed: the first step is the same),
+    the one planned, the three replayed with the plan as kept."""
+    from npu_pool.capture import capture
+
+    rows = []
+    for name, kw in progress(ONE_STEP, desc="one step", unit="model"):
+        one, three = capture(steps=1, progress=False, **kw), capture(steps=3, progress=False, **kw)
+        plan = make_plan(one, name)
+        online, planned = run(three, "npu_pool"), run(three, "planned", plan=plan)
+        tight = online.peak_reserved_bytes
+        rows.append(dict(trace=name, kept=not plan.meta.get("online"), online=online.peak_reserved_bytes,
+                         planned=planned.peak_reserved_bytes, counts=planned.stats.get("plan", {}),
+                         retries=run(three, "planned", tight, plan=plan).retries,
+                         online_retries=run(three, "npu_pool", tight).retries))
+    return rows
+
+
+def one_step_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| model | plan of step 1 | 3 steps: planned MiB | npu_pool MiB | planned / npu_pool | "
+           "served / idle / fallback | retries on npu_pool's device (npu_pool's) |", "|" + "---|" * 7]
+    for r in rows:
+        c = r["counts"]
+        out.append(f"| {r['trace']} | {'kept' if r['kept'] else 'online'} | {r['planned'] / (1 << 20):.1f} | "
+                   f"{r['online'] / (1 << 20):.1f} | {r['planned'] / r['online']:.3f} | "
+                   f"{c.get('served', 0)} / {c.get('idle', 0)} / {c.get('fallback', 0)} | "
+                   f"{r['retries']} ({r['online_retries']}) |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| trace | iteration | peak live GiB | torch | npu_pool | planned | plan as made | served / idle / "
             "fallback | planned min cap GiB | retries there | plan s |")
@@ -91,6 +137,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "planner_results.md")
     a = ap.parse_args()
     rows = [measure(n, t) for n, t in progress(collect(a.shared, not a.no_captures), desc="plan", unit="trace")]
+    steps = [] if a.no_captures else one_step_rows()
     never_worse = all(r["planned"] <= r["npu_pool"] for r in rows)
     online = [r for r in rows if r["online"]]
     text = f"""# Planned mode against the online pool (generated)
@@ -106,6 +153,18 @@ policy). "plan as made" installs the plan regardless. Counts are the plan as mad
 
 Planned reserves no more than npu_pool on every trace: **{never_worse}**. Plans kept online:
 {len(online)} of {len(rows)}{''.join(f'; {r["trace"]}: {r["online"]}' for r in online)}.
+"""
+    if steps:
+        text += f"""
+## One recorded step, three real steps
+
+Each small model captured on this CPU for one step and for three (`npu-pool capture`, same seed), the one
+step planned (a whole-trace plan), the three steps replayed with the plan as kept ("online": the planner
+kept it online, so the planned policy is npu_pool). Planned reserves no more than npu_pool on every run:
+**{all(r['planned'] <= r['online'] for r in steps)}**; no more release-and-retry events on the device
+npu_pool needs: **{all(r['retries'] <= r['online_retries'] for r in steps)}**.
+
+{one_step_table(steps)}
 """
     a.out.write_text(text)
     print(text)

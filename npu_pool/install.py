@@ -25,7 +25,7 @@ from . import config, oom
 from .locks import ForkSafeLock
 from ._core import ffi, lib
 from .pool import (BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, UnknownPointerError, _check, _fraction, _invalid,
-                   _lib_path, _tag, _uint)
+                   _flag, _lib_path, _tag, _uint)
 
 __all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
            "TooLateError", "last_error", "core_path"]
@@ -175,22 +175,26 @@ class _DevicePool(Pool):
 
     def block_size(self, ptr: int) -> int:
         if not self.serving:  # (the core's refusal, without making a context to hear it)
-            raise UnknownPointerError(lib.NP_ERR_UNKNOWN_PTR, f"{ptr:#x} on device {self.device}: this pool "
-                                      "never allocated it (the device has served nothing)")
+            raise UnknownPointerError(lib.NP_ERR_UNKNOWN_PTR, f"{_uint(ptr, 'pointer'):#x} on device {self.device}: "
+                                      "this pool never allocated it (the device has served nothing)")
         return super().block_size(ptr)
 
     def pause(self, tag: str, backup: bool = False) -> int:
-        if not self.serving and self.policy == "npu_pool":  # (another policy: the core says it has no tags)
+        if not self.serving:
+            _flag(backup, "backup")
             raise self._no_tag("pause", tag)
         return super().pause(tag, backup)
 
     def resume(self, tag: str) -> int:
-        if not self.serving and self.policy == "npu_pool":
+        if not self.serving:
             raise self._no_tag("resume", tag)
         return super().resume(tag)
 
     def _no_tag(self, what: str, tag: object) -> PoolError:
         _tag(tag)  # (a bad name is that first)
+        if self.policy != "npu_pool":
+            return PoolError(lib.NP_ERR_STATE, f"policy {self.policy} has no tagged regions: region, pause and "
+                                               "resume need policy npu_pool")
         return _invalid(f"{what}: no tag {tag!r:.60} (tags: none yet: device {self.device} has served nothing); "
                         "tensors get a tag when allocated inside npu_pool.region(tag)")
 

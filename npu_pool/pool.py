@@ -14,7 +14,7 @@ from . import oom
 from .locks import ForkSafeLock
 from ._core import ffi, lib
 from .vocab import BACKENDS as _BACKEND_NAMES, CALL_NAMES, HISTORY_MAX, LIFETIMES as _LIFE_NAMES, MARK_NAMES
-from .vocab import DEVICES as _DEVICE_NAMES
+from .vocab import DEVICES as _DEVICE_NAMES, PLAN_FLAGS
 from .vocab import POLICIES as _POLICY_NAMES, POOL_NAMES
 
 POLICIES: dict[str, int] = {name: i for i, name in enumerate(_POLICY_NAMES)}
@@ -122,7 +122,8 @@ def _fraction(value: object) -> float:
 
 def _lib_path(value: object) -> bytes:
     """A vendor library's path as the core takes it (bytes, as the file system names it)."""
-    if not isinstance(value, str) or "\0" in value or not value:  # (C would read "a\0b" as "a"; "" as none)
+    # (the core reads "a\0b" as "a"; "" and ":" -- CUDA's RUNTIME:DRIVER, both left out -- as the default library)
+    if not isinstance(value, str) or "\0" in value or not value.strip(":"):
         raise _invalid(f"lib_path must be a path (a non-empty str without NUL characters; None for the default "
                        f"library), got {value!r:.80}")
     return os.fsencode(value)
@@ -362,7 +363,7 @@ class Pool:
         bufs = [ffi.from_buffer("uint64_t[]", c) if n else ffi.NULL for c in cols]
         _check(lib.np_set_plan(self.ctx, n, _uint(loop, "plan loop"), bufs[0] if n else ffi.new("uint64_t[]", 1),
                                bufs[1], bufs[2], _uint(region, "plan region"), _uint(outside, "plan outside"),
-                               _uint(flags, "plan flags", 3), ffi.NULL))
+                               _uint(flags, "plan flags", PLAN_FLAGS), ffi.NULL))
 
     def plan_counts(self) -> dict[str, int]:
         """Requests of a ``"planned"`` pool served from the plan, fallen back, placed in idle

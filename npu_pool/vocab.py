@@ -16,7 +16,7 @@ from ._core import ffi, lib
 
 __all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "STREAM_TAGS", "device_stream", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "CALL_NAMES", "CALL_VENDOR", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
-           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
+           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PLAN_MADE_ONCE", "PLAN_FLAGS", "PROFILER_PREFIX", "profiler_label", "profiled_mark"]
 
 
 def _names(vocab: int, count: int) -> tuple[str, ...]:
@@ -86,6 +86,8 @@ MARK_EVAL_BEGIN, MARK_EVAL_END = lib.NP_MARK_EVAL_BEGIN, lib.NP_MARK_EVAL_END
 # lifetime classes, plan flags
 LIFE_AUTO, LIFE_LONG, LIFE_SHORT = lib.NP_LIFE_AUTO, lib.NP_LIFE_LONG, lib.NP_LIFE_SHORT
 PLAN_AT_ITER_BEGIN, PLAN_AT_START = lib.NP_PLAN_AT_ITER_BEGIN, lib.NP_PLAN_AT_START
+PLAN_MADE_ONCE = lib.NP_PLAN_MADE_ONCE
+PLAN_FLAGS = PLAN_AT_ITER_BEGIN | PLAN_AT_START | PLAN_MADE_ONCE  # every flag np_set_plan takes
 
 # the policy registry
 POLICIES: tuple[str, ...] = tuple(_text(lib.np_policy_name(i)) for i in range(lib.np_policy_count()))

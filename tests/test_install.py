@@ -688,6 +688,9 @@ def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake
         idle.block_size(0x1000)
     with pytest.raises(npu_pool.InvalidArgumentError, match="no tag 'x'"):
         idle.pause("x")
+    for call in (lambda: idle.block_size("abc"), lambda: idle.pause("x", backup="yes")):
+        with pytest.raises(npu_pool.InvalidArgumentError):  # (the argument's error first: a bare ValueError before)
+            call()
     snap = pool_snapshot(npu_pool.installed())
     assert len(snap["device_traces"]) == 2 and snap["device_traces"][1] == []
     assert [p.serving for p in pools.values()] == [True, False]
@@ -695,7 +698,7 @@ def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake
 
 
 def test_a_library_path_that_is_no_path_is_refused(fakes: dict, fake_cuda_torch: list) -> None:
-    for bad in (5, "a\0b", b"/lib.so", ""):  # ("": loaded the default library, silently)
+    for bad in (5, "a\0b", b"/lib.so", "", ":"):  # ("", ":": loaded the default library, silently)
         with pytest.raises(npu_pool.InvalidArgumentError, match="lib_path must be a path"):
             npu_pool.install(device_type="cuda", lib_path=bad)
     assert not fake_cuda_torch and not npu_pool.installed()  # torch untouched

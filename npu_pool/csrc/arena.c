@@ -45,6 +45,7 @@ void np_arena_init(np_ctx *ctx, np_arena *a) {
   a->vmm = ctx->cfg.vmm && ctx->be->granularity > 0 && ctx->be->reserve;
   a->page = a->vmm ? ctx->be->granularity : NP_MIN_BLOCK;
   a->growth = NP_ARENA_GROWTH;
+  a->counts_hwm = true;
   ctx->st.vmm = a->vmm;
 }
 
@@ -503,7 +504,7 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
   }
   b->stream = stream;
   uint64_t end = b->addr + b->size - a->seg->addr;
-  if (end > ctx->st.arena_hwm.peak) ctx->st.arena_hwm.peak = end;
+  if (a->counts_hwm && end > ctx->st.arena_hwm.peak) ctx->st.arena_hwm.peak = end;
   *out = b;
   return NP_OK;
 }

@@ -76,6 +76,7 @@ typedef struct np_arena {
   uint64_t growth;      /* least bytes a growth maps far from the cap (NP_ARENA_GROWTH; 0: exactly the shortfall) */
   uint64_t set_aside;   /* bytes of the cap the arena must leave to its owner */
   uint64_t outside;     /* reserved bytes that are not the arena's */
+  bool counts_hwm;      /* its high-water mark is the context's arena_hwm (not a tag's arena) */
   np_streams streams;   /* streams that allocated or were recorded, for waits on mixed memory */
 } np_arena;
 

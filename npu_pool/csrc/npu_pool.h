@@ -77,8 +77,10 @@ enum {
  * memory the pool's cap allowed (other processes, collective-communication buffers or another
  * allocator hold the rest of the device). */
 enum { NP_OOM_TOO_LARGE = 1, NP_OOM_FRAGMENTED = 2, NP_OOM_SHORTAGE = 3, NP_OOM_DEVICE = 4, NP_OOM_COUNT = 5 };
-/* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed. */
-enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2 };
+/* np_set_plan flags: position 0 is the first request after MARK_ITER_BEGIN / after the plan is installed;
+ * body positions held for good (end = p + body) were made once, in the first pass (a plan of one
+ * recorded step): later passes skip them. */
+enum { NP_PLAN_AT_ITER_BEGIN = 1, NP_PLAN_AT_START = 2, NP_PLAN_MADE_ONCE = 4 };
 /* Whose request rules a context applies (np_config.device_rules): the backend's own (ACL pads where
  * torch_npu pads, sim and CUDA do not), torch_npu's on an Ascend NPU (every request rounds up to
  * NP_NPU_PAD bytes and gets NP_NPU_PAD more before the policy sees it), CUDA's (none). */

@@ -231,8 +231,28 @@ void np_plan_free(np_plan *p) {
   free(p->span);
   free(p->gram_key);
   free(p->gram_pos);
+  free(p->past_held);
   np_occ_destroy(&p->occ);
   memset(p, 0, sizeof *p);
+}
+
+/* past_held, in one backward walk around the body from a position not held for good. */
+static int build_past_held(np_plan *p) {
+  p->past_held = malloc(p->n * sizeof *p->past_held);
+  if (!p->past_held) return np_error(NP_ERR_HOST, "host out of memory for a plan");
+  uint64_t body = p->n - p->loop, free_at = p->n;
+  for (uint64_t q = 0; q < p->n; q++) {
+    p->past_held[q] = (uint32_t)q;
+    if (free_at == p->n && q >= p->loop && !np_plan_held(p, q)) free_at = q;
+  }
+  if (free_at == p->n) return NP_OK; /* every body position held (or none in the body): nothing to skip to */
+  uint64_t cur = free_at;
+  for (uint64_t k = 0; k < body; k++) {
+    uint64_t q = p->loop + (free_at - p->loop + body - k) % body; /* free_at, then backwards around the body */
+    if (!np_plan_held(p, q)) cur = q;
+    p->past_held[q] = (uint32_t)cur;
+  }
+  return NP_OK;
 }
 
 int np_plan_build(np_plan *p, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,
@@ -277,6 +297,7 @@ int np_plan_build(np_plan *p, uint64_t n, uint64_t loop, const uint64_t *size, c
     }
   }
   rc = build_grams(p);
+  if (rc == NP_OK) rc = build_past_held(p);
   if (rc == NP_OK) return NP_OK;
 fail:
   np_plan_free(p);

@@ -61,8 +61,16 @@ typedef struct np_plan {
   np_span *span;
   uint64_t *gram_key;
   uint32_t *gram_pos;
+  uint32_t *past_held; /* per position: the first at or after it (in the loop) not held for good, itself if
+                        * none is (held for good: a body position whose end is p + body, its range its own
+                        * throughout the body) */
   np_occ occ;        /* planned rectangles */
 } np_plan;
+
+/* Whether body position `pos` is held for good (end = pos + body). */
+static inline bool np_plan_held(const np_plan *p, uint64_t pos) {
+  return pos >= p->loop && p->end[pos] != NP_PLAN_NONE && p->end[pos] == pos + (p->n - p->loop);
+}
 
 /* Validate and copy a plan; NP_ERR_INVALID naming the first bad position. */
 int np_plan_build(np_plan *p, uint64_t n, uint64_t loop, const uint64_t *size, const uint64_t *offset,

@@ -19,9 +19,9 @@
  *    ahead resynchronises (requests went missing); when lost, only a position that holds
  *    the hash alone (identical layers repeat theirs); before the first sync, the one
  *    nearest the count of requests since set-up;
- *  - a request that matches the first position after the expected one that is not held for good
- *    (end = p + body) takes it: a plan of one recorded step holds what that step made once
- *    (weights, optimizer states) for good, and the steps after it do not make them again;
+ *  - with NP_PLAN_MADE_ONCE (a plan of one recorded step, which holds what that step made once
+ *    for good: weights, optimizer states; the steps after it do not make them again), a request
+ *    that matches the first position after the expected one that is not held for good takes it;
  *  - otherwise it is a dynamic size at the expected position (MoE routing, variable
  *    lengths). When the next request matches the position it consumed instead, it was an
  *    extra request and the position is taken back; MAX_MISSES in a row: lost.
@@ -32,8 +32,10 @@
  * is still held. Before that a mismatch is more likely an extra request that may live for
  * good (optimizer states), and it goes to the fallback.
  * The fallback is an arena (arena.h) whose budget leaves the region room: the cap less the
- * region while it is not reserved yet, the cap less what the region holds once it is. When
- * the fallback has no room, the lowest free range of the region that fits is a last resort;
+ * region while it is not reserved yet, the cap less what the region holds once it is. Under
+ * NP_PLAN_MADE_ONCE a request the plan does not place, short of one it leaves out, takes the
+ * lowest free range of the region that fits before the fallback (later steps differ from the
+ * recorded one). When the fallback has no room, that range is a last resort;
  * failing that, with nothing planned live, the region is given up (until empty_cache or a new
  * plan) and the request retried, so that a region the run does not use never costs its share.
  *
@@ -80,6 +82,7 @@ typedef struct planned_state {
   bool lap_clean;              /* this iteration has been followed without a jump or a lifetime off plan */
   bool steady;                 /* so was the previous one, and this one so far: ranges off plan may be used */
   uint32_t misses;             /* mismatches in a row while synced */
+  bool left_out;               /* the latest request is one the plan leaves to the fallback (unplanned) */
   uint64_t recent[NP_PLAN_GRAM]; /* sizes of the latest requests, ring */
   uint64_t n_recent;
   uint64_t count[N_COUNTS];
@@ -224,19 +227,15 @@ static void learn_start(np_ctx *ctx, planned_state *st) {
   st->start = ctx->marks;
 }
 
-/* A body position held for good (end = p + body: its range is its own throughout the body): in a plan
- * of one recorded step, a tensor that step made once (weights, optimizer states), which the steps
- * after it do not make again. */
-static bool made_once(const np_plan *p, uint64_t pos) {
-  return pos >= p->loop && p->end[pos] != NP_PLAN_NONE && p->end[pos] == pos + (p->n - p->loop);
-}
-
-/* The first position from `pos` on that is not made once (`pos` itself when it is not; after a whole
- * body of them, `pos`). */
-static uint64_t past_once(const np_plan *p, uint64_t pos) {
-  uint64_t q = pos;
-  for (uint64_t k = 0; k < p->n && made_once(p, q); k++) q = np_plan_next(p, q);
-  return made_once(p, q) ? pos : q;
+/* Does the request located at `at` begin the next pass of the body, the previous one followed to its
+ * end? Where the steps after the first skip what it made once (NP_PLAN_MADE_ONCE), the body's first
+ * and last positions may be such: the pass begins at the first that is not, and the previous one
+ * ended at its last that is not. */
+static bool lap_ends(const planned_state *st, uint64_t at) {
+  const np_plan *p = &st->plan;
+  if (!(st->flags & NP_PLAN_MADE_ONCE)) return at == p->loop && st->last == p->n - 1;
+  return at == p->past_held[p->loop] && st->last != NP_PLAN_NONE && st->last >= p->loop &&
+         p->past_held[np_plan_next(p, st->last)] == at;
 }
 
 /* Is this request the first of an iteration? A request right after MARK_ITER_BEGIN is, where the
@@ -294,7 +293,7 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     at = st->pos;
   } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
     at = skipped;
-  } else if (st->synced && made_once(p, st->pos) && (past = past_once(p, st->pos)) != st->pos &&
+  } else if (st->synced && (st->flags & NP_PLAN_MADE_ONCE) && (past = p->past_held[st->pos]) != st->pos &&
              p->size[past] == req) {
     at = past; /* the tensors made once, expected here, were made in an earlier pass: not missed */
   } else if (st->n_recent >= NP_PLAN_GRAM && (st->began || !(st->flags & NP_PLAN_AT_ITER_BEGIN) || !ctx->marks.any)) {
@@ -319,8 +318,8 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   }
   if (at != NP_PLAN_NONE) {
     st->began = true; /* (a plan followed from its first request, NP_PLAN_AT_START, began there) */
-    if (at == p->loop && st->last != NP_PLAN_NONE && past_once(p, np_plan_next(p, st->last)) == p->loop) {
-      lap_done(st); /* (the body's last positions may be made once: the lap ends where they would) */
+    if (lap_ends(st, at)) {
+      lap_done(st);
       learn_start(ctx, st);
     }
     st->misses = 0;
@@ -366,6 +365,7 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
     st->premapped = true;
     np_arena_premap(ctx, budget(ctx, st), st->outside);
   }
+  st->left_out = at != NP_PLAN_NONE && !dynamic && st->plan.offset[at] == NP_PLAN_NONE;
   if (at == NP_PLAN_NONE || (!dynamic && st->plan.offset[at] == NP_PLAN_NONE)) return NP_ERR_OOM;
   if (!st->plan.region) return NP_ERR_OOM; /* no region to place in (a dynamic request too): the fallback's */
   int rc = region_reserve(ctx, st);
@@ -386,7 +386,8 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
 }
 
 /* The lowest free range of the region that fits, for a request the fallback has no room
- * for: better than failing, though it may hold a range the plan needs later. */
+ * for (or, under NP_PLAN_MADE_ONCE, one the plan does not place): better than failing or
+ * growing, though it may hold a range the plan needs later. */
 typedef struct fit { uint64_t size; np_block *found; } fit;
 
 static bool fits(np_block *b, void *arg) { /* np_tree_walk: stop at the first block that fits */
@@ -431,6 +432,12 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   if (st->plan.n) {
     int rc = place_planned(ctx, st, req, stream, out);
     if (rc != NP_ERR_OOM) return rc;
+    /* a plan of one recorded step (NP_PLAN_MADE_ONCE): a request it does not place (lost, a size the step
+     * did not record, its range still held), short of one it leaves out on purpose, takes the region's free
+     * memory first, as the online pool takes its own: steps after the recorded one differ from it (MoE
+     * routing), and a fallback growing beside a region with free memory would hold both */
+    if ((st->flags & NP_PLAN_MADE_ONCE) && !st->left_out && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK)
+      return NP_OK;
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
   if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;

@@ -120,6 +120,7 @@ int np_tags_region(np_ctx *ctx, np_tagset *t, const char *name) {
   np_tag *g = calloc(1, sizeof *g);
   if (!g) return np_error(NP_ERR_HOST, "host out of memory for a tag");
   np_arena_init(ctx, &g->arena);
+  g->arena.counts_hwm = false; /* (arena_hwm is the main arena's) */
   if (!g->arena.vmm) {
     free(g);
     return np_error(NP_ERR_STATE, "region '%s': tagged regions need the device's virtual-memory API (backend %s%s)",

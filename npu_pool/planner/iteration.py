@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..trace.format import MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, Trace
+from ..vocab import PLAN_AT_ITER_BEGIN, PLAN_AT_START, PLAN_MADE_ONCE
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +65,10 @@ class Window:
 
     @property
     def flags(self) -> int:
-        """np_set_plan's flags: 1 position 0 follows MARK_ITER_BEGIN, 2 it is the first request."""
-        return (1 if self.at_iter_begin else 0) | (2 if self.method != "markers" else 0)
+        """np_set_plan's flags: position 0 follows MARK_ITER_BEGIN; it is the first request; what
+        the body holds for good was made once (a whole trace: the steps after it skip it)."""
+        return (PLAN_AT_ITER_BEGIN if self.at_iter_begin else 0) | (PLAN_AT_START if self.method != "markers" else 0) \
+            | (PLAN_MADE_ONCE if self.method == "whole" else 0)
 
 
 def find_window(trace: Trace) -> Window:

@@ -27,7 +27,8 @@ class Plan:
     [loop, n) the loop body, which repeats: a body position's end past n wraps into the next
     pass (to loop + end - n). Unplanned positions have offset and end NONE. ``flags`` bit 0:
     each iteration's first allocation follows MARK_ITER_BEGIN; bit 1: position 0 is the first
-    request after installation. ``meta`` (JSON) describes where the plan came from."""
+    request after installation; bit 2: body positions held for good (end = p + body) were made
+    once, in the first pass (later passes skip them). ``meta`` (JSON) describes where the plan came from."""
 
     size: array.array
     offset: array.array

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..inputs import NotRegularFile, open_regular
 from ..trace.format import MAGIC as TRACE_MAGIC, PLAN_MAGIC
-from ..vocab import MAX_REQUEST
+from ..vocab import MAX_REQUEST, PLAN_FLAGS
 from .plan import ALIGN, NONE, Plan, PlanError
 from .verify import verify
 
@@ -87,7 +87,7 @@ def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
         raise PlanError(f"{name}: corrupt header (JSON nested too deeply)") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise PlanError(f"{name}: corrupt header ({e})") from None
-    for key, value, hi in (("positions", n, _NO_END - 1), ("region", region, MAX_REQUEST), ("flags", flags, 3),
+    for key, value, hi in (("positions", n, _NO_END - 1), ("region", region, MAX_REQUEST), ("flags", flags, PLAN_FLAGS),
                            ("loop", loop, _NO_END - 1)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
             raise PlanError(f"{name}: corrupt header ({key} is {value!r:.40}, expected an int in 0..{hi})")
