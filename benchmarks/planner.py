@@ -78,6 +78,7 @@ def measure(name: str, trace: Any) -> dict[str, Any]:
 ONE_STEP: list[tuple[str, dict[str, Any]]] = [
     ("gpt", dict(model_name="gpt")),
     ("gpt accum 2", dict(model_name="gpt", grad_accum=2)),
+    ("gpt accum 3", dict(model_name="gpt", grad_accum=3)),
     ("gpt recompute", dict(model_name="gpt", recompute=True)),
     ("llama bf16", dict(model_name="llama", mixed_precision="bf16")),
     ("moe", dict(model_name="moe")),

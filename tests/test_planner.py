@@ -971,3 +971,52 @@ def test_a_plan_of_one_step_of_a_moe_is_no_worse_over_its_real_steps():
     online = replay.run(three, "npu_pool").peak_reserved_bytes
     assert replay.run(three, "planned", plan=plan).peak_reserved_bytes <= online
     assert replay.run(three, "planned", online, plan=plan).retries <= replay.run(three, "npu_pool", online).retries
+
+
+def test_one_iteration_marker_makes_the_trace_one_step_whatever_repeats_inside():
+    """Three micro-batches of one recorded step repeat and are memory-neutral: the periodicity search
+    took one for the loop, whose plan then met the optimizer step it never saw in every later step
+    (1.42 x the online pool over three real steps, 121 release-and-retry events). An iteration
+    marker (or, without any, a single optimizer step) says the trace is one step."""
+    M = 1 << 20
+    for marker in (MARK_ITER_BEGIN, MARK_OPTIMIZER_BEGIN):
+        t = Trace()
+        n = 0
+        t.append(OP_MARK, cat=marker if marker == MARK_ITER_BEGIN else MARK_FORWARD_BEGIN)
+        for _ in range(3):  # micro-batches: 20 activations kept, then freed
+            first = n
+            for k in range(20):
+                t.append(OP_ALLOC, id=n, size=(k + 1) * M)
+                n += 1
+            for k in range(20):
+                t.append(OP_FREE, id=first + k, size=(k + 1) * M)
+        if marker == MARK_OPTIMIZER_BEGIN:
+            t.append(OP_MARK, cat=MARK_OPTIMIZER_BEGIN)
+        t.append(OP_ALLOC, id=n, size=64 * M)  # an optimizer state
+        t.meta["n_ids"] = n + 1
+        t.validate()
+        w = find_window(t)
+        assert w.method == "whole", marker
+        t.cat[0] = MARK_FORWARD_BEGIN  # without the single-step marker the micro-batch is the period
+        if marker == MARK_OPTIMIZER_BEGIN:
+            t.cat[len(t) - 2] = MARK_FORWARD_BEGIN
+        assert find_window(t).method == "period"
+
+
+def test_a_lap_that_ends_on_positions_made_once_is_no_resync():
+    """A step marked by iter_begin whose last positions the first step made once: each later step
+    began where the previous one ended without them, which counted a resync and kept the policy
+    from calling its loop steady."""
+    size, off, end = [MiB, 2 * MiB, 3 * MiB], [0, MiB, 3 * MiB], [2, 3, 5]  # the 3 MiB one: held for good
+    with Pool("planned", capacity=1 << 30) as p:
+        p.set_plan(size, off, end, 0, 6 * MiB, PLAN_MADE_ONCE | 2)
+        held = []
+        for step in range(6):
+            p.mark("iter_begin")
+            x, y = p.malloc(MiB), p.malloc(2 * MiB)
+            p.free(x)
+            if step == 0:
+                held.append(p.malloc(3 * MiB))
+            p.free(y)
+        assert p.plan_counts()["resyncs"] == 0 and p.plan_counts()["fallback"] == 0
+        p.free(held[0])

@@ -58,6 +58,7 @@ enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
 #define MAX_MISSES 16          /* mismatches in a row before the policy stops following */
 #define IDLE_TRIES 16          /* idle ranges tried per dynamic request */
 #define MAX_DRIFT 64           /* a repeated size pattern this close ahead resynchronises a following policy */
+#define FIRST_FIT_WALK 64      /* free region ranges a request the plan does not place looks at before the fallback */
 
 typedef struct planned_state {
   np_arena fb;                 /* the fallback */
@@ -280,7 +281,8 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     return NP_PLAN_NONE;
   }
   if (iteration_starts(ctx, st, req)) {
-    if (st->synced && st->pos == p->loop) lap_done(st);
+    bool ended = st->pos == p->loop || ((st->flags & NP_PLAN_MADE_ONCE) && p->past_held[st->pos] == p->past_held[p->loop]);
+    if (st->synced && ended) lap_done(st); /* (the body's last positions may be held for good: skipped) */
     else if (st->synced) trouble(st), st->count[RESYNCS]++; /* the iteration was shorter or longer */
     else st->count[RESYNCS]++, st->lap_clean = true;
     st->pos = st->began ? p->loop : 0; /* the prologue runs once */
@@ -388,18 +390,19 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
 /* The lowest free range of the region that fits, for a request the fallback has no room
  * for (or, under NP_PLAN_MADE_ONCE, one the plan does not place): better than failing or
  * growing, though it may hold a range the plan needs later. */
-typedef struct fit { uint64_t size; np_block *found; } fit;
+typedef struct fit { uint64_t size, left; np_block *found; } fit;
 
-static bool fits(np_block *b, void *arg) { /* np_tree_walk: stop at the first block that fits */
+static bool fits(np_block *b, void *arg) { /* np_tree_walk: stop at the first block that fits, or `left` looked at */
   fit *f = arg;
-  if (b->size < f->size) return true;
+  if (b->size < f->size) return --f->left > 0;
   f->found = b;
   return false;
 }
 
-static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
+/* `walk`: how many free ranges to look at, lowest address first (UINT64_MAX: all). */
+static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, uint64_t walk, np_block **out) {
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
-  fit f = {size, NULL};
+  fit f = {size, walk, NULL};
   np_tree_walk(&st->free, fits, &f); /* lowest address first */
   np_block *h = f.found;
   if (!h || region_take(ctx, st, h->addr - st->seg->addr, size, stream, UINT32_MAX, out) != NP_OK) return NP_ERR_OOM;
@@ -436,11 +439,12 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
      * did not record, its range still held), short of one it leaves out on purpose, takes the region's free
      * memory first, as the online pool takes its own: steps after the recorded one differ from it (MoE
      * routing), and a fallback growing beside a region with free memory would hold both */
-    if ((st->flags & NP_PLAN_MADE_ONCE) && !st->left_out && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK)
+    if ((st->flags & NP_PLAN_MADE_ONCE) && !st->left_out && st->seg &&
+        last_resort(ctx, st, req, stream, FIRST_FIT_WALK, out) == NP_OK)
       return NP_OK;
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
-  if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
+  if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, UINT64_MAX, out) == NP_OK) return NP_OK;
   if (rc == NP_ERR_OOM && set_aside(ctx, st) && st->live == 0) {
     /* The region's share of the cap, idle or not even reserved, would make this request fail
      * where the online pool serves it (a plan this run does not follow, a device too small for

@@ -21,17 +21,21 @@ Three ways, in order:
   fewest bytes are live (the iteration boundary, where few tensors cross), followed
   by a full period; everything before it, from the trace's first allocation, is the
   prologue (a replay of the trace runs it once).
-- ``whole``: no repetition (one recorded step): the window is the whole trace, the
+- ``whole``: no repetition (one recorded step), or markers that say one iteration (one
+  iteration marker, or one optimizer step: a period then is a part of it, micro-batches): the
+  window is the whole trace, the
   allocations live before the recording began (``OP_INIT_ALLOC``) included: a replay
   makes them first, so they are its first positions, and the prologue (a run that goes on
   does not make them again); the loop body is the recorded step.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..trace.format import MARK_ITER_BEGIN, MARK_ITER_END, OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, Trace
+from ..trace.format import (MARK_ITER_BEGIN, MARK_ITER_END, MARK_OPTIMIZER_BEGIN, OP_ALLOC, OP_FREE, OP_INIT_ALLOC,
+                            OP_MARK, Trace)
 from ..vocab import PLAN_AT_ITER_BEGIN, PLAN_AT_START, PLAN_MADE_ONCE
 
 if TYPE_CHECKING:
@@ -75,7 +79,16 @@ def find_window(trace: Trace) -> Window:
     """The steady iteration of ``trace`` (see the module docstring)."""
     if not any(op == OP_ALLOC for op in trace.op):
         raise ValueError("the trace has no allocations to plan")
-    return _by_markers(trace) or _by_period(trace) or _whole(trace)
+    return _by_markers(trace) or (None if _one_iteration(trace) else _by_period(trace)) or _whole(trace)
+
+
+def _one_iteration(trace: Trace) -> bool:
+    """Whether the trace's markers say it holds one iteration (one iteration marker, or none and one
+    optimizer step): then a period in it is a part of that iteration (micro-batches of gradient
+    accumulation repeat, and are memory-neutral too), not the loop, and the plan is of the whole
+    trace."""
+    marks = Counter(cat for op, cat in zip(trace.op, trace.cat) if op == OP_MARK)
+    return marks[MARK_ITER_BEGIN] == 1 or (not marks[MARK_ITER_BEGIN] and marks[MARK_OPTIMIZER_BEGIN] == 1)
 
 
 def _whole(trace: Trace) -> Window:
