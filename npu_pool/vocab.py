@@ -111,6 +111,7 @@ def profiler_label(code: int, arg: int) -> str:
 def profiled_mark(name: str) -> Optional[tuple[int, int]]:
     """``(code, arg)`` of a range named by :func:`profiler_label`; None for any other name."""
     m = _PROFILED.match(name)
-    if m is None or m.group(1) not in MARK_NAMES or not -(1 << 63) <= int(m.group(2)) < 1 << 63:
+    arg = int(m.group(2)) if m is not None else 0
+    if m is None or m.group(1) not in MARK_NAMES or not -(1 << 63) <= arg < 1 << 63:
         return None  # (an argument a trace's 64-bit column cannot hold names no marker)
-    return MARK_NAMES.index(m.group(1)), int(m.group(2))
+    return MARK_NAMES.index(m.group(1)), arg

@@ -83,7 +83,6 @@ typedef struct planned_state {
   bool lap_clean;              /* this iteration has been followed without a jump or a lifetime off plan */
   bool steady;                 /* so was the previous one, and this one so far: ranges off plan may be used */
   uint32_t misses;             /* mismatches in a row while synced */
-  bool left_out;               /* the latest request is one the plan leaves to the fallback (unplanned) */
   uint64_t recent[NP_PLAN_GRAM]; /* sizes of the latest requests, ring */
   uint64_t n_recent;
   uint64_t count[N_COUNTS];
@@ -228,15 +227,24 @@ static void learn_start(np_ctx *ctx, planned_state *st) {
   st->start = ctx->marks;
 }
 
-/* Does the request located at `at` begin the next pass of the body, the previous one followed to its
- * end? Where the steps after the first skip what it made once (NP_PLAN_MADE_ONCE), the body's first
- * and last positions may be such: the pass begins at the first that is not, and the previous one
- * ended at its last that is not. */
-static bool lap_ends(const planned_state *st, uint64_t at) {
+/* Where the steps after the first skip what it made once (NP_PLAN_MADE_ONCE), the body's first and
+ * last positions may be such: a pass begins at the first that is not, and ends after the last that
+ * is not. The position a pass begins at: */
+static uint64_t pass_begins(const planned_state *st) {
   const np_plan *p = &st->plan;
-  if (!(st->flags & NP_PLAN_MADE_ONCE)) return at == p->loop && st->last == p->n - 1;
-  return at == p->past_held[p->loop] && st->last != NP_PLAN_NONE && st->last >= p->loop &&
-         p->past_held[np_plan_next(p, st->last)] == at;
+  return st->flags & NP_PLAN_MADE_ONCE ? p->past_held[p->loop] : p->loop;
+}
+
+/* Whether expecting `pos` next means the previous pass was followed to its end. */
+static bool pass_over(const planned_state *st, uint64_t pos) {
+  const np_plan *p = &st->plan;
+  return pos == p->loop || ((st->flags & NP_PLAN_MADE_ONCE) && p->past_held[pos] == p->past_held[p->loop]);
+}
+
+/* Does the request located at `at` begin the next pass of the body, the previous one followed to its end? */
+static bool lap_ends(const planned_state *st, uint64_t at) {
+  return at == pass_begins(st) && st->last != NP_PLAN_NONE && st->last >= st->plan.loop &&
+         pass_over(st, np_plan_next(&st->plan, st->last));
 }
 
 /* Is this request the first of an iteration? A request right after MARK_ITER_BEGIN is, where the
@@ -281,8 +289,7 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     return NP_PLAN_NONE;
   }
   if (iteration_starts(ctx, st, req)) {
-    bool ended = st->pos == p->loop || ((st->flags & NP_PLAN_MADE_ONCE) && p->past_held[st->pos] == p->past_held[p->loop]);
-    if (st->synced && ended) lap_done(st); /* (the body's last positions may be held for good: skipped) */
+    if (st->synced && pass_over(st, st->pos)) lap_done(st);
     else if (st->synced) trouble(st), st->count[RESYNCS]++; /* the iteration was shorter or longer */
     else st->count[RESYNCS]++, st->lap_clean = true;
     st->pos = st->began ? p->loop : 0; /* the prologue runs once */
@@ -358,7 +365,10 @@ static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t s
   return NP_ERR_OOM;
 }
 
-static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
+/* NP_ERR_OOM: the plan does not place the request; *left_out when it leaves it to the fallback on purpose
+ * (an unplanned position). */
+static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out,
+                         bool *left_out) {
   bool dynamic;
   uint64_t at = locate(ctx, st, req, &dynamic);
   if (at != NP_PLAN_NONE && (!st->plan.region || st->seg_failed) && !st->seg && !st->premapped) {
@@ -367,8 +377,8 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
     st->premapped = true;
     np_arena_premap(ctx, budget(ctx, st), st->outside);
   }
-  st->left_out = at != NP_PLAN_NONE && !dynamic && st->plan.offset[at] == NP_PLAN_NONE;
-  if (at == NP_PLAN_NONE || (!dynamic && st->plan.offset[at] == NP_PLAN_NONE)) return NP_ERR_OOM;
+  *left_out = at != NP_PLAN_NONE && !dynamic && st->plan.offset[at] == NP_PLAN_NONE;
+  if (at == NP_PLAN_NONE || *left_out) return NP_ERR_OOM;
   if (!st->plan.region) return NP_ERR_OOM; /* no region to place in (a dynamic request too): the fallback's */
   int rc = region_reserve(ctx, st);
   if (rc != NP_OK) return rc;
@@ -433,13 +443,14 @@ static void planned_destroy(np_ctx *ctx) {
 static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
   planned_state *st = state(ctx);
   if (st->plan.n) {
-    int rc = place_planned(ctx, st, req, stream, out);
+    bool left_out = false;
+    int rc = place_planned(ctx, st, req, stream, out, &left_out);
     if (rc != NP_ERR_OOM) return rc;
     /* a plan of one recorded step (NP_PLAN_MADE_ONCE): a request it does not place (lost, a size the step
      * did not record, its range still held), short of one it leaves out on purpose, takes the region's free
      * memory first, as the online pool takes its own: steps after the recorded one differ from it (MoE
      * routing), and a fallback growing beside a region with free memory would hold both */
-    if ((st->flags & NP_PLAN_MADE_ONCE) && !st->left_out && st->seg &&
+    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg &&
         last_resort(ctx, st, req, stream, FIRST_FIT_WALK, out) == NP_OK)
       return NP_OK;
   }
