@@ -897,6 +897,26 @@ def test_a_whole_plan_pairs_the_tensors_the_step_replaces():
         assert r.stats["plan"]["fallback"] == 0 and r.peak_reserved_bytes == plan.region
 
 
+def test_plan_says_what_peak_live_is_for_a_whole_trace(tmp_path, capsys):
+    """A first step that makes a state it keeps: the loop holds it from then on, so the plan's peak
+    live (the step followed by the step made again) is more than the recorded trace's own, and
+    `plan` says which it prints (it read as a lower bound the online pool then beat)."""
+    t = Trace(meta={"n_ids": 3})
+    t.append(OP_ALLOC, id=0, size=8 << 20)   # activations
+    t.append(OP_FREE, id=0, size=8 << 20)
+    t.append(OP_ALLOC, id=1, size=2 << 20)   # a state made once, kept
+    t.append(OP_ALLOC, id=2, size=1 << 20)   # a temporary of the step
+    t.append(OP_FREE, id=2, size=1 << 20)
+    path = tmp_path / "one.npt"
+    t.save(path)
+    plan = make_plan(t)
+    assert plan.meta["method"] == "whole"
+    assert plan.meta["peak_live_bytes"] == (8 + 2) << 20 > replay.run(t, "npu_pool").peak_live_bytes
+    assert main(["plan", str(path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("peak live"))
+    assert row.split()[2] == f"{((8 + 2) << 20) / (1 << 30):.3f}" and "followed by the step made again" in row
+
+
 def _whole_trace(events: list, **meta) -> Trace:
     t = Trace(meta=dict(meta))
     for op, kw in events:

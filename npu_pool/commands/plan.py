@@ -78,7 +78,9 @@ def _rows(meta: dict) -> str:
     rows = [("trace", str(meta.get("source", ""))[:200]),
             ("iteration", f"{meta.get('method')} (seen {meta.get('repeats')}x), {meta.get('positions')} positions"
                           f" ({meta.get('prologue', 0)} prologue), {meta.get('unplanned')} unplanned"),
-            ("peak live", _gib(meta, "peak_live_bytes")),
+            ("peak live", _gib(meta, "peak_live_bytes") + (" (of the recorded step followed by the step made again, "
+                                                            "as a run that goes on holds it)"
+                                                            if meta.get("method") == "whole" else "")),
             ("region", f"{_gib(meta, 'region_bytes')} (order: {meta.get('order')})"),
             ("outside plan", f"{_gib(meta, 'outside_peak_bytes')} (held by the fallback)"),
             ("planned peak", f"{_gib(meta, 'planned_peak_bytes')} = {ratio}"),
