@@ -338,7 +338,7 @@ NOTES = """
   allocator (segments rounded up to 2 MiB) holds 510 and serves it; under CUDA's rules 500 and
   served; half of a 4 GiB device filled with 20-100 MiB blocks, every other one freed, keeps
   530-922 MiB beyond the live bytes under CUDA's rules, where the torch model keeps none, and
-  1001-1045 MiB under torch_npu's, where torch_npu's allocator keeps 9-101 (every figure: `python
+  1025-1045 MiB under torch_npu's, where torch_npu's allocator keeps 19-101 (every figure: `python
   benchmarks/results/sim-2026-11-26/freed_large.py`). Tried, on the arena's switches there
   (`NP_BIG`): a chunk of its own pages for every block of 20 MiB or more returns them under CUDA's
   rules at no cost in waste (frontier.py there: 113.1 MiB against 115.1) but not under

@@ -140,11 +140,12 @@ def render(rows: list, title: str, about: str) -> list[str]:
                        f"{_g(t.peak_reserved_bytes)} ({d / 2**20:+.0f} MiB); its minimum capacity is "
                        f"{_g(u.min_capacity_bytes)} against {_g(t.min_capacity_bytes)}.")
         out += ["",
-                "With room to spare the arena keeps every page it ever mapped until a cache release, and a trace",
-                "without phase markers gets no lifetime classes (every request is placed as long-lived: plain best",
-                "fit), so on some windows its high-water mark ends a little above torch's segment total; under a",
-                "cap it trims free pages and needs less than torch. On traces of a few MiB both sit on the same",
-                "2 MiB pages and tie. See docs/policies.md for the placement rules and what was measured.", ""]
+                "With room to spare the arena grows in chunks of at least 20 MiB (an eighth of what it holds while",
+                "nothing below its top is free, docs/device_calls.md) and keeps every chunk it mapped until a cache",
+                "release, and a trace without phase markers gets no lifetime classes (every request is placed as",
+                "long-lived: plain best fit), so on some windows its high-water mark ends a little above torch's",
+                "segment total; under a cap it trims free chunks and needs less than torch. See docs/policies.md",
+                "for the placement rules and what was measured.", ""]
     return out
 
 
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
            "- **peak live**: the lower bound; **peak rsvd**: peak reserved on a 1 TiB device; **util** = live/reserved;",
            "- **min cap**: smallest device (2 MiB steps) on which the trace completes, by bisection (2 MiB less fails; a still smaller one may complete by chance: allocators are not monotonic); **over** = min cap - peak live;",
            "  **retries**: release-and-retry events at min cap (each synchronises the device); **trims**: npu_pool's",
-           "  page moves at min cap (free pages of streams with no queued work unmapped and mapped where needed, no",
-           "  synchronisation; in this simulation every stream is idle when asked, on a device only drained ones are);",
+           "  chunk moves at min cap (whole free chunks unmapped and their memory mapped where needed; on a device",
+           "  a stream still running is waited for first, at most once per request; in this simulation every stream is idle);",
            "  **no-retry cap**: smallest device needing no retry.",
            "", *sections]
     Path(args.out).write_text("\n".join(out) + "\n")

@@ -198,7 +198,7 @@ class Pool:
     PyTorch's caching allocator), ``"expandable"`` (PyTorch's expandable segments) or
     ``"planned"`` (a plan made offline; ``npu_pool.planner.install``). ``capacity`` is the
     simulated device's memory; ``host_backed`` puts real host memory behind it; ``vmm`` lets
-    memory grow page by page where the backend can map pages. ``rules``: whose request rules
+    memory grow in chunks mapped as needed where the backend can map memory. ``rules``: whose request rules
     apply -- ``"npu"`` (torch_npu's: every request rounds up to 32 bytes and gets 32 more),
     ``"cuda"`` (none) or ``"auto"`` (the backend's own: ACL pads where torch_npu does).
     """

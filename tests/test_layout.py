@@ -112,6 +112,42 @@ def test_the_binding_is_the_bottom_layer():
             assert not {d for d in deps if d.startswith("npu_pool.workloads")}, name
 
 
+def _layer_table() -> list[set[str]]:
+    """docs/engine.md's table of the package, bottom first: per row, the modules and packages its
+    first cell names (`x.py`, `x/`, `x/y.py`) as dotted names."""
+    doc = (PKG.parent / "docs" / "engine.md").read_text()
+    section = doc[doc.index("## The Python package"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names = set()
+            for n in re.findall(r"`([^`]+)`", line.split("|")[1]):
+                if n.endswith("/") or n.endswith(".py"):
+                    names.add("npu_pool." + n.rstrip("/").removesuffix(".py").removesuffix("/__init__").replace("/", "."))
+                elif re.fullmatch(r"\w+", n):
+                    names.add("npu_pool." + n)
+            rows.append(names)
+    return rows
+
+
+def test_each_module_imports_only_modules_below_it_in_the_docs_table():
+    """docs/engine.md lists the package from the bottom of the import graph up: every module is in
+    a row (its own, else its package's), and imports only modules of its row or rows below."""
+    rows = _layer_table()
+    where = {name: i for i, names in enumerate(rows) for name in names}
+
+    def row(module: str) -> int | None:
+        while module not in where and "." in module:
+            module = module.rpartition(".")[0]
+        return where.get(module)
+
+    graph = _graph()
+    assert not [m for m in graph if m != "npu_pool" and row(m) is None]  # every module is in the table
+    wrong = [f"{m} -> {d}" for m, deps in graph.items() if m != "npu_pool" for d in deps if row(d) > row(m)]
+    assert not wrong
+
+
 def _dotted(node: ast.AST) -> str | None:
     """``a.b.c`` of a Name or an attribute chain of Names, else None."""
     parts = []

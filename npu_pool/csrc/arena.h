@@ -29,9 +29,10 @@
  *    makes its stream wait for that stream's queued work: memory serves every stream
  *    without a host synchronisation. Without that hook, holes stay with their stream until
  *    a synchronisation (empty_cache, or the retry after a failure) clears the tags;
- *  - when mapping would pass the budget, it first trims: unmaps whole free chunks whose
- *    streams have finished all queued work (no synchronisation needed); only if that is
- *    not enough does the request fail into the retry, which synchronises the device and
+ *  - when mapping would pass the budget, it first trims: unmaps whole free chunks, highest
+ *    first, waiting for the device first when one of their streams still has queued work
+ *    (one synchronisation per request at most: arena.c, settled); only if that is not
+ *    enough does the request fail into the retry, which synchronises the device and
  *    unmaps every whole free chunk, as empty_cache.
  *
  * The arena's budget is the context's cap less `set_aside` (promised to its owner, e.g. the

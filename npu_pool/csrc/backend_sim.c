@@ -279,8 +279,9 @@ static int sim_page_access(np_backend *be, uintptr_t va, uint64_t size) {
 static int sim_page_map(np_backend *be, uintptr_t va, uint64_t size, uint64_t handle) {
   sim_backend *s = (sim_backend *)be;
   be->calls[NP_CALL_MAP]++;
-  if (!live_handle(s, handle) || size > s->handle_size[handle] || size % be->granularity || !size)
-    return np_error(NP_ERR_BACKEND, "sim: map of %llu bytes at %#lx from handle %llu which is not live or smaller",
+  /* a physical allocation is mapped whole (aclrtMapMem: its size, at offset 0) */
+  if (!live_handle(s, handle) || size != s->handle_size[handle] || size % be->granularity || !size)
+    return np_error(NP_ERR_BACKEND, "sim: map of %llu bytes at %#lx from handle %llu which is not live or of another size",
                     (unsigned long long)size, (unsigned long)va, (unsigned long long)handle);
   if (overlaps(&s->maps, va, size))
     return np_error(NP_ERR_BACKEND, "sim: map at %#lx overlaps a mapping", (unsigned long)va);

@@ -50,9 +50,9 @@ enum { NP_HELD_SEGMENT = 0, NP_HELD_PAGE = 1, NP_HELD_RESERVATION = 2 };
 typedef struct np_held {
   int kind;
   int pool;                  /* pool whose reserved bytes count it */
-  uintptr_t addr;            /* segment or reservation; a page still mapped at addr (0: unmapped) */
-  uint64_t size;             /* bytes (a page: the granularity) */
-  uint64_t handle;           /* page: the vendor handle */
+  uintptr_t addr;            /* segment or reservation; a chunk still mapped at addr (0: unmapped) */
+  uint64_t size;             /* bytes (a chunk: its size, a multiple of the granularity) */
+  uint64_t handle;           /* chunk: its vendor handle */
 } np_held;
 
 /* A physical chunk unmapped by a trim and kept, unmapped, for a later growth to map again. */

@@ -5,7 +5,8 @@
  * every block's seg points back here; a segment is on its context's list from creation
  * until its memory is returned to the device. `mapped` is the segment's bytes backed by
  * physical memory: size for a malloc'ed segment, page x (non-zero pages[]) for a
- * reservation, whose pages[i] is the vendor handle of page i (0 = unmapped).
+ * reservation, whose pages[i] is the vendor handle of the chunk mapped over page i
+ * (0 = unmapped; vmm.h).
  */
 #ifndef NP_SEGMENT_H
 #define NP_SEGMENT_H
