@@ -301,7 +301,11 @@ NOTES = """
   rules of this arena and a script that prints these figures for each (waste, physical calls,
   both bounds): every switch meeting the bound at the minimum capacity on 7-8 of 13 traces needs
   350-1750 MiB of waste, and the rule that unmaps a wholly free chunk before a block pins it is
-  both what keeps the waste small and a source of the steady calls on a full device.
+  both what keeps the waste small and a source of the steady calls on a full device. Nor did
+  cutting each near-cap chunk into chunks of power-of-two pages, so that spares compose into
+  later growths (2026-11-27, benchmarks/results/sim-2026-11-27: 3 or 4 of 13 in every variant,
+  up to 2.3 times the calls): at the minimum capacity most calls are creations, which a cut
+  multiplies, and the spares left at that cap rarely sum to the next growth.
 - On a full device the arena moves chunks in steady iterations where the torch model's cached
   segments make few calls or none (the table "Steady iterations there": 2260 calls over the
   iterations after the first of cs336-medium-ctx1024-infer, all steady, where the torch model
