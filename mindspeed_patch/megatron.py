@@ -226,6 +226,7 @@ class _Session:
         from npu_pool.recorder.report import StepTimes
 
         self.pid, self.iterations, self.skipped, self.step_times = os.getpid(), 0, 0, StepTimes()
+        self.recorder.reset_summary()  # (its markers and phase times: the parent's are in the parent's report)
         self.iteration = None
         self._reported_at, self._report_failed, self._rank_world, self.written = None, False, None, None
         self.exited = False

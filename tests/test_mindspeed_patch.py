@@ -216,11 +216,14 @@ def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path:
         import multiprocessing as mp
 
         def rank(r):
-            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(r), "2"
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(r), "3"
             for _ in range(4 + r):
                 mod.train_step()
 
         if __name__ == "__main__":
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = "2", "3"
+            for _ in range(3):  # the parent trains first: its markers are its own report's
+                mod.train_step()
             procs = [mp.get_context("fork").Process(target=rank, args=(r,)) for r in (0, 1)]
             for p in procs:
                 p.start()
@@ -232,8 +235,12 @@ def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path:
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     reports = {json.loads(f.read_text())["rank"]: json.loads(f.read_text()) for f in (tmp_path / "rep").glob("*.json")}
-    assert {k: v["iterations"] for k, v in reports.items()} == {0: 4, 1: 5}
-    assert len({v["pid"] for v in reports.values()}) == 2
+    assert {k: v["iterations"] for k, v in reports.items()} == {0: 4, 1: 5, 2: 3}
+    assert len({v["pid"] for v in reports.values()}) == 3
+    # the recorder's markers too: a rank's are its own steps' (they held the parent's three steps' before)
+    per_step = reports[1]["marks"] - reports[0]["marks"]
+    assert per_step > 0 and {k: v["marks"] for k, v in reports.items()} == {0: 4 * per_step, 1: 5 * per_step,
+                                                                              2: 3 * per_step}
 
 
 def test_a_child_forked_inside_a_step_that_leaves_through_it_writes_nothing(tmp_path: Path) -> None:

@@ -133,6 +133,23 @@ def test_phases_as_context_managers_and_decorators() -> None:
     sim.check()
 
 
+def test_reset_summary_counts_from_now_keeping_open_phases() -> None:
+    """A process forked from the recorded one reports its own markers: the counts start again, and a
+    phase open at the reset is still open, its time counted once it closes."""
+    spy = Spy()
+    rec = Recorder([spy])
+    with rec.step(0), rec.phase("forward"):
+        pass
+    with rec.phase("setup"):
+        rec.reset_summary()
+        assert rec.summary() == {"marks": 0, "iterations": 0, "iteration": 0, "seconds": {}}
+        assert rec.state.is_open("setup")
+    with rec.step(1):
+        pass
+    s = rec.summary()
+    assert s["marks"] == 3 and s["iterations"] == 1 and set(s["seconds"]) == {"setup"}
+
+
 def test_a_micro_batch_holds_across_the_start_of_an_iteration_inside_it() -> None:
     """A step's start counts micro-batches from 0 again, unless the caller named one around it."""
     spy = Spy()

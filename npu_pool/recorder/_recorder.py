@@ -63,6 +63,13 @@ class RecorderState:
             self.in_iteration = False
             self.iterations += 1
 
+    def restart_counts(self) -> None:
+        """Count markers, iterations and stage time from now on (what is open stays open, its time
+        counted from now)."""
+        now = time.perf_counter()
+        self.marks, self.iterations, self.seconds = 0, 0, {}
+        self._open = [(n, now) for n, _ in self._open]
+
     def _drop_stale(self) -> None:
         """At an iteration's bound a forward, backward or optimizer stage still open lost its end
         (a begin with no end, a backward that raised): drop it, its time uncounted, rather than
@@ -206,6 +213,13 @@ class Recorder:
         finally:
             self.state.micro_held -= 1
             self.state.micro = prev
+
+    def reset_summary(self) -> None:
+        """Start :meth:`summary`'s counts again (markers, iterations, seconds per stage), keeping the
+        phases now open: a process forked from the recorded one that records on its own (a rank
+        started with multiprocessing's fork) reports its own markers, not its parent's too."""
+        with _MARKING:
+            self.state.restart_counts()
 
     def summary(self) -> dict[str, Any]:
         """What was recorded: markers, iterations, seconds per stage."""
