@@ -153,7 +153,7 @@ class _Session:
             rank, world = self._rank_world
         return rank, world
 
-    def report(self) -> dict[str, Any]:
+    def report(self, final: bool = False) -> dict[str, Any]:
         from npu_pool.recorder import report
 
         rank, world = self.rank_and_world()
@@ -164,7 +164,7 @@ class _Session:
                             policy=getattr(pool, "policy", None), device=getattr(pool, "device", None),
                             iterations=self.iterations, step_times=self.step_times,
                             recorder_summary=self.recorder.summary(), stats=stats,
-                            last_iteration=self.iteration, skipped_iterations=self.skipped)
+                            last_iteration=self.iteration, skipped_iterations=self.skipped, final=final)
 
     def after_step(self, seconds: float) -> None:
         """Count the step and write its line: never raises into training (it runs in the
@@ -193,12 +193,12 @@ class _Session:
         out.write(report.format_line(self.report(), it) + "\n")
         out.flush()
 
-    def write_report(self) -> Optional[str]:
+    def write_report(self, final: bool = False) -> Optional[str]:
         if not self.report_dir:
             return None
         from npu_pool.recorder import report
 
-        self.written = str(report.write(self.report(), self.report_dir))
+        self.written = str(report.write(self.report(final), self.report_dir))
         return self.written
 
     def _report_now(self) -> None:
@@ -532,7 +532,7 @@ def _at_exit() -> None:
     if _session is not None and _session.pid == os.getpid() and not _session.exited and _session.has_run():
         _session.exited = True
         try:
-            _session.write_report()
+            _session.write_report(final=True)
         except OSError as e:
             print(f"npu_pool.megatron: could not write the rank report to {_session.report_dir}: {e}",
                   file=sys.stderr)

@@ -81,6 +81,22 @@ def test_merge_names_missing_ranks_as_ranges_however_large_the_world(tmp_path: P
     assert "(missing: 1-4, 6-8, 10-11, 13, 15, 17, 19, 21, ... (2147483630 in all))" in capsys.readouterr().out
 
 
+def test_merge_warns_of_reports_written_before_their_rank_exited(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A rank killed by a signal runs no exit handler: its report is the one written during
+    training, as of then. Merge says which ranks have only such a report; an older report without
+    the field is taken as it is, and a field that is not true or false is refused."""
+    for rank, final in ((0, True), (1, False), (2, None), (3, False)):
+        rep = {"version": 1, "rank": rank, "world_size": 4, "mode": "recorder", "iterations": 1}
+        if final is not None:
+            rep["final"] = final
+        (tmp_path / f"npu_pool_rank{rank}.json").write_text(json.dumps(rep))
+    assert main(["merge", str(tmp_path)]) == 0
+    assert "warning: no report written at exit by rank 1, 3 (killed by a signal" in capsys.readouterr().out
+    (tmp_path / "npu_pool_rank3.json").write_text(json.dumps({**rep, "rank": 3, "final": "no"}))
+    assert main(["merge", str(tmp_path)]) == 1
+    assert "final should be true or false" in capsys.readouterr().err
+
+
 def test_merge_refuses_a_rank_outside_its_world(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A report of rank 7 in a world of 4 made the missing ranks run past the world ('1-6')."""
     for rank in (0, 7):

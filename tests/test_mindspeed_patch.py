@@ -203,7 +203,7 @@ def test_a_rank_ended_by_a_signal_leaves_its_report(tmp_path: Path) -> None:
         p.kill()
         p.communicate()
     report = json.loads((tmp_path / "rep" / "npu_pool_rank0.json").read_text())
-    assert report["iterations"] == 4
+    assert report["iterations"] == 4 and report["final"] is False  # (written in training: merge warns of it)
 
 
 def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path: Path) -> None:
@@ -236,6 +236,7 @@ def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path:
     assert r.returncode == 0, r.stderr[-2000:]
     reports = {json.loads(f.read_text())["rank"]: json.loads(f.read_text()) for f in (tmp_path / "rep").glob("*.json")}
     assert {k: v["iterations"] for k, v in reports.items()} == {0: 4, 1: 5, 2: 3}
+    assert all(v["final"] for v in reports.values())  # each written as its process exited
     assert len({v["pid"] for v in reports.values()}) == 3
     # the recorder's markers too: a rank's are its own steps' (they held the parent's three steps' before)
     per_step = reports[1]["marks"] - reports[0]["marks"]

@@ -6,7 +6,8 @@ A report is a plain dict (``VERSION`` 1)::
     rank, world_size, host, pid, mode ("device": an installed npu_pool allocator;
     "recorder": no device allocator, markers and times only), reason (why "recorder"),
     policy, device, iterations, step_seconds {mean, max, last}, phase_seconds {stage: s},
-    marks, host_peak_rss_bytes, memory (null in "recorder" mode) {allocated_bytes,
+    marks, host_peak_rss_bytes, final (written as the process exited; false: during training,
+    as of then), memory (null in "recorder" mode) {allocated_bytes,
     reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, utilization, pools
     {name: {allocated_bytes, reserved_bytes}}, device_mallocs, device_frees, ooms,
     retries, trims}
@@ -191,6 +192,8 @@ def _shape_problem(r: dict[str, Any]) -> Optional[str]:
         return f"rank {r['rank']} is outside its world of {r['world_size']} ranks"
     if r.get("mode", "device") not in ("device", "recorder"):
         return "mode should be device or recorder"
+    if not isinstance(r.get("final", True), bool):
+        return "final should be true or false"
     for key in ("iterations", "host_peak_rss_bytes"):
         if not _number(r.get(key)):
             return f"{key} should be a number >= 0"
@@ -266,6 +269,13 @@ def _missing_ranks(world: int, ranks: list[int], most: int = 8) -> str:
     return ", ".join(spans[:most]) + more
 
 
+def _ranks(ranks: list[int], most: int = 8) -> str:
+    """Ranks named, the first ``most`` of them, the rest counted."""
+    ranks = sorted(ranks)
+    more = f", ... ({len(ranks)} in all)" if len(ranks) > most else ""
+    return ", ".join(map(str, ranks[:most])) + more
+
+
 def merge_table(reports: list[dict[str, Any]]) -> str:
     """All ranks in one table (GiB, seconds), then the imbalance across ranks."""
     head = ["rank", "mode"] + [c[0] for c in _COLUMNS]
@@ -280,6 +290,10 @@ def merge_table(reports: list[dict[str, Any]]) -> str:
     elif worlds and (w := worlds.pop()) > len(reports):
         out.append(f"warning: {len(reports)} reports for a world of {w} ranks (missing: "
                    f"{_missing_ranks(w, [r['rank'] for r in reports])})")
+    unfinished = [r["rank"] for r in reports if r.get("final") is False]
+    if unfinished:
+        out.append(f"warning: no report written at exit by rank {_ranks(unfinished)} (killed by a signal, or still "
+                   "running): the figures are as of the last write during training")
     spread = imbalance(reports)
     if spread:
         out.append("")
@@ -323,9 +337,10 @@ class StepTimes:
 def build(*, rank: int, world_size: Optional[int], mode: str, reason: str, policy: Optional[str], device: Optional[int],
           iterations: int, step_times: StepTimes | Iterable[float], recorder_summary: dict[str, Any],
           stats: Optional[dict[str, Any]], last_iteration: Optional[int] = None,
-          skipped_iterations: int = 0) -> dict[str, Any]:
+          skipped_iterations: int = 0, final: bool = True) -> dict[str, Any]:
     """Assemble one rank's report (``last_iteration``: the training loop's own number of the
-    latest iteration, e.g. Megatron's, which a resumed run continues)."""
+    latest iteration, e.g. Megatron's, which a resumed run continues; ``final``: made as the
+    process exits, not during training)."""
     steps = step_times if isinstance(step_times, StepTimes) else StepTimes(step_times)
     return {
         "version": VERSION, "rank": rank, "world_size": world_size, "host": socket.gethostname(), "pid": os.getpid(),
@@ -333,6 +348,6 @@ def build(*, rank: int, world_size: Optional[int], mode: str, reason: str, polic
         "last_iteration": last_iteration, "skipped_iterations": skipped_iterations,
         "step_seconds": steps.as_dict(),
         "phase_seconds": recorder_summary.get("seconds", {}), "marks": recorder_summary.get("marks", 0),
-        "host_peak_rss_bytes": host_peak_rss(),
+        "host_peak_rss_bytes": host_peak_rss(), "final": bool(final),
         "memory": memory_of(stats) if stats is not None else None,
     }
