@@ -17,6 +17,7 @@ CSRC = ROOT / "npu_pool" / "csrc"
 @pytest.mark.parametrize("driver, expected", [
     ("stress.c", ["torch:", "npu_pool:", "expandable:"]),  # random sequences on every policy
     ("planned.c", ["served"]),  # the planned policy against a changing iteration
+    ("tree.c", ["lowest fit: ok"]),  # the address-ordered tree's lowest-fit search against a scan
     ("teardown.c", ["fork before any context: ok", "closed calls: ok", "close:", "shutdown: ok", "fork: ok"]),
     # close and fork while threads call in; every call on a closed pool
 ])

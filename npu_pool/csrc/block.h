@@ -24,6 +24,7 @@ typedef struct np_block {
   struct np_block *prev, *next;  /* address-order neighbours in the segment */
   struct np_segment *seg;
   struct np_block *left, *right; /* free tree links */
+  uint64_t sub;                  /* in an address-ordered tree: the largest size in its subtree (tree.h) */
   struct np_block *hnext;        /* pointer-map chain */
   uint32_t prio;                 /* treap priority */
   uint32_t phase;                /* phase counter when allocated */

@@ -58,7 +58,6 @@ enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
 #define MAX_MISSES 16          /* mismatches in a row before the policy stops following */
 #define IDLE_TRIES 16          /* idle ranges tried per dynamic request */
 #define MAX_DRIFT 64           /* a repeated size pattern this close ahead resynchronises a following policy */
-#define FIRST_FIT_WALK 64      /* free region ranges a request the plan does not place looks at before the fallback */
 
 typedef struct planned_state {
   np_arena fb;                 /* the fallback */
@@ -397,24 +396,12 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
   return rc;
 }
 
-/* The lowest free range of the region that fits, for a request the fallback has no room
- * for (or, under NP_PLAN_MADE_ONCE, one the plan does not place): better than failing or
- * growing, though it may hold a range the plan needs later. */
-typedef struct fit { uint64_t size, left; np_block *found; } fit;
-
-static bool fits(np_block *b, void *arg) { /* np_tree_walk: stop at the first block that fits, or `left` looked at */
-  fit *f = arg;
-  if (b->size < f->size) return --f->left > 0;
-  f->found = b;
-  return false;
-}
-
-/* `walk`: how many free ranges to look at, lowest address first (UINT64_MAX: all). */
-static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, uint64_t walk, np_block **out) {
+/* The lowest free range of the region that fits (one search: tree.h), for a request the
+ * fallback has no room for (or, under NP_PLAN_MADE_ONCE, one the plan does not place): better
+ * than failing or growing, though it may hold a range the plan needs later. */
+static int last_resort(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out) {
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
-  fit f = {size, walk, NULL};
-  np_tree_walk(&st->free, fits, &f); /* lowest address first */
-  np_block *h = f.found;
+  np_block *h = np_tree_lowest_fit(&st->free, size);
   if (!h || region_take(ctx, st, h->addr - st->seg->addr, size, stream, UINT32_MAX, out) != NP_OK) return NP_ERR_OOM;
   st->count[IDLE]++;
   return NP_OK;
@@ -451,11 +438,11 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
      * memory first, as the online pool takes its own: steps after the recorded one differ from it (MoE
      * routing), and a fallback growing beside a region with free memory would hold both */
     if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg &&
-        last_resort(ctx, st, req, stream, FIRST_FIT_WALK, out) == NP_OK)
+        last_resort(ctx, st, req, stream, out) == NP_OK)
       return NP_OK;
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
-  if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, UINT64_MAX, out) == NP_OK) return NP_OK;
+  if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
   if (rc == NP_ERR_OOM && set_aside(ctx, st) && st->live == 0) {
     /* The region's share of the cap, idle or not even reserved, would make this request fail
      * where the online pool serves it (a plan this run does not follow, a device too small for

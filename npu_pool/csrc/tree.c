@@ -19,6 +19,32 @@ static uint32_t next_prio(np_tree *t) {
   return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
 }
 
+/* -- address-ordered trees: each node's sub is the largest size in its subtree ------------- */
+
+static uint64_t sub_of(const np_block *n) { return n ? n->sub : 0; }
+
+static void pull(np_block *n) {
+  uint64_t l = sub_of(n->left), r = sub_of(n->right), m = l > r ? l : r;
+  n->sub = n->size > m ? n->size : m;
+}
+
+/* Recompute sub along the search path of `addr`, bottom up. After an insert or a remove, the
+ * nodes whose subtrees changed are all on it: the ancestors of the place, and the two spines an
+ * insert splits off (or a remove zips together), which are the search paths of the same address
+ * in the subtrees either side. Expected O(log n) deep. */
+static void fix_path(np_block *n, uintptr_t addr) {
+  if (!n) return;
+  if (addr < n->addr) {
+    fix_path(n->left, addr);
+  } else if (addr > n->addr) {
+    fix_path(n->right, addr);
+  } else {
+    fix_path(n->left, addr);
+    fix_path(n->right, addr);
+  }
+  pull(n);
+}
+
 /* Insert and remove walk down from the root without recursion (they run on every malloc and
  * free): insert descends while the nodes' priorities are at least b's, then splits the subtree
  * found there around b's key into b's children; remove unlinks b and zips its two subtrees
@@ -45,6 +71,7 @@ void np_tree_insert(np_tree *t, np_block *b) {
   b->in_tree = 1;
   t->count++;
   t->bytes += b->size;
+  if (t->by_addr) fix_path(t->root, b->addr);
 }
 
 void np_tree_remove(np_tree *t, np_block *b) {
@@ -70,6 +97,7 @@ void np_tree_remove(np_tree *t, np_block *b) {
   b->left = b->right = NULL;
   t->count--;
   t->bytes -= b->size;
+  if (t->by_addr) fix_path(t->root, b->addr);
 }
 
 np_block *np_tree_lower_bound(const np_tree *t, intptr_t stream, uint64_t size) {
@@ -119,6 +147,16 @@ np_block *np_tree_after(const np_tree *t, uintptr_t addr) {
   return best;
 }
 
+np_block *np_tree_lowest_fit(const np_tree *t, uint64_t size) {
+  NP_ASSERT(t->by_addr);
+  for (np_block *n = t->root; n && n->sub >= size;) {
+    if (sub_of(n->left) >= size) n = n->left;
+    else if (n->size >= size) return n;
+    else n = n->right; /* (its sub is at least size: n's is, and neither n nor its left holds it) */
+  }
+  return NULL;
+}
+
 np_block *np_tree_next(const np_tree *t, const np_block *b) {
   np_block *best = NULL;
   for (np_block *n = t->root; n;) {
@@ -156,6 +194,10 @@ static bool check(const np_tree *t, const np_block *n, const np_block *lo, const
   if (!n->in_tree || n->allocated) return false;
   if ((lo && key_cmp(t, lo, n) >= 0) || (hi && key_cmp(t, n, hi) >= 0)) return false;
   if ((n->left && n->left->prio > n->prio) || (n->right && n->right->prio > n->prio)) return false;
+  if (t->by_addr) {
+    uint64_t l = sub_of(n->left), r = sub_of(n->right), m = l > r ? l : r;
+    if (n->sub != (n->size > m ? n->size : m)) return false;
+  }
   (*count)++;
   *bytes += n->size;
   return check(t, n->left, lo, n, count, bytes) && check(t, n->right, n, hi, count, bytes);

@@ -4,9 +4,11 @@
  * A treap: expected O(log n) insert, remove and searches. The size order is
  * PyTorch's BlockComparatorSize, so "smallest block of this stream that fits,
  * lowest address first" is one lower_bound; an address-ordered tree answers
- * "the free block at or below this address" instead. Invariants: keys unique
- * (addresses are), BST order on keys, heap order on prio; count = number of nodes;
- * a block's key fields do not change while it is in a tree.
+ * "the free block at or below this address" and, each node keeping the largest
+ * size in its subtree (sub), "the lowest block that fits" instead. Invariants: keys
+ * unique (addresses are), BST order on keys, heap order on prio; count = number of
+ * nodes; by_addr: sub = max(size, children's sub); a block's key fields (and, in an
+ * address-ordered tree, its size) do not change while it is in a tree.
  */
 #ifndef NP_TREE_H
 #define NP_TREE_H
@@ -30,6 +32,8 @@ np_block *np_tree_best_fit(const np_tree *t, intptr_t stream, uint64_t size);
 /* Address-ordered trees: the block with the highest address <= addr / the lowest > addr, or NULL. */
 np_block *np_tree_floor(const np_tree *t, uintptr_t addr);
 np_block *np_tree_after(const np_tree *t, uintptr_t addr);
+/* Address-ordered trees: the lowest-addressed block of at least `size` bytes, or NULL. */
+np_block *np_tree_lowest_fit(const np_tree *t, uint64_t size);
 /* The block after b in key order, or NULL. */
 np_block *np_tree_next(const np_tree *t, const np_block *b);
 /* Largest block of any stream, or NULL. */
