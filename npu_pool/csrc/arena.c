@@ -78,6 +78,7 @@ static int ensure(np_ctx *ctx, np_arena *a) {
 }
 
 int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes) {
+  bytes = np_min_u64(bytes, limit_of(ctx, a)); /* (a plan file's figure: never past the budget, nor 2^64) */
   if (!a->vmm || !bytes) return NP_OK;
   int rc = ensure(ctx, a);
   if (rc != NP_OK || !a->top || a->seg->mapped >= bytes) return rc;
