@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from npu_pool import vocab
 from npu_pool.cli import main
 from npu_pool.planner import PlanError, make_plan, save_plan
 from npu_pool.planner.planfile import MAGIC as PLAN_MAGIC, plan_bytes
@@ -165,7 +166,7 @@ def _plan_file(path: Path, **header_changes: object) -> Path:
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"flags": 1 << 70}, ["flags is", "0..7"]),
+    ({"flags": 1 << 70}, ["flags is", f"0..{vocab.PLAN_FLAGS}"]),
     ({"loop": -1}, ["loop is -1"]),
     ({"region": 1 << 60}, ["region is"]),
     ({"meta": [1, 2]}, ["meta is a list"]),
