@@ -72,6 +72,16 @@ _WRAPPED = "__npu_pool_wrapped__"
 _session: Optional["_Session"] = None
 
 
+def _after_fork_in_child() -> None:
+    """A forked process records on its own from the fork: what it records before its first step
+    (a rank's own set-up) is its, what its parent recorded is not (the parent reports it)."""
+    if _session is not None:
+        _session.recorder.reset_summary()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def parse_log_every(value: Any, source: str = LOG_EVERY) -> int:
     """``NPU_POOL_LOG_EVERY``: a whole number >= 0 (0: no per-iteration line)."""
     from npu_pool.config import ConfigError, parse_int
@@ -226,7 +236,7 @@ class _Session:
         from npu_pool.recorder.report import StepTimes
 
         self.pid, self.iterations, self.skipped, self.step_times = os.getpid(), 0, 0, StepTimes()
-        self.recorder.reset_summary()  # (its markers and phase times: the parent's are in the parent's report)
+        # (the recorder's markers and phase times count from the fork: _after_fork_in_child)
         self.iteration = None
         self._reported_at, self._report_failed, self._rank_world, self.written = None, False, None, None
         self.exited = False
@@ -528,8 +538,10 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def _at_exit() -> None:
-    # (a forked child that exits: not its report; a process that neither trained nor used the device: none)
-    if _session is not None and _session.pid == os.getpid() and not _session.exited and _session.has_run():
+    # (a forked child that exits: not its report; a process that neither trained nor used the device: none,
+    # unless it wrote one itself (write_report()): that one is made final)
+    if _session is not None and _session.pid == os.getpid() and not _session.exited and \
+            (_session.has_run() or _session.written is not None):
         _session.exited = True
         try:
             _session.write_report(final=True)

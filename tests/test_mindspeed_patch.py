@@ -217,6 +217,10 @@ def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path:
 
         def rank(r):
             os.environ["RANK"], os.environ["WORLD_SIZE"] = str(r), "3"
+            from npu_pool.recorder import default  # (the patch's recorder)
+
+            with default.phase("setup"):  # the rank's own set-up
+                time.sleep(0.05)
             for _ in range(4 + r):
                 mod.train_step()
 
@@ -238,10 +242,12 @@ def test_ranks_forked_from_the_patched_process_write_their_own_reports(tmp_path:
     assert {k: v["iterations"] for k, v in reports.items()} == {0: 4, 1: 5, 2: 3}
     assert all(v["final"] for v in reports.values())  # each written as its process exited
     assert len({v["pid"] for v in reports.values()}) == 3
-    # the recorder's markers too: a rank's are its own steps' (they held the parent's three steps' before)
+    # the recorder's markers too: a rank's are its own set-up's and steps' (they held the parent's three
+    # steps' before; and a reset at the first step lost the rank's set-up)
     per_step = reports[1]["marks"] - reports[0]["marks"]
-    assert per_step > 0 and {k: v["marks"] for k, v in reports.items()} == {0: 4 * per_step, 1: 5 * per_step,
+    assert per_step > 0 and {k: v["marks"] for k, v in reports.items()} == {0: 2 + 4 * per_step, 1: 2 + 5 * per_step,
                                                                               2: 3 * per_step}
+    assert all(reports[r]["phase_seconds"]["setup"] >= 0.05 for r in (0, 1)) and "setup" not in reports[2]["phase_seconds"]
 
 
 def test_a_child_forked_inside_a_step_that_leaves_through_it_writes_nothing(tmp_path: Path) -> None:
@@ -318,6 +324,8 @@ def test_cpu_process_falls_back_with_a_clear_message(tmp_path: Path) -> None:
     assert "no device allocator is installed" in r.stderr and "recording phase markers and step times only" in r.stderr
     report = json.loads(Path(r.stdout.strip()).read_text())
     assert report["mode"] == "recorder" and report["memory"] is None and report["rank"] == 0
+    # written by the user, then at exit made final (the process ran no step: merge said it was killed)
+    assert report["final"] is True
 
 
 # -- patching ------------------------------------------------------------------------------

@@ -141,20 +141,21 @@ static void region_drop(np_ctx *ctx, planned_state *st) {
 
 /* File free block b (in no tree): merge it with its free neighbours. */
 static void put_free(np_ctx *ctx, planned_state *st, np_block *b) {
-  np_block *p = b->prev;
-  if (p && !p->allocated) {
-    np_tree_remove(&st->free, p);
+  np_block *p = b->prev, *n = b->next;
+  bool in_place = p && !p->allocated; /* b joins the free block below, which keeps its address and place */
+  uint64_t was = in_place ? p->size : 0;
+  if (in_place) {
     p->stream = np_tag_merge(p->stream, b->stream);
     np_block_merge_next(&ctx->blocks, p);
     b = p;
   }
-  np_block *n = b->next;
   if (n && !n->allocated) {
     np_tree_remove(&st->free, n);
     b->stream = np_tag_merge(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
   }
-  np_tree_insert(&st->free, b);
+  if (in_place) np_tree_resized(&st->free, b, was);
+  else np_tree_insert(&st->free, b);
 }
 
 /* Allocate [off, off + size) of the region if it is free; NP_ERR_OOM if not. */
@@ -164,15 +165,14 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
   np_block *h = np_tree_floor(&st->free, addr);
   if (!h || h->addr + h->size < addr + size || np_order_after(ctx, &st->streams, stream, h->stream) != NP_OK)
     return NP_ERR_OOM; /* not free, or another stream's memory that cannot be ordered for this one */
-  np_tree_remove(&st->free, h);
-  if (h->addr < addr) { /* keep the free part below */
+  if (h->addr < addr) { /* keep the free part below, in the tree where it is (its address is h's) */
+    uint64_t was = h->size;
     np_block *piece = np_block_split(&ctx->blocks, h, h->addr + h->size - addr, true);
-    if (!piece) {
-      np_tree_insert(&st->free, h);
-      return np_error(NP_ERR_HOST, "host out of memory splitting a block");
-    }
-    np_tree_insert(&st->free, h);
+    if (!piece) return np_error(NP_ERR_HOST, "host out of memory splitting a block");
+    np_tree_resized(&st->free, h, was);
     h = piece;
+  } else {
+    np_tree_remove(&st->free, h);
   }
   if (h->size > size) { /* and above */
     if (!np_block_split(&ctx->blocks, h, size, false)) {
@@ -495,8 +495,7 @@ static void planned_fill_stats(np_ctx *ctx, np_stats *out) {
   planned_state *st = state(ctx);
   np_arena_fill_stats(ctx, budget(ctx, st), out);
   if (st->seg && st->live == 0) out->releasable += st->seg->mapped; /* the region, as planned_empty_cache drops it */
-  for (np_block *b = st->seg ? st->seg->head : NULL; b; b = b->next)
-    if (!b->allocated && b->size > out->largest_free) out->largest_free = b->size;
+  if (st->free.root && st->free.root->sub > out->largest_free) out->largest_free = st->free.root->sub; /* (tree.h) */
 }
 
 /* The region: tiled, its free blocks indexed and never neighbours, its live blocks counted. */

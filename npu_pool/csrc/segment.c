@@ -2,7 +2,9 @@
 #include "segment.h"
 
 np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool take_high) {
-  NP_ASSERT(size > 0 && size < b->size && !b->in_tree);
+  /* b may stay in an address-ordered tree when it keeps its address (take_high), its tree told
+   * (np_tree_resized); in a size-ordered one its key would change */
+  NP_ASSERT(size > 0 && size < b->size && (!b->in_tree || take_high));
   np_block *n = np_block_new(bc);
   if (!n) return NULL;
   n->seg = b->seg;
@@ -23,7 +25,8 @@ np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool ta
 
 void np_block_merge_next(np_block_cache *bc, np_block *b) {
   np_block *n = b->next;
-  NP_ASSERT(n && !n->allocated && !b->allocated && !n->in_tree && !b->in_tree);
+  /* b may stay in an address-ordered tree (it keeps its address), its tree told (np_tree_resized) */
+  NP_ASSERT(n && !n->allocated && !b->allocated && !n->in_tree);
   NP_ASSERT(b->addr + b->size == n->addr);
   b->size += n->size;
   b->next = n->next;

@@ -28,20 +28,14 @@ static void pull(np_block *n) {
   n->sub = n->size > m ? n->size : m;
 }
 
-/* Recompute sub along the search path of `addr`, bottom up. After an insert or a remove, the
- * nodes whose subtrees changed are all on it: the ancestors of the place, and the two spines an
- * insert splits off (or a remove zips together), which are the search paths of the same address
- * in the subtrees either side. Expected O(log n) deep. */
+/* Recompute sub along the search path of `addr` below n, bottom up, down to the node of that
+ * address (pulled, its children left as they are) or to the path's end. After a remove, the
+ * nodes whose subtrees changed are all on it: the ancestors of the place and the spine the zip
+ * made (the search path of the same address); after an insert, the two spines its split made
+ * are the search paths of the address in the new node's subtrees. Expected O(log n) deep. */
 static void fix_path(np_block *n, uintptr_t addr) {
   if (!n) return;
-  if (addr < n->addr) {
-    fix_path(n->left, addr);
-  } else if (addr > n->addr) {
-    fix_path(n->right, addr);
-  } else {
-    fix_path(n->left, addr);
-    fix_path(n->right, addr);
-  }
+  if (addr != n->addr) fix_path(addr < n->addr ? n->left : n->right, addr);
   pull(n);
 }
 
@@ -53,7 +47,10 @@ void np_tree_insert(np_tree *t, np_block *b) {
   NP_ASSERT(!b->in_tree);
   b->prio = next_prio(t);
   np_block **link = &t->root;
-  while (*link && (*link)->prio >= b->prio) link = key_cmp(t, b, *link) < 0 ? &(*link)->left : &(*link)->right;
+  while (*link && (*link)->prio >= b->prio) {
+    if (t->by_addr && (*link)->sub < b->size) (*link)->sub = b->size; /* an ancestor: b joins its subtree */
+    link = key_cmp(t, b, *link) < 0 ? &(*link)->left : &(*link)->right;
+  }
   np_block *n = *link, **l = &b->left, **r = &b->right;
   while (n) { /* split: keys below b down b's left spine, the rest down its right */
     if (key_cmp(t, n, b) < 0) {
@@ -71,7 +68,17 @@ void np_tree_insert(np_tree *t, np_block *b) {
   b->in_tree = 1;
   t->count++;
   t->bytes += b->size;
-  if (t->by_addr) fix_path(t->root, b->addr);
+  if (t->by_addr) { /* the spines the split made, then b */
+    fix_path(b->left, b->addr);
+    fix_path(b->right, b->addr);
+    pull(b);
+  }
+}
+
+void np_tree_resized(np_tree *t, np_block *b, uint64_t old_size) {
+  NP_ASSERT(t->by_addr && b->in_tree);
+  t->bytes = t->bytes - old_size + b->size;
+  fix_path(t->root, b->addr); /* b and its ancestors */
 }
 
 void np_tree_remove(np_tree *t, np_block *b) {
@@ -180,13 +187,6 @@ static np_block *max_node(np_block *n) {
 
 /* Keys order by stream first, so the largest block needs a full walk; stats-time only. */
 np_block *np_tree_max(const np_tree *t) { return max_node(t->root); }
-
-static bool walk(np_block *n, bool (*fn)(np_block *, void *), void *arg) {
-  if (!n) return true;
-  return walk(n->left, fn, arg) && fn(n, arg) && walk(n->right, fn, arg);
-}
-
-void np_tree_walk(const np_tree *t, bool (*fn)(np_block *b, void *arg), void *arg) { walk(t->root, fn, arg); }
 
 static bool check(const np_tree *t, const np_block *n, const np_block *lo, const np_block *hi, size_t *count,
                   uint64_t *bytes) {

@@ -7,8 +7,8 @@
  * "the free block at or below this address" and, each node keeping the largest
  * size in its subtree (sub), "the lowest block that fits" instead. Invariants: keys
  * unique (addresses are), BST order on keys, heap order on prio; count = number of
- * nodes; by_addr: sub = max(size, children's sub); a block's key fields (and, in an
- * address-ordered tree, its size) do not change while it is in a tree.
+ * nodes; by_addr: sub = max(size, children's sub); a block's key fields do not change
+ * while it is in a tree, nor, in an address-ordered tree, its size but through np_tree_resized.
  */
 #ifndef NP_TREE_H
 #define NP_TREE_H
@@ -32,14 +32,15 @@ np_block *np_tree_best_fit(const np_tree *t, intptr_t stream, uint64_t size);
 /* Address-ordered trees: the block with the highest address <= addr / the lowest > addr, or NULL. */
 np_block *np_tree_floor(const np_tree *t, uintptr_t addr);
 np_block *np_tree_after(const np_tree *t, uintptr_t addr);
+/* Address-ordered trees: b, in the tree, was resized in place (its address unchanged) from
+ * old_size bytes; the tree's figures follow. */
+void np_tree_resized(np_tree *t, np_block *b, uint64_t old_size);
 /* Address-ordered trees: the lowest-addressed block of at least `size` bytes, or NULL. */
 np_block *np_tree_lowest_fit(const np_tree *t, uint64_t size);
 /* The block after b in key order, or NULL. */
 np_block *np_tree_next(const np_tree *t, const np_block *b);
 /* Largest block of any stream, or NULL. */
 np_block *np_tree_max(const np_tree *t);
-/* In-order walk; stops early when fn returns false. */
-void np_tree_walk(const np_tree *t, bool (*fn)(np_block *b, void *arg), void *arg);
 /* Verify order, heap and count invariants; returns false on violation. */
 bool np_tree_check(const np_tree *t);
 
