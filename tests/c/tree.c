@@ -1,7 +1,7 @@
 /* tree.c -- the address-ordered treap's lowest-fit search against a scan, under a debug build
- * and the sanitizers: random inserts and removes of blocks of random sizes, the tree's
- * invariants (the subtree maxima included) checked after each, and every search compared
- * with the lowest-addressed block of at least that size found by walking all of them. */
+ * and the sanitizers: random inserts, removes and resizes in place of blocks of random sizes,
+ * the tree's invariants (the subtree maxima included) checked after each, and every search
+ * compared with the lowest-addressed block of at least that size found by walking all of them. */
 #include <stdio.h>
 #include <string.h>
 #include "tree.h"
@@ -25,7 +25,11 @@ int main(void) {
   long searches = 0;
   for (int step = 0; step < 40000; step++) {
     np_block *b = &blocks[next() % N];
-    if (b->in_tree) {
+    if (b->in_tree && next() % 3 == 0) { /* resized in place: a merge into it, a part of it taken */
+      uint64_t was = b->size;
+      b->size = 512 * (1 + next() % (next() % 4 ? 64 : 4096));
+      np_tree_resized(&t, b, was);
+    } else if (b->in_tree) {
       np_tree_remove(&t, b);
     } else {
       b->size = 512 * (1 + next() % (next() % 4 ? 64 : 4096)); /* mostly small, some large */
