@@ -78,7 +78,8 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   np_stats st;
   np_get_stats_locked(ctx, &st);
   const np_fail *f = &ctx->fail;
-  const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name : "the arena";
+  const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name
+                     : ctx->policy->memory ? ctx->policy->memory : "the arena";
   char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[480], held[320] = "";
   int at = 0;
   if (ctx->st.unreleased)

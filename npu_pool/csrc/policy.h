@@ -17,6 +17,7 @@ struct np_policy {
   const char *summary;                /* one line: what the policy is */
   const char *pool_name[NP_POOLS];    /* the two pools its blocks are counted in */
   const char *pool_meaning[NP_POOLS]; /* what each pool holds */
+  const char *memory;                 /* its memory as messages name it when no one pool failed (NULL: "the arena") */
   /* The policy orders reuse across streams itself (event waits): a freed block that was used
    * on other streams (record_stream) needs no device synchronisation from the context. */
   bool orders_streams;

@@ -534,6 +534,7 @@ const np_policy np_policy_planned = {
     .pool_name = {"planned", "fallback"},
     .pool_meaning = {"requests served from the plan's region (at their planned offset, or in a range idle then)",
                      "requests the plan does not cover, placed in the fallback arena"},
+    .memory = "the pool (the plan's region and the fallback arena)",
     .orders_streams = true,
     .init = planned_init,
     .destroy = planned_destroy,
