@@ -92,6 +92,19 @@ def test_the_history_keeps_the_failure_with_its_reason() -> None:
     assert ev["size"] == 12 * MiB and ev["detail"] == 2 and pool.stats()["pools"] and ev["pool"] == 1
 
 
+def test_the_json_names_the_cores_tags_of_free_memory(tmp_path: Path) -> None:
+    """An event's stream in the .json is a number a JSON reader keeps, or the name of the core's tag
+    of free memory (the arena maps its chunks for no one stream): the tag's 64-bit integer was
+    written, which JavaScript's numbers round."""
+    pool = Pool("npu_pool", capacity=64 * MiB)
+    pool.malloc(3 * MiB, stream=7)
+    _fails(pool, 128 * MiB)
+    doc = json.loads(oom.write_snapshot(pool, tmp_path).with_suffix(".json").read_text())
+    assert doc["format"] == "npu_pool.oom/5"
+    streams = {e["kind"]: e["stream"] for e in doc["history"]}
+    assert streams["segment_map"] == "any" and streams["alloc"] == 7
+
+
 def test_write_snapshot(tmp_path: Path) -> None:
     pool, live = _fragmented()
     _fails(pool, 12 * MiB)
