@@ -74,12 +74,11 @@ _session: Optional["_Session"] = None
 
 def _after_fork_in_child() -> None:
     """A forked process records on its own from the fork: what it records before its first step
-    (a rank's own set-up) is its, what its parent recorded is not (the parent reports it)."""
+    (a rank's own set-up) is its, what its parent recorded is not (the parent reports it).
+    Registered when the session is made, after the recorder's lock registered its own fork hook,
+    so that the child's lock is its new one when this runs."""
     if _session is not None:
         _session.recorder.reset_summary()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def parse_log_every(value: Any, source: str = LOG_EVERY) -> int:
@@ -528,6 +527,7 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
         _session.log_every, _session.report_dir = log_every, report_dir
         return True
     _session = _Session(log_every, report_dir)
+    os.register_at_fork(after_in_child=_after_fork_in_child)  # (once: the session is made once per process)
     for name, (functions, warn) in MODULES.items():
         if name in sys.modules:
             _patch_module(sys.modules[name], functions, warn)
