@@ -538,10 +538,8 @@ def patch_megatron(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def _at_exit() -> None:
-    # (a forked child that exits: not its report; a process that neither trained nor used the device: none,
-    # unless it wrote one itself (write_report()): that one is made final)
-    if _session is not None and _session.pid == os.getpid() and not _session.exited and \
-            (_session.has_run() or _session.written is not None):
+    # (a forked child that exits: not its report; a process that neither trained nor used the device: none)
+    if _session is not None and _session.pid == os.getpid() and not _session.exited and _session.has_run():
         _session.exited = True
         try:
             _session.write_report(final=True)
@@ -557,8 +555,9 @@ def session() -> Optional[_Session]:
 
 def write_report() -> Optional[str]:
     """Write this rank's report now (also done at exit); returns the file, or None without
-    ``NPU_POOL_REPORT_DIR``."""
-    return _session.write_report() if _session is not None else None
+    ``NPU_POOL_REPORT_DIR``. It is final: the caller's word (only the patch's own writes during
+    training are not)."""
+    return _session.write_report(final=True) if _session is not None else None
 
 
 def _unpatch() -> None:

@@ -49,7 +49,7 @@ MAX_SNAPSHOTS = 20               # per process: an OOM caught in a loop must not
 HISTORY_WRITTEN = 1 << 15        # latest events a snapshot's pickle holds: bounds the time a failure takes
 HISTORY_WHEN_ENABLED = HISTORY_WRITTEN  # events kept per device when OOM snapshots are on (56 bytes each)
 HISTORY_IN_JSON = 64             # the events around the failure, in the .json
-# the core's tags of free memory as the .json writes an event's stream: no stream, and no integer
+# the core's tags of free memory as the .json writes a block's or an event's stream: no stream, and no integer
 # a JSON reader would round (JavaScript's numbers hold 53 bits)
 _STREAM_NAMES = dict(zip(STREAM_TAGS, ("any", "mixed")))
 BLOCKS_IN_JSON = 4096            # blocks listed in the .json (the pickle's segments hold all of them)
@@ -253,11 +253,12 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
             break
     pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
                                  d / f"{stem}.pickle")
+    named = lambda rows: [dict(r, stream=_STREAM_NAMES.get(r["stream"], r["stream"])) for r in rows]  # noqa: E731
     blocks = pool.blocks()
-    history = [dict(e, stream=_STREAM_NAMES.get(e["stream"], e["stream"])) for e in pool.history(HISTORY_IN_JSON)]
+    history = named(pool.history(HISTORY_IN_JSON))
     doc = {"format": "npu_pool.oom/5", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
            "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": pool.stats(),
-           "blocks": blocks[:BLOCKS_IN_JSON], "blocks_total": len(blocks), "history": history}
+           "blocks": named(blocks[:BLOCKS_IN_JSON]), "blocks_total": len(blocks), "history": history}
     try:
         write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
     except OSError as e:

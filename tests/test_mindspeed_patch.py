@@ -178,6 +178,12 @@ def test_a_process_that_never_trained_leaves_the_ranks_report_alone(tmp_path: Pa
     assert r.returncode == 0, r.stderr[-2000:]
     (report,) = (tmp_path / "rep").glob("npu_pool_rank*.json")
     assert json.loads(report.read_text())["iterations"] == 3
+    # nor one that wrote a report itself before starting the rank (a review: its exit rewrote it)
+    parent.write_text(_TRAINER + "from mindspeed_patch.megatron import write_report\nwrite_report()\n"
+                      f"import subprocess\nsubprocess.run([sys.executable, {str(rank)!r}], check=True)\n")
+    r = subprocess.run([sys.executable, str(parent)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(report.read_text())["iterations"] == 3
 
 
 def test_a_rank_ended_by_a_signal_leaves_its_report(tmp_path: Path) -> None:
@@ -324,7 +330,8 @@ def test_cpu_process_falls_back_with_a_clear_message(tmp_path: Path) -> None:
     assert "no device allocator is installed" in r.stderr and "recording phase markers and step times only" in r.stderr
     report = json.loads(Path(r.stdout.strip()).read_text())
     assert report["mode"] == "recorder" and report["memory"] is None and report["rank"] == 0
-    # written by the user, then at exit made final (the process ran no step: merge said it was killed)
+    # written by the user: final (the process ran no step, so no exit handler writes it again; merge
+    # said it was killed); and a launcher that writes one and exits after its ranks leaves theirs alone
     assert report["final"] is True
 
 

@@ -94,15 +94,21 @@ def test_the_history_keeps_the_failure_with_its_reason() -> None:
 
 def test_the_json_names_the_cores_tags_of_free_memory(tmp_path: Path) -> None:
     """An event's stream in the .json is a number a JSON reader keeps, or the name of the core's tag
-    of free memory (the arena maps its chunks for no one stream): the tag's 64-bit integer was
-    written, which JavaScript's numbers round."""
-    pool = Pool("npu_pool", capacity=64 * MiB)
-    pool.malloc(3 * MiB, stream=7)
-    _fails(pool, 128 * MiB)
+    of free memory (a plan's region is reserved for no one stream; memory freed after two streams
+    used it is "mixed"): the tag's 64-bit integer was written, which JavaScript's numbers round."""
+    pool = Pool("planned", capacity=1024 * MiB)
+    pool.set_plan([100 * MiB, 100 * MiB], [0, 500 * MiB], [2, 2], 0, 600 * MiB, 2)
+    a = pool.malloc(100 * MiB, stream=7)
+    pool.malloc(100 * MiB, stream=7)
+    pool.record_stream(a, 9)
+    pool.free(a)  # its memory, used on two streams, is tagged "mixed" (a free block of no one stream)
+    _fails(pool, 950 * MiB)
     doc = json.loads(oom.write_snapshot(pool, tmp_path).with_suffix(".json").read_text())
     assert doc["format"] == "npu_pool.oom/5"
     streams = {e["kind"]: e["stream"] for e in doc["history"]}
-    assert streams["segment_map"] == "any" and streams["alloc"] == 7
+    assert streams["segment_alloc"] == "any" and streams["alloc"] == 7  # (the region is no one stream's)
+    assert "mixed" in {b["stream"] for b in doc["blocks"]}
+    assert all(isinstance(x, str) or abs(x) < 1 << 53 for x in [b["stream"] for b in doc["blocks"]] + list(streams.values()))
 
 
 def test_write_snapshot(tmp_path: Path) -> None:

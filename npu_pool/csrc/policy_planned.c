@@ -142,20 +142,17 @@ static void region_drop(np_ctx *ctx, planned_state *st) {
 /* File free block b (in no tree): merge it with its free neighbours. */
 static void put_free(np_ctx *ctx, planned_state *st, np_block *b) {
   np_block *p = b->prev, *n = b->next;
-  bool in_place = p && !p->allocated; /* b joins the free block below, which keeps its address and place */
-  uint64_t was = in_place ? p->size : 0;
-  if (in_place) {
-    p->stream = np_tag_merge(p->stream, b->stream);
-    np_block_merge_next(&ctx->blocks, p);
-    b = p;
-  }
   if (n && !n->allocated) {
     np_tree_remove(&st->free, n);
     b->stream = np_tag_merge(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
   }
-  if (in_place) np_tree_resized(&st->free, b, was);
-  else np_tree_insert(&st->free, b);
+  if (p && !p->allocated) { /* b joins the free block below, which keeps its address and its place */
+    p->stream = np_tag_merge(p->stream, b->stream);
+    np_block_merge_next_in(&ctx->blocks, &st->free, p);
+  } else {
+    np_tree_insert(&st->free, b);
+  }
 }
 
 /* Allocate [off, off + size) of the region if it is free; NP_ERR_OOM if not. */
@@ -166,10 +163,8 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
   if (!h || h->addr + h->size < addr + size || np_order_after(ctx, &st->streams, stream, h->stream) != NP_OK)
     return NP_ERR_OOM; /* not free, or another stream's memory that cannot be ordered for this one */
   if (h->addr < addr) { /* keep the free part below, in the tree where it is (its address is h's) */
-    uint64_t was = h->size;
-    np_block *piece = np_block_split(&ctx->blocks, h, h->addr + h->size - addr, true);
+    np_block *piece = np_block_split_high_in(&ctx->blocks, &st->free, h, h->addr + h->size - addr);
     if (!piece) return np_error(NP_ERR_HOST, "host out of memory splitting a block");
-    np_tree_resized(&st->free, h, was);
     h = piece;
   } else {
     np_tree_remove(&st->free, h);

@@ -1,10 +1,8 @@
 /* segment.c -- splitting and merging blocks inside a segment. */
 #include "segment.h"
+#include "tree.h"
 
-np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool take_high) {
-  /* b may stay in an address-ordered tree when it keeps its address (take_high), its tree told
-   * (np_tree_resized); in a size-ordered one its key would change */
-  NP_ASSERT(size > 0 && size < b->size && (!b->in_tree || take_high));
+static np_block *split(np_block_cache *bc, np_block *b, uint64_t size, bool take_high) {
   np_block *n = np_block_new(bc);
   if (!n) return NULL;
   n->seg = b->seg;
@@ -23,13 +21,37 @@ np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool ta
   return take_high ? n : b;
 }
 
-void np_block_merge_next(np_block_cache *bc, np_block *b) {
+static void merge_next(np_block_cache *bc, np_block *b) {
   np_block *n = b->next;
-  /* b may stay in an address-ordered tree (it keeps its address), its tree told (np_tree_resized) */
   NP_ASSERT(n && !n->allocated && !b->allocated && !n->in_tree);
   NP_ASSERT(b->addr + b->size == n->addr);
   b->size += n->size;
   b->next = n->next;
   if (n->next) n->next->prev = b;
   np_block_delete(bc, n);
+}
+
+np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool take_high) {
+  NP_ASSERT(size > 0 && size < b->size && !b->in_tree);
+  return split(bc, b, size, take_high);
+}
+
+void np_block_merge_next(np_block_cache *bc, np_block *b) {
+  NP_ASSERT(!b->in_tree);
+  merge_next(bc, b);
+}
+
+np_block *np_block_split_high_in(np_block_cache *bc, np_tree *t, np_block *b, uint64_t size) {
+  NP_ASSERT(t->by_addr && b->in_tree && size > 0 && size < b->size);
+  uint64_t was = b->size;
+  np_block *piece = split(bc, b, size, true);
+  if (piece) np_tree_resized(t, b, was);
+  return piece;
+}
+
+void np_block_merge_next_in(np_block_cache *bc, np_tree *t, np_block *b) {
+  NP_ASSERT(t->by_addr && b->in_tree);
+  uint64_t was = b->size;
+  merge_next(bc, b);
+  np_tree_resized(t, b, was);
 }

@@ -31,5 +31,11 @@ typedef struct np_segment {
 np_block *np_block_split(np_block_cache *bc, np_block *b, uint64_t size, bool take_high);
 /* Merge next into b (b->next == next, both free); next is deleted. */
 void np_block_merge_next(np_block_cache *bc, np_block *b);
+/* The same on a block b that stays in address-ordered tree t (it keeps its address; the tree's
+ * figures follow): the piece split off is b's high end, the block merged is not in a tree. A
+ * block in a size-ordered tree is neither split nor merged (its key would change). */
+struct np_tree;
+np_block *np_block_split_high_in(np_block_cache *bc, struct np_tree *t, np_block *b, uint64_t size);
+void np_block_merge_next_in(np_block_cache *bc, struct np_tree *t, np_block *b);
 
 #endif
