@@ -234,6 +234,11 @@ def snapshot_setting(environ: Optional[Mapping[str, str]] = None) -> Optional[tu
     return None
 
 
+def _named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Blocks or events with the core's tags of free memory named (:data:`_STREAM_NAMES`)."""
+    return [dict(r, stream=_STREAM_NAMES.get(r["stream"], r["stream"])) for r in rows]
+
+
 def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
                    explanation: Optional[OomExplanation] = None) -> Path:
     """Write ``oom_snapshot_<host>_<pid>_dev<device>_<time>_<n>.pickle`` and ``.json`` into ``directory``, each
@@ -253,12 +258,11 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
             break
     pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
                                  d / f"{stem}.pickle")
-    named = lambda rows: [dict(r, stream=_STREAM_NAMES.get(r["stream"], r["stream"])) for r in rows]  # noqa: E731
     blocks = pool.blocks()
-    history = named(pool.history(HISTORY_IN_JSON))
+    history = _named(pool.history(HISTORY_IN_JSON))
     doc = {"format": "npu_pool.oom/5", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
            "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": pool.stats(),
-           "blocks": named(blocks[:BLOCKS_IN_JSON]), "blocks_total": len(blocks), "history": history}
+           "blocks": _named(blocks[:BLOCKS_IN_JSON]), "blocks_total": len(blocks), "history": history}
     try:
         write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
     except OSError as e:

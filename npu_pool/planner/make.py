@@ -50,8 +50,7 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     joined = {p: q for q, p in lay.pairs.items()}  # a prologue tensor and the request standing for it: one rectangle
     for p in range(n):
         if lay.end[p] != NONE and p not in lay.pairs:
-            lo, hi, lo2, hi2 = span(n, lay.loop, p, lay.end[p])
-            rects.add(aligned(lay.size[p]), lo, hi, joined.get(p, lo2), hi2)
+            rects.add(aligned(lay.size[p]), *span(n, lay.loop, p, lay.end[p], joined.get(p)))
             who.append(p)
     for size, e in lay.ghosts:
         rects.add(aligned(size), 0, e)

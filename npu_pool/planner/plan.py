@@ -56,16 +56,18 @@ class Plan:
         v = self.meta.get("outside_peak_bytes")
         return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 else 0
 
-    def span(self, p: int) -> tuple[int, int, int, int]:
-        """Live positions of p: [lo, hi) and [lo2, hi2) (empty unless it wraps)."""
-        return span(self.n, self.loop, p, self.end[p])
+    def span(self, p: int, paired: int | None = None) -> tuple[int, int, int, int]:
+        """Live positions of p: [lo, hi) and [lo2, hi2) (empty unless it wraps); ``paired``: as :func:`span`."""
+        return span(self.n, self.loop, p, self.end[p], paired)
 
 
-def span(n: int, loop: int, p: int, end: int) -> tuple[int, int, int, int]:
-    """Live positions of a request at p freed at end (NONE: until n): [lo, hi) and [lo2, hi2)."""
+def span(n: int, loop: int, p: int, end: int, paired: int | None = None) -> tuple[int, int, int, int]:
+    """Live positions of a request at p freed at end (NONE: until n): [lo, hi) and [lo2, hi2).
+    ``paired``: the prologue position whose tensor a wrapping p stands for (:func:`paired`): the
+    two are one rectangle, its wrapped range beginning there."""
     if end == NONE or end <= n:
         return p, n if end == NONE else end, 0, 0
-    return p, n, loop, loop + end - n
+    return p, n, loop if paired is None else paired, loop + end - n
 
 
 def paired(n: int, loop: int, size: Sequence[int], offset: Sequence[int], end: Sequence[int]) -> dict[int, int]:

@@ -157,11 +157,10 @@ def verify(plan: Plan) -> None:
             raise PlanError(f"plan: position {p} has an unaligned offset {plan.offset[p]}")
         if p in pairs:
             continue
-        lo, hi, lo2, hi2 = plan.span(p)
         pos.append(p)
         offset.append(plan.offset[p])
         size.append(aligned(plan.size[p]))
-        span.extend((lo, hi, joined.get(p, lo2), hi2))
+        span.extend(plan.span(p, joined.get(p)))
     verify_rects(n, offset, size, span, plan.region, lambda r: f"position {pos[r]}")
     top = max((o + s for o, s in zip(offset, size)), default=0)
     ghosts = plan.meta.get("ghosts") if isinstance(plan.meta, dict) else None
