@@ -6,6 +6,7 @@ ask of the device in every iteration on a full device (docs/gpu.md, "A full devi
     python benchmarks/gpu_probe.py record TRACE CAP_MIB OUT.pickle      # on a GPU (CAP_MIB 0: no cap)
     python benchmarks/gpu_probe.py order SNAPSHOT.pickle...             # anywhere
     python benchmarks/gpu_probe.py steady TRACE ALLOCATOR [--cap-mib N] [--repeat 3] [--device cuda]
+    python benchmarks/gpu_probe.py threads ALLOCATOR [--threads 4] [--rounds 3] [--simulated]
 
 ``fits`` plays the trace (.npt or .pickle) as tensors once with room to spare, then once under
 each cap (``torch.cuda.set_per_process_memory_fraction`` of exactly CAP_MIB MiB, as
@@ -28,6 +29,15 @@ seconds of each play (synchronised at each bound), and the simulator's calls for
 stretches (the torch model for native, the npu_pool policy for npu_pool, capped by the same memory
 fraction of the same device: ``simulate_capped``).
 ``--device npu`` runs it under torch_npu (the tests' fake CANN: calls, not times).
+
+``threads`` is docs/device_calls.md's four-thread check on the device (tests/test_device_calls.py
+runs it on the simulator): each thread on its own stream allocates and frees tensors of mixed
+sizes, filling each (a kernel, so the streams are busy when their blocks are freed). Warm-up: every
+thread at its own live peak at once (the most the workload can hold), then ``--rounds`` rounds.
+Then the same rounds again, timed, with the device calls counted (npu_pool: every kind it
+counts; native: the framework's num_device_alloc and num_device_free). Every tensor is checked
+for its thread's value before it is freed, one free in 32 of each round's first (a block handed to two threads at once
+would show). It prints one JSON line.
 """
 from __future__ import annotations
 
@@ -123,6 +133,194 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
             "simulated_calls": simulated, "same": live == simulated, "seconds": seconds}
 
 
+_THREAD_SIZES = (512, 4096, 100_000, MiB, 3 * MiB, 9 * MiB, 40 * MiB)
+
+
+def _thread_requests(seed: int, n: int = 2000) -> list[tuple[str, int]]:
+    """A thread's round: ("malloc", bytes) or ("free", index into its held list), at most 17 held."""
+    import random
+
+    rng = random.Random(seed)
+    out: list[tuple[str, int]] = []
+    held = 0
+    for _ in range(n):
+        out.append(("malloc", rng.choice(_THREAD_SIZES)))
+        held += 1
+        if held > 16:
+            out.append(("free", rng.randrange(held)))
+            held -= 1
+    return out
+
+
+class _TorchSide:
+    """``threads`` on the GPU: tensors on a stream per thread, filled with the thread's value."""
+
+    def __init__(self, allocator: str) -> None:
+        self.pool = None
+        if allocator == "npu_pool":  # before the framework's own allocator serves anything
+            from npu_pool.install import install
+
+            self.pool = install("cuda").get(0)
+        import torch
+
+        self.torch = torch
+        torch.cuda.set_device(0)
+
+    def thread(self) -> Any:  # the context a thread works in: a stream of its own
+        return self.torch.cuda.stream(self.torch.cuda.Stream())
+
+    def malloc(self, size: int, value: int) -> Any:
+        t = self.torch.empty(size, dtype=self.torch.uint8, device="cuda")
+        t.fill_(value)
+        return t
+
+    def free(self, t: Any, value: int, check: bool) -> bool:
+        """Whether the tensor kept its value (checked when asked: a read waits for the stream)."""
+        return not check or int(t[-1].item()) == value
+
+    def sync(self) -> None:
+        self.torch.cuda.current_stream().synchronize()
+
+    def calls(self) -> dict[str, int]:
+        if self.pool is not None:
+            return {k: int(v) for k, v in self.pool.stats()["calls"].items()}
+        st = self.torch.cuda.memory_stats(0)
+        return {"malloc": int(st.get("num_device_alloc", 0)), "free": int(st.get("num_device_free", 0))}
+
+    def peaks(self) -> tuple[int, int]:
+        return int(self.torch.cuda.max_memory_reserved(0)), int(self.torch.cuda.max_memory_allocated(0))
+
+
+def live_peak(requests: list[tuple[str, int]]) -> tuple[int, int]:
+    """A thread's requests ("malloc", bytes) / ("free", index into its held list): how many of them
+    take it to its live peak, and its live bytes there."""
+    held: list[int] = []
+    live = best = at = 0
+    for k, (op, x) in enumerate(requests):
+        if op == "malloc":
+            held.append(x)
+            live += x
+        else:
+            live -= held.pop(x)
+        if live > best:
+            best, at = live, k + 1
+    return at, best
+
+
+def threads_simulated(allocator: str, n_threads: int, rounds: int) -> dict[str, Any]:
+    """``threads --simulated``: the same requests to a simulated 80 GiB device (the torch model for
+    ``native``), a stream id per thread, the threads taking one request each in turn (the same
+    interleaving on every run, unlike threads)."""
+    from npu_pool import Pool
+    from npu_pool.live import SIMULATED
+
+    def play(p: Pool, k: int, requests: list[tuple[str, int]], held: list[int]) -> Any:
+        """Thread k's requests, one per step; what it still holds at the end stays in ``held``."""
+        for op, x in requests:
+            if op == "malloc":
+                held.append(p.malloc(x, stream=k + 1))
+            else:
+                p.free(held.pop(x))
+            yield
+
+    def in_turn(p: Pool, reqs: list[list[tuple[str, int]]]) -> None:
+        """One round of every thread, a request of each in turn, each freeing what it held after."""
+        helds: list[list[int]] = [[] for _ in reqs]
+        plays = [play(p, k, r, helds[k]) for k, r in enumerate(reqs)]
+        while plays:
+            plays = [g for g in plays if next(g, StopIteration) is not StopIteration]
+        for ptr in (ptr for held in helds for ptr in held):
+            p.free(ptr)
+
+    with Pool(SIMULATED[allocator], capacity=80 << 30) as p:
+        reqs = [_thread_requests(k) for k in range(n_threads)]
+        in_turn(p, [r[:live_peak(r)[0]] for r in reqs])  # every thread at its live peak at once, at the end
+        for _ in range(rounds):
+            in_turn(p, reqs)
+        before = dict(p.stats()["calls"])
+        for _ in range(rounds):
+            in_turn(p, reqs)
+        after, total = p.stats()["calls"], p.stats()["total"]
+    grew = {k: int(after[k] - before[k]) for k in after if after[k] != before[k]}
+    return {"allocator": allocator, "simulated": True, "ok": True, "bad": [], "threads": n_threads, "rounds": rounds,
+            "requests_timed": n_threads * rounds * len(reqs[0]), "calls_after_warm_up": grew, "seconds_timed": 0.0,
+            "peak_reserved": int(total["reserved"]["peak"]), "peak_allocated": int(total["allocated"]["peak"])}
+
+
+def threads(allocator: str, n_threads: int, rounds: int) -> dict[str, Any]:
+    """The four-thread check on the GPU (see the module doc)."""
+    import threading
+
+    side = _TorchSide(allocator)
+
+    bad: list[str] = []
+
+    def serve(value: int, requests: list[tuple[str, int]], check: bool) -> list[Any]:
+        held: list[Any] = []
+        for i, (op, x) in enumerate(requests):
+            if op == "malloc":
+                held.append(side.malloc(x, value))
+            elif not side.free(held.pop(x), value, check and i % 64 == 1) and check:
+                bad.append(f"thread {value}: a tensor lost its value")
+                check = False
+        return held
+
+    def release(held: list[Any], value: int) -> None:
+        for t in held:
+            side.free(t, value, False)
+        held.clear()
+
+    phases = [threading.Barrier(n_threads + 1, timeout=600) for _ in range(3)]
+    held_peaks = threading.Barrier(n_threads, timeout=600)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            requests = _thread_requests(k)
+            with side.thread():
+                held = serve(k + 1, requests[:live_peak(requests)[0]], False)
+                side.sync()
+                held_peaks.wait()  # every thread at its live peak at once
+                release(held, k + 1)
+                for phase in range(2):  # the warm-up's rounds, then the timed ones
+                    for r in range(rounds):
+                        release(serve(k + 1, requests, r == 0), k + 1)
+                    side.sync()
+                    phases[phase].wait()
+                    if phase == 0:
+                        phases[2].wait()
+        except BaseException as e:  # (the main thread reports it; a broken barrier releases the others)
+            errors.append(e)
+            for b in (*phases, held_peaks):
+                b.abort()
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(n_threads)]
+    for t in ts:
+        t.start()
+    timed = 0.0
+    before: dict[str, int] = {}
+    try:
+        phases[0].wait()
+        before = side.calls()
+        t0 = time.perf_counter()
+        phases[2].wait()
+        phases[1].wait()
+        timed = time.perf_counter() - t0
+    except threading.BrokenBarrierError:
+        pass
+    for t in ts:
+        t.join()
+    if errors:
+        return {"allocator": allocator, "ok": False, "error": repr(errors[0])[:400]}
+    after = side.calls()
+    reserved, allocated = side.peaks()
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    return {"allocator": allocator, "ok": not bad, "bad": bad[:4], "threads": n_threads,
+            "rounds": rounds, "requests_timed": n_threads * rounds * len(_thread_requests(0)),
+            "calls_after_warm_up": grew, "seconds_timed": round(timed, 4),
+            "peak_reserved": reserved, "peak_allocated": allocated}
+
+
 def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str,
                     bounds: list[int]) -> tuple[bool, list[dict[str, int]]]:
     """The simulator's side of ``steady``: whether the model of ``allocator`` runs the trace, and its
@@ -178,7 +376,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--cap-mib", type=int, default=None, help="default: the torch model's minimum capacity")
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--device", choices=("cuda", "npu"), default="cuda")
+    h = sub.add_parser("threads")
+    h.add_argument("allocator", choices=("native", "npu_pool"))
+    h.add_argument("--threads", type=int, default=4)
+    h.add_argument("--rounds", type=int, default=3)
+    h.add_argument("--simulated", action="store_true", help="on the simulator (no GPU): a stream id per thread, one request of each in turn")
     args = ap.parse_args(argv)
+    if args.mode == "threads":
+        if args.threads < 1 or args.rounds < 1:
+            ap.error("--threads and --rounds take a positive number")
+        run = threads_simulated if args.simulated else threads
+        print(json.dumps(run(args.allocator, args.threads, args.rounds)))
+        return 0
     if args.mode == "order":
         order(args.snapshots)
         return 0

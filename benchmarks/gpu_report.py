@@ -6,7 +6,8 @@ RESULTS_DIR holds a session's files (``live_*.json``, ``gpt_small.json``, ``gpt_
 ``mcore.json``, ``costs.json``, ``repeat_*.json``, ``apis.json`` (``benchmarks/gpu_apis.py``),
 ``machine.txt``; on a full device
 ``steady.log`` and ``full_*.json``, the steps ``steady`` and ``full``, or ``ab*_*.json``, runs of
-``gpu_check.py --cap-mib`` named by hand): the GPU's figures are read
+``gpu_check.py --cap-mib`` named by hand; ``threads_*.json``, runs of ``gpu_probe.py threads``):
+the GPU's figures are read
 from there, and the simulator's are computed now, on this machine, with this checkout (each live
 trace beside the simulation of its allocator under CUDA's rules, as ``replay --live --validate``
 sets them). Needs no GPU. Prints markdown.
@@ -35,33 +36,48 @@ def _traces(shared: Path) -> dict[str, Any]:
 
 
 def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]:
+    """Each live replay beside the simulator of this checkout. An npu_pool row that differs from it
+    while it equals the simulation saved with the run (the ``simulated`` field) is npu_pool's own
+    change since the run, not a fault of the simulator: "changed since" (a model of another
+    allocator has no such excuse)."""
     from npu_pool.live import LiveResult, simulated
 
     rows = ["| trace | allocator | peak reserved: live / sim (bytes) | minimum capacity: live / sim (bytes) | "
             "device allocations: live / sim | same |", "|---|---|---|---|---|---|"]
     same_all = total = 0
     notes: list[str] = []
+    changed: list[str] = []
     for f in sorted(results.glob("live_*.json")):
         for rec in json.loads(f.read_text()):
-            rec.pop("simulated", None)
+            then = rec.pop("simulated", None) or {}
             r = LiveResult(**rec)
-            trace = traces.get(r.trace.split(".")[0])
+            name = r.trace.split(".")[0]
+            trace = traces.get(name)
             if trace is None:
                 rows.append(f"| {r.trace} | {r.allocator} | (trace not in {shared}) | | | |")
                 continue
             sim = simulated(trace, r)
             same = sim["same"]  # (the peaks, minimum capacity and device allocations: live.simulated)
+            since = not same and r.allocator == "npu_pool" and then.get("same") is True
             same_all += same
             total += 1
-            rows.append(f"| {r.trace.split('.')[0]} | {r.allocator} | {r.peak_reserved_bytes} / "
+            rows.append(f"| {name} | {r.allocator} | {r.peak_reserved_bytes} / "
                         f"{sim['peak_reserved_bytes']} | {r.min_capacity_bytes} / {sim['min_capacity_bytes']} | "
-                        f"{r.device_allocs} / {sim['device_mallocs']} | {'yes' if same else 'NO'} |")
-            if not same:  # (what the columns do not show: the peak allocated, the failing event)
-                notes.append(f"{r.trace.split('.')[0]}, {r.allocator}: peak allocated {r.peak_allocated_bytes} live, "
+                        f"{r.device_allocs} / {sim['device_mallocs']} | "
+                        f"{'yes' if same else 'changed since' if since else 'NO'} |")
+            if since:
+                changed.append(name)
+            elif not same:  # (what the columns do not show: the peak allocated, the failing event)
+                notes.append(f"{name}, {r.allocator}: peak allocated {r.peak_allocated_bytes} live, "
                              f"{sim['peak_allocated_bytes']} simulated; ran out at event "
                              f"{r.fail_index if not r.ok else '-'} live, {sim['fail_index'] or '-'} simulated.")
-    return rows + ["", f"Every figure equal (peak reserved and allocated, minimum capacity, device allocations) "
-                       f"on {same_all} of {total} rows."] + notes
+    summary = (f"Every figure equal (peak reserved and allocated, minimum capacity, device allocations) "
+               f"on {same_all} of {total} rows.")
+    if changed:
+        summary = (summary[:-1] + f"; on the other {len(changed)} (npu_pool: {', '.join(changed)}) the live run "
+                   f"equals the simulation saved with it, and npu_pool places differently since (its figures "
+                   f"now in the sim columns).")
+    return rows + ["", summary] + notes
 
 
 def _training(results: Path) -> list[str]:
@@ -152,6 +168,36 @@ def _capped(results: Path) -> list[str]:
     return rows
 
 
+def _threads(results: Path) -> list[str]:
+    """``gpu_probe.py threads`` runs (``threads_ALLOCATOR_N.json``), then the same workload on the
+    simulator with this checkout (``threads --simulated``: a stream id per thread, taking turns)."""
+    from gpu_probe import threads_simulated
+
+    files = sorted(results.glob("threads_*.json"))
+    if not files:
+        return []
+    rows = ["| run | allocator | requests after warm-up | device calls after warm-up | contents | "
+            "timed rounds (s) | peak reserved (bytes) |", "|---|---|---:|---|---|---:|---:|"]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        if not r.get("requests_timed"):
+            return f"| {name} | {r.get('allocator', '?')} | failed: {r.get('error', '?')} | | | | |"
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls_after_warm_up"].items())) or "none"
+        if r.get("simulated"):  # (no contents; its seconds are this machine's, not the GPU's)
+            return f"| {name} | {r['allocator']} | {r['requests_timed']} | {calls} | - | - | {r['peak_reserved']} |"
+        contents = "intact" if r["ok"] else "WRONG: " + "; ".join(r["bad"])
+        return (f"| {name} | {r['allocator']} | {r['requests_timed']} | {calls} | {contents} | "
+                f"{r['seconds_timed']:.3f} | {r['peak_reserved']} |")
+
+    for f in files:
+        rows.append(row(f.stem.split("_")[-1], json.loads(f.read_text())))
+    runs = [json.loads(f.read_text()) for f in files]
+    n, rounds = runs[0].get("threads", 4), runs[0].get("rounds", 3)
+    for allocator in ("native", "npu_pool"):
+        rows.append(row("simulator, this checkout", threads_simulated(allocator, n, rounds)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
@@ -180,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             out += ["## torch.cuda's memory APIs", "", report(json.loads(apis.read_text())["runs"])[0], ""]
         except (ValueError, KeyError, TypeError) as e:
             ap.error(f"cannot read {apis}: {e}")
+    four = _threads(args.results)
+    if four:
+        out += ["## Four threads, a stream each", ""] + four + [""]
     steady, capped = _steady(args.results, traces), _capped(args.results)
     if steady or capped:
         out += ["## A full device", ""]

@@ -16,7 +16,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-25"
 LATEST = RESULTS.parent / "h100-2026-11-26b"  # the torch model with cudaMalloc's granules
-EQUAL = "Every figure equal (peak reserved and allocated, minimum capacity, device allocations) on {0} of {0} rows."
+# npu_pool's own changes since a run: rows whose live figures equal the simulation saved with the
+# run and differ from this checkout's npu_pool policy. Since 2026-11-27 free memory of two streams
+# never merges (arena.c): the one trace of several streams places differently.
+CHANGED_SINCE = ["llama7b-offload-infer"]
+
+
+def _agrees(text: str, rows: int) -> bool:
+    """The live table's summary: every row equal, but npu_pool's rows of CHANGED_SINCE."""
+    k = len(CHANGED_SINCE)
+    return (f"on {rows - k} of {rows} rows; on the other {k} (npu_pool: {', '.join(CHANGED_SINCE)}) the live run "
+            f"equals the simulation saved with it" in text and "| NO |" not in text)
 
 
 def _report(shared: Path, results: Path = RESULTS) -> str:
@@ -44,9 +54,22 @@ def _benchmark(name: str) -> Any:
         sys.path[:] = saved
 
 
+def _three_repeats_hold(folder: Path) -> None:
+    """The GPU-bound model's three saved repeats: losses identical, no device call from the third
+    step on, each step-time ratio within the goal (<= 1.01)."""
+    median_step = _benchmark("gpu_check").median_step
+    ratios = []
+    for f in sorted(folder.glob("repeat_mid_*.json")):
+        runs = json.loads(f.read_text())["runs"]
+        assert runs["native"]["losses"] == runs["npu_pool"]["losses"]
+        assert all(sum(r["step_calls"][2:]) == 0 for r in runs.values())
+        ratios.append(median_step(runs["npu_pool"]["step_s"]) / median_step(runs["native"]["step_s"]))
+    assert len(ratios) == 3 and max(ratios) <= 1.01, ratios
+
+
 def test_the_simulator_equals_the_live_gpu_runs(shared_traces: Path) -> None:
     text = _report(shared_traces)
-    assert EQUAL.format(18) in text
+    assert _agrees(text, 18)
     page = (ROOT / "docs" / "gpu.md").read_text()
     missing = [line for line in text.splitlines() if line.startswith("|") and line not in page]
     assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"
@@ -58,7 +81,7 @@ def test_on_a_full_device_each_iteration_made_the_calls_the_simulator_says(share
     model just fits made, iteration by iteration, the calls the simulator said (recorded beside
     them); the page shows every row, and the H200 experiment's tables too."""
     text = _report(shared_traces, RESULTS.parent / "h100-2026-11-26")
-    assert EQUAL.format(18) in text
+    assert _agrees(text, 18)
     steady = [line for line in text.splitlines() if line.startswith("| ") and "| npu_pool | " in line and ", " in line]
     assert len(steady) == 4 and all("| yes |" in line for line in steady), steady
     page = (ROOT / "docs" / "gpu.md").read_text()
@@ -94,7 +117,7 @@ def test_the_torch_model_places_segments_as_the_cuda_driver_did(shared_traces: P
     the device it just fits every iteration of every repeating trace made, kind by kind, the calls
     the simulator says, under both allocators; the page shows every row."""
     text = _report(shared_traces, LATEST)
-    assert EQUAL.format(20) in text and "| h100-gpt-bf16-train | native | 2334130176 / 2334130176 | " \
+    assert _agrees(text, 20) and "| h100-gpt-bf16-train | native | 2334130176 / 2334130176 | " \
         "2317352960 / 2317352960 | 71 / 71 | yes |" in text
     steady = [line for line in text.splitlines()
               if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line) and ", " in line]
@@ -209,20 +232,14 @@ def test_this_checkout_on_the_h100_and_torchs_memory_apis(shared_traces: Path) -
     device; the GPU-bound model's step-time ratios are those of the saved runs (losses identical,
     no device call from the third step on); every memory API answered under npu_pool as under the
     caching allocator; the page shows every row."""
-    gpu_apis, median_step = _benchmark("gpu_apis"), _benchmark("gpu_check").median_step
+    gpu_apis = _benchmark("gpu_apis")
     folder = RESULTS.parent / "h100-2026-11-26d"
     text = _report(shared_traces, folder)
-    assert EQUAL.format(20) in text
+    assert _agrees(text, 20)
     steady = [line for line in text.splitlines()
               if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line) and ", " in line]
     assert len(steady) == 8 and all("| yes |" in line for line in steady), steady
-    ratios = []
-    for f in sorted(folder.glob("repeat_mid_*.json")):
-        runs = json.loads(f.read_text())["runs"]
-        assert runs["native"]["losses"] == runs["npu_pool"]["losses"]
-        assert all(sum(r["step_calls"][2:]) == 0 for r in runs.values())
-        ratios.append(median_step(runs["npu_pool"]["step_s"]) / median_step(runs["native"]["step_s"]))
-    assert len(ratios) == 3 and max(ratios) <= 1.01, ratios
+    _three_repeats_hold(folder)
     res = json.loads((folder / "apis.json").read_text())["runs"]
     table, agree = gpu_apis.report(res)
     assert agree and res["npu_pool"]["non_releasable_identity"] is True
@@ -240,3 +257,51 @@ def test_this_checkout_on_the_h100_and_torchs_memory_apis(shared_traces: Path) -
     page = (ROOT / "docs" / "gpu.md").read_text()
     missing = [line for line in text.splitlines() + table.splitlines() if line.startswith("|") and line not in page]
     assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"
+
+
+def test_four_threads_on_their_own_streams(shared_traces: Path) -> None:
+    """The session of 2026-11-27 (docs/gpu.md, "Four threads on their own streams"): with the build
+    of 6705f3f, four threads on their own streams made npu_pool hand memory between streams (an
+    event record and a stream wait) about every second request after warm-up, the caching allocator
+    never; this checkout's npu_pool, on the same workload simulated (the threads taking turns),
+    makes no device call after warm-up and reserves less than the torch model, whose peak is what
+    the caching allocator reserved on the GPU. The rest as the session before (live replays, the full device, step
+    time); the page shows every row."""
+    folder = RESULTS.parent / "h100-2026-11-27"
+    text = _report(shared_traces, folder)
+    assert _agrees(text, 20)
+    steady = [line for line in text.split("### Traces, iteration by iteration")[1].splitlines()
+              if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line)]
+    assert len(steady) == 8 and all("| yes |" in line for line in steady), steady
+    _three_repeats_hold(folder)
+    gpu = {f.stem: json.loads(f.read_text()) for f in folder.glob("threads_*.json")}
+    assert len(gpu) == 4 and all(r["ok"] and r["requests_timed"] == 47808 for r in gpu.values())
+    native = {r["peak_reserved"] for k, r in gpu.items() if "native" in k}
+    assert all(r["calls_after_warm_up"] == {} for k, r in gpu.items() if "native" in k) and len(native) == 1
+    before = [r["calls_after_warm_up"] for k, r in gpu.items() if "npu_pool" in k]
+    assert all(c["event_wait"] == c["event_record"] > 47808 // 3 and set(c) == {"event_record", "event_wait"}
+               for c in before), before
+    now = {a: _benchmark("gpu_probe").threads_simulated(a, 4, 3) for a in ("native", "npu_pool")}
+    assert now["native"]["calls_after_warm_up"] == {} == now["npu_pool"]["calls_after_warm_up"]
+    assert {now["native"]["peak_reserved"]} == native and now["npu_pool"]["peak_reserved"] < min(native)
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    missing = [line for line in text.splitlines() if line.startswith("|") and line not in page]
+    assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"
+
+
+def test_a_live_row_that_differs_is_no_unless_npu_pool_changed_since(shared_traces: Path, tmp_path: Path) -> None:
+    """The report's excuse for a differing row is narrow: an npu_pool row whose saved simulation
+    equalled it (the policy changed since the run). A model of another allocator that differs,
+    or a row whose saved simulation differed too, is a NO."""
+    rows = json.loads((RESULTS.parent / "h100-2026-11-27" / "live_cnn-adam-train.json").read_text())
+    for r in rows:
+        r["peak_reserved_bytes"] += 2 << 20  # as if the live run had reserved one more page
+    (tmp_path / "live_cnn-adam-train.json").write_text(json.dumps(rows))
+    text = _report(shared_traces, tmp_path)
+    assert "| cnn-adam-train | native | " in text and "| NO |" in text.split("| cnn-adam-train | native | ")[1].split("\n")[0]
+    assert "changed since |" in text.split("| cnn-adam-train | npu_pool | ")[1].split("\n")[0]
+    for r in rows:
+        r["simulated"]["same"] = False
+    (tmp_path / "live_cnn-adam-train.json").write_text(json.dumps(rows))
+    text = _report(shared_traces, tmp_path)
+    assert "| NO |" in text.split("| cnn-adam-train | npu_pool | ")[1].split("\n")[0]

@@ -32,13 +32,15 @@ static bool near_cap(const np_ctx *ctx, const np_arena *a, uint64_t more) {
   return reserved_of(ctx, a) + more > exact_from(ctx, a);
 }
 
-/* Holes serve every stream when the backend can order streams and every stream is
- * known; once too many streams were seen, holes stay with their stream. */
+/* Another stream's holes serve a request (behind a device-side wait) when the backend can order
+ * streams and every stream is known; once too many streams were seen, holes stay with their stream. */
 static bool cross(const np_ctx *ctx, const np_arena *a) { return ctx->be->stream_wait && !a->streams.full; }
 
-static bool compatible(const np_ctx *ctx, const np_arena *a, intptr_t x, intptr_t y) {
-  return x == y || x == NP_STREAM_ANY || y == NP_STREAM_ANY || cross(ctx, a);
-}
+/* Whether free memory of tags x and y merges: of one stream, or untagged. Memory of two streams
+ * never merges, even where streams can be ordered: a mixed hole would make every later request
+ * served from it wait for every other stream, a handover (an event record and a stream wait)
+ * each time, where holes of one stream serve that stream without any (docs/gpu.md, 2026-11-27). */
+static bool compatible(intptr_t x, intptr_t y) { return x == y || x == NP_STREAM_ANY || y == NP_STREAM_ANY; }
 
 void np_arena_init(np_ctx *ctx, np_arena *a) {
   memset(a, 0, sizeof *a);
@@ -257,7 +259,7 @@ static np_block *best_hole(const np_ctx *ctx, np_arena *a, intptr_t stream, uint
  * (that one leaves the tree); returns the block that holds b's memory, in no tree. */
 static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
   np_block *p = b->prev;
-  if (!p || p->allocated || !compatible(ctx, a, p->stream, b->stream)) return b;
+  if (!p || p->allocated || !compatible(p->stream, b->stream)) return b;
   np_tree_remove(&a->holes, p);
   p->stream = np_tag_merge(p->stream, b->stream);
   np_block_merge_next(&ctx->blocks, p);
@@ -268,7 +270,7 @@ static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
 static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
   b = merge_prev(ctx, a, b);
   np_block *n = b->next;
-  if (n && !n->allocated && n != a->top && compatible(ctx, a, n->stream, b->stream)) {
+  if (n && !n->allocated && n != a->top && compatible(n->stream, b->stream)) {
     np_tree_remove(&a->holes, n);
     b->stream = np_tag_merge(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);
@@ -400,12 +402,12 @@ static int range_full(const np_arena *a, uint64_t size) {
 
 /* Under cap pressure (reserved + size past budget / NP_ARENA_NEAR_DIV), keep free chunks whole so
  * trims can return them: when carving best fit h at its usual end would pin a wholly free chunk,
- * carve at its other end, or failing that take the smallest compatible hole with an end that
+ * carve at its other end, or failing that take the smallest hole best_hole may take with an end that
  * pins nothing, is at most one growth (a->growth) larger than h and maps no more than h's carve
  * would (*long_lived then names the end): avoiding a pin never costs more than a granule of
  * fragmentation nor any extra mapping. This is the arena's only walk over holes: it runs only
  * in that case and looks at NP_ARENA_PIN_WALK holes at most; when none qualifies, h stays.
- * Invariant: the hole returned fits `size` and is compatible with `stream` (it is h or comes
+ * Invariant: the hole returned fits `size` and may serve `stream` (it is h or comes
  * from a tag best_hole may take from). */
 static np_block *avoid_pin(np_ctx *ctx, np_arena *a, np_block *h, intptr_t stream, uint64_t size, bool *long_lived) {
   if (!a->vmm || !h || !near_cap(ctx, a, size) || !pins(ctx, a, h, size, !*long_lived)) return h;
@@ -474,7 +476,8 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
     np_block *below = t->prev;
     /* No hole fits, so a usable hole under the top is smaller than the request:
      * start the request there; it covers the whole hole, the rest is untagged. */
-    bool absorb = below && !below->allocated && compatible(ctx, a, below->stream, stream) && below->size + t->size >= size;
+    bool absorb = below && !below->allocated && (compatible(below->stream, stream) || cross(ctx, a)) &&
+                  below->size + t->size >= size;
     if (!absorb && t->size < size) return range_full(a, size);
     used_by = NP_STREAM_ANY;
     if (absorb) {
@@ -670,7 +673,7 @@ int np_arena_check(np_ctx *ctx, np_arena *a) {
       continue;
     }
     if (!b->in_tree) return np_error(NP_ERR_STATE, "check: free block %#lx is not a hole", (unsigned long)b->addr);
-    if (b->next && !b->next->allocated && b->next != a->top && compatible(ctx, a, b->stream, b->next->stream))
+    if (b->next && !b->next->allocated && b->next != a->top && compatible(b->stream, b->next->stream))
       return np_error(NP_ERR_STATE, "check: compatible holes not merged at %#lx", (unsigned long)b->addr);
     holes++;
   }

@@ -22,12 +22,13 @@
  *    first taking a hole of its stream that touches the top; under cap pressure a request of
  *    whole pages that would start inside a page starts on the next one (its growth is one
  *    chunk), the skipped piece staying a hole;
- *  - freed memory keeps the tag of the stream that used it (or "mixed" once memory of two
- *    streams merges). A request prefers holes of its own stream or untagged ones (never
- *    used, or synchronised); failing that, where the backend can order streams on the
- *    device (an event wait, as cudaMallocAsync pools do) it takes another stream's hole and
- *    makes its stream wait for that stream's queued work: memory serves every stream
- *    without a host synchronisation. Without that hook, holes stay with their stream until
+ *  - freed memory keeps the tag of the stream that used it ("mixed" for a block used on several,
+ *    record_stream); free memory of two streams never merges. A request prefers holes of its
+ *    own stream or untagged ones (never used, or synchronised); failing that, where the backend
+ *    can order streams on the device (an event wait, as cudaMallocAsync pools do) it takes
+ *    another stream's hole and makes its stream wait for that stream's queued work: memory
+ *    serves every stream without a host synchronisation, a handover (event record and wait)
+ *    each time it changes streams. Without that hook, holes stay with their stream until
  *    a synchronisation (empty_cache, or the retry after a failure) clears the tags;
  *  - when mapping would pass the budget, it first trims: unmaps whole free chunks, highest
  *    first, waiting for the device first when one of their streams still has queued work
@@ -41,9 +42,9 @@
  *
  * Invariants: the segment is tiled by its blocks; `top` is the last block when that block
  * is free and untagged, else NULL; every other free block is in `holes`; no two
- * neighbouring free blocks with compatible tags are left unmerged except a tagged hole below
- * the top; with VMM every page touched by an allocated block is mapped, and no page at or
- * above page_hwm was ever mapped.
+ * neighbouring free blocks with compatible tags (the same stream's, or one untagged) are left
+ * unmerged except a tagged hole below the top; with VMM every page touched by an allocated block
+ * is mapped, and no page at or above page_hwm was ever mapped.
  */
 #ifndef NP_ARENA_H
 #define NP_ARENA_H
