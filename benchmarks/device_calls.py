@@ -372,8 +372,9 @@ NOTES = """
   model too (a chunk or a segment at a time). With a stream each: on an H100 (docs/gpu.md,
   2026-11-27) the caching allocator made no call in 47,808 requests after warm-up and npu_pool
   about 21,800 handovers (an event record and a stream wait each) while it merged free memory of
-  two streams; it merges none since, and the same workload on the simulator with the threads
-  taking turns makes no call (`python benchmarks/gpu_probe.py threads npu_pool --simulated`).
+  two streams at any pressure; it merges them only under cap pressure since, and the same
+  workload on the simulator with the threads taking turns makes no call (`python
+  benchmarks/gpu_probe.py threads npu_pool --simulated`).
   With real threads the interleaving decides which stream's holes are free when: memory still
   changes streams now and then (0-286 handovers in 48,000 requests over 35 runs of the test, a
   rare run one growth): a stream that takes another stream's hole instead of growing shares

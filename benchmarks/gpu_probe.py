@@ -30,14 +30,15 @@ stretches (the torch model for native, the npu_pool policy for npu_pool, capped 
 fraction of the same device: ``simulate_capped``).
 ``--device npu`` runs it under torch_npu (the tests' fake CANN: calls, not times).
 
-``threads`` is docs/device_calls.md's four-thread check on the device (tests/test_device_calls.py
-runs it on the simulator): each thread on its own stream allocates and frees tensors of mixed
-sizes, filling each (a kernel, so the streams are busy when their blocks are freed). Warm-up: every
-thread at its own live peak at once (the most the workload can hold), then ``--rounds`` rounds.
-Then the same rounds again, timed, with the device calls counted (npu_pool: every kind it
-counts; native: the framework's num_device_alloc and num_device_free). Every tensor is checked
-for its thread's value before it is freed, one free in 32 of each round's first (a block handed to two threads at once
-would show). It prints one JSON line.
+``threads`` is docs/device_calls.md's four-thread check on the device: each thread on its own
+stream allocates and frees tensors of mixed sizes, filling each (a kernel, so the streams are busy
+when their blocks are freed). Warm-up: every thread at its own live peak at once (the most the
+workload can hold), then ``--rounds`` rounds. Then the same rounds again, timed, with the device
+calls counted (npu_pool: every kind it counts; native: the framework's num_device_alloc and
+num_device_free). About one free in 32 of each thread's first round checks the tensor still holds
+its thread's value (a block handed to two threads at once would show). It prints one JSON line.
+``--simulated`` plays the same requests on the simulator, no GPU needed, the threads taking turns
+(tests/test_device_calls.py holds it to no device call after warm-up).
 """
 from __future__ import annotations
 
@@ -175,7 +176,8 @@ class _TorchSide:
         return t
 
     def free(self, t: Any, value: int, check: bool) -> bool:
-        """Whether the tensor kept its value (checked when asked: a read waits for the stream)."""
+        """Whether the tensor kept its value (checked when asked: a read waits for the stream); the
+        caller's dropping the tensor frees it."""
         return not check or int(t[-1].item()) == value
 
     def sync(self) -> None:
@@ -380,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("allocator", choices=("native", "npu_pool"))
     h.add_argument("--threads", type=int, default=4)
     h.add_argument("--rounds", type=int, default=3)
-    h.add_argument("--simulated", action="store_true", help="on the simulator (no GPU): a stream id per thread, one request of each in turn")
+    h.add_argument("--simulated", action="store_true",
+                   help="on the simulator (no GPU): a stream id per thread, one request of each in turn")
     args = ap.parse_args(argv)
     if args.mode == "threads":
         if args.threads < 1 or args.rounds < 1:

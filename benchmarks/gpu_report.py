@@ -35,11 +35,24 @@ def _traces(shared: Path) -> dict[str, Any]:
     return {name.split(".")[0]: t for p in snapshots(shared) for name, t in open_traces(p)}
 
 
+_FIGURES = (("peak_reserved_bytes", "peak_reserved_bytes"), ("peak_allocated_bytes", "peak_allocated_bytes"),
+            ("min_capacity_bytes", "min_capacity_bytes"), ("device_allocs", "device_mallocs"))
+
+
+def _changed_since(r: Any, then: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the live run ``r`` equals, figure by figure, the simulation saved with it (``then``)
+    while this checkout's (``now``) differs from that saved one."""
+    if then.get("same") is not True:
+        return False
+    saved = [then.get(s) for _, s in _FIGURES]
+    return saved == [getattr(r, f) for f, _ in _FIGURES] and saved != [now.get(s) for _, s in _FIGURES]
+
+
 def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]:
-    """Each live replay beside the simulator of this checkout. An npu_pool row that differs from it
-    while it equals the simulation saved with the run (the ``simulated`` field) is npu_pool's own
-    change since the run, not a fault of the simulator: "changed since" (a model of another
-    allocator has no such excuse)."""
+    """Each live replay beside the simulator of this checkout. An npu_pool row whose live figures
+    equal, every one, the simulation saved with the run (the ``simulated`` field) while this
+    checkout's simulation differs from that saved one is npu_pool's own change since the run, not
+    a fault of the simulator: "changed since" (a model of another allocator has no such excuse)."""
     from npu_pool.live import LiveResult, simulated
 
     rows = ["| trace | allocator | peak reserved: live / sim (bytes) | minimum capacity: live / sim (bytes) | "
@@ -58,7 +71,7 @@ def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]
                 continue
             sim = simulated(trace, r)
             same = sim["same"]  # (the peaks, minimum capacity and device allocations: live.simulated)
-            since = not same and r.allocator == "npu_pool" and then.get("same") is True
+            since = not same and r.allocator == "npu_pool" and _changed_since(r, then, sim)
             same_all += same
             total += 1
             rows.append(f"| {name} | {r.allocator} | {r.peak_reserved_bytes} / "
@@ -74,7 +87,7 @@ def _live_rows(results: Path, shared: Path, traces: dict[str, Any]) -> list[str]
     summary = (f"Every figure equal (peak reserved and allocated, minimum capacity, device allocations) "
                f"on {same_all} of {total} rows.")
     if changed:
-        summary = (summary[:-1] + f"; on the other {len(changed)} (npu_pool: {', '.join(changed)}) the live run "
+        summary = (summary[:-1] + f"; on {len(changed)} more (npu_pool: {', '.join(changed)}) the live run "
                    f"equals the simulation saved with it, and npu_pool places differently since (its figures "
                    f"now in the sim columns).")
     return rows + ["", summary] + notes

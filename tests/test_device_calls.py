@@ -358,9 +358,9 @@ def test_four_threads_make_no_device_call_after_warm_up(streams: str) -> None:
     With a stream each (as on the H100, docs/gpu.md 2026-11-27), how the threads interleave also
     decides which stream's holes are free when: memory changes streams now and then, each time
     behind an event record and a stream wait (a handover: 0-286 in these 48,000 requests over 35
-    runs, where merged holes of two streams made 18,000-21,000), and a rare run grows by a chunk.
-    No more handovers than one request in a hundred, no growth past two chunks, nothing else (no
-    trim, no synchronisation). The same interleaving every time makes none at all (below)."""
+    runs, where holes of two streams merged at any pressure made 18,000-21,000), and a rare run
+    grows by a chunk. No more handovers than one request in a hundred, no growth past two chunks,
+    nothing else (no trim, no synchronisation). The same interleaving every time makes none at all (below)."""
     held_peaks, warm, go, done = (threading.Barrier(n, timeout=120) for n in (4, 5, 5, 5))  # a failing thread breaks them
     own = streams == "a stream each"
 
@@ -410,7 +410,8 @@ def test_four_streams_taking_turns_make_no_device_call_after_warm_up() -> None:
     interleaving every time: after warm-up npu_pool makes no device call of any kind, not even a
     handover between streams, and reserves less than the torch model, whose peak is what the
     caching allocator reserved on the H100 (docs/gpu.md, 2026-11-27). While free memory of two
-    streams merged, the same play made 23,526 handovers and reserved more than the torch model."""
+    streams merged at any pressure, the same play made 23,526 handovers and reserved more than the
+    torch model."""
     ours, torch_model = (_probe().threads_simulated(a, 4, 3) for a in ("npu_pool", "native"))
     on_h100 = json.loads((ROOT / "benchmarks" / "results" / "h100-2026-11-27" / "threads_native_1.json").read_text())
     assert ours["calls_after_warm_up"] == {} == torch_model["calls_after_warm_up"]

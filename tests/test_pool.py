@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -218,11 +219,24 @@ def test_npu_pool_cross_stream_reuse_is_ordered():
         pool.check()
 
 
-def test_npu_pool_free_memory_of_two_streams_never_merges():
-    """Neighbouring holes of two streams stay two holes, each serving its own stream with no wait.
-    Merged, the range would be 'mixed' and every later request from it would wait for the other
-    stream: on an H100, 4 threads on their own streams made an event record and wait for about
-    every second request after warm-up that way (docs/gpu.md, 2026-11-27)."""
+def test_npu_pool_free_memory_of_two_streams_merges_only_near_the_cap():
+    """Far from the cap, neighbouring holes of two streams stay two holes, each serving its own
+    stream with no wait. Merged, the range would be 'mixed' and every later request from it would
+    wait for the other stream: on an H100, 4 threads on their own streams made an event record and
+    wait for about every second request after warm-up that way (docs/gpu.md, 2026-11-27). Near the
+    cap they merge: a request that only both together fit is served there, behind one wait,
+    instead of needing more memory."""
+    with Pool("npu_pool", capacity=8 * MiB) as pool:  # 6 MiB of 8 in use: past half of the cap
+        a = pool.malloc(MiB, stream=1)
+        b = pool.malloc(MiB, stream=2)
+        guard = pool.malloc(3 * MiB, stream=1)
+        reserved = pool.stats()["total"]["reserved"]["current"]
+        pool.free(a)
+        pool.free(b)
+        pool.check()
+        assert pool.malloc(2 * MiB, stream=1) == a  # the merged hole, after stream 2's work
+        assert pool.stats()["stream_waits"] == 1 and pool.stats()["total"]["reserved"]["current"] == reserved
+        pool.check()
     with Pool("npu_pool", capacity=4 * GiB) as pool:
         a = pool.malloc(MiB, stream=1)
         b = pool.malloc(MiB, stream=2)
@@ -427,3 +441,53 @@ def test_closed_pool_raises():
     with pytest.raises(PoolError, match="closed"):
         p.malloc(10)
 
+
+
+def _streams_play(seed: int, one_stream: bool) -> list[tuple[str, int, int, int]]:
+    """A made-up iteration on 2-6 streams (or all on stream 0): ("m", id, size, stream) and
+    ("f", id, 0, 0), every block freed by its end."""
+    rng = random.Random(seed)
+    n, streams = rng.randint(10, 60), rng.randint(2, 6)
+    ops: list[tuple[str, int, int, int]] = []
+    live: list[int] = []
+    for i in range(n):
+        size, stream = rng.choice([rng.randint(1, 2 * MiB), rng.randint(1, 16 * MiB)]), rng.randrange(streams)
+        ops.append(("m", i, size, 0 if one_stream else stream))
+        live.append(i)
+        if rng.random() < 0.5:
+            ops.append(("f", live.pop(rng.randrange(len(live))), 0, 0))
+    rng.shuffle(live)
+    return ops + [("f", i, 0, 0) for i in live]
+
+
+def _smallest_device(ops: list[tuple[str, int, int, int]]) -> int:
+    """The smallest capacity (2 MiB steps) on which npu_pool plays the iteration 15 times."""
+    def fits(cap: int) -> bool:
+        with Pool("npu_pool", capacity=cap) as p:
+            for _ in range(15):
+                held: dict[int, int] = {}
+                for op, i, size, stream in ops:
+                    try:
+                        if op == "m":
+                            held[i] = p.malloc(size, stream=stream)
+                        elif i in held:
+                            p.free(held.pop(i))
+                    except OutOfMemoryError:
+                        return False
+        return True
+
+    lo, hi = 0, 1024
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid * 2 * MiB) else (mid, hi)
+    return hi * 2 * MiB
+
+
+def test_several_streams_need_about_the_device_one_stream_needs():
+    """Under cap pressure free memory of two streams merges: a play on several streams needs about
+    the device the same play on one stream needs (these ten: the same at the median, 8.6% more at
+    most). Never merged (commit 9a476ee, found by a review), the median was 14% more and seed 6
+    needed 236 MiB where one stream needs 162."""
+    ratios = sorted(_smallest_device(_streams_play(s, False)) / _smallest_device(_streams_play(s, True))
+                    for s in range(10))
+    assert ratios[len(ratios) // 2] <= 1.05 and ratios[-1] <= 1.2, ratios

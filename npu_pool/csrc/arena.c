@@ -36,11 +36,27 @@ static bool near_cap(const np_ctx *ctx, const np_arena *a, uint64_t more) {
  * streams and every stream is known; once too many streams were seen, holes stay with their stream. */
 static bool cross(const np_ctx *ctx, const np_arena *a) { return ctx->be->stream_wait && !a->streams.full; }
 
-/* Whether free memory of tags x and y merges: of one stream, or untagged. Memory of two streams
- * never merges, even where streams can be ordered: a mixed hole would make every later request
- * served from it wait for every other stream, a handover (an event record and a stream wait)
- * each time, where holes of one stream serve that stream without any (docs/gpu.md, 2026-11-27). */
+/* Whether free memory of tags x and y always merges: of one stream, or untagged. */
 static bool compatible(intptr_t x, intptr_t y) { return x == y || x == NP_STREAM_ANY || y == NP_STREAM_ANY; }
+
+/* Cap pressure for what is in use: mapped memory (VMM), or the extent below the top of a fixed
+ * arena (which holds its whole cap from the start). */
+static bool pressed(const np_ctx *ctx, const np_arena *a) {
+  if (a->vmm) return near_cap(ctx, a, 0);
+  return a->seg && a->seg->size - (a->top ? a->top->size : 0) > exact_from(ctx, a);
+}
+
+/* Whether free memory of tags x and y merges now. Memory of two streams merges only under cap
+ * pressure, where streams can be ordered at all. Far from the cap a mixed hole would make every
+ * later request served from it wait for every other stream, a handover (an event record and a
+ * stream wait) each time, where holes kept apart serve their own streams without any (four threads
+ * on their own streams on an H100: about one handover per two requests, docs/gpu.md 2026-11-27).
+ * Near it the memory is worth the waits: holes of several streams, each too small for a request,
+ * would need a larger device (never merged, random multi-stream sequences needed 21% more at the
+ * median). */
+static bool merges(const np_ctx *ctx, const np_arena *a, intptr_t x, intptr_t y) {
+  return compatible(x, y) || (cross(ctx, a) && pressed(ctx, a));
+}
 
 void np_arena_init(np_ctx *ctx, np_arena *a) {
   memset(a, 0, sizeof *a);
@@ -259,7 +275,7 @@ static np_block *best_hole(const np_ctx *ctx, np_arena *a, intptr_t stream, uint
  * (that one leaves the tree); returns the block that holds b's memory, in no tree. */
 static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
   np_block *p = b->prev;
-  if (!p || p->allocated || !compatible(p->stream, b->stream)) return b;
+  if (!p || p->allocated || !merges(ctx, a, p->stream, b->stream)) return b;
   np_tree_remove(&a->holes, p);
   p->stream = np_tag_merge(p->stream, b->stream);
   np_block_merge_next(&ctx->blocks, p);
@@ -270,7 +286,7 @@ static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
 static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
   b = merge_prev(ctx, a, b);
   np_block *n = b->next;
-  if (n && !n->allocated && n != a->top && compatible(n->stream, b->stream)) {
+  if (n && !n->allocated && n != a->top && merges(ctx, a, n->stream, b->stream)) {
     np_tree_remove(&a->holes, n);
     b->stream = np_tag_merge(b->stream, n->stream);
     np_block_merge_next(&ctx->blocks, b);

@@ -23,7 +23,8 @@
  *    whole pages that would start inside a page starts on the next one (its growth is one
  *    chunk), the skipped piece staying a hole;
  *  - freed memory keeps the tag of the stream that used it ("mixed" for a block used on several,
- *    record_stream); free memory of two streams never merges. A request prefers holes of its
+ *    record_stream, or for free memory of several merged); free memory of two streams merges
+ *    only under cap pressure (arena.c, merges). A request prefers holes of its
  *    own stream or untagged ones (never used, or synchronised); failing that, where the backend
  *    can order streams on the device (an event wait, as cudaMallocAsync pools do) it takes
  *    another stream's hole and makes its stream wait for that stream's queued work: memory
@@ -43,7 +44,7 @@
  * Invariants: the segment is tiled by its blocks; `top` is the last block when that block
  * is free and untagged, else NULL; every other free block is in `holes`; no two
  * neighbouring free blocks with compatible tags (the same stream's, or one untagged) are left
- * unmerged except a tagged hole below the top; with VMM every page touched by an allocated block
+ * unmerged except a tagged hole below the top (holes of two streams may be, far from the cap); with VMM every page touched by an allocated block
  * is mapped, and no page at or above page_hwm was ever mapped.
  */
 #ifndef NP_ARENA_H
