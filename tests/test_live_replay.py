@@ -335,8 +335,8 @@ def test_forget_makes_a_used_pool_place_as_a_first_run() -> None:
     """Why the live search calls Pool.forget() before each try: a pool that played the trace has
     learned from its markers (its first optimizer step is behind it) and places otherwise than a
     new pool; after forget() it fits exactly where a new pool (the simulator's) fits. The synthetic
-    trace on one stream: the used pool no longer fits on the device a new one just fits (with two
-    streams it once fitted in 2 MiB less, before free memory of two streams stopped merging)."""
+    trace on one stream: the used pool no longer fits on the device a new one just fits (on its two
+    streams the other way round: the used pool fits in 2 MiB less)."""
     from npu_pool import Pool
     from npu_pool._core import ffi, lib
     from npu_pool.pool import _check

@@ -254,6 +254,51 @@ def test_npu_pool_free_memory_of_two_streams_merges_only_near_the_cap():
         pool.check()
 
 
+def test_a_hole_that_turns_mixed_merges_with_a_mixed_neighbour():
+    """A merge under cap pressure turns memory of two streams mixed, and a mixed hole beside it,
+    passed over while it was of one stream, must then join it (the debug build's stress driver
+    found the two left apart: "compatible holes not merged"). The joined hole serves a third
+    stream behind a wait on every stream that used it."""
+    with Pool("npu_pool", capacity=64 * MiB) as pool:
+        mixed = pool.malloc(MiB, stream=1)
+        pool.record_stream(mixed, 2)  # freed, its memory is mixed
+        p = pool.malloc(MiB, stream=1)
+        b = pool.malloc(MiB, stream=2)
+        guard = pool.malloc(MiB, stream=1)
+        pool.free(mixed)
+        pool.free(p)  # far from the cap: a mixed hole and one of stream 1, apart
+        pool.check()
+        big = pool.malloc(40 * MiB, stream=1)  # past half the cap
+        pool.free(b)  # stream 1's hole and stream 2's merge, mixed: and with the mixed one
+        pool.check()
+        waits = pool.stats()["stream_waits"]
+        assert pool.malloc(3 * MiB, stream=3) == mixed and pool.stats()["stream_waits"] == waits + 1
+        pool.free(big)
+        pool.free(guard)
+        pool.check()
+
+
+@pytest.mark.parametrize("vmm", [False, True])
+def test_holes_of_two_streams_kept_apart_join_when_the_cap_presses(vmm):
+    """Holes of two streams left apart far from the cap are merged when a request fails under cap
+    pressure, before the retry: a request that only both together fit costs one stream wait, not
+    a device synchronisation (a review of 3937503 found the retry)."""
+    cap = 64 * MiB if vmm else 16 * MiB
+    with Pool("npu_pool", capacity=cap, vmm=vmm) as pool:
+        a = pool.malloc(MiB, stream=1)
+        b = pool.malloc(MiB, stream=2)
+        guard = pool.malloc(MiB, stream=1)
+        pool.free(a)
+        pool.free(b)  # far from the cap: two holes
+        fill = pool.malloc(cap - 3 * MiB, stream=1)  # the cap presses
+        assert pool.malloc(2 * MiB, stream=1) == a  # only the two holes together fit
+        st = pool.stats()
+        assert st["retries"] == 0 and st["stream_waits"] == 1 and st["calls"]["sync_device"] == 0
+        pool.free(fill)
+        pool.free(guard)
+        pool.check()
+
+
 def test_record_stream_orders_reuse_after_every_user():
     with Pool("npu_pool", capacity=4 * GiB) as pool:
         a = pool.malloc(MiB, stream=1)

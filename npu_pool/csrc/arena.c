@@ -47,13 +47,15 @@ static bool pressed(const np_ctx *ctx, const np_arena *a) {
 }
 
 /* Whether free memory of tags x and y merges now. Memory of two streams merges only under cap
- * pressure, where streams can be ordered at all. Far from the cap a mixed hole would make every
- * later request served from it wait for every other stream, a handover (an event record and a
- * stream wait) each time, where holes kept apart serve their own streams without any (four threads
- * on their own streams on an H100: about one handover per two requests, docs/gpu.md 2026-11-27).
- * Near it the memory is worth the waits: holes of several streams, each too small for a request,
- * would need a larger device (never merged, random multi-stream sequences needed 21% more at the
- * median). */
+ * pressure (pressed: past half the budget), where streams can be ordered at all. Far from the cap
+ * a mixed hole would make every later request served from it wait for every other stream, a
+ * handover (an event record and a stream wait) each time, where holes kept apart serve their own
+ * streams without any (four threads on their own streams on an H100: about one handover per two
+ * requests, docs/gpu.md 2026-11-27). Near it the memory is worth the waits: holes of several
+ * streams, each too small for a request, would need a larger device (never merged, random plays
+ * on several streams needed 14% more than on one stream at the median: tests/test_pool.py).
+ * Holes left apart before the pressure join at the first request that fails under it
+ * (merge_apart). */
 static bool merges(const np_ctx *ctx, const np_arena *a, intptr_t x, intptr_t y) {
   return compatible(x, y) || (cross(ctx, a) && pressed(ctx, a));
 }
@@ -282,16 +284,23 @@ static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
   return p;
 }
 
-/* Free block b (in no tree): merge with compatible free neighbours, then file it. */
+/* Free block b (in no tree): merge with free neighbours as `merges` says, then file it. A merge
+ * can change b's tag (memory of two streams becomes mixed) and so make a neighbour passed over
+ * mergeable, a mixed one always: merge until nothing merges (twice on each side at most). */
 static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
-  b = merge_prev(ctx, a, b);
-  np_block *n = b->next;
-  if (n && !n->allocated && n != a->top && merges(ctx, a, n->stream, b->stream)) {
-    np_tree_remove(&a->holes, n);
-    b->stream = np_tag_merge(b->stream, n->stream);
-    np_block_merge_next(&ctx->blocks, b);
+  for (bool merged = true; merged;) {
+    np_block *p = merge_prev(ctx, a, b);
+    merged = p != b;
+    b = p;
+    np_block *n = b->next;
+    if (n && !n->allocated && n != a->top && merges(ctx, a, n->stream, b->stream)) {
+      np_tree_remove(&a->holes, n);
+      b->stream = np_tag_merge(b->stream, n->stream);
+      np_block_merge_next(&ctx->blocks, b);
+      merged = true;
+    }
   }
-  n = b->next;
+  np_block *n = b->next;
   if (n && n == a->top && b->stream == NP_STREAM_ANY) {
     np_block_merge_next(&ctx->blocks, b);
     a->top = b;
@@ -572,6 +581,24 @@ int np_arena_empty_cache(np_ctx *ctx, np_arena *a) {
   return release(ctx, a);
 }
 
+/* Under cap pressure, before the retry: merge the neighbouring holes of two streams that were left
+ * apart while the cap was far (merges() looks only at a freed block's neighbours, when it is
+ * freed), so that a request only they together fit costs a stream wait instead of a device
+ * synchronisation. The failure path's one walk over the blocks; whether any merged. */
+static bool merge_apart(np_ctx *ctx, np_arena *a) {
+  bool any = false;
+  for (np_block *b = a->seg->head; b; b = b->next)
+    while (!b->allocated && b != a->top && b->next && !b->next->allocated && b->next != a->top) {
+      np_tree_remove(&a->holes, b);
+      np_tree_remove(&a->holes, b->next);
+      b->stream = np_tag_merge(b->stream, b->next->stream);
+      np_block_merge_next(&ctx->blocks, b);
+      np_tree_insert(&a->holes, b);
+      any = true;
+    }
+  return any;
+}
+
 int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, bool long_lived, np_block **out) {
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
   int rc = ensure(ctx, a);
@@ -581,6 +608,8 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
   }
   np_streams_note(&a->streams, stream);
   rc = try_place(ctx, a, size, stream, long_lived, out);
+  if (rc == NP_ERR_OOM && cross(ctx, a) && pressed(ctx, a) && merge_apart(ctx, a))
+    rc = try_place(ctx, a, size, stream, long_lived, out);
   if (rc == NP_ERR_OOM) {
     /* what PyTorch does on failure, at arena scale: synchronise, release free pages, retry once */
     ctx->st.retries++;
