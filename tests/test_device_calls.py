@@ -16,10 +16,10 @@ from npu_pool import vocab
 from npu_pool.device_costs import DEFAULT_COSTS, estimate_us, load_costs, physical_calls
 from npu_pool.replay import evaluate, iteration_bounds, iterations_end, min_capacity, run, steady_stretches
 from npu_pool.trace.files import open_traces
-
-ROOT = Path(__file__).resolve().parents[1]
 from npu_pool.trace.format import OP_EMPTY_CACHE, Trace
 from test_backends import builds  # noqa: F401  (the fake vendor libraries, a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -360,7 +360,8 @@ def test_four_threads_make_no_device_call_after_warm_up(streams: str) -> None:
     behind an event record and a stream wait (a handover: 0-286 in these 48,000 requests over 35
     runs, where holes of two streams merged at any pressure made 18,000-21,000), and a rare run
     grows by a chunk. No more handovers than one request in a hundred, no growth past two chunks,
-    nothing else (no trim, no synchronisation). The same interleaving every time makes none at all (below)."""
+    nothing else (no trim, no synchronisation). The same interleaving every time makes none at all
+    (below)."""
     held_peaks, warm, go, done = (threading.Barrier(n, timeout=120) for n in (4, 5, 5, 5))  # a failing thread breaks them
     own = streams == "a stream each"
 

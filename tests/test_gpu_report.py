@@ -18,7 +18,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-25"
 LATEST = RESULTS.parent / "h100-2026-11-26b"  # the torch model with cudaMalloc's granules
 # npu_pool's own changes since a run: rows whose live figures equal the simulation saved with the
 # run and differ from this checkout's npu_pool policy. Since 2026-11-27 free memory of two streams
-# never merges (arena.c): the one trace of several streams places differently.
+# merges only under cap pressure (arena.c): given room, the one trace of several streams places
+# differently.
 CHANGED_SINCE = ["llama7b-offload-infer"]
 
 
