@@ -209,10 +209,10 @@ def live_peak(requests: list[tuple[str, int]]) -> tuple[int, int]:
     return at, best
 
 
-def threads_simulated(allocator: str, n_threads: int, rounds: int) -> dict[str, Any]:
-    """``threads --simulated``: the same requests to a simulated 80 GiB device (the torch model for
-    ``native``), a stream id per thread, the threads taking one request each in turn (the same
-    interleaving on every run, unlike threads)."""
+def threads_simulated(allocator: str, n_threads: int, rounds: int, capacity: int = 80 << 30) -> dict[str, Any]:
+    """``threads --simulated``: the same requests to a simulated device of ``capacity`` bytes (the
+    torch model for ``native``), a stream id per thread, the threads taking one request each in
+    turn (the same interleaving on every run, unlike threads)."""
     from npu_pool import Pool
     from npu_pool.live import SIMULATED
 
@@ -234,7 +234,7 @@ def threads_simulated(allocator: str, n_threads: int, rounds: int) -> dict[str, 
         for ptr in (ptr for held in helds for ptr in held):
             p.free(ptr)
 
-    with Pool(SIMULATED[allocator], capacity=80 << 30) as p:
+    with Pool(SIMULATED[allocator], capacity=capacity) as p:
         reqs = [_thread_requests(k) for k in range(n_threads)]
         in_turn(p, [r[:live_peak(r)[0]] for r in reqs])  # every thread at its live peak at once, at the end
         for _ in range(rounds):
@@ -384,12 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--rounds", type=int, default=3)
     h.add_argument("--simulated", action="store_true",
                    help="on the simulator (no GPU): a stream id per thread, one request of each in turn")
+    h.add_argument("--capacity-mib", type=int, default=80 << 10, help="the simulated device (default 80 GiB)")
     args = ap.parse_args(argv)
     if args.mode == "threads":
-        if args.threads < 1 or args.rounds < 1:
-            ap.error("--threads and --rounds take a positive number")
-        run = threads_simulated if args.simulated else threads
-        print(json.dumps(run(args.allocator, args.threads, args.rounds)))
+        if args.threads < 1 or args.rounds < 1 or args.capacity_mib < 1:
+            ap.error("--threads, --rounds and --capacity-mib take a positive number")
+        if args.simulated:
+            print(json.dumps(threads_simulated(args.allocator, args.threads, args.rounds, args.capacity_mib << 20)))
+        else:
+            print(json.dumps(threads(args.allocator, args.threads, args.rounds)))
         return 0
     if args.mode == "order":
         order(args.snapshots)
