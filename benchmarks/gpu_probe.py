@@ -62,6 +62,11 @@ def _trace(path: str) -> Any:
     return trace
 
 
+def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The calls of each kind made between two counts (the kinds made only)."""
+    return {k: int(after[k] - before.get(k, 0)) for k in after if after[k] != before.get(k, 0)}
+
+
 def _player(path: str) -> tuple[Any, Any]:
     import torch
 
@@ -126,7 +131,7 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
             break
     player.cap(None)
     first = plays[0]
-    live = [{k: b[1][k] - a[1][k] for k in b[1] if b[1][k] != a[1][k]} for a, b in zip(first, first[1:])][:len(bounds) + 1]
+    live = [_grown(a[1], b[1]) for a, b in zip(first, first[1:])][:len(bounds) + 1]
     seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])][:len(bounds) + 1] for p in plays]
     sim_ok, simulated = simulate_capped(trace, allocator, cap, player.total(), rules, bounds)
     return {"trace": Path(path).name, "allocator": allocator, "device": device, "cap_bytes": cap,
@@ -243,7 +248,7 @@ def threads_simulated(allocator: str, n_threads: int, rounds: int, capacity: int
         for _ in range(rounds):
             in_turn(p, reqs)
         after, total = p.stats()["calls"], p.stats()["total"]
-    grew = {k: int(after[k] - before[k]) for k in after if after[k] != before[k]}
+    grew = _grown(before, after)
     return {"allocator": allocator, "simulated": True, "ok": True, "bad": [], "threads": n_threads, "rounds": rounds,
             "requests_timed": n_threads * rounds * len(reqs[0]), "calls_after_warm_up": grew, "seconds_timed": 0.0,
             "peak_reserved": int(total["reserved"]["peak"]), "peak_allocated": int(total["allocated"]["peak"])}
@@ -316,7 +321,7 @@ def threads(allocator: str, n_threads: int, rounds: int) -> dict[str, Any]:
         return {"allocator": allocator, "ok": False, "error": repr(errors[0])[:400]}
     after = side.calls()
     reserved, allocated = side.peaks()
-    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    grew = _grown(before, after)
     return {"allocator": allocator, "ok": not bad, "bad": bad[:4], "threads": n_threads,
             "rounds": rounds, "requests_timed": n_threads * rounds * len(_thread_requests(0)),
             "calls_after_warm_up": grew, "seconds_timed": round(timed, 4),

@@ -202,9 +202,8 @@ def _threads(results: Path) -> list[str]:
         return (f"| {name} | {r['allocator']} | {r['requests_timed']} | {calls} | {contents} | "
                 f"{r['seconds_timed']:.3f} | {r['peak_reserved']} |")
 
-    for f in files:
-        rows.append(row(f.stem.split("_")[-1], json.loads(f.read_text())))
     runs = [json.loads(f.read_text()) for f in files]
+    rows += [row(f.stem.split("_")[-1], r) for f, r in zip(files, runs)]
     n, rounds = runs[0].get("threads", 4), runs[0].get("rounds", 3)
     for allocator in ("native", "npu_pool"):
         rows.append(row("simulator, this checkout", threads_simulated(allocator, n, rounds)))

@@ -53,7 +53,7 @@ static bool pressed(const np_ctx *ctx, const np_arena *a) {
  * streams without any (four threads on their own streams on an H100: about one handover per two
  * requests, docs/gpu.md 2026-11-27). Near it the memory is worth the waits: holes of several
  * streams, each too small for a request, would need a larger device (never merged, random plays
- * on several streams needed 14% more than on one stream at the median: tests/test_pool.py).
+ * on several streams needed 22% more than on one stream at the median: tests/test_pool.py).
  * Holes left apart before the pressure join at the first request that fails under it
  * (merge_apart). */
 static bool merges(const np_ctx *ctx, const np_arena *a, intptr_t x, intptr_t y) {
@@ -284,10 +284,11 @@ static np_block *merge_prev(np_ctx *ctx, np_arena *a, np_block *b) {
   return p;
 }
 
-/* Free block b (in no tree): merge with free neighbours as `merges` says, then file it. A merge
- * can change b's tag (memory of two streams becomes mixed) and so make a neighbour passed over
- * mergeable, a mixed one always: merge until nothing merges (twice on each side at most). */
-static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
+/* Free block b (in no tree): merge with free neighbours as `merges` says, then file it; returns
+ * the block that holds b's memory. A merge can change b's tag (memory of two streams becomes
+ * mixed) and so make a neighbour passed over mergeable, a mixed one always: merge until nothing
+ * merges (twice on each side at most). */
+static np_block *put_free(np_ctx *ctx, np_arena *a, np_block *b) {
   for (bool merged = true; merged;) {
     np_block *p = merge_prev(ctx, a, b);
     merged = p != b;
@@ -309,6 +310,7 @@ static void put_free(np_ctx *ctx, np_arena *a, np_block *b) {
   } else {
     np_tree_insert(&a->holes, b);
   }
+  return b;
 }
 
 /* Carve `size` bytes out of free block h (in no tree); the rest goes back as free memory. */
@@ -584,16 +586,14 @@ int np_arena_empty_cache(np_ctx *ctx, np_arena *a) {
 /* Under cap pressure, before the retry: merge the neighbouring holes of two streams that were left
  * apart while the cap was far (merges() looks only at a freed block's neighbours, when it is
  * freed), so that a request only they together fit costs a stream wait instead of a device
- * synchronisation. The failure path's one walk over the blocks; whether any merged. */
+ * synchronisation. Each such hole is filed again (put_free: under pressure every free neighbour
+ * merges). The failure path's one walk over the blocks; whether any merged. */
 static bool merge_apart(np_ctx *ctx, np_arena *a) {
   bool any = false;
   for (np_block *b = a->seg->head; b; b = b->next)
-    while (!b->allocated && b != a->top && b->next && !b->next->allocated && b->next != a->top) {
+    if (!b->allocated && b != a->top && b->next && !b->next->allocated && b->next != a->top) {
       np_tree_remove(&a->holes, b);
-      np_tree_remove(&a->holes, b->next);
-      b->stream = np_tag_merge(b->stream, b->next->stream);
-      np_block_merge_next(&ctx->blocks, b);
-      np_tree_insert(&a->holes, b);
+      b = put_free(ctx, a, b);
       any = true;
     }
   return any;

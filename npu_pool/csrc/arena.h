@@ -44,8 +44,9 @@
  * Invariants: the segment is tiled by its blocks; `top` is the last block when that block
  * is free and untagged, else NULL; every other free block is in `holes`; no two
  * neighbouring free blocks with compatible tags (the same stream's, or one untagged) are left
- * unmerged except a tagged hole below the top (holes of two streams may be, far from the cap); with VMM every page touched by an allocated block
- * is mapped, and no page at or above page_hwm was ever mapped.
+ * unmerged except a tagged hole below the top (holes of two streams may be, arena.c: merges);
+ * with VMM every page touched by an allocated block is mapped, and no page at or above page_hwm
+ * was ever mapped.
  */
 #ifndef NP_ARENA_H
 #define NP_ARENA_H

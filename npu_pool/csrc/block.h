@@ -4,8 +4,8 @@
  *  - the blocks of a segment tile it exactly, linked by prev/next in address order;
  *  - free neighbours are merged unless their policy keeps them apart: the torch policy
  *    merges always; npu_pool's arena keeps holes of different stream tags apart where
- *    the backend cannot order streams (arena.c, cross); expandable keeps mapped and
- *    unmapped free neighbours apart;
+ *    the backend cannot order streams, and far from the cap where it can (arena.c,
+ *    merges); expandable keeps mapped and unmapped free neighbours apart;
  *  - a free block is in exactly one free tree (in_tree), an allocated one in the
  *    pointer map; size is a multiple of NP_MIN_BLOCK.
  */

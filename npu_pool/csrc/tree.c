@@ -23,10 +23,13 @@ static uint32_t next_prio(np_tree *t) {
 
 static uint64_t sub_of(const np_block *n) { return n ? n->sub : 0; }
 
-static void pull(np_block *n) {
+/* What n's sub should be: the largest of its size and its children's subs. */
+static uint64_t sub_want(const np_block *n) {
   uint64_t l = sub_of(n->left), r = sub_of(n->right), m = l > r ? l : r;
-  n->sub = n->size > m ? n->size : m;
+  return n->size > m ? n->size : m;
 }
+
+static void pull(np_block *n) { n->sub = sub_want(n); }
 
 /* Recompute sub along the search path of `addr` below n, bottom up, down to the node of that
  * address (pulled, its children left as they are) or to the path's end. After a remove, the
@@ -194,10 +197,7 @@ static bool check(const np_tree *t, const np_block *n, const np_block *lo, const
   if (!n->in_tree || n->allocated) return false;
   if ((lo && key_cmp(t, lo, n) >= 0) || (hi && key_cmp(t, n, hi) >= 0)) return false;
   if ((n->left && n->left->prio > n->prio) || (n->right && n->right->prio > n->prio)) return false;
-  if (t->by_addr) {
-    uint64_t l = sub_of(n->left), r = sub_of(n->right), m = l > r ? l : r;
-    if (n->sub != (n->size > m ? n->size : m)) return false;
-  }
+  if (t->by_addr && n->sub != sub_want(n)) return false;
   (*count)++;
   *bytes += n->size;
   return check(t, n->left, lo, n, count, bytes) && check(t, n->right, n, hi, count, bytes);
