@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import alloc_conf, config, oom
 from .units import name_width
@@ -116,16 +116,18 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
     out = []
     if env is None:
         env = {k: v for k, v in os.environ.items() if k not in _CALLER_SETTINGS}
-    with _terminated_cleanly(), tempfile.TemporaryDirectory(prefix="npu_pool_live_") as d:
+    with _Workers() as workers, tempfile.TemporaryDirectory(prefix="npu_pool_live_") as d:
         path = Path(d) / "trace.npt"
         trace.save(path)
         for allocator in allocators:
             cmd = [python or sys.executable, "-m", "npu_pool.live", str(path), "--allocator", allocator,
                    "--device", device or "auto"] + (["--min-capacity"] if min_capacity else [])
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+                r = workers.run(cmd, timeout=timeout, env=env)
             except subprocess.TimeoutExpired:
                 raise LiveError(f"{name}: the live replay under {allocator} ran past {timeout:.0f} s") from None
+            if r is None:  # SIGTERM: the folder goes, then the process ends of it (_Workers)
+                break
             lines = r.stdout.strip().splitlines()
             if r.returncode or not lines:
                 why = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
@@ -137,35 +139,57 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
     return out
 
 
-class _Terminated(Exception):
-    """SIGTERM arrived while a worker ran."""
+class _Workers:
+    """Runs the workers, one at a time, so that SIGTERM leaves none behind. Its default action
+    would end this process at once and leave the worker running (on a device: holding memory) and
+    the temporary folder behind. Meanwhile a handler notes it and kills the worker running, or the
+    one being started as soon as it has started; the caller stops, its folder goes, and on leaving
+    the process dies of the signal as before. The handler raises nothing: an exception raised
+    there could land inside ``subprocess.Popen`` between its fork and its return, leaving a child
+    nobody kills (seen under load). Only from the main thread where nothing else handles SIGTERM
+    (Python's rule; a handler of the caller's is left alone)."""
 
+    def __init__(self) -> None:
+        self.terminated = False
+        self._running: Optional[subprocess.Popen] = None
+        self._armed = False
 
-@contextlib.contextmanager
-def _terminated_cleanly() -> Iterator[None]:
-    """SIGTERM's default action would end this process at once and leave its worker running (on a
-    device: holding memory) and the temporary folder behind. Meanwhile it raises instead, so that
-    the worker is killed and the folder removed, and then the process dies of it as before. Only
-    from the main thread where nothing else handles it (Python's rule; a handler of the caller's
-    is left alone); the main thread waits on the worker there, so the signal acts at once."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
+    def __enter__(self) -> "_Workers":
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._armed = True
+        return self
 
-    def raise_terminated(_signum: int, _frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one while cleaning up changes nothing)
-        raise _Terminated
+    def _on_sigterm(self, _signum: int, _frame: Any) -> None:
+        self.terminated = True
+        if self._running is not None:
+            self._running.kill()
 
-    signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    except _Terminated:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        raise  # (not reached: the process ends)
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    def run(self, cmd: list[str], timeout: float, env: dict[str, str]) -> Optional[subprocess.CompletedProcess]:
+        """``cmd``'s exit status and output (text); None once SIGTERM has arrived. A worker past
+        ``timeout`` seconds is killed (subprocess.TimeoutExpired)."""
+        if self.terminated:
+            return None
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as p:
+            self._running = p
+            try:
+                if self.terminated:  # (it came while the worker started)
+                    p.kill()
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                raise
+            finally:
+                self._running = None
+        return None if self.terminated else subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+    def __exit__(self, *_exc: Any) -> None:
+        if self._armed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if self.terminated:
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 # ---- beside the simulation ------------------------------------------------------------------

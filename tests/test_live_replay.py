@@ -261,6 +261,35 @@ def test_sigterm_to_a_live_replay_ends_its_worker_and_removes_its_folder(torch_n
     assert not folder.exists() and not workers()
 
 
+def test_sigterm_while_a_worker_starts_kills_that_worker_too(tmp_path) -> None:
+    """SIGTERM arriving inside subprocess.Popen, after its fork and before its return (a window
+    the test above hit once under load), left the worker running: the handler raised there, and
+    nobody held the child to kill it. It is killed now, and the command still dies of the signal."""
+    worker = tmp_path / "python"  # stands in for the worker's interpreter: runs until killed
+    worker.write_text("#!/bin/sh\nexec sleep 120\n")
+    worker.chmod(0o755)
+    code = """if True:
+        import os, signal, subprocess, sys
+        from npu_pool.live import replay_live
+        from npu_pool.trace.format import Trace
+
+        class Starting(subprocess.Popen):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                print(self.pid, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)  # the worker runs; Popen has not returned
+
+        subprocess.Popen = Starting
+        replay_live(Trace(), "t", python=sys.argv[1])
+        print("not reached", flush=True)
+    """
+    p = subprocess.run([sys.executable, "-c", code, str(worker)], capture_output=True, text=True, timeout=60,
+                       cwd=str(ROOT))
+    pid = p.stdout.split()[0]
+    assert p.returncode == -15 and p.stdout.split() == [pid], (p.returncode, p.stdout, p.stderr)
+    assert not Path(f"/proc/{pid}").exists(), "the worker still runs"
+
+
 def _cmdline(proc: Path) -> bytes:
     try:
         return (proc / "cmdline").read_bytes()
