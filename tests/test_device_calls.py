@@ -498,14 +498,18 @@ def test_the_current_device_is_cached_per_thread_and_forgotten_after_fork(builds
 
 
 def _workload(p: Pool, pad: int = 0) -> None:
-    """Growths, frees, cross-stream reuse, exact growth near the cap and empty_cache. `pad`:
-    bytes the backend adds to each request (ACL's rule), asked for less so that every backend
-    places the same bytes."""
+    """Growths, frees, cross-stream reuse, a current device forgotten (a caller that changed it
+    behind the pool's back), exact growth near the cap and empty_cache. `pad`: bytes the backend
+    adds to each request (ACL's rule), asked for less so that every backend places the same
+    bytes."""
+    from npu_pool._core import lib
+
     keep = p.malloc(MiB - pad, stream=1)
     a = p.malloc(30 * MiB - pad, stream=1)
     b = p.malloc(5 * MiB - pad, stream=1)
     p.free(a)
     c = p.malloc(20 * MiB - pad, stream=2)  # stream 2 reuses stream 1's memory after an event wait
+    lib.np_forget_device()  # the growth below looks the device up again (the simulator counted none)
     big = p.malloc(120 * MiB - pad)
     p.free(big)
     for x in (c, b):

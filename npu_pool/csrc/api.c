@@ -42,27 +42,38 @@ int np_check_fraction(double f) {
   return NP_OK;
 }
 
-/* The per-thread current device of the vendor backends (backend.h): valid while its generation
- * is the process's; a forked child starts a new generation (its runtime is not the parent's). */
-static __thread int tl_device = -1;
-static __thread unsigned tl_gen;
+/* The per-thread current device of the vendor backends (backend.h) and, apart, the simulator's
+ * model of it (a simulated pool never tells a real one which device is current): each valid while
+ * its generation is the process's; a forked child starts a new generation (its runtime is not the
+ * parent's). */
+enum { CACHE_VENDOR, CACHE_SIM };
+static __thread int tl_device[2] = {-1, -1};
+static __thread unsigned tl_gen[2];
 static unsigned device_gen = 1;
 static pthread_once_t device_once = PTHREAD_ONCE_INIT;
 static void forked_child(void) { __atomic_add_fetch(&device_gen, 1, __ATOMIC_RELAXED); }
 static void register_fork(void) { pthread_atfork(NULL, NULL, forked_child); }
 
-int np_device_cache_get(void) {
-  return tl_gen == __atomic_load_n(&device_gen, __ATOMIC_RELAXED) ? tl_device : -1;
+static int cache_get(int k) {
+  return tl_gen[k] == __atomic_load_n(&device_gen, __ATOMIC_RELAXED) ? tl_device[k] : -1;
 }
 
-void np_device_cache_set(int device) {
+static void cache_set(int k, int device) {
   pthread_once(&device_once, register_fork);
-  tl_device = device;
-  tl_gen = __atomic_load_n(&device_gen, __ATOMIC_RELAXED);
+  tl_device[k] = device;
+  tl_gen[k] = __atomic_load_n(&device_gen, __ATOMIC_RELAXED);
 }
+
+int np_device_cache_get(void) { return cache_get(CACHE_VENDOR); }
+void np_device_cache_set(int device) { cache_set(CACHE_VENDOR, device); }
+int np_sim_device_cache_get(void) { return cache_get(CACHE_SIM); }
+void np_sim_device_cache_set(int device) { cache_set(CACHE_SIM, device); }
 
 int np_cached_device(void) { return np_device_cache_get(); }
-void np_forget_device(void) { np_device_cache_set(-1); }
+void np_forget_device(void) {
+  np_device_cache_set(-1);
+  np_sim_device_cache_set(-1);
+}
 
 np_backend *np_backend_create(const np_config *cfg) {
   switch (cfg->backend) {

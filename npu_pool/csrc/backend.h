@@ -77,6 +77,10 @@ struct np_backend {
  * request of that thread that makes a device call only if the caller forgets the cache. */
 int np_device_cache_get(void);
 void np_device_cache_set(int device);
+/* The same, as the simulated backend counts it (kept apart from the vendors'); np_forget_device
+ * and a fork forget both. */
+int np_sim_device_cache_get(void);
+void np_sim_device_cache_set(int device);
 
 /* Create a backend for cfg->backend; NULL with np_error() set on failure. */
 np_backend *np_backend_create(const np_config *cfg);

@@ -61,17 +61,14 @@ typedef struct sim_backend {
   bool event;          /* stream_wait's event is made (the ACL backend keeps one, re-recorded) */
 } sim_backend;
 
-/* The device the calling thread last made current through a simulated device (-1: none),
- * like the vendor backends' per-thread cache: what the ACL backend would look up. */
-static __thread int sim_current = -1;
-
 /* Count what the ACL backend's device guard calls before a call: a lookup always (`check`),
- * or only while the thread's cached device is not ours; none for a framework's own allocator
- * (no_lookups), which keeps the device itself. */
+ * or only while the thread's cached device (the simulator's model of the vendors' cache,
+ * np_sim_device_cache_get: forgotten where theirs is) is not ours; none for a framework's own
+ * allocator (no_lookups), which keeps the device itself. */
 static void sim_enter(sim_backend *s, bool check) {
-  if (s->base.no_lookups || (!check && sim_current == s->device)) return;
+  if (s->base.no_lookups || (!check && np_sim_device_cache_get() == s->device)) return;
   s->base.calls[NP_CALL_GET_DEVICE]++;
-  sim_current = s->device; /* the caller made it current (torch_npu does) */
+  np_sim_device_cache_set(s->device); /* the caller made it current (torch_npu does) */
 }
 
 static size_t find_pos(const sim_table *s, uintptr_t addr) {

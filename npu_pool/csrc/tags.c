@@ -368,8 +368,8 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   np_tag *g = find(t, name);
   if (!g) return unknown(t, "resume", name);
   if (!g->paused) return np_error(NP_ERR_STATE, "resume: tag '%s' is not paused", name);
-  np_device_cache_set(-1); /* a rarer call: its first device call looks the current device up (pause's
-                              synchronisation does), the chunk calls and copies after it use it */
+  np_forget_device(); /* a rarer call: its first device call looks the current device up (pause's
+                         synchronisation does), the chunk calls and copies after it use it */
   /* a chunk that refused to unmap at the pause is held, still mapped at its address: return it
    * first (as empty_cache would), or mapping the tag's runs over it fails; what stays held is
    * named in the error */
