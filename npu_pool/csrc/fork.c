@@ -4,8 +4,8 @@
  * stay locked forever (the child hangs in its first np_get_stats). So fork() takes every lock
  * of the core first, in one order -- the device table's (pluggable.c), this list's, then
  * every live context's, oldest first -- which also waits for the calls in flight to finish
- * and leaves every structure consistent; the parent then releases them, and the child makes
- * them anew. In the child, a context of a vendor backend is marked inherited: its device
+ * and leaves every structure consistent; then the parent and the child (its one thread is the
+ * one that took them) each release them. In the child, a context of a vendor backend is marked inherited: its device
  * memory belongs to the parent (the child may read it, and close it without device calls);
  * a simulated device is plain host memory, copied by fork, and stays the child's to use.
  *
@@ -43,13 +43,12 @@ static void parent(void) {
   np_pluggable_fork_unlock();
 }
 
+/* The child's one thread is the one that took every lock in prepare(): it releases them, as
+ * the parent does (making a locked mutex anew, as this did before, is undefined in POSIX). */
 static void child(void) {
-  for (np_ctx *c = live.head; c; c = c->fork_next) {
-    pthread_mutex_init(&c->lock, NULL);
+  for (np_ctx *c = live.head; c; c = c->fork_next)
     if (c->cfg.backend != NP_BACKEND_SIM) c->inherited = true;
-  }
-  pthread_mutex_init(&live.lock, NULL);
-  np_pluggable_fork_reinit();
+  parent();
 }
 
 static void install_handlers(void) { pthread_atfork(prepare, parent, child); }

@@ -304,7 +304,6 @@ void npu_pool_shutdown(void) {
 
 void np_pluggable_fork_lock(void) { pthread_mutex_lock(&table.lock); }
 void np_pluggable_fork_unlock(void) { pthread_mutex_unlock(&table.lock); }
-void np_pluggable_fork_reinit(void) { pthread_mutex_init(&table.lock, NULL); }
 
 /* ---- torch hooks ----------------------------------------------------------- */
 

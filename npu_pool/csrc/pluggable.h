@@ -82,9 +82,8 @@ void npu_pool_reset_peak(int8_t device);
 void npu_pool_record_stream(void *ptr, void *stream);
 /* CDEF END */
 
-/* fork.c's handlers: take, release (parent) and remake (child) the table's lock. */
+/* fork.c's handlers: take the table's lock before fork(), release it after (parent and child). */
 void np_pluggable_fork_lock(void);
 void np_pluggable_fork_unlock(void);
-void np_pluggable_fork_reinit(void);
 
 #endif
