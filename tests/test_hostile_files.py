@@ -1158,7 +1158,8 @@ def test_probe_of_2026_11_26_second_snapshots_and_recorded_failures(tmp_path, ca
         {"action": "alloc", "addr": 4096, "size": 1 << 63, "stream": 0, "frames": []}]]}))
     for argv in (["analyze", str(snap)], ["estimate", "--trace", str(snap)], ["plan", str(snap)],
                  ["replay", "--no-min-capacity", str(snap)], ["export", str(snap), "-o", str(tmp_path / "e.json")]):
-        _one_line(capsys, argv, f"{snap}: event 0: alloc of 9223372036854775808 bytes (1..2^48 allowed)")
+        _one_line(capsys, argv, f"{snap}: device_traces[0][0].size is 9223372036854775808 bytes, more than any "
+                  "device has (2^48)")
     assert not (tmp_path / "e.json").exists()
     # a request the validator takes that the device's padding puts past any device: planned as replayed
     edge = tmp_path / "edge.npt"
@@ -1258,3 +1259,42 @@ def test_analyze_refuses_one_trace_given_twice(tmp_path, capsys) -> None:
     # two folders' traces of one name are two runs: both analysed, told apart by their folder
     assert main(["analyze", str(tmp_path / "run.npt"), str(tmp_path / "sub" / "run.npt")]) == 0
     assert "sub/run" in capsys.readouterr().out
+
+
+def test_probe_of_2026_11_27_each_mistake_is_one_line(tmp_path, capsys) -> None:
+    """A hostile-input review (2026-11-27, a helper) found, each reproduced: a traceback from
+    `analyze --format html` of any snapshot repaired on import (html.py never imported
+    repairs_said); an OverflowError from `analyze` on a small valid trace whose requests of up to
+    2^48 bytes add up past 64 bits live; sizes of snapshot segments no device has imported (a
+    recorded peak of 3e10 GiB); and a plan of no positions refused as a region not a multiple of
+    512."""
+    e = lambda a: {"action": a, "addr": 1 << 20, "size": 512, "stream": 0, "time_us": 1, "frames": []}  # noqa: E731
+    repaired = tmp_path / "rep.pickle"
+    repaired.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e("alloc"), e("alloc"), e("free_completed")]]}))
+    assert main(["analyze", str(repaired), "--format", "html", "-o", str(tmp_path / "rep.html")]) == 0
+    assert "repaired on import (1)" in (tmp_path / "rep.html").read_text()
+    capsys.readouterr()
+    # the bytes live at once: 2^48 at most, as each request (every sum of them then fits)
+    t = Trace(meta={"n_ids": 3})
+    for i in range(3):
+        t.append(OP_ALLOC, id=i, size=1 << 47)
+    t.save(tmp_path / "huge.npt")
+    for command in ("analyze", "replay"):
+        _one_line(capsys, [command, str(tmp_path / "huge.npt")], "event 2: 422212465065984 bytes live at once",
+                  "more than any device has (2^48)")
+    # a snapshot's sizes past 2^48: an event's, an end-state segment's, a block's
+    seg = dict(e("segment_alloc"), size=1 << 62)
+    for snap, where in [({"segments": [], "device_traces": [[seg]]}, "device_traces[0][0].size"),
+                        ({"segments": [{"address": 0, "total_size": 1 << 62, "blocks": []}],
+                          "device_traces": [[e("alloc")]]}, "segments[0].total_size"),
+                        ({"segments": [{"address": 0, "total_size": 1 << 21, "blocks": [
+                            {"address": 0, "size": 1 << 49, "state": "active_allocated"}]}],
+                          "device_traces": [[e("alloc")]]}, "segments[0].blocks[0].size")]:
+        (tmp_path / "seg.pickle").write_bytes(pickle.dumps(snap))
+        _one_line(capsys, ["import", "--out", str(tmp_path / "imp"), str(tmp_path / "seg.pickle")], where,
+                  "bytes, more than any device has (2^48)")
+    # a plan of no positions
+    plan = make_plan(training(iters=3), "t")
+    plan.size, plan.offset, plan.end, plan.loop = array.array("Q"), array.array("Q"), array.array("Q"), 0
+    save_plan(plan, tmp_path / "empty.npplan")
+    _one_line(capsys, ["plan", "--check", str(tmp_path / "empty.npplan")], "plan: no positions")

@@ -23,10 +23,10 @@ def _small_trace() -> Trace:
     t = Trace(meta={"origin": "test", "n_ids": 2, "sites": ["a.py:1:f"], "nested": {"x": [1, 2]}})
     t.append(OP_INIT_SEGMENT, size=1 << 21, cat=POOL_LARGE, addr=1 << 40)
     t.append(OP_INIT_ALLOC, id=0, size=100, addr=1 << 40)
-    t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=3)
-    t.append(OP_ALLOC, id=1, size=1 << 48, stream=-7, site=0, addr=(1 << 64) - 1)
-    t.append(OP_FREE, id=1, size=1 << 48, stream=-7, site=0, addr=(1 << 64) - 1)
     t.append(OP_FREE, id=0, size=100, addr=1 << 40)
+    t.append(OP_ALLOC, id=1, size=1 << 48, stream=-7, site=0, addr=(1 << 64) - 1)  # (alone: the most live at once)
+    t.append(OP_FREE, id=1, size=1 << 48, stream=-7, site=0, addr=(1 << 64) - 1)
+    t.append(OP_MARK, cat=MARK_ITER_BEGIN, id=3)
     t.append(OP_EMPTY_CACHE)
     return t
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile
 from .report import Analysis, TraceAnalysis, imbalance, rank_groups
+from ..trace.files import repairs_said
 from ..units import fmt_bytes, fmt_share
 
 __all__ = ["render_html", "timeline_svg", "downsample"]

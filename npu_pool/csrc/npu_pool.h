@@ -308,7 +308,8 @@ int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
 /* Check every rule of a trace (columns of `in`; n_sites sites): ops, categories, markers and
  * segment pools in range; ids dense, n_ids no more than the allocations, each id allocated once
- * and freed once while live; requests of 1..NP_MAX_REQUEST bytes; sites -1..n_sites-1.
+ * and freed once while live; requests of 1..NP_MAX_REQUEST bytes, segments and the bytes live at
+ * once NP_MAX_REQUEST at most; sites -1..n_sites-1.
  * NP_ERR_INVALID naming the first bad event (*bad: its index). */
 int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad);
 

@@ -313,6 +313,7 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
   }
   int rc = NP_OK, region = -1;
   uint64_t window = UINT64_MAX; /* the first event after the initial state (init_* events) */
+  uint64_t live = 0;            /* bytes of the live ids: at most NP_MAX_REQUEST, so every sum of them fits */
   bool paused[NP_TAG_MAX] = {false};
   for (uint64_t i = 0; i < in->n && rc == NP_OK; i++) {
     uint8_t op = in->op[i], cat = in->cat[i];
@@ -371,6 +372,11 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
       else if (in->site[i] < -1 || (int64_t)in->site[i] >= (int64_t)n_sites)
         rc = np_error(NP_ERR_INVALID, "event %llu: site %d indexes none of the %llu sites", ui, in->site[i],
                       (unsigned long long)n_sites);
+      else if (op == NP_OP_FREE)
+        live -= in->size[i];
+      else if (op != NP_OP_OOM && (live += in->size[i]) > NP_MAX_REQUEST)
+        rc = np_error(NP_ERR_INVALID, "event %llu: %llu bytes live at once, more than any device has (2^48)", ui,
+                      (unsigned long long)live);
     }
     if (rc == NP_OK && op != NP_OP_MARK && op != NP_OP_REGION && op != NP_OP_PAUSE && op != NP_OP_RESUME &&
         np_stream_is_tag(in->stream[i])) {
@@ -378,8 +384,12 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
                     "no device stream has it", ui, (long long)in->stream[i]);
     } else if (rc == NP_OK && op == NP_OP_MARK && cat >= NP_MARK_COUNT) {
       rc = np_error(NP_ERR_INVALID, "event %llu: unknown marker code %u (0..%d)", ui, cat, NP_MARK_COUNT - 1);
-    } else if (rc == NP_OK && (op == NP_OP_SEG_HINT || op == NP_OP_SEG_FREE || op == NP_OP_INIT_SEGMENT) && cat > 1) {
-      rc = np_error(NP_ERR_INVALID, "event %llu: segment pool %u (0 small or 1 large)", ui, cat);
+    } else if (rc == NP_OK && (op == NP_OP_SEG_HINT || op == NP_OP_SEG_FREE || op == NP_OP_INIT_SEGMENT)) {
+      if (cat > 1)
+        rc = np_error(NP_ERR_INVALID, "event %llu: segment pool %u (0 small or 1 large)", ui, cat);
+      else if (in->size[i] > NP_MAX_REQUEST)
+        rc = np_error(NP_ERR_INVALID, "event %llu: %s of %llu bytes (at most 2^48)", ui, op_name(op),
+                      (unsigned long long)in->size[i]);
     }
     if (rc != NP_OK) *bad = i;
   }

@@ -128,8 +128,10 @@ def verify(plan: Plan) -> None:
     n = plan.n
     if len(plan.offset) != n or len(plan.end) != n:
         raise PlanError(f"plan: {n} sizes, {len(plan.offset)} offsets and {len(plan.end)} ends")
-    if n == 0 or plan.region < 0 or plan.region % ALIGN:
-        raise PlanError(f"plan: {n} positions over a region of {plan.region} bytes (a multiple of {ALIGN} is needed)")
+    if n == 0:
+        raise PlanError("plan: no positions: a plan places at least one request")
+    if plan.region < 0 or plan.region % ALIGN:
+        raise PlanError(f"plan: a region of {plan.region} bytes (a multiple of {ALIGN} is needed)")
     if not 0 <= plan.loop < n:
         raise PlanError(f"plan: the loop body starts at position {plan.loop}, outside 0..{n - 1}")
     said = plan.meta.get("region_bytes") if isinstance(plan.meta, dict) else None

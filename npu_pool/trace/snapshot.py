@@ -519,7 +519,7 @@ def _event(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
         if type(action) is str and action != "oom" and type(frames) is list:
             addr, size, stream, t = e.get("addr"), e.get("size"), e.get("stream", 0), e.get("time_us", -1)
             if (type(addr) is int and type(size) is int and type(stream) is int and type(t) is int
-                    and 0 <= addr < 1 << 64 and 0 <= size < 1 << 64 and _STREAM_MIN <= stream < 1 << 63
+                    and 0 <= addr < 1 << 64 and 0 <= size <= MAX_REQUEST and _STREAM_MIN <= stream < 1 << 63
                     and -(1 << 63) <= t < 1 << 63):
                 return (sys.intern(action) if len(action) < 40 else action, addr, size, stream,
                         sites.site(frames, where) if action == "alloc" else -1, t, 0)
@@ -534,12 +534,19 @@ def _event_checked(e: Any, name: str, where: str, sites: "_Sites") -> tuple:
     oom = action == "oom"  # a failed request: no address, the device's free bytes instead
     frames = _frames(e, name, where)
     site = sites.site(frames, where) if action == "alloc" or oom else -1
-    free = _int(e, "device_free", name, where, 0) if oom else 0
-    if free > MAX_REQUEST:
-        raise TraceError(f"{name}: {where}.device_free is {free} bytes, more than any device has (2^48)")
+    free = _bytes(e, "device_free", name, where, 0) if oom else 0
     return (sys.intern(action) if len(action) < 40 else action, _int(e, "addr", name, where, 0 if oom else None),
-            _int(e, "size", name, where), _stream(e, name, where), site,
+            _bytes(e, "size", name, where), _stream(e, name, where), site,
             _int(e, "time_us", name, where, -1, signed=True), free)
+
+
+def _bytes(d: dict, key: str, name: str, where: str, default: int | None = None) -> int:
+    """A size in bytes (:func:`_int`), at most 2^48 (MAX_REQUEST): no device has more, and sums
+    of such sizes stay far inside 64 bits."""
+    v = _int(d, key, name, where, default)
+    if v > MAX_REQUEST:
+        raise TraceError(f"{name}: {where}.{key} is {v} bytes, more than any device has (2^48)")
+    return v
 
 
 def _segment(s: Any, name: str, where: str) -> dict:
@@ -553,13 +560,13 @@ def _segment(s: Any, name: str, where: str) -> dict:
         _expect(isinstance(b, dict), name, bw, "a dict", b)
         state = b.get("state")
         _expect(isinstance(state, str), name, f"{bw}.state", "a string", state)
-        size = _int(b, "size", name, bw)
+        size = _bytes(b, "size", name, bw)
         out_blocks.append({"addr": _int(b, "address", name, bw), "size": size, "state": state,
-                           "requested": _int(b, "requested_size", name, bw, size),
+                           "requested": _bytes(b, "requested_size", name, bw, size),
                            "frames": _frames(b, name, bw)})
     kind = s.get("segment_type")
     return {"device": _int(s, "device", name, where, 0), "addr": _int(s, "address", name, where),
-            "size": _int(s, "total_size", name, where), "stream": _stream(s, name, where),
+            "size": _bytes(s, "total_size", name, where), "stream": _stream(s, name, where),
             "pool": {"small": POOL_SMALL, "large": POOL_LARGE}.get(kind) if isinstance(kind, str) else None,
             "is_expandable": bool(s.get("is_expandable", False)), "blocks": out_blocks}
 
