@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import alloc_conf, config, oom
 from .units import name_width
 from .vocab import CALL_VENDOR
-from .trace.format import (OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_OOM, OP_PAUSE, OP_REGION,
+from .trace.format import (OP_ALLOC, OP_EMPTY_CACHE, OP_FREE, OP_INIT_ALLOC, OP_MARK, OP_PAUSE, OP_REGION,
                            OP_RESUME, Trace)
 
 ALLOCATORS = ("native", "npu_pool")
@@ -428,14 +428,10 @@ class Player:
                 elif o == OP_MARK:
                     if self.pool is not None:
                         self.pool.mark(cat[i], ids[i])
-                elif o == OP_OOM:  # the recorded run could not serve it: try, and free at once
-                    try:
-                        self._alloc(size[i], stream[i])
-                    except (RuntimeError, MemoryError) as e:
-                        if not is_oom(e):
-                            raise
                 elif o == OP_EMPTY_CACHE:
                     self.module.empty_cache()
+                # (OP_OOM, a request the recorded run could not serve, is passed over, as the simulator
+                # passes it over: nobody served it, so no figure counts it)
         finally:
             live.clear()
             region.close()

@@ -52,7 +52,7 @@ class RunResult:
     compared: int
     stats: dict[str, Any]
     recorded_ooms: int = 0      # requests the recorded run could not serve (OP_OOM events) ...
-    ooms_served: int = 0        # ... and how many of them this policy served
+    ooms_served: int = 0        # ... and how many of them this policy served (probe_ooms)
     history: Sequence[dict[str, Any]] | None = None  # with history=True: the core's events (as Pool.history) ...
     blocks: list[dict[str, Any]] | None = None    # ... and the end state: Pool.blocks() ...
     ranges: list[tuple[int, int]] | None = None   # ... and Pool.mapped_ranges()
@@ -172,7 +172,7 @@ def split_calls(before: dict[str, int], snaps: list[dict[str, int]], after: dict
 def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool = False, hints: str = "markers",
         placed: "array.array | None" = None, classes: "array.array | None" = None, plan: Any = None,
         history: bool = False, device: str | None = None, bounds: "list[int] | None" = None,
-        name: str | None = None, **pool_kwargs: Any) -> RunResult:
+        name: str | None = None, probe_ooms: bool = False, **pool_kwargs: Any) -> RunResult:
     """Replay ``trace`` once through a fresh pool of ``policy`` on a ``capacity``-byte device.
 
     ``placed``, if given, is an ``array("Q")`` as long as the trace; it receives the
@@ -186,7 +186,10 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
     last up to the end of the last iteration (:func:`iterations_end`; the calls after it, teardown,
     are in ``calls`` only) (len(bounds) + 1 dicts; a run that failed, those of the stretches up to
     its failure), ``iteration_peaks`` each stretch's peak of requested live bytes (a run that
-    failed: None)."""
+    failed: None). ``probe_ooms``: try each request the recorded run could not serve (an
+    ``OP_OOM`` event; freed again at once) and count those served (``ooms_served``), a question
+    for the recorded run's memory (:func:`recorded_capacity`); by default they are passed over,
+    as nobody served them: no figure counts them, as peak live never does."""
     if not isinstance(trace, Trace):  # (a path: npu_pool.trace.files.open_traces reads one)
         raise TypeError(f"run replays a Trace, not {type(trace).__name__}; open a file with "
                         "npu_pool.trace.files.open_traces")
@@ -210,6 +213,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
         inp, keep = trace.c_columns()  # the buffers must outlive the call
         inp.fidelity = int(fidelity)
         inp.hints = HINTS[hints]
+        inp.probe_ooms = int(probe_ooms)
         if placed is not None:
             if len(placed) != len(trace) or placed.typecode != "Q":
                 raise ValueError("placed must be an array('Q') with one entry per event")

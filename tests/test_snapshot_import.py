@@ -374,8 +374,10 @@ def test_every_trace_entry_action_imports(tmp_path: Path) -> None:
     assert counts["seg_hint"] == 2 and counts["seg_free"] == 1 and counts["oom"] == 1
     from npu_pool import replay
 
-    r = replay.run(t, "npu_pool")
+    r = replay.run(t, "npu_pool", probe_ooms=True)
     assert r.ok and r.recorded_ooms == 1 and r.ooms_served == 1  # 1 TiB: anything fits
+    r = replay.run(t, "npu_pool")  # (passed over, as nobody served it)
+    assert r.ok and r.recorded_ooms == 1 and r.ooms_served == 0
     assert replay.recorded_capacity(t) == 20 * M + 2 * M - 8 * M + 10 * M  # what it had mapped then, plus the free bytes
     assert not any(e.op == OP_INIT_SEGMENT for e in t.events())  # nothing was mapped before the window
     path = tmp_path / "oom.pickle"

@@ -27,8 +27,9 @@ of the trace, whatever its length (``benchmarks/io_memory.py`` measures it).
 from __future__ import annotations
 
 import bisect
+import heapq
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .. import snapshot as _snap
 from ..pool import POLICIES as _POOL_POLICIES
@@ -96,13 +97,23 @@ def _replayed_parts(trace: Trace, policy: str, device: int,
     tl = timeline(trace, policy, hints=hints)
     frames = _Frames(trace)
     sites = trace.site
-    entries = _snap.iter_device_trace(tl.events, lambda e: frames(sites[e["time"]]) if e["time"] < len(sites)
-                                      else [])
+    entries = _snap.iter_device_trace(_with_recorded_failures(tl.events, trace),
+                                      lambda e: frames(sites[e["time"]]) if e["time"] < len(sites) else [])
     rest = {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
             "external_annotations": _annotations(trace, device),
             "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
                                    "round_size": ROUND}}
     return entries, rest, -1 if tl.ok else tl.fail_index
+
+
+def _with_recorded_failures(events: Iterable[dict[str, Any]], trace: Trace) -> Iterator[dict[str, Any]]:
+    """The core's events, and among them, at its trace event, each request the recorded run could
+    not serve (``OP_OOM``; its ``device_free`` from ``meta["ooms"]``): a replay passes over those
+    (nobody served them), and the file keeps them as the recorded run's ``oom`` entries."""
+    free = {o["event"]: o["device_free"] for o in trace.ooms()}
+    failures = ({"kind": "oom", "addr": 0, "size": trace.size[i], "stream": trace.stream[i], "time": i,
+                 "device_free": free.get(i, 0)} for i, op in enumerate(trace.op) if op == OP_OOM)
+    return heapq.merge(events, failures, key=lambda e: e["time"])
 
 
 def snapshot_replayed(trace: Trace, policy: str, device: int = 0, devices: int = 1, *,

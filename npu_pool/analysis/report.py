@@ -129,7 +129,7 @@ def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> Recorde
     cap = recorded_capacity(trace)
     served = {}
     for policy in policies if cap else ():
-        served[policy] = run(trace, policy, cap, hints=hints).ooms_served
+        served[policy] = run(trace, policy, cap, hints=hints, probe_ooms=True).ooms_served
     return RecordedOoms([o["size"] for o in ooms], [o["device_free"] for o in ooms], cap, served)
 
 

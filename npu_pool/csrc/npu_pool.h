@@ -189,6 +189,9 @@ typedef struct np_replay_in {
   uint64_t n_ids;           /* ids are 0..n_ids-1 */
   int fidelity;             /* prime recorded segments, take recorded segment addresses */
   int hints;                /* NP_HINTS_* */
+  int probe_ooms;           /* try each NP_OP_OOM request, freed again at once (on the recorded run's memory:
+                               would this policy serve it?); 0 passes over them: nobody served them, so no
+                               figure counts them (peak live never does) */
   uint64_t *placed;         /* optional (NULL): per event, the address an allocation got */
   uint8_t *classes;         /* optional (NULL): per event, NP_LIFE_LONG/SHORT an allocation was placed as */
   const uint64_t *bounds;   /* optional (NULL): n_bounds increasing event indices (iteration starts) ... */
@@ -207,7 +210,7 @@ typedef struct np_replay_out {
   uint64_t same_addr;       /* window allocations placed at their recorded address */
   uint64_t compared;        /* window allocations with a recorded address */
   uint64_t recorded_ooms;   /* NP_OP_OOM events: requests the recorded run could not serve */
-  uint64_t ooms_served;     /* of those, how many this policy served (each freed again at once) */
+  uint64_t ooms_served;     /* of those, how many this policy served (probe_ooms; each freed again at once) */
 } np_replay_out;
 
 /* One block of the segment map (np_blocks). */

@@ -217,6 +217,7 @@ static int run(replay *r) {
       case NP_OP_OOM: { /* the recorded run could not serve this request: can this policy? */
         void *p;
         r->out->recorded_ooms++;
+        if (!in->probe_ooms) break;
         rc = np_ctx_malloc(ctx, in->size[i], in->stream[i], NP_LIFE_SHORT, -1, &p);
         if (rc == NP_OK) {
           r->out->ooms_served++;
