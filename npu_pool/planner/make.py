@@ -27,9 +27,10 @@ def make_plan(trace: Trace, name: str = "", orders: Sequence[str] = tuple(ORDERS
     compared with the online pool on ``trace``: a plan that would be worse runs online
     (``meta["online"]`` says why; :mod:`.check`).
 
-    ``meta`` records the window and the figures: ``peak_live_bytes`` (the window's peak
-    of live requested bytes, everything included: the lower bound; a whole trace's, of the
-    step followed by the step made again), ``region_bytes``,
+    ``meta`` records the window and the figures, each in the bytes the device is asked for
+    (under torch_npu's rules, padded): ``peak_live_bytes`` (the window's peak of live bytes,
+    everything included: the lower bound; a whole trace's, of the step followed by the step
+    made again), ``region_bytes``,
     ``outside_peak_bytes`` (static and unplanned bytes, held by the fallback),
     ``planned_peak_bytes`` (region + outside) and ``ratio`` (planned / peak live).
     ``on_stage(stage)`` is called as each of :data:`STAGES` begins (progress on long traces)."""
