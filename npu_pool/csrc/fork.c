@@ -5,9 +5,10 @@
  * of the core first, in one order -- the device table's (pluggable.c), this list's, then
  * every live context's, oldest first -- which also waits for the calls in flight to finish
  * and leaves every structure consistent; then the parent and the child (its one thread is the
- * one that took them) each release them. In the child, a context of a vendor backend is marked inherited: its device
- * memory belongs to the parent (the child may read it, and close it without device calls);
- * a simulated device is plain host memory, copied by fork, and stays the child's to use.
+ * one that took them) each release them. In the child, a context of a vendor backend is marked
+ * inherited: its device memory belongs to the parent (the child may read it, and close it
+ * without device calls); a simulated device is plain host memory, copied by fork, and stays the
+ * child's to use.
  *
  * Lock order everywhere: device table -> this list -> one context. Nothing takes the list or
  * the table lock while holding a context's.
