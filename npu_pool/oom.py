@@ -7,7 +7,7 @@ error message gives): **too large** (the request alone needs more than the cap),
 but not in one piece -- MindSpeed's rule of thumb is reserved - allocated > 1 GiB in an OOM
 message) or a real **shortage**. The levers follow the MindSpeed-MM memory tuning guide.
 
-Snapshots: ``NPU_POOL_OOM_SNAPSHOT=DIR``, or torch_npu's ``OOM_SNAPSHOT_ENABLE=1`` with
+Snapshots: ``NPU_POOL_OOM_SNAPSHOT=DIR``, or torch_npu's ``OOM_SNAPSHOT_ENABLE=1`` (or 2) with
 ``OOM_SNAPSHOT_PATH=DIR`` (default: the working directory; the switch MindSpeed-MM documents),
 make every failed request write ``oom_snapshot_<host>_<pid>_dev<device>_<time>_<n>.pickle`` (for
 https://pytorch.org/memory_viz: the pool's segments and its latest :data:`HISTORY_WRITTEN` events
@@ -218,7 +218,8 @@ def _idle_elsewhere(pool: Any, st: dict[str, Any]) -> dict[str, int]:
 
 def snapshot_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Where OOM snapshots go: ``NPU_POOL_OOM_SNAPSHOT``, else ``OOM_SNAPSHOT_PATH`` (or the working
-    directory) when ``OOM_SNAPSHOT_ENABLE=1``; None when neither asks for them."""
+    directory) when ``OOM_SNAPSHOT_ENABLE`` is 1 or 2 (torch_npu's values); None when neither asks
+    for them."""
     setting = snapshot_setting(environ)
     return setting[0] if setting else None
 
@@ -229,7 +230,8 @@ def snapshot_setting(environ: Optional[Mapping[str, str]] = None) -> Optional[tu
     direct = env.get(ENV, "").strip()
     if direct:
         return direct, ENV
-    if env.get(ENABLE, "").strip() in ("1", "true", "True"):
+    if env.get(ENABLE, "").strip() in ("1", "2", "true", "True"):  # torch_npu's 1 and 2 (2: the state without
+        # the history, where npu_pool writes both)
         return env.get(PATH, "").strip() or ".", PATH
     return None
 

@@ -212,6 +212,8 @@ def test_torch_npus_switch_asks_for_snapshots_too(tmp_path: Path, monkeypatch: p
     assert oom.snapshot_dir({oom.ENABLE: "1"}) == "."
     assert oom.snapshot_dir({oom.ENABLE: "1", oom.PATH: str(tmp_path)}) == str(tmp_path)
     assert oom.snapshot_dir({oom.ENABLE: "0", oom.PATH: str(tmp_path)}) is None
+    # torch_npu's 2 (its snapshot without the history) asks for one too: under npu_pool none was written
+    assert oom.snapshot_dir({oom.ENABLE: "2", oom.PATH: str(tmp_path)}) == str(tmp_path)
     assert oom.snapshot_dir({oom.ENV: "x", oom.ENABLE: "1", oom.PATH: "y"}) == "x"
 
 

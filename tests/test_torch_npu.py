@@ -173,6 +173,28 @@ print(json.dumps(r))
     assert out["ooms"] == 1 and out["ok_after"] == 3 * MiB
 
 
+def test_a_pool_without_the_virtual_memory_api_says_it_takes_its_whole_cap(torch_npu: TorchNpu) -> None:
+    """Where the runtime has no virtual-memory API (or its probe fails), npu_pool's memory is one
+    allocation of the whole cap at the first tensor: it took 896 MiB for 1 MiB and said nothing,
+    so a user met it as a collective's out-of-memory (a review, 2026-11-27). One line on stderr
+    says it, with the probe's reason and the lever; a pool with the API says nothing."""
+    for vmm in (0, 1):
+        out, err = torch_npu.results(FAKE + f"""
+fake.fake_set_vmm({vmm})
+import torch, torch_npu, npu_pool
+x = torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+print(json.dumps({{"vmm": npu_pool.install.installed()[0].stats()["vmm"], "reserved": torch.npu.memory_reserved()}}))
+""", MEMORY_FRAGMENTATION="1")
+        said = [line for line in err.splitlines() if line.startswith("npu_pool:")]
+        assert out["vmm"] == bool(vmm)
+        if vmm:
+            assert said == [] and out["reserved"] < 32 * MiB
+        else:
+            assert out["reserved"] > 512 * MiB and len(said) == 1, err
+            assert "device 0: acl (no VMM: the probe aclrtReserveMemAddress failed" in said[0]
+            assert "one allocation of the whole cap (1.00 GiB" in said[0] and "NPU_POOL_FRACTION" in said[0]
+
+
 def test_install_after_torch_npus_own_allocator_served_is_too_late(torch_npu: TorchNpu) -> None:
     out, _ = torch_npu.results("""
 import json, torch, torch_npu

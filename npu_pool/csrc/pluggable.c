@@ -145,6 +145,20 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
 }
 
 /* Create device's context (table lock held). */
+/* Without the virtual-memory API (the runtime has none, or its probe failed: the backend's name
+ * says why) an arena is one allocation of the whole cap, taken at the first request: memory
+ * that HCCL/NCCL and other processes need must lie outside it. Said once per device, as the pool
+ * is made (a user would otherwise first meet it as a collective's out-of-memory, far from here). */
+static void say_fixed_arena(const np_ctx *ctx) {
+  bool arena = ctx->cfg.policy == np_policy_index("npu_pool") || ctx->cfg.policy == np_policy_index("planned");
+  if (!arena || !ctx->cfg.vmm || ctx->cfg.backend == NP_BACKEND_SIM || ctx->st.vmm) return;
+  char cap[32];
+  fprintf(stderr, "npu_pool: device %d: %s: its memory is one allocation of the whole cap (%s, fraction %.2f), "
+          "taken at the first request; what collective libraries and other processes need must stay outside it "
+          "(lower the fraction: NPU_POOL_FRACTION or npu_pool.set_fraction)\n", ctx->cfg.device, ctx->be->name,
+          np_fmt_bytes(ctx->limit, cap), ctx->be->total ? (double)ctx->limit / (double)ctx->be->total : 1.0);
+}
+
 static np_ctx *create_locked(int device) {
   np_ctx *ctx = atomic_load(&table.ctx[device]);
   if (ctx) return ctx;
@@ -162,6 +176,7 @@ static np_ctx *create_locked(int device) {
    * model caps itself from then on, even at 1.0); it was accepted then, for this device's cap */
   if (table.fraction[device] > 0) np_set_fraction(ctx, table.fraction[device]);
   if (table.history[device] >= 0) np_set_history(ctx, (uint64_t)table.history[device]);
+  say_fixed_arena(ctx);
   atomic_store_explicit(&table.ctx[device], ctx, memory_order_release);
   return ctx;
 }
