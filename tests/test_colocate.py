@@ -523,6 +523,41 @@ def test_vendor_failing_half_way_leaves_the_books_right(builds: dict, backend: s
         assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
 
 
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_a_pause_counts_what_the_device_got_back_and_says_when_it_fails(builds: dict,  # noqa: F811
+                                                                       backend: str) -> None:
+    """From a review (2026-11-27, a helper): a pause whose chunk release the device refused said it
+    gave back that chunk's bytes, where the device's used bytes and reserved had not moved (a
+    caller sizing a rollout's cache from it runs out); a pause whose unmap failed raised the
+    vendor's bare error, and the tag was paused all the same."""
+    v = _vendor(builds, backend, capacity=128 * MiB)
+    with v.pool() as p:
+        with p.region("train"):
+            a = p.malloc(20 * MiB - v.pad)
+            b = p.malloc(30 * MiB - v.pad)
+        _fill(a, 20 * MiB - v.pad, 1)
+        _fill(b, 30 * MiB - v.pad, 2)
+        backup = backend == "cuda"  # (the fake ACL copies nothing to the host)
+        for op in ("release", "unmap"):
+            used, mapped = v.lib.fake_used(), p.tags()["train"]["mapped"]
+            v.fail(op)  # the first chunk's
+            if op == "release":
+                got = p.pause("train", backup=backup)
+                assert got == used - v.lib.fake_used() < mapped and p.stats()["unreleased"] == mapped - got > 0
+            else:
+                with pytest.raises(PoolError, match="pause of tag 'train': .* failed.*the tag is paused all the "
+                                                    "same.*resume it before" + (".*resume restores" if backup else "")):
+                    p.pause("train", backup=backup)
+                assert p.tags()["train"]["is_paused"] and p.stats()["unreleased"] > 0
+            assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+            p.check()
+            p.resume("train")
+            assert p.stats()["unreleased"] == 0 and p.tags()["train"]["mapped"] == mapped
+            assert not backup or (_holds(a, 20 * MiB - v.pad, 1) and _holds(b, 30 * MiB - v.pad, 2))
+            assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+            p.check()
+
+
 @pytest.fixture(scope="module")
 def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> str:
     cc = _compiler()

@@ -332,12 +332,19 @@ int np_tags_pause(np_ctx *ctx, np_tagset *t, const char *name, bool backup, uint
   if (rc != NP_OK) return rc;
   if (backup && (rc = save(ctx, t, g)) != NP_OK) return rc;
   np_arena *a = &g->arena;
-  uint64_t before = mapped_of(a);
+  /* what the device got back: a chunk the device refused to release (or to unmap) is held, counted
+   * in reserved and retried (empty_cache, resume), not in this figure */
+  uint64_t before = ctx->st.total.reserved.current;
   if (a->seg) rc = np_vmm_unmap(ctx, a->seg, a->seg->addr, a->seg->size, true); /* what refuses is held, retried */
   g->paused = true; /* with `whole`, the range is unmapped in the page table's view even on a failure */
   g->pauses++;
-  *bytes = before - mapped_of(a);
-  return rc;
+  *bytes = before - ctx->st.total.reserved.current;
+  if (rc == NP_OK) return NP_OK;
+  np_saved_error s; /* (the message is rewritten below) */
+  np_save_error(&s, rc);
+  return np_error(rc, "pause of tag '%s': %s; the tag is paused all the same (the memory the device refused is held, "
+                  "and returned at the next empty_cache or resume): resume it before its tensors are used again%s",
+                  name, s.text, g->n_backup ? " (resume restores their contents)" : "");
 }
 
 /* Map the runs again, all or nothing, within the cap. */
