@@ -422,6 +422,24 @@ def test_find_blocks_megatron_stacks_and_fallbacks() -> None:
         recorder.attach("model")
 
 
+def test_find_blocks_takes_a_hugging_face_moe_models_layers_not_its_experts() -> None:
+    """A Hugging Face MoE model (ForCausalLM -> .model.layers, each layer's mlp.experts a list of
+    more experts than there are layers: Qwen-MoE, DeepSeek, OLMoE) got layer 0's 16 experts as its
+    blocks, and layers 1-3 no marker (a review, 2026-11-27); GPT-2's `transformer.h` likewise."""
+    def block() -> torch.nn.Module:
+        b = torch.nn.Module()
+        b.attn, b.mlp = torch.nn.Linear(4, 4), torch.nn.Module()
+        b.mlp.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(16))
+        return b
+
+    for inner, attr in (("model", "layers"), ("transformer", "h")):
+        top, body = torch.nn.Module(), torch.nn.Module()
+        setattr(body, attr, torch.nn.ModuleList(block() for _ in range(4)))
+        setattr(top, inner, body)
+        top.lm_head = torch.nn.Linear(4, 4)
+        assert [b for _, b in recorder.find_blocks(top)] == list(getattr(body, attr))
+
+
 @needs_mcore
 def test_find_blocks_megatron_core_transformer_block() -> None:
     _mcore_cpu.init()

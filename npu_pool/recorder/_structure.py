@@ -71,17 +71,27 @@ def find_blocks(model: Model) -> list[tuple[int, nn.Module]]:
     return found
 
 
+# What models call their list of transformer blocks (Hugging Face: `model.layers`, GPT-2's
+# `transformer.h`, `blocks`): such a list wins over a longer one, a MoE layer's experts.
+_BLOCK_LISTS = ("layers", "layer", "h", "blocks")
+
+
 def repeated_blocks(model: nn.Module) -> nn.ModuleList:
     """The model's repeated transformer blocks: ``layers`` if present, else the longest
-    ModuleList whose children share one class."""
+    ModuleList whose children share one class, one named as blocks lists are (``layers``,
+    ``layer``, ``h``, ``blocks``) first: a Hugging Face MoE model's layers (``.model.layers``)
+    hold lists of more experts than there are layers."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleList):
         return layers
     best: nn.ModuleList | None = None
-    for m in model.modules():
+    best_named = False
+    for name, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
-            if best is None or len(m) > len(best) or (len(m) == len(best) and _depth_ok(m, best)):
-                best = m
+            named = name.rpartition(".")[2] in _BLOCK_LISTS
+            if best is None or (named, len(m)) > (best_named, len(best)) or \
+                    ((named, len(m)) == (best_named, len(best)) and _depth_ok(m, best)):
+                best, best_named = m, named
     if best is None:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (nn.ModuleList)")
     return best
