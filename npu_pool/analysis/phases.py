@@ -83,8 +83,9 @@ class PhaseTracker:
         elif code == MARK_LAYER_ENTER:
             self.layers.append(arg)
         elif code == MARK_LAYER_EXIT:
-            if arg in self.layers:  # tolerate a missing enter; drop anything opened inside
-                del self.layers[self.layers.index(arg):]
+            if arg in self.layers:  # the innermost one (a recomputation's, inside the backward's); tolerate a
+                # missing enter; drop anything opened inside
+                del self.layers[len(self.layers) - 1 - self.layers[::-1].index(arg):]
 
     def _enter(self, stage: str) -> None:
         if stage != self.stage:

@@ -140,7 +140,8 @@ class Attachment:
     # -- markers on gradients ---------------------------------------------------------
     def _on_grad(self, t: Optional[torch.Tensor], code: int, arg: int) -> None:
         """Send ``code`` when ``t``'s gradient is computed (several markers on one tensor
-        fire in backward order: begin, exits, enters)."""
+        fire in backward order: begin, exits, enters), once: a recomputation (activation
+        checkpointing) runs the layer again on the same input tensor."""
         if t is None or not t.requires_grad:
             return
         marks = getattr(t, _ATTR, None)
@@ -151,7 +152,8 @@ class Attachment:
                 t.register_hook(functools.partial(self._fire, marks))
             except (RuntimeError, AttributeError):
                 return
-        marks.append((code, arg))
+        if (code, arg) not in marks:
+            marks.append((code, arg))
 
     def _fire(self, marks: list[tuple[int, int]], grad: torch.Tensor) -> None:
         if not self.active:
@@ -165,7 +167,7 @@ class Attachment:
                 self._backward = arg
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(self._backward_end, arg))
-            elif (code, arg) != rec.state.last:  # recompute may repeat a layer marker: once is enough
+            else:
                 rec.mark(code, arg)
 
     def _backward_end(self, arg: int) -> None:
