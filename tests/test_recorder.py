@@ -594,3 +594,16 @@ def test_with_recompute_a_layers_backward_allocations_stay_in_that_layer() -> No
     for c, i in ((MARK_LAYER_ENTER, 2), (MARK_LAYER_ENTER, 2), (MARK_LAYER_EXIT, 2)):
         tr.mark(c, i)
     assert tr.layers == [2]  # the recomputation's exit closes the inner one only
+
+
+def test_attached_without_an_optimizer_each_forward_is_micro_batch_0() -> None:
+    """With no optimizer (and nothing else marking steps) the micro-batch index counted every
+    forward of the run (0, 1, 2, ...), each after the first flagged to the pool as a later
+    micro-batch of one endless iteration (a review, 2026-11-27)."""
+    model = _gpt()
+    spy = Spy()
+    recorder.attach(model, recorder=Recorder([spy]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    _train(model, opt, steps=3, micro=1)
+    begins = [(c, a) for c, a in spy.marks if c in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN)]
+    assert begins == [(MARK_FORWARD_BEGIN, 0), (MARK_BACKWARD_BEGIN, 0)] * 3

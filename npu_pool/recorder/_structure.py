@@ -200,7 +200,12 @@ class Attachment:
 
     # -- the model ----------------------------------------------------------------------
     def _micro_index(self) -> int:
+        """The forward's micro-batch: forwards counted within the open iteration; 0 where none is
+        open (attached without an optimizer, nothing else marking steps: the index grew with
+        every forward of the run, each flagged a later micro-batch)."""
         st = self.recorder.state
+        if not st.in_iteration:
+            return 0
         it, n = self._micro
         self._micro = (st.iteration, n + 1) if it == st.iteration else (st.iteration, 1)
         return self._micro[1] - 1
