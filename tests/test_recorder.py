@@ -321,7 +321,8 @@ def test_attach_marks_layers_passes_and_steps(recompute: bool) -> None:
 def test_a_backward_that_raises_does_not_stop_the_markers() -> None:
     """A backward that raised never ran its end callback: the stage stayed "backward" and no later
     forward, optimizer or iteration was marked (an OOM-skip loop lost every marker after its first
-    skip). The next forward ends it."""
+    skip). The next forward ends it, and the iteration of the step the loop skipped (since
+    2026-11-27: the next step was its second micro-batch)."""
 
     def boom(g: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("out of memory in backward")
@@ -341,8 +342,8 @@ def test_a_backward_that_raises_does_not_stop_the_markers() -> None:
     spy.marks.clear()
     _train(model, opt, steps=1, micro=1)
     got = names(spy.marks)
-    assert got[0] == ("backward_end", 0) and ("forward_begin", 1) in got and ("optimizer_end", 0) in got, got
-    assert got[-1] == ("iter_end", 0) and rec.state.stage is None
+    assert got[:4] == [("backward_end", 0), ("iter_end", 0), ("iter_begin", 1), ("forward_begin", 0)], got
+    assert ("optimizer_end", 1) in got and got[-1] == ("iter_end", 1) and rec.state.stage is None
 
 
 def test_a_begin_without_its_end_is_dropped_at_the_iteration_bound() -> None:
@@ -607,3 +608,41 @@ def test_attached_without_an_optimizer_each_forward_is_micro_batch_0() -> None:
     _train(model, opt, steps=3, micro=1)
     begins = [(c, a) for c, a in spy.marks if c in (MARK_FORWARD_BEGIN, MARK_BACKWARD_BEGIN)]
     assert begins == [(MARK_FORWARD_BEGIN, 0), (MARK_BACKWARD_BEGIN, 0)] * 3
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_a_loop_skips_on_an_error_is_an_iteration_of_its_own(where: str) -> None:
+    """A loop that catches an error raised in the forward or the backward (an out-of-memory, a NaN
+    check) and goes on to the next batch: the step never reached optimizer.step(), its iteration
+    stayed open, and the next step was marked as its second micro-batch (a review, 2026-11-27)."""
+    model = _gpt()
+    spy = Spy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recorder.attach(model, opt, recorder=Recorder([spy]))
+    fail = {"on": False}
+
+    def raise_in_forward(*_: Any) -> None:
+        if fail["on"]:
+            raise RuntimeError("simulated out of memory")
+
+    def raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
+        if fail["on"]:
+            raise RuntimeError("nan in a gradient")
+        return grad
+
+    block = [b for _, b in recorder.find_blocks(model)][1]
+    if where == "forward":
+        block.register_forward_pre_hook(raise_in_forward)
+    else:
+        next(block.parameters()).register_hook(raise_in_backward)
+    for step in range(3):
+        fail["on"] = step == 1
+        x = torch.randint(64, (2, 17))
+        try:
+            model(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+        except RuntimeError:
+            pass
+        opt.zero_grad(set_to_none=True)
+    its = [(MARK_NAMES[c], a) for c, a in spy.marks if c in (MARK_ITER_BEGIN, MARK_ITER_END, MARK_FORWARD_BEGIN)]
+    assert its == [x for i in range(3) for x in (("iter_begin", i), ("forward_begin", 0), ("iter_end", i))], its

@@ -175,12 +175,23 @@ class Attachment:
         if self.active and self.recorder.state.stage == "backward":
             self.recorder.mark(MARK_BACKWARD_END, arg)
 
-    def _close_failed_backward(self) -> None:
+    def _close_failed_backward(self, abandon: bool = False) -> None:
         """A backward that raised never runs its end callback: the next forward or optimizer step
         ends it (else the stage stayed "backward" and no later iteration was marked); one called
-        from inside a running backward (a recomputation) is not a later one."""
+        from inside a running backward (a recomputation) is not a later one. ``abandon`` (the next
+        forward): the step it was in went no further (a loop that skips a batch on an error), so
+        the iteration these hooks opened ends too."""
         if self._backward is not None and getattr(torch._C, "_current_graph_task_id", lambda: -1)() < 0:
             self._backward_end(self._backward)
+            if abandon:
+                self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """End the iteration these hooks opened, if it is open."""
+        rec = self.recorder
+        if self._opened_iteration and rec.state.in_iteration:
+            rec.mark(MARK_ITER_END, rec.state.iteration)
+        self._opened_iteration = False
 
     # -- layers -------------------------------------------------------------------------
     def _layer_pre(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -220,7 +231,7 @@ class Attachment:
                 rec.mark(MARK_EVAL_BEGIN, -1)
                 self._opened.append(MARK_EVAL_END)
             return
-        self._close_failed_backward()
+        self._close_failed_backward(abandon=True)
         if rec.state.stage is not None:
             return
         if self._steps_hooked and not rec.state.in_iteration:
@@ -235,12 +246,15 @@ class Attachment:
         self._depth -= 1
         if not self.active or self._depth > 0:
             return
+        failed = out is None  # (torch calls an always_call hook with None when the forward raised)
         while self._opened:
             code = self._opened.pop()
             if code == MARK_FORWARD_END:
                 self.recorder.mark(code, self._fwd_micro)
                 if self.backward:
                     self._on_grad(_grad_tensor(out), MARK_BACKWARD_BEGIN, self._fwd_micro)
+                if failed:  # the step goes no further (a loop that skips the batch): its iteration ends
+                    self._end_iteration()
             else:
                 self.recorder.mark(code, -1)
 
@@ -261,9 +275,7 @@ class Attachment:
             return
         self._opened_opt = False
         rec.mark(MARK_OPTIMIZER_END, rec.state.iteration)
-        if self._opened_iteration and rec.state.in_iteration:
-            rec.mark(MARK_ITER_END, rec.state.iteration)
-            self._opened_iteration = False
+        self._end_iteration()
 
     def _hook_optimizer(self, optimizer: Any) -> None:
         if isinstance(optimizer, torch.optim.Optimizer):
