@@ -144,7 +144,6 @@ int npu_pool_configure(int policy, int backend, double fraction, int vmm, const 
   return NP_OK;
 }
 
-/* Create device's context (table lock held). */
 /* Without the virtual-memory API (the runtime has none, or its probe failed: the backend's name
  * says why) an arena is one allocation of the whole cap, taken at the first request: memory
  * that HCCL/NCCL and other processes need must lie outside it. Said once per device, as the pool
@@ -159,6 +158,7 @@ static void say_fixed_arena(const np_ctx *ctx) {
           np_fmt_bytes(ctx->limit, cap), ctx->be->total ? (double)ctx->limit / (double)ctx->be->total : 1.0);
 }
 
+/* Create device's context (table lock held). */
 static np_ctx *create_locked(int device) {
   np_ctx *ctx = atomic_load(&table.ctx[device]);
   if (ctx) return ctx;
