@@ -155,7 +155,7 @@ static void say_fixed_arena(const np_ctx *ctx) {
   fprintf(stderr, "npu_pool: device %d: %s: its memory is one allocation of the whole cap (%s, fraction %.2f), "
           "taken at the first request; what collective libraries and other processes need must stay outside it "
           "(lower the fraction: NPU_POOL_FRACTION or npu_pool.set_fraction)\n", ctx->cfg.device, ctx->be->name,
-          np_fmt_bytes(ctx->limit, cap), ctx->be->total ? (double)ctx->limit / (double)ctx->be->total : 1.0);
+          np_fmt_bytes(ctx->limit, cap), ctx->cfg.fraction);
 }
 
 /* Create device's context (table lock held). */
