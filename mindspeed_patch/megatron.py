@@ -278,6 +278,10 @@ class _Session:
             warnings.warn(f"npu_pool.megatron: cannot hook the model ({e}); phases from train_step only",
                           RuntimeWarning, stacklevel=3)
             return
+        except RuntimeError as e:  # attached by the caller already: its hooks send the markers
+            warnings.warn(f"npu_pool.megatron: {e}; the markers come from that attachment",
+                          RuntimeWarning, stacklevel=3)
+            return
         if not att.blocks:
             warnings.warn("npu_pool.megatron: no TransformerBlock/MambaStack/ParallelTransformer layers found in the model; "
                           "no layer markers", RuntimeWarning, stacklevel=3)

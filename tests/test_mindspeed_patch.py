@@ -515,3 +515,26 @@ def test_the_line_never_stops_training_and_reports_keep_the_runs_rank(tmp_path: 
     from npu_pool.cli import main
 
     assert main(["merge", str(tmp_path / "rep")]) == 0
+
+
+def test_a_model_the_caller_attached_already_keeps_its_attachment(fresh: None) -> None:
+    """A model attached by the caller before set-up returned (its model provider did): the wrapper's
+    own attach is refused (it would send every marker twice); it says so and training goes on."""
+    import torch
+
+    from npu_pool.recorder import attach
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3)])
+    own = attach(model, blocks=list(model))
+
+    def setup_model_and_optimizer(provider: Any, model_type: Any = None) -> tuple:
+        return [provider()], None, None
+
+    mod = _module(setup_model_and_optimizer=setup_model_and_optimizer)
+    try:
+        assert patch.patch_megatron(ON)
+        with pytest.warns(RuntimeWarning, match="already attached.*the markers come from that attachment"):
+            assert mod.setup_model_and_optimizer(lambda: model)[0] == [model]
+        assert patch.session().attachments == []
+    finally:
+        own.detach()

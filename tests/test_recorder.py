@@ -646,3 +646,28 @@ def test_a_step_a_loop_skips_on_an_error_is_an_iteration_of_its_own(where: str) 
         opt.zero_grad(set_to_none=True)
     its = [(MARK_NAMES[c], a) for c, a in spy.marks if c in (MARK_ITER_BEGIN, MARK_ITER_END, MARK_FORWARD_BEGIN)]
     assert its == [x for i in range(3) for x in (("iter_begin", i), ("forward_begin", 0), ("iter_end", i))], its
+
+
+def test_a_model_attached_twice_is_refused_and_a_bad_optimizer_leaves_no_hooks() -> None:
+    """Attaching a model that is attached sent every marker twice (a forward showed each layer
+    entered twice); attach with an optimizer it cannot hook raised after hooking the model, so the
+    hooks it left (no handle to remove them) marked every later forward (2026-11-27)."""
+    model = _gpt()
+    spy = Spy()
+    rec = Recorder([spy])
+    with pytest.raises(TypeError, match="step"):
+        recorder.attach(model, optimizer=object(), recorder=rec)
+    model(torch.randint(64, (2, 16)))
+    assert spy.marks == []
+    handle = recorder.attach(model, recorder=rec)
+    with pytest.raises(RuntimeError, match="already attached"):
+        recorder.attach([model], recorder=rec)
+    model(torch.randint(64, (2, 16)))
+    entered = [a for c, a in spy.marks if c == MARK_LAYER_ENTER]
+    assert entered == [0, 1, 2]
+    handle.detach()
+    again = recorder.attach(model, recorder=rec)  # detached: attaching again is fine
+    spy.marks.clear()
+    model(torch.randint(64, (2, 16)))
+    assert [a for c, a in spy.marks if c == MARK_LAYER_ENTER] == [0, 1, 2]
+    again.detach()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -32,6 +33,10 @@ _ATTR = "_npu_pool_grad_marks"
 _ORDER = {MARK_BACKWARD_BEGIN: 0, MARK_LAYER_EXIT: 1, MARK_LAYER_ENTER: 2}
 
 Model = Union[nn.Module, Sequence[nn.Module]]
+
+# The attachment each hooked model (root module) has, while it is attached: a second attach
+# would send every marker twice.
+_attached: "weakref.WeakKeyDictionary[nn.Module, Attachment]" = weakref.WeakKeyDictionary()
 
 
 def _modules(model: Model) -> list[nn.Module]:
@@ -310,6 +315,9 @@ class Attachment:
     def detach(self) -> None:
         """Remove every hook (gradient hooks already set on live tensors become no-ops)."""
         self.active = False
+        for m, a in list(_attached.items()):
+            if a is self:
+                del _attached[m]
         for h in self._handles:
             h.remove()
         for r in reversed(self._restore):
@@ -337,6 +345,10 @@ def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] 
     """
     rec = recorder if recorder is not None else default
     mods = _modules(model)
+    for m in mods:
+        if m in _attached:
+            raise RuntimeError(f"npu_pool.recorder.attach: this {type(m).__name__} is already attached (every "
+                               "marker would be sent twice); detach() the first attachment before attaching again")
     found = [(i, b) for i, b in enumerate(blocks)] if blocks is not None else find_blocks(mods)
     if not found:
         warnings.warn(f"npu_pool.recorder.attach: no repeated blocks found in {type(mods[0]).__name__}; "
@@ -351,5 +363,11 @@ def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] 
         att._handles.append(m.register_forward_pre_hook(att._root_pre))
         att._handles.append(m.register_forward_hook(att._root_post, always_call=True))
     if optimizer is not None:
-        att._hook_optimizer(optimizer)
+        try:
+            att._hook_optimizer(optimizer)
+        except TypeError:
+            att.detach()
+            raise
+    for m in mods:
+        _attached[m] = att
     return att
