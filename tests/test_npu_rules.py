@@ -54,6 +54,26 @@ def test_padding_moves_requests_across_the_small_large_boundary() -> None:
                 assert p.stats()["total"]["reserved"]["current"] == seg, (size, rules)
 
 
+@pytest.mark.parametrize("policy", ["torch", "expandable", "npu_pool"])
+def test_the_simulators_own_rules_count_as_cudas(policy: str) -> None:
+    """rules="auto" on the simulated device is CUDA's (device_rules says so): the same calls kind by
+    kind, cudaFree's own wait included. It counted a synchronisation before each free, as
+    aclrtFree's caller makes, where rules="cuda" counted none (a review, 2026-11-27)."""
+    def calls(rules: str) -> dict[str, int]:
+        with Pool(policy, capacity=64 * MiB, rules=rules) as p:
+            a = p.malloc(40 * MiB)
+            p.free(a)
+            p.malloc(10 * MiB)
+            with pytest.raises(MemoryError):
+                p.malloc(60 * MiB)
+            p.empty_cache()
+            return {k: v for k, v in p.stats()["calls"].items() if v}
+
+    auto = calls("auto")
+    assert Pool(policy, rules="auto").device_rules == "cuda"
+    assert auto == calls("cuda") and auto != calls("npu")
+
+
 def test_rules_are_checked() -> None:
     with pytest.raises(InvalidArgumentError, match="unknown device rules 'tpu'"):
         Pool("torch", rules="tpu")

@@ -132,8 +132,6 @@ int np_create(const np_config *cfg, np_ctx **out) {
   }
   if (cfg->device_rules == NP_DEVICE_NPU || cfg->device_rules == NP_DEVICE_CUDA) { /* the runtime's request rules */
     ctx->be->request_align = ctx->be->request_tail = cfg->device_rules == NP_DEVICE_NPU ? NP_NPU_PAD : 0;
-    if (ctx->be->simulated) /* count as the rules' vendor: cudaFree waits for the device, aclrtFree does not */
-      ctx->be->free_synchronizes = cfg->device_rules == NP_DEVICE_CUDA;
   }
   ctx->be->no_lookups = ctx->be->simulated && ctx->policy->framework;
   ctx->device_caps = ctx->policy->framework && cfg->fraction >= 1.0;

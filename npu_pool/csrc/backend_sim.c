@@ -417,6 +417,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
   s->top_down = cfg->device_rules != NP_DEVICE_NPU; /* CUDA's, and auto: the simulator's own rules are CUDA's */
+  s->base.free_synchronizes = cfg->device_rules != NP_DEVICE_NPU; /* cudaFree waits for the device, aclrtFree not */
   s->down_top = s->next + SIM_WINDOW / 2;
   s->device = cfg->device;
   /* what the ACL backend asks at creation: the device, its memory, the granularity and a probe reservation */
