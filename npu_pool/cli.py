@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
               "(redirect it instead, e.g. > /dev/null)", file=sys.stderr)
         return 1
     from . import inputs, outputs
+    from .commands import UsageError
     from .pool import PoolError
     from .units import printable
 
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("npu-pool: interrupted", file=sys.stderr)
         return 130
+    except UsageError as e:  # (the command line, as argparse's own refusals: 2)
+        print(f"npu-pool {args.command}: error: {printable(str(e))}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, PoolError, MemoryError, RecursionError) as e:  # bad files, settings, devices
         text = str(e)
         if isinstance(e, OSError) and e.strerror and e.filename is None and e.errno is not None:

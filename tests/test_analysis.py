@@ -310,7 +310,7 @@ def test_export_cli_and_memory_viz_cli(tmp_path):
     t = toy_trace()
     src = tmp_path / "toy.npt"
     t.save(src)
-    assert main(["export", str(src), "--out", str(tmp_path / "x.npt")]) == 1  # a snapshot named as a trace: exit 1
+    assert main(["export", str(src), "--out", str(tmp_path / "x.npt")]) == 2  # a snapshot named as a trace: exit 2
     assert not (tmp_path / "x.npt").exists()
     out = tmp_path / "toy.pickle"
     assert main(["export", str(src), "--policy", "npu_pool", "--out", str(out)]) == 0
@@ -542,7 +542,7 @@ def test_analyze_and_estimate_commands(tmp_path, capsys):
                  "--dp", "4", "--format", "json"]) == 0
     e = json.loads(capsys.readouterr().out)
     assert e["gradients_bytes"] * 4 == e["weights_bytes"] and e["config"]["zero"] == 2
-    assert main(["estimate"]) == 1  # nothing to estimate: a one-line error
+    assert main(["estimate"]) == 2  # nothing to estimate: a one-line error, a mistake in the command line
     assert "give --config" in capsys.readouterr().err
 
 
@@ -587,7 +587,7 @@ def test_estimate_without_an_optimizer_and_tensor_parallel_shapes(capsys):
 def test_a_policy_named_twice_is_refused(tmp_path, capsys):
     src = tmp_path / "toy.npt"
     toy_trace().save(src)
-    assert main(["replay", str(src), "--policy", "torch,torch"]) == 1
+    assert main(["replay", str(src), "--policy", "torch,torch"]) == 2
     assert "names torch twice" in capsys.readouterr().err
 
 

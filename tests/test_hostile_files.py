@@ -35,10 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 
-def _one_line(capsys: pytest.CaptureFixture, argv: list[str], *words: str, seconds: float = 10.0) -> str:
-    """The CLI fails fast with exit 1 and one line on stderr naming the problem, no traceback."""
+def _one_line(capsys: pytest.CaptureFixture, argv: list[str], *words: str, seconds: float = 10.0,
+              code: int = 1) -> str:
+    """The CLI fails fast with exit 1 (``code``: 2 for a mistake in the command line itself) and one
+    line on stderr naming the problem, no traceback."""
     t0 = time.perf_counter()
-    assert main(argv) == 1
+    assert main(argv) == code
     assert time.perf_counter() - t0 < seconds
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1 and len(err) < 600, err
@@ -766,9 +768,26 @@ def test_demo_refuses_a_policy_list_before_any_work(capsys) -> None:
     message offered `planned`, which the demo then refused."""
     for spec, why in (("foo", "unknown policy foo; choose from torch, npu_pool, expandable\n"),
                       ("planned", "the planned policy needs a plan")):
-        assert main(["demo", "--no-capture", "--policy", spec]) == 1
+        assert main(["demo", "--no-capture", "--policy", spec]) == 2  # (the command line: as argparse's)
         out = capsys.readouterr()
         assert out.out == "" and why in out.err and out.err.count("\n") == 1, out
+
+
+def test_mistakes_in_the_command_line_exit_2_before_any_file_is_read(tmp_path, capsys) -> None:
+    """docs/cli.md: options that do not go together or a value of the wrong form exit 2, as
+    argparse's own refusals do; those only a command could see exited 1, as a bad file does (a
+    review, 2026-11-27). The trace named does not exist: each is said before it would be read."""
+    absent = str(tmp_path / "absent.npt")
+    for argv, words in ((["replay", absent, "--live", "--policy", "torch"], "--live takes no --policy"),
+                        (["replay", absent, "--plan", "p.npplan"], "add planned to --policy"),
+                        (["replay", absent, "--policy", "bogus"], "unknown policy bogus"),
+                        (["analyze", absent, "--policy", "planned"], "needs a plan"),
+                        (["export", absent, "--policy", "planned", "-o", str(tmp_path / "x.pickle")], "needs a plan"),
+                        (["export", absent, "-o", str(tmp_path / "x.npt")], "name it .pickle"),
+                        (["plan"], "give a TRACE"), (["plan", "--check", absent, "--out", "x"], "drop --out"),
+                        (["estimate"], "give --config")):
+        _one_line(capsys, argv, f"npu-pool {argv[0]}: error: ", words, code=2)
+    _one_line(capsys, ["replay", absent], "absent.npt")  # the file itself: 1
 
 
 def test_replay_validate_that_compares_nothing_does_not_pass(tmp_path, capsys) -> None:
@@ -796,15 +815,15 @@ def test_replay_validate_and_live_refuse_options_they_would_not_use(tmp_path, ca
     assert main(["replay", str(snap), "--validate"]) == 1
     out, err = capsys.readouterr()
     assert "skipped: big: policy torch failed at event 0 (a request of 2.00 TiB" in out and "Traceback" not in err
-    assert main(["replay", str(snap), "--validate", "--device", "npu"]) == 1  # the recording's own rules are compared
+    assert main(["replay", str(snap), "--validate", "--device", "npu"]) == 2  # the recording's own rules are compared
     assert "--validate takes no --device" in capsys.readouterr().err
     assert main(["replay", str(snap), "--policy", ""]) == 1  # (an unset variable): no policy, not the defaults
     assert "argument --policy: an empty value" in capsys.readouterr().err
-    assert main(["replay", str(tmp_path / "absent.npt"), "--policy", "bogus"]) == 1  # said before any trace is read
+    assert main(["replay", str(tmp_path / "absent.npt"), "--policy", "bogus"]) == 2  # said before any trace is read
     assert "unknown policy bogus" in capsys.readouterr().err
     for flag, value in (("--policy", "bogus"), ("--hints", "none"), ("--costs", "c.json"), ("--plan", "p.npplan")):
         for mode in ("--validate", "--live"):
-            assert main(["replay", str(snap), mode, flag, value]) == 1
+            assert main(["replay", str(snap), mode, flag, value]) == 2
             err = capsys.readouterr().err
             assert f"{mode} takes no {flag}" in err and err.count("\n") == 1, err
     shared = Path(__file__).resolve().parents[2] / "shared" / "traces" / "cnn-adam-train.pickle"
@@ -955,8 +974,9 @@ def test_plan_check_uses_the_trace_it_is_given_and_refuses_an_output(tmp_path, c
     capsys.readouterr()
     assert main(["plan", "--check", str(tmp_path / "n.npplan"), str(a), "--device", "npu"]) == 0
     capsys.readouterr()
-    for extra, words in (([str(b)], f"the plan {p} was made for a"), (["--out", str(tmp_path / "x")], "drop --out")):
-        assert main(["plan", "--check", str(p)] + extra) == 1
+    for extra, words, code in (([str(b)], f"the plan {p} was made for a", 1),
+                               (["--out", str(tmp_path / "x")], "drop --out", 2)):
+        assert main(["plan", "--check", str(p)] + extra) == code
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
@@ -1222,7 +1242,8 @@ def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
                          (["estimate", "--dtype", ""], "--dtype"),  # (an option of an argument group)
                          (["replay", "", str(trace)], "TRACE")]:
         _one_line(capsys, argv, f"argument {option}: an empty value (an unset variable?)")
-    _one_line(capsys, ["replay", str(trace), "--policy", "torch,"], "the policy list 'torch,' has an empty name")
+    _one_line(capsys, ["replay", str(trace), "--policy", "torch,"], "the policy list 'torch,' has an empty name",
+              code=2)
     with pytest.raises(SystemExit):  # argparse's line: a whole number is ASCII digits, as in settings
         main(["capture", "--steps", "\u0663", "--out", str(tmp_path / "c.npt")])
     assert "expected a whole number, not '\u0663'" in capsys.readouterr().err

@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..replay import HINTS, policies_from
+from ..replay import HINTS
 from ..trace.format import forced_device
-from . import whole
+from . import policy_list, whole
 from .replay import add_device_argument
 
 
@@ -57,7 +57,7 @@ def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
 def run(args: argparse.Namespace) -> int:
     from ..analysis.report import analyze_paths, to_json, to_markdown
 
-    policies = policies_from(args.policy, planned=False)
+    policies = policy_list(args.policy, planned=False)
     show = None if not args.no_progress else False
     with forced_device(args.device):
         analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..progress import progress
-from ..replay import evaluate, min_capacity, policies_from, run as replay_run
+from ..replay import evaluate, min_capacity, run as replay_run
 from ..trace.format import forced_device
+from . import policy_list
 from .replay import LEGEND, add_device_argument, format_table
 
 GiB = float(1 << 30)
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    policies = policies_from(args.policy, planned=False)  # (checked before any work; the 7B case plans its own)
+    policies = policy_list(args.policy, planned=False)  # (checked before any work; the 7B case plans its own)
     if not args.no_case:
         print("tracing a Llama-7B training step on fake tensors ...", flush=True)
         print("\n".join(_case()), flush=True)

@@ -49,8 +49,11 @@ def _config(args: argparse.Namespace, trace_meta: dict | None):
     flags = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if getattr(args, f.name, None) is not None}
     merged = {**base, **flags}
     if not merged:
-        raise ValueError("give --config YAML, model flags (--hidden --layers --heads --vocab ...), "
-                         "or --trace of a capture")
+        from . import UsageError
+
+        error = ValueError if trace_meta is not None else UsageError  # (a trace given: it is the trace's fault)
+        raise error("give --config YAML, model flags (--hidden --layers --heads --vocab ...), "
+                    "or --trace of a capture")
     return config_from_dict(merged)
 
 

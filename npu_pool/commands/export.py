@@ -6,6 +6,7 @@ import sys
 
 from ..analysis.memviz import POLICIES
 from ..trace.format import forced_device
+from . import UsageError
 from .replay import add_device_argument
 
 
@@ -26,9 +27,12 @@ def run(args: argparse.Namespace) -> int:
     from ..trace.files import open_traces
 
     if args.out.endswith(".npt"):  # (replay, analyze and plan would read it as an npu_pool trace and refuse it)
-        print(f"npu-pool export: error: --out {args.out}: export writes a PyTorch snapshot; name it .pickle "
-              "(`npu-pool import` makes .npt traces)", file=sys.stderr)
-        return 1
+        raise UsageError(f"--out {args.out}: export writes a PyTorch snapshot; name it .pickle "
+                         "(`npu-pool import` makes .npt traces)")
+    if args.policy == "planned":  # (before the trace is read)
+        from ..replay import NEEDS_PLAN
+
+        raise UsageError(NEEDS_PLAN)
     named = open_traces(args.trace)
     with forced_device(args.device):
         done = export([t for _, t in named], args.policy, args.out, hints=args.hints)  # streamed, whole or absent

@@ -8,6 +8,7 @@ import sys
 
 from ..trace.format import device_type, forced_device
 from ..units import printable
+from . import UsageError
 
 GiB = float(1 << 30)
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.check:
         if args.out:
-            raise ValueError("--check reads a plan and writes none: drop --out")
+            raise UsageError("--check reads a plan and writes none: drop --out")
         from ..planner.runtime import as_plan, check_made_for
 
         plan = as_plan(args.check)  # verifies (and names the file in later messages)
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.meta, indent=1) if args.json else f"{args.check}: ok{made_for}\n{_summary(figures)}")
         return 0
     if not args.trace:
-        raise ValueError("give a TRACE to plan (or --check PLAN)")
+        raise UsageError("give a TRACE to plan (or --check PLAN)")
     kind, index = args.device or (None, None)
     name, trace = _pick(args.trace, index)
     bar = progress(range(len(STAGES)), desc="plan", unit="stage", total=len(STAGES))  # (a terminal only)

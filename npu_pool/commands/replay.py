@@ -12,6 +12,7 @@ from ..trace.files import distinct_name, expand, open_traces, repairs, repairs_s
 from ..trace.format import DEVICE_TYPES, forced_device
 from ..progress import progress
 from ..units import name_width, printable
+from . import UsageError, policy_list
 
 GiB = float(1 << 30)
 
@@ -165,12 +166,12 @@ def run(args: argparse.Namespace) -> int:
         if given:
             mode, what = (("--live", "the framework allocator and npu_pool on the real device") if args.live
                           else ("--validate", "the torch model against the recording"))
-            raise ValueError(f"{mode} takes no {', '.join(given)}: it replays {what}")
+            raise UsageError(f"{mode} takes no {', '.join(given)}: it replays {what}")
     args.policy = DEFAULT_POLICIES if args.policy is None else args.policy
-    policies = policies_from(args.policy)  # before any trace is opened ("" is no policy)
+    policies = policy_list(args.policy)  # before any trace is opened ("" is no policy)
     args.hints = args.hints or "markers"
     if args.plan and "planned" not in policies:
-        raise ValueError("--plan is the plan policy planned replays: add planned to --policy "
+        raise UsageError("--plan is the plan policy planned replays: add planned to --policy "
                          "(e.g. --policy npu_pool,planned)")
     seen: dict = {}
     named = [(distinct_name(n, path, seen), t) for path in expand(args.traces) for n, t in open_traces(path)]
