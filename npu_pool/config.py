@@ -39,10 +39,11 @@ POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  
 _KEYS = (ENABLE, FRACTION, POLICY, PLAN)
 # Every NPU_POOL_* variable something reads: these settings, the ones read where they apply
 # (cpp_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the
-# repository's own tooling (./run, .ci/run and the tests); any other is a typo to point out.
+# repository's own tooling (./run, .ci/run, the tests and benchmarks/cuda_call_costs.py); any other
+# is a typo to point out.
 KNOWN_VARIABLES = (FRACTION, POLICY, PLAN, CONFIG_FILE, "NPU_POOL_CACHE", "NPU_POOL_OOM_SNAPSHOT", "NPU_POOL_LOG_EVERY",
                    "NPU_POOL_REPORT_DIR", "NPU_POOL_DEBUG", "NPU_POOL_CI_VENV", "NPU_POOL_TORCH_NPU_PYTHON",
-                   "NPU_POOL_SHARED")
+                   "NPU_POOL_SHARED", "NPU_POOL_CUDART")
 
 
 YAML_MAX_BYTES = 1 << 20   # a settings or model config file is a few hundred bytes

@@ -105,8 +105,7 @@ def _matches(expected: str, got: str) -> bool:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEMORY_FRAGMENTATION", "NPU_POOL_",
                                                                         "PYTORCH_", "OOM_SNAPSHOT"))}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", COLUMNS="100", NPU_POOL_REPO=str(ROOT),
-               OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", COLUMNS="100", OMP_NUM_THREADS="1")
     return env
 
 

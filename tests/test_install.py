@@ -734,6 +734,19 @@ def test_every_variable_a_module_reads_is_known() -> None:
         assert name in config.KNOWN_VARIABLES, name
 
 
+def test_every_variable_the_repository_names_is_known() -> None:
+    """Every NPU_POOL_* name in the package, the patch, the benchmarks and the scripts is one
+    install() knows: benchmarks/cuda_call_costs.py's NPU_POOL_CUDART was warned about as a typo."""
+    import re
+
+    files = [*ROOT.glob("npu_pool/**/*.py"), *ROOT.glob("npu_pool/csrc/*.[ch]"), *ROOT.glob("mindspeed_patch/*.py"),
+             *ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/*.sh"), ROOT / "run", ROOT / ".ci" / "run",
+             ROOT / "npu_pool_startup.py", ROOT / "setup.py"]
+    named = {m for f in files for m in re.findall(r"\bNPU_POOL_[A-Z][A-Z0-9_]*", f.read_text())}
+    named.discard("NPU_POOL_H")  # (the C header's include guard)
+    assert "NPU_POOL_FRACTION" in named and not named - set(config.KNOWN_VARIABLES), named - set(config.KNOWN_VARIABLES)
+
+
 def test_unknown_variables_and_output_folders() -> None:
     env = {"NPU_POOL_POILCY": "torch", "NPU_POOL_FRACTION": "0.5", "NPU_POOL_SHARED": "/x", "NPU_POOL_ZZZ": "1"}
     lines = config.unknown_variables(env)
