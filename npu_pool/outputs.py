@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import io
 import os
+import re
 import signal
 import stat
 import sys
@@ -128,6 +129,9 @@ def _sigterm_raises() -> Iterator[None]:
 _ERRORS = "backslashreplace"
 
 
+_STREAM = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
+
+
 def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     """The file a write of ``path`` replaces (a link followed), the guards run; and whether it is
     special (written directly). Raises for a destination no write can take."""
@@ -135,8 +139,9 @@ def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:
         raise ValueError("an output named '-': name a file; standard output is not written through this option")
     p = Path(path)
     # /dev/stdout, /proc/self/fd/1, ...: a stream's file, which a rename would replace (the lines
-    # written before it lost) and the stream would no longer reach
-    stream = os.path.abspath(p).startswith(("/dev/", "/proc/"))
+    # written before it lost) and the stream would no longer reach; not every file under /dev
+    # (/dev/shm's are files of a file system like any other: replaced whole, never an input)
+    stream = _STREAM.fullmatch(os.path.abspath(p)) is not None
     try:
         if p.is_dir():
             raise IsADirectoryError(errno.EISDIR, f"{p}: is a directory; name a file to write")

@@ -9,9 +9,11 @@ import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -1143,6 +1145,25 @@ def test_out_dev_stdout_appended_to_a_file_keeps_what_was_there(tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     text = log.read_text()
     assert text.startswith("precious line\n# Memory analysis:") and not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+def test_a_file_under_dev_is_replaced_whole_and_never_an_input(capsys: pytest.CaptureFixture) -> None:
+    """Every path under /dev or /proc was taken for a stream: a file of /dev/shm (a tmpfs) given as
+    --out was appended to (twice: two JSON documents in one file) and could be the command's own
+    input (the trace, appended to itself, then refused as corrupt) (a review, 2026-11-27)."""
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        t = folder / "t.npt"
+        small_trace(2).save(t)
+        _one_line(capsys, ["analyze", str(t), "--no-progress", "-o", str(t)], "is also an input")
+        assert len(Trace.load(t)) == len(small_trace(2))
+        out = folder / "r.json"
+        for _ in range(2):
+            assert main(["analyze", str(t), "--no-progress", "--format", "json", "-o", str(out)]) == 0
+        assert json.loads(out.read_text())["traces"]
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_errors_quoting_a_file_print_as_escapes_and_site_frames_stay_readable(tmp_path: Path,
