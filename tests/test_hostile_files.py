@@ -792,6 +792,15 @@ def test_mistakes_in_the_command_line_exit_2_before_any_file_is_read(tmp_path, c
     _one_line(capsys, ["replay", absent], "absent.npt")  # the file itself: 1
 
 
+def test_a_fake_capture_too_large_for_any_device_is_refused_before_it_starts(capsys) -> None:
+    """--batch 99999999999 of a fake 7B capture ended in torch's "Storage size calculation
+    overflowed" after 160 lines of its log (a review, 2026-11-27); 1e10 was refused after the
+    capture, by the trace's validation."""
+    for extra in (["--steps", "1"], ["--colocated", "1"], ["--model", "moe"]):
+        _one_line(capsys, ["capture", "--shape", "7b", "--layers", "1", "--batch", "99999999999", "--no-progress",
+                           *extra], "batch 99999999999 x sequence", "more than any device has")
+
+
 def test_replay_validate_that_compares_nothing_does_not_pass(tmp_path, capsys) -> None:
     """`replay --validate` over traces that carry no recorded figures (captures, synthetic traces)
     skips each with its reason; when every trace was skipped it exits 1 and says so (it exited 0,

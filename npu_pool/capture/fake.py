@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from ..trace.format import (CAT_ACTIVATION, CAT_AUTOGRAD_DETAIL, CAT_GRADIENT, CAT_INPUT, CAT_OPTIMIZER_STATE,
                             CAT_PARAMETER, CAT_TEMPORARY, CAT_UNKNOWN, MARK_BACKWARD_BEGIN, MARK_BACKWARD_END,
                             MARK_FORWARD_BEGIN, MARK_FORWARD_END, MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END,
-                            MARK_SETUP_BEGIN, MARK_SETUP_END, OP_ALLOC, OP_FREE, OP_MARK, Trace)
+                            MARK_SETUP_BEGIN, MARK_SETUP_END, MAX_REQUEST, OP_ALLOC, OP_FREE, OP_MARK, Trace)
 from .loop import Loop, autocast, layer_hooks, state_tensors
 
 __all__ = ["fake_capture"]
@@ -63,6 +63,18 @@ def check_events(estimate: int, what: str) -> None:
     if estimate > MAX_EVENTS:
         raise ValueError(f"{what} would record at least {estimate:,} events, more than the {MAX_EVENTS:,} a "
                          "capture holds: capture fewer steps, layers or cycles")
+
+
+def check_sizes(cfg: Any, batch: int, seq: int, what: str) -> None:
+    """ValueError when a step of ``batch`` sequences of ``seq`` tokens would ask for a tensor larger
+    than a request may be (2^48 bytes): the logits, the MLP's or the attention scores' (fp32, an
+    upper bound). Said before any tensor is made: torch's fake tensors overflow past 2^63 bytes."""
+    ffn = cfg.ffn or 4 * cfg.dim
+    heads = max(1, cfg.n_heads // cfg.tp)
+    largest = batch * seq * max(cfg.vocab // cfg.tp, ffn, cfg.dim, heads * seq) * 4
+    if largest > MAX_REQUEST:
+        raise ValueError(f"{what}: batch {batch} x sequence {seq} makes tensors of up to {largest:.3g} bytes, more "
+                         f"than any device has (2^48): capture a smaller batch or sequence")
 
 
 def events_full(n: int) -> None:
@@ -195,6 +207,7 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
     check_events(120 * n_layers * steps * grad_accum,  # gpt's 124 a layer and micro-batch (llama 241, moe 790)
                  f"{steps} steps x {grad_accum} micro-batches of {n_layers} layers")
     cfg = make_config(model_name, shape, tp=tp, n_layers=n_layers, max_seq=max(seq, cfg.max_seq))
+    check_sizes(cfg, batch, seq, f"{model_name}-{shape}")
     t0 = time.perf_counter()
     rec = _Recorder()
     hooks = _module_stack(rec)
