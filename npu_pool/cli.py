@@ -99,15 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Build only the requested sub-parser fully; others get their help line.
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, help_ in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        if name == wanted:
-            _module(name).add_arguments(p)
     try:
+        for name, help_ in COMMANDS.items():
+            p = sub.add_parser(name, help=help_, description=help_)
+            if name == wanted:
+                _module(name).add_arguments(p)  # (capture's imports torch: a second or two)
         args = parser.parse_args(argv)
     except _EmptyValue as e:  # ("" is no file, no number, no name: an unset variable, not the default)
         print(f"npu-pool {wanted}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("npu-pool: interrupted", file=sys.stderr)
+        return 130
     if not args.command:
         parser.print_help()
         return 2

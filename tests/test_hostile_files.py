@@ -792,6 +792,19 @@ def test_mistakes_in_the_command_line_exit_2_before_any_file_is_read(tmp_path, c
     _one_line(capsys, ["replay", absent], "absent.npt")  # the file itself: 1
 
 
+def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys) -> None:
+    """Ctrl-C in capture's first second or two (its options' module imports torch, before the
+    command's own handling) printed a KeyboardInterrupt traceback (a review, 2026-11-27)."""
+    import npu_pool.commands.capture as capture_command
+
+    def loading(p) -> None:  # noqa: ANN001
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(capture_command, "add_arguments", loading)
+    assert main(["capture", "--steps", "1"]) == 130
+    assert capsys.readouterr().err == "npu-pool: interrupted\n"
+
+
 def test_a_fake_capture_too_large_for_any_device_is_refused_before_it_starts(capsys) -> None:
     """--batch 99999999999 of a fake 7B capture ended in torch's "Storage size calculation
     overflowed" after 160 lines of its log (a review, 2026-11-27); 1e10 was refused after the
