@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         text = str(e)
         if isinstance(e, OSError) and e.strerror and e.filename is None and e.errno is not None:
             text = e.strerror  # a message of the package's own, without Python's "[Errno N]"
-        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        print(f"npu-pool {args.command}: error: {printable(first)}", file=sys.stderr)  # (it may quote a file)
+        # one line, the message whole: a newline in it (a file's name, a YAML error's position)
+        # prints as an escape; its first line alone said "/tmp/no" for a file named "/tmp/no\nsuch.npt"
+        text = text.strip() or type(e).__name__
+        print(f"npu-pool {args.command}: error: {printable(text)}", file=sys.stderr)  # (it may quote a file)
         return 1
     finally:
         inputs.forget()

@@ -792,6 +792,15 @@ def test_mistakes_in_the_command_line_exit_2_before_any_file_is_read(tmp_path, c
     _one_line(capsys, ["replay", absent], "absent.npt")  # the file itself: 1
 
 
+def test_a_file_named_with_a_newline_is_named_whole_in_the_error(tmp_path, capsys) -> None:
+    """The CLI printed only the first line of an error: "error: /tmp/no" for a missing file named
+    "/tmp/no<newline>such.npt", no reason given (a review, 2026-11-27)."""
+    name = str(tmp_path / "no\nsuch")
+    for argv in (["analyze", name + ".npt"], ["import", name + ".pickle", "--out", str(tmp_path / "o")],
+                 ["export", name + ".npt", "-o", str(tmp_path / "x.pickle")]):
+        _one_line(capsys, argv, "no\\x0asuch.", "cannot read")
+
+
 def test_ctrl_c_while_a_command_loads_is_one_line(monkeypatch, capsys) -> None:
     """Ctrl-C in capture's first second or two (its options' module imports torch, before the
     command's own handling) printed a KeyboardInterrupt traceback (a review, 2026-11-27)."""
