@@ -24,10 +24,12 @@ from test_planner import training
 MiB = 1 << 20
 
 
-def _refused(capsys: pytest.CaptureFixture, argv: list[str], *words: str, seconds: float = 10.0) -> str:
-    """Run the CLI; it must fail fast with one line on stderr that names the file and the problem."""
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], *words: str, seconds: float = 10.0,
+             code: int = 1) -> str:
+    """Run the CLI; it must fail fast with one line on stderr that names the file and the problem
+    (``code``: 2 for a mistake in the command line itself)."""
     t0 = time.perf_counter()
-    assert main(argv) == 1
+    assert main(argv) == code
     assert time.perf_counter() - t0 < seconds
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
@@ -330,7 +332,7 @@ def test_a_fake_capture_with_more_stages_than_layers_is_refused(capsys: pytest.C
 def test_replay_refuses_a_plan_no_policy_replays(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     small_trace().save(tmp_path / "t.npt")
     _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "npu_pool", "--plan", str(tmp_path / "no.npplan")],
-             "--plan is the plan policy planned replays")
+             "--plan is the plan policy planned replays", code=2)
     _refused(capsys, ["replay", str(tmp_path / "t.npt"), "--policy", "npu_pool,planned", "--no-min-capacity",
                       "--plan", str(tmp_path / "no.npplan")], "no.npplan", "cannot read")
 
