@@ -143,7 +143,7 @@ def test_cli_replay_bad_input(tmp_path, capsys):
     bad.write_bytes(b"garbage")
     assert main(["replay", str(bad)]) == 1
     assert "error" in capsys.readouterr().err
-    assert main(["replay", str(bad), "--policy", "nope"]) == 1
+    assert main(["replay", str(bad), "--policy", "nope"]) == 2  # (the command line)
 
 
 def test_cuda_rules_place_segments_as_cudamalloc_does():
