@@ -243,6 +243,24 @@ def test_core_learns_stage_lifetimes_and_adapts_to_new_shapes() -> None:
         pool.check()
 
 
+def test_optimizer_states_made_after_skipped_steps_are_long_lived() -> None:
+    """The first optimizer step's requests default to long-lived (it makes the optimizer's states);
+    with fp16 loss scaling Megatron's first steps are often skipped (an overflow: step() returns
+    before making them), and the states, made in a later step, were placed short-lived (a review
+    under Megatron-LM, 2026-11-27). The first step that leaves more allocated than it found is the
+    first; after it a step's requests default to short-lived."""
+    with Pool("npu_pool", capacity=1 << 32) as pool:
+        rec, p = Recorder([pool]), Classed(pool)
+        states = []
+        for i in range(4):
+            with rec.step(i), rec.phase("optimizer", i):
+                pool.free(p.malloc(f"found_inf {i}", 4096))  # every step: a temporary
+                if i >= 2:  # steps 0 and 1 skipped
+                    states.append(p.malloc(f"state {i}", 8 * MiB))
+        assert p.life["state 2"] == "long" and p.life["state 3"] == "short", p.life
+        pool.check()
+
+
 def test_layer_markers_do_not_end_a_stage() -> None:
     """An activation made in layer 0 and freed in the backward is long even though layer
     markers came between; a temporary that crosses a layer marker inside the forward is short."""
