@@ -52,6 +52,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
 
@@ -122,6 +123,7 @@ class _Session:
         self.iteration: Optional[int] = None  # Megatron's number of the latest one
         self.skipped = 0                     # of them, optimizer steps Megatron did not apply
         self._backwards = 0                  # backward steps since the iteration began
+        self._outputs: dict[int, tuple[Any, int]] = {}  # id(forward's output tensor) -> (weakref to it, micro-batch)
         self.step_times = StepTimes()          # (mean, max and last: a long run's steps are not kept)
         self.attachments: list[Any] = []
         self.patched: dict[str, list[str]] = {}
@@ -297,6 +299,7 @@ class _Session:
             self._depth += 1
             self.iteration = _megatron_iteration(args, kwargs, self.iteration)
             self._backwards = 0
+            self._outputs.clear()
             t0 = time.perf_counter()
             try:
                 with self.recorder.step(self.iteration):
@@ -316,14 +319,25 @@ class _Session:
             micro = kwargs.get("current_microbatch", args[11] if len(args) > 11 else None)
             micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else -1
             with self.recorder.phase("forward", micro):
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+            out = _first_tensor(result[0] if isinstance(result, tuple) and result else None)
+            if out is not None and micro >= 0 and getattr(out, "requires_grad", False):  # (its backward's micro-batch)
+                self._outputs[id(out)] = (weakref.ref(out), micro)
+            return result
 
         return forward_step
 
     def backward_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def backward_step(*args: Any, **kwargs: Any) -> Any:
-            micro, self._backwards = self._backwards, self._backwards + 1  # schedules run backwards in order
+            # the micro-batch of the forward whose output this backward takes; else the k-th backward
+            # of the iteration is micro-batch k (the interleaved schedule runs one backward per model
+            # chunk and micro-batch: counted, chunk 0's first was numbered 2 of 0..7 with 2 chunks)
+            out = _first_tensor(kwargs.get("output_tensor", args[1] if len(args) > 1 else None))
+            ref, micro = self._outputs.pop(id(out), (None, -1)) if out is not None else (None, -1)
+            if ref is None or ref() is not out:
+                micro = self._backwards
+            self._backwards += 1
             with self.recorder.phase("backward", micro):
                 return original(*args, **kwargs)
 
@@ -343,6 +357,15 @@ class _Session:
 def _why_no_device() -> str:
     return ("no device allocator is installed (no Ascend NPU through torch_npu and no CUDA GPU in this process, "
             "or install() failed: see the warning from mindspeed_patch)")
+
+
+def _first_tensor(output: Any) -> Any:
+    """A schedule's output tensor (forward_step returns it in a list unless unwrapped), or None."""
+    import torch  # (imported by then: the schedules run it)
+
+    if isinstance(output, (list, tuple)):
+        output = output[0] if output else None
+    return output if isinstance(output, torch.Tensor) else None
 
 
 def _megatron_iteration(args: tuple, kwargs: dict, previous: Optional[int]) -> int:

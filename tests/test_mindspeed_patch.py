@@ -538,3 +538,32 @@ def test_a_model_the_caller_attached_already_keeps_its_attachment(fresh: None) -
         assert patch.session().attachments == []
     finally:
         own.detach()
+
+
+def test_each_backward_is_the_micro_batch_of_the_forward_it_runs_back(fresh: None) -> None:
+    """The interleaved pipeline schedule runs one forward and one backward per model chunk and
+    micro-batch, each chunk's backwards in its forwards' order but chunks in reverse: numbered by a
+    counter, chunk 0's first backward was micro-batch 2 of 0..3 with 2 chunks of 2 micro-batches (a
+    review under Megatron-LM's interleaved schedule, 2026-11-27)."""
+    import torch
+
+    _module(train_step=lambda: None)
+    assert patch.patch_megatron(ON)
+    s = patch.session()
+    fwd = s.forward_step(lambda x, current_microbatch=None: ([x * 2], 1))
+    bwd = s.backward_step(lambda input_tensor, output_tensor, grad, model_type, config: None)
+    seen: list[tuple[int, int]] = []
+    stop = default.listen(lambda c, a: seen.append((c, a)))
+    try:
+        outs = {}
+        for chunk in range(2):
+            for m in range(2):
+                outs[chunk, m] = fwd(torch.ones(2, requires_grad=True), current_microbatch=m)[0]
+        for chunk in (1, 0):
+            for m in range(2):
+                bwd(None, outs[chunk, m], None, None, None)
+        bwd(None, torch.ones(1, requires_grad=True) * 3, None, None, None)  # no forward of ours: counted
+    finally:
+        stop()
+    backward = [a for c, a in seen if MARK_NAMES[c] == "backward_begin"]
+    assert backward == [0, 1, 0, 1, 4], seen
