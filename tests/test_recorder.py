@@ -3,6 +3,7 @@ from them, and a real megatron-core training run replayed under npu_pool and tor
 from __future__ import annotations
 
 import array
+import time
 from typing import Any
 
 import pytest
@@ -131,6 +132,24 @@ def test_phases_as_context_managers_and_decorators() -> None:
     assert s["marks"] == len(spy.marks) and s["iterations"] == 1 and s["iteration"] == 7
     assert set(s["seconds"]) == {"setup", "forward", "optimizer", "eval"}
     sim.check()
+
+
+def test_a_stage_inside_another_is_the_outer_ones_time() -> None:
+    """An evaluation's forwards (Megatron's evaluate runs forward_step) were counted as forward time
+    too: a report's forward seconds tripled with 20 evaluation iterations (a review under
+    Megatron-LM, 2026-11-27). A recomputation's forward inside a backward is backward time."""
+    rec = Recorder([Spy()])
+    with rec.phase("eval"):
+        for m in range(2):
+            with rec.phase("forward", m):
+                time.sleep(0.05)
+    with rec.phase("backward", 0):
+        with rec.phase("forward", 0):
+            time.sleep(0.05)
+    with rec.phase("forward", 0):
+        time.sleep(0.005)
+    s = rec.summary()["seconds"]
+    assert s["eval"] >= 0.1 and s["backward"] >= 0.05 and 0.005 <= s["forward"] < min(s["eval"], s["backward"]), s
 
 
 def test_reset_summary_counts_from_now_keeping_open_phases() -> None:

@@ -48,7 +48,8 @@ class RecorderState:
                 if self._open[k][0] == name:
                     t0 = self._open[k][1]
                     del self._open[k:]
-                    if not any(n == name for n, _ in self._open):
+                    if not self._open:  # (a stage inside another is the outer one's time: an evaluation's
+                        # forwards are evaluation, a recomputation's forward in a backward is backward)
                         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
                     break
             self.stage = self._open[-1][0] if self._open else None
