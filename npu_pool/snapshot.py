@@ -191,17 +191,24 @@ def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
     n = max(max(pools, default=-1) + 1, devices)
     snap: dict[str, Any] = {"segments": [], "device_traces": [[] for _ in range(n)], "external_annotations": []}
     policies, vmm = set(), False
+    unmapped: dict[int, int] = {}
     for device, pool in sorted(pools.items()):
         st = pool.stats()
         events = pool.history() if history_limit is None else pool.history(history_limit)
         names = tuple(st["pools"])
-        snap["segments"] += segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site)
+        segs = segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site)
+        snap["segments"] += segs
+        # reserved memory at no address: spare chunks, memory the device refused to take back
+        held = st["total"]["reserved"]["current"] - sum(s["total_size"] for s in segs)
+        if held > 0:
+            unmapped[device] = held
         snap["device_traces"][device] = device_trace(events, frames)
         snap["external_annotations"] += annotations(events, device)
         policies.add(st["policy"])
         vmm = bool(st["vmm"])
     snap["allocator_settings"] = {"npu_pool_policy": ",".join(sorted(policies)),
-                                  "expandable_segments": vmm, "round_size": ROUND}
+                                  "expandable_segments": vmm, "round_size": ROUND,
+                                  "npu_pool_unmapped_bytes": unmapped}  # (segments + these = memory_reserved())
     kinds = {pool.device_rules for pool in pools.values()}
     if len(kinds) == 1:  # whose request rules a replay of it applies (trace.snapshot reads it)
         snap["allocator_settings"]["device_type"] = kinds.pop()
