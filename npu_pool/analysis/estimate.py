@@ -6,11 +6,15 @@ divides the attention heads, the FFN and the vocabulary; pipeline parallelism (P
 gives each stage ``layers / pp`` layers (a whole number, as Megatron requires; embeddings
 on the first stage, the output head on the last); expert parallelism (EP) divides the experts.
 
-Bytes per parameter (ZeRO, Rajbhandari et al. 2020): weights and gradients in the
-training dtype; Adam keeps two fp32 states, plus an fp32 master copy under mixed
-precision (12 bytes per parameter); SGD with momentum one state (+ master). ZeRO
-stage 1 shards optimizer states over the data-parallel group, stage 2 also the
-gradients, stage 3 also the weights.
+Bytes per parameter (ZeRO, Rajbhandari et al. 2020): weights in the training dtype,
+gradients too but for bf16 weights, whose gradients Megatron accumulates and all-reduces
+in fp32 (``accumulate_allreduce_grads_in_fp32``, forced for bf16: 2 + 4 + 12 bytes, as
+Megatron's own theoretical estimate counts); Adam keeps two fp32 states, plus an fp32
+master copy under mixed precision (12 bytes per parameter); SGD with momentum one state
+(+ master). ZeRO stage 1 (Megatron's distributed optimizer) shards optimizer states over
+the data-parallel group, stage 2 also the gradients, stage 3 also the weights; experts'
+parameters over the expert data-parallel group (dp / ep: expert parallelism is carved out
+of data parallelism).
 
 Activations per layer and micro-batch follow Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models" (arXiv:2205.05198):
@@ -57,7 +61,8 @@ ALIASES = {"hidden_size": "hidden", "n_embd": "hidden", "dim": "hidden", "num_la
            "moe_router_topk": "top_k", "zero_stage": "zero", "recompute_granularity": "recompute",
            "swiglu": "gated_mlp", "untie_embeddings_and_output_weights": "_untie",
            "use_flash_attn": "flash_attention", "num_micro_batches": "micro_batches",
-           "gradient_accumulation_steps": "micro_batches"}
+           "gradient_accumulation_steps": "micro_batches", "accumulate_allreduce_grads_in_fp32": "_grads_fp32",
+           "make_vocab_size_divisible_by": "vocab_multiple"}
 
 
 @dataclass
@@ -73,7 +78,8 @@ class ModelConfig:
     seq: int = 2048
     micro_batch: int = 1
     micro_batches: int | None = None  # per step and pipeline; None: pp (enough to fill the pipeline)
-    dtype: str = "bf16"  # weights and gradients
+    dtype: str = "bf16"  # weights (and gradients, see grad_dtype)
+    grad_dtype: str | None = None  # gradients; None: fp32 for bf16 weights under mixed precision (Megatron's), else dtype
     act_dtype: str | None = None  # activations; None: dtype
     mixed_precision: bool | None = None  # fp32 master weights; None: dtype is not fp32
     optimizer: str = "adam"
@@ -94,6 +100,7 @@ class ModelConfig:
     position: str = "learned"  # or rope
     max_positions: int | None = None  # learned position table; None: seq
     tied_embeddings: bool = False
+    vocab_multiple: int = 1  # the vocabulary is padded to a multiple of this times tp (Megatron's default: 128)
 
     def checked(self) -> "ModelConfig":
         """Normalise spellings and check types and ranges; raise ValueError naming the field
@@ -109,7 +116,7 @@ class ModelConfig:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {show(c.optimizer)}")
         if c.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} (or on/off), not {show(c.recompute)}")
-        for name in ("dtype", "act_dtype"):
+        for name in ("dtype", "act_dtype", "grad_dtype"):
             v = getattr(c, name)
             if v is not None and (not isinstance(v, str) or v not in DTYPE_BYTES):
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, not {show(v)}")
@@ -117,7 +124,7 @@ class ModelConfig:
             v = getattr(c, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true or false, not {show(v)}")
-        positive = ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep")
+        positive = ("hidden", "layers", "heads", "vocab", "seq", "micro_batch", "dp", "tp", "pp", "ep", "vocab_multiple")
         defaulted = ("ffn", "kv_heads", "micro_batches", "max_positions")  # left out: the default
         for name in _INT_FIELDS:
             v = getattr(c, name)
@@ -154,6 +161,9 @@ class ModelConfig:
                              f"{' (2 unless given: give top_k too)' if c.top_k == 2 else ''}")
         if c.ep > 1 and not c.experts:
             raise ValueError(f"ep={c.ep} divides the experts of a mixture-of-experts model: give experts too")
+        if c.dp % c.ep:
+            raise ValueError(f"ep={c.ep} does not divide dp={c.dp}: expert parallelism is carved out of the "
+                             "data-parallel group (its ranks hold different experts of the same layers)")
         if c.position == "learned" and c.max_positions is not None and c.seq > c.max_positions:
             raise ValueError(f"seq={c.seq} passes max_positions={c.max_positions}: a learned position table has "
                              "a row per position (give a longer table, or position rope)")
@@ -169,6 +179,15 @@ class ModelConfig:
         if self.ffn:
             return self.ffn
         return 64 * math.ceil(8 * self.hidden / 3 / 64) if self.gated_mlp else 4 * self.hidden
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient: grad_dtype's; by default fp32 for bf16 weights under mixed precision
+        (Megatron accumulates and all-reduces them in fp32), else the weights' dtype."""
+        if self.grad_dtype is not None:
+            return DTYPE_BYTES[self.grad_dtype]
+        bf16 = DTYPE_BYTES[self.dtype] == 2 and self.dtype.startswith("b")
+        return 4 if bf16 and self.master_weights else DTYPE_BYTES[self.dtype]
 
     @property
     def master_weights(self) -> bool:
@@ -223,14 +242,27 @@ def _layer_params(c: ModelConfig) -> int:
     t, h = c.tp, c.hidden
     hd = h // c.heads
     b = 1 if c.bias else 0
-    q, kv, f = c.heads // t * hd, (c.kv_heads or c.heads) // t * hd, c.ffn_size // t
+    q, kv = c.heads // t * hd, (c.kv_heads or c.heads) // t * hd
     norm = h * (2 if c.norm == "layernorm" and c.bias else 1)
     attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h
-    n_in = 2 if c.gated_mlp else 1
-    mlp = h * f * n_in + b * f * n_in + f * h + b * h
     if c.experts:
-        mlp = mlp * (c.experts // c.ep) + h * c.experts  # local experts + router
+        mlp = _expert_params(c) + h * c.experts  # local experts + router
+    else:
+        mlp = _mlp_params(c)
     return 2 * norm + attn + mlp
+
+
+def _mlp_params(c: ModelConfig) -> int:
+    """One MLP (one expert's) on one TP rank."""
+    h, f, b = c.hidden, c.ffn_size // c.tp, 1 if c.bias else 0
+    n_in = 2 if c.gated_mlp else 1
+    return h * f * n_in + b * f * n_in + f * h + b * h
+
+
+def _expert_params(c: ModelConfig) -> int:
+    """The local experts of one layer on one TP and EP rank (0 without experts): sharded by ZeRO
+    over the expert data-parallel group."""
+    return _mlp_params(c) * (c.experts // c.ep) if c.experts else 0
 
 
 def _stage_params(c: ModelConfig, stage: int) -> tuple[int, int]:
@@ -249,9 +281,11 @@ def _stage_params(c: ModelConfig, stage: int) -> tuple[int, int]:
 
 
 def _vocab_rows(c: ModelConfig) -> int:
-    """Vocabulary rows on one tensor-parallel rank: Megatron pads the vocabulary so that every
-    rank holds as many (a vocabulary smaller than tp still gives each rank a row)."""
-    return -(-c.vocab // c.tp)
+    """Vocabulary rows on one tensor-parallel rank: Megatron pads the vocabulary to a multiple of
+    make_vocab_size_divisible_by x tp, so that every rank holds as many (a vocabulary smaller
+    than tp still gives each rank a row)."""
+    unit = c.vocab_multiple * c.tp
+    return -(-c.vocab // unit) * unit // c.tp
 
 
 def _total_params(c: ModelConfig) -> int:
@@ -306,6 +340,18 @@ def _formula(c: ModelConfig) -> str:
         "s*b*h*(34+5*a*s/h) per layer"
 
 
+def _generalised(c: ModelConfig) -> str:
+    """What the figure beside the formula differs from the textbook's model in (its 2-byte
+    activations, dropout, a 4h MLP, multi-head attention, no experts), then the settings."""
+    what = [f"{'a gated ' if c.gated_mlp else 'an '}MLP of {c.ffn_size}" if c.gated_mlp or c.ffn_size != 4 * c.hidden
+            else "", f"{c.kv_heads} KV heads" if c.kv_heads and c.kv_heads != c.heads else "",
+            f"{c.experts} experts, top {c.top_k}" if c.experts else "", "" if c.dropout else "no dropout",
+            f"{DTYPE_BYTES[c.act_dtype or c.dtype]}-byte activations" if DTYPE_BYTES[c.act_dtype or c.dtype] != 2
+            else ""]
+    return ", ".join([w for w in what if w] + [f"recompute={c.recompute}, tp={c.tp}, sp={c.sequence_parallel}, "
+                                                 f"flash={c.flash_attention}"])
+
+
 def estimate(config: ModelConfig) -> Estimate:
     """Weights, gradients, optimizer states and activations per rank, for every pipeline stage."""
     c = config.checked()
@@ -321,25 +367,28 @@ def estimate(config: ModelConfig) -> Estimate:
         acts = in_flight * layers * per_layer + (extra if layers else 0)
         if k == c.pp - 1:
             acts += _output_activations(c)
-        stages.append(StageEstimate(
-            stage=k, layers=layers, params=n,
-            weights=n * wb // (c.dp if c.zero >= 3 else 1),
-            gradients=n * wb // (c.dp if c.zero >= 2 else 1),
-            optimizer_states=n * per_param_opt // (c.dp if c.zero >= 1 else 1),
-            activations=acts, in_flight=in_flight))
+        experts = layers * _expert_params(c)  # (sharded over the expert data-parallel group, dp / ep)
+
+        def sharded(per_param: int, stage: int) -> int:
+            if c.zero < stage:
+                return n * per_param
+            return (n - experts) * per_param // c.dp + experts * per_param // (c.dp // c.ep)
+
+        stages.append(StageEstimate(stage=k, layers=layers, params=n, weights=sharded(wb, 3),
+                                    gradients=sharded(c.grad_bytes, 2), optimizer_states=sharded(per_param_opt, 1),
+                                    activations=acts, in_flight=in_flight))
     worst = max(stages, key=lambda x: x.total)
-    formula = _formula(c) + (f"; generalised: recompute={c.recompute}, tp={c.tp}, sp={c.sequence_parallel}, "
-                             f"flash={c.flash_attention} (Korthikanti et al. 2022)")
+    formula = _formula(c) + f"; generalised (Korthikanti et al. 2022) for {_generalised(c)}"
     return Estimate(c, worst, stages, _total_params(c), per_layer, formula)
 
 
 # -- configs --------------------------------------------------------------------------------
 _FIELDS = {f.name for f in fields(ModelConfig)}
-_STR_FIELDS = ("dtype", "act_dtype", "optimizer", "recompute", "norm", "position")
+_STR_FIELDS = ("dtype", "act_dtype", "grad_dtype", "optimizer", "recompute", "norm", "position")
 _BOOL_FIELDS = ("mixed_precision", "sequence_parallel", "flash_attention", "dropout", "gated_mlp", "bias",
                 "tied_embeddings")
 _INT_FIELDS = ("hidden", "layers", "heads", "vocab", "ffn", "kv_heads", "seq", "micro_batch", "micro_batches",
-               "zero", "dp", "tp", "pp", "ep", "experts", "top_k", "max_positions")
+               "zero", "dp", "tp", "pp", "ep", "experts", "top_k", "max_positions", "vocab_multiple")
 _INT_MAX = 1 << 40  # no model dimension or parallel size comes near it
 
 
@@ -372,6 +421,10 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, not {show(value)}")
             k, value = "tied_embeddings", not value
+        elif k == "_grads_fp32":  # (false: the weights' dtype, which the default is but for bf16, where Megatron
+            if not isinstance(value, bool):  # forces it true)
+                raise ValueError(f"{key} must be true or false, not {show(value)}")
+            k, value = "grad_dtype", "fp32" if value else None
         if k not in _FIELDS:
             raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
         if value is None:  # (an argument dump's unset setting: as if absent, the default or another name's)
@@ -399,7 +452,12 @@ def load_config(path: str | Path) -> ModelConfig:
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys")
     if isinstance(d.get("model"), dict):
-        d = {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}
+        top = {k: v for k, v in d.items() if k != "model"}
+        both = [k for k in d["model"] if k in top and _differ(top[k], d["model"][k])]
+        if both:  # (two spellings of one field that disagree are refused too: config_from_dict)
+            raise ConfigError(f"{path}: {show(both[0])} is given at the top ({show(top[both[0]])}) and under model: "
+                              f"({show(d['model'][both[0]])}), differently: keep one")
+        d = {**top, **d["model"]}
     try:
         return config_from_dict(d)
     except ValueError as e:
@@ -444,8 +502,11 @@ def _check_capture(cap: dict[str, Any]) -> None:
 
 def _capture_config(cap: dict[str, Any], make_config: Any) -> ModelConfig:
     _check_capture(cap)
+    max_seq = cap.get("seq")
+    if cap.get("fake"):  # (a fake capture's table is the shape's, longer if its sequence is: fake_capture)
+        max_seq = max(max_seq, make_config(cap["model"], cap.get("shape")).max_seq)
     over = dict(n_layers=cap.get("layers"), dim=cap.get("dim"), n_heads=cap.get("heads"),
-                vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=cap.get("seq"))
+                vocab=cap.get("vocab") if not cap.get("fake") else None, max_seq=max_seq)
     g = make_config(cap["model"], cap.get("shape") if cap.get("fake") else None,
                     **{k: v for k, v in over.items() if v is not None})
     tp = int(cap.get("tp", 1) or 1)

@@ -64,7 +64,8 @@ def _md(est, rows) -> str:
     out = [f"# Static memory estimate (per rank, pipeline stage {s.stage} of {c.pp})", "",
            f"model: hidden {c.hidden}, layers {c.layers}, heads {c.heads} (kv {c.kv_heads or c.heads}), "
            f"ffn {c.ffn_size}, vocab {c.vocab}" + (f", experts {c.experts} top-{c.top_k}" if c.experts else ""),
-           f"training: micro-batch {c.micro_batch} x seq {c.seq}, {c.dtype} (activations {c.act_dtype or c.dtype}), "
+           f"training: micro-batch {c.micro_batch} x seq {c.seq}, {c.dtype} (activations {c.act_dtype or c.dtype}, "
+           f"gradients {'fp32' if c.grad_bytes == 4 else c.grad_dtype or c.dtype}), "
            f"{c.optimizer}{' + fp32 master' if c.master_weights else ''}, ZeRO-{c.zero} "
            f"over DP {c.dp}, TP {c.tp}, PP {c.pp}, EP {c.ep}, recompute {c.recompute}",
            f"parameters: {est.total_params:,} in the model, {s.params:,} on this rank ({s.layers} layers)", "",
