@@ -244,6 +244,24 @@ def test_reset_peak_starts_every_peak_at_its_current_value() -> None:
         p.free(t), p.free(u)
 
 
+def test_the_arenas_high_water_mark_never_reads_above_its_peak() -> None:
+    """A fixed arena given back whole (empty_cache) came back without its high-water mark's
+    accounting: its peak stayed 12 MiB while its current read 34 MiB; a pool used only inside a
+    region reported the tag arena's top as the main arena's current, above its peak of 0 (a review
+    fuzzing the core, 2026-11-27)."""
+    with Pool("npu_pool", capacity=1 << 30) as p:
+        with p.region("a"):
+            p.malloc(25 * MiB)
+        hwm = p.stats()["arena_hwm"]
+        assert hwm["current"] == hwm["peak"] == 0, hwm
+    with Pool("npu_pool", capacity=1 << 30, vmm=False) as p:
+        p.free(p.malloc(12 * MiB))
+        p.empty_cache()
+        p.malloc(34 * MiB)
+        hwm = p.stats()["arena_hwm"]
+        assert hwm["peak"] >= hwm["current"] >= 34 * MiB, hwm
+
+
 @pytest.mark.parametrize("policy", ["npu_pool", "torch", "expandable"])
 def test_the_pools_own_stream_tags_are_no_callers_stream(policy: str) -> None:
     """The two lowest 64-bit values tag free memory (any stream; several): a block allocated on

@@ -148,7 +148,7 @@ void np_arena_drop(np_ctx *ctx, np_arena *a) {
   np_segment_drop(ctx, a->seg); /* unmaps what is mapped */
   /* what outlives the memory: the settings, the owner's budget and the streams seen */
   *a = (np_arena){.vmm = a->vmm, .page = a->page, .growth = a->growth, .set_aside = a->set_aside, .outside = a->outside,
-                  .streams = a->streams};
+                  .counts_hwm = a->counts_hwm, .streams = a->streams};
 }
 
 /* Whether free memory last used on stream `tag` may be unmapped now, under cap pressure (trims and
@@ -688,7 +688,8 @@ void np_arena_fill_stats(np_ctx *ctx, np_arena *a, np_stats *st) {
   st->releasable += releasable(ctx, a);
   np_block *m = np_tree_max(&a->holes);
   uint64_t largest = m ? m->size : 0;
-  st->arena_hwm.current = (a->top ? a->top->addr : a->seg->addr + a->seg->size) - a->seg->addr;
+  if (a->counts_hwm) /* (the main arena's; a tag's is its own) */
+    st->arena_hwm.current = (a->top ? a->top->addr : a->seg->addr + a->seg->size) - a->seg->addr;
   if (a->top) {
     uint64_t room = a->top->size;
     if (a->vmm) { /* the top can grow by the budget's free pages plus pages it already has mapped */
