@@ -154,6 +154,28 @@ def test_a_failed_page_release_is_held_and_close_says_what_is_lost(builds: dict,
 
 
 @pytest.mark.parametrize("backend", ["acl", "cuda"])
+@pytest.mark.parametrize("policy", ["npu_pool", "planned"])
+def test_a_refused_release_under_the_cap_never_takes_the_pool_past_it(builds: dict, backend: str, policy: str) -> None:
+    """Under cap pressure a free chunk of another stream is unmapped and its physical memory given
+    back to make room; when the device refused to take it back (held, still reserved) the new chunk
+    was mapped all the same: 36 MiB reserved under a 32 MiB cap (a review fuzzing the core, 2026-11-27)."""
+    v = _vendor(builds, backend, capacity=64 * MiB)
+    p = v.pool(policy, fraction=0.5)
+    p.free(p.malloc(25 * MiB - v.pad, stream=1))
+    v.fail("release", count=1000)
+    try:
+        p.malloc(8 * MiB - v.pad, stream=0)
+    except OutOfMemoryError as e:
+        assert "refused to take back" in str(e) or "still holds" in str(e), e
+    st_ = p.stats()
+    assert st_["total"]["reserved"]["current"] <= st_["limit"] == 32 * MiB, st_["total"]["reserved"]
+    assert v.lib.fake_used() == st_["total"]["reserved"]["current"]
+    p.check()
+    _clear_faults(v)
+    p.close()
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
 def test_a_failed_unmap_then_remap_never_hands_out_a_lost_page(builds: dict, backend: str) -> None:
     """Unmap fails on a chunk, and the mapping of a new chunk fails too: a chunk whose state is
     unknown to nobody any more (the page table says what is mapped) is never handed out unmapped,

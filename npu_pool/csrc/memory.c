@@ -342,6 +342,14 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
       if ((spare = take_spare(ctx, (r - p) * g, &bytes))) q = p + bytes / g;
       else give_back(ctx, (q - p) * g, false); /* the spares and the new chunk within the cap */
     }
+    if (!spare && !ctx->device_caps && ctx->st.total.reserved.current + (q - p) * g > ctx->limit) {
+      /* a spare the device refused to take back is held, still reserved: a new chunk would pass the cap */
+      char a[32], b[32], c[32];
+      rc = np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s: the device refused to "
+                    "take back %s this pool gave it (held, retried at every empty_cache, close and out-of-memory)",
+                    np_fmt_bytes((q - p) * g, a), np_fmt_bytes(ctx->limit, b), np_fmt_bytes(ctx->st.unreleased, c));
+      break;
+    }
     rc = np_vmm_chunk_map(ctx->be, seg, p, q - p, spare, &left);
     if (rc == NP_ERR_OOM && !spare && !left.handle && ctx->n_spare) {
       np_vmm_spares_release(ctx); /* a device with less than the cap: it gets every spare back first */
