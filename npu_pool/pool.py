@@ -218,7 +218,10 @@ class Pool:
         cfg.host_backed = _flag(host_backed, "host_backed")
         cfg.vmm = _flag(vmm, "vmm")
         cfg.fraction = _fraction(fraction)
-        cfg.max_split_size = _uint(max_split_size or 0, "max_split_size")
+        # (None: unset; 0, 0.0, False or "" were taken as unset too, where every other argument refuses them)
+        cfg.max_split_size = 0 if max_split_size is None else _uint(max_split_size, "max_split_size")
+        if max_split_size is not None and cfg.max_split_size == 0:
+            raise _invalid("max_split_size must be more than 20 MiB (as in PyTorch), or None to leave it unset, got 0")
         if cfg.max_split_size and policy != "torch":  # (set and ignored, it would read as a setting that works)
             raise _invalid(f"max_split_size applies to the torch policy only (PyTorch's max_split_size_mb); "
                            f"the {policy} policy splits no segments")

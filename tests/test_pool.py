@@ -370,6 +370,12 @@ def test_max_split_size_is_refused_by_a_policy_that_ignores_it():
     with pytest.raises(InvalidArgumentError, match="max_split_size applies to the torch policy only"):
         Pool("npu_pool", capacity=4 * GiB, max_split_size=64 * MiB)
     Pool("torch", capacity=4 * GiB, max_split_size=64 * MiB).close()
+    # 0, 0.0, False, "" and [] were taken as unset on every policy, where any other bad value is refused
+    for bad in (0, 0.0, False, "", []):
+        for policy in ("torch", "npu_pool"):
+            with pytest.raises(InvalidArgumentError, match="max_split_size"):
+                Pool(policy, capacity=4 * GiB, max_split_size=bad)  # type: ignore[arg-type]
+    Pool("npu_pool", capacity=4 * GiB, max_split_size=None).close()
 
 
 # -- npu_pool policy: one arena, exact blocks, lifetime placement ------------------------------
