@@ -74,6 +74,24 @@ def test_the_simulators_own_rules_count_as_cudas(policy: str) -> None:
     assert auto == calls("cuda") and auto != calls("npu")
 
 
+def test_a_fraction_of_one_caps_cuda_and_not_torch_npu() -> None:
+    """torch_npu's setMemoryFraction sets a maximum only below 1.0: at 1.0 a request past the
+    device is asked of it (refused: a malloc, the cache freed, a second malloc), where CUDA's
+    allocator caps itself at the device's size and asks nothing. The model capped under both (a
+    review against torch_npu's source and the live allocator, 2026-11-27)."""
+    for rules, mallocs in (("npu", 2), ("cuda", 0)):
+        with Pool("torch", capacity=30 * MiB, rules=rules) as p:
+            p.set_fraction(1.0)
+            with pytest.raises(MemoryError):
+                p.malloc(40 * MiB)
+            assert p.stats()["calls"]["malloc"] == mallocs, rules
+        with Pool("torch", capacity=30 * MiB, rules=rules) as p:  # below 1.0: a cap under both
+            p.set_fraction(0.5)
+            with pytest.raises(MemoryError):
+                p.malloc(20 * MiB)
+            assert p.stats()["calls"]["malloc"] == 0, rules
+
+
 def test_rules_are_checked() -> None:
     with pytest.raises(InvalidArgumentError, match="unknown device rules 'tpu'"):
         Pool("torch", rules="tpu")

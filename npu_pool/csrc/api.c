@@ -248,6 +248,11 @@ int np_empty_cache(np_ctx *ctx) {
   return rc;
 }
 
+/* Whether torch_npu's rules apply: given, or the ACL backend's own. */
+static bool npu_rules(const np_ctx *ctx) {
+  return ctx->cfg.device_rules == NP_DEVICE_NPU || (ctx->cfg.device_rules == NP_DEVICE_AUTO && ctx->cfg.backend == NP_BACKEND_ACL);
+}
+
 int np_set_fraction(np_ctx *ctx, double fraction) {
   int rc = np_check_fraction(fraction);
   if (rc != NP_OK) return rc;
@@ -267,7 +272,9 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
   if (rc == NP_OK) {
     ctx->limit = limit;
     ctx->cfg.fraction = fraction;
-    ctx->device_caps = false; /* a fraction set: a framework's allocator caps itself from now on, even at 1.0 */
+    /* a fraction set: CUDA's allocator caps itself from now on, even at 1.0; torch_npu's sets no cap at 1.0
+     * (setMemoryFraction: a maximum only below 1), the device refusing what it cannot hold */
+    ctx->device_caps = ctx->policy->framework && fraction >= 1.0 && npu_rules(ctx);
   }
   np_ctx_unlock(ctx);
   return rc;

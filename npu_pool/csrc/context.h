@@ -94,7 +94,8 @@ struct np_ctx {
   int base_life;             /* default_life outside set-up and the first optimizer step */
   bool trimming;             /* unmaps now are trims (history) */
   bool device_caps;          /* a segment past the cap is asked of the device: a framework's allocator
-                              * (np_policy.framework) before any memory fraction is set, which caps it from then on */
+                              * (np_policy.framework) before any memory fraction is set, which caps it from then on
+                              * (under torch_npu's rules, but a fraction of 1.0: no cap, as before) */
   bool synced;               /* the device was synchronised during the current call (cleared at every entry
                               * under the lock: work may have been queued between calls) */
   np_fail fail;              /* the policy's account of the latest failed request */
