@@ -129,7 +129,7 @@ def _sigterm_raises() -> Iterator[None]:
 _ERRORS = "backslashreplace"
 
 
-_STREAM = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
+_STREAM = re.compile(r"/+(dev/(stdout|stderr|fd/\d+)|proc/(self|thread-self|\d+)(/task/\d+)?/fd/\d+)")
 
 
 def _destination(path: str | os.PathLike[str]) -> tuple[Path, bool]:

@@ -503,6 +503,9 @@ def test_vocabulary_padding_and_a_config_given_twice(tmp_path):
         est.load_config(tmp_path / "c.yaml")
     (tmp_path / "c.yaml").write_text("tp: 2\nmodel: {hidden: 64, layers: 2, heads: 8, vocab: 100, tp: 2}\n")
     assert est.load_config(tmp_path / "c.yaml").tp == 2
+    (tmp_path / "c.yaml").write_text("num_query_groups: null\nmodel: {hidden: 64, layers: 2, heads: 8, vocab: 100, "
+                                     "num_query_groups: 4}\n")  # (null: unset, as an argument dump writes it)
+    assert est.load_config(tmp_path / "c.yaml").kv_heads == 4
 
 
 def test_pipeline_stages_hold_micro_batches_in_flight():

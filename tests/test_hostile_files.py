@@ -465,6 +465,9 @@ def test_a_bad_rank_or_log_interval_never_loses_the_report(monkeypatch: pytest.M
     assert parse_log_every("10") == 10
     monkeypatch.setenv("RANK", "²")
     monkeypatch.setenv("WORLD_SIZE", "²")
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    if dist is not None:  # (a test before may have left a process group: its rank would be the answer)
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.warns(RuntimeWarning, match="RANK"):
         assert report.rank_and_world() == (0, None)
     monkeypatch.setenv("RANK", "3")
@@ -1162,17 +1165,19 @@ def test_colocate_functions_name_a_pool_of_the_wrong_type() -> None:
             call()
 
 
-def test_out_dev_stdout_appended_to_a_file_keeps_what_was_there(tmp_path: Path) -> None:
+@pytest.mark.parametrize("out", ["/dev/stdout", "//dev/stdout", "/proc/$$/task/$$/fd/1"])
+def test_out_dev_stdout_appended_to_a_file_keeps_what_was_there(tmp_path: Path, out: str) -> None:
     """/dev/stdout led to the regular file a shell's >> opened: the write renamed a new file over
-    it, its earlier lines lost (rc 0)."""
+    it, its earlier lines lost (rc 0); a thread's own fd path too (a review, 2026-11-27: the
+    pattern of stream paths had left /proc/PID/task/TID/fd/N out)."""
     t = small_trace(2)
     t.save(tmp_path / "t.npt")
     log = tmp_path / "log.txt"
     log.write_text("precious line\n")
-    with open(log, "a") as f:
-        r = subprocess.run([sys.executable, "-m", "npu_pool.cli", "analyze", str(tmp_path / "t.npt"), "--no-progress",
-                            "--out", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
-                           timeout=120)
+    with open(log, "a") as f:  # ($$: the shell's pid, python's after exec; its main thread's tid too)
+        r = subprocess.run(["sh", "-c", f'exec "{sys.executable}" -m npu_pool.cli analyze "{tmp_path / "t.npt"}" '
+                            f'--no-progress --out {out}'], stdout=f, stderr=subprocess.PIPE, text=True,
+                           cwd=str(ROOT), timeout=120)
     assert r.returncode == 0, r.stderr
     text = log.read_text()
     assert text.startswith("precious line\n# Memory analysis:") and not list(tmp_path.glob(".*partial"))

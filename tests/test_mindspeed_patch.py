@@ -538,6 +538,22 @@ def test_a_model_the_caller_attached_already_keeps_its_attachment(fresh: None) -
         assert patch.session().attachments == []
     finally:
         own.detach()
+    # attached without its optimizer (the provider had none yet): the wrapper hooks the step into it
+    own = attach(model, blocks=list(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mod.setup_model_and_optimizer = patch.session().setup(lambda provider: ([provider()], opt, None))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mod.setup_model_and_optimizer(lambda: model)
+        assert patch.session().attachments == [own]
+        seen: list[int] = []
+        stop = default.listen(lambda c, a: seen.append(c))
+        opt.step()
+        stop()
+        assert [MARK_NAMES[c] for c in seen][:1] == ["optimizer_begin"]
+    finally:
+        own.detach()
 
 
 def test_each_backward_is_the_micro_batch_of_the_forward_it_runs_back(fresh: None) -> None:

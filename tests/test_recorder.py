@@ -262,21 +262,52 @@ def test_core_learns_stage_lifetimes_and_adapts_to_new_shapes() -> None:
         pool.check()
 
 
+class _MegatronStyleOptimizer:
+    """A step() that returns (update_successful, grad_norm, zeros) as Megatron's optimizers do,
+    skipping the steps in ``skip`` (an overflow) before making any state."""
+
+    def __init__(self, pool: Pool, classed: "Classed", skip: set[int]) -> None:
+        self.pool, self.p, self.skip, self.n = pool, classed, skip, 0
+
+    def step(self) -> tuple:
+        i, self.n = self.n, self.n + 1
+        self.pool.free(self.p.malloc(f"found_inf {i}", 4096))  # every step: the overflow check's temporary
+        if i in self.skip:
+            return False, None, None
+        self.p.malloc(f"state {i}", 8 * MiB)  # (the first applied step makes the states)
+        return True, 1.0, 0
+
+
 def test_optimizer_states_made_after_skipped_steps_are_long_lived() -> None:
     """The first optimizer step's requests default to long-lived (it makes the optimizer's states);
     with fp16 loss scaling Megatron's first steps are often skipped (an overflow: step() returns
-    before making them), and the states, made in a later step, were placed short-lived (a review
-    under Megatron-LM, 2026-11-27). The first step that leaves more allocated than it found is the
-    first; after it a step's requests default to short-lived."""
+    update_successful False before making them), and the states, made in a later step, were placed
+    short-lived (a review under Megatron-LM, 2026-11-27). A skipped step ends with optimizer_end's
+    argument OPTIMIZER_SKIPPED (attach reads Megatron's result), and the next step is the first again;
+    a step that frees or makes nothing lasting (SGD without momentum) still counts."""
+    from npu_pool.vocab import OPTIMIZER_SKIPPED
+
     with Pool("npu_pool", capacity=1 << 32) as pool:
         rec, p = Recorder([pool]), Classed(pool)
-        states = []
+        model = _gpt()
+        opt = _MegatronStyleOptimizer(pool, p, skip={0, 1})
+        recorder.attach(model, opt, recorder=rec)
         for i in range(4):
-            with rec.step(i), rec.phase("optimizer", i):
-                pool.free(p.malloc(f"found_inf {i}", 4096))  # every step: a temporary
-                if i >= 2:  # steps 0 and 1 skipped
-                    states.append(p.malloc(f"state {i}", 8 * MiB))
+            model(torch.randint(64, (2, 16)))
+            opt.step()
         assert p.life["state 2"] == "long" and p.life["state 3"] == "short", p.life
+        pool.check()
+    with Pool("npu_pool", capacity=1 << 32) as pool:  # stateless steps: the first counts, as before
+        rec, p = Recorder([pool]), Classed(pool)
+        for i in range(3):
+            with rec.step(i), rec.phase("optimizer", i):
+                pool.free(p.malloc(f"tmp {i}", (i + 1) * MiB))
+        assert [p.life[f"tmp {i}"] for i in range(3)] == ["long", "short", "short"]
+        rec.mark("optimizer_begin", 3)
+        p.malloc("after a skip", MiB)
+        rec.mark("optimizer_end", OPTIMIZER_SKIPPED)  # a skipped step only undoes its own count
+        rec.mark("optimizer_begin", 4)
+        assert p.malloc("next", MiB) and p.life["next"] == "short"
         pool.check()
 
 
@@ -707,4 +738,25 @@ def test_a_model_attached_twice_is_refused_and_a_bad_optimizer_leaves_no_hooks()
     spy.marks.clear()
     model(torch.randint(64, (2, 16)))
     assert [a for c, a in spy.marks if c == MARK_LAYER_ENTER] == [0, 1, 2]
+    # attached before its optimizer existed (a model provider): attach(model, optimizer) hooks the
+    # step into that attachment (Megatron's set-up wrapper does it after set-up)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert recorder.attach(model, opt, recorder=rec) is again
+    spy.marks.clear()
+    opt.step()
+    assert names(spy.marks) == [("optimizer_begin", -1), ("optimizer_end", -1)]
+    with pytest.raises(RuntimeError, match="already attached"):  # its step hooked already
+        recorder.attach(model, opt, recorder=rec)
     again.detach()
+
+    class ReadOnlyStep:  # a step that cannot be wrapped (it raised AttributeError, the model's hooks left on)
+        @property
+        def step(self) -> Any:
+            return lambda: None
+
+    with pytest.raises(TypeError, match="cannot wrap ReadOnlyStep.step"):
+        recorder.attach(model, ReadOnlyStep(), recorder=rec)
+    spy.marks.clear()
+    model(torch.randint(64, (2, 16)))
+    assert spy.marks == []
+    recorder.attach(model, recorder=rec).detach()

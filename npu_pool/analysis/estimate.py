@@ -163,7 +163,8 @@ class ModelConfig:
             raise ValueError(f"ep={c.ep} divides the experts of a mixture-of-experts model: give experts too")
         if c.dp % c.ep:
             raise ValueError(f"ep={c.ep} does not divide dp={c.dp}: expert parallelism is carved out of the "
-                             "data-parallel group (its ranks hold different experts of the same layers)")
+                             "data-parallel group (its ranks hold different experts of the same layers): give dp, "
+                             "a multiple of ep")
         if c.position == "learned" and c.max_positions is not None and c.seq > c.max_positions:
             raise ValueError(f"seq={c.seq} passes max_positions={c.max_positions}: a learned position table has "
                              "a row per position (give a longer table, or position rope)")
@@ -453,7 +454,8 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: expected a mapping of config keys")
     if isinstance(d.get("model"), dict):
         top = {k: v for k, v in d.items() if k != "model"}
-        both = [k for k in d["model"] if k in top and _differ(top[k], d["model"][k])]
+        both = [k for k, v in d["model"].items()  # (null: unset, as config_from_dict reads it; argument dumps have many)
+                if top.get(k) is not None and v is not None and _differ(top[k], v)]
         if both:  # (two spellings of one field that disagree are refused too: config_from_dict)
             raise ConfigError(f"{path}: {show(both[0])} is given at the top ({show(top[both[0]])}) and under model: "
                               f"({show(d['model'][both[0]])}), differently: keep one")

@@ -37,9 +37,7 @@ typedef struct np_marks {
   bool eval;
   bool later_micro;
   uint32_t pos;              /* allocations since the latest marker */
-  uint32_t optimizer_steps;  /* optimizer stages that ended holding more than they began with (the first made
-                                the optimizer's states; one skipped, as a loss scaler skips a step, made none) */
-  uint64_t optimizer_from;   /* bytes allocated when the open optimizer stage began */
+  uint32_t optimizer_steps;  /* optimizer stages begun, less those that ended skipped (NP_OPTIMIZER_SKIPPED) */
 } np_marks;
 
 /* Whether two marker states are the same place in an iteration (all but the counts). */

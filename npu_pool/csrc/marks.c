@@ -41,21 +41,17 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
   if (stage < 0) return NP_OK; /* layer markers stay in the stage */
   m->later_micro = (code == NP_MARK_FORWARD_BEGIN || code == NP_MARK_BACKWARD_BEGIN) && arg > 0;
   ctx->phase++; /* every other marker ends the stage */
-  uint64_t allocated = ctx->st.total.allocated.current;
-  if (m->stage == NP_STAGE_OPTIMIZER && allocated > m->optimizer_from) m->optimizer_steps++;
+  if (code == NP_MARK_OPTIMIZER_END && arg == NP_OPTIMIZER_SKIPPED && m->stage == NP_STAGE_OPTIMIZER && m->optimizer_steps)
+    m->optimizer_steps--; /* a step skipped (an overflow under loss scaling) made no states: the next is the first */
   m->stage = stage;
   switch (stage) {
     case NP_STAGE_SETUP: ctx->default_life = NP_LIFE_LONG; break;
     case NP_STAGE_FORWARD: ctx->default_life = ctx->base_life; break;
     /* backward: activation gradients and scratch die inside it; gradients are learned */
     case NP_STAGE_BACKWARD: ctx->default_life = NP_LIFE_SHORT; break;
-    /* the first step creates the optimizer states, which live for the whole run: the first that
-     * leaves more allocated than it found (a step skipped for an overflow, as with fp16 loss
-     * scaling, returns before it makes them, and leaves the next one first) */
-    case NP_STAGE_OPTIMIZER:
-      m->optimizer_from = allocated;
-      ctx->default_life = m->optimizer_steps == 0 ? NP_LIFE_LONG : NP_LIFE_SHORT;
-      break;
+    /* the first step creates the optimizer states, which live for the whole run (one that ends
+     * skipped, NP_OPTIMIZER_SKIPPED, does not count: Megatron's first fp16 steps often overflow) */
+    case NP_STAGE_OPTIMIZER: ctx->default_life = m->optimizer_steps++ == 0 ? NP_LIFE_LONG : NP_LIFE_SHORT; break;
     case NP_STAGE_EVAL: m->eval = true; ctx->default_life = NP_LIFE_SHORT; break;
     default: ctx->default_life = ctx->base_life; break; /* ends, iteration markers */
   }

@@ -44,6 +44,9 @@ enum {
   NP_MARK_LAYER_ENTER = 8, NP_MARK_LAYER_EXIT = 9, NP_MARK_OPTIMIZER_BEGIN = 10, NP_MARK_OPTIMIZER_END = 11,
   NP_MARK_EVAL_BEGIN = 12, NP_MARK_EVAL_END = 13, NP_MARK_COUNT = 14
 };
+/* optimizer_end's argument for a step that was skipped (an overflow under loss scaling: it made no
+ * states), so that the next one is still the first. */
+enum { NP_OPTIMIZER_SKIPPED = -2 };
 /* Stages: the parts of a run that markers delimit (lifetimes are learned per stage). A begin
  * marker opens its stage; every other marker but layer enter/exit leaves for OUTSIDE. */
 enum {

@@ -271,7 +271,7 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   st->in_setup = setup;
   st->recent[st->n_recent++ % NP_PLAN_GRAM] = req;
   if (!p->loop && !(st->flags & NP_PLAN_AT_START) && ctx->marks.any && ctx->marks.code == NP_MARK_OPTIMIZER_BEGIN &&
-      ctx->marks.optimizer_steps == 0) {
+      ctx->marks.optimizer_steps == 1) {
     /* the first optimizer step creates the optimizer states, which live for good: unless the plan
      * planned that step (a prologue, or a plan from the run's first request), none of them goes
      * into the region, where they would hold body ranges for good */

@@ -23,6 +23,7 @@ from ._marks import (MARK_BACKWARD_BEGIN, MARK_BACKWARD_END, MARK_EVAL_BEGIN, MA
                      MARK_FORWARD_END, MARK_ITER_BEGIN, MARK_ITER_END, MARK_LAYER_ENTER, MARK_LAYER_EXIT,
                      MARK_OPTIMIZER_BEGIN, MARK_OPTIMIZER_END)
 from ._recorder import Recorder, default
+from ..vocab import OPTIMIZER_SKIPPED
 
 # Containers of repeated layers, which keep them in ``.layers``: Megatron-core's
 # TransformerBlock, its hybrid stacks (MambaStack; HybridStack in newer Megatron) and legacy
@@ -141,6 +142,7 @@ class Attachment:
         self._opened_opt = False
         self._fwd_micro = 0
         self._backward: Optional[int] = None  # the micro-batch of the backward _fire opened, until it ends
+        self._roots = 0                   # the models (chunks) attach hooked
 
     # -- markers on gradients ---------------------------------------------------------
     def _on_grad(self, t: Optional[torch.Tensor], code: int, arg: int) -> None:
@@ -274,12 +276,12 @@ class Attachment:
         else:
             self._opened_opt = False
 
-    def _opt_post(self, *_: Any) -> None:
+    def _opt_post(self, *_: Any, skipped: bool = False) -> None:
         rec = self.recorder
         if not self.active or not self._opened_opt:
             return
         self._opened_opt = False
-        rec.mark(MARK_OPTIMIZER_END, rec.state.iteration)
+        rec.mark(MARK_OPTIMIZER_END, OPTIMIZER_SKIPPED if skipped else rec.state.iteration)
         self._end_iteration()
 
     def _hook_optimizer(self, optimizer: Any) -> None:
@@ -288,17 +290,23 @@ class Attachment:
             self._handles.append(optimizer.register_step_post_hook(self._opt_post))
         elif callable(getattr(optimizer, "step", None)):  # Megatron's optimizers wrap torch's
             original = optimizer.step
-            had_own = "step" in vars(optimizer)
+            had_own = "step" in getattr(optimizer, "__dict__", {})
 
             @functools.wraps(original)
             def step(*args: Any, **kwargs: Any) -> Any:
                 self._opt_pre()
+                result = None
                 try:
-                    return original(*args, **kwargs)
-                finally:
-                    self._opt_post()
+                    result = original(*args, **kwargs)
+                    return result
+                finally:  # Megatron's step returns (update_successful, grad_norm, zeros): False, skipped
+                    self._opt_post(skipped=isinstance(result, tuple) and len(result) > 0 and result[0] is False)
 
-            optimizer.step = step
+            try:
+                optimizer.step = step
+            except AttributeError as e:  # (a read-only property, __slots__)
+                raise TypeError(f"attach(optimizer=...) cannot wrap {type(optimizer).__name__}.step to mark it "
+                                f"({e})") from None
 
             def restore() -> None:
                 if had_own:
@@ -345,10 +353,15 @@ def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] 
     """
     rec = recorder if recorder is not None else default
     mods = _modules(model)
-    for m in mods:
-        if m in _attached:
-            raise RuntimeError(f"npu_pool.recorder.attach: this {type(m).__name__} is already attached (every "
-                               "marker would be sent twice); detach() the first attachment before attaching again")
+    earlier = {_attached.get(m) for m in mods}
+    if earlier != {None}:
+        first = _attached.get(mods[0])
+        if (optimizer is not None and earlier == {first} and first._roots == len(mods) and first.recorder is rec
+                and not first._steps_hooked):
+            first._hook_optimizer(optimizer)  # (a model attached before its optimizer existed: its step hooked now)
+            return first
+        raise RuntimeError(f"npu_pool.recorder.attach: this {type(mods[0]).__name__} is already attached (every "
+                           "marker would be sent twice); detach() the first attachment before attaching again")
     found = [(i, b) for i, b in enumerate(blocks)] if blocks is not None else find_blocks(mods)
     if not found:
         warnings.warn(f"npu_pool.recorder.attach: no repeated blocks found in {type(mods[0]).__name__}; "
@@ -362,10 +375,11 @@ def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] 
     for m in mods:
         att._handles.append(m.register_forward_pre_hook(att._root_pre))
         att._handles.append(m.register_forward_hook(att._root_post, always_call=True))
+    att._roots = len(mods)
     if optimizer is not None:
         try:
             att._hook_optimizer(optimizer)
-        except TypeError:
+        except BaseException:  # (no step, or one that cannot be wrapped: nothing left hooked)
             att.detach()
             raise
     for m in mods:
