@@ -195,6 +195,32 @@ print(json.dumps({{"vmm": npu_pool.install.installed()[0].stats()["vmm"], "reser
             assert "one allocation of the whole cap (1.00 GiB" in said[0] and "NPU_POOL_FRACTION" in said[0]
 
 
+def test_pause_waits_for_work_still_in_torch_npus_task_queue(torch_npu: TorchNpu) -> None:
+    """torch_npu queues an op's work on its task queue, launched on the device by its own thread:
+    pause synchronised with aclrtSynchronizeDevice, which does not wait for work still queued, so
+    copies queued into a tag's tensors ran after its memory was unmapped (a segmentation fault in
+    the first or second cycle, 3 runs of 3: a review, 2026-11-27). The pool's device
+    synchronisations go through torch_npu's npuSynchronizeDevice (the C++ hooks), queue first."""
+    out, err = torch_npu.results(FAKE + """
+import torch, torch_npu, npu_pool
+npu_pool.install()
+with npu_pool.region("train"):
+    W = [torch.zeros(16 << 20, dtype=torch.uint8).to("npu") for _ in range(8)]
+H = [torch.full((16 << 20,), 7, dtype=torch.uint8).pin_memory() for _ in range(8)]
+kept = []
+for cycle in range(4):
+    for w, h in zip(W, H):
+        w.copy_(h, non_blocking=True)   # still queued when pause starts
+    npu_pool.pause("train", backup=True)
+    npu_pool.resume("train")
+    kept.append(all(bool(torch.equal(w.cpu(), h)) for w, h in zip(W, H)))
+    for w in W:
+        w.copy_(torch.zeros(16 << 20, dtype=torch.uint8))
+print(json.dumps({"kept": kept}))
+""")
+    assert out["kept"] == [True] * 4, err[-3000:]
+
+
 def test_install_after_torch_npus_own_allocator_served_is_too_late(torch_npu: TorchNpu) -> None:
     out, _ = torch_npu.results("""
 import json, torch, torch_npu

@@ -211,7 +211,17 @@ static void leave(acl_backend *a, int prev) {
 static int acl_enter(np_backend *be, int *prev) { return enter_ex((acl_backend *)be, prev, false); }
 static void acl_leave(np_backend *be, int prev) { leave((acl_backend *)be, prev); }
 
+/* The framework's device synchronisation (torch_npu: its task queue emptied first), when bound. */
+static int (*framework_sync)(void);
+
+void np_acl_set_framework_sync(int (*fn)(void)) { __atomic_store_n(&framework_sync, fn, __ATOMIC_RELEASE); }
+
 static int sync_device(acl_backend *a) {
+  int (*fw)(void) = __atomic_load_n(&framework_sync, __ATOMIC_ACQUIRE);
+  if (fw) { /* (it calls aclrtSynchronizeDevice itself: one synchronisation, counted as ours) */
+    a->base.calls[NP_CALL_SYNC_DEVICE]++;
+    return fw() == 0 ? NP_OK : acl_fail(a, "npuSynchronizeDevice (torch_npu's task queue, then the device)", "", 1);
+  }
   acl_err e = ACL(a, SYNC_DEVICE, aclrtSynchronizeDevice());
   return e ? acl_fail(a, "aclrtSynchronizeDevice", "", e) : NP_OK;
 }
@@ -269,6 +279,14 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   acl_backend *a = (acl_backend *)be;
   int prev, rc = enter_ex(a, &prev, false); /* per request: the cached device */
   if (rc != NP_OK) return rc;
+  if (__atomic_load_n(&framework_sync, __ATOMIC_ACQUIRE)) {
+    /* inside torch_npu `on` may still have work queued on the host, which an event recorded here
+     * would not follow: the framework's synchronisation (its queue emptied, the device idle) orders
+     * the reuse instead -- one per handover, which happens under cap pressure only (arena.c) */
+    rc = sync_device(a);
+    leave(a, prev);
+    return rc;
+  }
   bool reuse = a->api.aclrtCreateEventExWithFlag != NULL;
   void *ev = reuse ? a->event : NULL;
   const char *call = reuse ? "aclrtCreateEventExWithFlag" : "aclrtCreateEvent";
@@ -290,9 +308,12 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   return rc;
 }
 
-/* 1 if `stream` has finished everything queued on it; 0 if not, or on any error. */
+/* 1 if `stream` has finished everything queued on it; 0 if not, or on any error. Under a framework's
+ * task queue (framework_sync bound) a stream the device has finished may still have work queued
+ * on the host: never idle then, so that the caller synchronises (through the framework) instead. */
 static int acl_stream_idle(np_backend *be, intptr_t stream) {
   acl_backend *a = (acl_backend *)be;
+  if (__atomic_load_n(&framework_sync, __ATOMIC_ACQUIRE)) return 0;
   int prev, status = -1;
   if (enter_ex(a, &prev, false) != NP_OK) return 0;
   acl_err e = ACL(a, STREAM_QUERY, aclrtStreamQuery((void *)stream, &status));

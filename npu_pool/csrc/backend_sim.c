@@ -47,6 +47,9 @@ typedef struct sim_backend {
   bool host;
   int device;
   uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down) */
+  bool queued;         /* torch_npu's rules: inside torch_npu work may wait on its task queue, which no
+                        * stream query or event sees; the ACL backend synchronises through torch_npu
+                        * instead (backend_acl.c, framework_sync), and so is counted here */
   bool top_down;       /* mallocs as cudaMalloc places them (cuda_addr: granules taken top down,
                         * below `down_top`; CUDA's rules and the simulator's own; measured on an
                         * H100, docs/gpu.md; not host-backed pools, whose ranges come from mmap) */
@@ -310,6 +313,10 @@ static int sim_synchronize(np_backend *be, intptr_t stream) {
 static int sim_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   sim_backend *s = (sim_backend *)be;
   sim_enter(s, false);
+  if (s->queued) { /* a handover is a synchronisation through torch_npu there */
+    be->calls[NP_CALL_SYNC_DEVICE]++;
+    return NP_OK;
+  }
   if (!s->event) be->calls[NP_CALL_EVENT_CREATE]++; /* once; destroyed at close */
   s->event = true;
   be->calls[NP_CALL_EVENT_RECORD]++;
@@ -403,7 +410,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
       .synchronize = sim_synchronize,
       .hint_addr = sim_hint,
       .stream_wait = sim_stream_wait,
-      .stream_idle = sim_stream_idle,
+      .stream_idle = cfg->device_rules == NP_DEVICE_NPU ? NULL : sim_stream_idle, /* (queued: asks none) */
       .enter = cfg->vmm ? sim_chunk_enter : NULL,
       .leave = cfg->vmm ? sim_chunk_leave : NULL,
       .destroy = sim_destroy,
@@ -417,6 +424,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   s->host = cfg->host_backed != 0;
   s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
   s->top_down = cfg->device_rules != NP_DEVICE_NPU; /* CUDA's, and auto: the simulator's own rules are CUDA's */
+  s->queued = cfg->device_rules == NP_DEVICE_NPU;
   s->base.free_synchronizes = cfg->device_rules != NP_DEVICE_NPU; /* cudaFree waits for the device, aclrtFree not */
   s->down_top = s->next + SIM_WINDOW / 2;
   s->device = cfg->device;

@@ -409,3 +409,5 @@ void npu_pool_reset_peak(int8_t device) {
   np_ctx *ctx = npu_pool_existing_ctx(device);
   if (ctx) np_reset_peak(ctx);
 }
+
+void npu_pool_set_framework_sync(int (*fn)(void)) { np_acl_set_framework_sync(fn); }

@@ -80,6 +80,12 @@ void npu_pool_reset_peak(int8_t device);
 /* set_record_stream_fn (CUDA): void(void* ptr, cudaStream_t stream); torch_npu's passes an
  * NPUStream, which npu_pool's C++ hooks turn into its aclrtStream before calling this. */
 void npu_pool_record_stream(void *ptr, void *stream);
+/* Inside torch_npu, its task queue: an op's work reaches the device when torch_npu's own thread
+ * launches it, so a synchronisation straight through ACL does not wait for work still queued
+ * (memory unmapped under it: a fault on the device). `fn` (the C++ hooks' c10_npu::
+ * npuSynchronizeDevice: the queue emptied, then the device synchronised; 0 when it succeeded)
+ * replaces the ACL backend's device synchronisation from then on, for every device; NULL: ACL's own. */
+void npu_pool_set_framework_sync(int (*fn)(void));
 /* CDEF END */
 
 /* fork.c's handlers: take the table's lock before fork(), release it after (parent and child). */

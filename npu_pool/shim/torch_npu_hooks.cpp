@@ -8,7 +8,10 @@
 //    (torch.npu.memory_stats() & co.; without it torch_npu's getDeviceStats returns nothing);
 //    a device torch does not have raises "Invalid device argument", as torch_npu's allocator does;
 //  - record_stream / erase_stream: take a c10_npu::NPUStream, whose aclrtStream the core
-//    orders reuse after (erasing is a no-op: keeping the wait is always safe).
+//    orders reuse after (erasing is a no-op: keeping the wait is always safe);
+//  - synchronize: the core's device synchronisation inside torch_npu (npu_pool_set_framework_sync):
+//    npuSynchronizeDevice empties torch_npu's task queue before it waits for the device, where
+//    aclrtSynchronizeDevice alone would not wait for work still queued on the host.
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -98,6 +101,14 @@ void npu_pool_hooks_record_stream(void *ptr, c10_npu::NPUStream stream) {
 void npu_pool_hooks_erase_stream(void *ptr, c10_npu::NPUStream stream) {
   (void)ptr;
   (void)stream;
+}
+
+int npu_pool_hooks_synchronize(void) {
+  try {
+    return c10_npu::npuSynchronizeDevice(true) ? 0 : 1;
+  } catch (...) {  // (its error stays with torch_npu; the core reports the synchronisation failed)
+    return 1;
+  }
 }
 
 }  // extern "C"
