@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 from ._core import lib
-from .install import current_pool
+from .install import current_pool, installed
 from .pool import Pool, PoolError
 
 __all__ = ["region", "pause", "resume", "tags", "set_backup_limit"]
@@ -26,6 +26,9 @@ def _pool(pool: Optional[Pool]) -> Pool:
             raise TypeError(f"pool must be an npu_pool.Pool (or None: the installed one), not {type(pool).__name__}")
         return pool
     p = current_pool()
+    if p is None and installed():  # (torch_npu refuses current_device() in a forked child, for one)
+        raise PoolError(lib.NP_ERR_STATE, "npu_pool is installed, but torch cannot say which device is current "
+                        "here (a forked child, or a device not started): pass pool=")
     if p is None:
         raise PoolError(lib.NP_ERR_STATE, "no npu_pool allocator is installed on the current device: call "
                         "npu_pool.install() first, or pass pool=")

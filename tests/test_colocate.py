@@ -271,6 +271,19 @@ def test_module_api_needs_an_installed_pool_or_a_pool() -> None:
         assert p.tags()["train"]["mapped"] == PAGE
 
 
+def test_an_installed_pool_whose_device_torch_cannot_name_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a multiprocessing child forked from a torch_npu process, torch_npu refuses
+    current_device(): pause/resume/tags said no allocator was installed, which it is (a review of
+    pause/resume inside torch_npu, 2026-11-27)."""
+    from npu_pool import colocate
+
+    with Pool(capacity=64 * MiB) as p:
+        monkeypatch.setattr(colocate, "current_pool", lambda: None)
+        monkeypatch.setattr(colocate, "installed", lambda: {0: p})
+        with pytest.raises(PoolError, match="npu_pool is installed, but torch cannot say which device is current"):
+            npu_pool.tags()
+
+
 # ---- property test: random pause/resume/alloc/free keep the books equal to the device -------------
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "pause", "backup", "resume", "region", "empty"]),
