@@ -282,7 +282,8 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   if (__atomic_load_n(&framework_sync, __ATOMIC_ACQUIRE)) {
     /* inside torch_npu `on` may still have work queued on the host, which an event recorded here
      * would not follow: the framework's synchronisation (its queue emptied, the device idle) orders
-     * the reuse instead -- one per handover, which happens under cap pressure only (arena.c) */
+     * the reuse instead, one per handover (a record_stream'd block hands over at every reuse: the
+     * cost docs/devices.md states; an event through torch_npu's queue would be cheaper) */
     rc = sync_device(a);
     leave(a, prev);
     return rc;
