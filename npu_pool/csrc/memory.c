@@ -18,6 +18,12 @@ static void change_reserved(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
   }
 }
 
+/* Whether `size` more reserved bytes would pass the memory fraction cap (held memory counted: the
+ * device still has it); never for a framework's allocator the device caps (ctx->device_caps). */
+static bool past_cap(const np_ctx *ctx, uint64_t size) {
+  return !ctx->device_caps && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size);
+}
+
 /* Reserved bytes the device holds for the pool mapped nowhere (a spare chunk, held memory):
  * counted and recorded (hold / unhold events), so the history adds up to the reserved bytes. */
 static void change_held(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
@@ -342,7 +348,7 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
       if ((spare = take_spare(ctx, (r - p) * g, &bytes))) q = p + bytes / g;
       else give_back(ctx, (q - p) * g, false); /* the spares and the new chunk within the cap */
     }
-    if (!spare && !ctx->device_caps && ctx->st.total.reserved.current + (q - p) * g > ctx->limit) {
+    if (!spare && past_cap(ctx, (q - p) * g)) {
       /* a spare the device refused to take back is held, still reserved: a new chunk would pass the cap */
       char a[32], b[32], c[32];
       rc = np_error(NP_ERR_OOM, "mapping %s more would exceed the memory fraction cap of %s: the device refused to "
@@ -414,7 +420,7 @@ int np_segment_create(np_ctx *ctx, uint64_t size, intptr_t stream, int pool, boo
   } else {
     np_vmm_spares_release(ctx); /* physical memory taken other than by a growth's map */
     /* past the cap: refused here, or by the device (a call) for a framework's allocator with no fraction set */
-    if (!ctx->device_caps && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size)) {
+    if (past_cap(ctx, size)) {
       char a[32], b[32];
       return np_error(NP_ERR_OOM, "reserving %s more would exceed the memory fraction cap of %s",
                       np_fmt_bytes(size, a), np_fmt_bytes(ctx->limit, b));
