@@ -6,7 +6,8 @@ torch_npu's own caching allocator and once under npu_pool, with the minimum-capa
 (``npu_pool.live.replay_live``); the simulator replays the same trace under torch_npu's request
 rules (``--device npu``). Written to docs/live.md (``--doc``): per trace and allocator, every
 figure both ways (peak reserved and allocated, minimum capacity, device allocations and frees,
-and the fake runtime's count of each memory call against the simulator's count of that kind).
+and the fake runtime's count of each memory call, synchronisation, event call and stream query
+against the simulator's count of that kind).
 
 Needs the torch_npu venv ``./run test`` makes (.venv-torch-npu; ``--python`` another) and a C
 compiler. The live npu_pool creates its pool inside the play, so the calls of its creation fall
@@ -113,8 +114,9 @@ def main() -> int:
            f"{time.time() - t0:.0f} s). Each trace played live inside the real torch_npu 2.13.0 over the fake CANN "
            "runtime (tests/fake_vendor), under torch_npu's own allocator (native) and under npu_pool, each "
            "with its minimum capacity searched live; beside each figure, where it differs, the simulator's "
-           "(`live / simulated`, in bold). Calls: the fake runtime's count of each memory call (by the core's "
-           "kind names: malloc = aclrtMalloc, phys_create = aclrtMallocPhysical, map = aclrtMapMem, ...; the "
+           "(`live / simulated`, in bold). Calls: the fake runtime's count of each memory call, synchronisation, "
+           "event call and stream query (by the core's kind names: malloc = aclrtMalloc, phys_create = "
+           "aclrtMallocPhysical, map = aclrtMapMem, event_record = aclrtRecordEvent, ...; the "
            "simulated npu_pool's with the calls of its pool's creation, which the live one makes inside the play; "
            "the player's final synchronisation taken out of the live count). Bytes exact.", "",
            f"Figures that differ: {differ}.", "",

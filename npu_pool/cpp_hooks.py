@@ -242,8 +242,11 @@ def _load(kind: str) -> Hooks:
         return Hooks(str(path), address("npu_pool_hooks_memory_fraction"))
     so.npu_pool_hooks_bind.argtypes = [ctypes.c_void_p] * 7
     so.npu_pool_hooks_bind(*malloc_free, _addr("npu_pool_device_stats"), _addr("npu_pool_record_stream"), *last)
-    # the core's device synchronisations go through torch_npu's (its task queue emptied first)
+    # the core's device synchronisations go through torch_npu's (its task queue emptied first), and
+    # its handovers between streams through torch_npu's events (recorded and waited through that queue)
     lib.npu_pool_set_framework_sync(ffi.cast("int (*)(void)", address("npu_pool_hooks_synchronize")))
+    lib.npu_pool_set_framework_stream_wait(ffi.cast("int (*)(int, void *, void *)",
+                                                    address("npu_pool_hooks_stream_wait")))
     return Hooks(str(path), address("npu_pool_hooks_memory_fraction"), address("npu_pool_hooks_device_stats"),
                  address("npu_pool_hooks_record_stream"), address("npu_pool_hooks_erase_stream"))
 

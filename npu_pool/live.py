@@ -45,10 +45,11 @@ ALLOCATORS = ("native", "npu_pool")
 STEP = 2 << 20  # resolution of the minimum-capacity search, as in the simulator's
 # The vendor calls reported when the runtime counts them (the fake runtimes of tests/fake_vendor):
 # the device-memory calls of the core's vocabulary (what npu_pool's stats count by kind, so a live
-# run and its simulation compare kind by kind), the device synchronisation, and the current
-# device's lookup.
+# run and its simulation compare kind by kind), the device synchronisation, the current device's
+# lookup, and the calls that order memory between streams (events and stream queries).
 MEMORY_KINDS = ("malloc", "free", "reserve", "release", "phys_create", "phys_release", "map", "unmap", "sync_device")
-COUNTED_KINDS = MEMORY_KINDS + ("get_device",)
+COUNTED_KINDS = MEMORY_KINDS + ("get_device", "event_create", "event_record", "event_wait", "event_destroy",
+                                "stream_query")
 VENDOR_CALLS = {device: tuple(CALL_VENDOR[vendor][k] for k in COUNTED_KINDS)
                 for device, vendor in (("npu", "acl"), ("cuda", "cuda"))}
 # Of those, the calls that take device memory: one per segment, or one per mapped chunk.

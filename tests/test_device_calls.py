@@ -530,11 +530,25 @@ def test_counts_equal_the_vendors_own_and_the_simulator_counts_what_acl_calls(bu
     v = _vendor(builds, backend)
     v.lib.fake_set_current_device(0)  # as torch_npu does before the allocator runs
     names = vocab.CALL_VENDOR[backend]
-    # inside torch_npu the ACL backend synchronises through torch_npu (its task queue first: the C++
-    # hooks bind npuSynchronizeDevice), a handover included; here a stand-in that synchronises the fake
+    # inside torch_npu the ACL backend synchronises and hands over through torch_npu (its task queue
+    # first: the C++ hooks bind npuSynchronizeDevice and an NPUEvent's record and wait); here
+    # stand-ins that make the same calls on the fake straight away
     framework_sync = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: int(v.lib.aclrtSynchronizeDevice()))
+    event = ctypes.c_void_p()
+
+    def handover(device: int, waiter: int, on: int) -> int:
+        made = not event.value
+        if made:
+            assert v.lib.aclrtCreateEventExWithFlag(ctypes.byref(event), 1) == 0
+        assert device == 0 and v.lib.aclrtRecordEvent(event, ctypes.c_void_p(on)) == 0
+        assert v.lib.aclrtStreamWaitEvent(ctypes.c_void_p(waiter), event) == 0
+        return int(made)
+
+    framework_wait = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(handover)
     if backend == "acl":
         lib.npu_pool_set_framework_sync(ffi.cast("int (*)(void)", ctypes.cast(framework_sync, ctypes.c_void_p).value))
+        lib.npu_pool_set_framework_stream_wait(ffi.cast("int (*)(int, void *, void *)",
+                                                        ctypes.cast(framework_wait, ctypes.c_void_p).value))
     try:
         with v.pool(fraction=0.75) as p:
             _workload(p, v.pad)
@@ -542,12 +556,14 @@ def test_counts_equal_the_vendors_own_and_the_simulator_counts_what_acl_calls(bu
             vendor = {k: v.lib.fake_calls(fn.encode()) for k, fn in names.items() if fn}
     finally:
         lib.npu_pool_set_framework_sync(ffi.NULL)
+        lib.npu_pool_set_framework_stream_wait(ffi.NULL)
+    if backend == "acl":  # (the framework's event outlives the pool: the hooks keep theirs)
+        assert event.value and v.lib.aclrtDestroyEvent(event) == 0
     assert {k: ours[k] for k in vendor} == vendor
     assert ours["map"] > 0 and ours["unmap"] > 0
-    if backend == "acl":  # the workload's handover is a synchronisation there, and no stream is queried
-        assert ours["event_wait"] == ours["event_record"] == ours["stream_query"] == 0
-    else:
-        assert ours["event_wait"] == 1
+    assert ours["event_wait"] == ours["event_record"] == 1  # the workload's handover
+    if backend == "acl":  # ... through the framework's event there, and no stream is queried
+        assert ours["event_create"] == 1 and ours["event_destroy"] == ours["stream_query"] == 0
     assert ours["set_access"] == (ours["map"] if backend == "cuda" else 0)  # cuMemSetAccess after each map
     # the simulator under the same vendor's rules counts what it calls, set_access included (it
     # counted none under CUDA's: the H100 recorded one per map, docs/gpu.md)

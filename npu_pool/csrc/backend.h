@@ -88,6 +88,7 @@ np_backend *np_backend_create(const np_config *cfg);
 np_backend *np_backend_sim_create(const np_config *cfg);
 np_backend *np_backend_acl_create(const np_config *cfg);
 void np_acl_set_framework_sync(int (*fn)(void)); /* npu_pool_set_framework_sync (pluggable.h) */
+void np_acl_set_framework_stream_wait(int (*fn)(int, void *, void *)); /* npu_pool_set_framework_stream_wait */
 /* Load and bind the vendor library a context of `backend` would use (lib_path: np_config's),
  * without a device call: a wrong library is found when the pool is configured, not at the
  * first allocation. NP_OK for the simulator. */

@@ -211,10 +211,16 @@ static void leave(acl_backend *a, int prev) {
 static int acl_enter(np_backend *be, int *prev) { return enter_ex((acl_backend *)be, prev, false); }
 static void acl_leave(np_backend *be, int prev) { leave((acl_backend *)be, prev); }
 
-/* The framework's device synchronisation (torch_npu: its task queue emptied first), when bound. */
+/* The framework's device synchronisation (torch_npu: its task queue emptied first), when bound;
+ * and its handover between streams (an event through that queue: 1 when it made its event for
+ * this, 0 when it reused it, -1 when it could not order this pair; see pluggable.h). */
 static int (*framework_sync)(void);
+static int (*framework_wait)(int device, void *waiter, void *on);
 
 void np_acl_set_framework_sync(int (*fn)(void)) { __atomic_store_n(&framework_sync, fn, __ATOMIC_RELEASE); }
+void np_acl_set_framework_stream_wait(int (*fn)(int, void *, void *)) {
+  __atomic_store_n(&framework_wait, fn, __ATOMIC_RELEASE);
+}
 
 static int sync_device(acl_backend *a) {
   int (*fw)(void) = __atomic_load_n(&framework_sync, __ATOMIC_ACQUIRE);
@@ -281,10 +287,17 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   if (rc != NP_OK) return rc;
   if (__atomic_load_n(&framework_sync, __ATOMIC_ACQUIRE)) {
     /* inside torch_npu `on` may still have work queued on the host, which an event recorded here
-     * would not follow: the framework's synchronisation (its queue emptied, the device idle) orders
-     * the reuse instead, one per handover (a record_stream'd block hands over at every reuse: the
-     * cost docs/devices.md states; an event through torch_npu's queue would be cheaper) */
-    rc = sync_device(a);
+     * would not follow: the framework records and waits its own event through that queue; where it
+     * cannot (a stream it does not know, per-stream queues), its synchronisation orders the reuse */
+    int (*fw)(int, void *, void *) = __atomic_load_n(&framework_wait, __ATOMIC_ACQUIRE);
+    int made = fw ? fw(a->device, (void *)waiter, (void *)on) : -1;
+    if (made >= 0) { /* (its calls, counted as ours: it made them for the pool) */
+      a->base.calls[NP_CALL_EVENT_CREATE] += (uint64_t)made;
+      a->base.calls[NP_CALL_EVENT_RECORD]++;
+      a->base.calls[NP_CALL_EVENT_WAIT]++;
+    } else {
+      rc = sync_device(a);
+    }
     leave(a, prev);
     return rc;
   }

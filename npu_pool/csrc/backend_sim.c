@@ -48,8 +48,9 @@ typedef struct sim_backend {
   int device;
   uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down) */
   bool queued;         /* torch_npu's rules: inside torch_npu work may wait on its task queue, which no
-                        * stream query or event sees; the ACL backend synchronises through torch_npu
-                        * instead (backend_acl.c, framework_sync), and so is counted here */
+                        * stream query or event made straight through ACL sees; the ACL backend
+                        * synchronises and hands over through torch_npu instead (backend_acl.c,
+                        * framework_sync, framework_wait), and so is counted here */
   bool top_down;       /* mallocs as cudaMalloc places them (cuda_addr: granules taken top down,
                         * below `down_top`; CUDA's rules and the simulator's own; measured on an
                         * H100, docs/gpu.md; not host-backed pools, whose ranges come from mmap) */
@@ -313,11 +314,9 @@ static int sim_synchronize(np_backend *be, intptr_t stream) {
 static int sim_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
   sim_backend *s = (sim_backend *)be;
   sim_enter(s, false);
-  if (s->queued) { /* a handover is a synchronisation through torch_npu there */
-    be->calls[NP_CALL_SYNC_DEVICE]++;
-    return NP_OK;
-  }
-  if (!s->event) be->calls[NP_CALL_EVENT_CREATE]++; /* once; destroyed at close */
+  /* (queued, torch_npu's rules: the C++ hooks' event, recorded and waited through torch_npu's
+   * queue, made once and kept for the process; the ACL backend's own otherwise, destroyed at close) */
+  if (!s->event) be->calls[NP_CALL_EVENT_CREATE]++;
   s->event = true;
   be->calls[NP_CALL_EVENT_RECORD]++;
   be->calls[NP_CALL_EVENT_WAIT]++;
@@ -374,7 +373,7 @@ static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint
 
 static int sim_destroy(np_backend *be) {
   sim_backend *s = (sim_backend *)be;
-  if (s->event) be->calls[NP_CALL_EVENT_DESTROY]++;
+  if (s->event && !s->queued) be->calls[NP_CALL_EVENT_DESTROY]++; /* (queued: the hooks keep theirs) */
   for (size_t i = 0; i < s->alloc.n; i++) drop_addr(s, s->alloc.ranges[i].addr, s->alloc.ranges[i].size);
   free(s->alloc.ranges);
   free(s->maps.ranges);

@@ -411,3 +411,4 @@ void npu_pool_reset_peak(int8_t device) {
 }
 
 void npu_pool_set_framework_sync(int (*fn)(void)) { np_acl_set_framework_sync(fn); }
+void npu_pool_set_framework_stream_wait(int (*fn)(int, void *, void *)) { np_acl_set_framework_stream_wait(fn); }

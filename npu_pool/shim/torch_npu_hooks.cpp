@@ -11,10 +11,23 @@
 //    orders reuse after (erasing is a no-op: keeping the wait is always safe);
 //  - synchronize: the core's device synchronisation inside torch_npu (npu_pool_set_framework_sync):
 //    npuSynchronizeDevice empties torch_npu's task queue before it waits for the device, where
-//    aclrtSynchronizeDevice alone would not wait for work still queued on the host.
+//    aclrtSynchronizeDevice alone would not wait for work still queued on the host;
+//  - stream_wait: the core's handover between streams there (npu_pool_set_framework_stream_wait):
+//    an NPUEvent recorded on one stream and waited by the other, both through that queue, so the
+//    wait follows work still queued. NPUEvent takes an NPUStream, where the core has an aclrtStream:
+//    the streams malloc and record_stream see are kept by their aclrtStream (a stream seen nowhere
+//    else, or torch_npu's per-stream queues, leaves the handover to the synchronisation).
+#include <pthread.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
+#include "torch_npu/csrc/core/npu/NPUEvent.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 
 #include "malloc_hook.h"
@@ -47,6 +60,59 @@ void fill(StatArray &a, const np_stats &st, np_counter np_pool_stats::*field, bo
   set(a[static_cast<size_t>(StatType::LARGE_POOL)], st.pool[1].*field);
 }
 
+// What the handovers use: the NPUStreams the core was handed, by aclrtStream (torch_npu's pool
+// streams live as long as the process), and one event per device, re-recorded for every handover.
+// Invariant: a stream is here only as torch_npu itself named it (current at malloc, or
+// record_stream's), so an event recorded on it goes through its queue. A forked child starts with
+// none (the parent's are not its own; the old ones are left, their locks perhaps held at the fork).
+struct Handovers {
+  std::mutex streams_mutex;
+  std::unordered_map<void *, c10::Stream> streams;
+  std::mutex events_mutex;
+  std::unordered_map<int, c10_npu::NPUEvent *> events;
+};
+std::atomic<Handovers *> handovers{new Handovers};  // (never destroyed: used until exit)
+
+void forget_in_child() { handovers.store(new Handovers); }
+
+void keep(const c10_npu::NPUStream &s) {
+  Handovers *h = handovers.load();
+  std::lock_guard<std::mutex> g(h->streams_mutex);
+  h->streams.insert_or_assign(s.stream(false), s.unwrap());
+}
+
+// malloc's stream is the calling thread's current one (torch_npu's allocate, raw_alloc); another
+// (raw_alloc_with_stream's) is not kept. Each thread asks once per stream it changes to.
+void keep_current(int device, void *stream) {
+  thread_local void *seen = nullptr;
+  if (stream == seen) return;
+  seen = stream;
+  try {
+    c10_npu::NPUStream cur = c10_npu::getCurrentNPUStream(static_cast<c10::DeviceIndex>(device));
+    if (cur.stream(false) == stream) keep(cur);
+  } catch (...) {  // (not kept: a handover from it synchronises instead)
+  }
+}
+
+bool lookup(Handovers *h, void *stream, int device, c10::Stream *out) {
+  std::lock_guard<std::mutex> g(h->streams_mutex);
+  auto it = h->streams.find(stream);
+  if (it == h->streams.end() || it->second.device_index() != device) return false;
+  *out = it->second;
+  return true;
+}
+
+// torch_npu's PER_STREAM_QUEUE (a queue for each stream; its option is not exported): a record
+// could then be launched after a later re-record of the event on another queue, so no event is
+// shared there (read as torch_npu reads it; any non-zero value refuses, erring on the safe side).
+bool per_stream_queues() {
+  static const bool on = [] {
+    const char *v = std::getenv("PER_STREAM_QUEUE");
+    return v && std::strtol(v, nullptr, 10) != 0;
+  }();
+  return on;
+}
+
 }  // namespace
 
 extern "C" {
@@ -57,10 +123,13 @@ int npu_pool_hooks_bind(void *malloc_fn, void *free_fn, void *stats_fn, void *re
   npu_pool_shim::bind_malloc(core, malloc_fn, free_fn, last_error_fn, last_code_fn, set_fraction_fn);
   core.stats = reinterpret_cast<int (*)(int, np_stats *)>(stats_fn);
   core.record_stream = reinterpret_cast<void (*)(void *, void *)>(record_fn);
+  static const int registered = pthread_atfork(nullptr, nullptr, forget_in_child);
+  (void)registered;
   return 0;
 }
 
 void *npu_pool_hooks_malloc(size_t size, int device, void *stream) {
+  keep_current(device, stream);
   return npu_pool_shim::malloc_or_throw(core, size, device, stream);
 }
 
@@ -95,6 +164,7 @@ DeviceStats npu_pool_hooks_device_stats(c10::DeviceIndex device) {
 }
 
 void npu_pool_hooks_record_stream(void *ptr, c10_npu::NPUStream stream) {
+  keep(stream);
   core.record_stream(ptr, stream.stream(false));
 }
 
@@ -108,6 +178,29 @@ int npu_pool_hooks_synchronize(void) {
     return c10_npu::npuSynchronizeDevice(true) ? 0 : 1;
   } catch (...) {  // (its error stays with torch_npu; the core reports the synchronisation failed)
     return 1;
+  }
+}
+
+// `waiter` waits on the device for the work queued so far on `on` (see npu_pool_set_framework_stream_wait):
+// 1 when the device's event was made for it, 0 when re-recorded, -1 when this pair is left to the
+// synchronisation. The core holds the device's lock; one event serves every wait, as a wait uses the
+// record launched before it, and one queue launches both in order.
+int npu_pool_hooks_stream_wait(int device, void *waiter, void *on) {
+  Handovers *h = handovers.load();
+  c10::Stream w(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::PrivateUse1, 0)), o = w;
+  if (per_stream_queues() || !lookup(h, waiter, device, &w) || !lookup(h, on, device, &o)) return -1;
+  try {
+    c10_npu::NPUStream ws(w), os(o);
+    if (ws.isSyncLaunchStream() || os.isSyncLaunchStream()) return -1;  // (launched past the queue)
+    std::lock_guard<std::mutex> g(h->events_mutex);
+    c10_npu::NPUEvent *&ev = h->events[device];
+    if (!ev) ev = new c10_npu::NPUEvent();
+    bool had = ev->isCreated();  // (made at its first record)
+    ev->record(os);
+    ev->block(ws);
+    return had ? 0 : 1;
+  } catch (...) {  // (its error stays with torch_npu; the synchronisation orders this reuse instead)
+    return -1;
   }
 }
 
