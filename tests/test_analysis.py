@@ -363,6 +363,47 @@ def test_export_recorded_addresses_round_trip(shared_traces, tmp_path):
         memviz.snapshot_of([toy_trace()], "recorded")
 
 
+def _totals(snap: dict) -> tuple[int, int, int]:
+    """(reserved, allocated, active blocks) of a snapshot's end state."""
+    blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    return sum(s["total_size"] for s in snap["segments"]), sum(b["size"] for b in blocks), len(blocks)
+
+
+def test_export_recorded_keeps_expandable_segments_whole(tmp_path):
+    """An imported snapshot of expandable segments (ranges mapped and unmapped piece by piece)
+    exported back with its own addresses: each mapped piece became a segment of its own, a block
+    spanning two pieces was cut short (its rest shown free: 387.5 of 499.5 MiB allocated on
+    cs336-forward-fp32) and an unmap of part of a range was never applied (a helper's review).
+    Mapped pieces that touch are one segment now, an unmap cuts it, and the totals are the source's."""
+    t = toy_trace(empty_cache=True)
+    src = memviz.write_snapshot(memviz.snapshot_of([t], "expandable"), tmp_path / "x.pickle")
+    first = pickle.loads(src.read_bytes())
+    assert any(e["action"] == "segment_map" for e in first["device_traces"][0])
+    back, = load_snapshot(src)
+    again = memviz.snapshot_of([back], "recorded")
+    _memviz().segsum(again)
+    assert _totals(again) == _totals(first)
+    assert all(s["is_expandable"] for s in again["segments"])
+    MiB = 1 << 20  # a range mapped whole, then its upper half unmapped
+    a = 1 << 32
+    ev = [{"action": "segment_map", "addr": a, "size": 40 * MiB, "stream": 0, "frames": [], "time_us": 0},
+          {"action": "alloc", "addr": a, "size": 8 * MiB, "stream": 0, "frames": [], "time_us": 1},
+          {"action": "segment_unmap", "addr": a + 20 * MiB, "size": 20 * MiB, "stream": 0, "frames": [], "time_us": 2}]
+    seg = {"device": 0, "address": a, "total_size": 20 * MiB, "allocated_size": 8 * MiB, "active_size": 8 * MiB,
+           "requested_size": 8 * MiB, "stream": 0, "segment_type": "large", "is_expandable": True, "frames": [],
+           "blocks": [{"address": a, "size": 8 * MiB, "requested_size": 8 * MiB, "state": "active_allocated",
+                       "frames": []},
+                      {"address": a + 8 * MiB, "size": 12 * MiB, "requested_size": 0, "state": "inactive",
+                       "frames": []}]}
+    cut = tmp_path / "cut.pickle"
+    cut.write_bytes(pickle.dumps({"segments": [seg], "device_traces": [ev],
+                                  "allocator_settings": {"expandable_segments": True}}))
+    t2, = load_snapshot(cut)
+    snap = memviz.snapshot_of([t2], "recorded")
+    assert _totals(snap) == (20 * MiB, 8 * MiB, 1)
+    assert [e["action"] for e in snap["device_traces"][0]] == ["segment_map", "alloc", "segment_unmap"]
+
+
 def test_repairs_made_on_import_are_said_by_analyze_and_replay(tmp_path, capsys):
     """A snapshot the importer had to repair (a block allocated again at a live address: the old
     one freed first) was analysed and replayed without a word; only `import` said "(N warnings in

@@ -246,7 +246,7 @@ def test_the_private_state_check_sees_every_form_of_import(tmp_path):
     mods = _modules()
     for text in ("from .. import oom\nx = oom._written", "from npu_pool import oom\nx = oom._written",
                  "import npu_pool.install as inst\nx = inst._current", "import npu_pool.oom\nx = npu_pool.oom._written",
-                 "from npu_pool.trace import snapshot as s\nx = s._SegmentMap"):
+                 "from npu_pool.trace import snapshot as s\nx = s._put"):
         f = tmp_path / "probe.py"
         f.write_text(text)
         assert len(_private_reads("npu_pool.commands.probe", f, mods)) == 1, text

@@ -432,9 +432,9 @@ def _ranges_brute(ops: list[tuple[str, int, int]]) -> list[tuple[dict[int, int],
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "remove"]), st.integers(0, 60), st.integers(1, 16)), max_size=40))
 def test_the_segment_map_merges_and_splits_as_a_scan_would(ops: list[tuple[str, int, int]]) -> None:
-    from npu_pool.trace.snapshot import _SegmentMap
+    from npu_pool.trace.segment_map import SegmentMap
 
-    m = _SegmentMap({x for _, a, s in ops for x in (a, a + s)})
+    m = SegmentMap({x for _, a, s in ops for x in (a, a + s)})
     for (op, addr, size), (want, whole) in zip(ops, _ranges_brute(ops)):
         got = m.add_range(addr, size, 0) if op == "add" else m.remove_range(addr, size)
         assert got == whole and {a: v[0] for a, v in m.segs.items()} == want

@@ -37,6 +37,7 @@ from ..replay import NEEDS_PLAN
 from ..timeline import timeline
 from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT,
                             Trace, TraceError)
+from ..trace.segment_map import SegmentMap
 from ..vocab import ROUND
 
 __all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames",
@@ -134,16 +135,27 @@ class _Recorded:
             raise TraceError("the trace has no recorded addresses (a capture, not an imported snapshot); "
                              "export it replayed under a policy instead")
         self.trace, self.device, self.frames = trace, device, _Frames(trace)
-        self.segs: dict[int, tuple[int, int, int]] = {}  # addr -> (size, stream, pool)
+        # expandable segments: the recorded run mapped and unmapped ranges piece by piece (an unmap
+        # may cut a range, a block may span two mapped pieces), else it made and freed whole segments
+        self.expandable = trace.meta.get("expandable_segments") is True
+        self.segs = SegmentMap(x for op, a, n in zip(trace.op, trace.addr, trace.size)
+                               if op in (OP_INIT_SEGMENT, OP_SEG_HINT, OP_SEG_FREE) for x in (a, a + n))
         self.live: dict[int, tuple[int, int, int]] = {}  # id -> (addr, size, site)
         self.done = False
 
+    def _add(self, addr: int, size: int, stream: int, pool: int) -> None:
+        if self.expandable:
+            self.segs.add_range(addr, size, stream)
+        else:
+            self.segs.put(addr, (size, stream, pool))  # (one overlapping a segment there is left out)
+
     def entries(self) -> Iterator[dict[str, Any]]:
         segs, live, frames = self.segs, self.live, self.frames
+        made, gone = ("segment_map", "segment_unmap") if self.expandable else ("segment_alloc", "segment_free")
         device_free = {o["event"]: o["device_free"] for o in self.trace.ooms()}
         for i, (op, cat, site, id_, size, stream, addr) in enumerate(self.trace.events()):
             if op == OP_INIT_SEGMENT:
-                segs[addr] = (size, stream, cat)
+                self._add(addr, size, stream, cat)
             elif op == OP_INIT_ALLOC:
                 live[id_] = (addr, size, site)
             elif op == OP_ALLOC:
@@ -155,11 +167,14 @@ class _Recorded:
                 yield _event("free_requested", a, size, stream, i, fr)
                 yield _event("free_completed", a, size, stream, i, fr)
             elif op == OP_SEG_HINT:
-                segs[addr] = (size, stream, cat)
-                yield _event("segment_alloc", addr, size, stream, i)
+                self._add(addr, size, stream, cat)
+                yield _event(made, addr, size, stream, i)
             elif op == OP_SEG_FREE:
-                seg_size, seg_stream, _ = segs.pop(addr, (size, stream, 0))
-                yield _event("segment_free", addr, seg_size, seg_stream, i)
+                if self.expandable:
+                    segs.remove_range(addr, size)
+                else:
+                    size, stream, _ = segs.pop(addr) or (size, stream, 0)
+                yield _event(gone, addr, size, stream, i)
             elif op == OP_OOM:  # a request the recorded run could not serve
                 yield dict(_event("oom", 0, size, stream, i, frames(site)), device_free=device_free.get(i, 0))
         self.done = True
@@ -167,7 +182,7 @@ class _Recorded:
     def rest(self) -> dict[str, Any]:
         """Segments (the end state), annotations and settings; after :meth:`entries` ran out."""
         assert self.done, "the entries must be read first"
-        segs, live, frames, device = self.segs, self.live, self.frames, self.device
+        segs, live, frames, device = self.segs.segs, self.live, self.frames, self.device
         blocks = []
         starts = sorted(segs)
         for a, size, site in sorted(live.values()):
@@ -192,7 +207,7 @@ class _Recorded:
             if cur < start + size:
                 bl.append(_snap.block_entry(cur, start + size - cur, 0, False, []))
             segments.append(_snap.segment_entry(device, start, size, stream, "small" if pool == 0 else "large",
-                                                False, bl))
+                                                self.expandable, bl))
         return {"segments": segments, "external_annotations": _annotations(self.trace, device),
                 "allocator_settings": {"npu_pool_policy": "recorded"}}
 
