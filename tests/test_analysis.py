@@ -322,6 +322,11 @@ def test_export_opens_in_memory_viz(policy, tmp_path):
         elif e["action"] == "free_completed":
             open_.pop(e["addr"])
     assert set(open_) == live  # the end state holds exactly what the events leave allocated
+    # each block keeps its allocation's frames (under the phase markers the pool knows no site:
+    # every end-state block was written without frames; a helper's review)
+    active = [b for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    assert active and all(b["frames"] for b in active)
+    assert all(b["frames"] == open_[b["address"]]["frames"] for b in active if b["address"] in open_)
     # the project's own importer reads it back: same requested sizes, same peak
     path = memviz.write_snapshot(snap, tmp_path / "x.pickle")
     back, = load_snapshot(path)

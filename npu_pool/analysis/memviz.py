@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import snapshot as _snap
 from ..pool import POLICIES as _POOL_POLICIES
@@ -92,18 +92,37 @@ def _annotations(trace: Trace, device: int) -> list[dict[str, Any]]:
 
 
 def _replayed_parts(trace: Trace, policy: str, device: int,
-                    hints: str) -> tuple[Iterator[dict[str, Any]], dict, int]:
-    """(trace entries, one at a time; the rest of the snapshot; the trace event the replay could not
-    serve, -1 when it served all) of ``trace`` replayed through ``policy``."""
+                    hints: str) -> tuple[Iterator[dict[str, Any]], Callable[[], dict], int]:
+    """(trace entries, one at a time; the rest of the snapshot, once they ran out; the trace event
+    the replay could not serve, -1 when it served all) of ``trace`` replayed through ``policy``."""
     tl = timeline(trace, policy, hints=hints)
     frames = _Frames(trace)
     sites = trace.site
-    entries = _snap.iter_device_trace(_with_recorded_failures(tl.events, trace),
-                                      lambda e: frames(sites[e["time"]]) if e["time"] < len(sites) else [])
-    rest = {"segments": _snap.segments(tl.blocks, tl.ranges, device, tl.pool_names, frames),
-            "external_annotations": _annotations(trace, device),
-            "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
-                                   "round_size": ROUND}}
+    made_at: dict[int, int] = {}  # address -> the trace event of the last allocation there
+
+    def noted(events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for e in events:
+            if e["kind"] == "alloc":
+                made_at[e["addr"]] = e["time"]
+            yield e
+
+    def site(e: dict[str, Any]) -> list[dict[str, Any]]:
+        return frames(sites[e["time"]]) if e["time"] < len(sites) else []
+
+    def with_site(b: dict[str, Any]) -> dict[str, Any]:
+        # a block's frames: its allocation's site in the trace (the pool keeps one only when it was
+        # told the sites, --hints sites; under the phase markers every block's was -1)
+        at = made_at.get(b["addr"], -1)
+        return dict(b, site=sites[at]) if b["allocated"] and 0 <= at < len(sites) else b
+
+    def rest() -> dict:
+        return {"segments": _snap.segments([with_site(b) for b in tl.blocks], tl.ranges, device, tl.pool_names,
+                                           frames),
+                "external_annotations": _annotations(trace, device),
+                "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
+                                       "round_size": ROUND}}
+
+    entries = _snap.iter_device_trace(_with_recorded_failures(noted(tl.events), trace), site)
     return entries, rest, -1 if tl.ok else tl.fail_index
 
 
@@ -124,7 +143,7 @@ def snapshot_replayed(trace: Trace, policy: str, device: int = 0, devices: int =
     entries, rest, _ = _replayed_parts(trace, policy, device, hints)
     traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
     traces[device] = list(entries)
-    return dict(rest, device_traces=traces)
+    return dict(rest(), device_traces=traces)
 
 
 class _Recorded:
@@ -281,15 +300,15 @@ def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "
         if policy == "recorded":
             rec = _Recorded(t, dev)
             entries: Iterator[dict[str, Any]] = rec.entries()
+            finish = rec.rest
         else:
-            entries, part, failed = _replayed_parts(t, policy, dev, hints)
+            entries, finish, failed = _replayed_parts(t, policy, dev, hints)
             if failed >= 0:
                 out.failed[dev] = failed
         for e in entries:
             out.entries += 1
             yield e
-        if policy == "recorded":
-            part = rec.rest()
+        part = finish()
         rest["segments"].extend(part["segments"])
         rest["external_annotations"].extend(part["external_annotations"])
         rest["allocator_settings"] = part["allocator_settings"]
