@@ -1102,7 +1102,7 @@ def test_strings_from_files_cannot_drive_the_terminal_or_forge_rows(tmp_path: Pa
     """A snapshot's frame name reached analyze's Markdown raw: an OSC sequence retitled the
     terminal, a newline forged a table row, a <script> went to renderers that pass HTML, and a
     lone surrogate left nothing but a codec error. A rank report's mode did the same in merge."""
-    name = "evil|col\n| forged | row |\n\x1b]0;PWNED\x07\x1b[31mRED\r<script>alert(1)</script>\ud800"
+    name = "evil|col\n| forged | row |\n\x1b]0;PWNED\x07\x1b[31mRED\r<script>alert(1)</script>\u202e\ud800"
     events = [{"action": "alloc", "addr": 4096 * k, "size": 4096, "stream": 0,
                "frames": [{"filename": "/a/b.py", "name": name, "line": 1}]} for k in range(1, 5)]
     with open(tmp_path / "evil.pickle", "wb") as f:
@@ -1111,6 +1111,12 @@ def test_strings_from_files_cannot_drive_the_terminal_or_forge_rows(tmp_path: Pa
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\r" not in out and "<script>" not in out and "| forged |" not in out
     assert "\\x1b]0;PWNED" in out and "&lt;script>" in out and "\\ud800" in out
+    # the HTML report too: a bidirectional override reached its page raw (a review of the reports)
+    assert main(["analyze", str(tmp_path / "evil.pickle"), "--no-progress", "--format", "html",
+                 "-o", str(tmp_path / "evil.html")]) == 0
+    page = (tmp_path / "evil.html").read_text()
+    assert "\u202e" not in page and "\x1b" not in page and "<script>alert" not in page
+    assert "\\u202e" in page and "\\x1b]0;PWNED" in page
     t = small_trace(2)
     t.meta["origin"] = name
     t.save(tmp_path / "o.npt")

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from .breakdown import GROUP_LABELS, GROUPS, TraceProfile
 from .report import Analysis, TraceAnalysis, imbalance, rank_groups
 from ..trace.files import repairs_said
-from ..units import fmt_bytes, fmt_share
+from ..units import fmt_bytes, fmt_share, printable
 
 __all__ = ["render_html", "timeline_svg", "downsample"]
 
@@ -36,7 +36,9 @@ _MAX_SITE_ROWS = 300
 
 
 def _esc(s: Any) -> str:
-    return _html.escape(str(s), quote=True)
+    """``s`` as HTML text: :func:`printable` (control characters, bidirectional overrides and
+    isolates as escapes: a frame name cannot reorder what a reader sees), then escaped."""
+    return _html.escape(printable(str(s)), quote=True)
 
 
 def downsample(values: Sequence[int], n: int, buckets: int = _MAX_POINTS) -> list[tuple[int, int]]:
