@@ -118,9 +118,12 @@ class OomExplanation:
 
     def summary(self) -> str:
         """One paragraph: the figures, the diagnosis and the levers."""
+        # (an arena's free block counts the pages the cap still lets it map: then more than it holds)
+        unmapped = " (with pages the cap still allows mapping)" if self.largest_free > self.cached_free else ""
         head = (f"request {fmt_bytes(self.request)} on policy {self.policy} ({self.pool}): reserved "
                 f"{fmt_bytes(self.reserved)}, allocated {fmt_bytes(self.allocated)}, largest free block "
-                f"{fmt_bytes(self.largest_free)}, cap {fmt_bytes(self.limit)} of {fmt_bytes(self.device_total)}. ")
+                f"{fmt_bytes(self.largest_free)}{unmapped}, cap {fmt_bytes(self.limit)} of "
+                f"{fmt_bytes(self.device_total)}. ")
         why = {"too_large": "The request alone needs more than the whole cap.",
                "fragmentation": (f"Fragmentation: {fmt_bytes(self.cached_free)} cached free in the pool and "
                                  f"{fmt_bytes(self.room or 0)} more under the cap, but no free block fits the request."),

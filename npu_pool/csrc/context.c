@@ -117,9 +117,11 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
                   np_fmt_bytes(ctx->limit, l), ctx->cfg.fraction, np_fmt_bytes(st.device_total, t),
                   np_fmt_bytes(st.total.allocated.current, al), np_fmt_bytes(st.largest_free, lf),
                   /* an arena's free block counts pages the cap lets it map (more than the pool holds
-                   * free): here the device would not give them */
-                  why == NP_OOM_DEVICE && st.largest_free > cached ? " (address space the cap allows, not memory "
-                  "the device gave)" : "", held,
+                   * free): under a "device" failure the device would not give them */
+                  st.largest_free <= cached ? ""
+                  : why == NP_OOM_DEVICE ? " (address space the cap allows, not memory the device gave)"
+                                         : " (with pages the cap still allows mapping: more than the pool holds free)",
+                  held,
                   what, cause);
 }
 
