@@ -654,6 +654,11 @@ def test_analyze_and_estimate_commands(tmp_path, capsys):
     assert e["gradients_bytes"] * 2 == e["weights_bytes"] and e["config"]["zero"] == 2  # (fp32 gradients of bf16 / 4)
     assert main(["estimate"]) == 2  # nothing to estimate: a one-line error, a mistake in the command line
     assert "give --config" in capsys.readouterr().err
+    # a flag's bad value, or flags short of a model, are mistakes in the command line too (they exited 1)
+    for argv, said in ((["--hidden", "-4096", "--layers", "2", "--heads", "2", "--vocab", "100"], "hidden must be"),
+                       (["--hidden", "4096"], "config lacks layers, heads, vocab")):
+        assert main(["estimate", *argv]) == 2
+        assert said in capsys.readouterr().err
 
 
 def test_estimate_command_against_a_capture(captured, tmp_path, capsys):

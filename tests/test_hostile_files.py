@@ -962,11 +962,11 @@ def test_estimate_refuses_zero_where_zero_meant_the_default(capsys) -> None:
     base = ["estimate", "--hidden", "512", "--layers", "2", "--heads", "8", "--vocab", "1000"]
     for flag, field in (("--ffn", "ffn"), ("--kv-heads", "kv_heads"), ("--micro-batches", "micro_batches"),
                         ("--max-positions", "max_positions")):
-        assert main(base + [flag, "0"]) == 1
+        assert main(base + [flag, "0"]) == 2  # (a value on the command line: a usage error)
         err = capsys.readouterr().err
         assert f"{field} must be a whole number in 1..1099511627775, or left out for its default, not 0" in err
         assert err.count("\n") == 1, err
-        assert main(base + [flag, "-5"]) == 1
+        assert main(base + [flag, "-5"]) == 2
         assert f"{field} must be a whole number in 1..1099511627775, or left out" in capsys.readouterr().err
     assert main(base + ["--ffn", "1024"]) == 0
 

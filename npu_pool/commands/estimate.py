@@ -48,13 +48,18 @@ def _config(args: argparse.Namespace, trace_meta: dict | None):
             base = {f.name: getattr(cfg, f.name) for f in fields(ModelConfig)}
     flags = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if getattr(args, f.name, None) is not None}
     merged = {**base, **flags}
-    if not merged:
-        from . import UsageError
+    from . import UsageError
 
+    if not merged:
         error = ValueError if trace_meta is not None else UsageError  # (a trace given: it is the trace's fault)
         raise error("give --config YAML, model flags (--hidden --layers --heads --vocab ...), "
                     "or --trace of a capture")
-    return config_from_dict(merged)
+    try:
+        return config_from_dict(merged)
+    except ValueError as e:  # (the config or trace alone is a valid model: the flags made it wrong)
+        if flags:
+            raise UsageError(str(e)) from None
+        raise
 
 
 def _md(est, rows) -> str:
