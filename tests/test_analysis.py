@@ -695,7 +695,7 @@ def test_estimate_without_an_optimizer_and_tensor_parallel_shapes(capsys):
     e = json.loads(capsys.readouterr().out)
     assert main(base + ["--vocab", "8", "--tp", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["weights_bytes"] == e["weights_bytes"]
-    assert main(base + ["--vocab", "1000", "--ffn", "2", "--tp", "4"]) == 1
+    assert main(base + ["--vocab", "1000", "--ffn", "2", "--tp", "4"]) == 2  # (flags that do not go together: a usage error)
     assert "ffn=2 not divisible by tp=4" in capsys.readouterr().err
 
 
