@@ -559,5 +559,5 @@ def compare(est: Estimate, profile: Any) -> list[ComparisonRow]:
         ("weights", "weights", s.weights), ("gradients", "gradients", s.gradients),
         ("optimizer states", "optimizer_states", s.optimizer_states), ("activations", "activations", s.activations))]
     rows.append(ComparisonRow("temporaries", None, g["temporaries"] if known else None))
-    rows.append(ComparisonRow("peak (sum of the above)", s.total, profile.peak_live))
+    rows.append(ComparisonRow("peak live (estimated: the sum above)", s.total, profile.peak_live))
     return rows
