@@ -262,12 +262,53 @@ def test_a_handover_between_streams_is_an_event_through_torch_npus_queue(torch_n
 
 def test_a_handover_under_per_stream_queues_is_a_synchronisation(torch_npu: TorchNpu) -> None:
     """With torch_npu's PER_STREAM_QUEUE a re-recorded event's record could be launched after a
-    later one on another queue: the hooks share no event there and the handover synchronises."""
+    later one on another queue: the hooks share no event there and the handover synchronises --
+    but only where torch_npu has per-stream queues: not with its task queue off (TASK_QUEUE_ENABLE=0)
+    or launches blocking (ASCEND_LAUNCH_BLOCKING=1), where it ignores the setting (a review)."""
     out, err = torch_npu.results(HANDOVERS, PER_STREAM_QUEUE="1")
     assert out["kept"] == [True] * 6 and out["handovers"] == 6, err[-3000:]
     assert out["fake"] == {"aclrtSynchronizeDevice": 6, "aclrtRecordEvent": 0, "aclrtStreamWaitEvent": 0,
                            "aclrtCreateEventExWithFlag": 0}
     assert out["pool"] == {"sync_device": 6}
+    for off in ({"TASK_QUEUE_ENABLE": "0"}, {"ASCEND_LAUNCH_BLOCKING": "1"}):
+        out, err = torch_npu.results(HANDOVERS, PER_STREAM_QUEUE="1", **off)
+        assert out["kept"] == [True] * 6 and out["pool"] == {"event_create": 1, "event_record": 6, "event_wait": 6}, \
+            (off, err[-3000:])
+
+
+def test_a_handover_to_an_external_stream_synchronises_and_counts_what_it_called(torch_npu: TorchNpu) -> None:
+    """torch_npu refuses events on an external stream (torch.npu.ExternalStream): the hooks kept it
+    as a current stream, recorded the event on the other stream, then the wait threw and the pool
+    synchronised, every time, uncounting the event it made and the records (a review of the
+    handovers, a helper). Now the first handover's record is counted, the stream is refused from
+    then on, and every handover to it is a synchronisation only."""
+    out, err = torch_npu.results(FAKE + """
+import torch, torch_npu, npu_pool
+from npu_pool.install import installed
+npu_pool.install()
+names = {"sync_device": "aclrtSynchronizeDevice", "event_record": "aclrtRecordEvent",
+         "event_wait": "aclrtStreamWaitEvent", "event_create": "aclrtCreateEventExWithFlag"}
+side = torch.npu.Stream()                   # (torch_npu starts the device: a stream can be made)
+torch.npu.synchronize()
+raw = ctypes.c_void_p()
+assert fake.aclrtCreateStream(ctypes.byref(raw)) == 0
+ext = torch.npu.ExternalStream(raw.value, device=torch.device("npu:0"))
+p = installed()[0]
+before, st = {k: fake.fake_calls(n.encode()) for k, n in names.items()}, p.stats()
+with torch.npu.stream(ext):                 # the external stream is current
+    for i in range(3):
+        x = torch.empty(4 << 20, dtype=torch.uint8, device="npu")
+        x.record_stream(side)
+        del x                               # used on side, reused on ext: a handover
+        y = torch.empty(4 << 20, dtype=torch.uint8, device="npu")
+        del y
+r = {"fake": {k: fake.fake_calls(n.encode()) - before[k] for k, n in names.items()},
+     "handovers": p.stats()["stream_waits"] - st["stream_waits"],
+     "pool": {k: p.stats()["calls"][k] - st["calls"][k] for k in names}}
+print(json.dumps(r))
+""")
+    assert out["handovers"] == 3, err[-3000:]
+    assert out["fake"] == out["pool"] == {"sync_device": 3, "event_record": 1, "event_wait": 0, "event_create": 1}
 
 
 def test_handovers_from_four_threads_share_the_devices_event(torch_npu: TorchNpu) -> None:

@@ -212,8 +212,8 @@ static int acl_enter(np_backend *be, int *prev) { return enter_ex((acl_backend *
 static void acl_leave(np_backend *be, int prev) { leave((acl_backend *)be, prev); }
 
 /* The framework's device synchronisation (torch_npu: its task queue emptied first), when bound;
- * and its handover between streams (an event through that queue: 1 when it made its event for
- * this, 0 when it reused it, -1 when it could not order this pair; see pluggable.h). */
+ * and its handover between streams (an event through that queue; it returns the NP_HANDOVER_*
+ * bits of the calls it made: pluggable.h). */
 static int (*framework_sync)(void);
 static int (*framework_wait)(int device, void *waiter, void *on);
 
@@ -290,14 +290,12 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
      * would not follow: the framework records and waits its own event through that queue; where it
      * cannot (a stream it does not know, per-stream queues), its synchronisation orders the reuse */
     int (*fw)(int, void *, void *) = __atomic_load_n(&framework_wait, __ATOMIC_ACQUIRE);
-    int made = fw ? fw(a->device, (void *)waiter, (void *)on) : -1;
-    if (made >= 0) { /* (its calls, counted as ours: it made them for the pool) */
-      a->base.calls[NP_CALL_EVENT_CREATE] += (uint64_t)made;
-      a->base.calls[NP_CALL_EVENT_RECORD]++;
-      a->base.calls[NP_CALL_EVENT_WAIT]++;
-    } else {
-      rc = sync_device(a);
-    }
+    int made = fw ? fw(a->device, (void *)waiter, (void *)on) : 0;
+    /* (its calls, counted as ours: it made them for the pool) */
+    a->base.calls[NP_CALL_EVENT_CREATE] += (made & NP_HANDOVER_MADE) != 0;
+    a->base.calls[NP_CALL_EVENT_RECORD] += (made & NP_HANDOVER_RECORDED) != 0;
+    a->base.calls[NP_CALL_EVENT_WAIT] += (made & NP_HANDOVER_WAITED) != 0;
+    if (!(made & NP_HANDOVER_WAITED)) rc = sync_device(a);
     leave(a, prev);
     return rc;
   }

@@ -16,13 +16,15 @@
 //    an NPUEvent recorded on one stream and waited by the other, both through that queue, so the
 //    wait follows work still queued. NPUEvent takes an NPUStream, where the core has an aclrtStream:
 //    the streams malloc and record_stream see are kept by their aclrtStream (a stream seen nowhere
-//    else, or torch_npu's per-stream queues, leaves the handover to the synchronisation).
+//    else or that torch_npu refused an event on, and torch_npu's per-stream queues, leave the
+//    handover to the synchronisation).
 #include <pthread.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
@@ -68,6 +70,7 @@ void fill(StatArray &a, const np_stats &st, np_counter np_pool_stats::*field, bo
 struct Handovers {
   std::mutex streams_mutex;
   std::unordered_map<void *, c10::Stream> streams;
+  std::unordered_set<void *> refused;  // streams torch_npu refused an event on (external ones): kept no more
   std::mutex events_mutex;
   std::unordered_map<int, c10_npu::NPUEvent *> events;
 };
@@ -78,18 +81,27 @@ void forget_in_child() { handovers.store(new Handovers); }
 void keep(const c10_npu::NPUStream &s) {
   Handovers *h = handovers.load();
   std::lock_guard<std::mutex> g(h->streams_mutex);
-  h->streams.insert_or_assign(s.stream(false), s.unwrap());
+  if (!h->refused.count(s.stream(false))) h->streams.insert_or_assign(s.stream(false), s.unwrap());
+}
+
+void refuse(Handovers *h, void *stream) {
+  std::lock_guard<std::mutex> g(h->streams_mutex);
+  h->streams.erase(stream);
+  h->refused.insert(stream);
 }
 
 // malloc's stream is the calling thread's current one (torch_npu's allocate, raw_alloc); another
-// (raw_alloc_with_stream's) is not kept. Each thread asks once per stream it changes to.
+// (raw_alloc_with_stream's) is not kept. Each thread asks once per stream it changes to (again
+// for one it did not keep: it may be current later).
 void keep_current(int device, void *stream) {
   thread_local void *seen = nullptr;
   if (stream == seen) return;
-  seen = stream;
   try {
     c10_npu::NPUStream cur = c10_npu::getCurrentNPUStream(static_cast<c10::DeviceIndex>(device));
-    if (cur.stream(false) == stream) keep(cur);
+    if (cur.stream(false) == stream) {
+      keep(cur);
+      seen = stream;
+    }
   } catch (...) {  // (not kept: a handover from it synchronises instead)
   }
 }
@@ -102,14 +114,18 @@ bool lookup(Handovers *h, void *stream, int device, c10::Stream *out) {
   return true;
 }
 
-// torch_npu's PER_STREAM_QUEUE (a queue for each stream; its option is not exported): a record
-// could then be launched after a later re-record of the event on another queue, so no event is
-// shared there (read as torch_npu reads it; any non-zero value refuses, erring on the safe side).
+long env_number(const char *name, long unset) {
+  const char *v = std::getenv(name);
+  return v && *v ? std::strtol(v, nullptr, 10) : unset;
+}
+
+// torch_npu's PER_STREAM_QUEUE (a queue for each stream; its options are not exported, so read as
+// it reads them: only with its task queue on, TASK_QUEUE_ENABLE not 0 and no
+// ASCEND_LAUNCH_BLOCKING): a record could then be launched after a later re-record of the event
+// on another queue, so no event is shared there.
 bool per_stream_queues() {
-  static const bool on = [] {
-    const char *v = std::getenv("PER_STREAM_QUEUE");
-    return v && std::strtol(v, nullptr, 10) != 0;
-  }();
+  static const bool on = env_number("ASCEND_LAUNCH_BLOCKING", 0) == 0 && env_number("TASK_QUEUE_ENABLE", 1) != 0 &&
+                         env_number("PER_STREAM_QUEUE", 0) != 0;
   return on;
 }
 
@@ -182,25 +198,28 @@ int npu_pool_hooks_synchronize(void) {
 }
 
 // `waiter` waits on the device for the work queued so far on `on` (see npu_pool_set_framework_stream_wait):
-// 1 when the device's event was made for it, 0 when re-recorded, -1 when this pair is left to the
-// synchronisation. The core holds the device's lock; one event serves every wait, as a wait uses the
-// record launched before it, and one queue launches both in order.
+// the NP_HANDOVER_* bits of the calls made, WAITED unless this pair is left to the synchronisation.
+// The core holds the device's lock; one event serves every wait, as a wait uses the record launched
+// before it, and one queue launches both in order.
 int npu_pool_hooks_stream_wait(int device, void *waiter, void *on) {
   Handovers *h = handovers.load();
   c10::Stream w(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::PrivateUse1, 0)), o = w;
-  if (per_stream_queues() || !lookup(h, waiter, device, &w) || !lookup(h, on, device, &o)) return -1;
+  if (per_stream_queues() || !lookup(h, waiter, device, &w) || !lookup(h, on, device, &o)) return 0;
+  int made = 0;
   try {
     c10_npu::NPUStream ws(w), os(o);
-    if (ws.isSyncLaunchStream() || os.isSyncLaunchStream()) return -1;  // (launched past the queue)
+    if (ws.isSyncLaunchStream() || os.isSyncLaunchStream()) return 0;  // (launched past the queue)
     std::lock_guard<std::mutex> g(h->events_mutex);
     c10_npu::NPUEvent *&ev = h->events[device];
     if (!ev) ev = new c10_npu::NPUEvent();
     bool had = ev->isCreated();  // (made at its first record)
-    ev->record(os);
+    ev->record(os);              // (a stream it refuses, an external one, throws before any call)
+    made = NP_HANDOVER_RECORDED | (had ? 0 : NP_HANDOVER_MADE);
     ev->block(ws);
-    return had ? 0 : 1;
-  } catch (...) {  // (its error stays with torch_npu; the synchronisation orders this reuse instead)
-    return -1;
+    return made | NP_HANDOVER_WAITED;
+  } catch (...) {  // its error stays with torch_npu; the synchronisation orders this reuse instead, and
+    refuse(h, made ? waiter : on);  // the stream it refused is left to it from now on
+    return made;
   }
 }
 
