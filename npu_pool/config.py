@@ -23,12 +23,13 @@ import errno
 import math
 import os
 import re
+import stat
 import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from .inputs import NotRegularFile, open_regular
+from .inputs import NotRegularFile, kind_of, open_regular
 
 ENABLE = "MEMORY_FRAGMENTATION"
 FRACTION = "NPU_POOL_FRACTION"
@@ -240,9 +241,16 @@ def parse_policy(value: Any, source: str = POLICY) -> str:
 def parse_plan(value: Any, source: str = PLAN) -> str:
     """The path of an existing plan file."""
     text = value.strip() if isinstance(value, str) else ""
-    if not text or "\0" in text or not os.path.isfile(text):
-        raise ConfigError(f"{source}={show(value)} is not valid: name a plan file written by `npu-pool plan`")
-    return text
+    why = "is not valid"
+    if text and "\0" not in text:
+        try:  # (what the file is, as the CLI and the API say it)
+            mode = os.stat(text).st_mode
+            why = f"is not a regular file ({kind_of(mode)})"
+            if stat.S_ISREG(mode):
+                return text
+        except OSError as e:
+            why = f"cannot be read ({e.strerror or e})"
+    raise ConfigError(f"{source}={show(value)} {why}: name a plan file written by `npu-pool plan`")
 
 
 def parse_output_dir(value: str, source: str, *, unwritable_warns: bool = False) -> str:

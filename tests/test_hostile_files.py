@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -287,6 +288,19 @@ def test_fraction_and_switch_spellings_that_are_taken() -> None:
         config.parse_enabled("\xa01\xa0")  # a no-break space is not white space a shell leaves
     with pytest.raises(ConfigError):
         config.parse_fraction(10 ** 400)
+
+
+def test_a_plan_setting_says_what_it_names(tmp_path: Path) -> None:
+    """NPU_POOL_PLAN naming a folder, a device or nothing said only "is not valid", where the CLI
+    and the API say what the file is (a review of the planner)."""
+    for value, said in ((str(tmp_path), "is not a regular file (a directory)"),
+                        ("/dev/zero", "is not a regular file (a character device)"),
+                        (str(tmp_path / "none.npplan"), "cannot be read (No such file or directory)"),
+                        (" ", "is not valid")):
+        with pytest.raises(ConfigError, match=re.escape(said) + ": name a plan file written by `npu-pool plan`"):
+            config.parse_plan(value)
+    (tmp_path / "p.npplan").write_bytes(b"")
+    assert config.parse_plan(str(tmp_path / "p.npplan")) == str(tmp_path / "p.npplan")  # (read and checked later)
 
 
 def test_messages_never_expand_a_large_value() -> None:

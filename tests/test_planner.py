@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import json
 import random
 import struct
 import time
@@ -346,6 +347,18 @@ def test_corrupt_and_foreign_plan_files_are_refused(tmp_path):
         load_plan(t)
     with pytest.raises(PlanError, match="bad magic"):
         plan_from_bytes(b"PK\x03\x04" + data[4:])
+    # a plan's first bytes and no more, a header whose count is negative: said as such (they were
+    # "bad magic" and "expected -1 x 24 bytes of rows"; a review of the planner)
+    (tmp_path / "short.npplan").write_bytes(data[:20])
+    with pytest.raises(PlanError, match=r"truncated \(20 bytes, shorter than a plan's header\)"):
+        load_plan(tmp_path / "short.npplan")
+    head = json.loads(data[24:24 + struct.unpack_from("<Q", data, 16)[0]])
+    head["positions"] = -1
+    text = json.dumps(head).encode()
+    negative = data[:16] + struct.pack("<Q", len(text)) + text
+    (tmp_path / "negative.npplan").write_bytes(_resealed(negative))
+    with pytest.raises(PlanError, match=r"corrupt header \(positions is -1, expected an int"):
+        load_plan(tmp_path / "negative.npplan")
     with pytest.raises(PlanError, match="version 7"):
         plan_from_bytes(data[:8] + struct.pack("<I", 7) + data[12:])
     flipped = bytearray(data)

@@ -68,7 +68,9 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 def plan_from_bytes(data: bytes, name: str = "<plan>") -> Plan:
     """Parse and verify a plan file image; PlanError naming ``name`` when it is not one."""
     if len(data) < 24 or data[:8] != MAGIC:
-        what = "an npu_pool trace, not a plan" if data[:8] == TRACE_MAGIC else "not an npu_pool plan (bad magic)"
+        what = ("an npu_pool trace, not a plan" if data[:8] == TRACE_MAGIC else
+                f"truncated ({len(data)} bytes, shorter than a plan's header)" if data[:8] == MAGIC else
+                "not an npu_pool plan (bad magic)")
         raise PlanError(f"{name}: {what}")
     version, crc = struct.unpack_from("<II", data, 8)
     if version != VERSION:
@@ -134,7 +136,7 @@ def load_plan(path: str | Path) -> Plan:
                 n = json.loads(data[24:]).get("positions")
             except (ValueError, AttributeError, RecursionError):
                 n = None  # plan_from_bytes names the problem
-            if isinstance(n, int) and not isinstance(n, bool) and st.st_size != 24 + hlen + n * _ROW.size:
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0 and st.st_size != 24 + hlen + n * _ROW.size:
                 raise PlanError(f"{path}: {st.st_size - 24 - hlen} bytes of rows, expected {n} x {_ROW.size}: "
                                 "truncated or corrupt")
             data += f.read(st.st_size - len(data))
