@@ -70,8 +70,9 @@ def _claim(path: Path) -> int:
     for _ in range(8):  # a finished writer may rename the file we opened: open again
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError as e:
-            raise _fail(path, e) from None
+        except OSError as e:  # (the file itself may be there, in a folder that takes no new file: /proc)
+            where = f"cannot write a file beside it in {path.parent}" if path.parent.is_dir() else "cannot write"
+            raise _fail(path, e, where) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
