@@ -126,10 +126,10 @@ def test_estimate_says_one_range_for_a_field_and_names_the_wrong_one(capsys: pyt
     """--hidden -5 said '0..', then --hidden 0 'a positive integer'; --norm foo and --position foo
     both said 'norm must be ...; position ...'."""
     base = ["estimate", "--layers", "2", "--heads", "2", "--vocab", "10"]
-    for hidden in ("-5", "0"):
-        assert main([*base, "--hidden", hidden]) == 1
+    for hidden in ("-5", "0"):  # (a bad value on the command line: a usage error, exit 2)
+        assert main([*base, "--hidden", hidden]) == 2
         assert f"hidden must be a whole number in 1..1099511627775, not {hidden}" in capsys.readouterr().err
-    assert main([*base, "--hidden", "8", "--norm", "foo"]) == 1
+    assert main([*base, "--hidden", "8", "--norm", "foo"]) == 2
     assert "norm must be layernorm or rmsnorm, not 'foo'" in capsys.readouterr().err
-    assert main([*base, "--hidden", "8", "--position", "foo"]) == 1
+    assert main([*base, "--hidden", "8", "--position", "foo"]) == 2
     assert "position must be learned or rope, not 'foo'" in capsys.readouterr().err
