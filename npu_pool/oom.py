@@ -99,11 +99,12 @@ class OomExplanation:
     kind: str                # "too_large", "fragmentation", "shortage" or "device"
     suggestions: list[str] = field(default_factory=list)
     reserved_at_failure: Optional[int] = None  # the pool's reserved bytes when it failed (from its event)
+    paused: int = 0          # of the allocated, bytes in paused regions (no memory behind them)
 
     @property
     def cached_free(self) -> int:
-        """Reserved bytes not in allocated blocks."""
-        return max(0, self.reserved - self.allocated)
+        """Reserved bytes not in allocated blocks (paused ones hold none)."""
+        return max(0, self.reserved - (self.allocated - self.paused))
 
     @property
     def held_outside(self) -> Optional[int]:
@@ -155,6 +156,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     ev = _last_oom(pool.history(HISTORY_IN_JSON))
     reserved, allocated = int(st["total"]["reserved"]["current"]), int(st["total"]["allocated"]["current"])
     limit, total, largest = int(st["limit"]), int(st["device_total"]), int(st["largest_free"])
+    paused = int(st["paused"])
     names = list(st["pools"])
     at_failure: Optional[int] = None
     room: Optional[int]
@@ -176,7 +178,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
                     "collective-communication buffer sizes)")
         tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])
         return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
-                              at_failure)
+                              at_failure, paused)
     if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
         tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
                     "needed, e.g. by collective-communication buffers")
@@ -201,7 +203,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     else:
         tips.extend(_SHORTAGE_LEVERS)
     return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
-                          at_failure)
+                          at_failure, paused)
 
 
 def _idle_elsewhere(pool: Any, st: dict[str, Any]) -> dict[str, int]:

@@ -71,7 +71,8 @@ def _claim(path: Path) -> int:
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as e:  # (the file itself may be there, in a folder that takes no new file: /proc)
-            where = f"cannot write a file beside it in {path.parent}" if path.parent.is_dir() else "cannot write"
+            there = path.parent.is_dir() and os.path.lexists(path)
+            where = f"cannot write a file beside it in {path.parent}" if there else "cannot write"
             raise _fail(path, e, where) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -542,7 +542,8 @@ def test_counts_equal_the_vendors_own_and_the_simulator_counts_what_acl_calls(bu
             assert v.lib.aclrtCreateEventExWithFlag(ctypes.byref(event), 1) == 0
         assert device == 0 and v.lib.aclrtRecordEvent(event, ctypes.c_void_p(on)) == 0
         assert v.lib.aclrtStreamWaitEvent(ctypes.c_void_p(waiter), event) == 0
-        return lib.NP_HANDOVER_WAITED | lib.NP_HANDOVER_RECORDED | (lib.NP_HANDOVER_MADE if made else 0)
+        return lib.NP_HANDOVER_ORDERED | lib.NP_HANDOVER_RECORDED | lib.NP_HANDOVER_WAITED | \
+            (lib.NP_HANDOVER_MADE if made else 0)
 
     framework_wait = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(handover)
     if backend == "acl":

@@ -1088,7 +1088,8 @@ def test_capture_refuses_an_unwritable_out_before_it_trains(tmp_path: Path, caps
                        (tmp_path / "adir", ("adir: is a directory",)),
                        # a file that is there, in a folder that takes no new file: that is said (the
                        # reason alone read "No such file or directory"; a review of the reports)
-                       (Path("/proc/version"), ("/proc/version: cannot write a file beside it in /proc",))):
+                       (Path("/proc/version"), ("/proc/version: cannot write a file beside it in /proc",)),
+                       (Path("/proc/npu_pool_none"), ("/proc/npu_pool_none: cannot write (",))):
         err = _one_line(capsys, ["capture", "--steps", "1", "--layers", "1", "--no-progress", "--out", str(out)], *words,
                         seconds=3.0)
         assert "[Errno" not in err

@@ -298,4 +298,28 @@ def test_a_largest_free_block_with_pages_not_mapped_yet_says_so() -> None:
         assert "(with pages the cap still allows mapping)" in oom.explain(pool).summary()
         for p in live:
             pool.free(p)
+    # paused bytes are allocated, not reserved: with a paused region the remark compared the
+    # largest free block with reserved less allocated and fired where the cap left nothing to map
+    # (a review of the diff)
+    with Pool("npu_pool", capacity=256 << 20) as pool:
+        with pool.region("a"):
+            t = pool.malloc(64 << 20)
+        pool.pause("a")
+        xs = []
+        with pytest.raises(OutOfMemoryError):
+            while True:
+                xs.append(pool.malloc(8 << 20))
+        pool.free(xs.pop(5))
+        pool.free(xs.pop(5))  # 16 MiB mapped and free, in one piece
+        with pytest.raises(OutOfMemoryError) as e:
+            pool.malloc(100 << 20)
+        st = pool.stats()
+        assert st["paused"] == 64 << 20 and st["largest_free"] == 16 << 20
+        assert "with pages the cap still allows" not in str(e.value)
+        x = oom.explain(pool)
+        assert x.cached_free == 16 << 20 and "with pages the cap still allows" not in x.summary()
+        for p in xs:
+            pool.free(p)
+        pool.resume("a")
+        pool.free(t)
 

@@ -295,7 +295,7 @@ static int acl_stream_wait(np_backend *be, intptr_t waiter, intptr_t on) {
     a->base.calls[NP_CALL_EVENT_CREATE] += (made & NP_HANDOVER_MADE) != 0;
     a->base.calls[NP_CALL_EVENT_RECORD] += (made & NP_HANDOVER_RECORDED) != 0;
     a->base.calls[NP_CALL_EVENT_WAIT] += (made & NP_HANDOVER_WAITED) != 0;
-    if (!(made & NP_HANDOVER_WAITED)) rc = sync_device(a);
+    if (!(made & NP_HANDOVER_ORDERED)) rc = sync_device(a);
     leave(a, prev);
     return rc;
   }

@@ -88,8 +88,9 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   if (st.paused && at >= 0 && (size_t)at < sizeof held) /* allocated, but nothing behind it: not in reserved */
     snprintf(held + at, sizeof held - (size_t)at, "; of the allocated, %s is in paused tagged regions (no memory "
              "behind it until resume)", np_fmt_bytes(st.paused, ps));
-  uint64_t cached = st.total.reserved.current > st.total.allocated.current  /* paused bytes: allocated, not reserved */
-                        ? st.total.reserved.current - st.total.allocated.current : 0;
+  /* free bytes the pool holds: paused bytes are allocated, not reserved */
+  uint64_t in_use = st.total.allocated.current - np_min_u64(st.paused, st.total.allocated.current);
+  uint64_t cached = st.total.reserved.current > in_use ? st.total.reserved.current - in_use : 0;
   bool rounded = f->needed > device_size(ctx, size); /* past the vendor's padding: a segment or whole pages */
   if (why == NP_OOM_TOO_LARGE)
     snprintf(what, sizeof what, "the request needs %s in one piece, more than the whole cap", np_fmt_bytes(np_max_u64(f->needed, size), n));

@@ -38,8 +38,9 @@ enum { NP_BACKEND_SIM = 0, NP_BACKEND_ACL = 1, NP_BACKEND_CUDA = 2, NP_BACKEND_C
 /* How long a request lives: placement class of the npu_pool policy. */
 enum { NP_LIFE_AUTO = 0, NP_LIFE_LONG = 1, NP_LIFE_SHORT = 2, NP_LIFE_COUNT = 3 };
 /* A framework's handover between streams (npu_pool_set_framework_stream_wait, pluggable.h): the
- * calls it made -- the waiting stream ordered after the other, the event recorded, made now. */
-enum { NP_HANDOVER_WAITED = 1, NP_HANDOVER_RECORDED = 2, NP_HANDOVER_MADE = 4 };
+ * reuse ordered, and the calls it made for it, failed ones included -- its event made, recorded,
+ * waited on. */
+enum { NP_HANDOVER_ORDERED = 1, NP_HANDOVER_MADE = 2, NP_HANDOVER_RECORDED = 4, NP_HANDOVER_WAITED = 8 };
 /* Phase markers (trace OP_MARK events carry them in `cat`). */
 enum {
   NP_MARK_SETUP_BEGIN = 0, NP_MARK_SETUP_END = 1, NP_MARK_ITER_BEGIN = 2, NP_MARK_ITER_END = 3,

@@ -89,9 +89,10 @@ void npu_pool_set_framework_sync(int (*fn)(void));
 /* ... and its handover between streams, where that synchronisation is bound: `fn(device, waiter,
  * on)` (the C++ hooks: torch_npu's NPUEvent recorded on `on` and waited by `waiter`, both through
  * its queue) makes `waiter` wait on the device for the work queued so far on `on`, and returns
- * the NP_HANDOVER_* bits (npu_pool.h) of the calls it made for it: WAITED when the reuse is
- * ordered; without it (a stream it does not know, or one the framework refused) the framework's
- * synchronisation orders the reuse. NULL: a synchronisation each. */
+ * NP_HANDOVER_* bits (npu_pool.h): ORDERED when the reuse is ordered, and the calls it made for
+ * it (failed ones too, as the pool counts its own); without ORDERED (a stream it does not know,
+ * one the framework refused, a call that failed) the framework's synchronisation orders the
+ * reuse. NULL: a synchronisation each. */
 void npu_pool_set_framework_stream_wait(int (*fn)(int device, void *waiter, void *on));
 /* CDEF END */
 

@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -114,9 +115,9 @@ bool lookup(Handovers *h, void *stream, int device, c10::Stream *out) {
   return true;
 }
 
-long env_number(const char *name, long unset) {
+long env_number(const char *name, long unset) {  // (as torch_npu reads its settings: "" is 0)
   const char *v = std::getenv(name);
-  return v && *v ? std::strtol(v, nullptr, 10) : unset;
+  return v ? std::strtol(v, nullptr, 10) : unset;
 }
 
 // torch_npu's PER_STREAM_QUEUE (a queue for each stream; its options are not exported, so read as
@@ -198,28 +199,39 @@ int npu_pool_hooks_synchronize(void) {
 }
 
 // `waiter` waits on the device for the work queued so far on `on` (see npu_pool_set_framework_stream_wait):
-// the NP_HANDOVER_* bits of the calls made, WAITED unless this pair is left to the synchronisation.
-// The core holds the device's lock; one event serves every wait, as a wait uses the record launched
-// before it, and one queue launches both in order.
+// the NP_HANDOVER_* bits, ORDERED unless this pair is left to the synchronisation. The core holds
+// the device's lock; one event serves every wait, as a wait uses the record launched before it,
+// and one queue launches both in order.
 int npu_pool_hooks_stream_wait(int device, void *waiter, void *on) {
   Handovers *h = handovers.load();
   c10::Stream w(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::PrivateUse1, 0)), o = w;
   if (per_stream_queues() || !lookup(h, waiter, device, &w) || !lookup(h, on, device, &o)) return 0;
-  int made = 0;
+  std::lock_guard<std::mutex> g(h->events_mutex);
+  c10_npu::NPUEvent *ev = nullptr;
+  bool had = false, recorded = false;
   try {
     c10_npu::NPUStream ws(w), os(o);
     if (ws.isSyncLaunchStream() || os.isSyncLaunchStream()) return 0;  // (launched past the queue)
-    std::lock_guard<std::mutex> g(h->events_mutex);
-    c10_npu::NPUEvent *&ev = h->events[device];
-    if (!ev) ev = new c10_npu::NPUEvent();
-    bool had = ev->isCreated();  // (made at its first record)
-    ev->record(os);              // (a stream it refuses, an external one, throws before any call)
-    made = NP_HANDOVER_RECORDED | (had ? 0 : NP_HANDOVER_MADE);
+    c10_npu::NPUEvent *&slot = h->events[device];
+    if (!slot) slot = new c10_npu::NPUEvent();
+    ev = slot;
+    had = ev->isCreated();  // (made at its first record)
+    ev->record(os);         // (a stream it refuses, an external one, throws before any call)
+    recorded = true;
     ev->block(ws);
-    return made | NP_HANDOVER_WAITED;
-  } catch (...) {  // its error stays with torch_npu; the synchronisation orders this reuse instead, and
-    refuse(h, made ? waiter : on);  // the stream it refused is left to it from now on
-    return made;
+    return NP_HANDOVER_ORDERED | NP_HANDOVER_RECORDED | NP_HANDOVER_WAITED | (had ? 0 : NP_HANDOVER_MADE);
+  } catch (const std::exception &e) {  // its error stays with torch_npu; the synchronisation orders this reuse
+    // a stream torch_npu refuses events on (external: its checkNotExternalStream says so in these words;
+    // isExternalStream is not exported) is left to the synchronisation from now on; any
+    // other failure is a call that failed (counted as made, as the pool counts its own), this time only
+    bool refused = std::strstr(e.what(), "External NPU stream") != nullptr;
+    if (refused) refuse(h, recorded ? waiter : on);
+    if (!ev || (refused && !recorded)) return 0;  // (refused before any call)
+    // past that check: the event made first if it was not (tried), then recorded (tried once made)
+    return (had ? 0 : NP_HANDOVER_MADE) | (recorded || ev->isCreated() ? NP_HANDOVER_RECORDED : 0) |
+           (recorded && !refused ? NP_HANDOVER_WAITED : 0);
+  } catch (...) {
+    return 0;
   }
 }
 
