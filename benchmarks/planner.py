@@ -5,7 +5,9 @@
 A second table plans one recorded step (a real CPU capture of the small models, first step) and
 replays the same run's three real steps with it, as the plan would meet them: whether the planner
 kept it, peak reserved with it against the online pool's, and release-and-retry events on the
-device the online pool needs.
+device the online pool needs. A third replays each shared trace whose plan is kept with one extra
+tensor the recording did not have (4 KiB or 16 MiB, kept from the 10th, 1000th or 3000th request
+on): peak reserved online and with the plan, uncapped and on a device 1% above the online peak.
 
 For fake captures of 7B/13B shapes (gpt, llama, moe; 2 and 3 steps; recompute; gradient
 accumulation; tensor- and pipeline-parallel slices; no real memory, see
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from npu_pool.planner import make_plan  # noqa: E402
 from npu_pool.progress import progress  # noqa: E402
 from npu_pool.replay import min_capacity, run  # noqa: E402
+from fragmentation import snapshots  # noqa: E402
 
 GiB = float(1 << 30)
 # (name, fake_capture arguments): one rank of a 7B/13B training run, sequence 2048 unless said
@@ -46,7 +49,6 @@ CAPTURES: list[tuple[str, dict[str, Any]]] = [
 
 
 def collect(shared: Path | None, captures: bool) -> list[tuple[str, Any]]:
-    from fragmentation import snapshots
     from npu_pool.trace.files import open_traces
 
     named: list[tuple[str, Any]] = []
@@ -116,6 +118,65 @@ def one_step_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+EXTRAS = [(at, size) for at in (10, 1000, 3000) for size in (4096, 16 << 20)]  # (request, bytes) kept on
+
+
+def _with_extra(trace: Any, policy: str, capacity: int, at: int, size: int, plan: Any = None) -> int | None:
+    """Peak reserved bytes of ``trace`` replayed through ``policy`` with ``size`` more bytes allocated
+    before its ``at``-th request and kept; None when a request fails."""
+    from npu_pool import Pool
+    from npu_pool.planner import install
+    from npu_pool.pool import OutOfMemoryError
+    from npu_pool.trace.format import OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_MARK, device_type
+
+    with Pool(policy, capacity=capacity, rules=device_type(trace)) as pool:
+        if plan is not None:
+            install(pool, plan)
+        live, n = {}, 0
+        try:
+            for op, cat, id_, sz, stream in zip(trace.op, trace.cat, trace.id, trace.size, trace.stream):
+                if op in (OP_ALLOC, OP_INIT_ALLOC):
+                    n += 1
+                    if n == at:
+                        pool.malloc(size)
+                    live[id_] = pool.malloc(sz, stream=stream)
+                elif op == OP_FREE and id_ in live:
+                    pool.free(live.pop(id_))
+                elif op == OP_MARK:
+                    pool.mark(cat, id_)
+        except OutOfMemoryError:
+            return None
+        return int(pool.stats()["total"]["reserved"]["peak"])
+
+
+def extra_rows(named: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Each trace whose plan is kept, replayed with each of EXTRAS (see the module's docstring)."""
+    rows = []
+    for name, trace in progress(named, desc="extra tensor", unit="trace"):
+        plan = make_plan(trace, name)
+        if plan.meta.get("online"):
+            continue
+        for at, size in EXTRAS:
+            online = _with_extra(trace, "npu_pool", 1 << 46, at, size)
+            assert online is not None, name
+            tight = online + online // 100
+            rows.append(dict(trace=name, at=at, size=size, online=online,
+                             tight=_with_extra(trace, "planned", tight, at, size, plan),
+                             uncapped=_with_extra(trace, "planned", 1 << 46, at, size, plan)))
+    return rows
+
+
+def extra_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| trace | extra kept from request | npu_pool GiB | planned GiB | planned on npu_pool's peak + 1% |",
+           "|---|---|---:|---:|---:|"]
+    for r in rows:
+        size = "4 KiB" if r["size"] < 1 << 20 else f"{r['size'] >> 20} MiB"
+        tight = "out of memory" if r["tight"] is None else f"{r['tight'] / GiB:.3f}"
+        out.append(f"| {r['trace']} | {size} at {r['at']} | {r['online'] / GiB:.3f} | {r['uncapped'] / GiB:.3f} | "
+                   f"{tight} |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| trace | iteration | peak live GiB | torch | npu_pool | planned | plan as made | served / idle / "
             "fallback | planned min cap GiB | retries there | plan s |")
@@ -137,8 +198,11 @@ def main() -> None:
     ap.add_argument("--no-captures", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "planner_results.md")
     a = ap.parse_args()
-    rows = [measure(n, t) for n, t in progress(collect(a.shared, not a.no_captures), desc="plan", unit="trace")]
+    named = collect(a.shared, not a.no_captures)
+    rows = [measure(n, t) for n, t in progress(named, desc="plan", unit="trace")]
     steps = [] if a.no_captures else one_step_rows()
+    shared = {Path(p).stem for p in snapshots(a.shared)} if a.shared else set()
+    extras = extra_rows([(n, t) for n, t in named if n.split(".")[0] in shared])
     never_worse = all(r["planned"] <= r["npu_pool"] for r in rows)
     online = [r for r in rows if r["online"]]
     text = f"""# Planned mode against the online pool (generated)
@@ -166,6 +230,18 @@ kept it online, so the planned policy is npu_pool). Planned reserves no more tha
 npu_pool needs: **{all(r['retries'] <= r['online_retries'] for r in steps)}**.
 
 {one_step_table(steps)}
+"""
+    if extras:
+        text += f"""
+## A kept plan meeting a tensor the recording did not have
+
+Each shared trace whose plan is kept, replayed with one extra tensor kept from its 10th, 1000th or
+3000th request on (one the run keeps that the recorded step did not make: a logged value, a cache): peak
+reserved online, with the plan, and with the plan on a device 1% above the online pool's peak.
+Never out of memory there: **{all(r['tight'] is not None for r in extras)}**; planned no more than
+npu_pool: **{sum(r['uncapped'] <= r['online'] for r in extras)} of {len(extras)}**.
+
+{extra_table(extras)}
 """
     a.out.write_text(text)
     print(text)
