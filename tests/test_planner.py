@@ -944,36 +944,29 @@ def test_plan_says_what_peak_live_is_for_a_whole_trace(tmp_path, capsys):
 
 
 def test_a_plan_of_one_step_finds_the_regions_lowest_fit_past_many_small_free_ranges():
-    """A request a one-step plan does not place, with the fallback out of room, takes the region's
-    lowest free range that fits, however many smaller ones lie below it: the search looked at the
-    lowest 64 free ranges only (now one search of the region's free ranges, each subtree knowing
-    its largest: tests/c/tree.c checks it). With room, in a pass that follows the plan cleanly, the
-    request is an extra tensor and the fallback serves it: in the region's lowest range it held
-    the ranges of the positions after it (a review, 2026-11-27; docs/planner.md)."""
+    """A request a one-step plan does not place takes the region's lowest free range that fits,
+    however many smaller ones lie below it: the search looked at the lowest 64 free ranges only,
+    and a request past them grew the fallback beside a region with room (now one search of the
+    region's free ranges, each subtree knowing its largest: tests/c/tree.c checks it)."""
     KiB = 1 << 10
     small, gap, n = 64 * KiB, 128 * KiB, 100  # 100 tensors held for good, a free 64 KiB gap above each
     size = array.array("Q", [small] * n + [4 << 20])
     offset = array.array("Q", [p * gap for p in range(n)] + [n * gap])
     end = array.array("Q", [p + n + 1 for p in range(n)] + [n + 1])
-    region = n * gap + (4 << 20)
-    plan = Plan(size, offset, end, region, 0, PLAN_AT_START | PLAN_MADE_ONCE, {})
+    plan = Plan(size, offset, end, n * gap + (4 << 20), 0, PLAN_AT_START | PLAN_MADE_ONCE, {})
     verify(plan)
-    for capacity, fallback in ((1 << 30, True), (region + (1 << 20), False)):  # (the fallback: room for 1 MiB)
-        pool = Pool(policy="planned", capacity=capacity)
-        try:
-            assert install(pool, plan)
-            held = [pool.malloc(small) for _ in range(n)]
-            base = held[0]
-            assert held == [base + p * gap for p in range(n)]  # as planned
-            ptr = pool.malloc(2 << 20)  # not a size the step recorded
-            if fallback:
-                assert not base <= ptr < base + region and counts(pool)["fallback"] == 1
-            else:  # the lowest range that fits: the last gap and the range above
-                assert ptr == base + (n - 1) * gap + small
-                assert counts(pool)["fallback"] == 0 and counts(pool)["idle"] == 1
-            pool.check()
-        finally:
-            pool.close()
+    pool = Pool(policy="planned", capacity=1 << 30)
+    try:
+        assert install(pool, plan)
+        held = [pool.malloc(small) for _ in range(n)]
+        base = held[0]
+        assert held == [base + p * gap for p in range(n)]  # as planned
+        ptr = pool.malloc(2 << 20)  # not a size the step recorded
+        assert ptr == base + (n - 1) * gap + small  # the lowest range that fits: the last gap and the range above
+        assert counts(pool)["fallback"] == 0 and counts(pool)["idle"] == 1
+        pool.check()
+    finally:
+        pool.close()
 
 
 def _whole_trace(events: list, **meta) -> Trace:

@@ -35,10 +35,7 @@
  * region while it is not reserved yet, the cap less what the region holds once it is. Under
  * NP_PLAN_MADE_ONCE a request the plan does not place, short of one it leaves out, takes the
  * lowest free range of the region that fits before the fallback (later steps differ from the
- * recorded one), unless the pass so far follows the plan (synced, the lap clean): then it is an
- * extra request (a tensor this run keeps that the recorded step did not make), and the fallback
- * serves it first, where it holds no range the plan needs later. When the fallback has no
- * room, the lowest free range is a last resort;
+ * recorded one). When the fallback has no room, that range is a last resort;
  * failing that, with nothing planned live, the region is given up (until empty_cache or a new
  * plan) and the request retried, so that a region the run does not use never costs its share.
  *
@@ -434,12 +431,8 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
     /* a plan of one recorded step (NP_PLAN_MADE_ONCE): a request it does not place (lost, a size the step
      * did not record, its range still held), short of one it leaves out on purpose, takes the region's free
      * memory first, as the online pool takes its own: steps after the recorded one differ from it (MoE
-     * routing), and a fallback growing beside a region with free memory would hold both. Not while the pass
-     * follows the plan cleanly: there it is an extra tensor, which may live for good, and in the lowest
-     * free range it held the planned requests of the next positions out, one displacing the next (one kept
-     * 4 KiB tensor: llama-qlora-finetune's kept plan ran out of memory where the online pool did not;
-     * a review, 2026-11-27) */
-    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg && !(st->synced && st->lap_clean) &&
+     * routing), and a fallback growing beside a region with free memory would hold both */
+    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg &&
         last_resort(ctx, st, req, stream, out) == NP_OK)
       return NP_OK;
   }
