@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError, load_yaml, show
 
@@ -187,8 +187,7 @@ class ModelConfig:
         (Megatron accumulates and all-reduces them in fp32), else the weights' dtype."""
         if self.grad_dtype is not None:
             return DTYPE_BYTES[self.grad_dtype]
-        bf16 = DTYPE_BYTES[self.dtype] == 2 and self.dtype.startswith("b")
-        return 4 if bf16 and self.master_weights else DTYPE_BYTES[self.dtype]
+        return 4 if self.dtype in ("bf16", "bfloat16") and self.master_weights else DTYPE_BYTES[self.dtype]
 
     @property
     def master_weights(self) -> bool:
@@ -391,6 +390,12 @@ _BOOL_FIELDS = ("mixed_precision", "sequence_parallel", "flash_attention", "drop
 _INT_FIELDS = ("hidden", "layers", "heads", "vocab", "ffn", "kv_heads", "seq", "micro_batch", "micro_batches",
                "zero", "dp", "tp", "pp", "ep", "experts", "top_k", "max_positions", "vocab_multiple")
 _INT_MAX = 1 << 40  # no model dimension or parallel size comes near it
+# Megatron's true/false settings that give another field (ALIASES' "_" names): (field, its value)
+_FLAG_ALIASES: dict[str, tuple[str, Callable[[bool], Any]]] = {
+    "_untie": ("tied_embeddings", lambda v: not v),
+    # (false: the weights' dtype, which the default is but for bf16, where Megatron forces it true)
+    "_grads_fp32": ("grad_dtype", lambda v: "fp32" if v else None),
+}
 
 
 _SAME_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -418,14 +423,10 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             raise ValueError(f"config key {show(key)} is not a name; known: {', '.join(sorted(_FIELDS))}")
         name = key.replace("-", "_")
         written, k = value, ALIASES.get(name, name)
-        if k == "_untie":
+        if k in _FLAG_ALIASES:
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, not {show(value)}")
-            k, value = "tied_embeddings", not value
-        elif k == "_grads_fp32":  # (false: the weights' dtype, which the default is but for bf16, where Megatron
-            if not isinstance(value, bool):  # forces it true)
-                raise ValueError(f"{key} must be true or false, not {show(value)}")
-            k, value = "grad_dtype", "fp32" if value else None
+            k, value = _FLAG_ALIASES[k][0], _FLAG_ALIASES[k][1](value)
         if k not in _FIELDS:
             raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
         if value is None:  # (an argument dump's unset setting: as if absent, the default or another name's)
