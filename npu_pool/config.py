@@ -198,6 +198,7 @@ class Config:
     fraction: Optional[float] = None  # None: no cap beyond the device
     policy: str = "npu_pool"
     plan: Optional[str] = None  # plan file for the planned policy
+    plan_source: str = PLAN  # where the plan was named: the variable, or the key in the YAML file
 
 
 _BLANK = " \t\n\r\f\v"  # ASCII white space, what a shell or a YAML file leaves around a value
@@ -343,7 +344,8 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
             raw[key] = (env[key], key)
     values = {key: _PARSERS[key](value, source) for key, (value, source) in raw.items()}
     cfg = Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
-                 policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN))
+                 policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN),
+                 plan_source=raw[PLAN][1] if PLAN in raw else PLAN)
     if cfg.policy == "planned" and not cfg.plan:
         raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
     return cfg

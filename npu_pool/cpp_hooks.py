@@ -42,6 +42,15 @@ class HooksUnavailable(RuntimeError):
     """The C++ hooks could not be built or loaded (the message says why)."""
 
 
+class CacheUnusable(HooksUnavailable):
+    """The directory the user named with NPU_POOL_CACHE cannot hold the hooks: their setting, not the machine."""
+
+
+def _unusable(message: str) -> HooksUnavailable:
+    """The cache directory cannot be used: the user's mistake when they named it (CacheUnusable)."""
+    return (CacheUnusable if os.environ.get(CACHE_ENV, "").strip() else HooksUnavailable)(message)
+
+
 def cache_dir() -> Path:
     """Where built hooks are kept."""
     if os.environ.get(CACHE_ENV, "").strip():
@@ -124,14 +133,14 @@ def build(kind: str = "npu") -> Path:
     except OSError as e:
         fix = (f"{CACHE_ENV}={os.environ[CACHE_ENV]} is not a directory this process can create or use"
                if os.environ.get(CACHE_ENV, "").strip() else f"set {CACHE_ENV} to a writable directory")
-        raise HooksUnavailable(f"cannot create the cache directory {out_dir} ({e.strerror}): {fix}") from None
+        raise _unusable(f"cannot create the cache directory {out_dir} ({e.strerror}): {fix}") from None
     out = out_dir / f"{SOURCES[kind].stem}-{key}.so"
     if _verified(out):
         return out
     try:
         lock = open(out_dir / ".build.lock", "w")
     except OSError as e:
-        raise HooksUnavailable(f"cannot write to the cache directory {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
+        raise _unusable(f"cannot write to the cache directory {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together build once
         if _verified(out):
@@ -150,7 +159,7 @@ def build(kind: str = "npu") -> Path:
             os.replace(tmp, out)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise HooksUnavailable(f"cannot write the hooks into {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
+            raise _unusable(f"cannot write the hooks into {out_dir} ({e.strerror}); set {CACHE_ENV}") from None
     if not _verified(out):
         raise HooksUnavailable(f"{out} changed while it was being built (another process writing the cache?)")
     return out

@@ -329,13 +329,22 @@ def _find_device(device_type: str, torch: Any) -> tuple[str, Any]:
 
 def _too_late(kind: str) -> TooLateError:
     name = "NPU" if kind == "npu" else "CUDA"
+    try:
+        switched = config.load().enabled
+    except config.ConfigError:
+        switched = False
+    if switched and "npu_pool_startup" not in sys.modules:  # the switch is on, yet its hook never ran: none here
+        fix = (f"{config.ENABLE} is set, but npu_pool's start-up hook did not run in this Python (it comes with "
+               "`pip install` of the package, as a .pth file in site-packages; a PYTHONPATH checkout or "
+               "`python -S` has none): install the package into this environment, or")
+    else:
+        fix = (f"Set {config.ENABLE}=1 in the environment of the launch (the package's start-up hook installs the "
+               "pool as torch imports) or")
     return TooLateError(
         f"npu_pool.install() came too late: torch has already initialised its own {name} allocator "
         f"(a tensor was moved to the device, or torch.{kind} was initialised, e.g. by torch.{kind}.set_device), "
-        "and an initialised allocator cannot be swapped. Set MEMORY_FRAGMENTATION=1 in the environment of the launch "
-        "(the package's start-up hook installs the pool as torch imports) or call npu_pool.install() at the top of the "
-        "training script: before the model is built and before any tensor "
-        "is moved to the device.")
+        f"and an initialised allocator cannot be swapped. {fix} call npu_pool.install() (or import mindspeed_patch) "
+        "at the top of the training script: before the model is built and before any tensor is moved to the device.")
 
 
 def _loaded_library(stem: str) -> Optional[str]:
@@ -395,6 +404,8 @@ def _hooks(kind: str) -> Any:
 
     try:
         return cpp_hooks.load(kind)
+    except cpp_hooks.CacheUnusable as e:  # a directory the user named: their setting to mend, not a fallback
+        raise config.ConfigError(f"{cpp_hooks.CACHE_ENV}: {e}") from None
     except cpp_hooks.HooksUnavailable as e:
         lost = ("Tensor.record_stream() does nothing (a tensor used on another NPU stream must then be kept alive "
                 "until that stream is done, or the stream synchronised, before it is freed), torch.npu.memory_stats() "
@@ -459,8 +470,10 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         except PlanError as e:
             raise PlanError(f"{config.PLAN}: {e}") from None
     elif settings.plan:
-        raise config.ConfigError(f"{config.PLAN}={settings.plan} is the plan policy planned serves, but the policy is "
-                                 f"{policy}: set {config.POLICY}=planned, or unset {config.PLAN}")
+        src = settings.plan_source  # the variable, or the key in the YAML file
+        undo = f"unset {src}" if src == config.PLAN else f"remove {src}"
+        raise config.ConfigError(f"{src} names the plan {settings.plan!r}, which only the planned policy serves, but "
+                                 f"the policy is {policy}: set {config.POLICY}=planned, or {undo}")
     snapshots = oom.snapshot_setting()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
     if snapshots is not None:  # (torch_npu's own switch names an optional folder: a warning only)
         config.parse_output_dir(*snapshots, unwritable_warns=snapshots[1] == oom.PATH)

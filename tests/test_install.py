@@ -709,9 +709,19 @@ def test_settings_install_would_ignore_are_refused_or_named(tmp_path: Path, fake
     plan = tmp_path / "p.plan"
     plan.write_bytes(b"x")
     monkeypatch.setenv("NPU_POOL_PLAN", str(plan))  # without the planned policy: ignored before
-    with pytest.raises(ConfigError, match="is the plan policy planned serves, but the policy is npu_pool"):
+    with pytest.raises(ConfigError, match="which only the planned policy serves, but the policy is npu_pool: set "
+                       "NPU_POOL_POLICY=planned, or unset NPU_POOL_PLAN"):
         npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
     monkeypatch.delenv("NPU_POOL_PLAN")
+    # named in the YAML file, which the environment overrides for the policy: the message names the file's key
+    conf = tmp_path / "pool.yaml"
+    conf.write_text(f"npu_pool_policy: planned\nnpu_pool_plan: {plan}\n")
+    monkeypatch.setenv("NPU_POOL_CONFIG", str(conf))
+    monkeypatch.setenv("NPU_POOL_POLICY", "npu_pool")
+    with pytest.raises(ConfigError, match=f"or remove npu_pool_plan in {conf}$"):
+        npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
+    monkeypatch.delenv("NPU_POOL_CONFIG")
+    monkeypatch.delenv("NPU_POOL_POLICY")
     monkeypatch.setenv("NPU_POOL_OOM_SNAPSHOT", str(plan))  # a file: said at the first OOM before, its snapshot lost
     with pytest.raises(ConfigError, match="NPU_POOL_OOM_SNAPSHOT=.* is not a directory"):
         npu_pool.install(device_type="cuda", lib_path=fakes["cuda"])
@@ -862,3 +872,16 @@ def test_run_refuses_to_install_into_the_systems_python(tmp_path: Path) -> None:
     assert r.returncode == 1 and "is the system's Python: installing here would change the machine's packages" \
         in r.stderr, r.stderr[-2000:]
     assert "python3 -m venv .venv" in r.stderr and "installing" not in r.stderr.replace("installing here", "")
+
+
+def test_a_late_install_with_the_switch_set_says_its_start_up_hook_never_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MEMORY_FRAGMENTATION=1 set, and yet install() comes too late: the start-up hook is not in this Python
+    (a PYTHONPATH checkout, `python -S`). The message said to set the variable that was set."""
+    from npu_pool.install import _too_late
+
+    monkeypatch.setenv("MEMORY_FRAGMENTATION", "1")
+    monkeypatch.delitem(sys.modules, "npu_pool_startup", raising=False)
+    msg = str(_too_late("npu"))
+    assert "start-up hook did not run" in msg and "Set MEMORY_FRAGMENTATION=1" not in msg
+    monkeypatch.delenv("MEMORY_FRAGMENTATION")
+    assert "Set MEMORY_FRAGMENTATION=1" in str(_too_late("npu"))

@@ -85,7 +85,7 @@ def test_the_variable_alone_puts_a_script_on_the_pool_under_real_torch_npu(torch
     script, check = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert script["device"] == "npu" and script["roundtrip"]
     # torch_npu's allocator settings: one line at install naming each and what npu_pool does instead
-    (line,) = [ln for ln in r.stderr.splitlines() if "allocator settings are ignored" in ln]
+    (line,) = [ln for ln in r.stderr.splitlines() if "device allocator settings do not apply" in ln]
     assert "PYTORCH_NPU_ALLOC_CONF: expandable_segments:True (" in line and "max_split_size_mb:128 (" in line
     assert "npu_pool_startup" in script["modules"] and "npu_pool.install" in script["modules"]
     # x, served by the pool (torch_npu pads each request by 32 bytes, rounded to 512), as torch reports
@@ -118,9 +118,12 @@ def test_a_bad_value_stops_at_import_torch_with_one_line(torch_npu: TorchNpu, tm
                        ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_POLICY": "planned", "NPU_POOL_PLAN": str(afile)},
                         f"NPU_POOL_PLAN: {afile}: not an npu_pool plan"),
                        ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_PLAN": str(afile)},  # ignored before
-                        "is the plan policy planned serves, but the policy is npu_pool"),
+                        "which only the planned policy serves, but the policy is npu_pool"),
                        ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_OOM_SNAPSHOT": str(afile)},  # said at the first OOM before
                         "NPU_POOL_OOM_SNAPSHOT="),
+                       # a cache directory the user named that cannot be one: a warning before, the hooks then off
+                       ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_CACHE": str(afile / "cache")},
+                        "NPU_POOL_CACHE: cannot create the cache directory"),
                        # a plan made under CUDA's request rules (a capture's): every request would miss
                        ({"MEMORY_FRAGMENTATION": "1", "NPU_POOL_POLICY": "planned", "NPU_POOL_PLAN": str(cuda_plan)},
                         "made with cuda's request rules and this npu device applies npu's"),
@@ -232,6 +235,22 @@ def test_torch_allocator_settings_are_named_with_what_npu_pool_does_instead() ->
     assert "weird (not an npu_pool setting)" in msg and "PYTORCH_CUDA_ALLOC_CONF: backend:cudaMallocAsync" in msg
     hostile = ignored_message({"PYTORCH_NPU_ALLOC_CONF": ",".join(["x" * 10_000] * 10_000)})
     assert hostile is not None and len(hostile) < 5_000  # bounded, whatever the value
+
+
+def test_host_memory_settings_and_the_allocators_switches_are_named_for_what_they_are() -> None:
+    """torch_npu still reads its alloc conf for pinned host memory (a key it does not know fails the first
+    pin_memory(), with npu_pool or not): those settings are named as torch's; a bracketed value keeps its
+    commas; the caching allocator's switches of their own are named too (they were silently ignored)."""
+    from npu_pool.alloc_conf import ignored_message
+
+    msg = ignored_message({"PYTORCH_NPU_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2], pinned_mem_register:True",
+                           "PYTORCH_NO_NPU_MEMORY_CACHING": "1", "MULTI_STREAM_MEMORY_REUSE": "2"})
+    assert msg is not None and "\n" not in msg and "pinned host memory" in msg
+    assert "roundup_power2_divisions:[256:1,512:2] (npu_pool rounds" in msg and "512:2] (" not in msg.replace(
+        "[256:1,512:2] (", "")
+    assert "pinned_mem_register:True (still torch's: pinned host memory)" in msg
+    assert "PYTORCH_NO_NPU_MEMORY_CACHING=1 (" in msg and "MULTI_STREAM_MEMORY_REUSE=2 (" in msg
+    assert ignored_message({"PYTORCH_NO_CUDA_MEMORY_CACHING": " "}) is None
 
 
 MINDSPEED = SHARED / "clients" / "mindspeed" / "mindspeed" / "patch_utils.py"
