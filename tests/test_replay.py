@@ -271,6 +271,14 @@ def test_a_window_of_frees_only_replays(tmp_path, capsys) -> None:
     assert main(["replay", str(tmp_path / "frees.npt"), "--json", str(tmp_path / "r.json")]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())
     assert len(rows) == 3 and all(r["peak_live_bytes"] == 6 * MiB and r["iteration_calls"] is None for r in rows)
+    # the planned policy asked for too: nothing to plan, so its row runs online, and the other rows stay
+    # (the whole command failed on "the trace has no allocations to plan", its other traces' rows lost)
+    assert main(["replay", str(tmp_path / "frees.npt"), "--policy", "npu_pool,planned", "--json",
+                 str(tmp_path / "r2.json")]) == 0
+    rows = json.loads((tmp_path / "r2.json").read_text())
+    assert [r["policy"] for r in rows] == ["npu_pool", "planned"]
+    assert rows[0]["peak_reserved_bytes"] == rows[1]["peak_reserved_bytes"]
+    assert "planned on frees: runs online (no plan: the trace has no allocations to plan)" in capsys.readouterr().out
 
 
 def test_a_trace_of_markers_costs_no_table_per_marker() -> None:

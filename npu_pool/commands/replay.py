@@ -207,9 +207,14 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
             if policy == "planned":
                 from ..planner import make_plan
 
-                plan = given or make_plan(trace, name)
-                if plan.meta.get("online"):  # (a plan given with --plan too: its row is the online pool's)
-                    online.append(f"planned on {name}: runs online (the plan {printable(str(plan.meta['online']))})")
+                try:
+                    plan = given or make_plan(trace, name)
+                except ValueError as e:  # nothing to plan (a window of frees only), or past the device: no plan
+                    online.append(f"planned on {name}: runs online (no plan: {printable(str(e))})")
+                else:
+                    if plan.meta.get("online"):  # (a plan given with --plan too: its row is the online pool's)
+                        online.append(f"planned on {name}: runs online (the plan "
+                                      f"{printable(str(plan.meta['online']))})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds))
     print(format_table(results))
