@@ -197,6 +197,21 @@ def test_flipped_bytes_give_the_same_answer_or_message(tmp_path: Path) -> None:
             _agree(path)
 
 
+def test_a_frame_longer_than_its_bytes_is_never_read_as_a_snapshot(tmp_path: Path) -> None:
+    """A protocol-4 frame whose stated length runs into the next frame's header (bytes cut out of it, or
+    a header changed) is refused by the unpicklers; the scan, which stepped over frames, read such a file
+    as a snapshot (a review, a helper: one frame reference cut out of a real snapshot imported)."""
+    data = pickle.dumps(_snapshot(3000, shared_frames=False), protocol=4)
+    frames = [pos for op, _, pos in pickletools.genops(data) if op.name == "FRAME"]
+    assert len(frames) >= 4
+    path = tmp_path / "frame.pickle"
+    for at in frames[1:4]:
+        stated = int.from_bytes(data[at + 1:at + 9], "little")
+        for more in (2, 100):
+            path.write_bytes(data[:at + 1] + (stated + more).to_bytes(8, "little") + data[at + 9:])
+            assert _agree(path)[0] == "error", (at, more)
+
+
 # -- memory ---------------------------------------------------------------------------------------
 
 

@@ -128,6 +128,7 @@ class _Scan:
         self.pending: set[bytes] = set()  # runs of BINGET/LONG_BINGET opcodes met since the last fold
         self.last = array("I")  # memo index -> 1 + the range after which no memo read names it (0: none does)
         self.frames = array("Q")  # positions of FRAME opcodes (left out of the ranges)
+        self.frame_end = 0  # where the latest frame ends: the next may begin there, not before
         # the ranges, in file order: role, start, end, number of items
         self.roles, self.starts, self.ends, self.counts = array("B"), array("Q"), array("Q"), array("Q")
         self.structural: list[int] = []  # stores made on the dict and the listed lists (must not be read back)
@@ -392,6 +393,9 @@ class _Scan:
             length = int.from_bytes(self.buf[self.i + 1:self.i + 9], "little")
             if pos + 9 + length > self.size:  # the C unpickler reads a frame whole before using it
                 raise NotStreamable("truncated frame")
+            if pos < self.frame_end:  # (the unpicklers refuse it; a walk that ignores frames would not)
+                raise NotStreamable("a frame begins inside the one before it")
+            self.frame_end = pos + 9 + length
             self.frames.append(pos)
             self.i += 9
             return True
