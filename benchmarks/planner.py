@@ -5,9 +5,10 @@
 A second table plans one recorded step (a real CPU capture of the small models, first step) and
 replays the same run's three real steps with it, as the plan would meet them: whether the planner
 kept it, peak reserved with it against the online pool's, and release-and-retry events on the
-device the online pool needs. A third replays each shared trace whose plan is kept with one extra
-tensor the recording did not have (4 KiB or 16 MiB, kept from the 10th, 1000th or 3000th request
-on): peak reserved online and with the plan, uncapped and on a device 1% above the online peak.
+device the online pool needs. A third replays each shared trace whose plan is kept with tensors the
+recording did not have (4 KiB or 16 MiB: one kept from the 10th, 1000th or 3000th request on, or one
+made at every 97th request and freed 5 requests later): peak reserved online and with the plan,
+uncapped and on a device 1% above the online peak.
 
 For fake captures of 7B/13B shapes (gpt, llama, moe; 2 and 3 steps; recompute; gradient
 accumulation; tensor- and pipeline-parallel slices; no real memory, see
@@ -118,12 +119,18 @@ def one_step_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-EXTRAS = [(at, size) for at in (10, 1000, 3000) for size in (4096, 16 << 20)]  # (request, bytes) kept on
+# (request, bytes, every): `bytes` allocated before that request and kept; with `every`, before every
+# such request and freed EXTRA_LIFE requests later
+EXTRAS = ([(at, size, 0) for at in (10, 1000, 3000) for size in (4096, 16 << 20)]
+          + [(97, size, 97) for size in (4096, 16 << 20)])
+EXTRA_LIFE = 5
 
 
-def _with_extra(trace: Any, policy: str, capacity: int, at: int, size: int, plan: Any = None) -> int | None:
+def _with_extra(trace: Any, policy: str, capacity: int, at: int, size: int, every: int = 0,
+                plan: Any = None) -> int | None:
     """Peak reserved bytes of ``trace`` replayed through ``policy`` with ``size`` more bytes allocated
-    before its ``at``-th request and kept; None when a request fails. (Played here, not by
+    before its ``at``-th request and kept (``every``: before every ``every``-th request, each freed
+    EXTRA_LIFE requests later); None when a request fails. (Played here, not by
     ``replay.run``, which refuses a plan for a trace whose iteration differs from the plan's, as
     this one now does; tags and recorded failures are not played: extra_rows leaves such traces out.)"""
     from npu_pool import Pool
@@ -134,13 +141,15 @@ def _with_extra(trace: Any, policy: str, capacity: int, at: int, size: int, plan
     with Pool(policy, capacity=capacity, rules=device_type(trace)) as pool:
         if plan is not None:
             install(pool, plan)
-        live, n = {}, 0
+        live, n, extra = {}, 0, []
         try:
             for op, cat, id_, sz, stream in zip(trace.op, trace.cat, trace.id, trace.size, trace.stream):
                 if op in (OP_ALLOC, OP_INIT_ALLOC):
                     n += 1
-                    if n == at:
-                        pool.malloc(size)
+                    if n == at or (every and n % every == 0):
+                        extra.append((n + EXTRA_LIFE if every else None, pool.malloc(size)))
+                    while extra and extra[0][0] is not None and extra[0][0] <= n:
+                        pool.free(extra.pop(0)[1])
                     live[id_] = pool.malloc(sz, stream=stream)
                 elif op == OP_FREE and id_ in live:
                     pool.free(live.pop(id_))
@@ -164,23 +173,24 @@ def extra_rows(named: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         plan = make_plan(trace, name)
         if plan.meta.get("online"):
             continue
-        for at, size in EXTRAS:
-            online = _with_extra(trace, "npu_pool", 1 << 46, at, size)
+        for at, size, every in EXTRAS:
+            online = _with_extra(trace, "npu_pool", 1 << 46, at, size, every)
             assert online is not None, name
             tight = online + online // 100
-            rows.append(dict(trace=name, at=at, size=size, online=online,
-                             tight=_with_extra(trace, "planned", tight, at, size, plan),
-                             uncapped=_with_extra(trace, "planned", 1 << 46, at, size, plan)))
+            rows.append(dict(trace=name, at=at, size=size, every=every, online=online,
+                             tight=_with_extra(trace, "planned", tight, at, size, every, plan),
+                             uncapped=_with_extra(trace, "planned", 1 << 46, at, size, every, plan)))
     return rows
 
 
 def extra_table(rows: list[dict[str, Any]]) -> str:
-    out = ["| trace | extra kept from request | npu_pool GiB | planned GiB | planned on npu_pool's peak + 1% |",
+    out = ["| trace | extra | npu_pool GiB | planned GiB | planned on npu_pool's peak + 1% |",
            "|---|---|---:|---:|---:|"]
     for r in rows:
         size = "4 KiB" if r["size"] < 1 << 20 else f"{r['size'] >> 20} MiB"
         tight = "out of memory" if r["tight"] is None else f"{r['tight'] / GiB:.3f}"
-        out.append(f"| {r['trace']} | {size} at {r['at']} | {r['online'] / GiB:.3f} | {r['uncapped'] / GiB:.3f} | "
+        when = (f"at every {r['every']}th, freed {EXTRA_LIFE} later" if r["every"] else f"kept from the {r['at']}th")
+        out.append(f"| {r['trace']} | {size} {when} | {r['online'] / GiB:.3f} | {r['uncapped'] / GiB:.3f} | "
                    f"{tight} |")
     return "\n".join(out)
 
@@ -241,11 +251,13 @@ npu_pool needs: **{all(r['retries'] <= r['online_retries'] for r in steps)}**.
 """
     if extras:
         text += f"""
-## A kept plan meeting a tensor the recording did not have
+## A kept plan meeting tensors the recording did not have
 
 Each shared trace whose plan is kept, replayed with one extra tensor kept from its 10th, 1000th or
-3000th request on (one the run keeps that the recorded step did not make: a logged value, a cache): peak
-reserved online, with the plan, and with the plan on a device 1% above the online pool's peak.
+3000th request on (one the run keeps that the recorded step did not make: a logged value, a cache), or
+with one made before every 97th request and freed {EXTRA_LIFE} requests later (a short-lived one the
+recording did not have): peak reserved online, with the plan, and with the plan on a device 1% above
+the online pool's peak.
 Never out of memory there: **{all(r['tight'] is not None for r in extras)}**; planned no more than
 npu_pool: **{sum(r['uncapped'] <= r['online'] for r in extras)} of {len(extras)}**.
 

@@ -23,21 +23,24 @@
  *    for good: weights, optimizer states; the steps after it do not make them again), a request
  *    that matches the first position after the expected one that is not held for good takes it;
  *  - otherwise it is a dynamic size at the expected position (MoE routing, variable
- *    lengths). When the next request matches the position it consumed instead, it was an
- *    extra request and the position is taken back; MAX_MISSES in a row: lost.
+ *    lengths). When the next request matches the position it consumed (first: it may match
+ *    the one after too, a pair of equal sizes), it was an extra request, the position is taken
+ *    back and the extra size leaves the hashed window; MAX_MISSES in a row: lost.
  * Off-plan ranges: in a steady loop (the previous body pass and this one so far followed
  * without losing track, every block freed when the plan said) a dynamic request takes
  * its position's range if it fits there, else the lowest range the plan leaves idle for
  * the position's lifetime and that is free now; so does a matching request whose range
  * is still held. Before that a mismatch is more likely an extra request that may live for
- * good (optimizer states), and it goes to the fallback.
+ * good (optimizer states), and it goes to the fallback; so does a dynamic request under a page
+ * while the fallback maps at most a page beyond the plan's `outside` (small_to_fallback).
  * The fallback is an arena (arena.h) whose budget leaves the region room: the cap less the
  * region while it is not reserved yet, the cap less what the region holds once it is. Under
- * NP_PLAN_MADE_ONCE a request the plan does not place, short of one it leaves out, takes the
- * lowest free range of the region that fits before the fallback (later steps differ from the
- * recorded one). When the fallback has no room, that range is a last resort;
- * failing that, with nothing planned live, the region is given up (until empty_cache or a new
- * plan) and the request retried, so that a region the run does not use never costs its share.
+ * NP_PLAN_MADE_ONCE a request the plan does not place, short of one it leaves out or a small one
+ * (small_to_fallback), takes a free range of the region before the fallback (later steps differ from
+ * the recorded one): the one the plan leaves idle longest, else the lowest that fits. When the
+ * fallback has no room, the region's lowest fit is a last resort; failing that, with nothing
+ * planned live, the region is given up (until empty_cache or a new plan) and the request
+ * retried, so that a region the run does not use never costs its share.
  *
  * Invariants: the region segment is tiled by its blocks; its free blocks are exactly the
  * nodes of the address-ordered tree `free` (in_tree set) and no two of them are
@@ -292,10 +295,14 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     skipped = NP_PLAN_NONE;
   }
   uint64_t at = NP_PLAN_NONE, past;
-  if (st->synced && p->size[st->pos] == req) {
-    at = st->pos;
-  } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
+  if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
     at = skipped;
+    if (st->n_recent >= 2) { /* the previous request was an extra one: no part of the pattern either */
+      st->n_recent--;
+      st->recent[(st->n_recent - 1) % NP_PLAN_GRAM] = req;
+    }
+  } else if (st->synced && p->size[st->pos] == req) {
+    at = st->pos;
   } else if (st->synced && (st->flags & NP_PLAN_MADE_ONCE) && (past = p->past_held[st->pos]) != st->pos &&
              p->size[past] == req) {
     at = past; /* the tensors made once, expected here, were made in an earlier pass: not missed */
@@ -339,18 +346,15 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   return at;
 }
 
-/* A dynamic-size request at position `at`: its own planned range if it fits, else a range
- * idle in the plan during the position's lifetime and free now. */
-static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream, np_block **out) {
+/* The lowest range the plan leaves idle during span `sp` and that is free now (up to IDLE_TRIES candidates). */
+static int place_idle(np_ctx *ctx, planned_state *st, const np_span *sp, uint64_t size, intptr_t stream, uint64_t pos,
+                      np_block **out) {
   const np_plan *p = &st->plan;
-  if (p->offset[at] != NP_PLAN_NONE && size <= np_round_up(p->size[at], NP_MIN_BLOCK) &&
-      region_take(ctx, st, p->offset[at], size, stream, at, out) == NP_OK)
-    return NP_OK;
   uint64_t from = 0;
   for (int tries = 0; tries < IDLE_TRIES; tries++) {
-    uint64_t off = np_occ_lowest(&p->occ, &p->span[at], size, from);
+    uint64_t off = np_occ_lowest(&p->occ, sp, size, from);
     if (off > p->region || p->region - off < size) break;
-    int rc = region_take(ctx, st, off, size, stream, at, out);
+    int rc = region_take(ctx, st, off, size, stream, pos, out);
     if (rc != NP_ERR_OOM) return rc;
     np_block *next = np_tree_after(&st->free, st->seg->addr + off); /* skip what holds the range now */
     if (!next) break;
@@ -359,12 +363,46 @@ static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t s
   return NP_ERR_OOM;
 }
 
+/* A dynamic-size request at position `at`: its own planned range if it fits, else a range
+ * idle in the plan during the position's lifetime and free now. */
+static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream, np_block **out) {
+  const np_plan *p = &st->plan;
+  if (p->offset[at] != NP_PLAN_NONE && size <= np_round_up(p->size[at], NP_MIN_BLOCK) &&
+      region_take(ctx, st, p->offset[at], size, stream, at, out) == NP_OK)
+    return NP_OK;
+  return place_idle(ctx, st, &p->span[at], size, stream, at, out);
+}
+
+/* A request of unknown lifetime at position `at`: the free range the plan leaves idle longest from there
+ * (a pass and more, else half as long, ...), so that it holds no range the plan needs soon. */
+static int place_longest_idle(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream,
+                              np_block **out) {
+  const np_plan *p = &st->plan;
+  for (uint64_t d = p->n; d; d /= 2) {
+    np_span sp = np_plan_span(p->n, p->loop, at, at + d);
+    if (sp.hi2 > p->n) sp.hi2 = (uint32_t)p->n; /* (the whole body) */
+    int rc = place_idle(ctx, st, &sp, size, stream, UINT32_MAX, out);
+    if (rc != NP_ERR_OOM) return rc;
+  }
+  return NP_ERR_OOM;
+}
+
+/* Whether a small request the plan does not place (an extra one, a dynamic size) goes to the fallback
+ * first: there it costs a page at most while the fallback maps no more than a page beyond what the plan
+ * expects outside the region; in the region it may hold, for good, a range that planned requests need.
+ * (Past that page the region again: a fallback growing beside a region with free memory holds both.) */
+static bool small_to_fallback(const planned_state *st, uint64_t size) {
+  uint64_t mapped = st->fb.seg ? st->fb.seg->mapped : 0;
+  return size < st->fb.page && mapped <= st->outside + st->fb.page;
+}
+
 /* NP_ERR_OOM: the plan does not place the request; *left_out when it leaves it to the fallback on purpose
- * (an unplanned position). */
+ * (an unplanned position); *where: the position it stands for (the one expected next when lost). */
 static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out,
-                         bool *left_out) {
+                         bool *left_out, uint64_t *where) {
   bool dynamic;
   uint64_t at = locate(ctx, st, req, &dynamic);
+  *where = at != NP_PLAN_NONE ? at : st->pos;
   if (at != NP_PLAN_NONE && (!st->plan.region || st->seg_failed) && !st->seg && !st->premapped) {
     /* no region will be reserved to map what the plan leaves out with (none planned, or reserving it
      * failed): map it at the plan's first position instead (a refusal leaves the fallback to grow) */
@@ -385,7 +423,7 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
   }
   /* ranges off plan only in a steady loop: before, a mismatch is more likely an extra request
    * (optimizer states, a different step) than a dynamic size, and it may live for good */
-  if (!st->steady) return NP_ERR_OOM;
+  if (!st->steady || (dynamic && small_to_fallback(st, size))) return NP_ERR_OOM;
   rc = place_dynamic(ctx, st, at, size, stream, out);
   if (rc == NP_OK) st->count[IDLE]++;
   return rc;
@@ -426,15 +464,20 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   planned_state *st = state(ctx);
   if (st->plan.n) {
     bool left_out = false;
-    int rc = place_planned(ctx, st, req, stream, out, &left_out);
+    uint64_t at;
+    int rc = place_planned(ctx, st, req, stream, out, &left_out, &at);
     if (rc != NP_ERR_OOM) return rc;
     /* a plan of one recorded step (NP_PLAN_MADE_ONCE): a request it does not place (lost, a size the step
-     * did not record, its range still held), short of one it leaves out on purpose, takes the region's free
-     * memory first, as the online pool takes its own: steps after the recorded one differ from it (MoE
-     * routing), and a fallback growing beside a region with free memory would hold both */
-    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg &&
-        last_resort(ctx, st, req, stream, out) == NP_OK)
-      return NP_OK;
+     * did not record, its range still held), short of one it leaves out on purpose or a small one, takes the
+     * region's free memory first, as the online pool takes its own: steps after the recorded one differ from
+     * it (MoE routing), and a fallback growing beside a region with free memory would hold both */
+    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg && !small_to_fallback(st, req)) {
+      if (place_longest_idle(ctx, st, at, np_round_up(req, NP_MIN_BLOCK), stream, out) == NP_OK) {
+        st->count[IDLE]++;
+        return NP_OK;
+      }
+      if (last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
+    }
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
   if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
