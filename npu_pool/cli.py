@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"npu-pool {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return 2
     except (OSError, ValueError, PoolError, MemoryError, RecursionError) as e:  # bad files, settings, devices
+        # its frames, and those of the exception it replaced, hold what the command read (all of memory,
+        # after a MemoryError): freed before the message is printed (only its text is)
+        e.__traceback__ = e.__context__ = e.__cause__ = None
         text = str(e)
         if isinstance(e, OSError) and e.strerror and e.filename is None and e.errno is not None:
             text = e.strerror  # a message of the package's own, without Python's "[Errno N]"

@@ -1400,3 +1400,69 @@ def test_probe_of_2026_11_27_each_mistake_is_one_line(tmp_path, capsys) -> None:
     plan.size, plan.offset, plan.end, plan.loop = array.array("Q"), array.array("Q"), array.array("Q"), 0
     save_plan(plan, tmp_path / "empty.npplan")
     _one_line(capsys, ["plan", "--check", str(tmp_path / "empty.npplan")], "plan: no positions")
+
+
+def test_a_snapshot_too_large_for_free_memory_is_said_so_without_a_second_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory in the streamed read: the whole read, which needs 3-9x more, was tried next, and its
+    message blamed the file ("corrupt or hostile") for a valid snapshot too large for the machine (a review,
+    a helper: a 43 MB snapshot under a 52 MB address-space limit). The CLI's handler, which printed while
+    the failed read's frames still held that memory, lost its stderr on a small hostile file."""
+    import weakref
+
+    from npu_pool.trace import snapshot
+
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
+    held = []
+
+    class Big:
+        pass
+
+    def streamed(*_a: object) -> None:
+        big = Big()  # what the read holds when memory runs out, freed before the message is printed
+        held.append(weakref.ref(big))
+        raise MemoryError
+
+    def whole(*_a: object) -> None:
+        raise AssertionError("read whole after running out of memory")
+
+    monkeypatch.setattr(snapshot, "_streamed", streamed)
+    monkeypatch.setattr(snapshot, "_unpickle", whole)
+    with pytest.raises(TraceError, match=r"out of memory reading it \(\d+ bytes\): this machine has too little free"):
+        load_snapshot(path)
+    real_print = print
+    alive = []
+
+    def printing(*a: object, **kw: object) -> None:
+        alive.append(held[-1]() is not None)
+        real_print(*a, **kw)
+
+    monkeypatch.setattr(snapshot, "_streamed", streamed)
+    monkeypatch.setattr("builtins.print", printing)
+    assert main(["import", str(path), "--out", str(tmp_path / "o")]) == 1
+    monkeypatch.setattr("builtins.print", real_print)
+    assert "out of memory reading it" in capsys.readouterr().err and alive == [False]
+
+
+def test_one_block_listed_a_million_times_is_refused_before_it_costs_a_record_each(tmp_path: Path) -> None:
+    """A segment listing one block object again and again (a memo reference: two bytes of the file each)
+    cost a checked record each: a 5 MB file took 543 MB to import (a review, a helper). A block, and a
+    segment, is one object listed once."""
+    block = dict(address=1 << 41, size=512, requested_size=512, state="inactive", frames=[])
+    alloc = dict(action="alloc", addr=1 << 40, size=512, stream=0, time_us=1, frames=[])
+    seg = dict(device=0, address=1 << 41, total_size=2 << 20, stream=0, segment_type="small", blocks=[block] * 10**6)
+    path = tmp_path / "blocks.pickle"
+    path.write_bytes(pickle.dumps(dict(segments=[seg], device_traces=[[alloc]]), 4))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError, match=r"segments\[0\]\.blocks\[1\] is a block listed before"):
+            load_snapshot(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * path.stat().st_size  # the unpickled list of references, not a record per reference
+    seg2 = dict(seg, blocks=[block])
+    path.write_bytes(pickle.dumps(dict(segments=[seg2] * 3, device_traces=[[alloc]]), 4))
+    with pytest.raises(TraceError, match=r"segments\[1\] is a segment listed before"):
+        load_snapshot(path)

@@ -89,7 +89,8 @@ def _unpickle(f: Any, name: str) -> Any:
     except RecursionError:
         raise TraceError(f"{name}: pickle nests too deeply; not a memory snapshot") from None
     except MemoryError:
-        raise TraceError(f"{name}: the pickle asks for more memory than this machine has; corrupt or hostile") from None
+        raise TraceError(f"{name}: out of memory reading it: this machine has too little free memory for this "
+                         "snapshot, or the file is corrupt or hostile") from None
     except Exception as e:  # truncated/corrupt pickles raise many different types
         raise TraceError(f"{name}: not a valid pickle; corrupt or truncated "
                          f"({type(e).__name__}: {str(e)[:120]})") from None
@@ -166,10 +167,17 @@ def load_snapshot(path: str | Path) -> list[Trace]:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             check_head(path, f.read(8))
+            out_of_memory = False
             try:
                 return _streamed(f, st.st_size, str(path))
-            except (NotStreamable, TraceError, RecursionError, MemoryError):
+            except MemoryError:  # the whole read needs 3-9x more: not tried
+                out_of_memory = True  # (said below, once the failed read's frames are freed with the exception)
+            except (NotStreamable, TraceError, RecursionError):
                 pass  # read whole: the reference reading, with its own messages
+            if out_of_memory:
+                raise TraceError(f"{path}: out of memory reading it ({st.st_size} bytes): this machine has too little "
+                                 "free memory for this snapshot (reading it takes about its size and more), or the "
+                                 "file is corrupt or hostile")
             f.seek(0)
             obj = _unpickle(_Bounded(f, st.st_size), str(path))
     except NotRegularFile as e:
@@ -203,7 +211,8 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
     none: list = []  # one empty list stands for every device without entries
     rest["device_traces"] = [d[0] if d else none for d in devices]
     segments, traces, annotations, settings = _validated(rest, name, size)
-    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    seen: set[int] = set()
+    segs = [_segment(s, name, f"segments[{i}]", seen) for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
     kind = probe.result(segments, rest.get("allocator_settings"))
     del rest, traces, segments, annotations
@@ -227,7 +236,8 @@ def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | N
     (``_consume``: the dict is the caller's no more: each entry is replaced by its compact
     record as it is read, so the unpickled dicts are freed as the conversion goes.)"""
     segments, traces, annotations, settings = _validated(obj, name, max_elements)
-    segs = [_segment(s, name, f"segments[{i}]") for i, s in enumerate(segments)]
+    seen: set[int] = set()
+    segs = [_segment(s, name, f"segments[{i}]", seen) for i, s in enumerate(segments)]
     marks = _annotations(annotations, name)
     kind = _device_type(obj)
     frames_left = [_FRAMES_PER_BYTE * max_elements] if max_elements is not None else None
@@ -550,15 +560,24 @@ def _bytes(d: dict, key: str, name: str, where: str, default: int | None = None)
     return v
 
 
-def _segment(s: Any, name: str, where: str) -> dict:
-    """Check one end-state segment; return the fields the importer uses."""
+def _segment(s: Any, name: str, where: str, seen: set[int]) -> dict:
+    """Check one end-state segment; return the fields the importer uses. ``seen``: the ids of the
+    block objects read so far, in this and earlier segments (a block is one object, listed once)."""
     _expect(isinstance(s, dict), name, where, "a dict", s)
+    if id(s) in seen:
+        raise TraceError(f"{name}: {where} is a segment listed before (one object referenced again): "
+                         "not a memory snapshot")
+    seen.add(id(s))
     blocks = s.get("blocks", [])
     _expect(isinstance(blocks, list), name, f"{where}.blocks", "a list", blocks)
     out_blocks = []
     for j, b in enumerate(blocks):
         bw = f"{where}.blocks[{j}]"
         _expect(isinstance(b, dict), name, bw, "a dict", b)
+        if id(b) in seen:  # a memo reference, two bytes of the file, that would cost a record each
+            raise TraceError(f"{name}: {bw} is a block listed before (one object referenced again): "
+                             "not a memory snapshot")
+        seen.add(id(b))
         state = b.get("state")
         _expect(isinstance(state, str), name, f"{bw}.state", "a string", state)
         size = _bytes(b, "size", name, bw)
