@@ -206,10 +206,11 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
             plan = None
             if policy == "planned":
                 from ..planner import make_plan
+                from ..planner.iteration import NothingToPlan
 
                 try:
                     plan = given or make_plan(trace, name)
-                except ValueError as e:  # nothing to plan (a window of frees only), or past the device: no plan
+                except NothingToPlan as e:  # (a window of frees only): the row of the online pool
                     online.append(f"planned on {name}: runs online (no plan: {printable(str(e))})")
                 else:
                     if plan.meta.get("online"):  # (a plan given with --plan too: its row is the online pool's)

@@ -75,10 +75,14 @@ class Window:
             | (PLAN_MADE_ONCE if self.method == "whole" else 0)
 
 
+class NothingToPlan(ValueError):
+    """The trace holds no request to plan (a recording of frees only)."""
+
+
 def find_window(trace: Trace) -> Window:
     """The steady iteration of ``trace`` (see the module docstring)."""
     if not any(op == OP_ALLOC for op in trace.op):
-        raise ValueError("the trace has no allocations to plan")
+        raise NothingToPlan("the trace has no allocations to plan")
     return _by_markers(trace) or (None if _one_iteration(trace) else _by_period(trace)) or _whole(trace)
 
 
