@@ -542,6 +542,23 @@ def test_trim_unmaps_pages_of_a_busy_stream_once_the_device_is_synchronised(vend
         p.check()
 
 
+@pytest.mark.parametrize("policy", ["npu_pool", "expandable", "planned", "torch"])
+def test_close_waits_for_the_device_before_it_returns_memory(vendor: Vendor, policy: str) -> None:
+    """Work still queued on freed memory (here another stream's) finishes before close() unmaps and
+    returns it, as before empty_cache(): close made no synchronisation under the VMM policies (a review
+    of the core, a helper), so a kernel still running could touch unmapped memory."""
+    p = vendor.pool(policy)
+    p.free(p.malloc(8 * MiB, stream=1))  # a kernel queued on stream 1 may still read this block
+    vendor.lib.fake_set_busy(1, 1)
+    syncs, returned = vendor.calls("sync"), vendor.calls("unmap") + vendor.calls("free")
+    p.close()
+    vendor.lib.fake_set_busy(1, 0)
+    assert vendor.calls("unmap") + vendor.calls("free") > returned  # memory went back
+    waits_itself = policy == "torch" and vendor.backend == "cuda"  # cudaFree waits for the device
+    assert vendor.calls("sync") - syncs == (0 if waits_itself else 1)  # once, first (aclrtFree's too)
+    assert vendor.lib.fake_used() == 0
+
+
 def test_a_request_synchronises_the_device_once_however_it_fails(vendor: Vendor) -> None:
     """A trim that waited for a busy stream leaves the device idle for the rest of the request:
     the retry after it does not synchronise again (one synchronisation, one retry, then the

@@ -167,11 +167,25 @@ int np_ctx_refuse(const np_ctx *ctx, const char *what) {
 /* What a closed context still answers: the policy's name and pools, and no operation. */
 static const np_policy closed_policy = {.name = "(closed)", .summary = "a closed pool"};
 
+/* Whether returning the context's memory must first wait for the device: work still queued on freed
+ * memory (another stream's) may use it. A vendor free that waits by itself (cudaFree) needs no wait;
+ * mapped pages (an unmap does not wait) and frees that do not (aclrtFree) do. */
+static bool close_waits(const np_ctx *ctx) {
+  for (const np_segment *s = ctx->segments; s; s = s->next)
+    if (s->reserved_only ? s->mapped != 0 : !ctx->be->free_synchronizes) return true;
+  return false;
+}
+
 /* Release everything but the struct and its lock (lock held). An inherited context gives
  * nothing back to the device: that memory is the parent's. */
 static int close_locked(np_ctx *ctx) {
   int rc = NP_OK;
   if (!ctx->inherited) {
+    /* as at empty_cache, once; a device that cannot say so is not waited for: closing returns the
+     * memory all the same (the pool is gone), and the failure is said unless another comes first */
+    int drained = close_waits(ctx) ? np_ctx_synchronize(ctx) : NP_OK;
+    np_saved_error unsynced;
+    np_save_error(&unsynced, drained);
     np_vmm_spares_release(ctx);
     ctx->policy->destroy(ctx); /* returns every segment to the device */
     rc = np_ctx_retry_held(ctx);
@@ -179,7 +193,8 @@ static int close_locked(np_ctx *ctx) {
     np_save_error(&held, rc);
     int destroyed = ctx->be->destroy(ctx->be); /* a refused vendor object (an event) is reported, not kept */
     if (rc != NP_OK) np_restore_error(&held); /* memory the device still holds: the first thing to say */
-    else rc = destroyed;
+    else if (destroyed != NP_OK) rc = destroyed;
+    else if (drained != NP_OK) rc = drained, np_restore_error(&unsynced);
     free(ctx->held);
     free(ctx->spare);
     np_block_cache_destroy(&ctx->blocks);
