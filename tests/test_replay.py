@@ -317,3 +317,19 @@ def test_same_named_traces_get_distinct_names_however_deep_their_folders() -> No
     seen: dict = {}
     paths = ("x/a/run.npt", "y/a/run.npt", "z/a/run.npt", "z/a/run.npt")
     assert [distinct_name("run", Path(p), seen) for p in paths] == ["run", "y/a/run", "z/a/run", "run (2)"]
+
+
+@pytest.mark.parametrize("seg_size, alloc_at", [(2 << 20, 100), (1000, 0), (0, 0), ((2 << 20) + 1, 0)])
+def test_an_initial_state_off_the_allocators_grid_is_refused(seg_size: int, alloc_at: int) -> None:
+    """A fidelity replay places the initial state where it was recorded: a segment or block off the 512-byte
+    grid every allocator places on broke the core's tiling (the debug build aborted; the release build
+    replayed it, blocks at odd offsets). Such a trace is refused when validated (a review, a helper)."""
+    from npu_pool.trace.format import OP_INIT_ALLOC, OP_INIT_SEGMENT, Trace, TraceError
+
+    base = 1 << 40
+    t = Trace(meta={"n_ids": 2})
+    t.append(OP_INIT_SEGMENT, size=seg_size, cat=0, addr=base)
+    t.append(OP_INIT_ALLOC, id=0, size=512, addr=base + alloc_at)
+    t.append(OP_ALLOC, id=1, size=1000)
+    with pytest.raises(TraceError, match="off the 512-byte grid"):
+        t.validate()

@@ -325,6 +325,12 @@ int np_trace_validate(const np_replay_in *in, uint64_t n_sites, uint64_t *bad) {
     if (init && window != UINT64_MAX) {
       rc = np_error(NP_ERR_INVALID, "event %llu: %s after the window began (event %llu): the initial state comes first",
                     ui, op_name(op), (unsigned long long)window);
+    } else if (init && (in->addr[i] % NP_MIN_BLOCK ||
+                        (op == NP_OP_INIT_SEGMENT && (!in->size[i] || in->size[i] % NP_MIN_BLOCK)))) {
+      /* (a fidelity replay places the initial state where it was: on the allocators' 512-byte grid) */
+      rc = np_error(NP_ERR_INVALID, "event %llu: %s at %#llx of %llu bytes: off the %llu-byte grid every allocator "
+                    "places on (a segment: a positive multiple of it)", ui, op_name(op),
+                    (unsigned long long)in->addr[i], (unsigned long long)in->size[i], (unsigned long long)NP_MIN_BLOCK);
     } else if (op == NP_OP_ALLOC || op == NP_OP_INIT_ALLOC) {
       if (id < 0 || (uint64_t)id >= in->n_ids)
         rc = np_error(NP_ERR_INVALID, "event %llu: alloc id %lld outside 0..%lld", ui, (long long)id,
