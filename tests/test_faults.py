@@ -318,7 +318,15 @@ def test_a_free_whose_stream_synchronisation_fails_keeps_the_block(builds: dict,
     with pytest.raises(BackendError, match="freed again by the next empty_cache"):
         p.free(c)
     p.check()
+    others = [p.malloc(MiB) for _ in range(4)]  # four more refused the same way
+    for x in others:
+        p.record_stream(x, 7)
+        v.fail("sync", skip=0, count=1)
+        with pytest.raises(BackendError):
+            p.free(x)
+    syncs = v.calls("sync")
     p.empty_cache()
+    assert v.calls("sync") - syncs == 1  # one for all five (a review: one more per refused free before)
     assert p.stats()["total"]["allocated"]["current"] == 0 and v.lib.fake_used() == 0
     with pytest.raises(PoolError):
         p.free(c)  # freed: a second free is a double free

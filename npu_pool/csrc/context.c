@@ -299,10 +299,15 @@ static void free_orphans(np_ctx *ctx) {
   if (!addrs) return; /* (the next empty_cache tries again) */
   for (np_segment *s = ctx->segments; s && n < ctx->n_orphans; s = s->next)
     for (np_block *b = s->head; b && n < ctx->n_orphans; b = b->next)
-      if (b->allocated && b->orphan) addrs[n++] = b->addr;
+      if (b->allocated && b->orphan) {
+        addrs[n++] = b->addr;
+        b->shared = 0; /* the device was synchronised just before: no other stream's work uses it now */
+      }
   np_saved_error keep;
   np_save_error(&keep, NP_OK);
+  bool synced = ctx->synced;
   for (size_t i = 0; i < n; i++) np_ctx_free(ctx, (void *)addrs[i]); /* a refusal keeps it an orphan */
+  ctx->synced = synced; /* (a free queues no work: the device is as idle as before them) */
   np_restore_error(&keep);
   free(addrs);
 }
