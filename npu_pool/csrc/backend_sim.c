@@ -46,7 +46,9 @@ typedef struct sim_backend {
   uint64_t used;
   bool host;
   int device;
-  uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down) */
+  uintptr_t low;       /* the device's window begins here */
+  uintptr_t next;      /* bump pointer for virtual addresses (reservations; mallocs unless top_down); past
+                        * the window's middle, the lowest gap left between live ranges instead */
   bool queued;         /* torch_npu's rules: inside torch_npu work may wait on its task queue, which no
                         * stream query or event made straight through ACL sees; the ACL backend
                         * synchronises and hands over through torch_npu instead (backend_acl.c,
@@ -165,8 +167,25 @@ static uintptr_t cuda_addr(const sim_backend *s, uint64_t size) {
   return upper >= low + span ? upper - span : 0;
 }
 
+/* The lowest range of `size` bytes (rounded up to SIM_ALIGN) in [low, down_top) that no live range
+ * touches; 0 when none: where the bump pointer has run out of the window (address space taken and
+ * given back over a long run), freed space is used again. */
+static uintptr_t lowest_gap(const sim_backend *s, uint64_t size) {
+  uint64_t need = np_round_up(size, SIM_ALIGN);
+  const sim_range *rs = s->alloc.ranges;
+  size_t i = find_pos(&s->alloc, s->low), end = find_pos(&s->alloc, s->down_top);
+  uintptr_t lo = s->low;
+  if (i > 0 && rs[i - 1].addr + rs[i - 1].size > lo) lo = np_round_up(rs[i - 1].addr + rs[i - 1].size, SIM_ALIGN);
+  for (; i < end; i++) {
+    if (rs[i].addr >= lo && rs[i].addr - lo >= need) return lo;
+    uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_ALIGN);
+    if (top > lo) lo = top;
+  }
+  return lo < s->down_top && s->down_top - lo >= need ? lo : 0;
+}
+
 /* Pick an address range of `size` bytes: real host memory, the hinted range, or a virtual range
- * (top down for mallocs under CUDA's rules, else the next one up). */
+ * (top down for mallocs under CUDA's rules, else the next one up, else the lowest gap). */
 static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
   if (s->host) {
     void *p = mmap(NULL, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -177,11 +196,12 @@ static int take_addr(sim_backend *s, uint64_t size, int prot, uintptr_t *out) {
   } else if (s->top_down && prot != PROT_NONE) {
     *out = cuda_addr(s, size);
     if (!*out) return np_error(NP_ERR_OOM, "sim: the device's virtual address window is full");
-  } else {
-    if (overlaps(&s->alloc, s->next, size) || s->next + size > s->down_top)
-      return np_error(NP_ERR_OOM, "sim: the device's virtual address window is full");
+  } else if (!overlaps(&s->alloc, s->next, size) && s->next <= s->down_top && s->down_top - s->next >= size) {
     *out = s->next;
     s->next = np_round_up(s->next + size, SIM_ALIGN);
+  } else {
+    *out = lowest_gap(s, size);
+    if (!*out) return np_error(NP_ERR_OOM, "sim: the device's virtual address window is full");
   }
   s->hint = 0;
   int rc = add_range(&s->alloc, *out, size);
@@ -421,7 +441,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   if (cfg->vmm && cfg->device_rules != NP_DEVICE_NPU) /* CUDA's rules (auto included): a map grants access too */
     s->base.page_access = sim_page_access;
   s->host = cfg->host_backed != 0;
-  s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
+  s->low = s->next = SIM_BASE + (uintptr_t)((unsigned)cfg->device % SIM_DEVICES) * SIM_WINDOW;
   s->top_down = cfg->device_rules != NP_DEVICE_NPU; /* CUDA's, and auto: the simulator's own rules are CUDA's */
   s->queued = cfg->device_rules == NP_DEVICE_NPU;
   s->base.free_synchronizes = cfg->device_rules != NP_DEVICE_NPU; /* cudaFree waits for the device, aclrtFree not */
