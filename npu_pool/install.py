@@ -510,9 +510,10 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         is_initialized = getattr(module, "is_initialized", None)
         if callable(is_initialized) and is_initialized():
             raise _too_late(kind)
+        # (taken before _prepare routes torch's memory APIs: a later swap is refused, torch_memory.route)
+        change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
         inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path)
         inst.lib_path = lib_path
-        change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
         try:  # the swap comes last: every failure before it left torch untouched
             change(inst.allocator)
         except BaseException as e:

@@ -36,7 +36,9 @@ npu_pool has no private pools to keep a graph's memory apart, so a captured grap
 back to the pool and was handed to other tensors while the graph replayed (measured on an H100:
 docs/gpu.md). The graph classes' ``capture_begin`` (and
 their C base classes'), the ``graph`` context managers and the ``*beginAllocate*ToPool`` entry
-points, wherever torch binds them (``use_mem_pool``), raise it instead.
+points, wherever torch binds them (``use_mem_pool``), raise it instead. So does a second swap
+(``change_current_allocator``, which MindSpeed's ``--smart-swap`` calls): :class:`AllocatorInUseError`,
+naming npu_pool, where torch's own refusal named neither.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from ._core import lib
 from .pool import _check
 from .vocab import HISTORY_DEFAULT, HISTORY_MAX
 
-__all__ = ["stats_dict", "snapshot_of_installed", "route", "notify_oom", "PrivatePoolError"]
+__all__ = ["stats_dict", "snapshot_of_installed", "route", "notify_oom", "PrivatePoolError", "AllocatorInUseError"]
 
 _STAT_ARRAYS = {"allocation": "blocks", "segment": "segments", "active": "blocks", "allocated_bytes": "allocated",
                 "reserved_bytes": "reserved", "active_bytes": "active", "requested_bytes": "requested"}
@@ -228,6 +230,26 @@ class PrivatePoolError(RuntimeError):
     """Graph capture or a private memory pool was asked of the installed npu_pool."""
 
 
+class AllocatorInUseError(RuntimeError):
+    """Another allocator was asked to replace the installed npu_pool (change_current_allocator)."""
+
+
+# where each framework swaps its allocator (a module attribute, as callers reach it)
+_SWAPS = {"cuda": "torch.cuda.memory", "npu": "torch_npu.npu.memory"}
+
+
+def _swap_refuser(kind: str) -> Callable[..., Any]:
+    message = (f"npu_pool is torch's {kind.upper()} allocator here (MEMORY_FRAGMENTATION=1, or npu_pool.install()), "
+               f"and {_SWAPS[kind]}.change_current_allocator() asks for another: torch swaps an allocator only "
+               "before its first use, and npu_pool already serves this process's tensors. Use one of the two: "
+               "unset MEMORY_FRAGMENTATION (no npu_pool.install()), or drop what brings the other allocator "
+               "(MindSpeed's --smart-swap does).")
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise AllocatorInUseError(message)
+    return refuse
+
+
 class _Pools(NamedTuple):
     """Where a framework begins graph capture and private pools."""
 
@@ -296,6 +318,9 @@ def route(kind: str, torch: Any, pools: Callable[[], dict[int, Any]], *, stats_f
         module_name, functions = _PYTHON_ROUTES[kind]
         module = _module(module_name)
         patched += [(module, name, fn) for name, fn in functions.items() if hasattr(module, name)]
+    swaps = _module(_SWAPS[kind])
+    if hasattr(swaps, "change_current_allocator"):  # a second swap: torch's own refusal names no npu_pool
+        patched.append((swaps, "change_current_allocator", _swap_refuser(kind)))
     graphs = _module(at.graphs)
     for module in map(_module, at.modules):  # (their own binding of an entry point, where they made one)
         patched += [(module, name, refuse) for name in at.entries

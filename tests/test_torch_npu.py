@@ -408,6 +408,30 @@ print(json.dumps(r))
     assert pool["event_record"] >= out["handovers"] and "sync_device" not in pool
 
 
+def test_a_second_allocator_swap_names_npu_pool(torch_npu: TorchNpu) -> None:
+    """MindSpeed's --smart-swap swaps in its own allocator (torch_npu.npu.memory.change_current_allocator):
+    with npu_pool installed torch_npu refused with a traceback naming neither ("Can't swap an already
+    initialized allocator"); the refusal names npu_pool and what to unset, and the pool keeps serving."""
+    out, err = torch_npu.results("""
+import json, torch, torch_npu
+import npu_pool
+from npu_pool.torch_memory import AllocatorInUseError
+npu_pool.install()
+x = torch.empty(1 << 20, device="npu")
+try:
+    other = torch_npu.npu.memory.NPUPluggableAllocator("libc.so.6", "malloc", "free")
+    torch_npu.npu.memory.change_current_allocator(other)
+    r = {"raised": None}
+except AllocatorInUseError as e:
+    r = {"raised": str(e)}
+y = torch.empty(1 << 20, device="npu")
+r["served"] = npu_pool.installed()[0].stats()["total"]["allocated"]["current"] >= 2 << 20
+print(json.dumps(r))
+""")
+    assert out["raised"] and "npu_pool is torch's NPU allocator" in out["raised"], err[-2000:]
+    assert "unset MEMORY_FRAGMENTATION" in out["raised"] and out["served"]
+
+
 def test_install_after_torch_npus_own_allocator_served_is_too_late(torch_npu: TorchNpu) -> None:
     out, _ = torch_npu.results("""
 import json, torch, torch_npu
