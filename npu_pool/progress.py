@@ -19,3 +19,28 @@ def progress(items: Iterable[T], desc: str, unit: str = "it", total: int | None 
     except ImportError:  # tqdm is a dependency, but a bar is never worth a crash
         return items
     return tqdm(items, desc=desc, unit=unit, total=total, leave=False)
+
+
+class ByteProgress:
+    """A bar over ``total`` bytes of long reading (a terminal only, as :func:`progress`): ``to(n)``
+    moves it to ``n`` bytes done; ``close()`` takes it off the screen. Silent where no bar shows."""
+
+    def __init__(self, desc: str, total: int, enabled: bool | None = None) -> None:
+        self._bar = None
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(desc=desc, total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+    def to(self, done: int) -> None:
+        if self._bar is not None and done > self._bar.n:
+            self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

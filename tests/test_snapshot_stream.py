@@ -482,3 +482,24 @@ def test_a_million_memo_stores_in_one_entry_cost_no_more_than_the_whole_read(tmp
     assert _agree(path)[0] == "ok"
     streamed, whole = _peak(load_snapshot, path), _peak(_whole, path)
     assert streamed < 2 * whole, (streamed, whole)
+
+
+def test_a_large_snapshot_shows_how_far_its_reading_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a large snapshot took seconds per 50 MB with nothing on the screen (a review, a helper): a
+    bar over the bytes both passes read moves forward to the end (shown on a terminal only)."""
+    from npu_pool.progress import ByteProgress
+    from npu_pool.trace import snapshot
+
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(_snapshot(3000, shared_frames=False), protocol=4))
+    size = path.stat().st_size
+    seen: list[int] = []
+    monkeypatch.setattr(snapshot, "_BAR_BYTES", 1)
+    monkeypatch.setattr(ByteProgress, "to", lambda self, n: seen.append(n))
+    load_snapshot(path)
+    assert len(seen) > 3 and seen == sorted(seen) and seen[-1] == 2 * size
+    monkeypatch.undo()
+    bar = ByteProgress("read s.pickle", 2 * size, enabled=True)  # (what a terminal gets)
+    bar.to(size)
+    bar.to(size // 2)  # (never backwards: tqdm refuses a negative step)
+    bar.close()

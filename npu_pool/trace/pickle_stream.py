@@ -119,8 +119,8 @@ def _read_on(f: BinaryIO, size: int, held: int) -> bytes:
 class _Scan:
     """Pass 1: the memo stores never read back, the FRAME opcodes, and the ranges to unpickle."""
 
-    def __init__(self, f: BinaryIO, size: int, key: str) -> None:
-        self.f, self.size, self.key = f, size, key
+    def __init__(self, f: BinaryIO, size: int, key: str, read: Callable[[int], None] = lambda _n: None) -> None:
+        self.f, self.size, self.key, self.read = f, size, key, read  # read(bytes): how far the scan has read
         self.buf, self.base, self.i = b"", 0, 0
         self.stores = array("I" if size < 1 << 32 else "Q")  # file position of each memo store, in order
         self.memo_len = 0  # MEMOIZE opcodes so far: the index the next one stores at
@@ -144,6 +144,7 @@ class _Scan:
         """Keep _MARGIN bytes ahead of the position when the file has them; False at its end (its
         size when opened: what a file grown since holds is not read, as in the whole read)."""
         more = _read_on(self.f, self.size, self.base + len(self.buf))
+        self.read(self.base + len(self.buf) + len(more))
         self.base += self.i
         self.buf = self.buf[self.i:] + more
         self.i = 0
@@ -799,14 +800,16 @@ class _Feed:
 
 
 def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pickle.Unpickler],
-                on_list: Callable[[int], None], on_items: Callable[[int, list], None]) -> dict:
+                on_list: Callable[[int], None], on_items: Callable[[int, list], None],
+                progress: Callable[[int], None] = lambda _n: None) -> dict:
     """Read the pickled dict in ``f`` (``size`` bytes, at its start): the dict of its entries
     other than ``key``, unpickled whole; the lists in the list at ``key`` come through
     ``on_list(i)`` (list ``i`` begins) and ``on_items(i, items)`` (its next items), in order.
     ``unpickler(file)`` makes the unpickler (which must refuse globals). :class:`NotStreamable`
     when the file is not such a dict in a shape this reader follows, when ``key`` is absent,
-    or when a range fails to unpickle: read the file whole then."""
-    scan = _Scan(f, size, key)
+    or when a range fails to unpickle: read the file whole then. ``progress(n)``: n of the
+    2 x ``size`` bytes the two passes read are read (a bar on long files)."""
+    scan = _Scan(f, size, key, progress)
     try:
         scan.run()
     except (IndexError, ValueError, OverflowError, KeyError) as e:  # an opcode cut by the file's end
@@ -841,6 +844,7 @@ def stream_dict(f: BinaryIO, size: int, key: str, unpickler: Callable[[Any], pic
     d = fi = 0  # next store, next frame
     n_frames = len(frames)
     for r, (role, start, end, count) in enumerate(zip(roles, starts, ends, counts)):
+        progress(size + start)
         f.seek(start)
         raw = f.read(end - start)
         if len(raw) != end - start:

@@ -42,6 +42,7 @@ from .format import (CAT_UNKNOWN, MAGIC, MARK_BACKWARD_BEGIN, MARK_EVAL_BEGIN, M
 from .pickle_stream import NotStreamable, overreach, stream_dict
 from .segment_map import SegmentMap
 from ..inputs import NotRegularFile, open_regular
+from ..progress import ByteProgress
 from ..vocab import MAX_REQUEST, PROFILER_PREFIX, STREAM_TAGS, device_stream, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
@@ -50,6 +51,7 @@ _SMALL_SEGMENT = 2 << 20  # the stock allocator's small-pool segment size
 _SITE_FRAMES = 4  # innermost user frames kept per site
 _MAX_WARNINGS = 50
 _SITES_HELD = 2048  # frames (and a quarter as many sequences) a device's site cache keeps before it stops growing
+_BAR_BYTES = 16 << 20  # a snapshot this large shows a bar while it is read (a terminal only): ~3 s and more
 _FRAMES_PER_BYTE = 16  # frames the sites may look at per byte of file, all devices together (real snapshots: < 0.5)
 _PATH_MAX = 4096  # a longer "filename" is no source file: not looked into
 _LABEL = 100  # characters of a site's file (its end), name or line kept
@@ -168,12 +170,15 @@ def load_snapshot(path: str | Path) -> list[Trace]:
             st = os.fstat(f.fileno())
             check_head(path, f.read(8))
             out_of_memory = False
+            bar = ByteProgress(f"read {path.name}", 2 * st.st_size, enabled=None if st.st_size >= _BAR_BYTES else False)
             try:
-                return _streamed(f, st.st_size, str(path))
+                return _streamed(f, st.st_size, str(path), bar.to)
             except MemoryError:  # the whole read needs 3-9x more: not tried
                 out_of_memory = True  # (said below, once the failed read's frames are freed with the exception)
             except (NotStreamable, TraceError, RecursionError):
                 pass  # read whole: the reference reading, with its own messages
+            finally:
+                bar.close()
             if out_of_memory:
                 raise TraceError(f"{path}: out of memory reading it ({st.st_size} bytes): this machine has too little "
                                  "free memory for this snapshot (reading it takes about its size and more), or the "
@@ -187,9 +192,9 @@ def load_snapshot(path: str | Path) -> list[Trace]:
     return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
 
 
-def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
+def _streamed(f: BinaryIO, size: int, name: str, progress: Callable[[int], None] = lambda _n: None) -> list[Trace]:
     """:func:`load_snapshot` of a file streamed entry by entry; NotStreamable or TraceError when
-    the file is to be read whole instead."""
+    the file is to be read whole instead. ``progress``: as :func:`.pickle_stream.stream_dict`'s."""
     devices: list[tuple[_Events, _Sites] | None] = []  # None: no entry yet (made on the first one)
     probe = _Probe()
     frames_left = [_FRAMES_PER_BYTE * size]
@@ -207,7 +212,8 @@ def _streamed(f: BinaryIO, size: int, name: str) -> list[Trace]:
             evs.add(_event(e, name, f"device_traces[{dev}][{len(evs)}]", sites))
 
     f.seek(0)
-    rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items)
+    rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items, progress)
+    progress(2 * size)
     none: list = []  # one empty list stands for every device without entries
     rest["device_traces"] = [d[0] if d else none for d in devices]
     segments, traces, annotations, settings = _validated(rest, name, size)
