@@ -45,7 +45,8 @@ INSTEAD: dict[str, str] = {
 }
 # pinned host memory's settings: torch's host allocator still reads them, npu_pool does not touch it
 HOST = frozenset({"pinned_use_host_register", "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                  "pinned_mem_register", "pin_memory_expandable_segments", "pinned_reserve_segment_size_mb"})
+                  "pinned_use_background_threads", "pinned_mem_register", "pin_memory_expandable_segments",
+                  "pinned_reserve_segment_size_mb"})
 _HOST = "still torch's: pinned host memory"
 _OTHER = "not an npu_pool setting"
 _MAX_ENTRIES = 32  # a hostile value cannot make the line unbounded

@@ -333,10 +333,11 @@ def _too_late(kind: str) -> TooLateError:
         switched = config.load().enabled
     except config.ConfigError:
         switched = False
-    if switched and "npu_pool_startup" not in sys.modules:  # the switch is on, yet its hook never ran: none here
-        fix = (f"{config.ENABLE} is set, but npu_pool's start-up hook did not run in this Python (it comes with "
-               "`pip install` of the package, as a .pth file in site-packages; a PYTHONPATH checkout or "
-               "`python -S` has none): install the package into this environment, or")
+    if switched and "npu_pool_startup" not in sys.modules:  # the switch is on, yet its hook never ran
+        fix = (f"{config.ENABLE} is set, but npu_pool's start-up hook did not run as this process started: either "
+               "the variable was set after Python started (set it in the environment of the launch instead), or "
+               "the package is not installed in this Python (the hook comes with `pip install`, as a .pth file in "
+               "site-packages; a PYTHONPATH checkout or `python -S` has none). Or")
     else:
         fix = (f"Set {config.ENABLE}=1 in the environment of the launch (the package's start-up hook installs the "
                "pool as torch imports) or")

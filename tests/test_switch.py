@@ -243,6 +243,8 @@ def test_host_memory_settings_and_the_allocators_switches_are_named_for_what_the
     commas; the caching allocator's switches of their own are named too (they were silently ignored)."""
     from npu_pool.alloc_conf import ignored_message
 
+    assert "pinned_use_background_threads:True (still torch's" in (
+        ignored_message({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_background_threads:True"}) or "")
     msg = ignored_message({"PYTORCH_NPU_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2], pinned_mem_register:True",
                            "PYTORCH_NO_NPU_MEMORY_CACHING": "1", "MULTI_STREAM_MEMORY_REUSE": "2"})
     assert msg is not None and "\n" not in msg and "pinned host memory" in msg
