@@ -51,9 +51,12 @@ def segment_entry(device: int, addr: int, size: int, stream: int, kind: str, exp
 
 
 def segments(blocks: list[dict[str, Any]], ranges: Iterable[tuple[int, int]], device: int,
-             pool_names: tuple[str, ...] = ("", ""), frames_of_site: Optional[Callable[[int], list]] = None
-             ) -> list[dict[str, Any]]:
-    """Snapshot ``segments``: one per mapped ``(addr, size)`` range, the blocks clipped to it.
+             pool_names: tuple[str, ...] = ("", ""), frames_of_site: Optional[Callable[[int], list]] = None,
+             range_streams: Optional[dict[int, int]] = None) -> list[dict[str, Any]]:
+    """Snapshot ``segments``: one per mapped ``(addr, size)`` range, the blocks clipped to it;
+    its stream is the one the range's map (or segment) event names (``range_streams``: by the
+    range's first byte, :func:`segment_streams`), else its first block's: memory_viz merges the
+    ranges of one stream only.
 
     A range of a reservation (memory mapped page by page) is an expandable segment, as
     PyTorch reports expandable segments; ``segment_type`` is ``small`` for a pool named
@@ -80,8 +83,19 @@ def segments(blocks: list[dict[str, Any]], ranges: Iterable[tuple[int, int]], de
         if covered < size:  # a range not tiled by blocks cannot happen; keep the accounting whole if it does
             bl.append(block_entry(start + covered, size - covered, 0, False, []))
         kind = "small" if pool < len(pool_names) and pool_names[pool] == "small" else "large"
+        stream = (range_streams or {}).get(start, stream)
         out.append(segment_entry(device, start, size, stream or 0, kind, vmm, bl))
     return out
+
+
+def _segment_stream(e: dict[str, Any]) -> int:
+    """The stream a segment event of a pool's history stands for (one arena of every stream's: 0)."""
+    return 0 if e.get("pool", 0) > 1 else device_stream(int(e["stream"]))
+
+
+def segment_streams(events: Iterable[dict[str, Any]]) -> dict[int, int]:
+    """The stream of each range a pool's history maps or allocates, by its first byte (the latest)."""
+    return {int(e["addr"]): _segment_stream(e) for e in events if e["kind"] in ("segment_alloc", "segment_map")}
 
 
 def device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> list[dict[str, Any]]:
@@ -115,7 +129,7 @@ def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRA
                 yield dict(base, action="free_requested", frames=fr)
                 yield dict(base, action="free_completed", frames=fr)
         elif kind in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
-            entry = dict(base, action=kind, stream=0 if e.get("pool", 0) > 1 else base["stream"], frames=[])
+            entry = dict(base, action=kind, stream=_segment_stream(e), frames=[])
             if kind == "segment_unmap":  # at the unmap of its first bytes (a pause unmaps its tag's range at once)
                 for b in _move(live, _first, paused, _last, base["addr"], base["size"]):
                     left = {k: b[k] for k in ("addr", "size", "stream", "frames")}
@@ -196,7 +210,7 @@ def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
         st = pool.stats()
         events = pool.history() if history_limit is None else pool.history(history_limit)
         names = tuple(st["pools"])
-        segs = segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site)
+        segs = segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site, segment_streams(events))
         snap["segments"] += segs
         # reserved memory at no address: spare chunks, memory the device refused to take back
         held = st["total"]["reserved"]["current"] - sum(s["total_size"] for s in segs)

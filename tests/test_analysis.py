@@ -788,3 +788,28 @@ def test_a_fake_captures_estimate_counts_its_position_table() -> None:
     for seq in (64, 5000):
         t = fake_capture("gpt", "7b", steps=1, batch=1, seq=seq, layers=1, progress=False)
         assert est.estimate(est.config_from_trace(t.meta)).total_params == t.meta["capture"]["param_count"], seq
+
+
+@pytest.mark.parametrize("policy", ["npu_pool", "torch", "expandable", "planned"])
+def test_a_segments_stream_is_the_one_its_map_events_name(policy, tmp_path) -> None:
+    """memory_viz merges the ranges of one stream only: an npu_pool segment (one arena for every stream)
+    took its first block's stream (7) where its map events name stream 0, and its blocks ran past their
+    segment in 'Allocator State History' (a review, a helper). The pool's snapshot and an export under a
+    policy both name, for each segment, the stream of the map or segment event at its first byte."""
+    from npu_pool.snapshot import pool_snapshot
+
+    MiB = 1 << 20
+    with Pool(policy, capacity=512 * MiB) as pool:  # (planned without a plan: its fallback arena)
+        for size, stream in [(3 * MiB, 7), (5 * MiB, 0), (30 * MiB, 7)]:
+            pool.malloc(size, stream=stream)
+        snaps = [pool_snapshot({0: pool})]
+    t = Trace(meta={"n_ids": 3})
+    for i, (size, stream) in enumerate([(3 * MiB, 7), (5 * MiB, 0), (30 * MiB, 7)]):
+        t.append(OP_ALLOC, id=i, size=size, stream=stream)
+    if policy != "planned":
+        snaps.append(memviz.snapshot_of([t], policy))
+    for snap in snaps:
+        starts = {e["addr"]: e["stream"] for e in snap["device_traces"][0]
+                  if e["action"] in ("segment_map", "segment_alloc")}
+        assert snap["segments"] and all(s["stream"] == starts.get(s["address"], s["stream"]) for s in snap["segments"])
+        assert any(s["address"] in starts for s in snap["segments"])

@@ -117,7 +117,7 @@ def _replayed_parts(trace: Trace, policy: str, device: int,
 
     def rest() -> dict:
         return {"segments": _snap.segments([with_site(b) for b in tl.blocks], tl.ranges, device, tl.pool_names,
-                                           frames),
+                                           frames, _snap.segment_streams(tl.segment_events)),
                 "external_annotations": _annotations(trace, device),
                 "allocator_settings": {"npu_pool_policy": policy, "expandable_segments": bool(tl.stats.get("vmm")),
                                        "round_size": ROUND}}
