@@ -37,6 +37,8 @@ typedef struct np_block {
   uint8_t life;                  /* allocated: the NP_LIFE_* class it was placed as */
   uint8_t orphan;                /* allocated, its free refused (the device could not synchronise for another
                                   * stream's use): freed by the next empty_cache whose synchronisation succeeds */
+  uint8_t aside;                 /* allocated by the planned policy's fallback as a small request off the plan
+                                  * (policy_planned.c, small_to_fallback) */
 } np_block;
 
 /* Block structs come from a slab list owned by the context; never from the device. */

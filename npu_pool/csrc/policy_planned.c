@@ -23,24 +23,24 @@
  *    for good: weights, optimizer states; the steps after it do not make them again), a request
  *    that matches the first position after the expected one that is not held for good takes it;
  *  - otherwise it is a dynamic size at the expected position (MoE routing, variable
- *    lengths). When the next request matches the position it consumed (first: it may match
- *    the one after too, a pair of equal sizes), it was an extra request, the position is taken
- *    back and the extra size leaves the hashed window; MAX_MISSES in a row: lost.
+ *    lengths). When the next request matches the position it consumed instead, it was an
+ *    extra request: the position is taken back and the extra size leaves the hashed window
+ *    (where it matches the position expected too, a pair of equal sizes, that one: a dynamic
+ *    size before such a pair is the more common case); MAX_MISSES in a row: lost.
  * Off-plan ranges: in a steady loop (the previous body pass and this one so far followed
  * without losing track, every block freed when the plan said) a dynamic request takes
  * its position's range if it fits there, else the lowest range the plan leaves idle for
  * the position's lifetime and that is free now; so does a matching request whose range
  * is still held. Before that a mismatch is more likely an extra request that may live for
  * good (optimizer states), and it goes to the fallback; so does a dynamic request under a page
- * while the fallback maps at most a page beyond the plan's `outside` (small_to_fallback).
+ * while such requests the fallback holds take a page together (small_to_fallback, block.aside).
  * The fallback is an arena (arena.h) whose budget leaves the region room: the cap less the
  * region while it is not reserved yet, the cap less what the region holds once it is. Under
  * NP_PLAN_MADE_ONCE a request the plan does not place, short of one it leaves out or a small one
- * (small_to_fallback), takes a free range of the region before the fallback (later steps differ from
- * the recorded one): the one the plan leaves idle longest, else the lowest that fits. When the
- * fallback has no room, the region's lowest fit is a last resort; failing that, with nothing
- * planned live, the region is given up (until empty_cache or a new plan) and the request
- * retried, so that a region the run does not use never costs its share.
+ * (small_to_fallback), takes the lowest free range of the region that fits before the fallback
+ * (later steps differ from the recorded one). When the fallback has no room, that range is a last
+ * resort; failing that, with nothing planned live, the region is given up (until empty_cache or a
+ * new plan) and the request retried, so that a region the run does not use never costs its share.
  *
  * Invariants: the region segment is tiled by its blocks; its free blocks are exactly the
  * nodes of the address-ordered tree `free` (in_tree set) and no two of them are
@@ -82,11 +82,18 @@ typedef struct planned_state {
   uint64_t pos;                /* position expected next */
   uint64_t last;               /* position of the latest located request */
   uint64_t skipped;            /* position the previous request consumed without matching, or NONE */
+  uint64_t amb;                /* the previous request matched the position expected, after one that did not
+                                * and whose position it matched too (a pair of equal sizes): that one, or NONE */
+  np_block *amb_block;         /* where the previous request went, while amb is set and it is live */
+  uint64_t swap;               /* this request is the second of such a pair, the first an extra request's:
+                                * the position the previous request stands for (its range), or NONE */
   bool lap_clean;              /* this iteration has been followed without a jump or a lifetime off plan */
   bool steady;                 /* so was the previous one, and this one so far: ranges off plan may be used */
   uint32_t misses;             /* mismatches in a row while synced */
   uint64_t recent[NP_PLAN_GRAM]; /* sizes of the latest requests, ring */
   uint64_t n_recent;
+  uint64_t aside;              /* bytes of the small requests off the plan the fallback holds (block.aside) */
+  bool small;                  /* this request goes to the fallback by small_to_fallback */
   uint64_t count[N_COUNTS];
   np_streams streams;          /* streams that allocated from the region, for waits on mixed memory */
 } planned_state;
@@ -136,6 +143,7 @@ static int region_reserve(np_ctx *ctx, planned_state *st) {
 
 static void region_drop(np_ctx *ctx, planned_state *st) {
   if (!st->seg) return;
+  st->amb_block = NULL;
   np_segment_drop(ctx, st->seg);
   st->seg = NULL;
   st->free = (np_tree){.by_addr = true};
@@ -190,6 +198,7 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
 
 static void region_free(np_ctx *ctx, planned_state *st, np_block *b) {
   const np_plan *pl = &st->plan;
+  if (b == st->amb_block) st->amb_block = NULL;
   uint64_t pos = b->prio; /* freed when the plan says? (prologue requests run once: not checked) */
   if (st->synced && pos < pl->n && pos >= pl->loop && pl->end[pos] != NP_PLAN_NONE &&
       (pl->end[pos] < pl->n ? pl->end[pos] : pl->loop + pl->end[pos] - pl->n) != st->pos)
@@ -266,8 +275,8 @@ static bool iteration_starts(np_ctx *ctx, planned_state *st, uint64_t req) {
  * position is taken back. */
 static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynamic) {
   const np_plan *p = &st->plan;
-  uint64_t skipped = st->skipped;
-  st->skipped = NP_PLAN_NONE;
+  uint64_t skipped = st->skipped, amb = st->amb;
+  st->skipped = st->amb = st->swap = NP_PLAN_NONE;
   *dynamic = false;
   bool setup = ctx->marks.any && ctx->marks.code == NP_MARK_SETUP_BEGIN;
   if (st->in_setup && !setup) st->n_recent = 0; /* set-up's sizes are no part of any iteration's pattern */
@@ -295,14 +304,21 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     skipped = NP_PLAN_NONE;
   }
   uint64_t at = NP_PLAN_NONE, past;
-  if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
+  if (st->synced && p->size[st->pos] == req) {
+    at = st->pos; /* (first: see the file's comment) */
+    if (skipped != NP_PLAN_NONE && skipped != at && p->size[skipped] == req) st->amb = skipped;
+  } else if (st->synced && amb != NP_PLAN_NONE && p->size[np_plan_next(p, amb)] == req) {
+    /* the previous request, taken for the second of a pair, was the first: the one before it an extra
+     * request. This one is the second (the position after it follows), in the first's range where the
+     * previous one holds its own */
+    at = np_plan_next(p, amb);
+    st->swap = amb;
+  } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
     at = skipped;
     if (st->n_recent >= 2) { /* the previous request was an extra one: no part of the pattern either */
       st->n_recent--;
       st->recent[(st->n_recent - 1) % NP_PLAN_GRAM] = req;
     }
-  } else if (st->synced && p->size[st->pos] == req) {
-    at = st->pos;
   } else if (st->synced && (st->flags & NP_PLAN_MADE_ONCE) && (past = p->past_held[st->pos]) != st->pos &&
              p->size[past] == req) {
     at = past; /* the tensors made once, expected here, were made in an earlier pass: not missed */
@@ -346,15 +362,18 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
   return at;
 }
 
-/* The lowest range the plan leaves idle during span `sp` and that is free now (up to IDLE_TRIES candidates). */
-static int place_idle(np_ctx *ctx, planned_state *st, const np_span *sp, uint64_t size, intptr_t stream, uint64_t pos,
-                      np_block **out) {
+/* A dynamic-size request at position `at`: its own planned range if it fits, else a range
+ * idle in the plan during the position's lifetime and free now. */
+static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream, np_block **out) {
   const np_plan *p = &st->plan;
+  if (p->offset[at] != NP_PLAN_NONE && size <= np_round_up(p->size[at], NP_MIN_BLOCK) &&
+      region_take(ctx, st, p->offset[at], size, stream, at, out) == NP_OK)
+    return NP_OK;
   uint64_t from = 0;
   for (int tries = 0; tries < IDLE_TRIES; tries++) {
-    uint64_t off = np_occ_lowest(&p->occ, sp, size, from);
+    uint64_t off = np_occ_lowest(&p->occ, &p->span[at], size, from);
     if (off > p->region || p->region - off < size) break;
-    int rc = region_take(ctx, st, off, size, stream, pos, out);
+    int rc = region_take(ctx, st, off, size, stream, at, out);
     if (rc != NP_ERR_OOM) return rc;
     np_block *next = np_tree_after(&st->free, st->seg->addr + off); /* skip what holds the range now */
     if (!next) break;
@@ -363,46 +382,21 @@ static int place_idle(np_ctx *ctx, planned_state *st, const np_span *sp, uint64_
   return NP_ERR_OOM;
 }
 
-/* A dynamic-size request at position `at`: its own planned range if it fits, else a range
- * idle in the plan during the position's lifetime and free now. */
-static int place_dynamic(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream, np_block **out) {
-  const np_plan *p = &st->plan;
-  if (p->offset[at] != NP_PLAN_NONE && size <= np_round_up(p->size[at], NP_MIN_BLOCK) &&
-      region_take(ctx, st, p->offset[at], size, stream, at, out) == NP_OK)
-    return NP_OK;
-  return place_idle(ctx, st, &p->span[at], size, stream, at, out);
-}
-
-/* A request of unknown lifetime at position `at`: the free range the plan leaves idle longest from there
- * (a pass and more, else half as long, ...), so that it holds no range the plan needs soon. */
-static int place_longest_idle(np_ctx *ctx, planned_state *st, uint64_t at, uint64_t size, intptr_t stream,
-                              np_block **out) {
-  const np_plan *p = &st->plan;
-  for (uint64_t d = p->n; d; d /= 2) {
-    np_span sp = np_plan_span(p->n, p->loop, at, at + d);
-    if (sp.hi2 > p->n) sp.hi2 = (uint32_t)p->n; /* (the whole body) */
-    int rc = place_idle(ctx, st, &sp, size, stream, UINT32_MAX, out);
-    if (rc != NP_ERR_OOM) return rc;
-  }
-  return NP_ERR_OOM;
-}
-
 /* Whether a small request the plan does not place (an extra one, a dynamic size) goes to the fallback
- * first: there it costs a page at most while the fallback maps no more than a page beyond what the plan
- * expects outside the region; in the region it may hold, for good, a range that planned requests need.
- * (Past that page the region again: a fallback growing beside a region with free memory holds both.) */
+ * first: there such requests cost a page at most, live together; in the region each may hold, for
+ * good, a range that planned requests need. (Past that page the region again: many such requests are
+ * dynamic sizes, and a fallback growing beside a region with free memory would hold both.) */
 static bool small_to_fallback(const planned_state *st, uint64_t size) {
-  uint64_t mapped = st->fb.seg ? st->fb.seg->mapped : 0;
-  return size < st->fb.page && mapped <= st->outside + st->fb.page;
+  uint64_t page = st->fb.page;
+  return size < page && st->aside <= page - np_round_up(size, NP_MIN_BLOCK);
 }
 
 /* NP_ERR_OOM: the plan does not place the request; *left_out when it leaves it to the fallback on purpose
- * (an unplanned position); *where: the position it stands for (the one expected next when lost). */
+ * (an unplanned position). */
 static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out,
-                         bool *left_out, uint64_t *where) {
+                         bool *left_out) {
   bool dynamic;
   uint64_t at = locate(ctx, st, req, &dynamic);
-  *where = at != NP_PLAN_NONE ? at : st->pos;
   if (at != NP_PLAN_NONE && (!st->plan.region || st->seg_failed) && !st->seg && !st->premapped) {
     /* no region will be reserved to map what the plan leaves out with (none planned, or reserving it
      * failed): map it at the plan's first position instead (a refusal leaves the fallback to grow) */
@@ -416,14 +410,27 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
   if (rc != NP_OK) return rc;
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
   if (!dynamic) {
-    rc = region_take(ctx, st, st->plan.offset[at], size, stream, at, out);
+    const np_plan *pl = &st->plan;
+    np_block *first = st->amb_block;
+    uint64_t amb = st->amb, swap = st->swap;
+    if (swap != NP_PLAN_NONE && first && first->prio == at)
+      first->prio = (uint32_t)swap; /* the previous request was the pair's first: freed as that position */
+    /* the second of a pair whose first an extra or a dynamic request consumed: the first's range, where
+     * that request left it free (its span covers both cases: the pair's first, or its second, the
+     * request after this one tells), else its own */
+    rc = amb != NP_PLAN_NONE && pl->offset[amb] != NP_PLAN_NONE
+             ? region_take(ctx, st, pl->offset[amb], size, stream, at, out) : NP_ERR_OOM;
+    if (rc == NP_ERR_OOM) rc = region_take(ctx, st, pl->offset[at], size, stream, at, out);
+    if (rc == NP_ERR_OOM && swap != NP_PLAN_NONE && first && first->prio == swap && pl->offset[swap] != NP_PLAN_NONE)
+      rc = region_take(ctx, st, pl->offset[swap], size, stream, at, out); /* the pair's ranges swapped */
+    st->amb_block = amb != NP_PLAN_NONE && rc == NP_OK ? *out : NULL;
     if (rc == NP_OK) st->count[SERVED]++;
     if (rc != NP_ERR_OOM) return rc;
     /* its range is still held (by a request that outlived its plan): an idle one instead */
   }
   /* ranges off plan only in a steady loop: before, a mismatch is more likely an extra request
    * (optimizer states, a different step) than a dynamic size, and it may live for good */
-  if (!st->steady || (dynamic && small_to_fallback(st, size))) return NP_ERR_OOM;
+  if (!st->steady || (dynamic && (st->small = small_to_fallback(st, size)))) return NP_ERR_OOM;
   rc = place_dynamic(ctx, st, at, size, stream, out);
   if (rc == NP_OK) st->count[IDLE]++;
   return rc;
@@ -447,7 +454,8 @@ static int planned_init(np_ctx *ctx) {
   if (!st) return np_error(NP_ERR_HOST, "host out of memory");
   np_arena_init(ctx, &st->fb);
   st->free.by_addr = true;
-  st->last = st->skipped = NP_PLAN_NONE;
+  st->last = st->skipped = st->amb = st->swap = NP_PLAN_NONE;
+  st->amb_block = NULL;
   ctx->pstate = st;
   return NP_OK;
 }
@@ -462,22 +470,18 @@ static void planned_destroy(np_ctx *ctx) {
 
 static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
   planned_state *st = state(ctx);
+  st->small = false;
   if (st->plan.n) {
     bool left_out = false;
-    uint64_t at;
-    int rc = place_planned(ctx, st, req, stream, out, &left_out, &at);
+    int rc = place_planned(ctx, st, req, stream, out, &left_out);
     if (rc != NP_ERR_OOM) return rc;
     /* a plan of one recorded step (NP_PLAN_MADE_ONCE): a request it does not place (lost, a size the step
      * did not record, its range still held), short of one it leaves out on purpose or a small one, takes the
      * region's free memory first, as the online pool takes its own: steps after the recorded one differ from
      * it (MoE routing), and a fallback growing beside a region with free memory would hold both */
-    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg && !small_to_fallback(st, req)) {
-      if (place_longest_idle(ctx, st, at, np_round_up(req, NP_MIN_BLOCK), stream, out) == NP_OK) {
-        st->count[IDLE]++;
-        return NP_OK;
-      }
-      if (last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
-    }
+    if ((st->flags & NP_PLAN_MADE_ONCE) && !left_out && st->seg && !(st->small = small_to_fallback(st, req)) &&
+        last_resort(ctx, st, req, stream, out) == NP_OK)
+      return NP_OK;
   }
   int rc = np_arena_malloc(ctx, budget(ctx, st), req, stream, lifetime != NP_LIFE_SHORT, out);
   if (rc == NP_ERR_OOM && st->seg && last_resort(ctx, st, req, stream, out) == NP_OK) return NP_OK;
@@ -491,6 +495,8 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   }
   if (rc == NP_OK) {
     (*out)->pool = FALLBACK_POOL;
+    (*out)->aside = st->small;
+    st->aside += (*out)->aside ? (*out)->size : 0;
     if (st->plan.n) st->count[FALLBACK]++; /* served by the fallback (a last resort is `idle`, a failure neither) */
   } else if (rc == NP_ERR_OOM && st->seg) {
     ctx->fail.usable += st->free.bytes; /* the region's free ranges are this pool's memory too (the arena said its own) */
@@ -500,8 +506,13 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
 
 static void planned_free(np_ctx *ctx, np_block *b) {
   planned_state *st = state(ctx);
-  if (st->seg && b->seg == st->seg) region_free(ctx, st, b);
-  else np_arena_free(ctx, budget(ctx, st), b);
+  if (st->seg && b->seg == st->seg) {
+    region_free(ctx, st, b);
+    return;
+  }
+  st->aside -= b->aside ? b->size : 0;
+  b->aside = 0;
+  np_arena_free(ctx, budget(ctx, st), b);
 }
 
 static void planned_record_stream(np_ctx *ctx, np_block *b, intptr_t stream) {
@@ -610,7 +621,8 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
   st->began = st->steady = st->start_learned = st->start_known = st->ever_synced = false;
   st->lap_clean = st->synced;
   st->pos = st->n_recent = 0;
-  st->last = st->skipped = NP_PLAN_NONE;
+  st->last = st->skipped = st->amb = st->swap = NP_PLAN_NONE;
+  st->amb_block = NULL;
   st->misses = MAX_MISSES;
   memset(st->count, 0, sizeof st->count);
   return NP_OK;
