@@ -813,3 +813,21 @@ def test_a_segments_stream_is_the_one_its_map_events_name(policy, tmp_path) -> N
                   if e["action"] in ("segment_map", "segment_alloc")}
         assert snap["segments"] and all(s["stream"] == starts.get(s["address"], s["stream"]) for s in snap["segments"])
         assert any(s["address"] in starts for s in snap["segments"])
+
+
+def test_frameless_allocations_after_the_loss_are_the_backwards():
+    """The backward's allocations carry no Python frame (autograd's engine); between the forward and them a
+    training step computes its loss in code of no stage (cross_entropy in the user's file). That code reset
+    the chain, and an imported training snapshot showed no gradient at all: cs336-medium-ctx128-train 96.8%
+    unknown where only the tensors live before its recording are (a review of the reports, a helper)."""
+    sites = ["model.py:39:forward", "nn_utils.py:12:cross_entropy", "torch/optim/adamw.py:230:step"]
+    t = Trace(meta={"origin": "imported", "sites": sites})
+    t.append(OP_ALLOC, id=0, size=2 * MiB, site=0)   # an activation, kept into the backward
+    t.append(OP_ALLOC, id=1, size=1 * MiB, site=1)   # the loss
+    t.append(OP_ALLOC, id=2, size=3 * MiB, site=-1)  # a gradient: no frame
+    t.append(OP_FREE, id=0, size=2 * MiB, site=0)
+    t.append(OP_FREE, id=1, size=1 * MiB, site=1)
+    t.append(OP_ALLOC, id=3, size=4 * MiB, site=2)   # an optimizer state
+    p = breakdown.profile_trace(t)
+    assert p.category_source == "frames"
+    assert p.at_peak["gradients"] == 3 * MiB and p.at_peak["unknown"] == 0

@@ -185,12 +185,15 @@ def _groups(trace: Trace, source: str) -> bytearray:
     if source == "frames":
         kinds = _site_kinds(trace)
         born_span = array.array("q", [-1]) * n_ids
-        span, last = 0, None
+        span, last, stage = 0, None, None  # stage: the latest kind a site named (code of no kind between)
         for op, site, id_ in zip(trace.op, trace.site, trace.id):
             if op == OP_ALLOC:
                 kind = kinds[site] if 0 <= site < len(kinds) else None
-                if site < 0 and last in ("forward", "backward"):
-                    kind = "backward"  # no Python frame after a forward: autograd's engine thread
+                if site < 0 and stage in ("forward", "backward"):
+                    kind = "backward"  # no Python frame after a forward: autograd's engine thread (the loss's
+                    # code in between, e.g. cross_entropy in a training step, names no stage)
+                elif kind is not None:
+                    stage = kind
                 if kind != last:
                     span, last = span + 1, kind
                 born_span[id_] = span
