@@ -16,7 +16,7 @@ from ._core import ffi, lib
 
 __all__ = ["ROUND", "NPU_PAD", "SIM_PAGE", "STREAM_TAGS", "device_stream", "POOLS", "HISTORY_DEFAULT", "HISTORY_MAX", "BACKENDS", "DEVICES", "LIFETIMES", "MARK_NAMES", "OP_NAMES", "CAT_NAMES", "HINTS",
            "EVENT_NAMES", "CALL_NAMES", "CALL_VENDOR", "OOM_REASONS", "STAGE_NAMES", "STAGE_OPENED", "STAGE_CLOSED", "POLICIES", "POOL_NAMES", "POOL_MEANINGS", "POLICY_SUMMARIES",
-           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PLAN_MADE_ONCE", "PLAN_FLAGS", "PROFILER_PREFIX", "profiler_label", "profiled_mark",
+           "PLAN_AT_ITER_BEGIN", "PLAN_AT_START", "PLAN_MADE_ONCE", "PLAN_FLAGS", "PROFILER_PREFIX", "SITE_FILE", "profiler_label", "profiled_mark",
            "OPTIMIZER_SKIPPED"]
 
 
@@ -102,6 +102,9 @@ POLICY_SUMMARIES: dict[str, str] = {name: _text(lib.np_policy_summary(i)) for i,
 # A marker's name in a torch.profiler trace (and in PyTorch snapshots' external_annotations):
 # a record_function range named npu_pool::<marker>::<arg> (npu_pool.recorder.mark_profiled).
 PROFILER_PREFIX = "npu_pool::"
+# the file of a frame an export writes for a site that is no file:line:function (a captured op path):
+# the importer reads its name back as that part of the site
+SITE_FILE = "npu_pool-site"
 _PROFILED = re.compile(r"^npu_pool::([a-z_]+)::(-?[0-9]{1,19})$")
 
 

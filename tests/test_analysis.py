@@ -831,3 +831,17 @@ def test_frameless_allocations_after_the_loss_are_the_backwards():
     p = breakdown.profile_trace(t)
     assert p.category_source == "frames"
     assert p.at_peak["gradients"] == 3 * MiB and p.at_peak["unknown"] == 0
+
+
+def test_an_exported_capture_keeps_its_sites_when_read_back(tmp_path) -> None:
+    """A capture's sites are op paths (``Linear:aten::linear>aten::mm``), exported as frames of the file
+    SITE_FILE; the importer kept only frames of .py files, and the export analysed or imported again had
+    one site, '(unknown site)', for every allocation (a review of the reports, a helper)."""
+    sites = ["Linear:aten::linear>aten::mm", "RMSNorm:aten::mul", "model.py:39:forward < train.py:9:main"]
+    t = Trace(meta={"origin": "capture", "sites": sites, "n_ids": 3})
+    for i in range(3):
+        t.append(OP_ALLOC, id=i, size=(i + 1) * MiB, site=i)
+    path = memviz.write_snapshot(memviz.snapshot_of([t], "npu_pool"), tmp_path / "x.pickle")
+    back, = load_snapshot(path)
+    got = [back.meta["sites"][s] for s in back.site if s >= 0]
+    assert got[:2] == sites[:2] and got[2].endswith("model.py:39:forward < train.py:9:main")

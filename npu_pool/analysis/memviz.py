@@ -38,7 +38,7 @@ from ..timeline import timeline
 from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, OP_MARK, OP_OOM, OP_SEG_FREE, OP_SEG_HINT,
                             Trace, TraceError)
 from ..trace.segment_map import SegmentMap
-from ..vocab import ROUND
+from ..vocab import ROUND, SITE_FILE
 
 __all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames",
            "export", "Exported"]
@@ -62,7 +62,7 @@ def site_frames(name: str | None) -> list[dict[str, Any]]:
         if len(bits) == 3 and bits[1].isdigit() and len(bits[1]) < 10:
             frames.append({"filename": bits[0][-SITE_TEXT:], "line": int(bits[1]), "name": bits[2][:SITE_TEXT]})
         else:
-            frames.append({"filename": "npu_pool-site", "line": 0, "name": part[:SITE_TEXT]})
+            frames.append({"filename": SITE_FILE, "line": 0, "name": part[:SITE_TEXT]})
     return frames
 
 

@@ -43,7 +43,7 @@ from .pickle_stream import NotStreamable, overreach, stream_dict
 from .segment_map import SegmentMap
 from ..inputs import NotRegularFile, open_regular
 from ..progress import ByteProgress
-from ..vocab import MAX_REQUEST, PROFILER_PREFIX, STREAM_TAGS, device_stream, profiled_mark
+from ..vocab import MAX_REQUEST, PROFILER_PREFIX, SITE_FILE, STREAM_TAGS, device_stream, profiled_mark
 
 __all__ = ["load_snapshot", "snapshot_to_traces", "marker_of", "check_head"]
 
@@ -711,7 +711,7 @@ class _Sites:
             if not isinstance(f, dict):
                 raise TraceError(f"{self.name}: {where}.frames should hold dicts, got {type(f).__name__}")
             fn = f.get("filename", "")
-            if not isinstance(fn, str) or not fn.endswith(".py") or len(fn) > _PATH_MAX:
+            if not isinstance(fn, str) or not (fn.endswith(".py") or fn == SITE_FILE) or len(fn) > _PATH_MAX:
                 continue
             (lib if _LIB_FRAME.search(fn) else user).append(f)
             if len(user) == _SITE_FRAMES:
@@ -719,7 +719,8 @@ class _Sites:
         chosen = user or lib[:_SITE_FRAMES]
         if not chosen:
             return -1
-        key = " < ".join(f"{_short(f['filename'])[-_LABEL:]}:{_label(f.get('line', 0))[:_LABEL]}:"
+        key = " < ".join(_label(f.get("name", "?"))[:_LABEL] if f["filename"] == SITE_FILE else  # (an export's op path)
+                         f"{_short(f['filename'])[-_LABEL:]}:{_label(f.get('line', 0))[:_LABEL]}:"
                          f"{_label(f.get('name', '?'))[:_LABEL]}" for f in chosen)  # (each part bounded: a site per entry)
         idx = self._index.get(key)
         if idx is None:
