@@ -36,7 +36,7 @@ int main(void) {
   uint64_t size[N], end[N], offset[N], rounded[N], peak;
   uint32_t span[4 * N], order[N];
   for (uint32_t p = 0; p < N; p++) {
-    size[p] = 1 + next() % (1 << 18);
+    size[p] = p % 8 == 5 ? (1 << 20) + next() % (3 << 20) : 1 + next() % (1 << 18); /* some of a page or more */
     end[p] = p + 1 + next() % (p % 9 == 0 ? N : 12);      /* some live long, some wrap */
     rounded[p] = (size[p] + 511) / 512 * 512;
     np_span s = np_plan_span(N, 0, p, end[p]);
@@ -60,7 +60,7 @@ int main(void) {
         if (live[i].due <= step) { if (release(ctx, i)) return 1; } else i++;
       uint64_t r = next() % 100, sz = size[p], life = end[p] - p;
       if (it > 2 && r < 4) continue;                                  /* a request goes missing */
-      if (it > 2 && r < 10) sz = 1 + next() % (1 << 19);              /* a dynamic size */
+      if (it > 2 && r < 10) sz = 1 + next() % (2 * size[p]);          /* a dynamic size, about the planned one */
       if (it > 2 && r >= 97) { sz = 1 + next() % 5000; life = 1 + next() % (2 * N); } /* an extra one */
       void *ptr;
       if (np_malloc(ctx, sz, 0, &ptr) != NP_OK) return fail("malloc", ctx);
