@@ -845,3 +845,22 @@ def test_an_exported_capture_keeps_its_sites_when_read_back(tmp_path) -> None:
     back, = load_snapshot(path)
     got = [back.meta["sites"][s] for s in back.site if s >= 0]
     assert got[:2] == sites[:2] and got[2].endswith("model.py:39:forward < train.py:9:main")
+
+
+def test_a_megatron_config_reads_its_own_spellings_and_sets_training_settings_aside(tmp_path) -> None:
+    """Megatron's config keys (bf16, normalization, position_embedding_type, use_distributed_optimizer,
+    disable_bias_linear, the dropouts) were refused one at a time as unknown, and its training-only
+    settings (global_batch_size, recompute_method, ...) too (a review of the estimate, a helper): read
+    as this model's fields, the latter set aside and named."""
+    d = {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "padded_vocab_size": 32000,
+         "bf16": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "use_distributed_optimizer": True,
+         "disable_bias_linear": True, "attention_dropout": 0.0, "hidden_dropout": 0.0, "global_batch_size": 1024,
+         "recompute_method": "uniform", "recompute_num_layers": 1}
+    ignored: list[str] = []
+    c = est.config_from_dict(d, ignored)
+    assert (c.dtype, c.norm, c.position, c.zero, c.bias, c.dropout) == ("bf16", "rmsnorm", "rope", 1, False, False)
+    assert ignored == ["global_batch_size", "recompute_method", "recompute_num_layers"]
+    assert est.config_from_dict(dict(d, position_embedding_type="learned_absolute", hidden_dropout=0.1,
+                                     attention_dropout=0.1)).position == "learned"
+    with pytest.raises(ValueError, match="both give dropout, differently"):
+        est.config_from_dict(dict(d, hidden_dropout=0.1))

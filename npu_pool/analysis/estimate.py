@@ -62,7 +62,19 @@ ALIASES = {"hidden_size": "hidden", "n_embd": "hidden", "dim": "hidden", "num_la
            "swiglu": "gated_mlp", "untie_embeddings_and_output_weights": "_untie",
            "use_flash_attn": "flash_attention", "num_micro_batches": "micro_batches",
            "gradient_accumulation_steps": "micro_batches", "accumulate_allreduce_grads_in_fp32": "_grads_fp32",
-           "make_vocab_size_divisible_by": "vocab_multiple"}
+           "make_vocab_size_divisible_by": "vocab_multiple", "bf16": "_bf16", "fp16": "_fp16",
+           "use_distributed_optimizer": "_distributed_optimizer", "disable_bias_linear": "_no_bias",
+           "normalization": "_normalization", "position_embedding_type": "_position_type",
+           "attention_dropout": "_dropout", "hidden_dropout": "_dropout"}
+# Megatron training settings with no effect on this model's memory figures: read and set aside (the
+# estimate names them), never refused as unknown
+IGNORED = frozenset({"global_batch_size", "recompute_method", "recompute_num_layers", "train_iters", "lr",
+                     "min_lr", "weight_decay", "clip_grad", "seed", "init_method_std", "lr_decay_style",
+                     "lr_warmup_iters", "adam_beta1", "adam_beta2", "adam_eps", "log_interval", "eval_interval",
+                     "eval_iters", "save_interval", "tokenizer_type", "rotary_base", "norm_epsilon",
+                     "layernorm_epsilon", "attention_softmax_in_fp32", "masked_softmax_fusion",
+                     "bias_gelu_fusion", "bias_dropout_fusion", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
+                     "no_bias_dropout_fusion", "untie_embeddings_and_output_weights_for_rope"})
 
 
 @dataclass
@@ -395,6 +407,16 @@ _FLAG_ALIASES: dict[str, tuple[str, Callable[[bool], Any]]] = {
     "_untie": ("tied_embeddings", lambda v: not v),
     # (false: the weights' dtype, which the default is but for bf16, where Megatron forces it true)
     "_grads_fp32": ("grad_dtype", lambda v: "fp32" if v else None),
+    "_bf16": ("dtype", lambda v: "bf16" if v else None),  # (false: say nothing; fp32 is `params_dtype`'s)
+    "_fp16": ("dtype", lambda v: "fp16" if v else None),
+    "_distributed_optimizer": ("zero", lambda v: 1 if v else None),  # (the optimizer states sharded: ZeRO-1)
+    "_no_bias": ("bias", lambda v: not v),
+}
+# Megatron's settings whose values are spelled otherwise here (ALIASES' "_" names): (field, its value)
+_VALUE_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "_normalization": ("norm", lambda v: v.lower() if isinstance(v, str) else v),  # LayerNorm, RMSNorm
+    "_position_type": ("position", lambda v: "learned" if v == "learned_absolute" else v),
+    "_dropout": ("dropout", lambda v: v > 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v),
 }
 
 
@@ -408,8 +430,9 @@ def _differ(a: Any, b: Any) -> bool:
     return a != b or type(a) is not type(b)
 
 
-def config_from_dict(d: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases."""
+def config_from_dict(d: dict[str, Any], ignored: list[str] | None = None) -> ModelConfig:
+    """A ModelConfig from a dict with field names or their Megatron / Hugging Face aliases;
+    Megatron's settings with no effect on memory (IGNORED) are set aside, into ``ignored``."""
     if "architectures" in d or "model_type" in d:  # a whole config.json: no field says the layers' details
         kind = d.get("model_type", d.get("architectures"))
         raise ValueError(f"this is a Hugging Face config.json (model {show(kind)}): its size keys (hidden_size, "
@@ -422,8 +445,14 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         if not isinstance(key, str):
             raise ValueError(f"config key {show(key)} is not a name; known: {', '.join(sorted(_FIELDS))}")
         name = key.replace("-", "_")
+        if name in IGNORED:
+            if ignored is not None:
+                ignored.append(key)
+            continue
         written, k = value, ALIASES.get(name, name)
-        if k in _FLAG_ALIASES:
+        if k in _VALUE_ALIASES:
+            k, value = _VALUE_ALIASES[k][0], _VALUE_ALIASES[k][1](value)
+        elif k in _FLAG_ALIASES:
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, not {show(value)}")
             k, value = _FLAG_ALIASES[k][0], _FLAG_ALIASES[k][1](value)
@@ -446,10 +475,10 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**out).checked()
 
 
-def load_config(path: str | Path) -> ModelConfig:
+def load_config(path: str | Path, ignored: list[str] | None = None) -> ModelConfig:
     """Read a YAML (or JSON) file of config keys; a ``model:`` section is used when present.
     The file is read by :func:`npu_pool.config.load_yaml` (no aliases, bounded depth, size and
-    integers); every problem is a ValueError naming the file."""
+    integers); every problem is a ValueError naming the file. ``ignored``: as config_from_dict's."""
     d = load_yaml(str(path), "")
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys")
@@ -462,7 +491,7 @@ def load_config(path: str | Path) -> ModelConfig:
                               f"({show(d['model'][both[0]])}), differently: keep one")
         d = {**top, **d["model"]}
     try:
-        return config_from_dict(d)
+        return config_from_dict(d, ignored)
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
 

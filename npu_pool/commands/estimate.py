@@ -41,7 +41,14 @@ def _config(args: argparse.Namespace, trace_meta: dict | None):
 
     base: dict[str, Any] = {}
     if args.config:
-        base = {f.name: getattr(load_config(args.config), f.name) for f in fields(ModelConfig)}
+        ignored: list[str] = []
+        loaded = load_config(args.config, ignored)
+        base = {f.name: getattr(loaded, f.name) for f in fields(ModelConfig)}
+        if ignored:
+            from ..units import printable
+
+            print(f"npu-pool estimate: {printable(str(args.config))}: set aside, no effect on memory here: "
+                  f"{printable(', '.join(ignored))}", file=sys.stderr)
     elif trace_meta is not None:
         cfg = config_from_trace(trace_meta)
         if cfg is not None:
