@@ -501,5 +501,5 @@ def test_a_large_snapshot_shows_how_far_its_reading_is(tmp_path: Path, monkeypat
     monkeypatch.undo()
     bar = ByteProgress("read s.pickle", 2 * size, enabled=True)  # (what a terminal gets)
     bar.to(size)
-    bar.to(size // 2)  # (never backwards: tqdm refuses a negative step)
+    bar.to(size // 2)  # (a bar never moves back)
     bar.close()
