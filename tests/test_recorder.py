@@ -386,6 +386,44 @@ def test_attach_marks_layers_passes_and_steps(recompute: bool) -> None:
     assert spy.marks == []
 
 
+def test_a_loss_computed_outside_the_model_has_its_backward_in_the_backward() -> None:
+    """The backward began when the gradient reached the model's output: a loss computed outside the model
+    (F.cross_entropy(model(x), y)) ran its own backward, a vocabulary-sized gradient, between the forward
+    and the backward, in no stage (a review of the recorder, a helper: the peak of such a loop was
+    'step', and replays took the loss's gradient for a long-lived tensor). The backward begins where
+    backward() is called; the markers stay in their order; detached, torch's backward is torch's again."""
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spy = Spy()
+    rec = Recorder([spy])
+    seen: list = []
+
+    class Probe(torch.autograd.Function):  # the first node the backward runs: the loss's
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            seen.append(rec.state.stage)
+            return g
+
+    original = torch.autograd.backward
+    handle = recorder.attach(model, opt, recorder=rec)
+    for _ in range(2):
+        x = torch.randint(64, (2, 17))
+        logits = model(x[:, :-1])
+        Probe.apply(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert seen == ["backward", "backward"]
+    codes = [c for c, _ in spy.marks]
+    assert codes.count(MARK_BACKWARD_BEGIN) == codes.count(MARK_BACKWARD_END) == 2
+    assert codes.index(MARK_FORWARD_END) < codes.index(MARK_BACKWARD_BEGIN) < codes.index(MARK_BACKWARD_END)
+    handle.detach()
+    assert torch.autograd.backward is original
+
+
 def test_a_backward_that_raises_does_not_stop_the_markers() -> None:
     """A backward that raised never ran its end callback: the stage stayed "backward" and no later
     forward, optimizer or iteration was marked (an OOM-skip loop lost every marker after its first

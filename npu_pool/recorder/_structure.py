@@ -3,9 +3,10 @@
 :func:`attach` puts forward pre/post hooks on the repeated transformer blocks (layer
 enter/exit in the forward pass), gradient hooks on their outputs and inputs (layer
 enter/exit in the backward pass, in the order the backward runs them), hooks on the
-model itself (forward begin/end per micro-batch, backward begin, and backward end
-through the autograd engine's end-of-backward callback, evaluation for forwards without
-grad) and optimizer step pre/post hooks (optimizer begin/end, iteration end).
+model itself (forward begin/end per micro-batch, backward begin where
+``torch.autograd.backward`` is called, which attach() stands in for while a model is attached,
+else at the output's gradient, and backward end through the autograd engine's
+end-of-backward callback, evaluation for forwards without grad) and optimizer step pre/post hooks (optimizer begin/end, iteration end).
 Automatic markers only fill in where no phase was opened explicitly (``phase()``), so
 explicit phases and hooks can be mixed.
 """
@@ -142,6 +143,7 @@ class Attachment:
         self._opened_opt = False
         self._fwd_micro = 0
         self._backward: Optional[int] = None  # the micro-batch of the backward _fire opened, until it ends
+        self._awaiting: Optional[int] = None  # a forward's micro-batch whose backward has not begun yet
         self._roots = 0                   # the models (chunks) attach hooked
 
     # -- markers on gradients ---------------------------------------------------------
@@ -168,14 +170,30 @@ class Attachment:
         rec = self.recorder
         for code, arg in sorted(marks, key=lambda m: _ORDER[m[0]]):
             if code == MARK_BACKWARD_BEGIN:
-                if rec.state.stage is not None:
+                early = self._backward == arg and rec.state.stage == "backward"  # (begun at backward())
+                if rec.state.stage is not None and not early:
                     continue  # the caller marks its backward itself
-                rec.mark(MARK_BACKWARD_BEGIN, arg)
-                self._backward = arg
+                if not early:
+                    rec.mark(MARK_BACKWARD_BEGIN, arg)
+                    self._backward = arg
+                self._awaiting = None
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(self._backward_end, arg))
             else:
                 rec.mark(code, arg)
+
+    def _backward_called(self) -> None:
+        """``torch.autograd.backward`` (``Tensor.backward``) is called, outside any backward: the
+        backward of the forward that awaits one begins now, before the loss's own backward (a loss
+        computed outside the model: its gradient, vocabulary-sized, is the backward's, not the
+        step's); the gradient hook on the model's output then only ends it (_fire)."""
+        rec = self.recorder
+        if (not self.active or self._awaiting is None or rec.state.stage is not None
+                or getattr(torch._C, "_current_graph_task_id", lambda: -1)() >= 0):
+            return
+        arg, self._awaiting = self._awaiting, None
+        rec.mark(MARK_BACKWARD_BEGIN, arg)
+        self._backward = arg
 
     def _backward_end(self, arg: int) -> None:
         self._backward = None
@@ -260,6 +278,7 @@ class Attachment:
                 self.recorder.mark(code, self._fwd_micro)
                 if self.backward:
                     self._on_grad(_grad_tensor(out), MARK_BACKWARD_BEGIN, self._fwd_micro)
+                    self._awaiting = None if failed else self._fwd_micro
                 if failed:  # the step goes no further (a loop that skips the batch): its iteration ends
                     self._end_iteration()
             else:
@@ -332,12 +351,34 @@ class Attachment:
             r()
         self._handles.clear()
         self._restore.clear()
+        _watch_backward(False)
 
     def __enter__(self) -> "Attachment":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+
+_autograd_backward: Optional[Callable[..., Any]] = None  # torch's, while the wrapper below stands in for it
+
+
+def _backward(*args: Any, **kwargs: Any) -> Any:
+    """torch.autograd.backward while a model is attached: each attachment hears of the call first."""
+    for att in list(_attached.values()):
+        att._backward_called()
+    return _autograd_backward(*args, **kwargs)  # type: ignore[misc]
+
+
+def _watch_backward(on: bool) -> None:
+    """Stand in for torch.autograd.backward (Tensor.backward calls it) while any model is attached."""
+    global _autograd_backward
+    if on and _autograd_backward is None and torch.autograd.backward is not _backward:
+        _autograd_backward, torch.autograd.backward = torch.autograd.backward, _backward
+    elif not on and _autograd_backward is not None and not _attached:
+        if torch.autograd.backward is _backward:  # (else someone wrapped it since: theirs stays, ours passes on)
+            torch.autograd.backward = _autograd_backward
+            _autograd_backward = None
 
 
 def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] = None,
@@ -384,4 +425,6 @@ def attach(model: Model, optimizer: Any = None, *, recorder: Optional[Recorder] 
             raise
     for m in mods:
         _attached[m] = att
+    if backward:
+        _watch_backward(True)
     return att
