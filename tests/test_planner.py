@@ -1104,8 +1104,9 @@ def test_an_extra_request_before_a_pair_of_equal_sizes_gives_its_position_back()
     """An extra request (one the plan does not know) consumes the position expected next. Where the
     next request matches both that position and the one after it (a pair of equal sizes: two layers'
     tensors), it is taken for the later one (a dynamic size before such a pair is the more common
-    case); when the request after it then matches the pair's second again, the extra request is
-    known: that one is the second, in the first's range, and following goes on. Before, every request
+    case), in the first's range where that is free; when the request after it then matches the pair's
+    second again, the extra request is known: the previous one was the pair's first, this one is the
+    second, and following goes on. Before, every request
     after the extra one was served a position late, in another's range, until a resynchronisation:
     in h100-gpt-bf16-train, one kept 4 KiB tensor sent ~470 requests to the fallback and held 3.8 GiB
     where the online pool holds 2.15 (benchmarks/planner.py)."""
