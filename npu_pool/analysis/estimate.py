@@ -402,21 +402,19 @@ _BOOL_FIELDS = ("mixed_precision", "sequence_parallel", "flash_attention", "drop
 _INT_FIELDS = ("hidden", "layers", "heads", "vocab", "ffn", "kv_heads", "seq", "micro_batch", "micro_batches",
                "zero", "dp", "tp", "pp", "ep", "experts", "top_k", "max_positions", "vocab_multiple")
 _INT_MAX = 1 << 40  # no model dimension or parallel size comes near it
-# Megatron's true/false settings that give another field (ALIASES' "_" names): (field, its value)
-_FLAG_ALIASES: dict[str, tuple[str, Callable[[bool], Any]]] = {
-    "_untie": ("tied_embeddings", lambda v: not v),
+# Megatron's settings that give another field, or spell its values otherwise (ALIASES' "_" names):
+# (field, its value, whether the setting is true/false)
+_DERIVED: dict[str, tuple[str, Callable[[Any], Any], bool]] = {
+    "_untie": ("tied_embeddings", lambda v: not v, True),
     # (false: the weights' dtype, which the default is but for bf16, where Megatron forces it true)
-    "_grads_fp32": ("grad_dtype", lambda v: "fp32" if v else None),
-    "_bf16": ("dtype", lambda v: "bf16" if v else None),  # (false: say nothing; fp32 is `params_dtype`'s)
-    "_fp16": ("dtype", lambda v: "fp16" if v else None),
-    "_distributed_optimizer": ("zero", lambda v: 1 if v else None),  # (the optimizer states sharded: ZeRO-1)
-    "_no_bias": ("bias", lambda v: not v),
-}
-# Megatron's settings whose values are spelled otherwise here (ALIASES' "_" names): (field, its value)
-_VALUE_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "_normalization": ("norm", lambda v: v.lower() if isinstance(v, str) else v),  # LayerNorm, RMSNorm
-    "_position_type": ("position", lambda v: "learned" if v == "learned_absolute" else v),
-    "_dropout": ("dropout", lambda v: v > 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v),
+    "_grads_fp32": ("grad_dtype", lambda v: "fp32" if v else None, True),
+    "_bf16": ("dtype", lambda v: "bf16" if v else None, True),  # (false: say nothing; fp32 is `params_dtype`'s)
+    "_fp16": ("dtype", lambda v: "fp16" if v else None, True),
+    "_distributed_optimizer": ("zero", lambda v: 1 if v else None, True),  # (the optimizer states sharded: ZeRO-1)
+    "_no_bias": ("bias", lambda v: not v, True),
+    "_normalization": ("norm", lambda v: v.lower() if isinstance(v, str) else v, False),  # LayerNorm, RMSNorm
+    "_position_type": ("position", lambda v: "learned" if v == "learned_absolute" else v, False),
+    "_dropout": ("dropout", lambda v: v > 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v, False),
 }
 
 
@@ -450,12 +448,11 @@ def config_from_dict(d: dict[str, Any], ignored: list[str] | None = None) -> Mod
                 ignored.append(key)
             continue
         written, k = value, ALIASES.get(name, name)
-        if k in _VALUE_ALIASES:
-            k, value = _VALUE_ALIASES[k][0], _VALUE_ALIASES[k][1](value)
-        elif k in _FLAG_ALIASES:
-            if not isinstance(value, bool):
+        if k in _DERIVED:
+            k, to, flag = _DERIVED[k]
+            if flag and not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, not {show(value)}")
-            k, value = _FLAG_ALIASES[k][0], _FLAG_ALIASES[k][1](value)
+            value = to(value)
         if k not in _FIELDS:
             raise ValueError(f"unknown config key {show(key)}; known: {', '.join(sorted(_FIELDS))}")
         if value is None:  # (an argument dump's unset setting: as if absent, the default or another name's)

@@ -129,6 +129,13 @@ static int charge(sim_backend *s, uint64_t size) {
   return NP_OK;
 }
 
+/* The lowest address at or above `from` that the range starting below it (the one before index
+ * `first`, find_pos's) leaves free. */
+static uintptr_t free_from(const sim_backend *s, size_t first, uintptr_t from) {
+  const sim_range *r = first > 0 ? &s->alloc.ranges[first - 1] : NULL;
+  return r && r->addr + r->size > from ? np_round_up(r->addr + r->size, SIM_ALIGN) : from;
+}
+
 /* Where cudaMalloc puts `size` bytes (rounded up to SIM_ALIGN), as the CUDA driver did in every
  * segment address recorded on an H100 (docs/gpu.md): address space goes in SIM_GRANULE units taken
  * top down; a request under a granule goes at the low end of the lowest free range, inside a granule
@@ -140,9 +147,7 @@ static uintptr_t cuda_addr(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
   const sim_range *rs = s->alloc.ranges;
   size_t first = find_pos(&s->alloc, s->next), end = find_pos(&s->alloc, s->down_top);
-  uintptr_t low = s->next;
-  if (first > 0 && rs[first - 1].addr + rs[first - 1].size > low)
-    low = np_round_up(rs[first - 1].addr + rs[first - 1].size, SIM_ALIGN);
+  uintptr_t low = free_from(s, first, s->next);
   if (need < SIM_GRANULE) {
     for (size_t i = first; i < end; i++) { /* ascending: the first fit is the lowest */
       uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
@@ -174,8 +179,7 @@ static uintptr_t lowest_gap(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
   const sim_range *rs = s->alloc.ranges;
   size_t i = find_pos(&s->alloc, s->low), end = find_pos(&s->alloc, s->down_top);
-  uintptr_t lo = s->low;
-  if (i > 0 && rs[i - 1].addr + rs[i - 1].size > lo) lo = np_round_up(rs[i - 1].addr + rs[i - 1].size, SIM_ALIGN);
+  uintptr_t lo = free_from(s, i, s->low);
   for (; i < end; i++) {
     if (rs[i].addr >= lo && rs[i].addr - lo >= need) return lo;
     uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_ALIGN);

@@ -6,7 +6,8 @@ enter/exit in the backward pass, in the order the backward runs them), hooks on 
 model itself (forward begin/end per micro-batch, backward begin where
 ``torch.autograd.backward`` is called, which attach() stands in for while a model is attached,
 else at the output's gradient, and backward end through the autograd engine's
-end-of-backward callback, evaluation for forwards without grad) and optimizer step pre/post hooks (optimizer begin/end, iteration end).
+end-of-backward callback, evaluation for forwards without grad) and optimizer step pre/post
+hooks (optimizer begin/end, iteration end).
 Automatic markers only fill in where no phase was opened explicitly (``phase()``), so
 explicit phases and hooks can be mixed.
 """
@@ -365,7 +366,7 @@ _autograd_backward: Optional[Callable[..., Any]] = None  # torch's, while the wr
 
 def _backward(*args: Any, **kwargs: Any) -> Any:
     """torch.autograd.backward while a model is attached: each attachment hears of the call first."""
-    for att in list(_attached.values()):
+    for att in dict.fromkeys(list(_attached.values())):  # (once each: the chunks of a model share one)
         att._backward_called()
     return _autograd_backward(*args, **kwargs)  # type: ignore[misc]
 

@@ -566,24 +566,27 @@ def _bytes(d: dict, key: str, name: str, where: str, default: int | None = None)
     return v
 
 
+def _once(obj: Any, seen: set[int], name: str, where: str, what: str) -> None:
+    """Refuse ``obj`` listed before (its id in ``seen``): one object referenced again, a memo
+    reference of two bytes in the file, would cost a record each."""
+    if id(obj) in seen:
+        raise TraceError(f"{name}: {where} is a {what} listed before (one object referenced again): "
+                         "not a memory snapshot")
+    seen.add(id(obj))
+
+
 def _segment(s: Any, name: str, where: str, seen: set[int]) -> dict:
     """Check one end-state segment; return the fields the importer uses. ``seen``: the ids of the
-    block objects read so far, in this and earlier segments (a block is one object, listed once)."""
+    segment and block objects read so far (each is one object, listed once: :func:`_once`)."""
     _expect(isinstance(s, dict), name, where, "a dict", s)
-    if id(s) in seen:
-        raise TraceError(f"{name}: {where} is a segment listed before (one object referenced again): "
-                         "not a memory snapshot")
-    seen.add(id(s))
+    _once(s, seen, name, where, "segment")
     blocks = s.get("blocks", [])
     _expect(isinstance(blocks, list), name, f"{where}.blocks", "a list", blocks)
     out_blocks = []
     for j, b in enumerate(blocks):
         bw = f"{where}.blocks[{j}]"
         _expect(isinstance(b, dict), name, bw, "a dict", b)
-        if id(b) in seen:  # a memo reference, two bytes of the file, that would cost a record each
-            raise TraceError(f"{name}: {bw} is a block listed before (one object referenced again): "
-                             "not a memory snapshot")
-        seen.add(id(b))
+        _once(b, seen, name, bw, "block")
         state = b.get("state")
         _expect(isinstance(state, str), name, f"{bw}.state", "a string", state)
         size = _bytes(b, "size", name, bw)
