@@ -23,10 +23,14 @@
  *    for good: weights, optimizer states; the steps after it do not make them again), a request
  *    that matches the first position after the expected one that is not held for good takes it;
  *  - otherwise it is a dynamic size at the expected position (MoE routing, variable
- *    lengths). When the next request matches the position it consumed instead, it was an
- *    extra request: the position is taken back and the extra size leaves the hashed window
- *    (where it matches the position expected too, a pair of equal sizes, that one: a dynamic
- *    size before such a pair is the more common case); MAX_MISSES in a row: lost.
+ *    lengths), which it consumes: a hole. When the next request matches the hole's position
+ *    instead, it was an extra request: the position is taken back and the extra size leaves
+ *    the hashed window. Where the requests after the hole match the positions expected and
+ *    are of the hole's size (a run of equal sizes: layers' tensors), the hole stays open:
+ *    a dynamic size before such a run is the more common case; when a request of that size
+ *    then matches nothing, the hole's was an extra request, and the run's last position is
+ *    taken back (each request of the run stands for the position before the one it took,
+ *    whose range it took where it could); MAX_MISSES in a row: lost.
  * Off-plan ranges: in a steady loop (the previous body pass and this one so far followed
  * without losing track, every block freed when the plan said) a dynamic request takes
  * its position's range if it fits there, else the lowest range the plan leaves idle for
@@ -61,6 +65,7 @@ enum { SERVED = 0, FALLBACK = 1, IDLE = 2, RESYNCS = 3, N_COUNTS = 4 };
 #define MAX_MISSES 16          /* mismatches in a row before the policy stops following */
 #define IDLE_TRIES 16          /* idle ranges tried per dynamic request */
 #define MAX_DRIFT 64           /* a repeated size pattern this close ahead resynchronises a following policy */
+#define RUN_MAX 64             /* equal sizes after a hole followed before it closes (planned_state.hole) */
 
 typedef struct planned_state {
   np_arena fb;                 /* the fallback */
@@ -81,12 +86,19 @@ typedef struct planned_state {
   bool in_setup;               /* the previous request came during set-up */
   uint64_t pos;                /* position expected next */
   uint64_t last;               /* position of the latest located request */
-  uint64_t skipped;            /* position the previous request consumed without matching, or NONE */
-  uint64_t amb;                /* the previous request matched the position expected, after one that did not
-                                * and whose position it matched too (a pair of equal sizes): that one, or NONE */
-  np_block *amb_block;         /* where the previous request went, while amb is set and it is live */
-  uint64_t swap;               /* this request is the second of such a pair, the first an extra request's:
-                                * the position the previous request stands for (its range), or NONE */
+  /* A request that does not match consumes the position expected (a dynamic size there): the hole. While
+   * every request after it matches the position expected, of the hole's size (a run of equal sizes), the
+   * hole stays open: a request of that size that matches nothing then shows the hole's request was an
+   * extra one, each request since standing for the position before the one it took; it takes the run's
+   * last position back (takeback). run_pos/run_blk: the hole's position and the run's, and the region
+   * blocks they were served (NULL: elsewhere, or freed since). */
+  uint64_t hole;               /* NONE: no hole open */
+  uint64_t hole_n;             /* the hole's request: its index in the count of `recent` (from 0) */
+  uint32_t run_n;              /* positions in the run after the hole */
+  int joining;                 /* this request's entry in run_*, or -1 */
+  bool takeback;               /* this request takes the run's last position back */
+  uint64_t run_pos[RUN_MAX + 1];
+  np_block *run_blk[RUN_MAX + 1];
   bool lap_clean;              /* this iteration has been followed without a jump or a lifetime off plan */
   bool steady;                 /* so was the previous one, and this one so far: ranges off plan may be used */
   uint32_t misses;             /* mismatches in a row while synced */
@@ -143,7 +155,7 @@ static int region_reserve(np_ctx *ctx, planned_state *st) {
 
 static void region_drop(np_ctx *ctx, planned_state *st) {
   if (!st->seg) return;
-  st->amb_block = NULL;
+  st->hole = NP_PLAN_NONE; /* (its run's blocks go) */
   np_segment_drop(ctx, st->seg);
   st->seg = NULL;
   st->free = (np_tree){.by_addr = true};
@@ -198,11 +210,17 @@ static int region_take(np_ctx *ctx, planned_state *st, uint64_t off, uint64_t si
 
 static void region_free(np_ctx *ctx, planned_state *st, np_block *b) {
   const np_plan *pl = &st->plan;
-  if (b == st->amb_block) st->amb_block = NULL;
-  uint64_t pos = b->prio; /* freed when the plan says? (prologue requests run once: not checked) */
-  if (st->synced && pos < pl->n && pos >= pl->loop && pl->end[pos] != NP_PLAN_NONE &&
-      (pl->end[pos] < pl->n ? pl->end[pos] : pl->loop + pl->end[pos] - pl->n) != st->pos)
-    trouble(st);
+  /* freed when the plan says? (prologue requests run once: not checked). While a hole is open, the requests
+   * since may each stand for the position before the one they took (its request an extra one): the
+   * position expected next may be the run's last, and the run's own blocks stand for either. */
+  bool in_run = false;
+  for (uint32_t i = 0; st->hole != NP_PLAN_NONE && i <= st->run_n; i++)
+    if (st->run_blk[i] == b) st->run_blk[i] = NULL, in_run = true;
+  uint64_t pos = b->prio, end;
+  if (st->synced && !in_run && pos < pl->n && pos >= pl->loop && (end = pl->end[pos]) != NP_PLAN_NONE) {
+    end = end < pl->n ? end : pl->loop + end - pl->n;
+    if (end != st->pos && (st->hole == NP_PLAN_NONE || end != st->last)) trouble(st);
+  }
   st->live--;
   if (b->shared) { /* used on other streams too (record_stream) */
     b->stream = NP_STREAM_MIXED;
@@ -268,16 +286,26 @@ static bool iteration_starts(np_ctx *ctx, planned_state *st, uint64_t req) {
   return true;
 }
 
+/* Drop the `i`th request (from 0) from the ring of recent sizes, where it still is: an extra one is no part
+ * of the pattern. */
+static void forget_recent(planned_state *st, uint64_t i) {
+  if (i >= st->n_recent || st->n_recent - i > NP_PLAN_GRAM) return;
+  for (uint64_t j = i + 1; j < st->n_recent; j++) st->recent[(j - 1) % NP_PLAN_GRAM] = st->recent[j % NP_PLAN_GRAM];
+  st->n_recent--;
+}
+
 /* The position this request stands for; *dynamic when its size differs from the plan's.
  * NP_PLAN_NONE when the policy does not know where in the iteration it is. A request
- * that does not match consumes the expected position (a dynamic size there); when the
- * next one matches that position instead, the mismatch was an extra request and the
- * position is taken back. */
+ * that does not match consumes the expected position (a dynamic size there: a hole); when
+ * the next one, or the first after a run of the hole's size, matches the hole's size but
+ * not the position expected, the mismatch was an extra request and a position is taken
+ * back (the file's comment). */
 static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynamic) {
   const np_plan *p = &st->plan;
-  uint64_t skipped = st->skipped, amb = st->amb;
-  st->skipped = st->amb = st->swap = NP_PLAN_NONE;
-  *dynamic = false;
+  uint64_t hole = st->hole; /* open still only where this request extends its run */
+  st->hole = NP_PLAN_NONE;
+  st->joining = -1;
+  st->takeback = *dynamic = false;
   bool setup = ctx->marks.any && ctx->marks.code == NP_MARK_SETUP_BEGIN;
   if (st->in_setup && !setup) st->n_recent = 0; /* set-up's sizes are no part of any iteration's pattern */
   st->in_setup = setup;
@@ -301,24 +329,22 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     st->pos = st->began ? p->loop : 0; /* the prologue runs once */
     st->synced = st->began = st->ever_synced = true;
     st->misses = 0;
-    skipped = NP_PLAN_NONE;
+    hole = NP_PLAN_NONE;
   }
   uint64_t at = NP_PLAN_NONE, past;
   if (st->synced && p->size[st->pos] == req) {
     at = st->pos; /* (first: see the file's comment) */
-    if (skipped != NP_PLAN_NONE && skipped != at && p->size[skipped] == req) st->amb = skipped;
-  } else if (st->synced && amb != NP_PLAN_NONE && p->size[np_plan_next(p, amb)] == req) {
-    /* the previous request, taken for the second of a pair, was the first: the one before it an extra
-     * request. This one is the second (the position after it follows), in the first's range where the
-     * previous one holds its own */
-    at = np_plan_next(p, amb);
-    st->swap = amb;
-  } else if (st->synced && skipped != NP_PLAN_NONE && p->size[skipped] == req) {
-    at = skipped;
-    if (st->n_recent >= 2) { /* the previous request was an extra one: no part of the pattern either */
-      st->n_recent--;
-      st->recent[(st->n_recent - 1) % NP_PLAN_GRAM] = req;
+    if (hole != NP_PLAN_NONE && p->size[hole] == req && st->run_n < RUN_MAX) { /* the run goes on */
+      st->hole = hole;
+      st->joining = (int)++st->run_n;
+      st->run_pos[st->run_n] = at;
     }
+  } else if (st->synced && hole != NP_PLAN_NONE && p->size[hole] == req) {
+    /* the hole's request was an extra one: this one stands for the run's last position (the hole's, where
+     * no run followed it), the position expected stays next, and the extra size leaves the pattern */
+    at = st->last;
+    st->takeback = true;
+    forget_recent(st, st->hole_n);
   } else if (st->synced && (st->flags & NP_PLAN_MADE_ONCE) && (past = p->past_held[st->pos]) != st->pos &&
              p->size[past] == req) {
     at = past; /* the tensors made once, expected here, were made in an earlier pass: not missed */
@@ -351,7 +377,10 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
     st->misses = 0;
   } else if (st->synced && st->misses < MAX_MISSES) {
     st->misses++;
-    at = st->skipped = st->pos;
+    at = st->hole = st->run_pos[0] = st->pos;
+    st->hole_n = st->n_recent - 1;
+    st->run_n = 0;
+    st->joining = 0;
     *dynamic = true;
   } else {
     lose_track(st);
@@ -391,6 +420,24 @@ static bool small_to_fallback(const planned_state *st, uint64_t size) {
   return size < page && st->aside <= page - np_round_up(size, NP_MIN_BLOCK);
 }
 
+/* The run's last position taken back (locate): the hole's request was an extra one, freed as no position;
+ * each request of the run stands for the position before the one it took, and is freed as that; this one
+ * for the run's last, in its range (where each request of the run took the range of the position before,
+ * that one is free), else the first of the run's ranges that is. */
+static int take_back(np_ctx *ctx, planned_state *st, uint64_t size, intptr_t stream, np_block **out) {
+  const np_plan *p = &st->plan;
+  uint32_t n = st->run_n;
+  if (st->run_blk[0]) st->run_blk[0]->prio = UINT32_MAX;
+  for (uint32_t i = 1; i <= n; i++)
+    if (st->run_blk[i]) st->run_blk[i]->prio = (uint32_t)st->run_pos[i - 1];
+  int rc = NP_ERR_OOM;
+  for (uint32_t k = 0; k <= n && rc == NP_ERR_OOM; k++) {
+    uint64_t q = st->run_pos[k == 0 ? n : k - 1]; /* the last, then the hole on */
+    if (p->offset[q] != NP_PLAN_NONE) rc = region_take(ctx, st, p->offset[q], size, stream, st->run_pos[n], out);
+  }
+  return rc;
+}
+
 /* NP_ERR_OOM: the plan does not place the request; *left_out when it leaves it to the fallback on purpose
  * (an unplanned position). */
 static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, np_block **out,
@@ -411,19 +458,16 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
   if (!dynamic) {
     const np_plan *pl = &st->plan;
-    np_block *first = st->amb_block;
-    uint64_t amb = st->amb, swap = st->swap;
-    if (swap != NP_PLAN_NONE && first && first->prio == at)
-      first->prio = (uint32_t)swap; /* the previous request was the pair's first: freed as that position */
-    /* the second of a pair whose first an extra or a dynamic request consumed: the first's range, where
-     * that request left it free (its span covers both cases: the pair's first, or its second, the
-     * request after this one tells), else its own */
-    rc = amb != NP_PLAN_NONE && pl->offset[amb] != NP_PLAN_NONE
-             ? region_take(ctx, st, pl->offset[amb], size, stream, at, out) : NP_ERR_OOM;
-    if (rc == NP_ERR_OOM) rc = region_take(ctx, st, pl->offset[at], size, stream, at, out);
-    if (rc == NP_ERR_OOM && swap != NP_PLAN_NONE && first && first->prio == swap && pl->offset[swap] != NP_PLAN_NONE)
-      rc = region_take(ctx, st, pl->offset[swap], size, stream, at, out); /* the pair's ranges swapped */
-    st->amb_block = amb != NP_PLAN_NONE && rc == NP_OK ? *out : NULL;
+    if (st->takeback) {
+      rc = take_back(ctx, st, size, stream, out);
+    } else {
+      /* in a run after a hole, the range of the position before: the one this request stands for where the
+       * hole's request was an extra one (the requests after this one tell), its own range otherwise */
+      uint64_t before = st->joining > 0 ? st->run_pos[st->joining - 1] : NP_PLAN_NONE;
+      rc = before != NP_PLAN_NONE && pl->offset[before] != NP_PLAN_NONE
+               ? region_take(ctx, st, pl->offset[before], size, stream, at, out) : NP_ERR_OOM;
+      if (rc == NP_ERR_OOM) rc = region_take(ctx, st, pl->offset[at], size, stream, at, out);
+    }
     if (rc == NP_OK) st->count[SERVED]++;
     if (rc != NP_ERR_OOM) return rc;
     /* its range is still held (by a request that outlived its plan): an idle one instead */
@@ -454,8 +498,7 @@ static int planned_init(np_ctx *ctx) {
   if (!st) return np_error(NP_ERR_HOST, "host out of memory");
   np_arena_init(ctx, &st->fb);
   st->free.by_addr = true;
-  st->last = st->skipped = st->amb = st->swap = NP_PLAN_NONE;
-  st->amb_block = NULL;
+  st->last = st->hole = NP_PLAN_NONE;
   ctx->pstate = st;
   return NP_OK;
 }
@@ -468,9 +511,7 @@ static void planned_destroy(np_ctx *ctx) {
   free(st);
 }
 
-static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
-  planned_state *st = state(ctx);
-  st->small = false;
+static int serve(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
   if (st->plan.n) {
     bool left_out = false;
     int rc = place_planned(ctx, st, req, stream, out, &left_out);
@@ -501,6 +542,16 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   } else if (rc == NP_ERR_OOM && st->seg) {
     ctx->fail.usable += st->free.bytes; /* the region's free ranges are this pool's memory too (the arena said its own) */
   }
+  return rc;
+}
+
+static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifetime, np_block **out) {
+  planned_state *st = state(ctx);
+  st->small = false;
+  st->joining = -1;
+  int rc = serve(ctx, st, req, stream, lifetime, out);
+  if (rc != NP_OK) st->hole = NP_PLAN_NONE; /* (a request that failed opens or extends no run) */
+  else if (st->joining >= 0 && st->hole != NP_PLAN_NONE) st->run_blk[st->joining] = (*out)->seg == st->seg ? *out : NULL;
   return rc;
 }
 
@@ -621,8 +672,7 @@ static int install(np_ctx *ctx, planned_state *st, uint64_t n, uint64_t loop, co
   st->began = st->steady = st->start_learned = st->start_known = st->ever_synced = false;
   st->lap_clean = st->synced;
   st->pos = st->n_recent = 0;
-  st->last = st->skipped = st->amb = st->swap = NP_PLAN_NONE;
-  st->amb_block = NULL;
+  st->last = st->hole = NP_PLAN_NONE;
   st->misses = MAX_MISSES;
   memset(st->count, 0, sizeof st->count);
   return NP_OK;
