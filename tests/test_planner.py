@@ -1100,6 +1100,14 @@ def test_a_lap_that_ends_on_positions_made_once_is_no_resync():
         p.free(held[0])
 
 
+def _loop_plan(sizes: list[int], offsets: list[int], ends: list[int], region: int) -> Plan:
+    """A hand-made plan of a loop body, followed from its first request (PLAN_AT_START)."""
+    q = lambda v: array.array("Q", v)  # noqa: E731
+    plan = Plan(q(sizes), q(offsets), q(ends), region, 0, PLAN_AT_START, {})
+    verify(plan)
+    return plan
+
+
 def test_an_extra_request_before_a_pair_of_equal_sizes_gives_its_position_back():
     """An extra request (one the plan does not know) consumes the position expected next. Where the
     next request matches both that position and the one after it (a pair of equal sizes: two layers'
@@ -1110,12 +1118,7 @@ def test_an_extra_request_before_a_pair_of_equal_sizes_gives_its_position_back()
     after the extra one was served a position late, in another's range, until a resynchronisation:
     in h100-gpt-bf16-train, one kept 4 KiB tensor sent ~470 requests to the fallback and held 3.8 GiB
     where the online pool holds 2.15 (benchmarks/planner.py)."""
-    MiB = 1 << 20
-    size = array.array("Q", [MiB, MiB, 2 * MiB, 2 * MiB])  # one pass: two pairs
-    offset = array.array("Q", [0, MiB, MiB, 3 * MiB])
-    end = array.array("Q", [4, 2, 4, 4])
-    plan = Plan(size, offset, end, 5 * MiB, 0, PLAN_AT_START, {})
-    verify(plan)
+    plan = _loop_plan([MiB, MiB, 2 * MiB, 2 * MiB], [0, MiB, MiB, 3 * MiB], [4, 2, 4, 4], 5 * MiB)  # two pairs
     pool = Pool(policy="planned", capacity=1 << 30)
     try:
         assert install(pool, plan)
@@ -1141,10 +1144,8 @@ def test_an_extra_request_before_a_run_of_equal_sizes_gives_a_position_back():
     and following goes on. Before, only a pair was: every later request was served a position late,
     in another's range (cs336-medium-ctx1024-infer with a 4 KiB tensor at every 97th request: 2.963
     GiB against 2.734 online, out of memory 1% above the online peak; benchmarks/planner.py)."""
-    size = array.array("Q", [MiB, MiB, MiB, MiB, 2 * MiB])  # one pass: a run of four equal sizes
-    offset = array.array("Q", [0, MiB, 2 * MiB, 3 * MiB, 4 * MiB])
-    plan = Plan(size, offset, array.array("Q", [5] * 5), 6 * MiB, 0, PLAN_AT_START, {})
-    verify(plan)
+    size = [MiB, MiB, MiB, MiB, 2 * MiB]  # one pass: a run of four equal sizes
+    plan = _loop_plan(size, [0, MiB, 2 * MiB, 3 * MiB, 4 * MiB], [5] * 5, 6 * MiB)
     pool = Pool(policy="planned", capacity=1 << 30)
     try:
         assert install(pool, plan)
@@ -1169,10 +1170,7 @@ def test_a_run_after_an_extra_request_keeps_the_loop_steady():
     Before, such frees took the loop off plan and ranges were served a position late (5 requests
     displaced into idle ranges here)."""
     U = 4 * MiB  # (dynamic sizes under a page go to the fallback first)
-    size = array.array("Q", [U, U, U, 2 * U])
-    plan = Plan(size, array.array("Q", [0, U, 2 * U, 3 * U]), array.array("Q", [2, 3, 4, 4]), 5 * U, 0,
-                PLAN_AT_START, {})
-    verify(plan)
+    plan = _loop_plan([U, U, U, 2 * U], [0, U, 2 * U, 3 * U], [2, 3, 4, 4], 5 * U)
     pool = Pool(policy="planned", capacity=1 << 30)
     try:
         assert install(pool, plan)
@@ -1253,11 +1251,7 @@ def test_a_dynamic_size_before_a_pair_of_equal_sizes_keeps_the_policy_in_step():
     """A dynamic size (MoE routing) at the first of a pair of equal sizes: the next request is the
     pair's second, not the first taken back (a review of the extra-request rule, a helper: taking it
     back put every pass a position late, 29 of 63 planned requests served)."""
-    MiB = 1 << 20
-    size = array.array("Q", [MiB, MiB, 2 * MiB, 3 * MiB])
-    plan = Plan(size, array.array("Q", [0, MiB, 2 * MiB, 4 * MiB]), array.array("Q", [4] * 4), 7 * MiB, 0,
-                PLAN_AT_START, {})
-    verify(plan)
+    plan = _loop_plan([MiB, MiB, 2 * MiB, 3 * MiB], [0, MiB, 2 * MiB, 4 * MiB], [4] * 4, 7 * MiB)
     pool = Pool(policy="planned", capacity=1 << 30)
     try:
         assert install(pool, plan)
