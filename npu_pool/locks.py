@@ -8,7 +8,9 @@ thread that holds it (nothing here does; a signal handler may) does not wait for
 child holds the new lock, to release it when that thread leaves its ``with``. Whether the forking
 thread holds it is the lock's own answer (an ``RLock`` knows its owner from inside ``acquire``),
 so a signal that lands between taking the lock and any bookkeeping cannot make a fork wait for
-its own thread.
+its own thread. Two threads may fork at once (their hooks interleave: the second waits in its
+hook for the first's fork to release the lock): the lock records which thread its hook took it
+for, so each fork releases only what its own hook took.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class ForkSafeLock:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._forking = False  # taken by the fork hook, to be released in the parent
+        self._forker: int | None = None  # the thread whose fork hook holds the lock, to release it in the parent
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(before=lambda: _call(ref, "_before_fork"),
@@ -40,20 +42,20 @@ class ForkSafeLock:
 
     def _before_fork(self) -> None:
         if not self._lock._is_owned():  # (the fork of a thread inside its with: no wait for itself)
-            self._forking = True
             self._lock.acquire()
+            self._forker = threading.get_ident()  # (set by the owner only: another fork's hook waits above)
 
     def _after_in_parent(self) -> None:
-        if self._forking:
-            self._forking = False
+        if self._forker == threading.get_ident():
+            self._forker = None
             self._lock.release()
 
     def _after_in_child(self) -> None:
         held = 0  # how deep the forking thread is inside its own with (nested, from a signal handler)
-        if self._lock._is_owned() and not self._forking:
+        if self._lock._is_owned() and self._forker != threading.get_ident():
             count = getattr(self._lock, "_recursion_count", None)
             held = count() if count else 1
-        self._lock, self._forking = threading.RLock(), False
+        self._lock, self._forker = threading.RLock(), None
         for _ in range(held):
             self._lock.acquire()
 
