@@ -223,10 +223,12 @@ class Recorder:
             self.state.restart_counts()
 
     def summary(self) -> dict[str, Any]:
-        """What was recorded: markers, iterations, seconds per stage."""
+        """What was recorded: markers, iterations, seconds per stage (read as one: markers from other
+        threads, torch's autograd threads, wait)."""
         s = self.state
-        return {"marks": s.marks, "iterations": s.iterations, "iteration": s.iteration,
-                "seconds": {k: round(v, 6) for k, v in s.seconds.items()}}
+        with _MARKING:
+            return {"marks": s.marks, "iterations": s.iterations, "iteration": s.iteration,
+                    "seconds": {k: round(v, 6) for k, v in s.seconds.items()}}
 
 
 default = Recorder()
