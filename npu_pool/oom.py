@@ -36,8 +36,9 @@ from typing import Any, Mapping, Optional
 
 from . import snapshot
 from .locks import ForkSafeLock
+from .outputs import write_text
 from .units import fmt_bytes
-from .vocab import STREAM_TAGS
+from .vocab import OOM_REASONS, STREAM_TAGS
 
 __all__ = ["ENV", "ENABLE", "PATH", "HISTORY_WHEN_ENABLED", "HISTORY_WRITTEN", "OomExplanation", "explain",
            "snapshot_dir", "snapshot_setting", "write_snapshot", "on_oom"]
@@ -148,8 +149,6 @@ def _last_oom(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
 def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     """The latest failed request of ``pool`` explained (``request``: its size, when the history
     kept no ``oom`` event; the diagnosis then comes from the counters alone)."""
-    from .vocab import OOM_REASONS
-
     if request is not None and (isinstance(request, bool) or not isinstance(request, int) or request < 1):
         raise ValueError(f"request must be a size in bytes (an int >= 1) or None, got {request!r:.40}")
     st = pool.stats()
@@ -251,8 +250,6 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
     """Write ``oom_snapshot_<host>_<pid>_dev<device>_<time>_<n>.pickle`` and ``.json`` into ``directory``, each
     whole or absent; returns the pickle's path. Raises OSError if the directory cannot be made
     or written, :class:`HalfWritten` when the pickle was written and the .json was not."""
-    from .outputs import write_text
-
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise NotADirectoryError(f"{d} exists and is not a directory")

@@ -23,6 +23,7 @@ import pickle
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional
 
+from .outputs import output
 from .vocab import MARK_NAMES, ROUND, STREAM_TAGS, device_stream
 
 __all__ = ["pool_snapshot", "segments", "device_trace", "iter_device_trace", "annotations", "write", "write_parts",
@@ -263,8 +264,6 @@ def write_parts(path: str | Path, device_traces: Iterable[Iterable[dict[str, Any
     by :data:`_BATCH` entries and ``rest`` (segments, annotations, settings; small) whatever
     the length of the traces. The file reads back with ``pickle.load`` as the dict
     ``{"device_traces": [...], **rest}``; it is whole or absent (:mod:`npu_pool.outputs`)."""
-    from .outputs import output
-
     p = Path(path)
     with output(p, "wb") as f:
         f.write(pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + _fragment("device_traces") + pickle.EMPTY_LIST)
