@@ -79,6 +79,7 @@ class _Installation:
 
 _current: Optional[_Installation] = None
 _lock = ForkSafeLock()
+_fractions = ForkSafeLock()  # one set_fraction over the devices at a time
 
 
 def core_path() -> str:
@@ -257,18 +258,19 @@ def _set_fractions(pools: Any, fraction: float) -> None:
     the smallest block, a planned region that would not fit) leaves the others as they were. Devices
     serving memory go first (they can refuse); those without a context keep it for their first
     allocation."""
-    serving = sorted(pools, key=lambda p: not p.serving)
-    done = []
-    try:
-        for p in serving:
-            before = p.stats()["fraction"] if p.serving else None
-            p.set_fraction(fraction)
-            done.append((p, before))
-    except PoolError:
-        for p, before in reversed(done):
-            if before is not None:
-                p.set_fraction(before)
-        raise
+    with _fractions:  # (two calls at once: each takes every device, neither undoes the other's)
+        serving = sorted(pools, key=lambda p: not p.serving)
+        done = []
+        try:
+            for p in serving:
+                before = p.stats()["fraction"] if p.serving else None
+                p.set_fraction(fraction)
+                done.append((p, before))
+        except PoolError:
+            for p, before in reversed(done):
+                if before is not None:
+                    p.set_fraction(before)
+            raise
 
 
 def _importable(name: str) -> bool:

@@ -670,6 +670,40 @@ def test_a_fraction_a_device_refuses_is_set_on_none(fakes: dict, fake_cuda_torch
     assert [p.stats()["fraction"] for p in pools.values()] == [1.0, 0.5]
 
 
+def test_two_threads_setting_the_fraction_leave_every_device_at_one_of_them(fakes: dict, fake_cuda_torch: list) -> None:
+    """set_fraction from two threads at once: every device ends at one call's cap (the calls take
+    the devices one after the other). Before, they interleaved device by device: both returned and
+    the devices kept different caps (27-47 of 300 rounds under torch_npu; a review of the Python
+    layer under threads, a helper)."""
+    import sys
+    import threading
+
+    v = _vendor(fakes, "cuda")
+    pools = npu_pool.install(device_type="cuda", lib_path=v.path)
+    ptrs = [malloc(MiB, d) for d in (0, 1)]  # both devices serve memory
+    old, mixed = sys.getswitchinterval(), 0
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(200):
+            bar = threading.Barrier(2)
+
+            def call(f: float) -> None:
+                bar.wait()
+                npu_pool.set_fraction(f)
+
+            ts = [threading.Thread(target=call, args=(f,)) for f in (0.5, 0.75)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            mixed += len({p.stats()["fraction"] for p in pools.values()}) > 1
+    finally:
+        sys.setswitchinterval(old)
+    for d, ptr in enumerate(ptrs):
+        free(ptr, d)
+    assert mixed == 0
+
+
 def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake_cuda_torch: list) -> None:
     """Every reading of an installed pool answers for a device that served nothing without making
     its context (on a device: a runtime context on every device of every rank); stats() did, the
