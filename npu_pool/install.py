@@ -24,8 +24,8 @@ from typing import Any, Optional
 from . import config, oom
 from .locks import ForkSafeLock
 from ._core import ffi, lib
-from .pool import (BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, UnknownPointerError, _check, _fraction, _invalid,
-                   _flag, _lib_path, _tag, _uint)
+from .pool import (BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, PoolView, UnknownPointerError, _check, _fraction,
+                   _invalid, _flag, _lib_path, _tag, _uint)
 
 __all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
            "TooLateError", "last_error", "core_path"]
@@ -155,6 +155,9 @@ class _DevicePool(Pool):
 
     def history(self, limit: Optional[int] = None) -> list[dict[str, Any]]:
         return super().history(limit) if self.serving else []
+
+    def view(self, history_limit: Optional[int] = None) -> PoolView:
+        return super().view(history_limit) if self.serving else PoolView(self.stats(), [], [], [])
 
     def tags(self) -> dict[str, dict[str, Any]]:
         return super().tags() if self.serving else {}

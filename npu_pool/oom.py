@@ -34,9 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from . import snapshot
+from . import outputs, snapshot
 from .locks import ForkSafeLock
-from .outputs import write_text
 from .units import fmt_bytes
 from .vocab import OOM_REASONS, STREAM_TAGS
 
@@ -260,15 +259,14 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
         stem = f"oom_snapshot_{host}_{os.getpid()}_dev{device}_{time.strftime('%Y%m%d-%H%M%S')}_{next(_numbers):04d}"
         if not (d / f"{stem}.pickle").exists() and not (d / f"{stem}.json").exists():
             break
-    pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, history_limit=HISTORY_WRITTEN),
-                                 d / f"{stem}.pickle")
-    blocks = pool.blocks()
-    history = _named(pool.history(HISTORY_IN_JSON))
+    view = pool.view(HISTORY_WRITTEN)  # the pickle and the .json: one reading (other threads may allocate)
+    pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, views={device: view}), d / f"{stem}.pickle")
+    history = _named(view.history[-HISTORY_IN_JSON:])
     doc = {"format": "npu_pool.oom/5", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
-           "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": pool.stats(),
-           "blocks": _named(blocks[:BLOCKS_IN_JSON]), "blocks_total": len(blocks), "history": history}
+           "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": view.stats,
+           "blocks": _named(view.blocks[:BLOCKS_IN_JSON]), "blocks_total": len(view.blocks), "history": history}
     try:
-        write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
+        outputs.write_text(d / f"{stem}.json", json.dumps(doc, separators=(",", ":"), default=str))
     except OSError as e:
         raise HalfWritten(pickle_path, e.strerror or str(e)) from e
     return pickle_path

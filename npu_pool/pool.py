@@ -8,7 +8,7 @@ from __future__ import annotations
 import array
 import os
 import threading
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from . import oom
 from .locks import ForkSafeLock
@@ -26,8 +26,8 @@ PLAN_COUNTS = ("served", "fallback", "idle", "resyncs")  # np_set_plan's counter
 _U64 = (1 << 64) - 1
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
-__all__ = ["Pool", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError", "UnknownPointerError",
-           "BackendError", "POLICIES", "BACKENDS", "LIFETIMES", "POOL_NAMES", "PLAN_COUNTS"]
+__all__ = ["Pool", "PoolView", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError",
+           "UnknownPointerError", "BackendError", "POLICIES", "BACKENDS", "LIFETIMES", "POOL_NAMES", "PLAN_COUNTS"]
 
 
 class PoolError(RuntimeError):
@@ -172,6 +172,16 @@ def _event_dicts(buf: Any, n: int, kinds: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _block_dicts(buf: Any, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` np_block_info of ``buf`` as dicts."""
+    return [_as_dict(buf[i]) for i in range(n)]
+
+
+def _ranges(buf: Any, n: int) -> list[tuple[int, int]]:
+    """The first ``n`` (address, size) pairs of ``buf``."""
+    return [(int(buf[2 * i]), int(buf[2 * i + 1])) for i in range(n)]
+
+
 def _calls(counts: Any) -> dict[str, int]:
     """Device calls by kind, ``{name: count}`` in the vocabulary's order (``vocab.CALL_NAMES``)."""
     return {name: int(counts[k]) for k, name in enumerate(CALL_NAMES)}
@@ -189,6 +199,15 @@ def _as_dict(obj: Any) -> Any:
             return ffi.string(obj).decode(errors="replace")
         return [_as_dict(x) for x in obj]
     return obj
+
+
+class PoolView(NamedTuple):
+    """A pool read at one instant (:meth:`Pool.view`): what its four readings return."""
+
+    stats: dict[str, Any]
+    blocks: list[dict[str, Any]]
+    mapped_ranges: list[tuple[int, int]]
+    history: list[dict[str, Any]]
 
 
 class Pool:
@@ -383,6 +402,9 @@ class Pool:
         """Counters of the whole device and of each pool (see docs/api.md)."""
         st = ffi.new("np_stats *")
         self._read_stats(st)
+        return self._stats_dict(st)
+
+    def _stats_dict(self, st: Any) -> dict[str, Any]:
         d = _as_dict(st[0])
         d["pools"] = {p.pop("name"): p for p in d.pop("pool")}
         d["total"].pop("name")
@@ -401,7 +423,7 @@ class Pool:
             buf = ffi.new("np_block_info[]", max(cap, 1))
             _check(lib.np_blocks(self.ctx, buf, cap, n))
             if n[0] <= cap:
-                return [_as_dict(buf[i]) for i in range(n[0])]
+                return _block_dicts(buf, n[0])
 
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """``(address, size)`` of every range backed by physical memory, in address order."""
@@ -412,7 +434,7 @@ class Pool:
             buf = ffi.new("uint64_t[]", max(2 * cap, 1))
             _check(lib.np_mapped_ranges(self.ctx, buf, cap, n))
             if n[0] <= cap:
-                return [(int(buf[2 * i]), int(buf[2 * i + 1])) for i in range(n[0])]
+                return _ranges(buf, n[0])
 
     def history(self, limit: Optional[int] = None) -> list[dict[str, Any]]:
         """The pool's latest events (at most the bound of :meth:`set_history`), oldest first:
@@ -429,6 +451,27 @@ class Pool:
             if n[0] < cap or cap == want:
                 return _event_dicts(buf, n[0], EVENT_NAMES)
             cap = cap * 4 if want is None else min(cap * 4, want)
+
+    def view(self, history_limit: Optional[int] = None) -> PoolView:
+        """:meth:`stats`, :meth:`blocks`, :meth:`mapped_ranges` and :meth:`history` (its latest
+        ``history_limit`` events) read at one instant: other threads' requests wait while it is read,
+        so that a snapshot taken while they allocate agrees with itself."""
+        from .vocab import EVENT_NAMES
+
+        want = _uint(history_limit, "limit", HISTORY_MAX) if history_limit is not None else None
+        st, nb, nr, ne = ffi.new("np_stats *"), ffi.new("size_t *"), ffi.new("size_t *"), ffi.new("size_t *")
+        bcap = rcap = ecap = 0
+        while True:
+            bbuf, rbuf = ffi.new("np_block_info[]", max(bcap, 1)), ffi.new("uint64_t[]", max(2 * rcap, 1))
+            ebuf = ffi.new("np_event_info[]", max(ecap, 1))
+            _check(lib.np_view(self.ctx, st, bbuf, bcap, nb, rbuf, rcap, nr, ebuf, ecap, ne))
+            events = ne[0] if want is None else min(ne[0], want)  # (the latest `events` of those kept)
+            if nb[0] <= bcap and nr[0] <= rcap and events <= ecap:
+                copied = min(ne[0], ecap)
+                return PoolView(self._stats_dict(st), _block_dicts(bbuf, nb[0]), _ranges(rbuf, nr[0]),
+                                _event_dicts(ebuf + (copied - events), events, EVENT_NAMES))
+            # (other threads may add more before the next try: some room to spare)
+            bcap, rcap, ecap = (n + n // 8 + 16 for n in (nb[0], nr[0], events))
 
     def set_history(self, max_entries: int) -> None:
         """Keep the latest ``max_entries`` events (0: none; default 4096); clears the history."""

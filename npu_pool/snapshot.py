@@ -198,9 +198,11 @@ def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str,
 
 def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
                   frames_of_site: Optional[Callable[[int], list]] = None, *,
-                  history_limit: Optional[int] = None, devices: int = 0) -> dict[str, Any]:
+                  history_limit: Optional[int] = None, devices: int = 0,
+                  views: Optional[Mapping[int, Any]] = None) -> dict[str, Any]:
     """One snapshot of the pools of a process, ``{device: pool}``, from their block maps,
-    mapped ranges and histories (``history_limit``: only each pool's latest events); its
+    mapped ranges and histories, each pool read at one instant (``Pool.view``; ``history_limit``:
+    only each pool's latest events; ``views``: ``{device: view}`` already read); its
     ``device_traces`` has one list per device, at least ``devices`` (torch's: one per device the
     process sees, those that served nothing empty)."""
     n = max(max(pools, default=-1) + 1, devices)
@@ -208,10 +210,10 @@ def pool_snapshot(pools: Mapping[int, Any], frames: Frames = _NO_FRAMES,
     policies, vmm = set(), False
     unmapped: dict[int, int] = {}
     for device, pool in sorted(pools.items()):
-        st = pool.stats()
-        events = pool.history() if history_limit is None else pool.history(history_limit)
+        # (one instant: other threads may allocate meanwhile)
+        st, blocks, ranges, events = views[device] if views and device in views else pool.view(history_limit)
         names = tuple(st["pools"])
-        segs = segments(pool.blocks(), pool.mapped_ranges(), device, names, frames_of_site, segment_streams(events))
+        segs = segments(blocks, ranges, device, names, frames_of_site, segment_streams(events))
         snap["segments"] += segs
         # reserved memory at no address: spare chunks, memory the device refused to take back
         held = st["total"]["reserved"]["current"] - sum(s["total_size"] for s in segs)

@@ -715,6 +715,7 @@ def test_reading_a_device_that_served_nothing_makes_no_context(fakes: dict, fake
     free(malloc(MiB, 0), 0)
     idle = pools[1]
     assert (idle.blocks(), idle.mapped_ranges(), idle.history(), idle.tags()) == ([], [], [], {})
+    assert idle.view() == (idle.stats(), [], [], [])
     idle.check(), idle.empty_cache(), idle.forget(), idle.set_history(16)
     with pytest.raises(PoolError, match="not planned"):
         idle.plan_counts()

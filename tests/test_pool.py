@@ -488,6 +488,22 @@ def test_blocks_map_covers_segments(pool):
     assert all(total == next(b["segment_size"] for b in blocks if b["segment"] == s) for s, total in by_seg.items())
 
 
+def test_a_view_is_the_four_readings_at_one_instant(pool):
+    """Pool.view: statistics, blocks, mapped ranges and the latest events as the four readings give
+    them on a quiet pool (the reliability tests read it while another thread allocates); its
+    history limit keeps the latest events; a closed pool refuses it as it refuses blocks()."""
+    ptrs = [pool.malloc(s) for s in (100, 3 * MiB, 21 * MiB, 64 * MiB)]
+    pool.free(ptrs[1])
+    v = pool.view()
+    assert v == (pool.stats(), pool.blocks(), pool.mapped_ranges(), pool.history())
+    assert v.history and pool.view(2).history == v.history[-2:] and pool.view(0).history == []
+    pool.set_history(0)
+    assert pool.view().history == []
+    pool.close()
+    with pytest.raises(PoolError, match="closed"):
+        pool.view()
+
+
 def test_closed_pool_raises():
     p = Pool("torch")
     p.close()

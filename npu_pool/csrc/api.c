@@ -442,20 +442,12 @@ static np_segment **sorted_segments(const np_ctx *ctx, size_t *nseg) {
   return segs;
 }
 
-int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
-  *n = 0;
-  if (cap && !out) return np_error(NP_ERR_INVALID, "np_blocks: no buffer for %zu entries", cap);
-  np_ctx_lock(ctx);
-  if (ctx->closed) {
-    np_ctx_unlock(ctx);
-    return np_ctx_refuse(ctx, "blocks");
-  }
+/* The blocks of every segment, segments in address order: up to cap into out; *n gets them all.
+ * (Lock held.) */
+static int blocks_locked(const np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   size_t nseg = 0, k = 0;
   np_segment **segs = sorted_segments(ctx, &nseg);
-  if (!segs) {
-    np_ctx_unlock(ctx);
-    return np_error(NP_ERR_HOST, "host out of memory listing blocks");
-  }
+  if (!segs) return np_error(NP_ERR_HOST, "host out of memory listing blocks");
   for (size_t i = 0; i < nseg; i++) {
     for (np_block *b = segs[i]->head; b; b = b->next, k++) {
       if (k >= cap) continue;
@@ -469,8 +461,16 @@ int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
   }
   *n = k;
   free(segs);
-  np_ctx_unlock(ctx);
   return NP_OK;
+}
+
+int np_blocks(np_ctx *ctx, np_block_info *out, size_t cap, size_t *n) {
+  *n = 0;
+  if (cap && !out) return np_error(NP_ERR_INVALID, "np_blocks: no buffer for %zu entries", cap);
+  np_ctx_lock(ctx);
+  int rc = ctx->closed ? np_ctx_refuse(ctx, "blocks") : blocks_locked(ctx, out, cap, n);
+  np_ctx_unlock(ctx);
+  return rc;
 }
 
 /* Emit the mapped runs of one segment into out[2k], out[2k+1]; returns the new count. */
@@ -491,23 +491,48 @@ static size_t segment_runs(const np_ctx *ctx, const np_segment *s, uint64_t *out
   return k;
 }
 
+/* The mapped ranges of every segment, in address order: up to cap pairs into out; *n gets them all.
+ * (Lock held.) */
+static int ranges_locked(const np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
+  size_t nseg = 0, k = 0;
+  np_segment **segs = sorted_segments(ctx, &nseg);
+  if (!segs) return np_error(NP_ERR_HOST, "host out of memory listing mapped ranges");
+  for (size_t i = 0; i < nseg; i++) k = segment_runs(ctx, segs[i], out, cap, k);
+  *n = k;
+  free(segs);
+  return NP_OK;
+}
+
 int np_mapped_ranges(np_ctx *ctx, uint64_t *out, size_t cap, size_t *n) {
   *n = 0;
   if (cap && !out) return np_error(NP_ERR_INVALID, "np_mapped_ranges: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
+  int rc = ctx->closed ? np_ctx_refuse(ctx, "mapped_ranges") : ranges_locked(ctx, out, cap, n);
+  np_ctx_unlock(ctx);
+  return rc;
+}
+
+int np_view(np_ctx *ctx, np_stats *stats, np_block_info *blocks, size_t bcap, size_t *nb, uint64_t *ranges,
+            size_t rcap, size_t *nr, np_event_info *events, size_t ecap, size_t *ne) {
+  *nb = *nr = *ne = 0;
+  if ((bcap && !blocks) || (rcap && !ranges) || (ecap && !events))
+    return np_error(NP_ERR_INVALID, "np_view: a part has a capacity and no buffer");
+  np_ctx_lock(ctx);
   if (ctx->closed) {
     np_ctx_unlock(ctx);
-    return np_ctx_refuse(ctx, "mapped_ranges");
+    return np_ctx_refuse(ctx, "view");
   }
-  size_t nseg = 0, k = 0;
-  np_segment **segs = sorted_segments(ctx, &nseg);
-  if (!segs) {
-    np_ctx_unlock(ctx);
-    return np_error(NP_ERR_HOST, "host out of memory listing mapped ranges");
+  np_get_stats_locked(ctx, stats);
+  stats->fraction = ctx->cfg.fraction;
+  /* sizes first: the parts are copied only when all fit, so that what is returned is one instant */
+  int rc = blocks_locked(ctx, NULL, 0, nb);
+  if (rc == NP_OK) rc = ranges_locked(ctx, NULL, 0, nr);
+  *ne = np_ctx_history_copy(ctx, NULL, 0);
+  if (rc == NP_OK && *nb <= bcap && *nr <= rcap) {
+    rc = blocks_locked(ctx, blocks, bcap, nb);
+    if (rc == NP_OK) rc = ranges_locked(ctx, ranges, rcap, nr);
+    if (rc == NP_OK) np_ctx_history_copy(ctx, events, ecap);
   }
-  for (size_t i = 0; i < nseg; i++) k = segment_runs(ctx, segs[i], out, cap, k);
-  *n = k;
-  free(segs);
   np_ctx_unlock(ctx);
-  return NP_OK;
+  return rc;
 }

@@ -232,5 +232,8 @@ int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, 
 void np_ctx_device_refusal(const np_ctx *ctx, uint64_t free_bytes, bool known, char *buf, size_t cap);
 int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries);
 void np_ctx_history_free(np_ctx *ctx);
+/* Copy the latest events (up to cap) into out, oldest first; returns how many (out NULL: how many are
+ * kept). (Lock held.) */
+size_t np_ctx_history_copy(const np_ctx *ctx, np_event_info *out, size_t cap);
 
 #endif

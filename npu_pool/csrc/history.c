@@ -85,14 +85,19 @@ void np_ctx_history_free(np_ctx *ctx) {
   ctx->hist_slots = ctx->hist_max = ctx->hist_next = 0;
 }
 
+size_t np_ctx_history_copy(const np_ctx *ctx, np_event_info *out, size_t cap) {
+  uint64_t kept = np_min_u64(ctx->n_events, ctx->hist_slots);
+  if (!out) return kept;
+  if (cap > kept) cap = kept;
+  for (size_t i = 0; i < cap; i++) out[i] = ctx->hist[(ctx->n_events - cap + i) % ctx->hist_slots];
+  return cap;
+}
+
 int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
   *n = 0;
   if (cap && !out) return np_error(NP_ERR_INVALID, "np_history: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
-  uint64_t kept = np_min_u64(ctx->n_events, ctx->hist_slots);
-  if (cap > kept) cap = kept;
-  for (size_t i = 0; i < cap; i++) out[i] = ctx->hist[(ctx->n_events - cap + i) % ctx->hist_slots];
-  *n = cap;
+  *n = np_ctx_history_copy(ctx, out, cap);
   pthread_mutex_unlock(&ctx->lock);
   return NP_OK;
 }
