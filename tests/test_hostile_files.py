@@ -1096,6 +1096,38 @@ def test_capture_refuses_an_unwritable_out_before_it_trains(tmp_path: Path, caps
     assert not list(tmp_path.rglob("*.partial"))
 
 
+def test_analyze_plan_and_import_refuse_an_unwritable_out_before_their_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output that cannot be written is said before the replays, the planning or the reading of
+    a snapshot (before: after them, 6-17 s on a large trace; a review of the commands at scale, a
+    helper); the work itself is not started (here it would raise)."""
+    from npu_pool.analysis import report
+    from npu_pool import planner
+    import importlib
+
+    importer = importlib.import_module("npu_pool.commands.import")
+    trace = tmp_path / "t.npt"
+    training(layers=1, iters=2).save(trace)
+
+    def work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work began")
+
+    monkeypatch.setattr(report, "analyze_paths", work)
+    monkeypatch.setattr(planner, "make_plan", work)
+    monkeypatch.setattr(importer, "load_snapshot", work)
+    gone = tmp_path / "nodir"
+    for argv in (["analyze", str(trace), "--format", "html", "--out", str(gone / "r.html")],
+                 ["analyze", str(trace), "--format", "md", "--out", str(gone / "r.md")],
+                 ["plan", str(trace), "--out", str(gone / "p.npplan")]):
+        _one_line(capsys, argv, "nodir/", "cannot write", "nothing was written", seconds=3.0)
+    _one_line(capsys, ["import", str(trace), "--out", "/proc/npu_pool_none"], "/proc/npu_pool_none: cannot create",
+              seconds=3.0)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "t.dev0.npt").mkdir()  # the name the first trace would take: a folder
+    _one_line(capsys, ["import", str(trace), "--out", str(tmp_path / "full")], "t.dev0.npt: is a directory", seconds=3.0)
+    assert not gone.exists() and not list(tmp_path.rglob("*.partial"))
+
+
 def test_outputs_check_refuses_sockets_and_loops_and_keeps_the_links(tmp_path: Path) -> None:
     """A loop of symbolic links passed and was replaced by a regular file (the links lost); a
     socket was taken for a FIFO nobody reads, after the work."""

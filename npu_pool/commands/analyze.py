@@ -59,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
     policies = policy_list(args.policy, planned=False)
     show = None if not args.no_progress else False
+    out = Path(args.out) if args.out else _html_name(args.traces[0]) if args.format == "html" else None
+    if out is not None:  # now, not after the replays
+        from ..outputs import check
+
+        check(out)
     with forced_device(args.device):
         analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",
                                  hints=args.hints, show_progress=show)
@@ -67,13 +72,11 @@ def run(args: argparse.Namespace) -> int:
         from ..analysis.html import render_html
 
         text = render_html(analysis, estimate_rows=rows)
-        out = Path(args.out) if args.out else _html_name(args.traces[0])
     elif args.format == "json":
         d = to_json(analysis, args.top)
         if rows is not None:
             d["estimate_vs_trace"] = [r.as_dict() for r in rows]
         text = json.dumps(d, indent=1) + "\n"
-        out = Path(args.out) if args.out else None
     else:
         text = to_markdown(analysis, args.top)
         if rows is not None:
@@ -86,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
                          f"{'-' if r.measured is None else fmt_bytes(r.measured)} | "
                          f"{'-' if r.diff is None else fmt_bytes(r.diff)} | "
                          f"{'-' if r.ratio is None else f'{r.ratio:.3f}'} |\n")
-        out = Path(args.out) if args.out else None
     if out is None:
         sys.stdout.write(text)
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from npu_pool.outputs import check
 from npu_pool.trace import Trace, TraceError
 from npu_pool.trace.snapshot import load_snapshot
 from npu_pool.trace.stats import initial_live_bytes, live_profile, op_counts
@@ -37,7 +38,7 @@ def _summary(path: Path, t: Trace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Import every snapshot; stop at the first one that cannot be read. Each trace file is
-    whole or absent; the output folder is made only when there is something to put in it."""
+    whole or absent; an output folder made for nothing is removed."""
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise TraceError(f"{out}: exists and is not a folder; --out names the folder for the traces")
@@ -47,17 +48,19 @@ def run(args: argparse.Namespace) -> int:
         if first != snap:
             raise TraceError(f"{first} and {snap} would both be written as {snap.stem}.dev<N>.npt in {out}; "
                              "import them into different folders (or rename one)")
-    made = False
+    made = not out.exists()
     written = 0
     try:
+        # the folder made and a file claimed in it now, not after reading a large snapshot (removed below
+        # when nothing was written)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TraceError(f"{out}: cannot create output folder ({e.strerror or e})") from None
+        if args.snapshots:
+            check(out / f"{args.snapshots[0].stem}.dev0.npt")
         for snap in args.snapshots:
             traces = load_snapshot(snap)  # checks the file's first bytes before reading the rest
-            if not out.exists():
-                try:
-                    out.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise TraceError(f"{out}: cannot create output folder ({e.strerror or e})") from None
-                made = True
             while traces:
                 t = traces.pop(0)  # each trace freed once written
                 t.validate(f"{snap} (device {t.meta.get('device', 0)})")

@@ -133,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give a TRACE to plan (or --check PLAN)")
     kind, index = args.device or (None, None)
     name, trace = _pick(args.trace, index)
+    if args.out:  # now, not after the planning
+        from ..outputs import check
+
+        check(args.out)
     bar = progress(range(len(STAGES)), desc="plan", unit="stage", total=len(STAGES))  # (a terminal only)
     steps = iter(bar)
 
