@@ -9,7 +9,7 @@ and the imbalance of each figure (max / mean, and max - min).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -113,8 +113,10 @@ def analyze_trace(trace: Trace, name: str, policies: Iterable[str], *, min_capac
         r = evaluate(trace, name, policy, hints=hints, with_min_capacity=min_capacity)
         f = PolicyFigures(policy, r.peak_reserved_bytes, r.utilization, r.peak_reserved_bytes - r.peak_live_bytes,
                           r.device_mallocs, r.min_capacity_bytes)
-        if curves:
-            tl = timelines[policy] = timeline(trace, policy, hints=hints)
+        if curves:  # (the report draws reserved bytes: the history, blocks and ranges go, a trace's length
+            # of event dicts per policy and trace kept until the page was rendered)
+            tl = timelines[policy] = replace(timeline(trace, policy, hints=hints), segment_events=[], blocks=[],
+                                             ranges=[], events=[])
             f.peak_reserved_index = tl.peak_reserved_index
         figs.append(f)
         step()
