@@ -22,10 +22,11 @@ def progress(items: Iterable[T], desc: str, unit: str = "it", total: int | None 
 
 
 class ByteProgress:
-    """A bar over ``total`` bytes of long reading (a terminal only, as :func:`progress`): ``to(n)``
-    moves it to ``n`` bytes done; ``close()`` takes it off the screen. Silent where no bar shows."""
+    """A bar over ``total`` bytes of long reading, or other ``unit``\ s of long work (``total`` None: a
+    count that moves, where the end is not known; a terminal only, as :func:`progress`): ``to(n)``
+    moves it to ``n`` done; ``close()`` takes it off the screen. Silent where no bar shows."""
 
-    def __init__(self, desc: str, total: int, enabled: bool | None = None) -> None:
+    def __init__(self, desc: str, total: int | None, enabled: bool | None = None, unit: str = "B") -> None:
         self._bar = None
         if enabled is None:
             enabled = sys.stderr.isatty()
@@ -34,7 +35,8 @@ class ByteProgress:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self._bar = tqdm(desc=desc, total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+            self._bar = tqdm(desc=desc, total=total, unit=unit, unit_scale=True, leave=False,
+                             unit_divisor=1024 if unit == "B" else 1000)
 
     def to(self, done: int) -> None:
         if self._bar is not None and done > self._bar.n:

@@ -1128,6 +1128,39 @@ def test_analyze_plan_and_import_refuse_an_unwritable_out_before_their_work(
     assert not gone.exists() and not list(tmp_path.rglob("*.partial"))
 
 
+def test_replay_counts_each_policy_and_export_its_entries_on_the_bar(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long work moves its bar (shown on a terminal only): replay counts a step per trace and policy
+    (one large trace sat at 0/1 for a whole run of four policies) and export the entries it writes
+    (it showed nothing for 20 s on a 4M-event trace; a review of the commands at scale, a helper)."""
+    from npu_pool.analysis import memviz
+    from npu_pool.commands import replay as replay_cmd
+    from npu_pool.progress import ByteProgress
+
+    n = 12000
+    t = Trace(meta={"origin": "synthetic", "n_ids": n})
+    for i in range(n):
+        t.append(OP_ALLOC, id=i, size=MiB)
+        t.append(OP_FREE, id=i, size=MiB)
+    t.save(tmp_path / "t.npt")
+    steps: list[int] = []
+
+    def counted(items: list, **kwargs: object):
+        for i in items:
+            steps.append(i)
+            yield i
+
+    monkeypatch.setattr(replay_cmd, "progress", counted)
+    assert main(["replay", str(tmp_path / "t.npt"), "--policy", "torch,expandable,npu_pool", "--no-min-capacity"]) == 0
+    assert steps == [0, 1, 2]  # one for each of the 3 replays (the first shown before it)
+    seen: list[int] = []
+    monkeypatch.setattr(memviz, "_BAR_EVENTS", 1)
+    monkeypatch.setattr(ByteProgress, "to", lambda self, k: seen.append(k))
+    assert main(["export", str(tmp_path / "t.npt"), "--policy", "npu_pool", "--out", str(tmp_path / "s.pickle")]) == 0
+    assert seen == sorted(seen) and seen[0] == 16384 and seen[-1] >= 2 * n - 16384
+    capsys.readouterr()
+
+
 def test_outputs_check_refuses_sockets_and_loops_and_keeps_the_links(tmp_path: Path) -> None:
     """A loop of symbolic links passed and was replaced by a regular file (the links lost); a
     socket was taken for a FIFO nobody reads, after the work."""

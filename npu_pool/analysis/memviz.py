@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from .. import snapshot as _snap
+from ..progress import ByteProgress
 from ..pool import POLICIES as _POOL_POLICIES
 from ..replay import NEEDS_PLAN
 from ..timeline import timeline
@@ -39,6 +40,8 @@ from ..trace.format import (OP_ALLOC, OP_FREE, OP_INIT_ALLOC, OP_INIT_SEGMENT, O
                             Trace, TraceError)
 from ..trace.segment_map import SegmentMap
 from ..vocab import ROUND, SITE_FILE
+
+_BAR_EVENTS = 1 << 20  # traces of this many events or more show a bar while they are exported
 
 __all__ = ["POLICIES", "snapshot_of", "snapshot_replayed", "snapshot_recorded", "write_snapshot", "site_frames",
            "export", "Exported"]
@@ -292,6 +295,8 @@ def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "
     by_dev = dict(zip(devs, traces))
     out = Exported(Path(path))
     rest: dict[str, Any] = {"segments": [], "external_annotations": [], "allocator_settings": {}}
+    events = sum(len(t) for t in traces)  # (entries: the events and the segments' own; no total shown)
+    bar = ByteProgress("export", None, enabled=None if events >= _BAR_EVENTS else False, unit="entry")
 
     def one(dev: int) -> Iterator[dict[str, Any]]:
         t = by_dev.get(dev)
@@ -307,6 +312,8 @@ def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "
                 out.failed[dev] = failed
         for e in entries:
             out.entries += 1
+            if not out.entries % 16384:
+                bar.to(out.entries)
             yield e
         part = finish()
         rest["segments"].extend(part["segments"])
@@ -316,7 +323,10 @@ def export(traces: list[Trace], policy: str, path: str | Path, *, hints: str = "
     if policy == "recorded":  # refuse a trace without addresses before anything is written
         for t in traces:
             _Recorded(t, 0)
-    _snap.write_parts(path, (one(dev) for dev in range(n)), rest)
+    try:
+        _snap.write_parts(path, (one(dev) for dev in range(n)), rest)
+    finally:
+        bar.close()
     out.segments = len(rest["segments"])
     out.reserved = sum(s["total_size"] for s in rest["segments"])
     return out

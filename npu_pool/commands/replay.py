@@ -200,7 +200,10 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
         from ..planner.runtime import as_plan
 
         given = as_plan(args.plan)  # read once, for every trace
-    for name, trace in progress([(n, t) for n, t in named], desc="replay", unit="trace"):
+    # a step per trace and policy, not per trace (one large trace sat at 0/1 for the whole run)
+    bar = iter(progress(range(len(named) * len(policies)), desc="replay", unit="replay"))
+    next(bar, None)  # (shown at 0 now; each next() after a replay counts it)
+    for name, trace in named:
         bounds = iteration_bounds(trace)  # (once: the steady column's, for every policy)
         for policy in policies:
             plan = None
@@ -218,6 +221,8 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
                                       f"{printable(str(plan.meta['online']))})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds))
+            next(bar, None)
+    next(bar, None)  # (let the bar see its end, and close)
     print(format_table(results))
     print(LEGEND)
     print()
