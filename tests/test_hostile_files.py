@@ -1099,8 +1099,9 @@ def test_capture_refuses_an_unwritable_out_before_it_trains(tmp_path: Path, caps
 def test_analyze_plan_and_import_refuse_an_unwritable_out_before_their_work(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """An output that cannot be written is said before the replays, the planning or the reading of
-    a snapshot (before: after them, 6-17 s on a large trace; a review of the commands at scale, a
-    helper); the work itself is not started (here it would raise)."""
+    a snapshot, and so is --estimate with no --config for a trace that is no known model's capture
+    (before: after them, 6-36 s on a large trace; a review of the commands at scale, a helper); the
+    work itself is not started (here it would raise)."""
     from npu_pool.analysis import report
     from npu_pool import planner
     import importlib
@@ -1112,6 +1113,8 @@ def test_analyze_plan_and_import_refuse_an_unwritable_out_before_their_work(
     def work(*args: object, **kwargs: object) -> None:
         raise AssertionError("the work began")
 
+    monkeypatch.setattr(report, "analyze_trace", work)
+    _one_line(capsys, ["analyze", str(trace), "--estimate"], "not a capture of a known model", "--config", seconds=3.0)
     monkeypatch.setattr(report, "analyze_paths", work)
     monkeypatch.setattr(planner, "make_plan", work)
     monkeypatch.setattr(importer, "load_snapshot", work)

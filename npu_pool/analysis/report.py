@@ -136,8 +136,10 @@ def _recorded_ooms(trace: Trace, policies: Iterable[str], hints: str) -> Recorde
 
 
 def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool = False, curves: bool = False,
-                  hints: str = "markers", show_progress: bool | None = None) -> Analysis:
-    """Analyze every trace in ``paths`` (files, or directories of per-rank traces)."""
+                  hints: str = "markers", show_progress: bool | None = None,
+                  loaded: Callable[[list[tuple[str, Trace]]], None] | None = None) -> Analysis:
+    """Analyze every trace in ``paths`` (files, or directories of per-rank traces); ``loaded`` sees
+    them, named, before any replay (a caller's check that would otherwise fail after them)."""
     named: list[tuple[str, Trace]] = []
     source: dict[str, Path] = {}
     for p in progress(expand(paths), desc="load", unit="file", enabled=show_progress):
@@ -149,6 +151,8 @@ def analyze_paths(paths: list[str], policies: list[str], *, min_capacity: bool =
         raise ValueError("no traces to analyze")
     if any(Path(p).is_dir() for p in paths):
         named.sort(key=lambda nt: _natural(nt[0]))  # rank2 before rank10
+    if loaded is not None:
+        loaded(named)
     bar = iter(progress(range(len(named) * (1 + len(policies))), desc="analyze", unit="step",
                         enabled=show_progress))
     out = [analyze_trace(t, n, policies, min_capacity=min_capacity, curves=curves, hints=hints,

@@ -39,6 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
 
 
+def _captures_known(named: list) -> None:
+    """--estimate without --config: a trace of a known model's capture is needed; said before the
+    replays (after them, 36 s on a large trace: a review of the commands at scale)."""
+    from ..analysis.estimate import config_from_trace
+
+    if not any(config_from_trace({"capture": t.meta.get("capture")}) for _, t in named):
+        raise ValueError(f"{named[0][0]}: not a capture of a known model; give --config YAML for --estimate")
+
+
 def _estimate_rows(args: argparse.Namespace, analysis) -> list | None:
     from ..analysis.estimate import compare, config_from_trace, estimate, load_config
 
@@ -66,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         check(out)
     with forced_device(args.device):
         analysis = analyze_paths(args.traces, policies, min_capacity=args.min_capacity, curves=args.format == "html",
-                                 hints=args.hints, show_progress=show)
+                                 hints=args.hints, show_progress=show,
+                                 loaded=_captures_known if args.estimate and not args.config else None)
     rows = _estimate_rows(args, analysis)
     if args.format == "html":
         from ..analysis.html import render_html
