@@ -524,15 +524,10 @@ int np_view(np_ctx *ctx, np_stats *stats, np_block_info *blocks, size_t bcap, si
   }
   np_get_stats_locked(ctx, stats);
   stats->fraction = ctx->cfg.fraction;
-  /* sizes first: the parts are copied only when all fit, so that what is returned is one instant */
-  int rc = blocks_locked(ctx, NULL, 0, nb);
-  if (rc == NP_OK) rc = ranges_locked(ctx, NULL, 0, nr);
+  int rc = blocks_locked(ctx, blocks, bcap, nb);
+  if (rc == NP_OK) rc = ranges_locked(ctx, ranges, rcap, nr);
   *ne = np_ctx_history_copy(ctx, NULL, 0);
-  if (rc == NP_OK && *nb <= bcap && *nr <= rcap) {
-    rc = blocks_locked(ctx, blocks, bcap, nb);
-    if (rc == NP_OK) rc = ranges_locked(ctx, ranges, rcap, nr);
-    if (rc == NP_OK) np_ctx_history_copy(ctx, events, ecap);
-  }
+  if (rc == NP_OK && *nb <= bcap && *nr <= rcap) np_ctx_history_copy(ctx, events, ecap);
   np_ctx_unlock(ctx);
   return rc;
 }

@@ -319,7 +319,8 @@ int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n);
  * itself): its statistics (as np_get_stats), blocks (np_blocks), mapped ranges (np_mapped_ranges) and
  * latest events, up to ecap (np_history), under one hold of the lock. *nb, *nr and *ne get how many
  * blocks, ranges and events there are (events: kept); unless the blocks and the ranges fit their
- * buffers only the statistics are filled: call again with larger ones. A closed pool refuses it. */
+ * buffers (then no event is copied) the reading is partial: call again with larger ones. A closed
+ * pool refuses it. */
 int np_view(np_ctx *ctx, np_stats *stats, np_block_info *blocks, size_t bcap, size_t *nb, uint64_t *ranges,
             size_t rcap, size_t *nr, np_event_info *events, size_t ecap, size_t *ne);
 int np_replay(np_ctx *ctx, const np_replay_in *in, np_replay_out *out);
