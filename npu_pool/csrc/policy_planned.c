@@ -28,9 +28,12 @@
  *    the hashed window. Where the requests after the hole match the positions expected and
  *    are of the hole's size (a run of equal sizes: layers' tensors), the hole stays open:
  *    a dynamic size before such a run is the more common case; when a request of that size
- *    then matches nothing, the hole's was an extra request, and the run's last position is
- *    taken back (each request of the run stands for the position before the one it took,
- *    whose range it took where it could); MAX_MISSES in a row: lost.
+ *    then matches nothing (after a run of two or more, only where the hole's request was
+ *    a small one placed off the region, as an extra tensor mostly is), the hole's was an
+ *    extra request, and the run's last position is taken back (each request of the run
+ *    stands for the position before the one it took); MAX_MISSES in a row: lost. (A plan
+ *    of one recorded step finds what the step made once, below, before a position is taken
+ *    back.)
  * Off-plan ranges: in a steady loop (the previous body pass and this one so far followed
  * without losing track, every block freed when the plan said) a dynamic request takes
  * its position's range if it fits there, else the lowest range the plan leaves idle for
@@ -97,6 +100,8 @@ typedef struct planned_state {
   uint32_t run_n;              /* positions in the run after the hole */
   int joining;                 /* this request's entry in run_*, or -1 */
   bool takeback;               /* this request takes the run's last position back */
+  bool hole_small;             /* the hole's request is under a page and was placed off the region: more likely
+                                * an extra one than a dynamic size, which is mostly larger (placement) */
   uint64_t run_pos[RUN_MAX + 1];
   np_block *run_blk[RUN_MAX + 1];
   bool lap_clean;              /* this iteration has been followed without a jump or a lifetime off plan */
@@ -339,15 +344,18 @@ static uint64_t locate(np_ctx *ctx, planned_state *st, uint64_t req, bool *dynam
       st->joining = (int)++st->run_n;
       st->run_pos[st->run_n] = at;
     }
-  } else if (st->synced && hole != NP_PLAN_NONE && p->size[hole] == req) {
-    /* the hole's request was an extra one: this one stands for the run's last position (the hole's, where
-     * no run followed it), the position expected stays next, and the extra size leaves the pattern */
-    at = st->last;
-    st->takeback = true;
-    forget_recent(st, st->hole_n);
   } else if (st->synced && (st->flags & NP_PLAN_MADE_ONCE) && (past = p->past_held[st->pos]) != st->pos &&
              p->size[past] == req) {
     at = past; /* the tensors made once, expected here, were made in an earlier pass: not missed */
+  } else if (st->synced && hole != NP_PLAN_NONE && p->size[hole] == req && (st->run_n <= 1 || st->hole_small)) {
+    /* the hole's request was an extra one: this one stands for the run's last position (the hole's, where
+     * no run followed it), the position expected stays next, and the extra size leaves the pattern. (After
+     * a run of two or more, only where the hole's request was a small one placed off the region: a dynamic
+     * size, more often larger, at a run's first and another of the run's size after it took a position
+     * back, and every pass was followed a position late) */
+    at = st->last;
+    st->takeback = true;
+    forget_recent(st, st->hole_n);
   } else if (st->n_recent >= NP_PLAN_GRAM && (st->began || !(st->flags & NP_PLAN_AT_ITER_BEGIN) || !ctx->marks.any)) {
     /* markers, where the plan relies on them, decide where the loop starts: set-up that
      * happens to repeat a stretch of the iteration is not taken for it */
@@ -461,12 +469,18 @@ static int place_planned(np_ctx *ctx, planned_state *st, uint64_t req, intptr_t 
     if (st->takeback) {
       rc = take_back(ctx, st, size, stream, out);
     } else {
-      /* in a run after a hole, the range of the position before: the one this request stands for where the
-       * hole's request was an extra one (the requests after this one tell), its own range otherwise */
+      /* In a run after a hole, the position before is the one this request stands for where the hole's
+       * request was an extra one (the requests after this one tell). Its range first for the run's first
+       * (the hole's: free where that request went elsewhere) and, after a small hole request placed off
+       * the region (an extra tensor's, mostly), for the others too; else after their own (still held by the
+       * position's tensor of the pass before). Taken first for all, it shifted every range of a run after
+       * a dynamic size larger than planned. */
       uint64_t before = st->joining > 0 ? st->run_pos[st->joining - 1] : NP_PLAN_NONE;
-      rc = before != NP_PLAN_NONE && pl->offset[before] != NP_PLAN_NONE
-               ? region_take(ctx, st, pl->offset[before], size, stream, at, out) : NP_ERR_OOM;
+      bool usable = before != NP_PLAN_NONE && pl->offset[before] != NP_PLAN_NONE;
+      bool first = usable && (st->joining == 1 || st->hole_small);
+      rc = first ? region_take(ctx, st, pl->offset[before], size, stream, at, out) : NP_ERR_OOM;
       if (rc == NP_ERR_OOM) rc = region_take(ctx, st, pl->offset[at], size, stream, at, out);
+      if (rc == NP_ERR_OOM && usable && !first) rc = region_take(ctx, st, pl->offset[before], size, stream, at, out);
     }
     if (rc == NP_OK) st->count[SERVED]++;
     if (rc != NP_ERR_OOM) return rc;
@@ -552,6 +566,7 @@ static int planned_malloc(np_ctx *ctx, uint64_t req, intptr_t stream, int lifeti
   int rc = serve(ctx, st, req, stream, lifetime, out);
   if (rc != NP_OK) st->hole = NP_PLAN_NONE; /* (a request that failed opens or extends no run) */
   else if (st->joining >= 0 && st->hole != NP_PLAN_NONE) st->run_blk[st->joining] = (*out)->seg == st->seg ? *out : NULL;
+  if (rc == NP_OK && st->joining == 0) st->hole_small = (*out)->seg != st->seg && req < st->fb.page;
   return rc;
 }
 
