@@ -97,7 +97,7 @@ int np_history(np_ctx *ctx, np_event_info *out, size_t cap, size_t *n) {
   *n = 0;
   if (cap && !out) return np_error(NP_ERR_INVALID, "np_history: no buffer for %zu entries", cap);
   np_ctx_lock(ctx);
-  *n = np_ctx_history_copy(ctx, out, cap);
+  *n = out ? np_ctx_history_copy(ctx, out, cap) : 0; /* (none copied: NULL asks the count of those kept) */
   pthread_mutex_unlock(&ctx->lock);
   return NP_OK;
 }
