@@ -1108,89 +1108,6 @@ def _loop_plan(sizes: list[int], offsets: list[int], ends: list[int], region: in
     return plan
 
 
-def test_an_extra_request_before_a_pair_of_equal_sizes_gives_its_position_back():
-    """An extra request (one the plan does not know) consumes the position expected next. Where the
-    next request matches both that position and the one after it (a pair of equal sizes: two layers'
-    tensors), it is taken for the later one (a dynamic size before such a pair is the more common
-    case), in the first's range where that is free; when the request after it then matches the pair's
-    second again, the extra request is known: the previous one was the pair's first, this one is the
-    second, and following goes on. Before, every request
-    after the extra one was served a position late, in another's range, until a resynchronisation:
-    in h100-gpt-bf16-train, one kept 4 KiB tensor sent ~470 requests to the fallback and held 3.8 GiB
-    where the online pool holds 2.15 (benchmarks/planner.py)."""
-    plan = _loop_plan([MiB, MiB, 2 * MiB, 2 * MiB], [0, MiB, MiB, 3 * MiB], [4, 2, 4, 4], 5 * MiB)  # two pairs
-    pool = Pool(policy="planned", capacity=1 << 30)
-    try:
-        assert install(pool, plan)
-        kept = []
-        for it in range(3):
-            if it == 1:
-                kept.append(pool.malloc(4 << 10))  # the extra one, kept
-            a0, a1 = pool.malloc(MiB), pool.malloc(MiB)
-            pool.free(a1)
-            b0, b1 = pool.malloc(2 * MiB), pool.malloc(2 * MiB)
-            pool.free(b1), pool.free(b0), pool.free(a0)
-            pool.check()
-        c = counts(pool)
-        assert c["fallback"] == 1 and c["served"] == 12, c  # the extra one alone off the plan
-    finally:
-        pool.close()
-
-
-def test_an_extra_request_before_a_run_of_equal_sizes_gives_a_position_back():
-    """An extra request before a run of three or more equal sizes (a layer's tensors): the requests of the
-    run each match the position after their own, so the extra one is found out only where the run ends,
-    by a request of the run's size that matches nothing; the run's last position is taken back there
-    and following goes on. Before, only a pair was: every later request was served a position late,
-    in another's range (cs336-medium-ctx1024-infer with a 4 KiB tensor at every 97th request: 2.963
-    GiB against 2.734 online, out of memory 1% above the online peak; benchmarks/planner.py)."""
-    size = [MiB, MiB, MiB, MiB, 2 * MiB]  # one pass: a run of four equal sizes
-    plan = _loop_plan(size, [0, MiB, 2 * MiB, 3 * MiB, 4 * MiB], [5] * 5, 6 * MiB)
-    pool = Pool(policy="planned", capacity=1 << 30)
-    try:
-        assert install(pool, plan)
-        kept = []
-        for it in range(4):
-            if it == 2:
-                kept.append(pool.malloc(4 << 10))  # the extra one, kept
-            xs = [pool.malloc(s) for s in size]
-            for x in xs:
-                pool.free(x)
-            pool.check()
-        c = counts(pool)
-        assert c["fallback"] == 1 and c["served"] == 4 * 5, c  # the extra one alone off the plan
-    finally:
-        pool.close()
-
-
-def test_a_run_after_an_extra_request_keeps_the_loop_steady():
-    """While a run of equal sizes after a mismatch is followed, its requests are freed when the
-    positions before theirs are (the mismatch was an extra request): no trouble with the plan, so the
-    loop stays steady and a dynamic size later takes its own range (an idle one), not the fallback.
-    Before, such frees took the loop off plan and ranges were served a position late (5 requests
-    displaced into idle ranges here)."""
-    U = 4 * MiB  # (dynamic sizes under a page go to the fallback first)
-    plan = _loop_plan([U, U, U, 2 * U], [0, U, 2 * U, 3 * U], [2, 3, 4, 4], 5 * U)
-    pool = Pool(policy="planned", capacity=1 << 30)
-    try:
-        assert install(pool, plan)
-        kept = []
-        for it in range(6):
-            if it in (2, 4):
-                kept.append(pool.malloc(4 << 10))  # an extra one, kept
-            a = pool.malloc(U)
-            b = pool.malloc(U)
-            pool.free(a)
-            c = pool.malloc(U)
-            pool.free(b)
-            d = pool.malloc(U + U // 2 if it == 5 else 2 * U)  # the last pass: a dynamic size
-            pool.free(c), pool.free(d)
-            pool.check()
-        assert counts(pool) == {"served": 6 * 4 - 1, "fallback": 2, "idle": 1, "resyncs": 0}
-    finally:
-        pool.close()
-
-
 def _plan_of_passes(ops: list, iters: int = 3) -> Plan:
     """The plan of ``iters`` marked passes of ``ops`` (('a', key, size) / ('f', key))."""
     t, n = Trace(meta={"origin": "synthetic"}), 0
@@ -1229,6 +1146,54 @@ def _play_passes(plan: Plan, passes: list, markers: bool = True) -> dict:
         return dict(counts(pool), peak=pool.stats()["total"]["reserved"]["peak"])
     finally:
         pool.close()
+
+
+def test_an_extra_request_before_a_pair_of_equal_sizes_gives_its_position_back():
+    """An extra request (one the plan does not know) consumes the position expected next. Where the
+    next request matches both that position and the one after it (a pair of equal sizes: two layers'
+    tensors), it is taken for the later one (a dynamic size before such a pair is the more common
+    case), in the first's range where that is free; when the request after it then matches the pair's
+    second again, the extra request is known: the previous one was the pair's first, this one is the
+    second, and following goes on. Before, every request
+    after the extra one was served a position late, in another's range, until a resynchronisation:
+    in h100-gpt-bf16-train, one kept 4 KiB tensor sent ~470 requests to the fallback and held 3.8 GiB
+    where the online pool holds 2.15 (benchmarks/planner.py)."""
+    plan = _loop_plan([MiB, MiB, 2 * MiB, 2 * MiB], [0, MiB, MiB, 3 * MiB], [4, 2, 4, 4], 5 * MiB)  # two pairs
+    one = [("a", 0, MiB), ("a", 1, MiB), ("f", 1), ("a", 2, 2 * MiB), ("a", 3, 2 * MiB), ("f", 3), ("f", 2), ("f", 0)]
+    c = _play_passes(plan, [one, [("x", "kept", 4 << 10)] + one, one], markers=False)  # the extra one, kept
+    assert c["fallback"] == 1 and c["served"] == 12, c  # the extra one alone off the plan
+
+
+def test_an_extra_request_before_a_run_of_equal_sizes_gives_a_position_back():
+    """An extra request before a run of three or more equal sizes (a layer's tensors): the requests of the
+    run each match the position after their own, so the extra one is found out only where the run ends,
+    by a request of the run's size that matches nothing; the run's last position is taken back there
+    and following goes on. Before, only a pair was: every later request was served a position late,
+    in another's range (cs336-medium-ctx1024-infer with a 4 KiB tensor at every 97th request: 2.963
+    GiB against 2.734 online, out of memory 1% above the online peak; benchmarks/planner.py)."""
+    size = [MiB, MiB, MiB, MiB, 2 * MiB]  # one pass: a run of four equal sizes
+    plan = _loop_plan(size, [0, MiB, 2 * MiB, 3 * MiB, 4 * MiB], [5] * 5, 6 * MiB)
+    one = [("a", i, s) for i, s in enumerate(size)] + [("f", i) for i in range(len(size))]
+    c = _play_passes(plan, [one, one, [("x", "kept", 4 << 10)] + one, one], markers=False)  # the extra one, kept
+    assert c["fallback"] == 1 and c["served"] == 4 * 5, c  # the extra one alone off the plan
+
+
+def test_a_run_after_an_extra_request_keeps_the_loop_steady():
+    """While a run of equal sizes after a mismatch is followed, its requests are freed when the
+    positions before theirs are (the mismatch was an extra request): no trouble with the plan, so the
+    loop stays steady and a dynamic size later takes its own range (an idle one), not the fallback.
+    Before, such frees took the loop off plan and ranges were served a position late (5 requests
+    displaced into idle ranges here)."""
+    U = 4 * MiB  # (dynamic sizes under a page go to the fallback first)
+    plan = _loop_plan([U, U, U, 2 * U], [0, U, 2 * U, 3 * U], [2, 3, 4, 4], 5 * U)
+
+    def one(it: int) -> list:
+        extra = [("x", it, 4 << 10)] if it in (2, 4) else []  # an extra one, kept
+        return extra + [("a", "a", U), ("a", "b", U), ("f", "a"), ("a", "c", U), ("f", "b"),
+                        ("a", "d", U + U // 2 if it == 5 else 2 * U), ("f", "c"), ("f", "d")]  # the last: dynamic
+
+    c = _play_passes(plan, [one(it) for it in range(6)], markers=False)
+    assert (c["served"], c["fallback"], c["idle"], c["resyncs"]) == (6 * 4 - 1, 2, 1, 0), c
 
 
 def test_a_larger_dynamic_size_at_a_runs_first_shifts_no_range_but_the_first():
