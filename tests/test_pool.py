@@ -92,6 +92,34 @@ def test_oom_is_clean_and_the_pool_survives(pool):
     pool.check()
 
 
+def _refusals_seconds(live_blocks: int, tries: int = 400) -> float:
+    """Seconds for `tries` requests the full arena refuses, with `live_blocks` small blocks live."""
+    import time
+
+    with Pool("npu_pool", capacity=256 * MiB) as p:
+        for _ in range(live_blocks):
+            p.malloc(4096, lifetime="long")
+        with pytest.raises(OutOfMemoryError):
+            while True:
+                p.malloc(8 * MiB)
+        start = time.perf_counter()
+        for _ in range(tries):
+            with pytest.raises(OutOfMemoryError):
+                p.malloc(16 * MiB)
+        return time.perf_counter() - start
+
+
+def test_a_request_refused_near_the_cap_walks_no_live_block():
+    """Under cap pressure the arena's trim, its merge of holes of two streams, its retry and its
+    explanation looked at every block: each request that met the cap cost a walk over the live
+    ones, and a planned fallback at its budget (a request per trace event) replayed a snapshot of
+    7,000 live blocks in minutes. They look at the free blocks only: 32 times the live blocks
+    cost no more time per refusal (50 times more before; ratios of the best of three, one run)."""
+    few = min(_refusals_seconds(1000) for _ in range(3))
+    many = min(_refusals_seconds(32000) for _ in range(3))
+    assert many < 5 * few, f"{many / few:.1f}x the time per refusal with 32x the live blocks"
+
+
 def test_fraction_caps_reserved(pool):
     pool.set_fraction(0.25)
     ptrs = []

@@ -162,15 +162,52 @@ static bool settled(np_ctx *ctx, np_arena *a, intptr_t tag) {
   return ctx->synced || np_tag_settled(ctx, &a->streams, tag) || np_ctx_drain(ctx) == NP_OK;
 }
 
+/* Merge two lists of free blocks linked through hnext, each in address order (descending when
+ * `down`), into one. */
+static np_block *merge_lists(np_block *x, np_block *y, bool down) {
+  np_block *head = NULL, **tail = &head;
+  while (x && y) {
+    np_block **first = (x->addr < y->addr) != down ? &x : &y;
+    *tail = *first;
+    tail = &(*first)->hnext;
+    *first = (*first)->hnext;
+  }
+  *tail = x ? x : y;
+  return head;
+}
+
+static np_block *sort_list(np_block *l, bool down) {
+  if (!l || !l->hnext) return l;
+  np_block *mid = l, *fast = l->hnext;
+  for (; fast && fast->hnext; fast = fast->hnext->hnext) mid = mid->hnext;
+  np_block *rest = mid->hnext;
+  mid->hnext = NULL;
+  return merge_lists(sort_list(l, down), sort_list(rest, down), down);
+}
+
+/* The arena's free blocks, all of them (its holes and its top: the invariant of arena.h), but a
+ * block being carved (in no tree), linked through hnext in address order, descending when `down`.
+ * hnext is the pointer map's link, unused while a block is free; the list is good until a block
+ * is split, merged or allocated. O(f log f) for f free blocks: trims and the retry ran once per
+ * request under cap pressure, and a walk over every block there made a replay quadratic in the
+ * live blocks (a planned fallback of 7,000 live blocks and 2 free ones: minutes). */
+static np_block *free_list(np_arena *a, bool down) {
+  np_block *head = a->top;
+  if (head) head->hnext = NULL;
+  for (np_block *b = np_tree_lower_bound(&a->holes, NP_STREAM_ANY, 0); b; b = np_tree_next(&a->holes, b)) {
+    b->hnext = head;
+    head = b;
+  }
+  return sort_list(head, down);
+}
+
 /* Under cap pressure: unmap whole free pages of free blocks (not `skip`), highest first, until
  * `need` bytes are back (waiting for their streams: settled). Returns the bytes unmapped. */
 static uint64_t trim(np_ctx *ctx, np_arena *a, const np_block *skip, uint64_t need) {
   uint64_t before = a->seg->mapped;
-  np_block *last = a->seg->head;
-  while (last->next) last = last->next;
   ctx->trimming = true;
-  for (np_block *b = last; b && before - a->seg->mapped < need; b = b->prev) {
-    if (b->allocated || b == skip || !whole_chunk_in(ctx, a, b) || !settled(ctx, a, b->stream)) continue;
+  for (np_block *b = free_list(a, true); b && before - a->seg->mapped < need; b = b->hnext) {
+    if (b == skip || !whole_chunk_in(ctx, a, b) || !settled(ctx, a, b->stream)) continue;
     unmap_free(ctx, a, b);
   }
   ctx->trimming = false;
@@ -334,8 +371,7 @@ static void explain(np_ctx *ctx, np_arena *a, uint64_t size) {
   uint64_t free_bytes = a->holes.bytes + (a->top ? a->top->size : 0);
   uint64_t room = limit > reserved ? limit - reserved : 0;
   if (a->vmm) { /* free memory counts where mapped; unmapped free memory is room under the cap */
-    uint64_t allocated = 0;
-    for (np_block *b = a->seg ? a->seg->head : NULL; b; b = b->next) allocated += b->allocated ? b->size : 0;
+    uint64_t allocated = a->seg ? a->seg->size - free_bytes : 0; /* (its blocks tile it) */
     uint64_t mapped_free = a->seg && a->seg->mapped > allocated ? a->seg->mapped - allocated : 0;
     free_bytes = mapped_free;
   } else if (!a->seg) {
@@ -540,31 +576,33 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
   return NP_OK;
 }
 
-/* Device synchronisation: clear every stream tag, merge free neighbours, rebuild the tree. */
-static void synchronize(np_ctx *ctx, np_arena *a) {
+/* Device synchronisation: clear every stream tag, merge free neighbours, rebuild the tree.
+ * Returns the free blocks left, in address order (free_list). */
+static np_block *synchronize(np_ctx *ctx, np_arena *a) {
+  np_block *list = free_list(a, false);
   memset(&a->holes, 0, sizeof a->holes);
   a->top = NULL;
-  for (np_block *b = a->seg->head; b; b = b->next) {
-    if (b->allocated) continue;
+  for (np_block *b = list; b; b = b->hnext) {
     b->in_tree = 0;
     b->stream = NP_STREAM_ANY;
     while (b->next && !b->next->allocated) {
+      if (b->hnext == b->next) b->hnext = b->next->hnext; /* (always: every free block is listed) */
       b->next->in_tree = 0;
       np_block_merge_next(&ctx->blocks, b);
     }
     if (b->next) np_tree_insert(&a->holes, b);
     else a->top = b;
   }
+  return list;
 }
 
 /* Synchronise the arena and unmap the whole pages inside its free memory; the first failure. */
 static int release(np_ctx *ctx, np_arena *a) {
   if (!a->seg) return NP_OK;
-  synchronize(ctx, a);
+  np_block *list = synchronize(ctx, a);
   int first = NP_OK;
   np_saved_error s; /* np_save_error writes it before np_restore_error reads it */
-  for (np_block *b = a->seg->head; a->vmm && b; b = b->next) {
-    if (b->allocated) continue;
+  for (np_block *b = list; a->vmm && b; b = b->hnext) {
     int rc = unmap_free(ctx, a, b);
     if (rc != NP_OK && first == NP_OK) np_save_error(&s, first = rc);
   }
@@ -587,15 +625,19 @@ int np_arena_empty_cache(np_ctx *ctx, np_arena *a) {
  * apart while the cap was far (merges() looks only at a freed block's neighbours, when it is
  * freed), so that a request only they together fit costs a stream wait instead of a device
  * synchronisation. Each such hole is filed again (put_free: under pressure every free neighbour
- * merges). The failure path's one walk over the blocks; whether any merged. */
+ * merges, so the first of each run of free blocks takes the run). Whether any merged. */
 static bool merge_apart(np_ctx *ctx, np_arena *a) {
   bool any = false;
-  for (np_block *b = a->seg->head; b; b = b->next)
-    if (!b->allocated && b != a->top && b->next && !b->next->allocated && b->next != a->top) {
+  for (np_block *b = free_list(a, false), *after; b; b = after) {
+    /* the first listed block past b's free neighbours (they may merge away): a run's first */
+    for (after = b; after->hnext && after->hnext == after->next;) after = after->hnext;
+    after = after->hnext;
+    if (b != a->top && b->next && !b->next->allocated && b->next != a->top) {
       np_tree_remove(&a->holes, b);
-      b = put_free(ctx, a, b);
+      put_free(ctx, a, b);
       any = true;
     }
+  }
   return any;
 }
 
