@@ -25,7 +25,8 @@ typedef struct np_block {
   struct np_segment *seg;
   struct np_block *left, *right; /* free tree links */
   uint64_t sub;                  /* in an address-ordered tree: the largest size in its subtree (tree.h) */
-  struct np_block *hnext;        /* pointer-map chain */
+  struct np_block *hnext;        /* allocated: pointer-map chain; free: the arena's list of its free
+                                  * blocks, while it walks them (arena.c, free_list) */
   uint32_t prio;                 /* treap priority */
   uint32_t phase;                /* phase counter when allocated */
   int32_t site;                  /* allocation site, -1 if unknown */
