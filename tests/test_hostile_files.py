@@ -1487,7 +1487,7 @@ def test_a_snapshot_too_large_for_free_memory_is_said_so_without_a_second_read(
     class Big:
         pass
 
-    def streamed(*_a: object) -> None:
+    def streamed(*_a: object, **_k: object) -> None:
         big = Big()  # what the read holds when memory runs out, freed before the message is printed
         held.append(weakref.ref(big))
         raise MemoryError

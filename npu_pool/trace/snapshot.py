@@ -170,9 +170,10 @@ def load_snapshot(path: str | Path) -> list[Trace]:
             st = os.fstat(f.fileno())
             check_head(path, f.read(8))
             out_of_memory = False
-            bar = ByteProgress(f"read {path.name}", 2 * st.st_size, enabled=None if st.st_size >= _BAR_BYTES else False)
+            bars = None if st.st_size >= _BAR_BYTES else False
+            bar = ByteProgress(f"read {path.name}", 2 * st.st_size, enabled=bars)
             try:
-                return _streamed(f, st.st_size, str(path), bar.to)
+                return _streamed(f, st.st_size, str(path), bar.to, bars=bars, on_read=bar.close)
             except MemoryError:  # the whole read needs 3-9x more: not tried
                 out_of_memory = True  # (said below, once the failed read's frames are freed with the exception)
             except (NotStreamable, TraceError, RecursionError):
@@ -192,9 +193,12 @@ def load_snapshot(path: str | Path) -> list[Trace]:
     return snapshot_to_traces(obj, str(path), max_elements=st.st_size, _consume=True)
 
 
-def _streamed(f: BinaryIO, size: int, name: str, progress: Callable[[int], None] = lambda _n: None) -> list[Trace]:
+def _streamed(f: BinaryIO, size: int, name: str, progress: Callable[[int], None] = lambda _n: None, *,
+              bars: bool | None = False, on_read: Callable[[], None] = lambda: None) -> list[Trace]:
     """:func:`load_snapshot` of a file streamed entry by entry; NotStreamable or TraceError when
-    the file is to be read whole instead. ``progress``: as :func:`.pickle_stream.stream_dict`'s."""
+    the file is to be read whole instead. ``progress``: as :func:`.pickle_stream.stream_dict`'s;
+    ``on_read()`` once the file is read; ``bars``: whether the conversion shows bars (as
+    :class:`.ByteProgress`'s ``enabled``)."""
     devices: list[tuple[_Events, _Sites] | None] = []  # None: no entry yet (made on the first one)
     probe = _Probe()
     frames_left = [_FRAMES_PER_BYTE * size]
@@ -214,6 +218,7 @@ def _streamed(f: BinaryIO, size: int, name: str, progress: Callable[[int], None]
     f.seek(0)
     rest = stream_dict(f, size, "device_traces", _NoGlobals, on_list, on_items, progress)
     progress(2 * size)
+    on_read()
     none: list = []  # one empty list stands for every device without entries
     rest["device_traces"] = [d[0] if d else none for d in devices]
     segments, traces, annotations, settings = _validated(rest, name, size)
@@ -232,7 +237,7 @@ def _streamed(f: BinaryIO, size: int, name: str, progress: Callable[[int], None]
             if len(box[0]):
                 yield dev, box, sites
 
-    return _traces(name, converted(), segs, marks, settings, kind)
+    return _traces(name, converted(), segs, marks, settings, kind, bars=bars)
 
 
 def snapshot_to_traces(obj: Any, name: str = "<snapshot>", max_elements: int | None = None, *,
@@ -309,15 +314,22 @@ def _validated(obj: Any, name: str, max_elements: int | None) -> tuple[list, lis
 
 
 def _traces(name: str, devices: Iterable[tuple[int, list["_Events"], "_Sites"]], segs: list[dict],
-            marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None) -> list[Trace]:
+            marks: dict[int, list[tuple[int, int, int]]], settings: Any, kind: str | None, *,
+            bars: bool | None = False) -> list[Trace]:
     """One Trace per device from its converted events, each handed over in a list of one that
-    is emptied here (the builder frees them before it assembles the trace's columns)."""
+    is emptied here (the builder frees them before it assembles the trace's columns). ``bars``:
+    a bar over each device's events as they are translated (as :class:`.ByteProgress`'s
+    ``enabled``; after the read, a 1.8 GB snapshot's took 14 s)."""
     out = []
     for dev, box, sites in devices:
         dev_segs = [s for s in segs if s["device"] == dev]
+        bar = ByteProgress(f"convert {Path(name).name} (device {dev})", len(box[0]), enabled=bars, unit="event")
         builder = _Builder(name, dev, box.pop(), dev_segs, check_segments=bool(segs), marks=marks.get(dev, []),
-                           sites=sites)
-        t = builder.build()
+                           sites=sites, progress=bar.to)
+        try:
+            t = builder.build()
+        finally:
+            bar.close()
         del builder
         t.meta["origin"] = name
         t.meta["device"] = dev
@@ -751,8 +763,10 @@ class _Builder:
     """Builds one device's Trace: window events, then the rebuilt initial state in front."""
 
     def __init__(self, name: str, dev: int, events: list[tuple], segments: list[dict], check_segments: bool,
-                 marks: list[tuple[int, int, int]] = (), sites: "_Sites | None" = None):
+                 marks: list[tuple[int, int, int]] = (), sites: "_Sites | None" = None,
+                 progress: Callable[[int], None] = lambda _n: None):
         self.name, self.dev, self.events, self.segments = name, dev, events, segments
+        self.progress = progress  # (events translated so far)
         self.check_segments = check_segments
         self.marks = list(marks)  # (time_us, code, arg) in time order
         self.ooms: list[dict[str, int]] = []
@@ -807,6 +821,8 @@ class _Builder:
             self.warn("events carry no time_us: the annotations cannot be placed among them; left out")
             marks = []
         for i, (action, addr, size, stream, site, time_us, device_free) in enumerate(self.events):
+            if not i & 0xFFFF:
+                self.progress(i)
             while m < len(marks) and marks[m][0] < time_us:  # phases that began or ended before this event
                 rows.append([OP_MARK, marks[m][1], -1, marks[m][2], 0, 0, 0])
                 m += 1
@@ -849,6 +865,7 @@ class _Builder:
             prev = action
         for time_us, code, arg in marks[m:]:
             rows.append([OP_MARK, code, -1, arg, 0, 0, 0])
+        self.progress(len(self.events))
         return live
 
     def _free(self, alloc_row: list[int]) -> None:
