@@ -30,6 +30,7 @@ Three ways, in order:
 """
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -132,22 +133,26 @@ def _by_markers(trace: Trace) -> Window | None:
     return Window(begins[0], bounds[k + 1], "markers", sum(s == sigs[k] for s in sigs), at_begin, begins[k])
 
 
-def _signature(trace: Trace) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Alloc/free events: their trace indices, sizes, ages (-1 for allocs), signed sizes."""
+def _signature(trace: Trace) -> tuple["array[int]", torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Alloc/free events: their trace indices, sizes, ages (-1 for allocs), signed sizes. Gathered
+    in arrays, not lists of ints (four of those held 200 MB over a trace of 1.35M events)."""
     import torch  # (imported here: reading a plan, which imports this module, needs no torch)
 
-    index, sizes, ages, delta = [], [], [], []
+    index, sizes, ages = array("q"), array("q"), array("q")
     born: dict[int, int] = {}
     for i, (op, id_, size) in enumerate(zip(trace.op, trace.id, trace.size)):
         if op == OP_ALLOC:
             born[id_] = len(index)
-            index.append(i); sizes.append(size); ages.append(-1); delta.append(size)
+            index.append(i); sizes.append(size); ages.append(-1)
         elif op == OP_FREE:
             b = born.pop(id_, None)
             index.append(i); sizes.append(size); ages.append(-2 if b is None else len(index) - 1 - b)
-            delta.append(-size)
-    return index, torch.tensor(sizes, dtype=torch.int64), torch.tensor(ages, dtype=torch.int64), \
-        torch.tensor(delta, dtype=torch.int64)
+
+    def column(a: "array[int]") -> torch.Tensor:  # (a copy: the tensor outlives the array's use here)
+        return torch.frombuffer(a, dtype=torch.int64).clone() if a else torch.zeros(0, dtype=torch.int64)
+
+    sizes_t, ages_t = column(sizes), column(ages)
+    return index, sizes_t, ages_t, torch.where(ages_t == -1, sizes_t, -sizes_t)
 
 
 def _candidates(sizes: torch.Tensor, ages: torch.Tensor) -> list[int]:
