@@ -389,7 +389,7 @@ static void explain(np_ctx *ctx, np_arena *a, uint64_t size) {
   uint64_t free_bytes = a->holes.bytes + (a->top ? a->top->size : 0);
   uint64_t room = limit > reserved ? limit - reserved : 0;
   if (a->vmm) { /* free memory counts where mapped; unmapped free memory is room under the cap */
-    uint64_t allocated = a->seg ? a->seg->size - free_bytes : 0; /* (its blocks tile it) */
+    uint64_t allocated = np_arena_allocated(a);
     uint64_t mapped_free = a->seg && a->seg->mapped > allocated ? a->seg->mapped - allocated : 0;
     free_bytes = mapped_free;
   } else if (!a->seg) {

@@ -103,6 +103,11 @@ int np_arena_empty_cache(np_ctx *ctx, np_arena *a);
 /* A new cap: a fixed arena can only change while empty. */
 int np_arena_set_limit(np_ctx *ctx, np_arena *a);
 void np_arena_fill_stats(np_ctx *ctx, np_arena *a, np_stats *st);
+/* The bytes of the arena's allocated blocks, in O(1): its blocks tile it, and every free one is a
+ * hole or the top (but while a request is being placed). */
+static inline uint64_t np_arena_allocated(const np_arena *a) {
+  return a->seg ? a->seg->size - a->holes.bytes - (a->top ? a->top->size : 0) : 0;
+}
 /* Whether b is one of the arena's blocks. */
 static inline bool np_arena_owns(const np_arena *a, const np_block *b) { return a->seg && b->seg == a->seg; }
 int np_arena_check(np_ctx *ctx, np_arena *a);

@@ -179,8 +179,7 @@ static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a) {
   for (int i = -1; i < t->n; i++) {
     np_arena *o = i < 0 ? main : &t->at[i]->arena;
     if (o == a || !o->seg || (i >= 0 && t->at[i]->paused)) continue;
-    uint64_t allocated, count;
-    blocks_of(o, &allocated, &count);
+    uint64_t allocated = np_arena_allocated(o); /* (a walk over its blocks cost a refusal 190 us at 32,000) */
     idle += o->seg->mapped > allocated ? o->seg->mapped - allocated : 0;
   }
   return idle;
