@@ -12,7 +12,7 @@
  * each malloc, free, synchronisation, reservation and release, and once per thread for the
  * chunk calls; free synchronises the device first.
  *
- * Invariant: `ranges` holds every live allocation and reservation, `maps` every mapping, each
+ * Invariant: `alloc` holds every live allocation and reservation, `maps` every mapping, each
  * sorted by address and pairwise disjoint; used = allocated bytes + the bytes of live handles
  * (handle_size[h] != 0).
  */
@@ -31,14 +31,36 @@
 #define SIM_GRANULE (32 * NP_MIB) /* cudaMalloc's unit of address space (cuda_addr) */
 #define SIM_PAGE ((uint64_t)NP_SIM_PAGE)
 
+/* A live range: in its table's list (address order) and treap (the same order). The rooms are
+ * cuda_addr's two scans' tests for this range as numbers (room(): bytes plus one, 0 for none), so
+ * that a search can skip whole subtrees where no range passes: room_small, for a request under a
+ * granule, the larger of the gap below the range inside its first granule (from the end of the
+ * range before it) and the gap above it inside its last granule (up to the next range and the
+ * window's top); room_large, the whole granules free between the range's last granule and the
+ * next range's first one (or the window's top). They read the range's neighbours only. */
 typedef struct sim_range {
   uintptr_t addr;
   uint64_t size;
+  struct sim_range *prev, *next;   /* address-order neighbours */
+  struct sim_range *left, *right;  /* treap children */
+  uint64_t seq;                    /* insertion number: orders ranges of one address (see sim_table) */
+  uint64_t room_small, room_large;
+  uint64_t max_small, max_large;   /* the largest rooms in the subtree */
+  uint32_t prio;                   /* treap priority */
 } sim_range;
 
+/* Ranges ordered by address, then newest first: an insert goes before every range at or above its
+ * address (only empty ranges, mallocs of 0 bytes, share one; a free or a lookup meets the newest).
+ * Invariants: prev/next link the ranges in that order and the treap's in-order walk is the same;
+ * heap order on prio; every range's rooms are those of its current neighbours and `top`, and
+ * every max_* the largest room_* in its subtree. An insert or removal changes the neighbours of
+ * two ranges only, the ones just before and after it: both lie on the path the split walks (or,
+ * for a removal's successor, on the left spine drop_first pulls), so every subtree maximum that
+ * could change is recomputed. Expected O(log n) per operation. */
 typedef struct sim_table {
-  sim_range *ranges;
-  size_t n, cap;
+  sim_range *root;
+  uint64_t seq, rng;
+  uintptr_t top;       /* the rooms are measured below it: the backend's down_top */
 } sim_table;
 
 typedef struct sim_backend {
@@ -77,46 +99,176 @@ static void sim_enter(sim_backend *s, bool check) {
   np_sim_device_cache_set(s->device); /* the caller made it current (torch_npu does) */
 }
 
-static size_t find_pos(const sim_table *s, uintptr_t addr) {
-  size_t lo = 0, hi = s->n;
-  while (lo < hi) {
-    size_t mid = (lo + hi) / 2;
-    if (s->ranges[mid].addr < addr) lo = mid + 1;
-    else hi = mid;
+/* The first range at or above addr; *before (if asked) gets the last one below it. */
+static sim_range *seek(const sim_table *t, uintptr_t addr, sim_range **before) {
+  sim_range *at = NULL, *below = NULL;
+  for (sim_range *n = t->root; n;) {
+    if (n->addr < addr) {
+      below = n;
+      n = n->right;
+    } else {
+      at = n;
+      n = n->left;
+    }
   }
-  return lo;
+  if (before) *before = below;
+  return at;
 }
 
 static bool overlaps(const sim_table *s, uintptr_t addr, uint64_t size) {
-  size_t i = find_pos(s, addr);
-  if (i < s->n && s->ranges[i].addr < addr + size) return true;
-  if (i > 0 && s->ranges[i - 1].addr + s->ranges[i - 1].size > addr) return true;
+  sim_range *below, *at = seek(s, addr, &below);
+  if (at && at->addr < addr + size) return true;
+  if (below && below->addr + below->size > addr) return true;
   return false;
 }
 
-static int add_range(sim_table *s, uintptr_t addr, uint64_t size) {
-  if (s->n == s->cap) {
-    size_t cap = s->cap ? s->cap * 2 : 64;
-    sim_range *r = realloc(s->ranges, cap * sizeof *r);
-    if (!r) return np_error(NP_ERR_HOST, "sim: host out of memory for range table");
-    s->ranges = r;
-    s->cap = cap;
+/* The bytes of [from, to) plus one; 0 when to < from (cuda_addr's `to >= from + need` is
+ * room(from, to) > need, with no sum to overflow). */
+static uint64_t room(uintptr_t from, uintptr_t to) { return to >= from ? to - from + 1 : 0; }
+
+static uintptr_t granule_of(uintptr_t a) { return a & ~(uintptr_t)(SIM_GRANULE - 1); }
+
+/* Where a request under a granule may start below r (its first granule, from lo up), and where the
+ * room above r ends (the end of its last granule, the next range, the window's top). */
+static uintptr_t below_from(const sim_range *r, uintptr_t lo) { return lo < granule_of(r->addr) ? granule_of(r->addr) : lo; }
+static uintptr_t above_from(const sim_range *r) { return np_round_up(r->addr + r->size, SIM_ALIGN); }
+static uintptr_t above_to(const sim_range *r, uintptr_t down_top) {
+  uintptr_t hi = np_round_up(above_from(r), SIM_GRANULE);
+  if (r->next && r->next->addr < hi) hi = r->next->addr;
+  return hi > down_top ? down_top : hi;
+}
+
+/* The top of the whole granules free above r: the next range's first granule, or the window's top
+ * (a next range at or past it starts no lower). */
+static uintptr_t large_upper(const sim_range *r, uintptr_t down_top) {
+  uintptr_t upper = granule_of(down_top);
+  if (r->next && granule_of(r->next->addr) < upper) upper = granule_of(r->next->addr);
+  return upper;
+}
+
+static void set_rooms(const sim_table *t, sim_range *r) {
+  uintptr_t lo = r->prev ? np_round_up(r->prev->addr + r->prev->size, SIM_ALIGN) : 0;
+  uint64_t below = room(below_from(r, lo), r->addr), above = room(above_from(r), above_to(r, t->top));
+  r->room_small = below > above ? below : above;
+  r->room_large = room(np_round_up(r->addr + r->size, SIM_GRANULE), large_upper(r, t->top));
+}
+
+static void pull(sim_range *n) {
+  n->max_small = n->room_small;
+  n->max_large = n->room_large;
+  for (int i = 0; i < 2; i++) {
+    const sim_range *c = i ? n->right : n->left;
+    if (c && c->max_small > n->max_small) n->max_small = c->max_small;
+    if (c && c->max_large > n->max_large) n->max_large = c->max_large;
   }
-  size_t i = find_pos(s, addr);
-  memmove(&s->ranges[i + 1], &s->ranges[i], (s->n - i) * sizeof *s->ranges);
-  s->ranges[i] = (sim_range){addr, size};
-  s->n++;
+}
+
+static bool precedes(const sim_range *a, const sim_range *b) {
+  return a->addr < b->addr || (a->addr == b->addr && a->seq > b->seq);
+}
+
+/* Split subtree n into the ranges before r (*lo) and the rest (*hi), pulling the path walked. */
+static void split(sim_range *n, const sim_range *r, sim_range **lo, sim_range **hi) {
+  if (!n) {
+    *lo = *hi = NULL;
+  } else if (precedes(n, r)) {
+    split(n->right, r, &n->right, hi);
+    *lo = n;
+    pull(n);
+  } else {
+    split(n->left, r, lo, &n->left);
+    *hi = n;
+    pull(n);
+  }
+}
+
+/* Join two subtrees, every range of a before every range of b. */
+static sim_range *merge(sim_range *a, sim_range *b) {
+  if (!a || !b) return a ? a : b;
+  if (a->prio > b->prio) {
+    a->right = merge(a->right, b);
+    pull(a);
+    return a;
+  }
+  b->left = merge(a, b->left);
+  pull(b);
+  return b;
+}
+
+static void pull_first(sim_range *n) {
+  if (!n) return;
+  pull_first(n->left);
+  pull(n);
+}
+
+/* Remove the first range of subtree n. The subtree that takes its place has the removed range's
+ * successor first, whose rooms changed: its left spine is pulled, then the way back up. */
+static sim_range *drop_first(sim_range *n) {
+  if (!n->left) {
+    pull_first(n->right);
+    return n->right;
+  }
+  n->left = drop_first(n->left);
+  pull(n);
+  return n;
+}
+
+static int add_range(sim_table *s, uintptr_t addr, uint64_t size) {
+  sim_range *r = malloc(sizeof *r);
+  if (!r) return np_error(NP_ERR_HOST, "sim: host out of memory for range table");
+  sim_range *prev, *next = seek(s, addr, &prev);
+  /* xorshift64*, as tree.c: cheap, deterministic per table */
+  uint64_t x = s->rng ? s->rng : 0x9E3779B97F4A7C15ull;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  s->rng = x;
+  *r = (sim_range){.addr = addr, .size = size, .prev = prev, .next = next, .seq = ++s->seq,
+                   .prio = (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32)};
+  if (prev) prev->next = r;
+  if (next) next->prev = r;
+  set_rooms(s, r);
+  pull(r);
+  if (prev) set_rooms(s, prev); /* both on the split's path, which pulls them */
+  if (next) set_rooms(s, next);
+  sim_range *lo, *hi;
+  split(s->root, r, &lo, &hi);
+  s->root = merge(merge(lo, r), hi);
   return NP_OK;
 }
 
 static int del_range(sim_table *s, uintptr_t addr, uint64_t size, const char *what) {
-  size_t i = find_pos(s, addr);
-  if (i == s->n || s->ranges[i].addr != addr || s->ranges[i].size != size)
+  sim_range *r = seek(s, addr, NULL);
+  if (!r || r->addr != addr || r->size != size)
     return np_error(NP_ERR_BACKEND, "sim: %s of %#lx (%llu bytes) which is not one whole %s the device handed out",
                     what, (unsigned long)addr, (unsigned long long)size, what[0] == 'u' ? "mapping" : "range");
-  memmove(&s->ranges[i], &s->ranges[i + 1], (s->n - i - 1) * sizeof *s->ranges);
-  s->n--;
+  if (r->prev) r->prev->next = r->next;
+  if (r->next) r->next->prev = r->prev;
+  if (r->prev) set_rooms(s, r->prev); /* on the split's path */
+  if (r->next) set_rooms(s, r->next); /* on it, or first in r's right subtree: drop_first's */
+  sim_range *lo, *hi;
+  split(s->root, r, &lo, &hi); /* r is hi's first */
+  s->root = merge(lo, drop_first(hi));
+  free(r);
   return NP_OK;
+}
+
+/* The first range after f whose room_small is at least x, or NULL. */
+static const sim_range *first_small_fit(const sim_range *n, const sim_range *f, uint64_t x) {
+  if (!n || n->max_small < x) return NULL;
+  if (!precedes(f, n)) return first_small_fit(n->right, f, x);
+  const sim_range *r = first_small_fit(n->left, f, x);
+  if (r) return r;
+  return n->room_small >= x ? n : first_small_fit(n->right, f, x);
+}
+
+/* The last range below addr `end` whose room_large is at least x, or NULL. */
+static const sim_range *last_large_fit(const sim_range *n, uintptr_t end, uint64_t x) {
+  if (!n || n->max_large < x) return NULL;
+  if (n->addr >= end) return last_large_fit(n->left, end, x);
+  const sim_range *r = last_large_fit(n->right, end, x);
+  if (r) return r;
+  return n->room_large >= x ? n : last_large_fit(n->left, end, x);
 }
 
 static int charge(sim_backend *s, uint64_t size) {
@@ -129,11 +281,26 @@ static int charge(sim_backend *s, uint64_t size) {
   return NP_OK;
 }
 
-/* The lowest address at or above `from` that the range starting below it (the one before index
- * `first`, find_pos's) leaves free. */
-static uintptr_t free_from(const sim_backend *s, size_t first, uintptr_t from) {
-  const sim_range *r = first > 0 ? &s->alloc.ranges[first - 1] : NULL;
-  return r && r->addr + r->size > from ? np_round_up(r->addr + r->size, SIM_ALIGN) : from;
+/* The lowest address at or above `from` that the range starting below it (`before`, seek's)
+ * leaves free. */
+static uintptr_t free_from(const sim_range *before, uintptr_t from) {
+  return before && before->addr + before->size > from ? np_round_up(before->addr + before->size, SIM_ALIGN) : from;
+}
+
+/* Whether a request of `need` bytes (under a granule) fits beside r, the room below it counted
+ * from lo; *at gets where (below before above, as cuda_addr's ascending scan tries them). */
+static bool small_place(const sim_range *r, uintptr_t lo, uintptr_t down_top, uint64_t need, uintptr_t *at) {
+  uintptr_t from = below_from(r, lo);
+  if (room(from, r->addr) > need) {
+    *at = from;
+    return true;
+  }
+  from = above_from(r);
+  if (room(from, above_to(r, down_top)) > need) {
+    *at = from;
+    return true;
+  }
+  return false;
 }
 
 /* Where cudaMalloc puts `size` bytes (rounded up to SIM_ALIGN), as the CUDA driver did in every
@@ -142,47 +309,48 @@ static uintptr_t free_from(const sim_backend *s, size_t first, uintptr_t from) {
  * that already holds an allocation, with room for it; other requests, and one no such range takes,
  * get the highest whole granules free (the top of the highest free run that holds them). The window
  * is [low, s->down_top), low being s->next or the end of a range reaching above it (a hinted
- * one); 0 when it has no room. */
+ * one); 0 when it has no room.
+ * Both are scans over the window's ranges (ascending for the first fit, descending for the
+ * highest), each range's test reading only it and its neighbours: the rooms (sim_range) are those
+ * tests, so the treap finds the range a scan would stop at without walking the others. The
+ * window's first range is tested directly: its room below counts from low, not from the range
+ * before it. */
 static uintptr_t cuda_addr(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
-  const sim_range *rs = s->alloc.ranges;
-  size_t first = find_pos(&s->alloc, s->next), end = find_pos(&s->alloc, s->down_top);
-  uintptr_t low = free_from(s, first, s->next);
-  if (need < SIM_GRANULE) {
-    for (size_t i = first; i < end; i++) { /* ascending: the first fit is the lowest */
-      uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
-      uintptr_t lo = i > first ? np_round_up(rs[i - 1].addr + rs[i - 1].size, SIM_ALIGN) : low;
-      if (lo < g) lo = g; /* the part of r's first granule below it */
-      if (rs[i].addr >= lo + need) return lo;
-      uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_ALIGN);
-      uintptr_t hi = np_round_up(top, SIM_GRANULE); /* the rest of r's last granule */
-      if (i + 1 < end && rs[i + 1].addr < hi) hi = rs[i + 1].addr;
-      if (hi > s->down_top) hi = s->down_top;
-      if (hi >= top + need) return top;
+  sim_range *before, *first = seek(&s->alloc, s->next, &before);
+  uintptr_t low = free_from(before, s->next), at;
+  if (first && first->addr >= s->down_top) first = NULL; /* the window holds no range */
+  if (need < SIM_GRANULE && first) {
+    if (small_place(first, low, s->down_top, need, &at)) return at; /* ascending: the first fit is the lowest */
+    const sim_range *r = first_small_fit(s->alloc.root, first, need + 1);
+    if (r && r->addr < s->down_top) {
+      bool fits = small_place(r, np_round_up(r->prev->addr + r->prev->size, SIM_ALIGN), s->down_top, need, &at);
+      NP_ASSERT(fits); /* (its room_small says so) */
+      (void)fits;
+      return at;
     }
   }
   uint64_t span = np_round_up(need, SIM_GRANULE);
-  uintptr_t upper = s->down_top & ~(uintptr_t)(SIM_GRANULE - 1);
-  for (size_t i = end; i-- > first;) { /* descending: the first fit is the highest */
-    uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_GRANULE);
-    if (top <= upper && upper - top >= span) break;
-    uintptr_t g = rs[i].addr & ~(uintptr_t)(SIM_GRANULE - 1);
-    if (g < upper) upper = g;
-  }
+  uintptr_t upper = granule_of(s->down_top);
+  /* descending: the highest range with `span` whole granules free above it; none: all below the
+   * window's first range's granule */
+  const sim_range *r = first ? last_large_fit(s->alloc.root, s->down_top, span + 1) : NULL;
+  if (r && r->addr >= s->next) upper = large_upper(r, s->down_top);
+  else if (first && granule_of(first->addr) < upper) upper = granule_of(first->addr);
   return upper >= low + span ? upper - span : 0;
 }
 
 /* The lowest range of `size` bytes (rounded up to SIM_ALIGN) in [low, down_top) that no live range
  * touches; 0 when none: where the bump pointer has run out of the window (address space taken and
- * given back over a long run), freed space is used again. */
+ * given back over a long run), freed space is used again. (A walk over the ranges: only once the
+ * bump pointer has crossed half the window, 2 PiB of addresses.) */
 static uintptr_t lowest_gap(const sim_backend *s, uint64_t size) {
   uint64_t need = np_round_up(size, SIM_ALIGN);
-  const sim_range *rs = s->alloc.ranges;
-  size_t i = find_pos(&s->alloc, s->low), end = find_pos(&s->alloc, s->down_top);
-  uintptr_t lo = free_from(s, i, s->low);
-  for (; i < end; i++) {
-    if (rs[i].addr >= lo && rs[i].addr - lo >= need) return lo;
-    uintptr_t top = np_round_up(rs[i].addr + rs[i].size, SIM_ALIGN);
+  sim_range *before, *r = seek(&s->alloc, s->low, &before);
+  uintptr_t lo = free_from(before, s->low);
+  for (; r && r->addr < s->down_top; r = r->next) {
+    if (r->addr >= lo && r->addr - lo >= need) return lo;
+    uintptr_t top = np_round_up(r->addr + r->size, SIM_ALIGN);
     if (top > lo) lo = top;
   }
   return lo < s->down_top && s->down_top - lo >= need ? lo : 0;
@@ -398,9 +566,13 @@ static void sim_hint(np_backend *be, uintptr_t addr) { ((sim_backend *)be)->hint
 static int sim_destroy(np_backend *be) {
   sim_backend *s = (sim_backend *)be;
   if (s->event && !s->queued) be->calls[NP_CALL_EVENT_DESTROY]++; /* (queued: the hooks keep theirs) */
-  for (size_t i = 0; i < s->alloc.n; i++) drop_addr(s, s->alloc.ranges[i].addr, s->alloc.ranges[i].size);
-  free(s->alloc.ranges);
-  free(s->maps.ranges);
+  for (int t = 0; t < 2; t++) {
+    for (sim_range *r = seek(t ? &s->maps : &s->alloc, 0, NULL), *n; r; r = n) {
+      n = r->next;
+      if (!t) drop_addr(s, r->addr, r->size);
+      free(r);
+    }
+  }
   free(s->handle_size);
   free(s);
   return NP_OK;
@@ -450,6 +622,7 @@ np_backend *np_backend_sim_create(const np_config *cfg) {
   s->queued = cfg->device_rules == NP_DEVICE_NPU;
   s->base.free_synchronizes = cfg->device_rules != NP_DEVICE_NPU; /* cudaFree waits for the device, aclrtFree not */
   s->down_top = s->next + SIM_WINDOW / 2;
+  s->alloc.top = s->maps.top = s->down_top; /* (the maps' rooms go unused) */
   s->device = cfg->device;
   /* what the ACL backend asks at creation: the device, its memory, the granularity and a probe reservation */
   sim_enter(s, true);

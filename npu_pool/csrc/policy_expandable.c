@@ -18,8 +18,9 @@
  * context). Runs are mapped and unmapped whole (np_vmm_map/unmap with `whole`), so a block's
  * `mapped` is the page table's word for every page under it.
  * Invariants: mapped free blocks are in their pool's tree, unmapped blocks in
- * no tree, allocated blocks mapped; no two free neighbours share a mapped state; a block's
- * `mapped` says whether every page under it is mapped (unmapped blocks: none is).
+ * their pool's address-ordered tree of unmapped blocks, allocated blocks mapped; no two free
+ * neighbours share a mapped state; a block's `mapped` says whether every page under it is mapped
+ * (unmapped blocks: none is).
  */
 #include <stdlib.h>
 
@@ -32,6 +33,9 @@ static const uint64_t page_size[2] = {2 * NP_MIB, 20 * NP_MIB};
 
 typedef struct exp_state {
   np_tree pools[2];
+  /* Each pool's unmapped blocks, by address: where a growth may start is searched among them
+   * (find_expandable) instead of among all of a segment's blocks, allocated ones included. */
+  np_tree unmapped[2];
 } exp_state;
 
 static exp_state *state(np_ctx *ctx) { return (exp_state *)ctx->pstate; }
@@ -42,6 +46,7 @@ static int exp_init(np_ctx *ctx) {
                     "and a page size dividing 2 MiB (backend %s has none)", ctx->be->name);
   exp_state *es = calloc(1, sizeof *es);
   if (!es) return np_error(NP_ERR_HOST, "host out of memory");
+  es->unmapped[SMALL].by_addr = es->unmapped[LARGE].by_addr = true;
   ctx->pstate = es;
   ctx->st.vmm = 1;
   return NP_OK;
@@ -50,14 +55,21 @@ static int exp_init(np_ctx *ctx) {
 static bool free_mapped(const np_block *b) { return b && !b->allocated && b->mapped; }
 static bool allocatable(const np_block *b) { return b && !b->allocated; }
 
-/* Merge unmapped free neighbours into b; returns the merged block. */
-static np_block *merge_unmapped(np_ctx *ctx, np_block *b) {
+static np_tree *unmapped_of(np_ctx *ctx, const np_block *b) { return &state(ctx)->unmapped[b->seg->pool]; }
+
+/* Merge unmapped free neighbours into unmapped b (in no tree) and file the result. */
+static void merge_unmapped(np_ctx *ctx, np_block *b) {
+  np_tree *u = unmapped_of(ctx, b);
   if (b->prev && !b->prev->allocated && !b->prev->mapped) {
     b = b->prev;
+    np_tree_remove(u, b);
     np_block_merge_next(&ctx->blocks, b);
   }
-  if (b->next && !b->next->allocated && !b->next->mapped) np_block_merge_next(&ctx->blocks, b);
-  return b;
+  if (b->next && !b->next->allocated && !b->next->mapped) {
+    np_tree_remove(u, b->next);
+    np_block_merge_next(&ctx->blocks, b);
+  }
+  np_tree_insert(u, b);
 }
 
 /* Unmap the whole pages inside free mapped block b (in no tree); file the pieces. */
@@ -112,7 +124,10 @@ static int release_cached(np_ctx *ctx) {
   }
   for (np_segment *sg = ctx->segments, *nx; sg; sg = nx) {
     nx = sg->next;
-    if (!sg->head->next && !sg->head->allocated && !sg->head->mapped) np_segment_destroy(ctx, sg);
+    if (!sg->head->next && !sg->head->allocated && !sg->head->mapped) {
+      np_tree_remove(unmapped_of(ctx, sg->head), sg->head);
+      np_segment_destroy(ctx, sg);
+    }
   }
   return first == NP_OK ? NP_OK : np_restore_error(&s);
 }
@@ -135,7 +150,7 @@ static np_block *get_free_block(np_ctx *ctx, int pool, intptr_t stream, uint64_t
 }
 
 /* Map pages for the first `size` bytes of unmapped block b; merge with free mapped neighbours.
- * Returns the merged free block (in no tree) or NULL. */
+ * Returns the merged free block (in no tree) or NULL (b as it was, filed as unmapped). */
 static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
   np_segment *seg = b->seg;
   np_tree *t = &state(ctx)->pools[seg->pool];
@@ -147,8 +162,11 @@ static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
     ctx->fail.needed = np_max_u64(ctx->fail.needed, bytes);
     return NULL;
   }
+  np_tree *u = unmapped_of(ctx, b);
+  np_tree_remove(u, b);
   bool split = bytes < b->size;
   if (split && !np_block_split(&ctx->blocks, b, bytes, false)) {
+    np_tree_insert(u, b);
     *rc = np_error(NP_ERR_HOST, "host out of memory splitting a block");
     return NULL;
   }
@@ -157,8 +175,10 @@ static np_block *map_block(np_ctx *ctx, np_block *b, uint64_t size, int *rc) {
   *rc = np_vmm_map_by(ctx, seg, b->addr, bytes, page_size[seg->pool], true);
   if (*rc != NP_OK) {
     if (split) np_block_merge_next(&ctx->blocks, b);
+    np_tree_insert(u, b);
     return NULL;
   }
+  if (split) np_tree_insert(u, b->next); /* the rest stays unmapped */
   b->mapped = 1;
   if (free_mapped(b->prev)) { /* the previous block may be the caller's candidate, already out of the tree */
     if (b->prev->in_tree) np_tree_remove(t, b->prev);
@@ -179,12 +199,14 @@ static np_segment *find_segment(np_ctx *ctx, int pool, intptr_t stream) {
 }
 
 /* Where a request that no mapped block fits should start: the lowest unmapped block
- * (or the free block just below it) with enough free space after it. */
+ * (or the free block just below it) with enough free space after it. The segment's unmapped
+ * blocks in address order are its blocks that are neither allocated nor mapped, the ones a walk
+ * of all its blocks would test, in the same order. */
 static np_block *find_expandable(np_ctx *ctx, int pool, intptr_t stream, uint64_t size, int *rc) {
   np_segment *seg = find_segment(ctx, pool, stream);
   if (seg) {
-    for (np_block *c = seg->head; c; c = c->next) {
-      if (c->allocated || c->mapped) continue;
+    np_tree *u = &state(ctx)->unmapped[pool];
+    for (np_block *c = np_tree_after(u, seg->addr - 1); c && c->seg == seg; c = np_tree_next(u, c)) {
       np_block *start = free_mapped(c->prev) ? c->prev : c;
       uint64_t bytes = 0;
       for (np_block *x = start; x && bytes < size && allocatable(x); x = x->next) bytes += x->size;
@@ -193,7 +215,9 @@ static np_block *find_expandable(np_ctx *ctx, int pool, intptr_t stream, uint64_
   }
   uint64_t va = np_round_up(ctx->be->total + ctx->be->total / 8, page_size[pool]);
   *rc = np_segment_create(ctx, va, stream, pool, true, &seg);
-  return *rc == NP_OK ? seg->head : NULL;
+  if (*rc != NP_OK) return NULL;
+  np_tree_insert(&state(ctx)->unmapped[pool], seg->head); /* all of it unmapped */
+  return seg->head;
 }
 
 static int try_expand(np_ctx *ctx, int pool, intptr_t stream, uint64_t size, np_block **out) {
@@ -281,10 +305,11 @@ static void exp_fill_stats(np_ctx *ctx, np_stats *st) {
 
 static int exp_check(np_ctx *ctx) {
   exp_state *es = state(ctx);
-  size_t in_tree[2] = {0, 0};
+  size_t in_tree[2] = {0, 0}, unmapped[2] = {0, 0};
   uint64_t mapped = 0;
   for (int p = 0; p < 2; p++)
-    if (!np_tree_check(&es->pools[p])) return np_error(NP_ERR_STATE, "check: expandable pool %d tree is corrupt", p);
+    if (!np_tree_check(&es->pools[p]) || !np_tree_check(&es->unmapped[p]))
+      return np_error(NP_ERR_STATE, "check: expandable pool %d tree is corrupt", p);
   for (np_segment *s = ctx->segments; s; s = s->next) {
     for (np_block *b = s->head; b; b = b->next) {
       if (b->mapped) mapped += b->size;
@@ -292,14 +317,15 @@ static int exp_check(np_ctx *ctx) {
         if (!b->mapped) return np_error(NP_ERR_STATE, "check: allocated block %#lx is not mapped", (unsigned long)b->addr);
         continue;
       }
-      if (b->mapped != b->in_tree) return np_error(NP_ERR_STATE, "check: free block %#lx filed wrongly", (unsigned long)b->addr);
+      if (!b->in_tree) return np_error(NP_ERR_STATE, "check: free block %#lx filed wrongly", (unsigned long)b->addr);
       if (b->next && !b->next->allocated && b->next->mapped == b->mapped)
         return np_error(NP_ERR_STATE, "check: free neighbours not merged at %#lx", (unsigned long)b->addr);
-      in_tree[s->pool] += b->in_tree;
+      (b->mapped ? in_tree : unmapped)[s->pool]++;
     }
   }
   for (int p = 0; p < 2; p++)
-    if (in_tree[p] != es->pools[p].count) return np_error(NP_ERR_STATE, "check: expandable pool %d holds stray blocks", p);
+    if (in_tree[p] != es->pools[p].count || unmapped[p] != es->unmapped[p].count)
+      return np_error(NP_ERR_STATE, "check: expandable pool %d holds stray blocks", p);
   if (mapped + ctx->st.unreleased != ctx->st.total.reserved.current)
     return np_error(NP_ERR_STATE, "check: %llu bytes mapped but %llu reserved", (unsigned long long)mapped,
                     (unsigned long long)ctx->st.total.reserved.current);
