@@ -243,6 +243,38 @@ def test_two_imports_to_one_folder_leave_a_file_that_reads_back(tmp_path: Path) 
     _no_partials(tmp_path)
 
 
+def test_an_import_whose_folder_another_failed_import_removed_still_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Two imports into one new folder: the second, finding the first's file claimed while both
+    checked it, failed and removed the folder it took for its own (both had found none), while the
+    first read its snapshot; the first then could not write (seen once in CI, the test above). Only
+    the run that made the folder removes it, and a run makes it again before it writes."""
+    import importlib
+
+    from npu_pool.analysis.memviz import export
+
+    importing = importlib.import_module("npu_pool.commands.import")  # (a keyword: no import statement)
+    snap = tmp_path / "s.pickle"
+    export([synthetic(3_000)], "npu_pool", snap)
+    out = tmp_path / "o"
+    read = importing.load_snapshot
+
+    def read_while_another_cleans_up(path: Path) -> list[Trace]:
+        traces = read(path)
+        out.rmdir()  # (what the other import's cleanup did meanwhile)
+        return traces
+
+    monkeypatch.setattr(importing, "load_snapshot", read_while_another_cleans_up)
+    assert main(["import", str(snap), "--out", str(out)]) == 0
+    (npt,) = out.glob("*.npt")
+    assert len(Trace.load(npt)) > 3_000 and "s.dev0.npt" in capsys.readouterr().out
+    monkeypatch.undo()
+    out2 = tmp_path / "o2"
+    out2.mkdir()  # another run's folder: a failed import leaves it where it found it
+    assert main(["import", str(tmp_path / "missing.pickle"), "--out", str(out2)]) != 0
+    assert out2.is_dir()
+
+
 # -- 2. costs without bounds: YAML bombs -------------------------------------------------------
 
 _BOMB = "".join([

@@ -6,6 +6,7 @@ per trace. Bad input raises TraceError, which the CLI reports as a one-line erro
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from npu_pool.outputs import check
@@ -48,13 +49,15 @@ def run(args: argparse.Namespace) -> int:
         if first != snap:
             raise TraceError(f"{first} and {snap} would both be written as {snap.stem}.dev<N>.npt in {out}; "
                              "import them into different folders (or rename one)")
-    made = not out.exists()
-    written = 0
+    made, written = False, 0
     try:
         # the folder made and a file claimed in it now, not after reading a large snapshot (removed below
-        # when nothing was written)
+        # when nothing was written, by the run that made it)
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            out.mkdir(parents=True)
+            made = True
+        except FileExistsError:
+            pass  # (another run's, maybe a moment ago: it is not this run's to remove)
         except OSError as e:
             raise TraceError(f"{out}: cannot create output folder ({e.strerror or e})") from None
         if args.snapshots:
@@ -65,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
                 t = traces.pop(0)  # each trace freed once written
                 t.validate(f"{snap} (device {t.meta.get('device', 0)})")
                 dest = out / f"{snap.stem}.dev{t.meta['device']}.npt"
+                # again: an import into the same folder that made it and failed removes it, maybe while
+                # this one read its snapshot (two at once: the second's file then could not be written)
+                with contextlib.suppress(OSError):  # (what is wrong then, the save says)
+                    out.mkdir(parents=True, exist_ok=True)
                 t.save(dest)
                 written += 1
                 print(_summary(dest, t))
