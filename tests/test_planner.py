@@ -1132,36 +1132,6 @@ def test_a_lost_plan_finds_its_place_among_positions_of_one_key_by_search():
     assert many[0] < 5 * few[0], f"{many[0] / few[0]:.1f}x the time per request with 32x the positions"
 
 
-def _dynamic_seconds(live: int, passes: int = 8) -> float:
-    """Seconds for one request of a dynamic size (larger than planned) at the last position of a plan
-    whose `live` other positions, 2 MiB each 4 MiB apart, are all live: no gap between them fits it;
-    the best of the passes after the first three."""
-    import time
-
-    n, best = live + 1, float("inf")
-    with Pool("planned", capacity=n * 4 * MiB + (8 << 30)) as p:
-        p.set_plan([2 * MiB] * n, [q * 4 * MiB for q in range(n)], [n] * n, 0, n * 4 * MiB, PLAN_AT_START)
-        for k in range(passes):
-            ptrs = [p.malloc(2 * MiB) for _ in range(live)]
-            start = time.perf_counter()
-            ptrs.append(p.malloc(3 * MiB))
-            if k >= 3:
-                best = min(best, time.perf_counter() - start)
-            for a in ptrs:
-                p.free(a)
-    return best
-
-
-def test_a_dynamic_size_passes_the_gaps_too_small_for_it_by_search():
-    """A request of a dynamic size looks for a range the plan leaves idle during its lifetime; the
-    index walked every planned interval whose gap was too small, one by one: 76 us a request with
-    32,000 planned tensors live, 2.2 with 1,000 (a review, a helper). A plan's index is frozen once
-    built, each long list with a max tree of its gaps: 19 us and 1.9 (what is left is the binary
-    searches' cache misses over lists of 32,000 intervals)."""
-    few, many = _dynamic_seconds(1000), _dynamic_seconds(32000)
-    assert many < 15 * few, f"{many / few:.1f}x the time per request with 32x the tensors live"
-
-
 def test_a_lap_that_ends_on_positions_made_once_is_no_resync():
     """A step marked by iter_begin whose last positions the first step made once: each later step
     began where the previous one ended without them, which counted a resync and kept the policy
