@@ -185,10 +185,17 @@ static np_block *sort_list(np_block *l, bool down) {
   return merge_lists(sort_list(l, down), sort_list(rest, down), down);
 }
 
+/* Whether the arena's free blocks are best found in the hole tree (few holes among many live
+ * blocks: a tree step costs ~15x a list step, measured) rather than by a walk over every block:
+ * the walks of the free blocks (free_list) and of the releasable memory (releasable) both ask. */
+static bool few_holes(const np_ctx *ctx, const np_arena *a) {
+  return 16 * (uint64_t)a->holes.count <= ctx->st.total.blocks.current;
+}
+
 /* The arena's free blocks, all of them (its holes and its top: the invariant of arena.h) but a
  * block being carved (in no tree), linked through hnext in address order, descending when `down`.
  * hnext is the pointer map's link, unused while a block is free; the list is good until a block
- * is split, merged or allocated. With few holes among many live blocks (as releasable decides)
+ * is split, merged or allocated. With few holes among many live blocks (few_holes)
  * the holes are found in their tree and sorted, O(f log f) for f of them: trims and the retry ran
  * once per request under cap pressure, and a walk over every block there made a replay quadratic
  * in the live blocks (a planned fallback of 7,000 live blocks and 2 free ones: minutes). With
@@ -196,7 +203,7 @@ static np_block *sort_list(np_block *l, bool down) {
  * holes (a trim among 32,000 holes and as many live blocks: 4.9 ms found so, 0.5 ms walked). */
 static np_block *free_list(const np_ctx *ctx, np_arena *a, bool down) {
   np_block *head = NULL, **tail = &head;
-  if (16 * (uint64_t)a->holes.count > ctx->st.total.blocks.current) {
+  if (!few_holes(ctx, a)) {
     for (np_block *b = a->seg->head; b; b = b->next) {
       if (!b->in_tree && b != a->top) continue;
       if (down) {
@@ -723,8 +730,8 @@ static uint64_t releasable_run(const np_ctx *ctx, const np_arena *a, const np_bl
 
 /* The bytes np_arena_empty_cache would return now: the chunks wholly inside free memory, each
  * free run counted once from its start; a fixed arena with nothing allocated, whole. A stats
- * call pays for it: with few holes among many live blocks the holes and the top are visited
- * (a tree step costs ~15x a list step, measured), else the block list. */
+ * call pays for it: with few holes among many live blocks (few_holes) the holes and the top are
+ * visited, else the block list. */
 static uint64_t releasable(const np_ctx *ctx, const np_arena *a) {
   uint64_t bytes = 0;
   if (!a->vmm) {
@@ -732,7 +739,7 @@ static uint64_t releasable(const np_ctx *ctx, const np_arena *a) {
       if (b->allocated) return 0;
     return a->seg->mapped;
   }
-  if (16 * (uint64_t)a->holes.count <= ctx->st.total.blocks.current) {
+  if (few_holes(ctx, a)) {
     for (const np_block *b = np_tree_lower_bound(&a->holes, INTPTR_MIN, 0); b; b = np_tree_next(&a->holes, b))
       if (starts_run(b)) bytes += releasable_run(ctx, a, b);
     if (a->top && starts_run(a->top)) bytes += releasable_run(ctx, a, a->top);
