@@ -14,21 +14,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "npu_pool" / "csrc"
 
 
-@pytest.mark.parametrize("driver, expected", [
-    ("stress.c", ["torch:", "npu_pool:", "expandable:"]),  # random sequences on every policy
-    ("planned.c", ["served"]),  # the planned policy against a changing iteration
-    ("tree.c", ["lowest fit: ok"]),  # the address-ordered tree's lowest-fit search against a scan
-    ("teardown.c", ["fork before any context: ok", "closed calls: ok", "close:", "shutdown: ok", "fork: ok"]),
+@pytest.mark.parametrize("driver, expected, defines", [
+    ("stress.c", ["torch:", "npu_pool:", "expandable:"], []),  # random sequences on every policy
+    ("planned.c", ["served"], []),  # the planned policy against a changing iteration
+    ("tree.c", ["lowest fit: ok"], []),  # the address-ordered tree's lowest-fit search against a scan
+    # the plan's occupancy index, frozen and not, against a scan, and what a query looks at: with
+    # small blocks of the frozen lists' max trees (short lists take the tree's paths) and the default
+    ("occ.c", ["occ: ok", "occ cost:"], ["-DNP_ULIST_BLOCK=2"]),
+    ("occ.c", ["occ: ok", "occ cost:"], []),
+    ("teardown.c", ["fork before any context: ok", "closed calls: ok", "close:", "shutdown: ok", "fork: ok"], []),
     # close and fork while threads call in; every call on a closed pool
 ])
-def test_debug_build_under_sanitizers(tmp_path, driver, expected):
+def test_debug_build_under_sanitizers(tmp_path, driver, expected, defines):
     cc = shutil.which("gcc") or shutil.which("cc")
     if not cc:
         unavailable("no C compiler (gcc or cc)")
     exe = tmp_path / "driver"
     sources = [str(p) for p in sorted(CSRC.glob("*.c"))] + [str(ROOT / "tests" / "c" / driver)]
     flags = ["-std=c11", "-D_GNU_SOURCE", "-DNP_DEBUG", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
-             "-fsanitize=address,undefined", "-fno-sanitize-recover=all", f"-I{CSRC}"]
+             "-fsanitize=address,undefined", "-fno-sanitize-recover=all", f"-I{CSRC}", *defines]
     build = subprocess.run([cc, *flags, *sources, "-o", str(exe), "-lpthread", "-lm", "-ldl"],
                            capture_output=True, text=True)
     if build.returncode and "sanitize" in build.stderr and "cannot find" in build.stderr:

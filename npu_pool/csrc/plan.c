@@ -6,6 +6,13 @@
 
 #define MAX_NODES 256 /* canonical or ancestor nodes of a two-piece span: 2 pieces x 2 x 64 levels */
 
+#ifdef NP_DEBUG
+_Thread_local uint64_t np_occ_steps;
+#define OCC_STEP() (np_occ_steps++)
+#else
+#define OCC_STEP() ((void)0)
+#endif
+
 /* -- unions of offset intervals ---------------------------------------------------- */
 
 /* First index whose boundary is > x. */
@@ -48,17 +55,66 @@ static int ulist_add(np_ulist *l, uint64_t lo, uint64_t hi) {
   memmove(l->v + i + k, l->v + j, (size_t)(l->n - j) * sizeof *l->v);
   memcpy(l->v + i, add, k * sizeof *add);
   l->n = n;
+  free(l->gmax); /* (the index is of the list before) */
+  l->gmax = NULL;
   return NP_OK;
 }
 
-/* Smallest x >= off such that [x, x + size) misses every interval of l. */
+/* The gap before interval i (i >= 1): from the end of the one before to its start. */
+static uint64_t gap_before(const np_ulist *l, uint32_t i) {
+  OCC_STEP();
+  return l->v[2 * i] - l->v[2 * i - 1];
+}
+
+static void ulist_freeze(np_ulist *l) {
+  uint32_t m = l->n / 2, blocks = (m + NP_ULIST_BLOCK - 1) / NP_ULIST_BLOCK, leaf = 1;
+  if (l->gmax || m <= 2 * NP_ULIST_BLOCK) return;
+  while (leaf < blocks) leaf <<= 1;
+  if (!(l->gmax = calloc(2 * (size_t)leaf, sizeof *l->gmax))) return;
+  l->gleaf = leaf;
+  for (uint32_t i = 1; i < m; i++) {
+    uint64_t *g = &l->gmax[leaf + i / NP_ULIST_BLOCK];
+    if (gap_before(l, i) > *g) *g = gap_before(l, i);
+  }
+  for (uint32_t v = leaf - 1; v > 0; v--) l->gmax[v] = np_max_u64(l->gmax[2 * v], l->gmax[2 * v + 1]);
+}
+
+/* The first block >= b of a frozen list with a gap of at least `size`; UINT32_MAX if none. Up from
+ * b's leaf to the first subtree on its right that has one, then down to its first such leaf. */
+static uint32_t first_block(const np_ulist *l, uint32_t b, uint64_t size) {
+  uint32_t v = l->gleaf + b;
+  while (OCC_STEP(), l->gmax[v] < size) {
+    while (v & 1) v >>= 1; /* a right child: up */
+    if (!v) return UINT32_MAX;
+    v++;                    /* the subtree to its right */
+  }
+  while (v < l->gleaf) v = (OCC_STEP(), l->gmax[2 * v] >= size) ? 2 * v : 2 * v + 1;
+  return v - l->gleaf;
+}
+
+/* The first interval i' >= i whose gap before it is at least `size`; the number of intervals if
+ * none. A frozen list looks at the gaps of i's block, then of the first block whose largest gap
+ * fits (found in its max tree); another, at every gap. */
+static uint32_t first_gap(const np_ulist *l, uint32_t i, uint64_t size) {
+  uint32_t m = l->n / 2;
+  for (;;) {
+    uint32_t stop = l->gmax ? (i / NP_ULIST_BLOCK + 1) * NP_ULIST_BLOCK : m;
+    for (; i < stop && i < m; i++)
+      if (gap_before(l, i) >= size) return i;
+    if (i >= m) return m;
+    uint32_t b = first_block(l, i / NP_ULIST_BLOCK, size);
+    if (b == UINT32_MAX) return m;
+    i = b * NP_ULIST_BLOCK;
+  }
+}
+
+/* Smallest x >= off such that [x, x + size) misses every interval of l: off, or past the interval
+ * in the way, the end of the first interval after which the gap fits `size` (the last one's when
+ * none does). */
 static uint64_t ulist_fit(const np_ulist *l, uint64_t off, uint64_t size) {
   uint32_t j = upper_bound(l, off);
   if (j & 1) off = l->v[j++]; /* inside an interval: start at its end */
-  while (j < l->n && l->v[j] < off + size) {
-    off = l->v[j + 1];
-    j += 2;
-  }
+  if (j < l->n && l->v[j] < off + size) off = l->v[2 * first_gap(l, j / 2 + 1, size) - 1];
   return off;
 }
 
@@ -80,8 +136,8 @@ int np_occ_init(np_occ *o, uint32_t n_pos) {
 }
 
 void np_occ_destroy(np_occ *o) {
-  for (size_t i = 0; o->full && i < 2 * (size_t)o->base; i++) free(o->full[i].v);
-  for (size_t i = 0; o->any && i < 2 * (size_t)o->base; i++) free(o->any[i].v);
+  for (size_t i = 0; o->full && i < 2 * (size_t)o->base; i++) free(o->full[i].v), free(o->full[i].gmax);
+  for (size_t i = 0; o->any && i < 2 * (size_t)o->base; i++) free(o->any[i].v), free(o->any[i].gmax);
   free(o->full);
   free(o->any);
   memset(o, 0, sizeof *o);
@@ -134,6 +190,13 @@ int np_occ_add(np_occ *o, const np_span *s, uint64_t off, uint64_t size) {
     if (rc != NP_OK) return rc;
   }
   return NP_OK;
+}
+
+void np_occ_freeze(np_occ *o) {
+  for (size_t i = 0; i < 2 * (size_t)o->base; i++) {
+    ulist_freeze(&o->full[i]);
+    ulist_freeze(&o->any[i]);
+  }
 }
 
 uint64_t np_occ_lowest(const np_occ *o, const np_span *s, uint64_t size, uint64_t from) {
@@ -302,6 +365,7 @@ int np_plan_build(np_plan *p, uint64_t n, uint64_t loop, const uint64_t *size, c
       if (rc != NP_OK) goto fail;
     }
   }
+  np_occ_freeze(&p->occ);
   rc = build_grams(p);
   if (rc == NP_OK) rc = build_past_held(p);
   if (rc == NP_OK) return NP_OK;

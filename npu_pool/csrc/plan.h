@@ -35,7 +35,15 @@ typedef struct np_span {
 typedef struct np_ulist {
   uint64_t *v;
   uint32_t n, cap;
+  uint64_t *gmax;  /* frozen lists (np_occ_freeze): a max tree (leaves from gleaf) whose leaf b is the largest
+                    * gap before one of intervals [b, b + 1) * NP_ULIST_BLOCK (v[2i] - v[2i-1], i >= 1);
+                    * NULL when not frozen, and again after an add */
+  uint32_t gleaf;
 } np_ulist;
+
+#ifndef NP_ULIST_BLOCK /* (tests/c/occ.c builds with small blocks, so that short lists take the tree's paths) */
+#define NP_ULIST_BLOCK 64 /* intervals per leaf of a frozen list's max tree */
+#endif
 
 typedef struct np_occ {
   uint32_t base;   /* leaves: a power of two >= positions */
@@ -50,6 +58,13 @@ void np_occ_destroy(np_occ *o);
 int np_occ_add(np_occ *o, const np_span *s, uint64_t off, uint64_t size);
 /* Lowest offset >= from where [offset, offset + size) is unused during span s. */
 uint64_t np_occ_lowest(const np_occ *o, const np_span *s, uint64_t size, uint64_t from);
+/* No more adds: index the gaps of long lists, so that a query passes the intervals whose gaps are
+ * too small in O(log) instead of one by one (a plan's index, asked at every request of a dynamic
+ * size, is frozen once built). Without host memory for it, a list is left as it was. */
+void np_occ_freeze(np_occ *o);
+#ifdef NP_DEBUG
+extern _Thread_local uint64_t np_occ_steps; /* gaps and tree nodes np_occ_lowest looked at, this thread */
+#endif
 
 /* A plan installed on a context (see np_set_plan). gram_key/gram_pos: every position
  * keyed by the hash of the NP_PLAN_GRAM sizes ending there, sorted by key. */
