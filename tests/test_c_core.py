@@ -18,6 +18,8 @@ CSRC = ROOT / "npu_pool" / "csrc"
     ("stress.c", ["torch:", "npu_pool:", "expandable:"], []),  # random sequences on every policy
     ("planned.c", ["served"], []),  # the planned policy against a changing iteration
     ("tree.c", ["lowest fit: ok"], []),  # the address-ordered tree's lowest-fit search against a scan
+    # the simulated device's placement (its range treap) against the linear scans it replaced
+    ("simdev.c", ["simdev: ok"], []),
     # the plan's occupancy index, frozen and not, against a scan, and what a query looks at: with
     # small blocks of the frozen lists' max trees (short lists take the tree's paths) and the default
     ("occ.c", ["occ: ok", "occ cost:"], ["-DNP_ULIST_BLOCK=2"]),

@@ -168,6 +168,8 @@ def test_a_trim_among_many_holes_walks_the_blocks_once():
     few = min(_trims_seconds(1000, 16000) for _ in range(3))
     many = min(_trims_seconds(16000, 16000) for _ in range(3))
     assert many < 8 * few, f"{many / few:.1f}x the time per trim with 16x the holes"
+
+
 def _growth_seconds(policy: str, live: int, tries: int = 1000) -> float:
     """Seconds for `tries` requests that each take new device memory (the torch policy: a segment
     from cudaMalloc's simulated placement; expandable: a page mapped onto the range), with `live`
