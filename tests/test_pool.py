@@ -164,10 +164,11 @@ def test_a_trim_among_many_holes_walks_the_blocks_once():
     """The free blocks a trim looks at, found in their tree and sorted (the test above), cost more
     than a walk over the blocks when holes are many (a review, a helper: 27x the time per trim with
     16,000 holes among 16,000 live blocks as with 1,000, 3.5x before the tree): many holes, the
-    block list (2.6x)."""
+    block list (2.6-3.5x on a quiet machine, 5.2x with two busy loops beside it: hence a bound
+    of 12, half of what the tree took)."""
     few = min(_trims_seconds(1000, 16000) for _ in range(3))
     many = min(_trims_seconds(16000, 16000) for _ in range(3))
-    assert many < 8 * few, f"{many / few:.1f}x the time per trim with 16x the holes"
+    assert many < 12 * few, f"{many / few:.1f}x the time per trim with 16x the holes"
 
 
 def _growth_seconds(policy: str, live: int, tries: int = 1000) -> float:
