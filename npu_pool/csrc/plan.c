@@ -55,8 +55,6 @@ static int ulist_add(np_ulist *l, uint64_t lo, uint64_t hi) {
   memmove(l->v + i + k, l->v + j, (size_t)(l->n - j) * sizeof *l->v);
   memcpy(l->v + i, add, k * sizeof *add);
   l->n = n;
-  free(l->gmax); /* (the index is of the list before) */
-  l->gmax = NULL;
   return NP_OK;
 }
 
@@ -66,55 +64,62 @@ static uint64_t gap_before(const np_ulist *l, uint32_t i) {
   return l->v[2 * i] - l->v[2 * i - 1];
 }
 
-static void ulist_freeze(np_ulist *l) {
-  uint32_t m = l->n / 2, blocks = (m + NP_ULIST_BLOCK - 1) / NP_ULIST_BLOCK, leaf = 1;
-  if (l->gmax || m <= 2 * NP_ULIST_BLOCK) return;
+/* The first leaf of a frozen list's max tree: the power of two >= its blocks. */
+static uint32_t first_leaf(const np_ulist *l) {
+  uint32_t blocks = (l->n / 2 + NP_ULIST_BLOCK - 1) / NP_ULIST_BLOCK, leaf = 1;
   while (leaf < blocks) leaf <<= 1;
-  if (!(l->gmax = calloc(2 * (size_t)leaf, sizeof *l->gmax))) return;
-  l->gleaf = leaf;
-  for (uint32_t i = 1; i < m; i++) {
-    uint64_t *g = &l->gmax[leaf + i / NP_ULIST_BLOCK];
-    if (gap_before(l, i) > *g) *g = gap_before(l, i);
-  }
-  for (uint32_t v = leaf - 1; v > 0; v--) l->gmax[v] = np_max_u64(l->gmax[2 * v], l->gmax[2 * v + 1]);
+  return leaf;
 }
 
-/* The first block >= b of a frozen list with a gap of at least `size`; UINT32_MAX if none. Up from
- * b's leaf to the first subtree on its right that has one, then down to its first such leaf. */
-static uint32_t first_block(const np_ulist *l, uint32_t b, uint64_t size) {
-  uint32_t v = l->gleaf + b;
-  while (OCC_STEP(), l->gmax[v] < size) {
+/* The max tree of l's gaps (np_occ's gfull / gany); NULL for a short list, or without host memory
+ * for it (the list is then walked as before). */
+static uint64_t *ulist_freeze(const np_ulist *l) {
+  uint32_t m = l->n / 2, leaf = first_leaf(l);
+  if (m <= 2 * NP_ULIST_BLOCK) return NULL;
+  uint64_t *g = calloc(2 * (size_t)leaf, sizeof *g);
+  if (!g) return NULL;
+  for (uint32_t i = 1; i < m; i++) g[leaf + i / NP_ULIST_BLOCK] = np_max_u64(g[leaf + i / NP_ULIST_BLOCK], gap_before(l, i));
+  for (uint32_t v = leaf - 1; v > 0; v--) g[v] = np_max_u64(g[2 * v], g[2 * v + 1]);
+  return g;
+}
+
+/* The first block >= b of a frozen list (its tree g, leaves from `leaf`) with a gap of at least
+ * `size`; UINT32_MAX if none. Up from b's leaf to the first subtree on its right that has one,
+ * then down to its first such leaf. */
+static uint32_t first_block(const uint64_t *g, uint32_t leaf, uint32_t b, uint64_t size) {
+  uint32_t v = leaf + b;
+  while (OCC_STEP(), g[v] < size) {
     while (v & 1) v >>= 1; /* a right child: up */
     if (!v) return UINT32_MAX;
     v++;                    /* the subtree to its right */
   }
-  while (v < l->gleaf) v = (OCC_STEP(), l->gmax[2 * v] >= size) ? 2 * v : 2 * v + 1;
-  return v - l->gleaf;
+  while (v < leaf) v = (OCC_STEP(), g[2 * v] >= size) ? 2 * v : 2 * v + 1;
+  return v - leaf;
 }
 
 /* The first interval i' >= i whose gap before it is at least `size`; the number of intervals if
- * none. A frozen list looks at the gaps of i's block, then of the first block whose largest gap
- * fits (found in its max tree); another, at every gap. */
-static uint32_t first_gap(const np_ulist *l, uint32_t i, uint64_t size) {
-  uint32_t m = l->n / 2;
+ * none. With its tree g, the gaps of i's block, then of the first block whose largest gap fits;
+ * without, every gap. */
+static uint32_t first_gap(const np_ulist *l, const uint64_t *g, uint32_t i, uint64_t size) {
+  uint32_t m = l->n / 2, leaf = g ? first_leaf(l) : 0;
   for (;;) {
-    uint32_t stop = l->gmax ? (i / NP_ULIST_BLOCK + 1) * NP_ULIST_BLOCK : m;
+    uint32_t stop = g ? (i / NP_ULIST_BLOCK + 1) * NP_ULIST_BLOCK : m;
     for (; i < stop && i < m; i++)
       if (gap_before(l, i) >= size) return i;
     if (i >= m) return m;
-    uint32_t b = first_block(l, i / NP_ULIST_BLOCK, size);
+    uint32_t b = first_block(g, leaf, i / NP_ULIST_BLOCK, size);
     if (b == UINT32_MAX) return m;
     i = b * NP_ULIST_BLOCK;
   }
 }
 
-/* Smallest x >= off such that [x, x + size) misses every interval of l: off, or past the interval
- * in the way, the end of the first interval after which the gap fits `size` (the last one's when
- * none does). */
-static uint64_t ulist_fit(const np_ulist *l, uint64_t off, uint64_t size) {
+/* Smallest x >= off such that [x, x + size) misses every interval of l (g: its tree, or NULL):
+ * off, or past the interval in the way, the end of the first interval after which the gap fits
+ * `size` (the last one's when none does). */
+static uint64_t ulist_fit(const np_ulist *l, const uint64_t *g, uint64_t off, uint64_t size) {
   uint32_t j = upper_bound(l, off);
   if (j & 1) off = l->v[j++]; /* inside an interval: start at its end */
-  if (j < l->n && l->v[j] < off + size) off = l->v[2 * first_gap(l, j / 2 + 1, size) - 1];
+  if (j < l->n && l->v[j] < off + size) off = l->v[2 * first_gap(l, g, j / 2 + 1, size) - 1];
   return off;
 }
 
@@ -135,9 +140,19 @@ int np_occ_init(np_occ *o, uint32_t n_pos) {
   return NP_OK;
 }
 
+/* An add changes the lists: their trees go. */
+static void unfreeze(np_occ *o) {
+  if (!o->gfull && !o->gany) return; /* (the planner's placement kernel adds to an index never frozen) */
+  for (size_t i = 0; o->gfull && o->gany && i < 2 * (size_t)o->base; i++) free(o->gfull[i]), free(o->gany[i]);
+  free(o->gfull);
+  free(o->gany);
+  o->gfull = o->gany = NULL;
+}
+
 void np_occ_destroy(np_occ *o) {
-  for (size_t i = 0; o->full && i < 2 * (size_t)o->base; i++) free(o->full[i].v), free(o->full[i].gmax);
-  for (size_t i = 0; o->any && i < 2 * (size_t)o->base; i++) free(o->any[i].v), free(o->any[i].gmax);
+  unfreeze(o);
+  for (size_t i = 0; o->full && i < 2 * (size_t)o->base; i++) free(o->full[i].v);
+  for (size_t i = 0; o->any && i < 2 * (size_t)o->base; i++) free(o->any[i].v);
   free(o->full);
   free(o->any);
   memset(o, 0, sizeof *o);
@@ -179,6 +194,7 @@ static void span_nodes(const np_occ *o, const np_span *s, uint32_t *canon, int *
 int np_occ_add(np_occ *o, const np_span *s, uint64_t off, uint64_t size) {
   uint32_t canon[MAX_NODES], path[MAX_NODES];
   int nc, np;
+  unfreeze(o);
   span_nodes(o, s, canon, &nc, path, &np);
   for (int i = 0; i < nc; i++) {
     int rc = ulist_add(&o->full[canon[i]], off, off + size);
@@ -193,25 +209,33 @@ int np_occ_add(np_occ *o, const np_span *s, uint64_t off, uint64_t size) {
 }
 
 void np_occ_freeze(np_occ *o) {
+  if (o->gfull) return;
+  o->gfull = calloc(2 * (size_t)o->base, sizeof *o->gfull);
+  o->gany = calloc(2 * (size_t)o->base, sizeof *o->gany);
+  if (!o->gfull || !o->gany) { /* without host memory for them, the lists are walked as before */
+    unfreeze(o);
+    return;
+  }
   for (size_t i = 0; i < 2 * (size_t)o->base; i++) {
-    ulist_freeze(&o->full[i]);
-    ulist_freeze(&o->any[i]);
+    o->gfull[i] = ulist_freeze(&o->full[i]);
+    o->gany[i] = ulist_freeze(&o->any[i]);
   }
 }
 
 uint64_t np_occ_lowest(const np_occ *o, const np_span *s, uint64_t size, uint64_t from) {
   uint32_t canon[MAX_NODES], path[MAX_NODES];
   const np_ulist *lists[2 * MAX_NODES];
+  const uint64_t *trees[2 * MAX_NODES];
   int nc, np, k = 0;
   span_nodes(o, s, canon, &nc, path, &np);
   for (int i = 0; i < nc; i++)
-    if (o->any[canon[i]].n) lists[k++] = &o->any[canon[i]];
+    if (o->any[canon[i]].n) trees[k] = o->gany ? o->gany[canon[i]] : NULL, lists[k++] = &o->any[canon[i]];
   for (int i = 0; i < np; i++)
-    if (o->full[path[i]].n) lists[k++] = &o->full[path[i]];
+    if (o->full[path[i]].n) trees[k] = o->gfull ? o->gfull[path[i]] : NULL, lists[k++] = &o->full[path[i]];
   /* Cycle through the lists until all of them accept the same offset. */
   uint64_t off = from;
   for (int i = 0, ok = 0; ok < k; i = i + 1 < k ? i + 1 : 0) {
-    uint64_t next = ulist_fit(lists[i], off, size);
+    uint64_t next = ulist_fit(lists[i], trees[i], off, size);
     ok = next == off ? ok + 1 : 1;
     off = next;
   }

@@ -35,10 +35,6 @@ typedef struct np_span {
 typedef struct np_ulist {
   uint64_t *v;
   uint32_t n, cap;
-  uint64_t *gmax;  /* frozen lists (np_occ_freeze): a max tree (leaves from gleaf) whose leaf b is the largest
-                    * gap before one of intervals [b, b + 1) * NP_ULIST_BLOCK (v[2i] - v[2i-1], i >= 1);
-                    * NULL when not frozen, and again after an add */
-  uint32_t gleaf;
 } np_ulist;
 
 #ifndef NP_ULIST_BLOCK /* (tests/c/occ.c builds with small blocks, so that short lists take the tree's paths) */
@@ -49,6 +45,13 @@ typedef struct np_occ {
   uint32_t base;   /* leaves: a power of two >= positions */
   np_ulist *full;  /* 2 * base nodes, 1 = root */
   np_ulist *any;
+  /* Frozen (np_occ_freeze; NULL otherwise, and again after an add): per node, a max tree over the
+   * gaps of its list in full / any, or NULL for a short list. Leaves from the power of two >= the
+   * list's blocks of NP_ULIST_BLOCK intervals; leaf b is the largest gap before one of intervals
+   * [b, b + 1) * NP_ULIST_BLOCK (v[2i] - v[2i-1], i >= 1); node v the larger of 2v and 2v + 1.
+   * Apart from the lists, so that an index never frozen (the planner's) keeps 16 bytes a list. */
+  uint64_t **gfull;
+  uint64_t **gany;
 } np_occ;
 
 #define NP_OCC_MAX_POS (1u << 31) /* positions an index takes */

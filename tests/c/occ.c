@@ -5,8 +5,9 @@
  * Random rectangles (a span of positions, which may wrap, x an offset interval) go into two
  * indexes, one frozen once built; every query, the lowest offset >= from where `size` bytes are
  * free during a span, must be the same in both and equal to the answer of a walk over all the
- * rectangles. Then the cost: on a list of many intervals whose gaps are all too small, the frozen
- * index looks at a few gaps and tree nodes (np_occ_steps), the other at every gap. */
+ * rectangles (one more added halfway: the add drops the trees, the index is frozen again). Then
+ * the cost: on a list of many intervals whose gaps are all too small, the frozen index looks at a
+ * few gaps and tree nodes (np_occ_steps), the other at every gap. */
 #include <stdio.h>
 #include <stdlib.h>
 #include "plan.h"
@@ -62,6 +63,14 @@ static int check_random(void) {
     }
     np_occ_freeze(&frozen);
     for (int q = 0; q < 400; q++, queries++) {
+      if (q == 200 && n < RECTS) { /* an add after the freeze: its trees go, the answers stay right */
+        spans[n] = random_span(), sizes[n] = 512 * (1 + next() % 64), offs[n] = 512 * (next() % (64 * (uint64_t)n));
+        if (np_occ_add(&plain, &spans[n], offs[n], sizes[n]) != NP_OK ||
+            np_occ_add(&frozen, &spans[n], offs[n], sizes[n]) != NP_OK || frozen.gfull)
+          return 1;
+        n++;
+        np_occ_freeze(&frozen);
+      }
       np_span s = random_span();
       uint64_t size = 512 * (1 + next() % (next() % 2 ? 8 : 4096));
       uint64_t from = next() % 2 ? 0 : 512 * (next() % (64 * (uint64_t)n));
