@@ -753,8 +753,7 @@ static uint64_t releasable(const np_ctx *ctx, const np_arena *a) {
 void np_arena_fill_stats(np_ctx *ctx, np_arena *a, np_stats *st) {
   if (!a->seg) return;
   st->releasable += releasable(ctx, a);
-  np_block *m = np_tree_max(&a->holes);
-  uint64_t largest = m ? m->size : 0;
+  uint64_t largest = np_tree_max_size(&a->holes);
   if (a->counts_hwm) /* (the main arena's; a tag's is its own) */
     st->arena_hwm.current = (a->top ? a->top->addr : a->seg->addr + a->seg->size) - a->seg->addr;
   if (a->top) {

@@ -289,8 +289,7 @@ static int exp_empty_cache(np_ctx *ctx) { return release_cached(ctx); }
 static void exp_fill_stats(np_ctx *ctx, np_stats *st) {
   exp_state *es = state(ctx);
   for (int p = 0; p < 2; p++) {
-    np_block *m = np_tree_max(&es->pools[p]);
-    if (m && m->size > st->largest_free) st->largest_free = m->size;
+    st->largest_free = np_max_u64(st->largest_free, np_tree_max_size(&es->pools[p]));
   }
   for (np_segment *seg = ctx->segments; seg; seg = seg->next) { /* what release_cached unmaps: the */
     uint64_t page = page_size[seg->pool]; /* whole pages of every free block (each is cached) */

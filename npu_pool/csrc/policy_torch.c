@@ -200,8 +200,7 @@ static int torch_empty_cache(np_ctx *ctx) {
 
 static void torch_fill_stats(np_ctx *ctx, np_stats *st) {
   for (int p = 0; p < 2; p++) {
-    np_block *m = np_tree_max(&state(ctx)->pools[p]);
-    if (m && m->size > st->largest_free) st->largest_free = m->size;
+    st->largest_free = np_max_u64(st->largest_free, np_tree_max_size(&state(ctx)->pools[p]));
   }
   for (np_segment *s = ctx->segments; s; s = s->next) /* what release_cached frees */
     if (is_whole_segment(s->head) && !s->head->allocated) st->releasable += s->size;

@@ -180,16 +180,29 @@ np_block *np_tree_next(const np_tree *t, const np_block *b) {
   return best;
 }
 
-static np_block *max_node(np_block *n) {
-  if (!n) return NULL;
-  np_block *best = n, *l = max_node(n->left), *r = max_node(n->right);
-  if (l && l->size > best->size) best = l;
-  if (r && r->size > best->size) best = r;
+/* The last block of stream s or a lower one in key order: the largest of stream s, when it has one. */
+static const np_block *last_upto(const np_tree *t, intptr_t s) {
+  const np_block *best = NULL;
+  for (const np_block *n = t->root; n;) {
+    if (n->stream <= s) best = n, n = n->right;
+    else n = n->left;
+  }
   return best;
 }
 
-/* Keys order by stream first, so the largest block needs a full walk; stats-time only. */
-np_block *np_tree_max(const np_tree *t) { return max_node(t->root); }
+/* Keys order by stream first: the largest of each stream's blocks, its last, one descent per
+ * stream (O(streams log n)); an address-ordered tree's root knows it. */
+uint64_t np_tree_max_size(const np_tree *t) {
+  if (t->by_addr) return sub_of(t->root);
+  uint64_t best = 0;
+  for (const np_block *b = np_tree_lower_bound(t, INTPTR_MIN, 0); b;) {
+    uint64_t size = last_upto(t, b->stream)->size;
+    if (size > best) best = size;
+    if (b->stream == INTPTR_MAX) break;
+    b = np_tree_lower_bound(t, b->stream + 1, 0); /* the next stream's first */
+  }
+  return best;
+}
 
 static bool check(const np_tree *t, const np_block *n, const np_block *lo, const np_block *hi, size_t *count,
                   uint64_t *bytes) {

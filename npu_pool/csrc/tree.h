@@ -39,8 +39,8 @@ void np_tree_resized(np_tree *t, np_block *b, uint64_t old_size);
 np_block *np_tree_lowest_fit(const np_tree *t, uint64_t size);
 /* The block after b in key order, or NULL. */
 np_block *np_tree_next(const np_tree *t, const np_block *b);
-/* Largest block of any stream, or NULL. */
-np_block *np_tree_max(const np_tree *t);
+/* The size of the largest block of any stream, 0 if none. */
+uint64_t np_tree_max_size(const np_tree *t);
 /* Verify order, heap and count invariants; returns false on violation. */
 bool np_tree_check(const np_tree *t);
 
