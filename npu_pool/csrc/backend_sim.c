@@ -217,14 +217,8 @@ static int add_range(sim_table *s, uintptr_t addr, uint64_t size) {
   sim_range *r = malloc(sizeof *r);
   if (!r) return np_error(NP_ERR_HOST, "sim: host out of memory for range table");
   sim_range *prev, *next = seek(s, addr, &prev);
-  /* xorshift64*, as tree.c: cheap, deterministic per table */
-  uint64_t x = s->rng ? s->rng : 0x9E3779B97F4A7C15ull;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  s->rng = x;
   *r = (sim_range){.addr = addr, .size = size, .prev = prev, .next = next, .seq = ++s->seq,
-                   .prio = (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32)};
+                   .prio = np_next_prio(&s->rng)};
   if (prev) prev->next = r;
   if (next) next->prev = r;
   set_rooms(s, r);

@@ -21,6 +21,17 @@ static inline uint64_t np_round_down(uint64_t x, uint64_t to) { return x / to * 
 static inline uint64_t np_min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static inline uint64_t np_max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
+/* A treap priority from the generator state *rng (0: not yet seeded): xorshift64*, cheap and
+ * deterministic per tree (tree.c's, the simulated device's range table). */
+static inline uint32_t np_next_prio(uint64_t *rng) {
+  uint64_t x = *rng ? *rng : 0x9E3779B97F4A7C15ull;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  *rng = x;
+  return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
 /* Statistics counter: current value, high-water mark, and the sums of its changes. */
 static inline void np_counter_add(np_counter *c, uint64_t v) {
   c->current += v;

@@ -9,16 +9,6 @@ static int key_cmp(const np_tree *t, const np_block *a, const np_block *b) {
   return 0;
 }
 
-static uint32_t next_prio(np_tree *t) {
-  /* xorshift64*: cheap, deterministic per tree */
-  uint64_t x = t->rng ? t->rng : 0x9E3779B97F4A7C15ull;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  t->rng = x;
-  return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
 /* -- address-ordered trees: each node's sub is the largest size in its subtree ------------- */
 
 static uint64_t sub_of(const np_block *n) { return n ? n->sub : 0; }
@@ -48,7 +38,7 @@ static void fix_path(np_block *n, uintptr_t addr) {
  * together by priority. Both keep BST order on keys and heap order on prio. */
 void np_tree_insert(np_tree *t, np_block *b) {
   NP_ASSERT(!b->in_tree);
-  b->prio = next_prio(t);
+  b->prio = np_next_prio(&t->rng);
   np_block **link = &t->root;
   while (*link && (*link)->prio >= b->prio) {
     if (t->by_addr && (*link)->sub < b->size) (*link)->sub = b->size; /* an ancestor: b joins its subtree */
