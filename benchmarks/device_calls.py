@@ -4,7 +4,7 @@
                                       [--costs FILE] [--baseline CHECKOUT [--baseline-name TEXT]]...
                                       [--no-capture]
 
-Per trace and policy (torch, expandable, npu_pool, planned): the device calls by kind given room
+Per trace and policy (torch, expandable, npu_pool, npu_pool with compaction, planned): the device calls by kind given room
 to spare, at the minimum capacity and on the device the torch model just fits (its minimum
 capacity: a full device, as training runs), the estimated device time (npu_pool/device_costs.py), the
 physical allocations (segments or chunks) against the torch model's, the calls in iterations
@@ -31,7 +31,11 @@ from fragmentation import collect, snapshots  # noqa: E402  (the same traces as 
 from npu_pool.device_costs import estimate_us, load_costs, physical_calls  # noqa: E402
 from npu_pool.replay import evaluate, iteration_bounds, run, steady_calls, steady_stretches  # noqa: E402
 
-POLICIES = ["torch", "expandable", "npu_pool", "planned"]
+POLICIES = ["torch", "expandable", "npu_pool", "planned"]  # (the baselines' too)
+# The page's columns: a policy, and the pool's options (compacting: npu_pool with compaction, docs/api.md)
+COLUMNS = {"torch": ("torch", {}), "expandable": ("expandable", {}), "npu_pool": ("npu_pool", {}),
+           "compacting": ("npu_pool", {"compact": True}), "planned": ("planned", {})}
+COPY_GBPS = 20.0  # host copies, each way: an assumption (PCIe 4.0 x16 moves about 25 GB/s at best), as the call costs
 MEASURED = ROOT / "benchmarks" / "results" / "h100-2026-11-25" / "costs.json"  # a GPU's measured costs
 MiB = float(1 << 20)
 
@@ -91,19 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     torch_of = {}  # name -> the torch model's PolicyResult (POLICIES' first: each trace's device is its min capacity)
     full: dict[tuple[str, str], dict[str, int]] = {}  # calls on the device the torch model just fits
     full_steady: dict[tuple[str, str], tuple[int, int] | None] = {}  # ... in its iterations after the first, steady ones
+    moved: dict[str, tuple[dict, dict | None]] = {}  # compacting: stats at the minimum capacity, on the full device
     for name, trace in named:
         plan = make_plan(trace)
         bounds = iteration_bounds(trace)
-        for policy in POLICIES:
-            kw = {"plan": plan} if policy == "planned" else {}
-            rows.append((name, policy, evaluate(trace, name, policy, bounds=bounds, **kw)))
+        for column, (policy, options) in COLUMNS.items():
+            kw = {"plan": plan, **options} if policy == "planned" else dict(options)
+            rows.append((name, column, evaluate(trace, name, policy, bounds=bounds, **kw)))
             if policy == "torch":
                 torch_of[name] = rows[-1][2]
             device = torch_of[name].min_capacity_bytes
             at = run(trace, policy, device, bounds=bounds or None, **kw)
-            full[name, policy] = at.calls if at.ok else None
-            full_steady[name, policy] = (sum(sum(d.values()) for d in at.iteration_calls[2:]),
+            full[name, column] = at.calls if at.ok else None
+            full_steady[name, column] = (sum(sum(d.values()) for d in at.iteration_calls[2:]),
                                          steady_calls(at.iteration_calls, at.iteration_peaks)) if at.ok and bounds else None
+            if options.get("compact"):
+                at_min = run(trace, policy, rows[-1][2].min_capacity_bytes, **kw)  # (evaluate keeps calls only)
+                moved[name] = (at_min.stats, at.stats if at.ok else None)
     if len(args.baseline_name) > len(args.baseline):
         ap.error("--baseline-name names a --baseline: give as many baselines")
     names = args.baseline_name + args.baseline[len(args.baseline_name):]
@@ -129,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
            "(the set-up included; iteration bounds: iteration markers, else the optimizer's, else the",
            "planner's loop body, the last iteration up to the trace's last iteration-end marker; - when",
            "none repeat or none is steady);",
-           "waste: minimum capacity - peak live.", "",
+           "waste: minimum capacity - peak live; compacting: npu_pool with compaction (off by default:",
+           "docs/api.md, Compaction; its copies are in the section Compaction).", "",
            "| trace | policy | physical | map+unmap | est ms | steady | @min cap: physical | map+unmap | est ms | waste (MiB) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, policy, r in rows:
@@ -148,71 +157,90 @@ def main(argv: list[str] | None = None) -> int:
             f"run); it is no more than the device on {fits} of {len(named)} traces, so there npu_pool's calls",
             "on this device come from its rules under cap pressure, which start at half of the cap whatever",
             "room is left (Known limits), not from memory it lacks.", "",
-            "| trace | device (GiB) | npu_pool given room (GiB) | " + " | ".join(POLICIES) + " |",
-            "|---|---:|---:|" + "---:|" * len(POLICIES)]
+            "| trace | device (GiB) | npu_pool given room (GiB) | " + " | ".join(COLUMNS) + " |",
+            "|---|---:|---:|" + "---:|" * len(COLUMNS)]
     for name, _ in named:
         device = torch_of[name].min_capacity_bytes
         cells = [f"{physical_calls(full[name, p])} ({estimate_us(full[name, p], costs) / 1e3:.0f})" if full[name, p]
-                 else "fails" for p in POLICIES]
+                 else "fails" for p in COLUMNS]
         out.append(f"| {name} | {device / (1 << 30):.3f} | {room_peak[name] / (1 << 30):.3f} | " + " | ".join(cells) + " |")
-    repeat = [name for name, _ in named if any(full_steady[name, p] is not None for p in POLICIES)]
+    repeat = [name for name, _ in named if any(full_steady[name, p] is not None for p in COLUMNS)]
     out += ["", "Steady iterations there: the calls of every kind in the iterations after the first, then in the",
             "steady ones among them (as the steady column of the first table), on the traces whose iterations",
             "repeat; first steady: the first steady iteration (1 is the first iteration; - none).", "",
-            "| trace | first steady | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
+            "| trace | first steady | " + " | ".join(COLUMNS) + " |", "|---|---:|" + "---:|" * len(COLUMNS)]
     for name in repeat:
         marks = steady_stretches(torch_of[name].iteration_peak_live or [])
         first = next((k for k, s in enumerate(marks) if s), None)
         out.append(f"| {name} | {'-' if first is None else first} | " +
                    " | ".join("fails" if full_steady[name, p] is None else
                               "%d / %s" % (full_steady[name, p][0], "-" if full_steady[name, p][1] is None
-                                           else full_steady[name, p][1]) for p in POLICIES) + " |")
+                                           else full_steady[name, p][1]) for p in COLUMNS) + " |")
     out += ["", "## Calls by kind (room to spare)", ""]
     for name, policy, r in rows:
         out.append(f"- {name}, {policy}: {_kinds(r.calls)}")
     out += ["", "## Bounds", ""]
-    for at_min in (False, True):
-        ok = bad = 0
-        for name, policy, r in rows:
-            if policy != "npu_pool":
-                continue
-            t = torch_of[name]
-            a, b = (r.calls_at_min_capacity, t.calls_at_min_capacity) if at_min else (r.calls, t.calls)
-            ok += physical_calls(a) <= physical_calls(b)
-            bad += physical_calls(a) > physical_calls(b)
-        where = "at the minimum capacity" if at_min else "given room to spare"
-        out.append(f"- npu_pool's chunks created + released <= the torch model's mallocs + frees {where}: "
-                   f"{ok} of {ok + bad} traces")
-    ok = sum(1 for name, _ in named if full[name, "npu_pool"] and full[name, "torch"] and
-             physical_calls(full[name, "npu_pool"]) <= physical_calls(full[name, "torch"]))
-    out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
-    rep = [r for _, policy, r in rows if policy == "npu_pool" and r.steady_calls is not None]
-    at_full = [full_steady[name, "npu_pool"][1] for name in repeat
-               if full_steady[name, "npu_pool"] and full_steady[name, "npu_pool"][1] is not None]
-    out.append(f"- npu_pool makes no device call in steady iterations given room to spare: "
-               f"{sum(r.steady_calls == 0 for r in rep)} of the {len(rep)} traces with steady iterations; "
-               f"on the device the torch model just fits: {sum(c == 0 for c in at_full)} of {len(at_full)}")
+    for column, who in (("npu_pool", "npu_pool"), ("compacting", "npu_pool with compaction")):
+        out.append(f"{who}:")
+        for at_min in (False, True):
+            ok = bad = 0
+            for name, policy, r in rows:
+                if policy != column:
+                    continue
+                t = torch_of[name]
+                a, b = (r.calls_at_min_capacity, t.calls_at_min_capacity) if at_min else (r.calls, t.calls)
+                ok += physical_calls(a) <= physical_calls(b)
+                bad += physical_calls(a) > physical_calls(b)
+            where = "at the minimum capacity" if at_min else "given room to spare"
+            out.append(f"- chunks created + released <= the torch model's mallocs + frees {where}: "
+                       f"{ok} of {ok + bad} traces")
+        ok = sum(1 for name, _ in named if full[name, column] and full[name, "torch"] and
+                 physical_calls(full[name, column]) <= physical_calls(full[name, "torch"]))
+        out.append(f"- the same on the device the torch model just fits: {ok} of {len(named)} traces")
+        rep = [r for _, policy, r in rows if policy == column and r.steady_calls is not None]
+        at_full = [full_steady[name, column][1] for name in repeat
+                   if full_steady[name, column] and full_steady[name, column][1] is not None]
+        out += [f"- no device call in steady iterations given room to spare: "
+                f"{sum(r.steady_calls == 0 for r in rep)} of the {len(rep)} traces with steady iterations; "
+                f"on the device the torch model just fits: {sum(c == 0 for c in at_full)} of {len(at_full)}", ""]
+    out += ["## Compaction", "",
+            "The compacting column's copies (docs/api.md, Compaction): chunks replaced and the live bytes moved",
+            "through host memory, at its minimum capacity and on the device the torch model just fits; est ms:",
+            f"the copies' time at {COPY_GBPS:g} GB/s each way (an assumption, as the call costs), which the",
+            "est ms of the tables above leave out.", "",
+            "| trace | @min cap: compactions | MiB moved | est ms | full device: compactions | MiB moved | est ms |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, _ in named:
+        cells = []
+        for st in moved[name]:
+            cells += ["fails"] * 3 if st is None else \
+                [str(st["compactions"]), f"{st['compacted'] / MiB:.0f}", f"{2 * st['compacted'] / COPY_GBPS / 1e6:.1f}"]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
     out += ["", "## Minimum-capacity waste (MiB)", ""]
-    tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r in rows if q == p) for p in POLICIES}
-    calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r in rows if q == p) for p in POLICIES}
+    tot = {p: sum(r.min_capacity_bytes - r.peak_live_bytes for _, q, r in rows if q == p) for p in COLUMNS}
+    calls = {p: sum(physical_calls(r.calls_at_min_capacity) for _, q, r in rows if q == p) for p in COLUMNS}
     if before:
         out += ["Each version measured by its own code on the same traces (baselines: built checkouts, " +
                 ", ".join(f"`{c}`" for _, c, _ in before) + ", each made by `git worktree add DIR COMMIT && cd DIR && "
                 "python setup.py -q build_ext --inplace`); physical: the calls at the minimum capacity,",
                 "summed over the traces (- where a version does not count them); / first: the waste over the",
-                "first version's.", "", "| policy | version | waste | / first | physical |", "|---|---|---:|---:|---:|"]
-        for p in POLICIES:
-            versions = [(n, sum(v[0] for k, v in d.items() if k.endswith("|" + p)),
-                         [v[1] for k, v in d.items() if k.endswith("|" + p)]) for n, _, d in before]
-            versions.append(("this checkout", tot[p], [calls[p]]))
+                "first version's (compacting: over npu_pool's first version's, the waste #19 bounds).", "",
+                "| policy | version | waste | / first | physical |", "|---|---|---:|---:|---:|"]
+        for p in COLUMNS:
+            base = COLUMNS[p][0]  # (compacting: npu_pool's versions)
+            versions = [(n, sum(v[0] for k, v in d.items() if k.endswith("|" + base)),
+                         [v[1] for k, v in d.items() if k.endswith("|" + base)]) for n, _, d in before]
             first = versions[0][1]
+            if p not in POLICIES:  # (no baseline compacts: its row is this checkout's only)
+                versions = []
+            versions.append(("this checkout", tot[p], [calls[p]]))
             for n, w, cs in versions:
                 phys = sum(cs) if cs and None not in cs else "-"
                 out.append(f"| {p} | {n} | {w / MiB:.1f} | {w / first:.2f} | {phys} |" if first else
                            f"| {p} | {n} | {w / MiB:.1f} | - | {phys} |")
     else:
         out += ["| policy | waste | physical calls |", "|---|---:|---:|"] + \
-            [f"| {p} | {tot[p] / MiB:.1f} | {calls[p]} |" for p in POLICIES]
+            [f"| {p} | {tot[p] / MiB:.1f} | {calls[p]} |" for p in COLUMNS]
     out += ["", "## Per-call costs (microseconds) and their sources", ""]
     if MEASURED.is_file():
         m = {k: us for k, (us, _) in load_costs(str(MEASURED)).items()}
@@ -280,7 +308,29 @@ NOTES = """
   synchronise, reserve, release, and a pause or resume, once) look it up. A forked child looks it
   up again; `np_forget_device()` forgets it.
 
-## Known limits
+## Compaction: the bounds for a pool that may move live bytes (2026-11-28)
+
+- What keeps a chunk mapped is a live block in it: a chunk is mapped and returned whole, so the
+  rules below (exact growths past half the cap, carves that avoid pinning a free chunk) keep
+  blocks of different lives out of shared chunks, at the price of a chunk per growth there.
+  Compaction (the compacting rows and columns; `Pool.set_compaction`, docs/api.md) frees what a
+  live block pins instead, when a request needs it: a request that finds no room even after the
+  device was synchronised and every wholly free chunk returned has the chunks holding live
+  blocks and free pages replaced by chunks over their live pages, the live bytes copied through
+  host memory at the same addresses. Growths then stay coarse up to the cap. The tables above
+  show what that does to both bounds and to the waste #19 allows (the section Bounds, the
+  waste table's compacting row against npu_pool's first version), and the section Compaction
+  what it copies: nothing on most traces on the device the torch model just fits, a run's worth
+  at the minimum capacity. It is off by default: the bytes move while the device is idle, which
+  the pool can make sure of for the work already queued (a synchronisation; torch_npu's task
+  queue drained first) but not for work another thread queues meanwhile, so it is for programs
+  where one thread at a time drives the device (a training loop and its autograd thread), and
+  the pool cannot tell. What is still over the bounds with it: at its minimum capacity the
+  calls of the trims that move free chunks where a request needs them (cs336-medium-ctx1024-infer,
+  h100-gpt-bf16-train, cs336-forward-fp32), and on a full device the same trims in the steady
+  iterations of three traces.
+
+## Known limits (without compaction)
 
 - Past half of the cap growths are exact, so on a full device (the table "On a full device") and
   at the minimum capacity the arena makes more physical calls than the torch model on most

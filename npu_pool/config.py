@@ -5,6 +5,7 @@ installs it as torch imports, in every process (``import mindspeed_patch`` does 
 ``NPU_POOL_FRACTION`` (a number in (0, 1]) caps the memory it may reserve;
 ``NPU_POOL_POLICY`` (torch, npu_pool, expandable, planned) picks the placement policy;
 ``NPU_POOL_PLAN`` names the plan file the ``planned`` policy serves (``npu-pool plan``);
+``NPU_POOL_COMPACT`` (0/1) turns compaction on (``Pool.set_compaction``: policies npu_pool and planned);
 ``NPU_POOL_CONFIG`` names a YAML file with the same keys in lower case. A variable set
 in the environment overrides the file. Any bad value raises :class:`ConfigError`
 naming the variable and the accepted values.
@@ -36,14 +37,15 @@ FRACTION = "NPU_POOL_FRACTION"
 POLICY = "NPU_POOL_POLICY"
 PLAN = "NPU_POOL_PLAN"
 CONFIG_FILE = "NPU_POOL_CONFIG"
+COMPACT = "NPU_POOL_COMPACT"
 POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  # the keys of npu_pool.pool.POLICIES
-_KEYS = (ENABLE, FRACTION, POLICY, PLAN)
+_KEYS = (ENABLE, FRACTION, POLICY, PLAN, COMPACT)
 # Every NPU_POOL_* variable something reads: these settings, the ones read where they apply
 # (cpp_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the
 # repository's own tooling (./run, .ci/run, the tests and benchmarks/cuda_call_costs.py); any other
 # is a typo to point out.
-KNOWN_VARIABLES = (FRACTION, POLICY, PLAN, CONFIG_FILE, "NPU_POOL_CACHE", "NPU_POOL_OOM_SNAPSHOT", "NPU_POOL_LOG_EVERY",
-                   "NPU_POOL_REPORT_DIR", "NPU_POOL_DEBUG", "NPU_POOL_CI_VENV", "NPU_POOL_TORCH_NPU_PYTHON",
+KNOWN_VARIABLES = (FRACTION, POLICY, PLAN, COMPACT, CONFIG_FILE, "NPU_POOL_CACHE", "NPU_POOL_OOM_SNAPSHOT",
+                   "NPU_POOL_LOG_EVERY", "NPU_POOL_REPORT_DIR", "NPU_POOL_DEBUG", "NPU_POOL_CI_VENV", "NPU_POOL_TORCH_NPU_PYTHON",
                    "NPU_POOL_SHARED", "NPU_POOL_CUDART")
 
 
@@ -199,6 +201,7 @@ class Config:
     policy: str = "npu_pool"
     plan: Optional[str] = None  # plan file for the planned policy
     plan_source: str = PLAN  # where the plan was named: the variable, or the key in the YAML file
+    compact: bool = False  # compaction at an out-of-memory (Pool.set_compaction)
 
 
 _BLANK = " \t\n\r\f\v"  # ASCII white space, what a shell or a YAML file leaves around a value
@@ -286,7 +289,8 @@ def parse_output_dir(value: str, source: str, *, unwritable_warns: bool = False)
     return value
 
 
-_PARSERS = {ENABLE: parse_enabled, FRACTION: parse_fraction, POLICY: parse_policy, PLAN: parse_plan}
+_PARSERS = {ENABLE: parse_enabled, FRACTION: parse_fraction, POLICY: parse_policy, PLAN: parse_plan,
+            COMPACT: parse_enabled}
 
 
 def _read_file(path: str) -> dict[str, tuple[Any, str]]:
@@ -345,7 +349,10 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     values = {key: _PARSERS[key](value, source) for key, (value, source) in raw.items()}
     cfg = Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
                  policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN),
-                 plan_source=raw[PLAN][1] if PLAN in raw else PLAN)
+                 plan_source=raw[PLAN][1] if PLAN in raw else PLAN, compact=values.get(COMPACT, False))
     if cfg.policy == "planned" and not cfg.plan:
         raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
+    if cfg.compact and cfg.policy not in ("npu_pool", "planned"):
+        src = raw[COMPACT][1]
+        raise ConfigError(f"{src}=1 applies to the npu_pool and planned policies, but the policy is {cfg.policy}")
     return cfg

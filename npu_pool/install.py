@@ -27,8 +27,8 @@ from ._core import ffi, lib
 from .pool import (BACKENDS, PLAN_COUNTS, POLICIES, Pool, PoolError, PoolView, UnknownPointerError, _check, _fraction,
                    _invalid, _flag, _lib_path, _tag, _uint)
 
-__all__ = ["install", "installed", "current_pool", "set_fraction", "InstallError", "DeviceUnavailableError",
-           "TooLateError", "last_error", "core_path"]
+__all__ = ["install", "installed", "current_pool", "set_fraction", "set_compaction", "InstallError",
+           "DeviceUnavailableError", "TooLateError", "last_error", "core_path"]
 
 # (setter on torch's allocator object, C entry point). Checked against torch 2.13's
 # torch/csrc/cuda/CUDAPluggableAllocator.h and torch_npu 2.13's NPUPluggableAllocator.h:
@@ -145,6 +145,10 @@ class _DevicePool(Pool):
         """Cap this device at ``fraction`` of its memory (applied when its context exists)."""
         _check(lib.npu_pool_set_fraction(self.device, _fraction(fraction)))
 
+    def set_compaction(self, on: bool) -> None:
+        """Compaction on this device (:meth:`Pool.set_compaction`; applied when its context exists)."""
+        _check(lib.npu_pool_set_compaction(self.device, _flag(on, "compaction")))
+
     # A device that served nothing has no context, and nothing to show: reading it makes none (on a
     # device, a context on every device of every rank).
     def blocks(self) -> list[dict[str, Any]]:
@@ -239,6 +243,11 @@ def current_pool(start: bool = True) -> Optional[Pool]:
 def set_fraction(fraction: float, device: Optional[int] = None) -> None:
     """Cap the installed device allocator at ``fraction`` of the device's memory (every device,
     or ``device``)."""
+    _set_fractions(_chosen(device, "Pool.set_fraction()"), fraction)
+
+
+def _chosen(device: Optional[int], instead: str) -> list[Any]:
+    """The installed device pools a setter applies to: every one, or ``device``'s."""
     if device is not None:
         try:
             device = operator.index(device) if not isinstance(device, bool) else None
@@ -249,11 +258,19 @@ def set_fraction(fraction: float, device: Optional[int] = None) -> None:
     pools = installed()
     if not pools:
         raise PoolError(lib.NP_ERR_STATE, "no npu_pool allocator is installed: call npu_pool.install() first, "
-                        "or use Pool.set_fraction() on a pool you created")
-    chosen = pools.values() if device is None else [pools[device]] if device in pools else []
+                        f"or use {instead} on a pool you created")
+    chosen = list(pools.values()) if device is None else [pools[device]] if device in pools else []
     if not chosen:
         raise _invalid(f"no npu_pool allocator installed on device {device}; installed: {sorted(pools)}")
-    _set_fractions(chosen, fraction)
+    return chosen
+
+
+def set_compaction(on: bool, device: Optional[int] = None) -> None:
+    """Compaction at an out-of-memory for the installed allocator (every device, or ``device``):
+    see :meth:`Pool.set_compaction`, and ``NPU_POOL_COMPACT`` to set it at install."""
+    pools = _chosen(device, "Pool.set_compaction()")
+    for p in pools:
+        p.set_compaction(on)
 
 
 def _set_fractions(pools: Any, fraction: float) -> None:
@@ -480,6 +497,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         undo = f"unset {src}" if src == config.PLAN else f"remove {src}"
         raise config.ConfigError(f"{src} names the plan {settings.plan!r}, which only the planned policy serves, but "
                                  f"the policy is {policy}: set {config.POLICY}=planned, or {undo}")
+    if settings.compact and policy not in ("npu_pool", "planned"):  # (the policy given here, not the setting's)
+        raise config.ConfigError(f"{config.COMPACT}=1 applies to the npu_pool and planned policies, but the policy "
+                                 f"is {policy}")
     snapshots = oom.snapshot_setting()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
     if snapshots is not None:  # (torch_npu's own switch names an optional folder: a warning only)
         config.parse_output_dir(*snapshots, unwritable_warns=snapshots[1] == oom.PATH)
@@ -518,7 +538,7 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
             raise _too_late(kind)
         # (taken before _prepare routes torch's memory APIs: a later swap is refused, torch_memory.route)
         change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
-        inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path)
+        inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path, settings.compact)
         inst.lib_path = lib_path
         try:  # the swap comes last: every failure before it left torch untouched
             change(inst.allocator)
@@ -559,10 +579,11 @@ def _already(current: _Installation) -> InstallError:
 
 
 def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional[float], plan: Any,
-             lib_path: Optional[str]) -> _Installation:
+             lib_path: Optional[str], compact: bool = False) -> _Installation:
     """Everything install() does but the swap: the core's device table configured, torch's
-    allocator object built with its hooks, the plan installed on every device, torch's memory
-    APIs routed. On any failure all of it is undone and the error raised (torch untouched)."""
+    allocator object built with its hooks, the plan installed on every device, compaction asked
+    for, torch's memory APIs routed. On any failure all of it is undone and the error raised
+    (torch untouched)."""
     backend = _BACKEND_OF[kind]
     path = lib_path if lib_path is not None else _default_lib_path(kind)
     rc = lib.npu_pool_configure(POLICIES[policy], BACKENDS[backend], fraction or 1.0, 1,
@@ -580,6 +601,8 @@ def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional
             from .planner.runtime import install as install_plan
 
             inst.plan_used = [install_plan(p, plan) for p in inst.pools.values()]
+        if compact:
+            _check(lib.npu_pool_set_compaction(-1, 1))
         lib.npu_pool_set_oom_handler(lib._npu_pool_on_oom)
         if oom.snapshot_dir():  # OOM snapshots asked for: keep the run's history, as torch_npu would
             lib.npu_pool_set_history(-1, oom.HISTORY_WHEN_ENABLED)

@@ -220,12 +220,13 @@ class Pool:
     memory grow in chunks mapped as needed where the backend can map memory. ``rules``: whose request rules
     apply -- ``"npu"`` (torch_npu's: every request rounds up to 32 bytes and gets 32 more),
     ``"cuda"`` (none) or ``"auto"`` (the backend's own: ACL pads where torch_npu does).
+    ``compact``: :meth:`set_compaction` from the start.
     """
 
     def __init__(self, policy: str = "npu_pool", capacity: int = 64 * GiB, backend: str = "sim", *,
                  host_backed: bool = False, vmm: bool = True, fraction: float = 1.0,
                  max_split_size: Optional[int] = None, device: int = 0, lib_path: Optional[str] = None,
-                 rules: str = "auto"):
+                 rules: str = "auto", compact: bool = False):
         self._ctx = None
         cfg = ffi.new("np_config *")
         lib.np_config_init(cfg)
@@ -251,12 +252,19 @@ class Pool:
         cfg.lib_path = path
         cfg.device_rules = _lookup(DEVICE_RULES, rules, "device rules")
         out = ffi.new("np_ctx **")
+        compact = _flag(compact, "compact")
         _check(lib.np_create(cfg, out))
         self._ctx = out[0]
         self.policy = policy
         self.backend = backend
         self.device = device
         self._rules = rules
+        if compact:
+            try:
+                self.set_compaction(True)
+            except PoolError:
+                self.close()
+                raise
 
     @property
     def device_rules(self) -> str:
@@ -359,6 +367,12 @@ class Pool:
     def set_fraction(self, fraction: float) -> None:
         """Cap reserved bytes at ``fraction`` x device memory (0 < fraction <= 1)."""
         _check(lib.np_set_fraction(self.ctx, _fraction(fraction)))
+
+    def set_compaction(self, on: bool) -> None:
+        """Compact at an out-of-memory (off by default; docs/api.md): a chunk that holds live blocks
+        and free pages is replaced by chunks over its live pages, their bytes copied through host
+        memory, before the request fails. Safe only where one thread at a time queues device work."""
+        _check(lib.np_set_compaction(self.ctx, _flag(on, "compaction")))
 
     # -- hints ----------------------------------------------------------------------------
     def set_phase(self, phase: int, default_lifetime: str = "auto") -> None:

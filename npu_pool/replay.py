@@ -309,28 +309,29 @@ def _as_plan(plan: Any) -> Any:
 
 def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int | None = None,
                  hi: int | None = None, no_retries: bool = False, plan: Any = None,
-                 device: str | None = None) -> tuple[int, RunResult]:
+                 device: str | None = None, compact: bool = False) -> tuple[int, RunResult]:
     """Smallest device size (multiple of CAPACITY_STEP) on which the trace completes, by bisection
     (one step less fails; a still smaller size may complete: allocators are not monotonic), and that run.
 
-    With ``no_retries`` the run must also need no release-and-retry event."""
+    With ``no_retries`` the run must also need no release-and-retry event; ``compact``: pools that
+    compact (:meth:`Pool.set_compaction`)."""
     plan = _as_plan(plan)
     lo = live_profile(trace).peak_bytes if lo is None else lo
     if hi is None:
-        hi = run(trace, policy, hints=hints, plan=plan, device=device).peak_reserved_bytes
+        hi = run(trace, policy, hints=hints, plan=plan, device=device, compact=compact).peak_reserved_bytes
 
     def fits(r: RunResult) -> bool:
         return r.ok and (r.retries == 0 or not no_retries)
 
     step = CAPACITY_STEP
     k_lo, k_hi = max(1, -(-lo // step)), max(1, -(-hi // step))
-    best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device)
+    best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device, compact=compact)
     while not fits(best):  # a capped device may behave differently from the unlimited one
         k_lo, k_hi = k_hi + 1, k_hi * 2
-        best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device)
+        best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device, compact=compact)
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
-        r = run(trace, policy, mid * step, hints=hints, plan=plan, device=device)
+        r = run(trace, policy, mid * step, hints=hints, plan=plan, device=device, compact=compact)
         if fits(r):
             k_hi, best = mid, r
         else:
@@ -363,22 +364,24 @@ def past_the_device(asked: Trace, name: str) -> TraceTooLarge | None:
 
 
 def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", with_min_capacity: bool = True,
-             plan: Any = None, device: str | None = None, bounds: list[int] | None = None) -> PolicyResult:
+             plan: Any = None, device: str | None = None, bounds: list[int] | None = None,
+             compact: bool = False) -> PolicyResult:
     """All figures of one trace under one policy (``plan``: for the ``"planned"`` policy;
     ``device``: whose request rules apply, default the trace's own); with ``bounds`` (the trace's
     :func:`iteration_bounds`, found once for all its policies: finding them can take far longer
-    than a replay), the calls per iteration too, up to MAX_ITERATIONS iterations."""
+    than a replay), the calls per iteration too, up to MAX_ITERATIONS iterations; ``compact``: a pool that
+    compacts (:meth:`Pool.set_compaction`)."""
     plan = _as_plan(plan)
     if bounds and len(bounds) > MAX_ITERATIONS:  # (a file of markers would cost a table of calls per marker)
         bounds = None
     free_run = run(trace, policy, hints=hints, plan=plan, device=device, name=name,  # a wrong plan: named by file
-                   bounds=bounds or None)
+                   bounds=bounds or None, compact=compact)
     if not free_run.ok:
         raise too_large(trace, name, policy, free_run)
     cap = retries = trims = cap_calls = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
-                                   hi=free_run.peak_reserved_bytes, plan=plan, device=device)
+                                   hi=free_run.peak_reserved_bytes, plan=plan, device=device, compact=compact)
         retries, trims, cap_calls = at_cap.retries, at_cap.stats["trims"], at_cap.calls
     reserved = free_run.peak_reserved_bytes
     return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,

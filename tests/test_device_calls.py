@@ -309,6 +309,19 @@ def test_min_capacity_bound_on_every_shared_trace(shared_traces) -> None:
             _bound_holds(t, name, at_min_capacity=True)
 
 
+def test_with_compaction_the_bound_holds_on_the_device_the_torch_model_just_fits(shared_traces) -> None:
+    """A full device, as training runs fill theirs: with compaction (docs/api.md) npu_pool's growths
+    stay coarse up to the cap, and a request the chunks pinned by live blocks would refuse moves
+    their live bytes instead, so it takes no more chunks than the torch model mallocs segments
+    there (without compaction it takes more on most traces: docs/device_calls.md)."""
+    for path in sorted(shared_traces.glob("*.pickle")):
+        for name, t in open_traces(path):
+            device, torch = min_capacity(t, "torch")
+            ours = run(t, "npu_pool", device, compact=True)
+            assert ours.ok and physical_calls(ours.calls) <= physical_calls(torch.calls), \
+                (name, physical_calls(ours.calls), physical_calls(torch.calls))
+
+
 _SIZES = [512, 4096, 100_000, MiB, 3 * MiB, 9 * MiB]
 
 

@@ -21,7 +21,7 @@ import npu_pool
 from npu_pool import config, torch_memory
 from npu_pool._core import ffi, lib as so
 from npu_pool.config import ConfigError
-from npu_pool.pool import BACKENDS, POLICIES, PoolError
+from npu_pool.pool import BACKENDS, POLICIES, InvalidArgumentError, PoolError
 
 from test_backends import MiB, Vendor, _compiler, FAKES
 from conftest import unavailable
@@ -49,11 +49,20 @@ def test_defaults_and_environment() -> None:
     ("NPU_POOL_FRACTION", "most", "(0, 1]"),
     ("NPU_POOL_POLICY", "caching", "torch, npu_pool, expandable, planned"),
     ("NPU_POOL_PLAN", "/nonexistent.plan", "a plan file written by `npu-pool plan`"),
+    ("NPU_POOL_COMPACT", "on", "0 (off) or 1 (on)"),
 ])
 def test_bad_values_name_the_variable_and_the_choices(var: str, value: str, accepted: str) -> None:
     with pytest.raises(ConfigError) as e:
         config.load({var: value})
     assert var in str(e.value) and repr(value) in str(e.value) and accepted in str(e.value)
+
+
+def test_compaction_setting_and_the_policies_it_applies_to() -> None:
+    assert config.load({"NPU_POOL_COMPACT": " 1 "}).compact is True
+    assert config.load({"NPU_POOL_COMPACT": "0"}).compact is False and config.load({}).compact is False
+    with pytest.raises(ConfigError, match="NPU_POOL_COMPACT=1 applies to the npu_pool and planned policies, but the "
+                                          "policy is torch"):
+        config.load({"NPU_POOL_COMPACT": "1", "NPU_POOL_POLICY": "torch"})
 
 
 def test_planned_policy_needs_a_plan(tmp_path: Path) -> None:
@@ -511,6 +520,37 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
         free(p)
     inst._reset()
     assert not hasattr(torch._C, "_cuda_memoryStats") or torch._C._cuda_memoryStats is not torch_memory._memory_stats
+
+
+def test_compaction_asked_in_the_environment_serves_what_pinned_pages_refused(fakes: dict, fake_cuda_torch: list,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """NPU_POOL_COMPACT=1: every device's context compacts from its first request (tests/test_compaction.py
+    has the rule); npu_pool.set_compaction turns it off and on again at run time."""
+    monkeypatch.setenv("NPU_POOL_COMPACT", "1")
+    npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
+
+    def pinned() -> list[int]:  # ten 25 MiB blocks on the 256 MiB device, every other one freed
+        ptrs = [malloc(25 * MiB) for _ in range(10)]
+        assert all(ptrs)
+        for x in ptrs[::2]:
+            free(x)
+        so.npu_pool_empty_cache()
+        return ptrs[1::2]
+
+    live = pinned()
+    big = malloc(75 * MiB)
+    assert big and npu_pool.installed()[0].stats()["compactions"] > 0
+    for x in [*live, big]:
+        free(x)
+    so.npu_pool_empty_cache()
+    npu_pool.set_compaction(False)
+    live = pinned()
+    assert malloc(75 * MiB) == 0  # the pinned pages refuse it without compaction
+    npu_pool.set_compaction(True, device=0)
+    assert malloc(75 * MiB) != 0
+    with pytest.raises(InvalidArgumentError, match="no npu_pool allocator installed on device 5"):
+        npu_pool.set_compaction(True, device=5)
+    inst._reset()
 
 
 def test_what_frameworks_ask_the_installed_pool_besides_statistics(fakes: dict, fake_cuda_torch: list,

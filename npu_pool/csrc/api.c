@@ -159,6 +159,9 @@ fail:
 int np_ctx_refuse(const np_ctx *ctx, const char *what) {
   if (ctx->closed)
     return np_error(NP_ERR_STATE, "%s on a closed pool: close() returned its memory; make a new pool", what);
+  if (ctx->lost)
+    return np_error(NP_ERR_STATE, "%s refused: a compaction could not put live tensors' bytes back (see the error "
+                    "of the request that compacted); their contents are lost; close the pool", what);
   return np_error(NP_ERR_STATE, "%s refused: this process is a fork of the one that made this pool, whose %s device "
                   "memory belongs to the parent (a forked child may read its statistics and close it)",
                   what, np_vocab_name(NP_VOCAB_BACKEND, ctx->cfg.backend));
@@ -291,6 +294,22 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
      * (setMemoryFraction: a maximum only below 1), the device refusing what it cannot hold */
     ctx->device_caps = ctx->policy->framework && fraction >= 1.0 && npu_rules(ctx);
   }
+  np_ctx_unlock(ctx);
+  return rc;
+}
+
+int np_set_compaction(np_ctx *ctx, int on) {
+  np_ctx_lock(ctx);
+  int rc = np_ctx_usable(ctx, "set_compaction");
+  np_backend *be = ctx->be;
+  if (rc == NP_OK && on && !ctx->policy->compacts)
+    rc = np_error(NP_ERR_STATE, "policy %s does not compact (npu_pool and planned do)", ctx->policy->name);
+  else if (rc == NP_OK && on && (!be->granularity || !ctx->cfg.vmm))
+    rc = np_error(NP_ERR_STATE, "compaction replaces physical chunks under live blocks: it needs the virtual-memory "
+                  "API, which %s", ctx->cfg.vmm ? "this backend does not have" : "this pool was made without (vmm off)");
+  else if (rc == NP_OK && on && !be->copy && !be->simulated)
+    rc = np_error(NP_ERR_STATE, "backend %s cannot copy device memory to the host: no compaction", be->name);
+  if (rc == NP_OK) ctx->compact = on != 0;
   np_ctx_unlock(ctx);
   return rc;
 }

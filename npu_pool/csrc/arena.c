@@ -11,9 +11,15 @@ static uint64_t limit_of(const np_ctx *ctx, const np_arena *a) { return ctx->lim
 static uint64_t reserved_of(const np_ctx *ctx, const np_arena *a) {
   return ctx->st.total.reserved.current - a->outside - ctx->st.spare;
 }
-/* Where cap pressure starts: 1 / NP_ARENA_NEAR_DIV of the arena's budget. Past it growths are
- * exact and carves keep free chunks whole (arena.h). */
-static uint64_t exact_from(const np_ctx *ctx, const np_arena *a) { return limit_of(ctx, a) / NP_ARENA_NEAR_DIV; }
+/* Where cap pressure starts: 1 / NP_ARENA_NEAR_DIV of the arena's budget (streams' free memory
+ * merges past it). */
+static uint64_t pressure_from(const np_ctx *ctx, const np_arena *a) { return limit_of(ctx, a) / NP_ARENA_NEAR_DIV; }
+/* Where growths turn exact and carves keep free chunks whole (arena.h): where cap pressure starts;
+ * with compaction, only at the budget itself (what those rules keep free to trim, a compaction
+ * frees when a request needs it). */
+static uint64_t exact_from(const np_ctx *ctx, const np_arena *a) {
+  return ctx->compact ? limit_of(ctx, a) : pressure_from(ctx, a);
+}
 /* The out-of-memory error of an arena that would go past its budget by taking `bytes` more
  * (`verb`: what it would do): the cap, or what is left of it to this arena when its owner or other
  * arenas hold part of it (a tagged region's arena, the planned policy's fallback). */
@@ -42,8 +48,8 @@ static bool compatible(intptr_t x, intptr_t y) { return x == y || x == NP_STREAM
 /* Cap pressure for what is in use: mapped memory (VMM), or the extent below the top of a fixed
  * arena (which holds its whole cap from the start). */
 static bool pressed(const np_ctx *ctx, const np_arena *a) {
-  if (a->vmm) return near_cap(ctx, a, 0);
-  return a->seg && a->seg->size - (a->top ? a->top->size : 0) > exact_from(ctx, a);
+  if (a->vmm) return reserved_of(ctx, a) > pressure_from(ctx, a);
+  return a->seg && a->seg->size - (a->top ? a->top->size : 0) > pressure_from(ctx, a);
 }
 
 /* Whether free memory of tags x and y merges now. Memory of two streams merges only under cap
@@ -666,6 +672,56 @@ static bool merge_apart(np_ctx *ctx, np_arena *a) {
   return any;
 }
 
+/* A chunk holding live blocks and free pages: its first page, its pages, its free pages. */
+typedef struct part_free { uint64_t first, n, idle; } part_free;
+
+static int most_idle_first(const void *x, const void *y) {
+  const part_free *a = x, *b = y;
+  return a->idle != b->idle ? (a->idle < b->idle ? 1 : -1) : (a->first > b->first) - (a->first < b->first);
+}
+
+/* Compaction (np_set_compaction), the last step before a request fails: the chunks that hold live
+ * blocks and free pages, those with the most free pages first, replaced by chunks over the pages
+ * live blocks touch (np_vmm_compact: their bytes through the host) until `size` bytes are back,
+ * and all of them in a second `round`. The device is idle: the retry synchronised it (np_ctx_drain),
+ * so every free block is settled. Returns whether any memory went back; NP_ERR_STATE (*rc) when
+ * live bytes were lost. O(blocks + mapped pages): a request that would fail pays it, no other. */
+static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc) {
+  uint64_t g = a->page, pages = a->page_hwm, n_parts = 0, freed = 0;
+  uint8_t *live = pages ? calloc(pages, 1) : NULL;
+  part_free *parts = pages ? malloc(pages * sizeof *parts) : NULL;
+  if (!live || !parts) { /* host out of memory: the request fails as it would without compaction */
+    free(live);
+    free(parts);
+    return false;
+  }
+  for (np_block *b = a->seg->head; b; b = b->next)
+    if (b->allocated) {
+      uint64_t off = b->addr - a->seg->addr;
+      for (uint64_t p = off / g; p < (off + b->size + g - 1) / g && p < pages; p++) live[p] = 1;
+    }
+  for (uint64_t p = 0, first, n; p < pages; p = first + n) {
+    first = p;
+    n = 1;
+    if (!a->seg->pages[p]) continue;
+    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+    uint64_t used = 0;
+    for (uint64_t q = first; q < first + n; q++) used += live[q];
+    if (used && used < n) parts[n_parts++] = (part_free){first, n, n - used};
+  }
+  qsort(parts, n_parts, sizeof *parts, most_idle_first);
+  for (uint64_t i = 0; i < n_parts && (round || freed < size); i++) {
+    uint64_t got = 0;
+    *rc = np_vmm_compact(ctx, a->seg, parts[i].first, parts[i].n, live + parts[i].first, &got);
+    freed += got;
+    if (*rc == NP_ERR_STATE && ctx->lost) break; /* (other failures leave that chunk as it was) */
+    *rc = NP_OK;
+  }
+  free(live);
+  free(parts);
+  return freed > 0;
+}
+
 int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, bool long_lived, np_block **out) {
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
   int rc = ensure(ctx, a);
@@ -687,6 +743,12 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
     rc = try_place(ctx, a, size, stream, long_lived, out);
     np_vmm_recycle_end(ctx, was);
     np_vmm_spares_release(ctx); /* as PyTorch's retry: what the request did not take goes back */
+    for (int round = 0; rc == NP_ERR_OOM && ctx->compact && a->vmm && round < 2; round++) {
+      int lost = NP_OK;
+      bool freed = compact(ctx, a, size, round, &lost);
+      if (lost != NP_OK) return lost; /* (its message, which a retry would overwrite) */
+      if (freed) rc = try_place(ctx, a, size, stream, long_lived, out);
+    }
     if (rc == NP_ERR_OOM) explain(ctx, a, size);
   }
   return rc;

@@ -124,6 +124,12 @@ struct np_ctx {
    * live contexts whose locks the fork handlers take (guarded by fork.c's lock). */
   bool closed;
   bool inherited;
+  /* Compaction (np_set_compaction, vmm.h's np_vmm_compact): asked for; lost: a compaction could
+   * not put live bytes back (the device refused their pages twice, or the copy back failed), so
+   * tensors hold wrong bytes and the context refuses every call but stats and close. */
+  bool compact;
+  bool lost;
+  bool rescuing;             /* a compaction puts live bytes back: the cap does not refuse their pages */
   np_ctx *fork_prev, *fork_next;
   uint64_t calls_base[NP_CALL_COUNT]; /* be->calls at the latest np_reset_accumulated (stats.calls: since) */
 };
@@ -132,7 +138,7 @@ struct np_ctx {
  * NP_OK when the context may allocate, free or touch its device. */
 int np_ctx_refuse(const np_ctx *ctx, const char *what);
 static inline int np_ctx_usable(const np_ctx *ctx, const char *what) {
-  return ctx->closed || ctx->inherited ? np_ctx_refuse(ctx, what) : NP_OK;
+  return ctx->closed || ctx->inherited || ctx->lost ? np_ctx_refuse(ctx, what) : NP_OK;
 }
 /* NP_ERR_INVALID for a caller's stream that the pool reserves: NP_STREAM_ANY and NP_STREAM_MIXED
  * tag free memory (streams.h), so a block used on one would be ordered after no stream. */

@@ -19,9 +19,11 @@ static void change_reserved(np_ctx *ctx, int pool, uint64_t bytes, bool add) {
 }
 
 /* Whether `size` more reserved bytes would pass the memory fraction cap (held memory counted: the
- * device still has it); never for a framework's allocator the device caps (ctx->device_caps). */
+ * device still has it); never for a framework's allocator the device caps (ctx->device_caps), nor
+ * while a compaction puts live bytes back (ctx->rescuing: memory the device refused to take back
+ * would otherwise keep them out). */
 static bool past_cap(const np_ctx *ctx, uint64_t size) {
-  return !ctx->device_caps && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size);
+  return !ctx->device_caps && !ctx->rescuing && (size > ctx->limit || ctx->st.total.reserved.current > ctx->limit - size);
 }
 
 /* Reserved bytes the device holds for the pool mapped nowhere (a spare chunk, held memory):
@@ -397,6 +399,125 @@ int np_vmm_map_by(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, u
 
 int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool whole) {
   return np_vmm_map_by(ctx, seg, addr, size, 0, whole);
+}
+
+/* ---- compaction: a chunk replaced by chunks over its kept pages, their bytes through the host -- */
+
+/* Copy the kept pages of [first, first + n) between the device and buf (to_device 0: out). */
+static int move_kept(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, const uint8_t *keep, char *buf,
+                     int to_device) {
+  uint64_t g = ctx->be->granularity, off = 0;
+  for (uint64_t p = first; p < first + n; p++) {
+    if (!keep[p - first]) continue;
+    uint64_t q = p;
+    while (q < first + n && keep[q - first]) q++;
+    void *dev = (void *)(seg->addr + p * g), *host = buf + off;
+    int rc = ctx->be->copy(ctx->be, to_device ? dev : host, to_device ? host : dev, (q - p) * g, to_device);
+    if (rc != NP_OK) return rc;
+    off += (q - p) * g;
+    p = q;
+  }
+  return NP_OK;
+}
+
+/* Map every kept run of [first, first + n) still unmapped, each as a chunk; the first failure. */
+static int map_kept(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, const uint8_t *keep) {
+  uint64_t g = ctx->be->granularity;
+  int rc = NP_OK;
+  np_saved_error s;
+  for (uint64_t p = first; p < first + n; p++) {
+    if (!keep[p - first]) continue;
+    uint64_t q = p;
+    while (q < first + n && keep[q - first]) q++;
+    int r = np_vmm_map(ctx, seg, seg->addr + p * g, (q - p) * g, false);
+    if (r != NP_OK && rc == NP_OK) np_save_error(&s, rc = r);
+    p = q;
+  }
+  return rc == NP_OK ? NP_OK : np_restore_error(&s);
+}
+
+/* Map the unmapped pages of the chunk [first, first + n) again, as they were before a compaction
+ * (the runs it mapped stay): three tries, spares and held memory given back before each, the cap
+ * set aside (the device decides). */
+static int put_back(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n) {
+  uint64_t g = ctx->be->granularity;
+  int rc = NP_ERR_BACKEND;
+  ctx->rescuing = true;
+  for (int i = 0; i < 3 && rc != NP_OK; i++) {
+    np_vmm_spares_release(ctx);
+    if (ctx->n_held) np_ctx_retry_held(ctx);
+    rc = np_vmm_map(ctx, seg, seg->addr + first * g, n * g, false);
+  }
+  ctx->rescuing = false;
+  return rc;
+}
+
+/* Copy the kept pages back from buf: three tries. */
+static int copy_back(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, const uint8_t *keep, char *buf) {
+  int rc = NP_ERR_BACKEND;
+  for (int i = 0; i < 3 && rc != NP_OK; i++) rc = move_kept(ctx, seg, first, n, keep, buf, 1);
+  return rc;
+}
+
+/* The kept pages' bytes could not be put back: the context is lost (vmm.h). */
+static int lost(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, uint64_t kept) {
+  char cause[512], x[32], y[32];
+  uint64_t g = ctx->be->granularity;
+  np_copy_text(cause, sizeof cause, np_last_error());
+  ctx->lost = true;
+  return np_error(NP_ERR_STATE, "compaction of the chunk at %#llx (%s) could not put its %s of live bytes back (%s): "
+                  "the tensors there hold wrong bytes; the pool refuses every call but stats and close",
+                  (unsigned long long)(seg->addr + first * g), np_fmt_bytes(n * g, x), np_fmt_bytes(kept * g, y), cause);
+}
+
+int np_vmm_compact(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, const uint8_t *keep, uint64_t *freed) {
+  np_backend *be = ctx->be;
+  uint64_t g = be->granularity, kept = 0, handle = 0;
+  uintptr_t addr = seg->addr + first * g;
+  *freed = 0;
+  for (uint64_t i = 0; i < n; i++) kept += keep[i] != 0;
+  if (!kept || kept == n) return NP_OK;
+  bool copies = be->copy != NULL; /* (else the simulated device without host memory: nothing to copy) */
+  char *buf = copies ? malloc(kept * g) : NULL, x[32];
+  if (copies && !buf)
+    return np_error(NP_ERR_HOST, "host out of memory for a compaction buffer of %s", np_fmt_bytes(kept * g, x));
+  np_vmm_left left;
+  int rc = copies ? move_kept(ctx, seg, first, n, keep, buf, 0) : NP_OK;
+  if (rc == NP_OK) rc = np_vmm_chunk_unmap(be, seg, first, false, &handle, &left); /* refused: still mapped */
+  if (rc != NP_OK) {
+    free(buf);
+    return rc;
+  }
+  np_ctx_reserved(ctx, NP_EV_SEGMENT_UNMAP, seg, addr, n * g);
+  np_saved_error why; /* the error that leaves the chunk as it was, if any */
+  why.code = NP_OK;
+  left = (np_vmm_left){0, n * g, handle};
+  rc = np_vmm_chunk_return(be, &left);
+  if (rc != NP_OK) { /* the device keeps the handle: it maps again where it was, the chunk as it was */
+    np_save_error(&why, rc);
+    rc = np_vmm_chunk_map(be, seg, first, n, handle, &left);
+    if (rc == NP_OK) np_ctx_reserved(ctx, NP_EV_SEGMENT_MAP, seg, addr, n * g);
+    else hold_left(ctx, &left, NULL);
+    if (rc != NP_OK) rc = put_back(ctx, seg, first, n);
+  } else { /* the runs of kept pages, each a chunk: fewer pages than the device took back a moment ago */
+    rc = map_kept(ctx, seg, first, n, keep);
+    if (rc != NP_OK) { /* once more, every spare given back first */
+      np_vmm_spares_release(ctx);
+      rc = map_kept(ctx, seg, first, n, keep);
+    }
+    if (rc != NP_OK) { /* as it was: the chunk's pages still unmapped mapped again */
+      np_save_error(&why, rc);
+      rc = put_back(ctx, seg, first, n);
+    }
+  }
+  if (rc == NP_OK && copies) rc = copy_back(ctx, seg, first, n, keep, buf);
+  free(buf);
+  if (rc != NP_OK) return lost(ctx, seg, first, n, kept);
+  if (why.code != NP_OK) return np_restore_error(&why); /* every byte back where it was */
+  ctx->st.compactions++;
+  ctx->st.compacted += kept * g;
+  *freed = (n - kept) * g;
+  return NP_OK;
 }
 
 void np_vmm_release(np_ctx *ctx, np_segment *seg) {

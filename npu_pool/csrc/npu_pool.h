@@ -174,6 +174,8 @@ typedef struct np_stats {
   uint64_t unreleased;      /* bytes still held by the device because returning them failed (retried) */
   uint64_t spare;           /* bytes of physical chunks a trim unmapped and kept for a later growth to map
                                again (counted in reserved; given back at empty_cache) */
+  uint64_t compactions;     /* chunks replaced by chunks over their live pages only (np_set_compaction) */
+  uint64_t compacted;       /* bytes those moved through host memory: copied out and back */
   int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
   int policy;
   uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */
@@ -273,6 +275,14 @@ int np_free(np_ctx *ctx, void *ptr);
  * what the device still holds. */
 int np_empty_cache(np_ctx *ctx);
 int np_set_fraction(np_ctx *ctx, double fraction);
+/* Compaction (off by default; policies npu_pool and planned, a backend with the virtual-memory
+ * API): when a request finds no room even after the device was synchronised and every wholly free
+ * chunk given back, a chunk that holds live blocks and free pages is replaced by chunks over its
+ * live pages only, their bytes copied to host memory and back at the same addresses, and the
+ * request is tried again; growths are then no longer exact near the cap. It needs the device
+ * idle while it copies: safe where one thread at a time queues work on the device (a training
+ * loop and its autograd thread), not where other threads queue work while one allocates. */
+int np_set_compaction(np_ctx *ctx, int on);
 void np_get_stats(np_ctx *ctx, np_stats *out);
 void np_reset_peak(np_ctx *ctx);
 /* Zero the accumulated figures (every counter's allocated/freed, ooms, retries, device calls). */

@@ -13,8 +13,8 @@
 /* Invariants: ctx[d] is NULL or a context built from `cfg` for device d; npu_pool_shutdown()
  * closes it and keeps the struct on `retired` (a hook that read ctx[d] just before may still
  * call it: it fails cleanly on a closed context, never on freed memory); `cfg` and `lib_path`
- * change only while every ctx[d] is NULL; fraction[d] (0 = none) and history[d] (-1 = default) are what device d gets when its
- * context is created. error[d] is d's last failure, printed[d] whether it was printed
+ * change only while every ctx[d] is NULL; fraction[d] (0 = none), history[d] (-1 = default) and compact[d] are what device
+ * d gets when its context is created. error[d] is d's last failure, printed[d] whether it was printed
  * since the last successful malloc. devices is the count torch sees (0: not told yet).
  * `lock` guards everything but the ctx reads of the allocation fast path and the atomics. */
 static struct {
@@ -24,6 +24,7 @@ static struct {
   char lib_path[PATH_MAX];
   double fraction[NP_MAX_DEVICES];
   int64_t history[NP_MAX_DEVICES];
+  bool compact[NP_MAX_DEVICES];
   _Atomic(np_ctx *) ctx[NP_MAX_DEVICES];
   char error[NP_MAX_DEVICES][4096];
   char printed_text[NP_MAX_DEVICES][4096];
@@ -67,6 +68,7 @@ static void clear_pending_locked(void) {
   for (int d = 0; d < NP_MAX_DEVICES; d++) {
     table.fraction[d] = 0;
     table.history[d] = -1;
+    table.compact[d] = false;
   }
 }
 
@@ -176,6 +178,8 @@ static np_ctx *create_locked(int device) {
    * model caps itself from then on, even at 1.0); it was accepted then, for this device's cap */
   if (table.fraction[device] > 0) np_set_fraction(ctx, table.fraction[device]);
   if (table.history[device] >= 0) np_set_history(ctx, (uint64_t)table.history[device]);
+  if (table.compact[device] && np_set_compaction(ctx, 1) != NP_OK) /* (the backend found it cannot: said, not fatal) */
+    fprintf(stderr, "npu_pool: device %d: no compaction: %s\n", device, np_last_error());
   say_fixed_arena(ctx);
   atomic_store_explicit(&table.ctx[device], ctx, memory_order_release);
   return ctx;
@@ -224,6 +228,20 @@ int npu_pool_set_history(int device, uint64_t max_entries) {
     if (!ctx) table.history[d] = (int64_t)max_entries;
     pthread_mutex_unlock(&table.lock);
     if (ctx) rc = np_set_history(ctx, max_entries);
+  }
+  return rc;
+}
+
+int npu_pool_set_compaction(int device, int on) {
+  if (device != -1 && !valid_device(device))
+    return np_error(NP_ERR_INVALID, "device %d is out of range (-1 for all, 0..%d)", device, NP_MAX_DEVICES - 1);
+  int rc = NP_OK;
+  for (int d = device < 0 ? 0 : device; d < (device < 0 ? NP_MAX_DEVICES : device + 1) && rc == NP_OK; d++) {
+    lock_table();
+    np_ctx *ctx = atomic_load(&table.ctx[d]);
+    if (!ctx) table.compact[d] = on != 0;
+    pthread_mutex_unlock(&table.lock);
+    if (ctx) rc = np_set_compaction(ctx, on);
   }
   return rc;
 }

@@ -35,6 +35,8 @@ np_ctx *npu_pool_existing_ctx(int device);
 int npu_pool_set_fraction(int device, double fraction);
 /* Keep `max_entries` events of history on `device` (-1: every device), now or when created. */
 int npu_pool_set_history(int device, uint64_t max_entries);
+/* Compaction (np_set_compaction) on `device` (-1: every device), now or when its context is made. */
+int npu_pool_set_compaction(int device, int on);
 /* The statistics of `device`: zeros (with the policy's pool names) before its first allocation. */
 int npu_pool_device_stats(int device, np_stats *out);
 /* Zero the accumulated figures of `device`. */

@@ -21,6 +21,8 @@ struct np_policy {
   /* The policy orders reuse across streams itself (event waits): a freed block that was used
    * on other streams (record_stream) needs no device synchronisation from the context. */
   bool orders_streams;
+  /* Its arenas compact at an out-of-memory when np_set_compaction asks them to (arena.h). */
+  bool compacts;
   /* A model of a framework's own allocator (PyTorch's, torch_npu's): its device calls are the
    * framework's. With no memory fraction set it asks the device for a segment without a cap of
    * its own (a refused malloc is a device call; it then frees its cache and asks again), and it

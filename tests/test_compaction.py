@@ -1,0 +1,288 @@
+"""Compaction (``Pool.set_compaction``): at an out-of-memory, a chunk that holds live blocks and
+free pages is replaced by chunks over its live pages, their bytes copied through host memory at
+the same addresses; what the device refuses half-way leaves the books matching the device and
+the bytes where they were, or says plainly that they are lost (docs/api.md)."""
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+
+import pytest
+
+from conftest import cann
+from npu_pool import vocab
+from npu_pool.pool import BackendError, InvalidArgumentError, OutOfMemoryError, Pool, PoolError
+from test_backends import MiB, Vendor, builds  # noqa: F401 (builds: the fixture)
+from test_faults import _books_match as books, _free_one, _written
+
+@pytest.fixture(scope="module")
+def fakes(builds: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+    """The fake vendor libraries that copy: CUDA's, and for ACL the fake CANN runtime (the plain
+    fake ACL has no aclrtMemcpy, tests/test_colocate.py)."""
+    try:
+        acl = str(cann.build(tmp_path_factory.mktemp("cann")) / "libascendcl.so")
+    except cann.BuildError as e:
+        pytest.skip(f"the fake CANN runtime could not be built: {e}")
+    return {"acl": acl, "cuda": builds[("cuda", "full")]}
+
+
+def _vendor(fakes: dict, backend: str) -> Vendor:
+    v = Vendor(backend, fakes[backend], ctypes.CDLL(fakes[backend]))
+    v.lib.fake_set_capacity(256 * MiB)
+    return v
+
+
+BLOCK = 25 * MiB  # ten of them on a 256 MiB device share pages (25 MiB is 12.5 pages of 2 MiB)
+KINDS = ("phys_create", "phys_release", "map", "unmap")
+
+
+def _pinned(p: Pool, fill: bool) -> dict[int, int]:
+    """Ten blocks, every other one freed and empty_cache: the freed ones' pages stay mapped in
+    chunks that live blocks hold. Returns the live blocks (address -> the byte they are filled with)."""
+    ptrs = [p.malloc(BLOCK) for _ in range(10)]
+    for x in ptrs[::2]:
+        p.free(x)
+    p.empty_cache()
+    live = {x: 0x41 + i for i, x in enumerate(ptrs[1::2])}
+    if fill:
+        for x, byte in live.items():
+            ctypes.memset(x, byte, BLOCK)
+    return live
+
+
+def _intact(live: dict[int, int]) -> bool:
+    return all(ctypes.string_at(x, BLOCK) == bytes([byte]) * BLOCK for x, byte in live.items())
+
+
+def _books_match(p: Pool, v) -> None:
+    p.check()
+    assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_compaction_serves_a_request_pinned_pages_refused_and_keeps_the_bytes(fakes: dict, backend: str) -> None:
+    v = _vendor(fakes, backend)
+    with v.pool() as p:  # without compaction the request fails: every freed block's pages are pinned
+        _pinned(p, fill=False)
+        with pytest.raises(OutOfMemoryError):
+            p.malloc(3 * BLOCK)
+    v.lib.fake_reset()
+    v.lib.fake_set_capacity(256 * MiB)
+    with v.pool(compact=True) as p:
+        live = _pinned(p, fill=True)
+        copies = v.lib.fake_calls(b"aclrtMemcpy" if backend == "acl" else b"cudaMemcpy")
+        big = p.malloc(3 * BLOCK)
+        ctypes.memset(big, 0x7F, 3 * BLOCK)  # its pages are mapped: writing them would fault otherwise
+        assert _intact(live), "a compaction lost live bytes"
+        st = p.stats()
+        assert st["compactions"] >= 1 and 0 < st["compacted"] <= 5 * BLOCK + 10 * 2 * MiB
+        moved = v.lib.fake_calls(b"aclrtMemcpy" if backend == "acl" else b"cudaMemcpy") - copies
+        assert moved >= 2 * st["compactions"]  # out and back, a run at a time
+        _books_match(p, v)
+        ours = {k: st["calls"][k] for k in KINDS}
+        vendor = {k: v.lib.fake_calls(vocab.CALL_VENDOR[backend][k].encode()) for k in KINDS}
+        assert ours == vendor
+    # the simulator under that vendor's rules makes the same calls for the same requests
+    with Pool("npu_pool", capacity=256 * MiB, rules="npu" if backend == "acl" else "cuda", compact=True) as p:
+        _pinned(p, fill=False)
+        p.malloc(3 * BLOCK)
+        sim = p.stats()
+        assert {k: sim["calls"][k] for k in KINDS} == ours
+        assert (sim["compactions"], sim["compacted"]) == (st["compactions"], st["compacted"])
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+@pytest.mark.parametrize("op, skip", [("copy", 0), ("unmap", 0), ("create", 0), ("release", 0), ("copy", 1)])
+def test_a_vendor_call_failing_once_loses_no_byte(fakes: dict, backend: str, op: str, skip: int) -> None:
+    """A copy out or an unmap that fails leaves that chunk as it was (the request may still fail);
+    a chunk the device refuses to take back maps again where it was; a creation refused once is
+    asked again (the device took the whole chunk back a moment before); a copy back, tried again."""
+    v = _vendor(fakes, backend)
+    with v.pool(compact=True) as p:
+        live = _pinned(p, fill=True)
+        copy = "aclrtMemcpy" if backend == "acl" else "cudaMemcpy"
+        if op == "copy":
+            v.lib.fake_fail(copy.encode(), skip, 1, 507899 if backend == "acl" else 999)
+        else:
+            v.fail(op, skip=skip, count=1)
+        try:
+            p.free(p.malloc(3 * BLOCK))
+        except OutOfMemoryError:
+            assert op not in ("create", "copy") or skip == 0 and op == "copy", "refused once: asked again"
+        assert _intact(live)
+        _books_match(p, v)
+        p.malloc(MiB)  # the pool goes on
+    assert v.lib.fake_used() == 0
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+@pytest.mark.parametrize("op", ["create", "copy back"])
+def test_bytes_that_cannot_be_put_back_are_reported_lost(fakes: dict, backend: str, op: str) -> None:
+    v = _vendor(fakes, backend)
+    p = v.pool(compact=True)
+    _pinned(p, fill=True)
+    copy = ("aclrtMemcpy" if backend == "acl" else "cudaMemcpy").encode()
+    if op == "create":
+        v.fail("create", count=1000)  # the device refuses the live pages' chunks, twice
+    else:  # every copy fails once the first chunk's bytes are out: each chunk here has one run of live pages
+        v.lib.fake_fail(copy, 1, 1000, 507899 if backend == "acl" else 999)
+    with pytest.raises(PoolError, match="could not put its .* of live bytes back") as e:
+        p.malloc(3 * BLOCK)
+    assert not isinstance(e.value, OutOfMemoryError)
+    assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()  # stats still answer
+    with pytest.raises(PoolError, match="a compaction could not put live tensors' bytes back"):
+        p.malloc(MiB)
+    v.fail("create", count=0)
+    v.lib.fake_fail(copy, 0, 0, 0)
+    p.close()
+    assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
+
+
+def test_threads_allocating_while_one_compacts_keep_the_books() -> None:
+    """Compaction runs under the pool's lock: four threads allocating and freeing on a tight device
+    (no device work queued by others: the contract) leave every invariant and the stats whole."""
+    with Pool("npu_pool", capacity=128 * MiB, compact=True) as p:
+        errors: list[BaseException] = []
+
+        def work(seed: int) -> None:
+            rng = random.Random(seed)
+            mine: list[int] = []
+            try:
+                for _ in range(400):
+                    if mine and (len(mine) > 10 or rng.random() < 0.45):
+                        p.free(mine.pop(rng.randrange(len(mine))))
+                    else:
+                        try:
+                            mine.append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 17 * MiB])))
+                        except OutOfMemoryError:
+                            pass
+                for x in mine:
+                    p.free(x)
+            except BaseException as ex:  # noqa: BLE001 - reported below
+                errors.append(ex)
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        p.check()
+        st = p.stats()
+        assert st["total"]["allocated"]["current"] == 0 and st["compactions"] > 0
+
+
+def test_set_compaction_says_where_it_cannot_apply() -> None:
+    with pytest.raises(PoolError, match="policy torch does not compact"):
+        Pool("torch", capacity=64 * MiB, compact=True)
+    with pytest.raises(PoolError, match="needs the virtual-memory API"):
+        Pool("npu_pool", capacity=64 * MiB, vmm=False, compact=True)
+    with pytest.raises(InvalidArgumentError):
+        Pool("npu_pool", capacity=64 * MiB, compact="yes")
+    p = Pool("planned", capacity=64 * MiB, compact=True)  # its fallback arena compacts
+    p.set_compaction(False)
+    p.close()
+    with pytest.raises(PoolError, match="closed pool"):
+        p.set_compaction(True)
+
+
+def test_without_compaction_nothing_changes() -> None:
+    """Off (the default) the arena is the one without the feature: no compaction, the same calls."""
+    with Pool("npu_pool", capacity=256 * MiB) as p:
+        _pinned(p, fill=False)
+        with pytest.raises(OutOfMemoryError):
+            p.malloc(3 * BLOCK)
+        assert p.stats()["compactions"] == 0 == p.stats()["compacted"]
+
+
+_COPY = {"acl": b"aclrtMemcpy", "cuda": b"cudaMemcpy"}
+
+
+def _steps(seed: int) -> list[tuple]:
+    """A random sequence that presses a 64 MiB device: mostly requests, some frees, faults now and then."""
+    rng = random.Random(seed)
+    out: list[tuple] = []
+    for _ in range(150):
+        x = rng.random()
+        if x < 0.55:
+            out.append(("alloc", rng.choice([1000, 300_000, 2 * MiB + 3, 3 * MiB + 5, 7 * MiB, 9 * MiB, 13 * MiB]),
+                        rng.choice(["long", "short"])))
+        elif x < 0.85:
+            out.append(("free", rng.randrange(1000)))
+        elif x < 0.9:
+            out.append(("empty_cache",))
+        else:
+            out.append(("fault", rng.choice(["create", "map", "unmap", "release", "copy"]), rng.randrange(4),
+                        rng.randrange(1, 3)))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_random_requests_and_vendor_faults_with_compaction(fakes: dict, backend: str) -> None:
+    """As tests/test_faults.py, on a device small enough that compaction runs: after every step the
+    books match the device and every live block holds what was written to it (its first and last
+    bytes), or the pool said its bytes were lost and refuses every call."""
+    compacted = lost = 0
+    for seed in range(40):
+        outcome = _play(fakes, backend, _steps(seed))
+        compacted += outcome == "compacted"
+        lost += outcome == "lost"
+    assert compacted >= 10, compacted  # (the sequences do press the device)
+
+
+def _play(fakes: dict, backend: str, seq: list) -> str:
+    v = _vendor(fakes, backend)
+    v.lib.fake_set_capacity(64 * MiB)
+    p = v.pool(compact=True)
+    live: dict[int, tuple[int, int]] = {}
+    code = 507899 if backend == "acl" else 999
+    outcome = "none"
+
+    def tails_intact() -> None:
+        for ptr, (size, byte) in live.items():
+            n = min(size, 64)
+            assert ctypes.string_at(ptr + size - n, n) == bytes([byte]) * n, "a compaction lost live bytes"
+
+    try:
+        for step in seq:
+            if step[0] == "alloc":
+                try:
+                    ptr = p.malloc(step[1], lifetime=step[2])
+                except (OutOfMemoryError, BackendError):
+                    pass
+                except PoolError as e:
+                    assert "could not put" in str(e), e
+                    with pytest.raises(PoolError, match="a compaction could not put"):
+                        p.malloc(1000)
+                    return "lost"
+                else:
+                    _written(live, ptr, step[1])
+                    ctypes.memset(ptr + step[1] - min(step[1], 64), live[ptr][1], min(step[1], 64))
+            elif step[0] == "free" and live:
+                _free_one(p, live, step[1])
+            elif step[0] == "empty_cache":
+                try:
+                    p.empty_cache()
+                except BackendError:
+                    pass
+            elif step[0] == "fault":
+                _, op, skip, count = step
+                if op == "copy":
+                    v.lib.fake_fail(_COPY[backend], skip, count, code)
+                else:
+                    v.fail(op, skip=skip, count=count)
+            books(p, v, live)
+            tails_intact()
+        if p.stats()["compactions"]:
+            outcome = "compacted"
+    finally:
+        for op in ("create", "map", "unmap", "release"):
+            v.fail(op, count=0)
+        v.lib.fake_fail(_COPY[backend], 0, 0, 0)
+        try:
+            p.close()
+        except PoolError:
+            pass
+    assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
+    return outcome
