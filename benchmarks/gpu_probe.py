@@ -5,7 +5,7 @@ ask of the device in every iteration on a full device (docs/gpu.md, "A full devi
     python benchmarks/gpu_probe.py fits TRACE CAP_MIB[,CAP_MIB...]     # on a GPU
     python benchmarks/gpu_probe.py record TRACE CAP_MIB OUT.pickle      # on a GPU (CAP_MIB 0: no cap)
     python benchmarks/gpu_probe.py order SNAPSHOT.pickle...             # anywhere
-    python benchmarks/gpu_probe.py steady TRACE ALLOCATOR [--cap-mib N] [--repeat 3] [--device cuda]
+    python benchmarks/gpu_probe.py steady TRACE ALLOCATOR [--cap-mib N] [--repeat 3] [--device cuda] [--compact]
     python benchmarks/gpu_probe.py threads ALLOCATOR [--threads 4] [--rounds 3] [--simulated]
 
 ``fits`` plays the trace (.npt or .pickle) as tensors once with room to spare, then once under
@@ -28,7 +28,9 @@ native: the framework's num_device_alloc and num_device_free, as malloc and free
 seconds of each play (synchronised at each bound), and the simulator's calls for the same
 stretches (the torch model for native, the npu_pool policy for npu_pool, capped by the same memory
 fraction of the same device: ``simulate_capped``).
-``--device npu`` runs it under torch_npu (the tests' fake CANN: calls, not times).
+``--device npu`` runs it under torch_npu (the tests' fake CANN: calls, not times). ``--compact``:
+npu_pool with compaction (``npu_pool.set_compaction``; the simulator's pool too), and the
+compactions of the first play and the simulator's beside them.
 
 ``threads`` is docs/device_calls.md's four-thread check on the device: each thread on its own
 stream allocates and frees tensors of mixed sizes, filling each (a kernel, so the streams are busy
@@ -76,7 +78,8 @@ def _player(path: str) -> tuple[Any, Any]:
     return torch, Player(_trace(path), torch, torch.cuda, "cuda", None)
 
 
-def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: str) -> dict[str, Any]:
+def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: str,
+           compact: bool = False) -> dict[str, Any]:
     """The calls and wall time of each iteration under ``allocator`` at a cap (see the module doc)."""
     from npu_pool.live import MEMORY_KINDS, Player
     from npu_pool.replay import iteration_bounds, iterations_end, min_capacity
@@ -94,6 +97,8 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
         from npu_pool.install import install
 
         pool = install(rules).get(0)
+        if compact:
+            pool.set_compaction(True)
     import torch
 
     if device == "npu":
@@ -115,7 +120,7 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
     player.play()  # as the live replay's minimum-capacity search: a play with room to spare first
     player.cap(cap)
     plays: list[list[tuple[float, dict[str, int]]]] = []
-    failed = None
+    failed = compactions = None
 
     def mark(_k: int) -> None:  # at a bound: the time and the calls so far, the device idle
         module.synchronize()
@@ -127,16 +132,19 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
         mark(-1)
         failed = player.play(cuts, mark)  # (play synchronises at its end)
         mark(len(cuts))
+        if len(plays) == 1 and pool is not None:
+            compactions = int(pool.stats()["compactions"])
         if failed is not None:
             break
     player.cap(None)
     first = plays[0]
     live = [_grown(a[1], b[1]) for a, b in zip(first, first[1:])][:len(bounds) + 1]
     seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])][:len(bounds) + 1] for p in plays]
-    sim_ok, simulated = simulate_capped(trace, allocator, cap, player.total(), rules, bounds)
+    sim_ok, simulated, sim_compactions = simulate_capped(trace, allocator, cap, player.total(), rules, bounds, compact)
     return {"trace": Path(path).name, "allocator": allocator, "device": device, "cap_bytes": cap,
             "ok": failed is None, "fail": failed, "sim_ok": sim_ok, "iteration_calls": live,
-            "simulated_calls": simulated, "same": live == simulated, "seconds": seconds}
+            "simulated_calls": simulated, "same": live == simulated, "seconds": seconds,
+            "compactions": compactions, "simulated_compactions": sim_compactions}
 
 
 _THREAD_SIZES = (512, 4096, 100_000, MiB, 3 * MiB, 9 * MiB, 40 * MiB)
@@ -328,14 +336,14 @@ def threads(allocator: str, n_threads: int, rounds: int) -> dict[str, Any]:
             "peak_reserved": reserved, "peak_allocated": allocated}
 
 
-def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str,
-                    bounds: list[int]) -> tuple[bool, list[dict[str, int]]]:
+def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str, bounds: list[int],
+                    compact: bool = False) -> tuple[bool, list[dict[str, int]], int]:
     """The simulator's side of ``steady``: whether the model of ``allocator`` runs the trace, and its
     device calls in each stretch, on a ``total``-byte device capped at ``cap`` bytes by a memory
     fraction as the live play is (a framework's allocator then refuses past the cap without asking
     the device; on a device of ``cap`` bytes it would ask and be refused, calls the framework's
     counters leave out). Kinds as the live side counts them (no address reservation; native: the
-    segment mallocs and frees)."""
+    segment mallocs and frees); and its compactions (``compact``: npu_pool with compaction)."""
     from npu_pool.live import MEMORY_KINDS, SIMULATED, cap_fraction
     from npu_pool.replay import run
 
@@ -343,8 +351,9 @@ def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str
     if allocator == "native":  # the torch model's segments are the framework's device allocations
         kinds = ["malloc", "free"]
     total = max(total, cap)
-    sim = run(trace, SIMULATED[allocator], total, device=rules, bounds=bounds, fraction=cap_fraction(cap, total))
-    return sim.ok, [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls or []]
+    sim = run(trace, SIMULATED[allocator], total, device=rules, bounds=bounds, fraction=cap_fraction(cap, total),
+              compact=compact)
+    return sim.ok, [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls or []], sim.stats["compactions"]
 
 
 def order(snapshots: list[str]) -> None:
@@ -383,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--cap-mib", type=int, default=None, help="default: the torch model's minimum capacity")
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--device", choices=("cuda", "npu"), default="cuda")
+    s.add_argument("--compact", action="store_true", help="npu_pool with compaction (npu_pool.set_compaction)")
     h = sub.add_parser("threads")
     h.add_argument("allocator", choices=("native", "npu_pool"))
     h.add_argument("--threads", type=int, default=4)
@@ -405,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "steady":
         if args.repeat < 1 or (args.cap_mib is not None and args.cap_mib < 1):
             ap.error("--repeat and --cap-mib take a positive number")
-        print(json.dumps(steady(args.trace, args.allocator, args.cap_mib, args.repeat, args.device)))
+        if args.compact and args.allocator != "npu_pool":
+            ap.error("--compact applies to npu_pool")
+        print(json.dumps(steady(args.trace, args.allocator, args.cap_mib, args.repeat, args.device, args.compact)))
         return 0
     torch, player = _player(args.trace)
     if args.mode == "fits":

@@ -59,8 +59,8 @@ _RUNTIME_LIB = {"npu": "libascendcl.so", "cuda": "libcudart.so"}
 # its defaults: the switch and npu_pool's settings (its start-up hook would install npu_pool in
 # the native worker too), torch's allocator settings (the simulator models the defaults), and
 # out-of-memory snapshots (the minimum-capacity search fails requests on purpose).
-_CALLER_SETTINGS = (config.ENABLE, config.FRACTION, config.POLICY, config.PLAN, config.CONFIG_FILE, oom.ENV, oom.ENABLE,
-                    oom.PATH, *alloc_conf.VARIABLES,
+_CALLER_SETTINGS = (config.ENABLE, config.FRACTION, config.POLICY, config.PLAN, config.COMPACT, config.CONFIG_FILE,
+                    oom.ENV, oom.ENABLE, oom.PATH, *alloc_conf.VARIABLES,
                     # (torch's and torch_npu's switches no npu_pool module reads)
                     "PYTORCH_NO_NPU_MEMORY_CACHING", "PYTORCH_NO_CUDA_MEMORY_CACHING", "MULTI_STREAM_MEMORY_REUSE")
 

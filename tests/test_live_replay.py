@@ -424,6 +424,24 @@ def test_each_iteration_on_a_full_device_equals_the_simulation(torch_npu: TorchN
     assert per[-6:] == [0] * 6 and (allocator == "npu_pool" or per[3:] == [0] * 9), per
 
 
+def test_compaction_inside_torch_npu_makes_the_calls_the_simulator_says(torch_npu: TorchNpu) -> None:
+    """Compaction (docs/api.md) live: the H100 recording capped at npu_pool-with-compaction's own
+    minimum capacity under torch_npu's rules, where it compacts; under torch_npu over the fake CANN
+    (its copies through aclrtMemcpy, its synchronisation through torch_npu's) every iteration makes
+    the calls by kind the simulator says, and as many compactions."""
+    trace = ROOT / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle"
+    cap = min_capacity(open_traces(trace)[0][1], "npu_pool", device="npu", compact=True)[0]
+    r = subprocess.run([torch_npu.python, str(ROOT / "benchmarks" / "gpu_probe.py"), "steady", str(trace), "npu_pool",
+                        "--device", "npu", "--repeat", "1", "--compact", "--cap-mib", str(cap >> 20)],
+                       env=torch_npu.env(FAKE_CAPACITY=FAKE_CAPACITY), capture_output=True, text=True, timeout=300,
+                       cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["ok"] and d["sim_ok"] and d["cap_bytes"] == cap
+    assert d["iteration_calls"] == d["simulated_calls"] and d["same"]
+    assert d["compactions"] == d["simulated_compactions"] > 0
+
+
 def test_play_calls_back_at_each_bound_in_order() -> None:
     """Player.play(at, on_bound): called before each event of ``at``, a bound given twice twice;
     bounds out of order or past the trace are refused (a silent miss would lose every later one)."""
