@@ -5,6 +5,7 @@ the bytes where they were, or says plainly that they are lost (docs/api.md)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import random
 import threading
 
@@ -286,3 +287,38 @@ def _play(fakes: dict, backend: str, seq: list) -> str:
             pass
     assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
     return outcome
+
+
+def test_replay_command_compacts_the_policies_that_can(tmp_path, capsys) -> None:
+    """`npu-pool replay --compact`: the npu_pool and planned rows with compaction, the others as
+    they are; said plainly where it cannot apply."""
+    from npu_pool.cli import main
+    from npu_pool.trace.format import OP_ALLOC, OP_FREE, Trace
+
+    t = Trace()
+    ids = iter(range(1000))
+    live = [next(ids) for _ in range(10)]
+    for i in live:  # the pinned pattern above, as a trace: 25 MiB blocks, every other one freed, then 75 MiB
+        t.append(OP_ALLOC, id=i, size=BLOCK)
+    for i in live[::2]:
+        t.append(OP_FREE, id=i, size=BLOCK)
+    big = next(ids)
+    t.append(OP_ALLOC, id=big, size=3 * BLOCK)
+    for i in [*live[1::2], big]:
+        t.append(OP_FREE, id=i, size=BLOCK if i != big else 3 * BLOCK)
+    t.meta["n_ids"] = big + 1
+    path, out = tmp_path / "pinned.npt", tmp_path / "r.json"
+    t.save(path)
+    caps = {}
+    for compact in (False, True):
+        assert main(["replay", str(path), "--policy", "torch,npu_pool", "--json", str(out)]
+                    + (["--compact"] if compact else [])) == 0
+        rows = {r["policy"]: r for r in json.loads(out.read_text())}
+        caps[compact] = (rows["torch"]["min_capacity_bytes"], rows["npu_pool"]["min_capacity_bytes"])
+    assert caps[True][0] == caps[False][0]  # the torch model as it was
+    assert caps[True][1] < caps[False][1]  # compaction serves the 75 MiB where pinned pages refused it
+    capsys.readouterr()
+    assert main(["replay", str(path), "--policy", "torch", "--compact"]) == 2
+    assert "--compact applies to the npu_pool and planned policies" in capsys.readouterr().err
+    assert main(["replay", str(path), "--live", "--compact"]) == 2
+    assert "--live takes no --compact" in capsys.readouterr().err

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "categories), none")
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
     p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
+    p.add_argument("--compact", action="store_true",
+                   help="the npu_pool and planned policies with compaction (docs/api.md; the other policies as they are)")
     p.add_argument("--costs", metavar="FILE",
                    help="JSON {call kind: microseconds} over the default per-call costs of the device-time estimate")
     p.add_argument("--validate", action="store_true",
@@ -161,6 +163,7 @@ DEFAULT_POLICIES = "torch,expandable,npu_pool"
 def run(args: argparse.Namespace) -> int:
     if args.live or args.validate:  # they replay no policy of ours: an option for one would go unused
         given = [f"--{k}" for k in ("policy", "hints", "costs", "plan") if getattr(args, k) is not None]
+        given += ["--compact"] if args.compact else []
         if args.validate and not args.live and args.device is not None:  # (the recording's own rules are compared)
             given.append("--device")
         if given:
@@ -173,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plan and "planned" not in policies:
         raise UsageError("--plan is the plan policy planned replays: add planned to --policy "
                          "(e.g. --policy npu_pool,planned)")
+    if args.compact and not {"npu_pool", "planned"} & set(policies):
+        raise UsageError("--compact applies to the npu_pool and planned policies: add one to --policy")
     seen: dict = {}
     named = [(distinct_name(n, path, seen), t) for path in expand(args.traces) for n, t in open_traces(path)]
     for name, t in named:
@@ -220,7 +225,8 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
                         online.append(f"planned on {name}: runs online (the plan "
                                       f"{printable(str(plan.meta['online']))})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
-                                    with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds))
+                                    with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds,
+                                    compact=args.compact and policy in ("npu_pool", "planned")))
             next(bar, None)
     next(bar, None)  # (let the bar see its end, and close)
     print(format_table(results))
