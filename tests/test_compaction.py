@@ -322,3 +322,65 @@ def test_replay_command_compacts_the_policies_that_can(tmp_path, capsys) -> None
     assert "--compact applies to the npu_pool and planned policies" in capsys.readouterr().err
     assert main(["replay", str(path), "--live", "--compact"]) == 2
     assert "--live takes no --compact" in capsys.readouterr().err
+
+
+def test_a_pool_whose_bytes_were_lost_says_so_at_check(fakes: dict) -> None:
+    """After a compaction lost live bytes, check() gives the lost state's message (not a broken
+    invariant: live blocks on unmapped pages are what 'lost' means), and a debug build (NP_DEBUG),
+    which checks every invariant as each call returns, reports the loss instead of aborting."""
+    v = _vendor(fakes, "cuda")
+    p = v.pool(compact=True)
+    _pinned(p, fill=True)
+    v.fail("create", count=1000)
+    with pytest.raises(PoolError, match="could not put its .* of live bytes back"):
+        p.malloc(3 * BLOCK)
+    with pytest.raises(PoolError, match="a compaction could not put live tensors' bytes back"):
+        p.check()
+    v.fail("create", count=0)
+    p.close()
+    assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
+
+
+@pytest.mark.parametrize("pinned, asks", [("A", None), (None, "A"), ("A", "B")])
+def test_compaction_returns_the_free_pages_other_arenas_pin(pinned: str | None, asks: str | None) -> None:
+    """With tagged regions every arena counts against the one cap: a request that fails in its own
+    arena has the other arenas' chunks compacted too (their pinned free pages), as empty_cache
+    returns their wholly free chunks, before it fails."""
+    with Pool("npu_pool", capacity=256 * MiB, host_backed=True, compact=True) as p:
+        def alloc(tag: str | None, n: int) -> int:
+            if tag is None:
+                return p.malloc(n)
+            with p.region(tag):
+                return p.malloc(n)
+        with p.region("B"):
+            pass
+        ptrs = [alloc(pinned, BLOCK) for _ in range(10)]
+        for x in ptrs[::2]:
+            p.free(x)
+        p.empty_cache()
+        live = {x: 0x41 + i for i, x in enumerate(ptrs[1::2])}
+        for x, byte in live.items():
+            ctypes.memset(x, byte, BLOCK)
+        big = alloc(asks, 3 * BLOCK)
+        ctypes.memset(big, 0x7F, 3 * BLOCK)
+        assert _intact(live) and p.stats()["compactions"] > 0
+        p.check()
+
+
+def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
+    with Pool("npu_pool", capacity=256 * MiB, host_backed=True, compact=True) as p:
+        with p.region("A"):
+            a = p.malloc(3 * BLOCK)
+        ctypes.memset(a, 0x5A, 3 * BLOCK)
+        p.pause("A", backup=True)
+        ptrs = [p.malloc(BLOCK) for _ in range(10)]
+        for x in ptrs[::2]:
+            p.free(x)
+        p.empty_cache()
+        live = {x: 0x41 + i for i, x in enumerate(ptrs[1::2])}
+        for x, byte in live.items():
+            ctypes.memset(x, byte, BLOCK)
+        p.resume("A")
+        assert ctypes.string_at(a, 3 * BLOCK) == b"\x5a" * (3 * BLOCK)
+        assert _intact(live) and p.stats()["compactions"] > 0
+        p.check()

@@ -428,7 +428,7 @@ int np_record_stream(np_ctx *ctx, void *ptr, intptr_t stream) {
 
 int np_check(np_ctx *ctx) {
   np_ctx_lock(ctx);
-  int rc = ctx->closed ? np_ctx_refuse(ctx, "check") : np_ctx_check(ctx);
+  int rc = ctx->closed || ctx->lost ? np_ctx_refuse(ctx, "check") : np_ctx_check(ctx);
   np_ctx_unlock(ctx);
   return rc;
 }

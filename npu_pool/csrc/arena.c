@@ -722,6 +722,11 @@ static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc)
   return freed > 0;
 }
 
+bool np_arena_compact(np_ctx *ctx, np_arena *a, int *rc) {
+  *rc = NP_OK;
+  return ctx->compact && a->vmm && a->seg && compact(ctx, a, 0, 1, rc);
+}
+
 int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, bool long_lived, np_block **out) {
   uint64_t size = np_round_up(req, NP_MIN_BLOCK);
   int rc = ensure(ctx, a);
