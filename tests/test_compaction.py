@@ -189,12 +189,20 @@ def test_set_compaction_says_where_it_cannot_apply() -> None:
 
 
 def test_without_compaction_nothing_changes() -> None:
-    """Off (the default) the arena is the one without the feature: no compaction, the same calls."""
+    """Off (the default) the arena is the one without the feature: no compaction; the
+    out-of-memory message says what compaction would return. On, a request past the cap even so
+    does not say it."""
     with Pool("npu_pool", capacity=256 * MiB) as p:
         _pinned(p, fill=False)
-        with pytest.raises(OutOfMemoryError):
+        with pytest.raises(OutOfMemoryError, match="compaction would return the free pages that live tensors' "
+                                                   r"chunks keep mapped \(Pool.set_compaction, NPU_POOL_COMPACT=1"):
             p.malloc(3 * BLOCK)
         assert p.stats()["compactions"] == 0 == p.stats()["compacted"]
+    with Pool("npu_pool", capacity=256 * MiB, compact=True) as p:
+        _pinned(p, fill=False)
+        with pytest.raises(OutOfMemoryError) as e:
+            p.malloc(7 * BLOCK)
+        assert "compaction would" not in str(e.value)
 
 
 _COPY = {"acl": b"aclrtMemcpy", "cuda": b"cudaMemcpy"}

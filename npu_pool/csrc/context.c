@@ -80,7 +80,11 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name
                      : ctx->policy->memory ? ctx->policy->memory : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[480], held[320] = "";
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[640], held[320] = "";
+  /* free pages that live tensors' chunks pin: what compaction would return, were it on */
+  const char *hint = ctx->policy->compacts && !ctx->compact && ctx->be->granularity && ctx->cfg.vmm
+                     ? "; compaction would return the free pages that live tensors' chunks keep mapped "
+                       "(Pool.set_compaction, NPU_POOL_COMPACT=1: docs/api.md)" : "";
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
@@ -100,12 +104,14 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
     snprintf(what, sizeof what, "fragmentation across tagged regions: %s has only %s it could use, and the request "
              "needs %s in one piece; %s more is free in the pool's other arenas (untagged tensors' and other regions'), "
              "kept mapped by their live tensors (empty_cache cannot return it: free those tensors, or pause those "
-             "regions)", pool,
-             np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n), np_fmt_bytes(f->elsewhere, el));
+             "regions)%s", pool,
+             np_fmt_bytes(f->usable, u), np_fmt_bytes(np_max_u64(f->needed, size), n), np_fmt_bytes(f->elsewhere, el),
+             hint);
   else if (why == NP_OOM_FRAGMENTED)
     snprintf(what, sizeof what, "fragmentation: %s could serve it (its free blocks plus what the cap still allows) "
-             "but not in one piece of %s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),
-             rounded ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "");
+             "but not in one piece of %s%s%s", pool, np_fmt_bytes(np_max_u64(f->needed, size), n),
+             rounded ? " (the request rounded up to what the policy takes from the device: a new segment or whole pages)" : "",
+             hint);
   else
     snprintf(what, sizeof what, "a real shortage: %s has only %s it could use, and the request needs %s in one piece%s, "
              "even with no fragmentation (lower the batch, recompute, shard more, or raise the fraction)",
