@@ -15,7 +15,8 @@ CSRC = ROOT / "npu_pool" / "csrc"
 
 
 @pytest.mark.parametrize("driver, expected, defines", [
-    ("stress.c", ["torch:", "npu_pool:", "expandable:"], []),  # random sequences on every policy
+    # random sequences on every policy, and with compaction on the policies that compact
+    ("stress.c", ["torch:", "npu_pool:", "expandable:", "npu_pool compacting:", "planned compacting:"], []),
     ("planned.c", ["served"], []),  # the planned policy against a changing iteration
     ("tree.c", ["lowest fit: ok"], []),  # the address-ordered tree's lowest-fit search against a scan
     # the simulated device's placement (its range treap) against the linear scans it replaced

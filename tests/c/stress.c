@@ -1,7 +1,9 @@
 /* stress.c -- the core under a debug build (NP_DEBUG asserts) and the sanitizers:
- * random malloc/free/empty_cache/fraction/record_stream sequences on every policy,
- * np_check() after each step, every live block's first and last byte checked on
- * host-backed memory. Exit 0 only if every invariant held. */
+ * random malloc/free/empty_cache/fraction/record_stream sequences on every policy, and on
+ * the policies that compact with compaction on (np_set_compaction: live bytes moved through
+ * the host, which the simulated device's unmap discards), np_check() after each step, every
+ * live block's first and last byte checked on host-backed memory. Exit 0 only if every
+ * invariant held. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +26,7 @@ static int fail(const char *what, int policy, int step) {
   return 1;
 }
 
-static int run(int policy) {
+static int run(int policy, int compact) {
   np_config cfg;
   np_config_init(&cfg);
   cfg.policy = policy;
@@ -32,6 +34,7 @@ static int run(int policy) {
   cfg.host_backed = 1;
   np_ctx *ctx;
   if (np_create(&cfg, &ctx) != NP_OK) return fail("create", policy, -1);
+  if (compact && np_set_compaction(ctx, 1) != NP_OK) return fail("set_compaction", policy, -1);
   struct { unsigned char *p; uint64_t size; unsigned char fill; } live[MAX_LIVE];
   int n = 0;
   for (int step = 0; step < STEPS; step++) {
@@ -73,13 +76,16 @@ static int run(int policy) {
   np_get_stats(ctx, &st);
   if (st.total.reserved.current != 0 || st.total.allocated.current != 0) return fail("memory left reserved", policy, STEPS);
   if (np_destroy(ctx) != NP_OK) return fail("destroy", policy, STEPS);
-  printf("%s: %llu allocs, %llu ooms, peak reserved %llu\n", np_policy_name(policy), (unsigned long long)st.allocs,
-         (unsigned long long)st.ooms, (unsigned long long)st.total.reserved.peak);
+  printf("%s%s: %llu allocs, %llu ooms, peak reserved %llu, %llu compactions\n", np_policy_name(policy),
+         compact ? " compacting" : "", (unsigned long long)st.allocs, (unsigned long long)st.ooms,
+         (unsigned long long)st.total.reserved.peak, (unsigned long long)st.compactions);
+  if (compact && !st.compactions) return fail("no compaction ran", policy, STEPS);
   return 0;
 }
 
 int main(void) {
   for (int policy = 0; policy < np_policy_count(); policy++)
-    if (run(policy)) return 1;
+    if (run(policy, 0)) return 1;
+  if (run(np_policy_index("npu_pool"), 1) || run(np_policy_index("planned"), 1)) return 1;
   return 0;
 }
