@@ -8,6 +8,7 @@ import ctypes
 import json
 import random
 import threading
+from typing import Callable
 
 import pytest
 
@@ -38,10 +39,11 @@ BLOCK = 25 * MiB  # ten of them on a 256 MiB device share pages (25 MiB is 12.5 
 KINDS = ("phys_create", "phys_release", "map", "unmap")
 
 
-def _pinned(p: Pool, fill: bool) -> dict[int, int]:
-    """Ten blocks, every other one freed and empty_cache: the freed ones' pages stay mapped in
-    chunks that live blocks hold. Returns the live blocks (address -> the byte they are filled with)."""
-    ptrs = [p.malloc(BLOCK) for _ in range(10)]
+def _pinned(p: Pool, fill: bool, alloc: Callable[[int], int] | None = None) -> dict[int, int]:
+    """Ten blocks (``alloc``, default ``p.malloc``), every other one freed and empty_cache: the freed
+    ones' pages stay mapped in chunks that live blocks hold. Returns the live blocks (address -> the
+    byte they are filled with)."""
+    ptrs = [(alloc or p.malloc)(BLOCK) for _ in range(10)]
     for x in ptrs[::2]:
         p.free(x)
     p.empty_cache()
@@ -362,13 +364,7 @@ def test_compaction_returns_the_free_pages_other_arenas_pin(pinned: str | None, 
                 return p.malloc(n)
         with p.region("B"):
             pass
-        ptrs = [alloc(pinned, BLOCK) for _ in range(10)]
-        for x in ptrs[::2]:
-            p.free(x)
-        p.empty_cache()
-        live = {x: 0x41 + i for i, x in enumerate(ptrs[1::2])}
-        for x, byte in live.items():
-            ctypes.memset(x, byte, BLOCK)
+        live = _pinned(p, fill=True, alloc=lambda n: alloc(pinned, n))
         big = alloc(asks, 3 * BLOCK)
         ctypes.memset(big, 0x7F, 3 * BLOCK)
         assert _intact(live) and p.stats()["compactions"] > 0
@@ -381,13 +377,7 @@ def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
             a = p.malloc(3 * BLOCK)
         ctypes.memset(a, 0x5A, 3 * BLOCK)
         p.pause("A", backup=True)
-        ptrs = [p.malloc(BLOCK) for _ in range(10)]
-        for x in ptrs[::2]:
-            p.free(x)
-        p.empty_cache()
-        live = {x: 0x41 + i for i, x in enumerate(ptrs[1::2])}
-        for x, byte in live.items():
-            ctypes.memset(x, byte, BLOCK)
+        live = _pinned(p, fill=True)
         p.resume("A")
         assert ctypes.string_at(a, 3 * BLOCK) == b"\x5a" * (3 * BLOCK)
         assert _intact(live) and p.stats()["compactions"] > 0
