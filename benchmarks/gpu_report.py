@@ -144,7 +144,7 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
         bounds = iteration_bounds(trace) if trace is not None else []
         if bounds and len(bounds) + 1 == len(d["simulated_calls"]):
             rules = "npu" if d["device"] == "npu" else "cuda"
-            _, d["simulated_calls"] = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds)
+            _, d["simulated_calls"], _ = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds)
             d["same"] = d["simulated_calls"] == d["iteration_calls"]
         else:
             as_then.append(f"{d['trace'].split('.')[0]} {d['allocator']}")

@@ -125,8 +125,8 @@ struct np_ctx {
   bool closed;
   bool inherited;
   /* Compaction (np_set_compaction, vmm.h's np_vmm_compact): asked for; lost: a compaction could
-   * not put live bytes back (the device refused their pages twice, or the copy back failed), so
-   * tensors hold wrong bytes and the context refuses every call but stats and close. */
+   * not put live bytes back (the device refused their pages every time asked, or every copy back
+   * failed), so tensors hold wrong bytes and the context refuses every call but stats and close. */
   bool compact;
   bool lost;
   bool rescuing;             /* a compaction puts live bytes back: the cap does not refuse their pages */

@@ -13,9 +13,9 @@
 /* Invariants: ctx[d] is NULL or a context built from `cfg` for device d; npu_pool_shutdown()
  * closes it and keeps the struct on `retired` (a hook that read ctx[d] just before may still
  * call it: it fails cleanly on a closed context, never on freed memory); `cfg` and `lib_path`
- * change only while every ctx[d] is NULL; fraction[d] (0 = none), history[d] (-1 = default) and compact[d] are what device
- * d gets when its context is created. error[d] is d's last failure, printed[d] whether it was printed
- * since the last successful malloc. devices is the count torch sees (0: not told yet).
+ * change only while every ctx[d] is NULL; fraction[d] (0 = none), history[d] (-1 = default) and
+ * compact[d] are what device d gets when its context is created. error[d] is d's last failure,
+ * printed[d] whether it was printed since the last successful malloc. devices is the count torch sees (0: not told yet).
  * `lock` guards everything but the ctx reads of the allocation fast path and the atomics. */
 static struct {
   pthread_mutex_t lock;

@@ -94,14 +94,15 @@ void np_vmm_spares_release(np_ctx *ctx);
  * by chunks over the runs of its pages that `keep` marks (keep[i]: page first + i), the bytes of
  * those pages copied to host memory and back at the same addresses, so that the pages not kept
  * go back to the device (*freed: their bytes). The device must be idle (the caller synchronised
- * it and no other thread queues work), and no recycle window open (the handle is released, not
- * kept). A failure before the unmap changes nothing. The runs need fewer pages than the device
- * took back a moment before: a run it refuses is asked once more, every spare given back first,
- * and if it refuses again the chunk's pages are mapped again as they were (the bytes copied
- * back, the error returned); so is the chunk's own handle where the device refuses to take it
- * back. Only if that fails too, or a copy back does, are live bytes lost: the context is marked
- * lost (refusing every call but stats and close) and NP_ERR_STATE says so. The
- * simulated device without host memory copies nothing (stats count the bytes all the same). */
+ * it and no other thread queues work). A failure before the unmap changes nothing; the chunk's
+ * handle, unmapped, is released (one the device refuses to take back maps again where it was:
+ * the chunk as it was, the error returned). The runs need fewer pages than the device took back
+ * a moment before: a run it refuses is asked once more, every spare given back first, and if it
+ * refuses again the chunk's unmapped pages are mapped as they were (three tries, spares and held
+ * memory given back before each, the cap set aside: ctx->rescuing), the bytes copied back (three
+ * tries) and the error returned. Only if that fails too are live bytes lost: the context is
+ * marked lost (refusing every call but stats and close) and NP_ERR_STATE says so. The simulated
+ * device without host memory copies nothing (stats count the bytes all the same). */
 int np_vmm_compact(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, const uint8_t *keep, uint64_t *freed);
 /* Unmap what is still mapped in seg and release its address range (failures are held). */
 void np_vmm_release(np_ctx *ctx, np_segment *seg);
