@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             full_steady[name, column] = (sum(sum(d.values()) for d in at.iteration_calls[2:]),
                                          steady_calls(at.iteration_calls, at.iteration_peaks)) if at.ok and bounds else None
             if options.get("compact"):
-                at_min = run(trace, policy, rows[-1][2].min_capacity_bytes, **kw)  # (evaluate keeps calls only)
-                moved[name] = (at_min.stats, at.stats if at.ok else None)
+                moved[name] = (rows[-1][2].stats_at_min_capacity, at.stats if at.ok else None)
     if len(args.baseline_name) > len(args.baseline):
         ap.error("--baseline-name names a --baseline: give as many baselines")
     names = args.baseline_name + args.baseline[len(args.baseline_name):]

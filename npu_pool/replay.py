@@ -75,7 +75,7 @@ class PolicyResult:
     device_mallocs: int
     ops: int
     ns_per_op: float
-    trims_at_min_capacity: int | None = None  # npu_pool: pages moved without a synchronisation (not in JSON)
+    stats_at_min_capacity: dict[str, Any] | None = None  # the pool's stats() there (not in JSON)
     calls: dict[str, int] | None = None                   # device calls by kind, given room to spare
     calls_at_min_capacity: dict[str, int] | None = None   # ... and at the minimum capacity
     iteration_calls: list[dict[str, int]] | None = None   # room to spare, per stretch of iteration_bounds (None: no repeats)
@@ -84,6 +84,11 @@ class PolicyResult:
     JSON_KEYS: ClassVar[tuple[str, ...]] = ("trace", "policy", "peak_live_bytes", "peak_reserved_bytes", "utilization", "min_capacity_bytes",
                  "retries_at_min_capacity", "device_mallocs", "ops", "ns_per_op", "calls", "calls_at_min_capacity",
                  "iteration_calls", "iteration_peak_live")
+
+    @property
+    def trims_at_min_capacity(self) -> int | None:
+        """npu_pool: pages moved without a synchronisation at the minimum capacity."""
+        return None if self.stats_at_min_capacity is None else self.stats_at_min_capacity["trims"]
 
     @property
     def steady_calls(self) -> int | None:
@@ -317,21 +322,25 @@ def min_capacity(trace: Trace, policy: str, *, hints: str = "markers", lo: int |
     compact (:meth:`Pool.set_compaction`)."""
     plan = _as_plan(plan)
     lo = live_profile(trace).peak_bytes if lo is None else lo
+
+    def play(capacity: int = UNLIMITED) -> RunResult:
+        return run(trace, policy, capacity, hints=hints, plan=plan, device=device, compact=compact)
+
     if hi is None:
-        hi = run(trace, policy, hints=hints, plan=plan, device=device, compact=compact).peak_reserved_bytes
+        hi = play().peak_reserved_bytes
 
     def fits(r: RunResult) -> bool:
         return r.ok and (r.retries == 0 or not no_retries)
 
     step = CAPACITY_STEP
     k_lo, k_hi = max(1, -(-lo // step)), max(1, -(-hi // step))
-    best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device, compact=compact)
+    best = play(k_hi * step)
     while not fits(best):  # a capped device may behave differently from the unlimited one
         k_lo, k_hi = k_hi + 1, k_hi * 2
-        best = run(trace, policy, k_hi * step, hints=hints, plan=plan, device=device, compact=compact)
+        best = play(k_hi * step)
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
-        r = run(trace, policy, mid * step, hints=hints, plan=plan, device=device, compact=compact)
+        r = play(mid * step)
         if fits(r):
             k_hi, best = mid, r
         else:
@@ -378,11 +387,11 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
                    bounds=bounds or None, compact=compact)
     if not free_run.ok:
         raise too_large(trace, name, policy, free_run)
-    cap = retries = trims = cap_calls = None
+    cap = retries = cap_stats = cap_calls = None
     if with_min_capacity:
         cap, at_cap = min_capacity(trace, policy, hints=hints, lo=free_run.peak_live_bytes,
                                    hi=free_run.peak_reserved_bytes, plan=plan, device=device, compact=compact)
-        retries, trims, cap_calls = at_cap.retries, at_cap.stats["trims"], at_cap.calls
+        retries, cap_stats, cap_calls = at_cap.retries, at_cap.stats, at_cap.calls
     reserved = free_run.peak_reserved_bytes
     return PolicyResult(trace=name, policy=policy, peak_live_bytes=free_run.peak_live_bytes,
                         peak_reserved_bytes=reserved,
@@ -390,7 +399,7 @@ def evaluate(trace: Trace, name: str, policy: str, *, hints: str = "markers", wi
                         min_capacity_bytes=cap, retries_at_min_capacity=retries,
                         device_mallocs=free_run.device_mallocs, ops=free_run.ops,
                         ns_per_op=free_run.ns / free_run.ops if free_run.ops else 0.0,
-                        trims_at_min_capacity=trims, calls=free_run.calls, calls_at_min_capacity=cap_calls,
+                        stats_at_min_capacity=cap_stats, calls=free_run.calls, calls_at_min_capacity=cap_calls,
                         iteration_calls=free_run.iteration_calls, iteration_peak_live=free_run.iteration_peaks)
 
 

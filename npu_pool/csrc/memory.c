@@ -403,19 +403,21 @@ int np_vmm_map(np_ctx *ctx, np_segment *seg, uintptr_t addr, uint64_t size, bool
 
 /* ---- compaction: a chunk replaced by chunks over its kept pages, their bytes through the host -- */
 
+/* The next run of kept pages of [first, first + n) at or after page *p: [*p, *q); false if none. */
+static bool kept_run(const uint8_t *keep, uint64_t first, uint64_t n, uint64_t *p, uint64_t *q) {
+  while (*p < first + n && !keep[*p - first]) ++*p;
+  for (*q = *p; *q < first + n && keep[*q - first];) ++*q;
+  return *p < first + n;
+}
+
 /* Copy the kept pages of [first, first + n) between the device and buf (to_device 0: out). */
 static int move_kept(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, const uint8_t *keep, char *buf,
                      int to_device) {
   uint64_t g = ctx->be->granularity, off = 0;
-  for (uint64_t p = first; p < first + n; p++) {
-    if (!keep[p - first]) continue;
-    uint64_t q = p;
-    while (q < first + n && keep[q - first]) q++;
+  for (uint64_t p = first, q; kept_run(keep, first, n, &p, &q); off += (q - p) * g, p = q) {
     void *dev = (void *)(seg->addr + p * g), *host = buf + off;
     int rc = ctx->be->copy(ctx->be, to_device ? dev : host, to_device ? host : dev, (q - p) * g, to_device);
     if (rc != NP_OK) return rc;
-    off += (q - p) * g;
-    p = q;
   }
   return NP_OK;
 }
@@ -425,13 +427,9 @@ static int map_kept(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, co
   uint64_t g = ctx->be->granularity;
   int rc = NP_OK;
   np_saved_error s;
-  for (uint64_t p = first; p < first + n; p++) {
-    if (!keep[p - first]) continue;
-    uint64_t q = p;
-    while (q < first + n && keep[q - first]) q++;
+  for (uint64_t p = first, q; kept_run(keep, first, n, &p, &q); p = q) {
     int r = np_vmm_map(ctx, seg, seg->addr + p * g, (q - p) * g, false);
     if (r != NP_OK && rc == NP_OK) np_save_error(&s, rc = r);
-    p = q;
   }
   return rc == NP_OK ? NP_OK : np_restore_error(&s);
 }
