@@ -310,24 +310,34 @@ NOTES = """
 ## Compaction: the bounds for a pool that may move live bytes (2026-11-28)
 
 - What keeps a chunk mapped is a live block in it: a chunk is mapped and returned whole, so the
-  rules below (exact growths past half the cap, carves that avoid pinning a free chunk) keep
-  blocks of different lives out of shared chunks, at the price of a chunk per growth there.
-  Compaction (the compacting rows and columns; `Pool.set_compaction`, docs/api.md) frees what a
-  live block pins instead, when a request needs it: a request that finds no room even after the
-  device was synchronised and every wholly free chunk returned has the chunks holding live
-  blocks and free pages replaced by chunks over their live pages, the live bytes copied through
-  host memory at the same addresses. Growths then stay coarse up to the cap. The tables above
-  show what that does to both bounds and to the waste #19 allows (the section Bounds, the
+  rules below (exact growths past half the cap, carves that avoid pinning a free chunk or unmap
+  it first) keep blocks of different lives out of shared chunks, at the price of a chunk per
+  growth there and the trims. Compaction (the compacting rows and columns;
+  `Pool.set_compaction`, docs/api.md) frees what a live block pins instead, when a request needs
+  it: a request that finds no room even after the device was synchronised and every wholly free
+  chunk returned has the chunks holding live blocks and free pages replaced by chunks over their
+  live pages, the live bytes copied through host memory at the same addresses, the chunks that
+  free the most pages per live page first, until the cap has room for the request. None of the
+  rules under cap pressure apply with compaction: growths stay coarse up to the cap. The tables
+  above show what that does to both bounds and to the waste #19 allows (the section Bounds, the
   waste table's compacting row against npu_pool's first version), and the section Compaction
-  what it copies: nothing on most traces on the device the torch model just fits, a run's worth
-  at the minimum capacity. It is off by default: the bytes move while the device is idle, which
-  the pool can make sure of for the work already queued (a synchronisation; torch_npu's task
-  queue drained first) but not for work another thread queues meanwhile, so it is for programs
-  where one thread at a time drives the device (a training loop and its autograd thread), and
-  the pool cannot tell. What is still over the bounds with it: at its minimum capacity the
-  calls of the trims that move free chunks where a request needs them (cs336-medium-ctx1024-infer,
-  h100-gpt-bf16-train, cs336-forward-fp32), and on a full device the same trims in the steady
-  iterations of three traces.
+  what it copies: on the device the torch model just fits, nothing on 11 of the 13 traces (0.8
+  GiB over the whole run of llama7b-offload-infer, which gives its cache back every iteration);
+  at the minimum capacity up to 3.7 GiB over a run. It is off by default: the bytes move while
+  the device is idle, which the pool can make sure of for the work already queued (a
+  synchronisation; torch_npu's task queue drained first) but not for work another thread queues
+  meanwhile, so it is for programs where one thread at a time drives the device (a training
+  loop and its autograd thread), and the pool cannot tell.
+- Compaction's first form (commit 18c1168) kept the rules under cap pressure, applying past the
+  budget, compacted the chunks with the most free pages first, and until the request's size was
+  freed whatever the cap had left: the physical bound at the minimum capacity held on 10 of 13
+  traces, no steady call on the full device on 4 of 7, for 145.1 MiB of waste (now 13, 6 and
+  143.1), and it moved 5.6 GiB on the full device over the 13 traces (now 2.1).
+  benchmarks/results/sim-2026-11-28 has a patch with a switch for each change and the figures
+  of each combination: the calls came from the carves' unmaps of free chunks (`unpin`).
+- What is still over the bounds with compaction: h100-gpt-bf16-train's one chunk in its third
+  iteration (24 MiB; a creation, a map and CUDA's set_access) given room to spare and on the
+  full device, as without compaction (Known limits, below).
 
 ## Known limits (without compaction)
 

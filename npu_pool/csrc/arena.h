@@ -35,7 +35,10 @@
  *    first, waiting for the device first when one of their streams still has queued work
  *    (one synchronisation per request at most: arena.c, settled); only if that is not
  *    enough does the request fail into the retry, which synchronises the device and
- *    unmaps every whole free chunk, as empty_cache.
+ *    unmaps every whole free chunk, as empty_cache; with compaction (np_set_compaction) a
+ *    request that still fails then compacts (arena.c, compact), and the rules above that keep
+ *    chunks whole under cap pressure (exact growths, pins avoided or unmapped, the aligned top
+ *    start) do not apply: a compaction frees what they keep free, when it is needed.
  *
  * The arena's budget is the context's cap less `set_aside` (promised to its owner, e.g. the
  * planned region) and the reserved bytes `outside` it (held by its owner): its owner keeps
