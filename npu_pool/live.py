@@ -8,7 +8,8 @@ explicit offload: a pause drops the tag's tensors and empties the cache, a resum
 again); nothing else runs. The trace is played once under the framework's own caching allocator
 (``native``) and once under npu_pool, each in a process of its own (a process chooses its
 allocator once), with the allocators' defaults (the caller's ``MEMORY_FRAGMENTATION``, npu_pool
-settings, torch allocator settings and OOM-snapshot settings are left out of its environment). Each process reports peak
+settings, torch allocator settings and OOM-snapshot settings are left out of its environment;
+``compact`` turns npu_pool's compaction on, docs/api.md). Each process reports peak
 reserved and allocated bytes (the framework's ``max_memory_*``), the device calls the
 framework counts (``num_device_alloc`` / ``num_device_free``), the vendor runtime's own
 per-function call counts where the runtime exposes them (the tests' fake CANN does:
@@ -87,6 +88,13 @@ class LiveResult:
     seconds: float                 # wall time of one replay (the room-to-spare one)
     pool_calls: Optional[dict[str, int]] = None  # npu_pool's own device calls by kind (its run only)
     device_bytes: Optional[int] = None  # the device's free memory when the replay began (mem_get_info)
+    compact: bool = False          # npu_pool with compaction (docs/api.md)
+    compactions: Optional[int] = None  # npu_pool's compactions in the replay (its run only)
+
+    @property
+    def label(self) -> str:
+        """The allocator as the tables name it: ``compacting`` for npu_pool with compaction."""
+        return "compacting" if self.compact else self.allocator
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,9 +114,10 @@ _WORKER_SAYS = "npu-pool replay --live: "  # how a worker's LiveError starts on 
 
 def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, allocators: Sequence[str] = ALLOCATORS,
                 min_capacity: bool = False, python: Optional[str] = None, timeout: float = 3600.0,
-                env: Optional[dict[str, str]] = None) -> list[LiveResult]:
+                env: Optional[dict[str, str]] = None, compact: bool = False) -> list[LiveResult]:
     """Play ``trace`` live under each allocator, each in a fresh process of ``python`` (default this
-    interpreter); ``device``: ``"npu"``, ``"cuda"`` or None (an NPU if torch_npu has one, else CUDA)."""
+    interpreter); ``device``: ``"npu"``, ``"cuda"`` or None (an NPU if torch_npu has one, else CUDA);
+    ``compact``: npu_pool with compaction."""
     if device not in (None, "npu", "cuda"):
         raise ValueError(f"unknown device {device!r}; choose npu or cuda")
     bad = [a for a in allocators if a not in ALLOCATORS]
@@ -123,6 +132,7 @@ def replay_live(trace: Trace, name: str, *, device: Optional[str] = None, alloca
         for allocator in allocators:
             cmd = [python or sys.executable, "-m", "npu_pool.live", str(path), "--allocator", allocator,
                    "--device", device or "auto"] + (["--min-capacity"] if min_capacity else [])
+            cmd += ["--compact"] if compact and allocator == "npu_pool" else []
             try:
                 r = workers.run(cmd, timeout=timeout, env=env)
             except subprocess.TimeoutExpired:
@@ -199,7 +209,8 @@ SIMULATED = {"native": "torch", "npu_pool": "npu_pool"}  # the policy that model
 GiB = float(1 << 30)
 LEGEND = """\
 Live replay on this machine's device: every allocation of the trace as a tensor, in trace order,
-under the framework's own caching allocator (native) and under npu_pool, each in its own process.
+under the framework's own caching allocator (native) and under npu_pool, each in its own process
+(compacting: npu_pool with compaction, --compact; --json has its compactions).
   peak rsvd / peak alloc  the framework's max_memory_reserved / max_memory_allocated (GiB)
   min cap     the smallest memory fraction (2 MiB steps of the device) under which the trace runs
   dev allocs  device allocations the framework counts (num_device_alloc: segments, or mapped ranges)
@@ -210,8 +221,8 @@ With --validate each live row has the simulation's beside it (sim: the torch mod
 the npu_pool policy for npu_pool learning from the phase markers, as the live pool does, with the
 same device's rules, on a device of the memory the live one had free: on a GPU that others use
 too, near its end the two may part); 'same' compares both peaks, the device allocations and the
-minimum capacity (each where the live run has one), and where a run ran out of memory, the event.
---policy and --hints do not apply to --live."""
+minimum capacity (each where the live run has one), the compactions, and where a run ran out of
+memory, the event. --policy and --hints do not apply to --live."""
 
 
 def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> dict[str, Any]:
@@ -219,22 +230,25 @@ def simulated(trace: Trace, r: LiveResult, with_min_capacity: bool = True) -> di
     of its device, on a device of the memory the live one had free when the replay began,
     learning from the phase markers as the live pool does; ``same``: equal peaks (reserved and
     allocated), device allocations and minimum capacities (each where the live run has one), and
-    the same event failing where the live run ran out of memory."""
+    the same event failing where the live run ran out of memory, and as many compactions."""
     from .replay import UNLIMITED, min_capacity, run
 
     policy = SIMULATED[r.allocator]
-    sim = run(trace, policy, r.device_bytes or UNLIMITED, device=r.device)
+    sim = run(trace, policy, r.device_bytes or UNLIMITED, device=r.device, compact=r.compact)
     # (the live run's minimum capacity, where it found one: a trace it could not play has none)
-    cap = min_capacity(trace, policy, device=r.device)[0] if with_min_capacity and r.min_capacity_bytes else None
+    cap = (min_capacity(trace, policy, device=r.device, compact=r.compact)[0]
+           if with_min_capacity and r.min_capacity_bytes else None)
     peak_allocated = sim.stats["total"]["allocated"]["peak"]
     same = (sim.peak_reserved_bytes == r.peak_reserved_bytes and peak_allocated == r.peak_allocated_bytes
             and (r.device_allocs is None or sim.device_mallocs == r.device_allocs)
             and (cap is None or r.min_capacity_bytes is None or cap == r.min_capacity_bytes)
-            and sim.ok == r.ok and (r.ok or sim.fail_index == r.fail_index))
+            and sim.ok == r.ok and (r.ok or sim.fail_index == r.fail_index)
+            and (r.compactions is None or sim.stats["compactions"] == r.compactions))
     return {"policy": policy, "device": r.device, "peak_reserved_bytes": sim.peak_reserved_bytes,
             "peak_allocated_bytes": peak_allocated, "min_capacity_bytes": cap,
             "device_mallocs": sim.device_mallocs, "device_frees": sim.stats["device_frees"],
-            "seconds": sim.ns / 1e9, "same": same, "ok": sim.ok, "fail_index": None if sim.ok else sim.fail_index}
+            "seconds": sim.ns / 1e9, "same": same, "ok": sim.ok, "fail_index": None if sim.ok else sim.fail_index,
+            "compactions": sim.stats["compactions"]}
 
 
 def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> str:
@@ -243,26 +257,26 @@ def format_live(rows: Sequence[tuple[LiveResult, Optional[dict[str, Any]]]]) -> 
         return "-" if b is None else f"{b / GiB:.3f}"
 
     w = name_width(r.trace for r, _ in rows)
-    head = (f"{'trace':{w}} {'allocator':9} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
+    head = (f"{'trace':{w}} {'allocator':10} {'where':5} {'peak rsvd':>9} {'peak alloc':>10} {'min cap':>9} "
             f"{'dev allocs':>10} {'vendor':>7} {'seconds':>8} {'same':>4}")
     lines = [head, "-" * len(head)]
     for r, sim in rows:
         vendor = "-" if r.vendor_allocs is None else str(r.vendor_allocs)
         devs = "-" if r.device_allocs is None else str(r.device_allocs)
-        lines.append(f"{r.trace:{w}} {r.allocator:9} {'live':5} {gib(r.peak_reserved_bytes):>9} "
+        lines.append(f"{r.trace:{w}} {r.label:10} {'live':5} {gib(r.peak_reserved_bytes):>9} "
                      f"{gib(r.peak_allocated_bytes):>10} {gib(r.min_capacity_bytes):>9} {devs:>10} {vendor:>7} "
                      f"{r.seconds:8.3f} {'':>4}")
         if sim is not None:
-            lines.append(f"{r.trace:{w}} {r.allocator:9} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
+            lines.append(f"{r.trace:{w}} {r.label:10} {'sim':5} {gib(sim['peak_reserved_bytes']):>9} "
                          f"{gib(sim['peak_allocated_bytes']):>10} {gib(sim['min_capacity_bytes']):>9} "
                          f"{sim['device_mallocs']:>10} {'-':>7} {sim['seconds']:8.3f} {'yes' if sim['same'] else 'NO':>4}")
     for r, sim in rows:
         if not r.ok:
-            lines.append(f"{r.trace}: under {r.allocator} the device ran out of memory at event {r.fail_index}; "
+            lines.append(f"{r.trace}: under {r.label} the device ran out of memory at event {r.fail_index}; "
                          "its figures are those up to there")
         if sim is not None and not sim["ok"]:
             lines.append(f"{r.trace}: simulated on a device of the {gib(r.device_bytes)} GiB it had free, "
-                         f"{r.allocator} runs out of memory at event {sim['fail_index']}")
+                         f"{r.label} runs out of memory at event {sim['fail_index']}")
     return "\n".join(lines)
 
 
@@ -493,8 +507,11 @@ def _min_capacity(player: Player, lo: int, hi: int) -> Optional[int]:
     return k_hi * STEP
 
 
-def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> dict[str, Any]:
-    """Play the trace at ``path`` under ``allocator`` in this process; the figures as a dict."""
+def run_worker(path: str, allocator: str, device: str, min_capacity: bool, compact: bool = False) -> dict[str, Any]:
+    """Play the trace at ``path`` under ``allocator`` in this process (npu_pool with compaction:
+    ``compact``); the figures as a dict."""
+    if compact and allocator != "npu_pool":
+        raise LiveError(f"compaction is npu_pool's: the {allocator} allocator has none")
     trace = Trace.load(path)
     kind, torch, module = _framework(device)
     pool = None
@@ -502,6 +519,13 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
         from .install import install
 
         pool = install(kind).get(0)
+        if compact:
+            from .pool import PoolError
+
+            try:
+                pool.set_compaction(True)
+            except PoolError as e:  # (a runtime that cannot copy device memory to the host)
+                raise LiveError(f"--compact: {e}") from None
     module.set_device(0)
     player = Player(trace, torch, module, kind, pool)
     counter = _vendor_counter(kind)
@@ -524,7 +548,8 @@ def run_worker(path: str, allocator: str, device: str, min_capacity: bool) -> di
                peak_allocated_bytes=int(module.max_memory_allocated(player.dev)), min_capacity_bytes=None,
                device_allocs=delta("num_device_alloc"), device_frees=delta("num_device_free"), vendor_calls=calls,
                seconds=seconds, device_bytes=free0,
-               pool_calls={k: int(v) for k, v in pool.stats()["calls"].items() if v} if pool is not None else None)
+               pool_calls={k: int(v) for k, v in pool.stats()["calls"].items() if v} if pool is not None else None,
+               compact=compact, compactions=int(pool.stats()["compactions"]) if pool is not None else None)
     if min_capacity and failed is None:
         from .trace.stats import live_profile
 
@@ -542,9 +567,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--allocator", choices=ALLOCATORS, default="native")
     p.add_argument("--device", choices=("auto", "npu", "cuda"), default="auto")
     p.add_argument("--min-capacity", action="store_true")
+    p.add_argument("--compact", action="store_true", help="npu_pool with compaction")
     args = p.parse_args(argv)
     try:
-        rec = run_worker(args.trace, args.allocator, args.device, args.min_capacity)
+        rec = run_worker(args.trace, args.allocator, args.device, args.min_capacity, args.compact)
     except LiveError as e:
         print(f"{_WORKER_SAYS}{e}", file=sys.stderr)
         return 2

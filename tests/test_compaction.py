@@ -330,8 +330,8 @@ def test_replay_command_compacts_the_policies_that_can(tmp_path, capsys) -> None
     capsys.readouterr()
     assert main(["replay", str(path), "--policy", "torch", "--compact"]) == 2
     assert "--compact applies to the npu_pool and planned policies" in capsys.readouterr().err
-    assert main(["replay", str(path), "--live", "--compact"]) == 2
-    assert "--live takes no --compact" in capsys.readouterr().err
+    assert main(["replay", str(path), "--validate", "--compact"]) == 2  # (--live --compact: tests/test_live_replay.py)
+    assert "--validate takes no --compact" in capsys.readouterr().err
 
 
 def test_a_pool_whose_bytes_were_lost_says_so_at_check(fakes: dict) -> None:

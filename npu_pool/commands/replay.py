@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-min-capacity", action="store_true", help="skip the minimum-capacity search (faster)")
     p.add_argument("--plan", metavar="PLAN", help="plan file for --policy planned (default: plan each trace itself)")
     p.add_argument("--compact", action="store_true",
-                   help="the npu_pool and planned policies with compaction (docs/api.md; the other policies as they are)")
+                   help="the npu_pool and planned policies with compaction (docs/api.md; the other policies as they "
+                        "are); with --live, npu_pool's process")
     p.add_argument("--costs", metavar="FILE",
                    help="JSON {call kind: microseconds} over the default per-call costs of the device-time estimate")
     p.add_argument("--validate", action="store_true",
@@ -163,7 +164,7 @@ DEFAULT_POLICIES = "torch,expandable,npu_pool"
 def run(args: argparse.Namespace) -> int:
     if args.live or args.validate:  # they replay no policy of ours: an option for one would go unused
         given = [f"--{k}" for k in ("policy", "hints", "costs", "plan") if getattr(args, k) is not None]
-        given += ["--compact"] if args.compact else []
+        given += ["--compact"] if args.compact and not args.live else []  # (--live: npu_pool's worker compacts)
         if args.validate and not args.live and args.device is not None:  # (the recording's own rules are compared)
             given.append("--device")
         if given:
@@ -252,7 +253,8 @@ def _live(named: list, args: argparse.Namespace) -> int:
     rows = []
     for name, trace in named:
         try:
-            live = replay_live(trace, name, device=args.device, min_capacity=not args.no_min_capacity)
+            live = replay_live(trace, name, device=args.device, min_capacity=not args.no_min_capacity,
+                               compact=args.compact)
         except LiveError as e:
             print(f"npu-pool replay --live: error: {e}", file=sys.stderr)
             return 1
