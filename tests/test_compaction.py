@@ -207,6 +207,26 @@ def test_without_compaction_nothing_changes() -> None:
         assert "compaction would" not in str(e.value)
 
 
+def test_the_rank_report_counts_compactions_and_the_bytes_moved() -> None:
+    """A training run with compaction on sees it in its per-iteration line and its rank report
+    (recorder.report.memory_of): how many chunks were replaced and how many live bytes moved, the
+    cost the device-call counts leave out. Nothing is said while none happened."""
+    from npu_pool.recorder import report
+
+    with Pool("npu_pool", capacity=256 * MiB, compact=True) as p:
+        live = _pinned(p, fill=False)
+        quiet = report.format_line({"rank": 0, "step_seconds": {}, "memory": report.memory_of(p.stats())}, 1)
+        big = p.malloc(3 * BLOCK)
+        st, mem = p.stats(), report.memory_of(p.stats())
+        line = report.format_line({"rank": 0, "step_seconds": {}, "memory": mem}, 2)
+        p.free(big)
+        for x in live:
+            p.free(x)
+    assert "compactions" not in quiet
+    assert mem["compactions"] == st["compactions"] > 0 and mem["compacted"] == st["compacted"] > 0
+    assert f"compactions {st['compactions']} ({st['compacted'] / (1 << 30):.2f} GiB moved)" in line
+
+
 _COPY = {"acl": b"aclrtMemcpy", "cuda": b"cudaMemcpy"}
 
 

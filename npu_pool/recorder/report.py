@@ -10,7 +10,7 @@ A report is a plain dict (``VERSION`` 1)::
     as of then), memory (null in "recorder" mode) {allocated_bytes,
     reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, utilization, pools
     {name: {allocated_bytes, reserved_bytes}}, device_mallocs, device_frees, ooms,
-    retries, trims}
+    retries, trims, compactions, compacted (chunks compaction replaced, live bytes it moved)}
 
 ``utilization`` is peak allocated / peak reserved: how much of the high-water mark the
 program ever used (1.0 = no fragmentation overhead; above 1 in a colocated run, whose paused
@@ -47,7 +47,8 @@ def memory_of(stats: dict[str, Any]) -> dict[str, Any]:
         "utilization": peak_alloc / peak_rsvd if peak_rsvd else 1.0,
         "pools": {name: {"allocated_bytes": p["allocated"]["current"], "reserved_bytes": p["reserved"]["current"]}
                   for name, p in stats.get("pools", {}).items()},
-        **{k: stats.get(k, 0) for k in ("device_mallocs", "device_frees", "ooms", "retries", "trims")},
+        **{k: stats.get(k, 0) for k in ("device_mallocs", "device_frees", "ooms", "retries", "trims", "compactions",
+                                        "compacted")},
     }
 
 
@@ -112,7 +113,9 @@ def format_line(report: dict[str, Any], iteration: int) -> str:
     return (f"{head}{timing} | allocated {_gib(mem['allocated_bytes'])} GiB"
             f" | reserved {_gib(mem['reserved_bytes'])} GiB | peak {_gib(mem['peak_reserved_bytes'])} GiB"
             f" | util {mem['utilization']:.1%} | {_pools(mem)}"
-            f" | device mallocs {mem['device_mallocs']}")
+            f" | device mallocs {mem['device_mallocs']}"
+            + (f" | compactions {mem['compactions']} ({_gib(mem.get('compacted'))} GiB moved)"
+               if mem.get("compactions") else ""))
 
 
 def _pools(mem: dict[str, Any]) -> str:
