@@ -333,6 +333,23 @@ def test_with_compaction_both_bounds_hold_at_the_minimum_capacity_and_on_a_full_
     assert repeating >= 3  # (cnn-adam-train, cs336-forward-fp32, cs336-medium-ctx1024-infer)
 
 
+def test_with_compaction_under_torch_npus_rules_the_full_device_bounds_hold(shared_traces) -> None:
+    """The same under torch_npu's request rules (each request padded, the torch model as torch_npu's
+    allocator), on the device torch_npu's allocator just fits: no more chunks than its segments,
+    and no device call in the steady iterations (docs/device_calls.md, Bounds)."""
+    repeating = 0
+    for path in sorted(shared_traces.glob("*.pickle")):
+        for name, t in open_traces(path):
+            device, torch = min_capacity(t, "torch", device="npu")
+            full = run(t, "npu_pool", device, device="npu", compact=True, bounds=iteration_bounds(t))
+            assert full.ok and physical_calls(full.calls) <= physical_calls(torch.calls), \
+                (name, physical_calls(full.calls), physical_calls(torch.calls))
+            steady = steady_calls(full.iteration_calls, full.iteration_peaks)
+            assert steady in (None, 0), (name, full.iteration_calls)
+            repeating += steady is not None
+    assert repeating >= 3
+
+
 _SIZES = [512, 4096, 100_000, MiB, 3 * MiB, 9 * MiB]
 
 
