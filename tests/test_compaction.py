@@ -402,3 +402,33 @@ def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
         assert ctypes.string_at(a, 3 * BLOCK) == b"\x5a" * (3 * BLOCK)
         assert _intact(live) and p.stats()["compactions"] > 0
         p.check()
+
+
+def test_compaction_brings_a_pool_held_past_a_lowered_cap_back_under_it() -> None:
+    """A fraction lowered below what is mapped: each chunk's live pages map again within what the
+    device just took back (before, the cap refused them, every compaction was undone after its
+    copies and a request that fits once compacted failed)."""
+    with Pool("npu_pool", capacity=256 * MiB, host_backed=True, compact=True) as p:
+        live = _pinned(p, fill=True)
+        p.set_fraction(0.75)  # 192 MiB: 250 mapped, 125 live
+        big = p.malloc(40 * MiB)
+        ctypes.memset(big, 0x7F, 40 * MiB)
+        assert _intact(live) and p.stats()["compactions"] > 0
+        assert p.stats()["total"]["reserved"]["current"] <= 192 * MiB
+        p.check()
+
+
+def test_a_compaction_frees_the_request_s_whole_pages_first_time() -> None:
+    """A cap that is not a multiple of the page: the first round stops once the cap has room for
+    the request's pages, not its bytes (it stopped a page short, and the second round compacted
+    every chunk)."""
+    with Pool("npu_pool", capacity=257 * MiB, host_backed=True, compact=True) as p:
+        ptrs = []
+        with pytest.raises(OutOfMemoryError):
+            while True:
+                ptrs.append(p.malloc(4 * MiB))
+        for x in ptrs[::2]:
+            p.free(x)
+        p.empty_cache()
+        p.malloc(13 * MiB)
+        assert p.stats()["compactions"] <= 2, p.stats()["compactions"]

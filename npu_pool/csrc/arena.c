@@ -722,8 +722,13 @@ static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc)
     if (used && used < n) parts[n_parts++] = (part_free){first, n, n - used};
   }
   qsort(parts, n_parts, sizeof *parts, cheapest_first);
-  uint64_t left = limit_of(ctx, a) > reserved_of(ctx, a) ? limit_of(ctx, a) - reserved_of(ctx, a) : 0;
-  for (uint64_t i = 0; i < n_parts && (round || freed + left < size); i++) {
+  /* What the budget must have free for the request: its whole pages (a placement maps whole pages,
+   * so `size` alone stops short when the budget's room is not a multiple of a page, and the second
+   * round then compacts every chunk), plus what the arena holds past a lowered cap. */
+  uint64_t limit = limit_of(ctx, a), reserved = reserved_of(ctx, a);
+  uint64_t want = np_round_up(size, g) + (reserved > limit ? reserved - limit : 0);
+  uint64_t left = limit > reserved ? limit - reserved : 0;
+  for (uint64_t i = 0; i < n_parts && (round || freed + left < want); i++) {
     uint64_t got = 0;
     *rc = np_vmm_compact(ctx, a->seg, parts[i].first, parts[i].n, live + parts[i].first, &got);
     freed += got;

@@ -497,12 +497,17 @@ int np_vmm_compact(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, con
     if (rc == NP_OK) np_ctx_reserved(ctx, NP_EV_SEGMENT_MAP, seg, addr, n * g);
     else hold_left(ctx, &left, NULL);
     if (rc != NP_OK) rc = put_back(ctx, seg, first, n);
-  } else { /* the runs of kept pages, each a chunk: fewer pages than the device took back a moment ago */
+  } else { /* the runs of kept pages, each a chunk: fewer pages than the device took back a moment ago,
+            * so not refused for the cap (rescuing): held past a lowered cap, the pool could not
+            * otherwise compact its way back under it */
+    bool was = ctx->rescuing;
+    ctx->rescuing = true;
     rc = map_kept(ctx, seg, first, n, keep);
     if (rc != NP_OK) { /* once more, every spare given back first */
       np_vmm_spares_release(ctx);
       rc = map_kept(ctx, seg, first, n, keep);
     }
+    ctx->rescuing = was;
     if (rc != NP_OK) { /* as it was: the chunk's pages still unmapped mapped again */
       np_save_error(&why, rc);
       rc = put_back(ctx, seg, first, n);
