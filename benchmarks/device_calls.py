@@ -349,9 +349,9 @@ NOTES = """
   rules under cap pressure apply with compaction: growths stay coarse up to the cap. The tables
   above show what that does to both bounds and to the waste #19 allows (the section Bounds, the
   waste table's compacting row against npu_pool's first version), and the section Compaction
-  what it copies: on the device the torch model just fits, nothing on 11 of the 13 traces (0.8
-  GiB over the whole run of llama7b-offload-infer, which gives its cache back every iteration);
-  at the minimum capacity up to 3.7 GiB over a run. It is off by default: the bytes move while
+  what it copies: on the device the torch model just fits, nothing on 11 of the 13 traces (1.2
+  GiB over the whole run of cs336-medium-ctx128-train, 0.8 GiB over llama7b-offload-infer's,
+  which gives its cache back every iteration); at the minimum capacity up to 3.7 GiB over a run. It is off by default: the bytes move while
   the device is idle, which the pool can make sure of for the work already queued (a
   synchronisation; torch_npu's task queue drained first) but not for work another thread queues
   meanwhile, so it is for programs where one thread at a time drives the device (a training

@@ -693,8 +693,8 @@ static int cheapest_first(const void *x, const void *y) {
 /* Compaction (np_set_compaction), the last step before a request fails: the chunks that hold live
  * blocks and free pages, those that free the most per byte copied first, replaced by chunks over
  * the pages live blocks touch (np_vmm_compact: their bytes through the host) until the budget has
- * `size` bytes left (what it had left counts: a request short of a little copies no more than that
- * little), and all of them in a second `round`. The device is idle: the retry synchronised it
+ * room for the pages of a `size`-byte request (what it had left counts: a request short of a little
+ * copies no more than that little), and all of them in a second `round`. The device is idle: the retry synchronised it
  * (np_ctx_drain), so every free block is settled. Returns whether any memory went back;
  * NP_ERR_STATE (*rc) when live bytes were lost. O(blocks + mapped pages): a request that would
  * fail pays it, no other. */

@@ -59,8 +59,9 @@
 
 /* The least an arena grows by (VMM): one chunk of PyTorch's large-pool segment size (20 MiB),
  * rounded to the granularity, while its reserved bytes stay under cap / NP_ARENA_NEAR_DIV and a
- * granule below the cap; past that, growths are exact, in chunks that free up whole with their
- * block, so that trims can return free memory (docs/device_calls.md: the trade-off). */
+ * granule below the cap (with compaction: up to the cap, arena.c near_cap); past that, growths are
+ * exact, in chunks that free up whole with their block, so that trims can return free memory
+ * (docs/device_calls.md: the trade-off). */
 #define NP_ARENA_GROWTH (20 * NP_MIB)
 #define NP_ARENA_NEAR_DIV 2
 /* Far from the cap, while the arena has no free memory below its top, a growth maps at least
@@ -93,7 +94,8 @@ void np_arena_drop(np_ctx *ctx, np_arena *a);
 /* Have `bytes` mapped: what the arena lacks of them, mapped at the start of its top (where a request no
  * hole fits goes; one chunk unless pages there are mapped already) while that stays short of cap
  * pressure (past it growths are exact, and a chunk mapped ahead would be split by the first block
- * carved from it) and no hole has unmapped pages (requests would go there first). Memory its owner
+ * carved from it; with compaction, which has no exact growths, up to the cap) and no hole has
+ * unmapped pages (requests would go there first). Memory its owner
  * knows will be asked for (the planned policy's fallback: what the plan leaves out), mapped ahead so
  * that the requests find it mapped. Otherwise, and without VMM, nothing. */
 int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes);
