@@ -285,8 +285,8 @@ static int grow(np_ctx *ctx, np_arena *a, const np_block *b, uint64_t need, uint
   }
   uint64_t g = a->page, off = b->addr - a->seg->addr, end = (off + b->size + g - 1) / g, r0 = end;
   while (r0 > off / g && !a->seg->pages[r0 - 1]) r0--;
-  /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it: near_cap) a growth is exactly the shortfall, in chunks
-   * that free up whole: the pages b covers whole are one chunk, each page b shares with a
+  /* Near the cap (past 1 / NP_ARENA_NEAR_DIV of it: near_cap) a growth is exactly the shortfall, in
+   * chunks that free up whole: the pages b covers whole are one chunk, each page b shares with a
    * neighbour (its first and last, when b starts or ends inside them) one of its own, so that
    * once b is freed its chunk can be trimmed whatever its neighbours hold (a b of whole pages at
    * the top shares none: align_top). Far from the cap, the last unmapped run under b is one chunk
@@ -693,11 +693,11 @@ static int cheapest_first(const void *x, const void *y) {
 /* Compaction (np_set_compaction), the last step before a request fails: the chunks that hold live
  * blocks and free pages, those that free the most per byte copied first, replaced by chunks over
  * the pages live blocks touch (np_vmm_compact: their bytes through the host) until the budget has
- * room for the pages of a `size`-byte request (what it had left counts: a request short of a little
- * copies no more than that little), and all of them in a second `round`. The device is idle: the retry synchronised it
- * (np_ctx_drain), so every free block is settled. Returns whether any memory went back;
- * NP_ERR_STATE (*rc) when live bytes were lost. O(blocks + mapped pages): a request that would
- * fail pays it, no other. */
+ * room for the pages of a `size`-byte request (what it had left counts: a request short of a
+ * little copies no more than that little), and all of them in a second `round`. The device is
+ * idle: the retry synchronised it (np_ctx_drain), so every free block is settled. Returns whether
+ * any memory went back; NP_ERR_STATE (*rc) when live bytes were lost. O(blocks + mapped pages): a
+ * request that would fail pays it, no other. */
 static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc) {
   uint64_t g = a->page, pages = a->page_hwm, n_parts = 0, freed = 0;
   uint8_t *live = pages ? calloc(pages, 1) : NULL;
