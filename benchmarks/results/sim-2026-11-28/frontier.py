@@ -1,7 +1,8 @@
 """npu_pool with compaction against #19's bounds, for one build of the arena (see README.md here).
 
 Run from the root of a checkout with ../shared beside it, after building it, with the switches of
-rules.patch in the environment: ``NP_XRULES=15 python benchmarks/results/sim-2026-11-28/frontier.py``.
+rules.patch in the environment: ``NP_XRULES=15 python benchmarks/results/sim-2026-11-28/frontier.py``
+(``RULES=npu``: every replay under torch_npu's request rules, the torch model as its allocator).
 Per trace: the minimum-capacity waste, the physical calls (chunks created + released) at that
 capacity against the torch model's at its own, on the device the torch model just fits and given
 room to spare, the steady calls given room and on that device, and what compaction copied at the
@@ -18,6 +19,7 @@ from npu_pool.replay import evaluate, iteration_bounds, min_capacity, run, stead
 from npu_pool.trace.files import open_traces  # noqa: E402
 
 MiB = 1 << 20
+RULES = os.environ.get("RULES") or None  # None: each trace's own device's rules
 
 
 def main() -> None:
@@ -27,11 +29,11 @@ def main() -> None:
     tot = dict(waste=0.0, physical_min=0, bound_min=0, bound_full=0, bound_room=0, steady_room=0, steady_full=0,
                repeating=0, moved_min_mib=0.0, moved_full_mib=0.0)
     for name, t in named:
-        device, torch_min = min_capacity(t, "torch")
-        torch_room = run(t, "torch")
+        device, torch_min = min_capacity(t, "torch", device=RULES)
+        torch_room = run(t, "torch", device=RULES)
         b = iteration_bounds(t)
-        r = evaluate(t, name, "npu_pool", bounds=b, compact=True)
-        full = run(t, "npu_pool", device, bounds=b, compact=True)
+        r = evaluate(t, name, "npu_pool", bounds=b, compact=True, device=RULES)
+        full = run(t, "npu_pool", device, bounds=b, compact=True, device=RULES)
         waste = (r.min_capacity_bytes - r.peak_live_bytes) / MiB
         at_min, room = physical_calls(r.calls_at_min_capacity), physical_calls(r.calls)
         on_full = physical_calls(full.calls) if full.ok else None
