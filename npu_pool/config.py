@@ -39,6 +39,7 @@ PLAN = "NPU_POOL_PLAN"
 CONFIG_FILE = "NPU_POOL_CONFIG"
 COMPACT = "NPU_POOL_COMPACT"
 POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  # the keys of npu_pool.pool.POLICIES
+COMPACTING_POLICIES: tuple[str, ...] = ("npu_pool", "planned")  # those whose core policy compacts (policy.h: compacts)
 _KEYS = (ENABLE, FRACTION, POLICY, PLAN, COMPACT)
 # Every NPU_POOL_* variable something reads: these settings, the ones read where they apply
 # (cpp_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the
@@ -352,7 +353,12 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
                  plan_source=raw[PLAN][1] if PLAN in raw else PLAN, compact=values.get(COMPACT, False))
     if cfg.policy == "planned" and not cfg.plan:
         raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
-    if cfg.compact and cfg.policy not in ("npu_pool", "planned"):
-        src = raw[COMPACT][1]
-        raise ConfigError(f"{src}=1 applies to the npu_pool and planned policies, but the policy is {cfg.policy}")
+    if cfg.compact:
+        check_compaction(cfg.policy, raw[COMPACT][1])
     return cfg
+
+
+def check_compaction(policy: str, source: str) -> None:
+    """Refuse compaction asked for by ``source`` (a variable or YAML key) under a policy that has none."""
+    if policy not in COMPACTING_POLICIES:
+        raise ConfigError(f"{source}=1 applies to the npu_pool and planned policies, but the policy is {policy}")

@@ -497,9 +497,8 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
         undo = f"unset {src}" if src == config.PLAN else f"remove {src}"
         raise config.ConfigError(f"{src} names the plan {settings.plan!r}, which only the planned policy serves, but "
                                  f"the policy is {policy}: set {config.POLICY}=planned, or {undo}")
-    if settings.compact and policy not in ("npu_pool", "planned"):  # (the policy given here, not the setting's)
-        raise config.ConfigError(f"{config.COMPACT}=1 applies to the npu_pool and planned policies, but the policy "
-                                 f"is {policy}")
+    if settings.compact:  # (the policy given here, not the setting's)
+        config.check_compaction(policy, config.COMPACT)
     snapshots = oom.snapshot_setting()  # a file there is said now, not at the first out-of-memory (its snapshot lost)
     if snapshots is not None:  # (torch_npu's own switch names an optional folder: a warning only)
         config.parse_output_dir(*snapshots, unwritable_warns=snapshots[1] == oom.PATH)

@@ -16,7 +16,7 @@ from conftest import cann
 from npu_pool import vocab
 from npu_pool.pool import BackendError, InvalidArgumentError, OutOfMemoryError, Pool, PoolError
 from test_backends import MiB, Vendor, builds  # noqa: F401 (builds: the fixture)
-from test_faults import _books_match as books, _free_one, _written
+from test_faults import _books_match as books, _clear_faults, _free_one, _written
 
 @pytest.fixture(scope="module")
 def fakes(builds: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
@@ -308,8 +308,7 @@ def _play(fakes: dict, backend: str, seq: list) -> str:
         if p.stats()["compactions"]:
             outcome = "compacted"
     finally:
-        for op in ("create", "map", "unmap", "release"):
-            v.fail(op, count=0)
+        _clear_faults(v)
         v.lib.fake_fail(_COPY[backend], 0, 0, 0)
         try:
             p.close()

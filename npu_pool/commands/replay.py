@@ -6,6 +6,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from ..config import COMPACTING_POLICIES
 from ..device_costs import estimate_us, load_costs, physical_calls
 from ..replay import HINTS, PolicyResult, evaluate, iteration_bounds, policies_from, validate
 from ..trace.files import distinct_name, expand, open_traces, repairs, repairs_said
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan and "planned" not in policies:
         raise UsageError("--plan is the plan policy planned replays: add planned to --policy "
                          "(e.g. --policy npu_pool,planned)")
-    if args.compact and not {"npu_pool", "planned"} & set(policies):
+    if args.compact and not set(COMPACTING_POLICIES) & set(policies):
         raise UsageError("--compact applies to the npu_pool and planned policies: add one to --policy")
     seen: dict = {}
     named = [(distinct_name(n, path, seen), t) for path in expand(args.traces) for n, t in open_traces(path)]
@@ -227,7 +228,7 @@ def _simulate(named: list, args: argparse.Namespace) -> int:
                                       f"{printable(str(plan.meta['online']))})")
             results.append(evaluate(trace, name, policy, hints=args.hints,
                                     with_min_capacity=not args.no_min_capacity, plan=plan, bounds=bounds,
-                                    compact=args.compact and policy in ("npu_pool", "planned")))
+                                    compact=args.compact and policy in COMPACTING_POLICIES))
             next(bar, None)
     next(bar, None)  # (let the bar see its end, and close)
     print(format_table(results))
