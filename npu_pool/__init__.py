@@ -3,7 +3,7 @@
 Its public names (``__all__``, documented in docs/api.md): ``Pool`` and its errors
 (``PoolError``, ``OutOfMemoryError``, ``InvalidArgumentError``, ``DoubleFreeError``,
 ``UnknownPointerError``, ``BackendError``), ``POLICIES``; torch's device allocator:
-``install``, ``installed``, ``current_pool``, ``set_fraction``, ``set_compaction``; colocated training and
+``install``, ``installed``, ``current_pool``, ``set_fraction``, ``set_compaction``, ``compact``; colocated training and
 inference: ``region``, ``pause``, ``resume``, ``set_backup_limit``, ``tags``. They load the
 compiled core (and torch, for ``install``) on first use, so that ``import npu_pool`` itself
 stays cheap.
@@ -28,6 +28,7 @@ _LAZY = {
     "current_pool": "npu_pool.install",
     "set_fraction": "npu_pool.install",
     "set_compaction": "npu_pool.install",
+    "compact": "npu_pool.install",
     "region": "npu_pool.colocate",
     "pause": "npu_pool.colocate",
     "resume": "npu_pool.colocate",

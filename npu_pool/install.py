@@ -178,6 +178,9 @@ class _DevicePool(Pool):
         if self.serving:
             super().forget()
 
+    def compact(self) -> int:
+        return super().compact() if self.serving else 0
+
     def set_history(self, max_entries: int) -> None:
         _check(lib.npu_pool_set_history(self.device, _uint(max_entries, "max_entries")))
 
@@ -271,6 +274,12 @@ def set_compaction(on: bool, device: Optional[int] = None) -> None:
     pools = _chosen(device, "Pool.set_compaction()")
     for p in pools:
         p.set_compaction(on)
+
+
+def compact(device: Optional[int] = None) -> int:
+    """Compact the installed allocator's memory now (every device, or ``device``): see
+    :meth:`Pool.compact`, which says where it is safe. Returns the bytes given back to the device."""
+    return sum(p.compact() for p in _chosen(device, "Pool.compact()"))
 
 
 def _set_fractions(pools: Any, fraction: float) -> None:

@@ -374,6 +374,17 @@ class Pool:
         memory, before the request fails. Safe only where one thread at a time queues device work."""
         _check(lib.np_set_compaction(self.ctx, _flag(on, "compaction")))
 
+    def compact(self) -> int:
+        """Compact now (docs/api.md, Compaction), whether or not :meth:`set_compaction` is on:
+        :meth:`empty_cache`, then every chunk that holds live blocks and free pages is replaced by
+        chunks over its live pages, their bytes copied through host memory at the same addresses.
+        Returns the reserved bytes given back to the device. Call it where no other thread queues
+        device work and the memory is wanted elsewhere (after evaluation, before handing it to
+        another engine); not every step: the next step maps again what it gives back."""
+        out = ffi.new("uint64_t *")
+        _check(lib.np_compact(self.ctx, out))
+        return int(out[0])
+
     # -- hints ----------------------------------------------------------------------------
     def set_phase(self, phase: int, default_lifetime: str = "auto") -> None:
         """Set the phase counter and the class of requests whose site has no history."""

@@ -121,7 +121,8 @@ def test_a_vendor_call_failing_once_loses_no_byte(fakes: dict, backend: str, op:
 
 @pytest.mark.parametrize("backend", ["acl", "cuda"])
 @pytest.mark.parametrize("op", ["create", "copy back"])
-def test_bytes_that_cannot_be_put_back_are_reported_lost(fakes: dict, backend: str, op: str) -> None:
+@pytest.mark.parametrize("by", ["a request", "compact()"])
+def test_bytes_that_cannot_be_put_back_are_reported_lost(fakes: dict, backend: str, op: str, by: str) -> None:
     v = _vendor(fakes, backend)
     p = v.pool(compact=True)
     _pinned(p, fill=True)
@@ -131,7 +132,7 @@ def test_bytes_that_cannot_be_put_back_are_reported_lost(fakes: dict, backend: s
     else:  # every copy fails once the first chunk's bytes are out: each chunk here has one run of live pages
         v.lib.fake_fail(copy, 1, 1000, 507899 if backend == "acl" else 999)
     with pytest.raises(PoolError, match="could not put its .* of live bytes back") as e:
-        p.malloc(3 * BLOCK)
+        p.malloc(3 * BLOCK) if by == "a request" else p.compact()
     assert not isinstance(e.value, OutOfMemoryError)
     assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()  # stats still answer
     with pytest.raises(PoolError, match="a compaction could not put live tensors' bytes back"):
@@ -142,30 +143,32 @@ def test_bytes_that_cannot_be_put_back_are_reported_lost(fakes: dict, backend: s
     assert v.lib.fake_used() == 0 and v.lib.fake_live() == 0
 
 
+def _churn(p: Pool, seed: int, most: int, errors: list[BaseException]) -> None:
+    """400 random requests and frees of one thread (at most ``most`` blocks held), touching no
+    memory; whatever it raises but an out-of-memory goes to ``errors``."""
+    rng = random.Random(seed)
+    mine: list[int] = []
+    try:
+        for _ in range(400):
+            if mine and (len(mine) > most or rng.random() < 0.45):
+                p.free(mine.pop(rng.randrange(len(mine))))
+            else:
+                try:
+                    mine.append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 17 * MiB])))
+                except OutOfMemoryError:
+                    pass
+        for x in mine:
+            p.free(x)
+    except BaseException as ex:  # noqa: BLE001 - the test reports it
+        errors.append(ex)
+
+
 def test_threads_allocating_while_one_compacts_keep_the_books() -> None:
     """Compaction runs under the pool's lock: four threads allocating and freeing on a tight device
     (no device work queued by others: the contract) leave every invariant and the stats whole."""
     with Pool("npu_pool", capacity=128 * MiB, compact=True) as p:
         errors: list[BaseException] = []
-
-        def work(seed: int) -> None:
-            rng = random.Random(seed)
-            mine: list[int] = []
-            try:
-                for _ in range(400):
-                    if mine and (len(mine) > 10 or rng.random() < 0.45):
-                        p.free(mine.pop(rng.randrange(len(mine))))
-                    else:
-                        try:
-                            mine.append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 17 * MiB])))
-                        except OutOfMemoryError:
-                            pass
-                for x in mine:
-                    p.free(x)
-            except BaseException as ex:  # noqa: BLE001 - reported below
-                errors.append(ex)
-
-        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        threads = [threading.Thread(target=_churn, args=(p, s, 10, errors)) for s in range(4)]
         for t in threads:
             t.start()
         for t in threads:
@@ -197,7 +200,9 @@ def test_without_compaction_nothing_changes() -> None:
     with Pool("npu_pool", capacity=256 * MiB) as p:
         _pinned(p, fill=False)
         with pytest.raises(OutOfMemoryError, match="compaction would return the free pages that live tensors' "
-                                                   r"chunks keep mapped \(Pool.set_compaction, NPU_POOL_COMPACT=1"):
+                                                   r"chunks keep mapped \(Pool.compact\(\) where no other thread "
+                                                   r"queues device work, or at every out-of-memory: "
+                                                   r"Pool.set_compaction, NPU_POOL_COMPACT=1"):
             p.malloc(3 * BLOCK)
         assert p.stats()["compactions"] == 0 == p.stats()["compacted"]
     with Pool("npu_pool", capacity=256 * MiB, compact=True) as p:
@@ -431,3 +436,163 @@ def test_a_compaction_frees_the_request_s_whole_pages_first_time() -> None:
         p.empty_cache()
         p.malloc(13 * MiB)
         assert p.stats()["compactions"] <= 2, p.stats()["compactions"]
+
+
+# -- compact(): now, at a moment the caller chooses ---------------------------------------------
+
+def _pages(live: dict[int, int], page: int = 2 * MiB) -> int:
+    """The bytes of the pages the live blocks touch: what a pool compacted to the bone maps."""
+    return page * len({q for x in live for q in range(x // page, (x + BLOCK - 1) // page + 1)})
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_compact_returns_what_live_tensors_pin_with_the_setting_off(fakes: dict, backend: str) -> None:
+    """empty_cache cannot return the free pages of a chunk a live block holds; compact() can: the
+    pool then maps the pages its live blocks touch and no more, the bytes where they were, the
+    books and the calls matching the device's."""
+    v = _vendor(fakes, backend)
+    with v.pool() as p:
+        live = _pinned(p, fill=True)
+        before = p.stats()["total"]["reserved"]["current"]
+        with pytest.raises(OutOfMemoryError):
+            p.malloc(3 * BLOCK)
+        assert p.stats()["total"]["reserved"]["current"] == before  # the retry's empty_cache gave nothing back
+        returned = p.compact()
+        st = p.stats()
+        assert returned == before - st["total"]["reserved"]["current"] > 0
+        assert st["total"]["reserved"]["current"] == _pages(live)
+        assert _intact(live) and st["compactions"] > 0 and st["compacted"] > 0
+        _books_match(p, v)
+        assert {k: st["calls"][k] for k in KINDS} == {k: v.lib.fake_calls(vocab.CALL_VENDOR[backend][k].encode())
+                                                     for k in KINDS}
+        assert p.compact() == 0 and p.stats()["compactions"] == st["compactions"]  # nothing left to move
+        ctypes.memset(p.malloc(3 * BLOCK), 0x7F, 3 * BLOCK)
+        assert _intact(live)
+        _books_match(p, v)
+    assert v.lib.fake_used() == 0
+
+
+@pytest.mark.parametrize("op", ["copy", "unmap", "create", "release"])
+def test_a_vendor_call_failing_in_compact_loses_no_byte(fakes: dict, op: str) -> None:
+    """compact() is the out-of-memory's compaction called directly: a refusal half-way leaves that
+    chunk as it was (or asks again) and says so; the bytes and the books hold."""
+    v = _vendor(fakes, "cuda")
+    with v.pool() as p:
+        live = _pinned(p, fill=True)
+        if op == "copy":
+            v.lib.fake_fail(b"cudaMemcpy", 0, 1, 999)
+        else:
+            v.fail(op, count=1)
+        if op == "create":  # asked again: the device took the whole chunk back a moment before
+            p.compact()
+        else:  # that chunk stays as it was, the others are compacted, and the refusal is said
+            with pytest.raises(BackendError):
+                p.compact()
+        assert _intact(live)
+        _books_match(p, v)
+        _clear_faults(v)
+        p.compact()
+        assert p.stats()["total"]["reserved"]["current"] == _pages(live) and _intact(live)
+        _books_match(p, v)
+    assert v.lib.fake_used() == 0
+
+
+def test_memory_the_device_keeps_at_compact_s_empty_cache_stops_no_compaction(fakes: dict) -> None:
+    """The empty_cache that compact() starts with returns a wholly free chunk the device refuses to
+    take back: that chunk is held (counted, retried later), the chunks live blocks pin are compacted
+    all the same, and the refusal is said."""
+    v = _vendor(fakes, "cuda")
+    with v.pool() as p:
+        live = _pinned(p, fill=True)
+        p.free(p.malloc(40 * MiB))  # grows the arena: a chunk of its own, wholly free again
+        v.fail("release", count=1)
+        with pytest.raises(BackendError):
+            p.compact()
+        st = p.stats()
+        assert st["compactions"] > 0 and st["unreleased"] > 0 and _intact(live)
+        assert st["total"]["reserved"]["current"] == _pages(live) + st["unreleased"]
+        _books_match(p, v)
+        _clear_faults(v)
+        p.empty_cache()  # the held chunk goes back now
+        assert p.stats()["total"]["reserved"]["current"] == _pages(live)
+        _books_match(p, v)
+
+
+def test_compact_leaves_paused_regions_and_compacts_the_others() -> None:
+    """A paused tag's memory is off the device already and stays so; the main arena's and an
+    unpaused tag's chunks are compacted, and the paused tag resumes with its bytes."""
+    with Pool("npu_pool", capacity=512 * MiB, host_backed=True) as p:
+        with p.region("A"):
+            a = p.malloc(3 * BLOCK)
+        ctypes.memset(a, 0x5A, 3 * BLOCK)
+        p.pause("A", backup=True)
+
+        def in_b(n: int) -> int:
+            with p.region("B"):
+                return p.malloc(n)
+        live = _pinned(p, fill=True)
+        live_b = _pinned(p, fill=True, alloc=in_b)
+        assert p.compact() > 0
+        tags = p.tags()
+        assert tags["A"]["is_paused"] and tags["A"]["mapped"] == 0
+        assert tags["B"]["mapped"] == _pages(live_b)
+        assert p.stats()["total"]["reserved"]["current"] == _pages(live) + _pages(live_b)
+        assert _intact(live) and _intact(live_b)
+        p.resume("A")
+        assert ctypes.string_at(a, 3 * BLOCK) == b"\x5a" * (3 * BLOCK)
+        p.check()
+
+
+def test_compact_under_the_planned_policy_compacts_its_fallback_arena() -> None:
+    with Pool("planned", capacity=256 * MiB, host_backed=True) as p:  # no plan: every request is the fallback's
+        live = _pinned(p, fill=True)
+        assert p.compact() > 0 and _intact(live)
+        assert p.stats()["total"]["reserved"]["current"] == _pages(live)
+        p.check()
+
+
+def test_compact_says_where_it_cannot_apply() -> None:
+    for policy in ("torch", "expandable"):
+        with Pool(policy, capacity=64 * MiB) as p:
+            p.free(p.malloc(MiB))
+            with pytest.raises(PoolError, match=f"policy {policy} does not compact"):
+                p.compact()
+            p.check()
+    with Pool("npu_pool", capacity=64 * MiB, vmm=False) as p:
+        with pytest.raises(PoolError, match="needs the virtual-memory API"):
+            p.compact()
+    p = Pool("npu_pool", capacity=64 * MiB)
+    p.close()
+    with pytest.raises(PoolError, match="closed pool"):
+        p.compact()
+
+
+def test_threads_allocating_while_another_compacts_keep_the_books() -> None:
+    """compact() takes the pool's lock as a request does: three threads allocating and freeing (and
+    touching no memory: the contract) while a fourth compacts leave every invariant whole."""
+    with Pool("npu_pool", capacity=256 * MiB) as p:
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def compactor() -> None:
+            try:
+                while not done.is_set():
+                    p.compact()
+            except BaseException as ex:  # noqa: BLE001 - reported below
+                errors.append(ex)
+
+        threads = [threading.Thread(target=_churn, args=(p, s, 12, errors)) for s in range(3)]
+        c = threading.Thread(target=compactor)
+        c.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        c.join()
+        assert not errors, errors
+        p.check()
+        st = p.stats()
+        assert st["total"]["allocated"]["current"] == 0 and st["compactions"] > 0
+        p.compact()
+        assert p.stats()["total"]["reserved"]["current"] == 0

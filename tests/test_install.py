@@ -525,7 +525,8 @@ def test_cuda_memory_apis_answer_with_the_pool(fakes: dict, fake_cuda_torch: lis
 def test_compaction_asked_in_the_environment_serves_what_pinned_pages_refused(fakes: dict, fake_cuda_torch: list,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """NPU_POOL_COMPACT=1: every device's context compacts from its first request (tests/test_compaction.py
-    has the rule); npu_pool.set_compaction turns it off and on again at run time."""
+    has the rule); npu_pool.set_compaction turns it off and on again at run time, and npu_pool.compact()
+    compacts with it off."""
     monkeypatch.setenv("NPU_POOL_COMPACT", "1")
     npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
 
@@ -547,9 +548,21 @@ def test_compaction_asked_in_the_environment_serves_what_pinned_pages_refused(fa
     live = pinned()
     assert malloc(75 * MiB) == 0  # the pinned pages refuse it without compaction
     npu_pool.set_compaction(True, device=0)
-    assert malloc(75 * MiB) != 0
+    big = malloc(75 * MiB)
+    assert big != 0
     with pytest.raises(InvalidArgumentError, match="no npu_pool allocator installed on device 5"):
         npu_pool.set_compaction(True, device=5)
+    for x in [*live, big]:
+        free(x)
+    so.npu_pool_empty_cache()
+    npu_pool.set_compaction(False)
+    live = pinned()
+    assert malloc(75 * MiB) == 0
+    # compact() at a moment the caller chooses, the setting off: every device, a device that
+    # served nothing giving back nothing (and getting no context for it)
+    assert npu_pool.compact() > 0 and npu_pool.installed()[1].serving is False
+    assert npu_pool.compact(device=0) == 0  # nothing left to give back
+    assert malloc(75 * MiB) != 0
     inst._reset()
 
 

@@ -343,7 +343,7 @@ def test_every_name_docs_api_gives_the_package_is_there():
 
     documented = {"Pool", "PoolError", "OutOfMemoryError", "InvalidArgumentError", "DoubleFreeError",
                   "UnknownPointerError", "BackendError", "POLICIES", "install", "installed", "current_pool",
-                  "set_fraction", "set_compaction", "region", "pause", "resume", "set_backup_limit", "tags"}
+                  "set_fraction", "set_compaction", "compact", "region", "pause", "resume", "set_backup_limit", "tags"}
     text = (PKG.parent / "docs" / "api.md").read_text()
     for name in documented:
         assert getattr(npu_pool, name) is not None and re.search(rf"`(npu_pool\.)?{name}\b", text), name

@@ -266,6 +266,14 @@ int np_empty_cache(np_ctx *ctx) {
   return rc;
 }
 
+int np_compact(np_ctx *ctx, uint64_t *returned) {
+  uint64_t ignored;
+  np_ctx_lock(ctx);
+  int rc = np_ctx_compact(ctx, returned ? returned : &ignored);
+  np_ctx_unlock(ctx);
+  return rc;
+}
+
 /* Whether torch_npu's rules apply: given, or the ACL backend's own. */
 static bool npu_rules(const np_ctx *ctx) {
   return ctx->cfg.device_rules == NP_DEVICE_NPU || (ctx->cfg.device_rules == NP_DEVICE_AUTO && ctx->cfg.backend == NP_BACKEND_ACL);
@@ -301,14 +309,8 @@ int np_set_fraction(np_ctx *ctx, double fraction) {
 int np_set_compaction(np_ctx *ctx, int on) {
   np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "set_compaction");
-  np_backend *be = ctx->be;
-  if (rc == NP_OK && on && !ctx->policy->compacts)
-    rc = np_error(NP_ERR_STATE, "policy %s does not compact (npu_pool and planned do)", ctx->policy->name);
-  else if (rc == NP_OK && on && (!be->granularity || !ctx->cfg.vmm))
-    rc = np_error(NP_ERR_STATE, "compaction replaces physical chunks under live blocks: it needs the virtual-memory "
-                  "API, which %s", ctx->cfg.vmm ? "this backend does not have" : "this pool was made without (vmm off)");
-  else if (rc == NP_OK && on && !be->copy && !be->simulated)
-    rc = np_error(NP_ERR_STATE, "backend %s cannot copy device memory to the host: no compaction", be->name);
+  const char *why = rc == NP_OK && on ? np_ctx_compaction_refused(ctx) : NULL;
+  if (why) rc = np_error(NP_ERR_STATE, "%s", why);
   if (rc == NP_OK) ctx->compact = on != 0;
   np_ctx_unlock(ctx);
   return rc;

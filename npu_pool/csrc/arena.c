@@ -696,9 +696,10 @@ static int cheapest_first(const void *x, const void *y) {
  * room for the pages of a `size`-byte request (what it had left counts: a request short of a
  * little copies no more than that little), and all of them in a second `round`. The device is
  * idle: the retry synchronised it (np_ctx_drain), so every free block is settled. Returns whether
- * any memory went back; NP_ERR_STATE (*rc) when live bytes were lost. O(blocks + mapped pages): a
+ * any memory went back; NP_ERR_STATE (*rc) when live bytes were lost; a chunk the device would not
+ * let go stays as it was, its error saved in *refused (the first). O(blocks + mapped pages): a
  * request that would fail pays it, no other. */
-static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc) {
+static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc, np_saved_error *refused) {
   uint64_t g = a->page, pages = a->page_hwm, n_parts = 0, freed = 0;
   uint8_t *live = pages ? calloc(pages, 1) : NULL;
   part_free *parts = pages ? malloc(pages * sizeof *parts) : NULL;
@@ -733,6 +734,7 @@ static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc)
     *rc = np_vmm_compact(ctx, a->seg, parts[i].first, parts[i].n, live + parts[i].first, &got);
     freed += got;
     if (*rc == NP_ERR_STATE && ctx->lost) break; /* (other failures leave that chunk as it was) */
+    if (*rc != NP_OK && refused->code == NP_OK) np_save_error(refused, *rc);
     *rc = NP_OK;
   }
   free(live);
@@ -741,8 +743,11 @@ static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc)
 }
 
 bool np_arena_compact(np_ctx *ctx, np_arena *a, int *rc) {
+  np_saved_error refused = {.code = NP_OK};
   *rc = NP_OK;
-  return ctx->compact && a->vmm && a->seg && compact(ctx, a, 0, 1, rc);
+  bool freed = a->vmm && a->seg && compact(ctx, a, 0, 1, rc, &refused);
+  if (*rc == NP_OK && refused.code != NP_OK) *rc = np_restore_error(&refused);
+  return freed;
 }
 
 int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, bool long_lived, np_block **out) {
@@ -768,7 +773,8 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
     np_vmm_spares_release(ctx); /* as PyTorch's retry: what the request did not take goes back */
     for (int round = 0; rc == NP_ERR_OOM && ctx->compact && a->vmm && round < 2; round++) {
       int lost = NP_OK;
-      bool freed = compact(ctx, a, size, round, &lost);
+      np_saved_error refused = {.code = NP_OK}; /* (a chunk the device kept stays as it was: the request goes on) */
+      bool freed = compact(ctx, a, size, round, &lost, &refused);
       if (lost != NP_OK) return lost; /* (its message, which a retry would overwrite) */
       if (freed) rc = try_place(ctx, a, size, stream, long_lived, out);
     }

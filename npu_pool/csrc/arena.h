@@ -101,9 +101,10 @@ void np_arena_drop(np_ctx *ctx, np_arena *a);
 int np_arena_premap(np_ctx *ctx, np_arena *a, uint64_t bytes);
 /* Place `size` bytes (rounded) for `stream`; on failure, synchronise, release and retry once. */
 int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out);
-/* With compaction on (np_set_compaction), the device idle: replace every chunk of a that holds live
- * blocks and free pages by chunks over its live pages (as a request of a does before it fails).
- * Returns whether any memory went back; *rc NP_ERR_STATE when live bytes were lost (ctx->lost). */
+/* The device idle: replace every chunk of a that holds live blocks and free pages by chunks over its
+ * live pages (np_compact; with np_set_compaction, a request of another arena before it fails).
+ * Returns whether any memory went back; *rc NP_ERR_STATE when live bytes were lost (ctx->lost), else
+ * the first refusal of a chunk the device would not let go (it stays as it was). */
 bool np_arena_compact(np_ctx *ctx, np_arena *a, int *rc);
 void np_arena_free(np_ctx *ctx, np_arena *a, np_block *b);
 void np_arena_record_stream(np_arena *a, intptr_t stream);

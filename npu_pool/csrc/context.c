@@ -82,9 +82,10 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
                      : ctx->policy->memory ? ctx->policy->memory : "the arena";
   char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[640], held[320] = "";
   /* free pages that live tensors' chunks pin: what compaction would return, were it on */
-  const char *hint = ctx->policy->compacts && !ctx->compact && ctx->be->granularity && ctx->cfg.vmm
+  const char *hint = !ctx->compact && np_ctx_compaction_refused(ctx) == NULL
                      ? "; compaction would return the free pages that live tensors' chunks keep mapped "
-                       "(Pool.set_compaction, NPU_POOL_COMPACT=1: docs/api.md)" : "";
+                       "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "
+                       "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)" : "";
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
@@ -333,6 +334,40 @@ int np_ctx_empty_cache(np_ctx *ctx) {
   rc = ctx->policy->empty_cache(ctx);
   if (rc == NP_OK) rc = np_ctx_new_holds(ctx, holds); /* and what it refuses now */
   return rc != NP_OK ? rc : held != NP_OK ? np_restore_error(&s) : NP_OK;
+}
+
+const char *np_ctx_compaction_refused(const np_ctx *ctx) {
+  static _Thread_local char why[160];
+  if (!ctx->policy->compact)
+    snprintf(why, sizeof why, "policy %s does not compact (npu_pool and planned do)", ctx->policy->name);
+  else if (!ctx->be->granularity || !ctx->cfg.vmm)
+    snprintf(why, sizeof why, "compaction replaces physical chunks under live blocks: it needs the virtual-memory "
+             "API, which %s", ctx->cfg.vmm ? "this backend does not have" : "this pool was made without (vmm off)");
+  else if (!ctx->be->copy && !ctx->be->simulated)
+    snprintf(why, sizeof why, "backend %s cannot copy device memory to the host: no compaction", ctx->be->name);
+  else
+    return NULL;
+  return why;
+}
+
+int np_ctx_compact(np_ctx *ctx, uint64_t *returned) {
+  *returned = 0;
+  if (np_ctx_usable(ctx, "compact") != NP_OK) return NP_ERR_STATE;
+  const char *why = np_ctx_compaction_refused(ctx);
+  if (why) return np_error(NP_ERR_STATE, "%s", why);
+  uint64_t before = ctx->st.total.reserved.current;
+  /* the device idle, and every wholly free chunk back without a copy; memory the device refused to
+   * take back is held (counted), which stops nothing: only a device that could not be synchronised does */
+  int rc = np_ctx_empty_cache(ctx);
+  if (ctx->synced) {
+    np_saved_error s = {.code = NP_OK};
+    if (rc != NP_OK) np_save_error(&s, rc);
+    int c = ctx->policy->compact(ctx);
+    rc = c != NP_OK || s.code == NP_OK ? c : np_restore_error(&s);
+  }
+  uint64_t after = ctx->st.total.reserved.current;
+  *returned = before > after ? before - after : 0;
+  return rc;
 }
 
 void np_get_stats_locked(np_ctx *ctx, np_stats *out) {

@@ -124,9 +124,10 @@ struct np_ctx {
    * live contexts whose locks the fork handlers take (guarded by fork.c's lock). */
   bool closed;
   bool inherited;
-  /* Compaction (np_set_compaction, vmm.h's np_vmm_compact): asked for; lost: a compaction could
-   * not put live bytes back (the device refused their pages every time asked, or every copy back
-   * failed), so tensors hold wrong bytes and the context refuses every call but stats and close. */
+  /* Compaction at an out-of-memory (np_set_compaction; vmm.h: np_vmm_compact): asked for; lost: a
+   * compaction (np_compact's too) could not put live bytes back (the device refused their pages
+   * every time asked, or every copy back failed), so tensors hold wrong bytes and the context
+   * refuses every call but stats and close. */
   bool compact;
   bool lost;
   bool rescuing;             /* a compaction puts live bytes back: the cap does not refuse their pages */
@@ -154,6 +155,10 @@ void np_fork_unregister(np_ctx *ctx);
 int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int32_t site, void **out);
 int np_ctx_free(np_ctx *ctx, void *ptr);
 int np_ctx_empty_cache(np_ctx *ctx);
+/* Why this pool cannot compact (policy, backend or vmm), or NULL where it can (a per-thread text). */
+const char *np_ctx_compaction_refused(const np_ctx *ctx);
+/* np_compact, under the lock. */
+int np_ctx_compact(np_ctx *ctx, uint64_t *returned);
 void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life);
 int np_ctx_mark(np_ctx *ctx, int code, int64_t arg);
 /* Place a block at a recorded address (fidelity replays; policies with alloc_at). */

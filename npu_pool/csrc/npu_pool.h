@@ -283,6 +283,15 @@ int np_set_fraction(np_ctx *ctx, double fraction);
  * idle while it copies: safe where one thread at a time queues work on the device (a training
  * loop and its autograd thread), not where other threads queue work while one allocates. */
 int np_set_compaction(np_ctx *ctx, int on);
+/* Compact now, whether or not np_set_compaction is on (its policies and backends): synchronise the
+ * device, return every wholly free chunk (np_empty_cache), then replace every chunk that holds live
+ * blocks and free pages by chunks over its live pages, the bytes copied through host memory at the
+ * same addresses (a paused tag's and the planned region's memory stay as they are). *returned
+ * (NULL: not wanted): the reserved bytes given back to the device. For a point where no other
+ * thread queues device work and the memory is wanted elsewhere (after evaluation, before handing
+ * it to another engine; not every step: the next step maps again what it gives back):
+ * np_set_compaction's caveat, at a moment the caller chooses. */
+int np_compact(np_ctx *ctx, uint64_t *returned);
 void np_get_stats(np_ctx *ctx, np_stats *out);
 void np_reset_peak(np_ctx *ctx);
 /* Zero the accumulated figures (every counter's allocated/freed, ooms, retries, device calls). */

@@ -21,8 +21,6 @@ struct np_policy {
   /* The policy orders reuse across streams itself (event waits): a freed block that was used
    * on other streams (record_stream) needs no device synchronisation from the context. */
   bool orders_streams;
-  /* Its arenas compact at an out-of-memory when np_set_compaction asks them to (arena.h). */
-  bool compacts;
   /* A model of a framework's own allocator (PyTorch's, torch_npu's): its device calls are the
    * framework's. With no memory fraction set it asks the device for a segment without a cap of
    * its own (a refused malloc is a device call; it then frees its cache and asks again), and it
@@ -34,6 +32,10 @@ struct np_policy {
   int (*malloc)(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, np_block **out);
   void (*free)(np_ctx *ctx, np_block *b);
   int (*empty_cache)(np_ctx *ctx);    /* the device is synchronised */
+  /* optional, the device idle: replace every chunk of its arenas that holds live blocks and free
+   * pages by chunks over their live pages (np_compact). A policy that has it also compacts at an
+   * out-of-memory when np_set_compaction asks it to (arena.h). */
+  int (*compact)(np_ctx *ctx);
   int (*set_limit)(np_ctx *ctx, uint64_t limit); /* optional; may refuse a new limit */
   void (*fill_stats)(np_ctx *ctx, np_stats *st); /* optional: largest_free, arena figures */
   int (*check)(np_ctx *ctx);          /* optional: the policy's own invariants */

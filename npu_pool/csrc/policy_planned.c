@@ -596,6 +596,13 @@ static int planned_empty_cache(np_ctx *ctx) {
   return np_arena_empty_cache(ctx, budget(ctx, st));
 }
 
+/* The region is one device allocation, placed by the plan: only the fallback arena compacts. */
+static int planned_compact(np_ctx *ctx) {
+  int rc;
+  np_arena_compact(ctx, budget(ctx, state(ctx)), &rc);
+  return rc;
+}
+
 static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
   planned_state *st = state(ctx);
   if (st->seg && st->seg->size > limit && st->live == 0) region_drop(ctx, st); /* idle: the cap takes it back */
@@ -651,12 +658,12 @@ const np_policy np_policy_planned = {
                      "requests the plan does not cover, placed in the fallback arena"},
     .memory = "the pool (the plan's region and the fallback arena)",
     .orders_streams = true,
-    .compacts = true,
     .init = planned_init,
     .destroy = planned_destroy,
     .malloc = planned_malloc,
     .free = planned_free,
     .empty_cache = planned_empty_cache,
+    .compact = planned_compact,
     .set_limit = planned_set_limit,
     .fill_stats = planned_fill_stats,
     .check = planned_check,

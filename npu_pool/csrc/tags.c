@@ -70,19 +70,18 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
 
 static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a); /* (below, with blocks_of) */
 
-/* With compaction on: the other arenas' chunks (the main one's, unpaused tags') that hold live blocks
- * and free pages replaced by chunks over their live pages, their free pages counting against the
- * same cap as a's (the device is idle: the caller synchronised it). NP_ERR_STATE if live bytes were
- * lost (np_vmm_compact's message). */
-static int compact_elsewhere(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a) {
-  for (int i = -1; i < t->n && ctx->compact; i++) {
+int np_tags_compact(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip) {
+  np_saved_error first = {.code = NP_OK};
+  for (int i = -1; i < t->n; i++) {
     np_arena *o = i < 0 ? main : &t->at[i]->arena;
-    if (o == a || (i >= 0 && t->at[i]->paused)) continue;
+    if (o == skip || (i >= 0 && t->at[i]->paused)) continue;
+    np_tags_budget(ctx, t, main, o);
     int rc;
     np_arena_compact(ctx, o, &rc);
-    if (rc != NP_OK) return rc;
+    if (ctx->lost) return rc;
+    if (rc != NP_OK && first.code == NP_OK) np_save_error(&first, rc);
   }
-  return NP_OK;
+  return first.code == NP_OK ? NP_OK : np_restore_error(&first);
 }
 
 /* np_tags_malloc once a tag exists (out of line: without tags a request is a tail call). */
@@ -109,7 +108,7 @@ __attribute__((noinline)) static int tagged_malloc(np_ctx *ctx, np_tagset *t, np
   np_tags_budget(ctx, t, main, a);
   rc = np_arena_malloc(ctx, a, size, stream, long_lived, out);
   if (rc == NP_ERR_OOM && ctx->compact) { /* (a compacted its own chunks already: the others' too, once more) */
-    if ((rc = compact_elsewhere(ctx, t, main, a)) != NP_OK) return rc;
+    if ((rc = np_tags_compact(ctx, t, main, a)) != NP_OK && ctx->lost) return rc; /* (a chunk kept: tried anyway) */
     np_tags_budget(ctx, t, main, a);
     rc = np_arena_malloc(ctx, a, size, stream, long_lived, out);
   }
@@ -416,7 +415,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
       np_tags_release_idle(ctx, t, main, &g->arena);
       rc = map_runs(ctx, g, r, n, need);
       if (rc == NP_ERR_OOM && ctx->compact) {
-        if ((rc = compact_elsewhere(ctx, t, main, &g->arena)) != NP_OK) { /* live bytes lost: its message */
+        if ((rc = np_tags_compact(ctx, t, main, &g->arena)) != NP_OK && ctx->lost) { /* live bytes lost: its message */
           free(r);
           return rc;
         }

@@ -74,6 +74,11 @@ int np_tags_pause(np_ctx *ctx, np_tagset *t, const char *name, bool backup, uint
 int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, uint64_t *bytes);
 int np_tags_info(np_ctx *ctx, np_tagset *t, np_tag_info *out, size_t cap, size_t *n);
 int np_tags_empty_cache(np_ctx *ctx, np_tagset *t, np_arena *main);
+/* The device idle: the chunks of every arena but `skip` (the main one's, unpaused tags') that hold
+ * live blocks and free pages replaced by chunks over their live pages, each arena within its share
+ * of the cap (np_arena_compact). NP_ERR_STATE if live bytes were lost (ctx->lost: np_vmm_compact's
+ * message), else the first refusal of a chunk the device would not let go (it stays as it was). */
+int np_tags_compact(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip);
 /* Bound the host bytes backups may hold; buffers holding no backup go back if the pool holds more. */
 void np_tags_set_backup_limit(np_ctx *ctx, np_tagset *t, uint64_t bytes);
 void np_tags_fill_stats(np_ctx *ctx, np_tagset *t, np_arena *main, np_stats *st);

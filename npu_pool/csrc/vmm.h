@@ -90,7 +90,7 @@ void np_vmm_spares_release(np_ctx *ctx);
 #define NP_SPARE_KEEP (20 * NP_MIB)
 /* The most spares a context keeps (take_spare looks at each); past it, a trim releases. */
 #define NP_SPARE_MAX 4096
-/* Compaction (np_set_compaction): replace the chunk that starts at page `first` of seg (n pages)
+/* Compaction (np_set_compaction, np_compact): replace the chunk that starts at page `first` of seg (n pages)
  * by chunks over the runs of its pages that `keep` marks (keep[i]: page first + i), the bytes of
  * those pages copied to host memory and back at the same addresses, so that the pages not kept
  * go back to the device (*freed: their bytes). The device must be idle (the caller synchronised
