@@ -221,6 +221,40 @@ print(json.dumps({"kept": kept}))
     assert out["kept"] == [True] * 4, err[-3000:]
 
 
+def test_compact_returns_what_empty_cache_cannot_and_waits_for_torch_npus_queue(torch_npu: TorchNpu) -> None:
+    """npu_pool.compact() inside torch_npu: tensors freed among live ones keep their chunks mapped
+    through torch.npu.empty_cache(); compact() gives those pages back (memory_reserved drops by
+    what it returns, the fake device's used bytes with it) and the live tensors keep their bytes
+    and addresses, copies into them still in torch_npu's task queue when it starts included (its
+    synchronisation goes through the queue first, as pause's)."""
+    out, err = torch_npu.results(FAKE + """
+import torch, torch_npu, npu_pool
+npu_pool.install()
+H = [torch.full((25 << 20,), i, dtype=torch.uint8).pin_memory() for i in range(10)]
+T = [torch.empty(25 << 20, dtype=torch.uint8, device="npu") for _ in range(10)]
+live = list(range(1, 10, 2))
+for i in live:
+    T[i].copy_(H[i], non_blocking=True)     # still queued when compact starts
+ptrs = [T[i].data_ptr() for i in live]
+for i in range(0, 10, 2):
+    T[i] = None
+torch.npu.empty_cache()
+r = {"before": torch.npu.memory_reserved()}
+r["returned"] = npu_pool.compact()
+r["after"], r["device_used"] = torch.npu.memory_reserved(), fake.fake_used()
+r["kept"] = [bool(torch.equal(T[i].cpu(), H[i])) for i in live]
+r["same_addresses"] = [T[i].data_ptr() for i in live] == ptrs
+r["allocated"] = torch.npu.memory_allocated()
+pool, g = npu_pool.installed()[0], 2 << 20
+r["compactions"] = pool.stats()["compactions"]
+r["touched"] = g * len({q for x in ptrs for q in range(x // g, (x + pool.block_size(x) - 1) // g + 1)})
+print(json.dumps(r))
+""")
+    assert out["kept"] == [True] * 5 and out["same_addresses"], err[-3000:]
+    assert out["returned"] > 0 and out["after"] == out["before"] - out["returned"] == out["device_used"]
+    assert out["compactions"] > 0 and out["after"] == out["touched"]  # the live tensors' pages, no more
+
+
 HANDOVERS = FAKE + """
 import os
 import torch, torch_npu, npu_pool
