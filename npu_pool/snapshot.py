@@ -18,6 +18,7 @@ Works on anything with ``blocks()``, ``mapped_ranges()``, ``history()`` and ``st
 """
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 from pathlib import Path
@@ -104,61 +105,74 @@ def device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) 
     return list(iter_device_trace(events, frames))
 
 
-_BUCKET = 21  # alloc entries indexed by a byte of theirs >> _BUCKET (2 MiB), to find those a range holds
+_BUCKET = 21  # alloc entries indexed by their first byte >> _BUCKET (2 MiB), to find those a range holds
 
 
 def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> Iterator[dict[str, Any]]:
     """:func:`device_trace`, one entry at a time.
 
-    A paused tag's memory is unmapped while its tensors stay allocated (docs/colocated.md);
-    PyTorch's tools know no allocation outside device memory, so they leave the device with it:
-    freed at the unmap and allocated again where a map brings their range back, as an
-    allocator that offloads them shows it."""
-    live: _Index = {}    # by first byte
-    paused: _Index = {}  # off the device: by last byte
+    Memory can be unmapped under tensors that stay allocated: a paused tag's (docs/colocated.md),
+    and a chunk a compaction replaces, for a moment (docs/api.md, Compaction). PyTorch's tools
+    know no allocation outside device memory, so such a tensor leaves the device with it: freed at
+    the unmap of any of its bytes, and allocated again at the map that leaves none of them
+    unmapped, as an allocator that offloads it shows it. (What the history unmapped is known from
+    its own events: memory mapped before its first one counts as mapped.)"""
+    live: _Index = {}    # on the device
+    paused: _Index = {}  # allocated, some of its bytes unmapped
+    unmapped = _Ranges()
+    longest = 1  # the largest entry seen: how far below a range an entry that reaches into it may start
     for e in events:
         kind = e["kind"]
         base = {"addr": int(e["addr"]), "size": int(e["size"]), "stream": device_stream(int(e["stream"])),
                 "time_us": int(e["time"])}
         if kind == "alloc":
             entry = dict(base, action="alloc", frames=frames(e))
-            live.setdefault(_first(entry) >> _BUCKET, {})[entry["addr"]] = entry
+            _index(live, entry)
+            longest = max(longest, entry["size"])
             yield entry
         elif kind == "free":
-            if _drop(live, base, _first) or not _drop(paused, base, _last):  # (a paused one left at its unmap)
+            if _drop(live, base) or not _drop(paused, base):  # (one off the device left it at the unmap)
                 fr = frames(e)
                 yield dict(base, action="free_requested", frames=fr)
                 yield dict(base, action="free_completed", frames=fr)
         elif kind in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
             entry = dict(base, action=kind, stream=_segment_stream(e), frames=[])
-            if kind == "segment_unmap":  # at the unmap of its first bytes (a pause unmaps its tag's range at once)
-                for b in _move(live, _first, paused, _last, base["addr"], base["size"]):
+            if kind == "segment_unmap":
+                unmapped.add(base["addr"], base["size"])
+                for b in _take(live, base["addr"], base["size"], longest):
+                    _index(paused, b)
                     left = {k: b[k] for k in ("addr", "size", "stream", "frames")}
                     yield dict(left, action="free_requested", time_us=base["time_us"])
                     yield dict(left, action="free_completed", time_us=base["time_us"])
+                yield entry
+                continue
+            if kind != "segment_free":
+                unmapped.remove(base["addr"], base["size"])
             yield entry
-            if kind == "segment_map":  # at the map of its last bytes (a resume maps in address order)
-                for b in _move(paused, _last, live, _first, base["addr"], base["size"]):
+            if kind == "segment_map":
+                for b in _take(paused, base["addr"], base["size"], longest,
+                               lambda b: not unmapped.overlaps(b["addr"], _end(b))):
+                    _index(live, b)
                     yield dict(b, time_us=base["time_us"])
         elif kind == "oom":
             free = int(e["device_free"])  # (UINT64_MAX: the device did not say)
             yield dict(base, action="oom", addr=0, device_free=0 if free == (1 << 64) - 1 else free, frames=frames(e))
 
 
-def _first(b: dict[str, Any]) -> int:
-    return b["addr"]
+def _end(b: dict[str, Any]) -> int:
+    return b["addr"] + max(b["size"], 1)
 
 
-def _last(b: dict[str, Any]) -> int:
-    return b["addr"] + max(b["size"], 1) - 1
+_Index = dict  # bucket (an entry's first byte >> _BUCKET) -> addr -> alloc entry
 
 
-_Index = dict  # bucket (a byte of the entry >> _BUCKET) -> addr -> alloc entry
+def _index(index: _Index, entry: dict[str, Any]) -> None:
+    index.setdefault(entry["addr"] >> _BUCKET, {})[entry["addr"]] = entry
 
 
-def _drop(index: _Index, freed: dict[str, Any], by: Callable[[dict[str, Any]], int]) -> bool:
-    """Remove the entry at ``freed``'s address from ``index`` (bucketed ``by``); whether it was there."""
-    bucket = by(freed) >> _BUCKET
+def _drop(index: _Index, freed: dict[str, Any]) -> bool:
+    """Remove the entry at ``freed``'s address from ``index``; whether it was there."""
+    bucket = freed["addr"] >> _BUCKET
     held = index.get(bucket)
     if held is None or held.pop(freed["addr"], None) is None:
         return False
@@ -167,19 +181,51 @@ def _drop(index: _Index, freed: dict[str, Any], by: Callable[[dict[str, Any]], i
     return True
 
 
-def _move(index: _Index, by: Callable[[dict[str, Any]], int], to: _Index, to_by: Callable[[dict[str, Any]], int],
-          addr: int, size: int) -> list[dict[str, Any]]:
-    """Move the entries of ``index`` whose byte ``by`` lies in [addr, addr + size) to ``to``
-    (bucketed ``to_by``); return them in address order."""
+def _take(index: _Index, addr: int, size: int, longest: int,
+          keep: Callable[[dict[str, Any]], bool] = lambda b: True) -> list[dict[str, Any]]:
+    """Remove and return (in address order) the entries of ``index`` that share a byte with
+    [addr, addr + size) and pass ``keep``; none is longer than ``longest``."""
+    lo, hi = max(0, addr - longest + 1) >> _BUCKET, (addr + max(size, 1) - 1) >> _BUCKET
+    buckets = range(lo, hi + 1) if hi - lo < len(index) else sorted(k for k in index if lo <= k <= hi)
     out = []
-    for bucket in range(addr >> _BUCKET, ((addr + size - 1) >> _BUCKET) + 1 if size else addr >> _BUCKET):
+    for bucket in buckets:
         held = index.get(bucket)
-        for a in [a for a, b in held.items() if addr <= by(b) < addr + size] if held else ():
+        for a in [a for a, b in held.items() if a < addr + max(size, 1) and _end(b) > addr and keep(b)] if held else ():
             out.append(held.pop(a))
-            to.setdefault(to_by(out[-1]) >> _BUCKET, {})[a] = out[-1]
         if held is not None and not held:
             del index[bucket]
-    return sorted(out, key=_first)
+    return sorted(out, key=lambda b: b["addr"])
+
+
+class _Ranges:
+    """Disjoint byte ranges, sorted (the memory a history unmapped and has not mapped again)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, addr: int, size: int) -> None:
+        lo, hi = addr, addr + size
+        i, j = bisect.bisect_left(self.ends, lo), bisect.bisect_right(self.starts, hi)  # [i, j): touching
+        if i < j:
+            lo, hi = min(lo, self.starts[i]), max(hi, self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = [lo], [hi]
+
+    def remove(self, addr: int, size: int) -> None:
+        lo, hi = addr, addr + size
+        i, j = bisect.bisect_right(self.ends, lo), bisect.bisect_left(self.starts, hi)  # [i, j): overlapping
+        if i >= j:
+            return
+        starts = [self.starts[i]] if self.starts[i] < lo else []
+        ends = [lo] if starts else []
+        if self.ends[j - 1] > hi:
+            starts.append(hi)
+            ends.append(self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = starts, ends
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self.ends, lo)
+        return i < len(self.starts) and self.starts[i] < hi
 
 
 def annotations(events: Iterable[dict[str, Any]], device: int) -> list[dict[str, Any]]:
