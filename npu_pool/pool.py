@@ -435,6 +435,7 @@ class Pool:
         d["total"].pop("name")
         d["policy"] = self.policy
         d["vmm"] = bool(d["vmm"])
+        d["compaction"] = bool(d["compaction"])
         d["calls"] = _calls(d["calls"])
         return d
 

@@ -64,6 +64,16 @@ def test_npu_pools_fragmentation_advice_is_what_can_still_help() -> None:
     reserved = pool.stats()["total"]["reserved"]["current"]
     pool.empty_cache()
     assert pool.stats()["total"]["reserved"]["current"] == reserved  # (what the advice no longer says)
+    tip = [s for s in x.suggestions if "npu_pool.compact()" in s]  # (what does help, moving live bytes)
+    assert len(tip) == 1 and "NPU_POOL_COMPACT=1" in tip[0] and not pool.stats()["compaction"]
+    assert pool.compact() > 0
+    pool.malloc(12 * MiB)
+    on, _ = _fragmented("npu_pool")
+    on.set_compaction(True)
+    with pytest.raises(OutOfMemoryError):  # compacted: the live blocks' partial pages are what is left free
+        on.malloc(30 * MiB)
+    x = oom.explain(on)
+    assert x.kind == "fragmentation" and on.stats()["compaction"] and not any("compact" in s for s in x.suggestions)
     capped = Pool("torch", capacity=64 * MiB, fraction=0.5)
     _fails(capped, 40 * MiB)
     assert oom.explain(capped).suggestions[0].startswith("raise the memory fraction cap (50% of the device)")

@@ -374,6 +374,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   *out = ctx->st;
   np_stats_fill_active(out);
   out->device_total = ctx->be->total;
+  out->compaction = ctx->compact;
   out->limit = ctx->limit;
   out->policy = ctx->cfg.policy;
   out->largest_free = 0;

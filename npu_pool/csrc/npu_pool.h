@@ -177,6 +177,7 @@ typedef struct np_stats {
   uint64_t compactions;     /* chunks replaced by chunks over their live pages only (np_set_compaction) */
   uint64_t compacted;       /* bytes those moved through host memory: copied out and back */
   int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
+  int compaction;           /* 1 while a request compacts before it fails (np_set_compaction) */
   int policy;
   uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */
   uint64_t backup;          /* host bytes holding paused tags' contents (np_pause with backup) */
