@@ -355,7 +355,11 @@ NOTES = """
   the device is idle, which the pool can make sure of for the work already queued (a
   synchronisation; torch_npu's task queue drained first) but not for work another thread queues
   meanwhile, so it is for programs where one thread at a time drives the device (a training
-  loop and its autograd thread), and the pool cannot tell.
+  loop and its autograd thread), and the pool cannot tell. `Pool.compact()` (docs/api.md) runs
+  the same compaction, over every chunk, at a moment the caller chooses and vouches for; not a
+  remedy for steady calls: at every iteration boundary of the runs on the device the torch model
+  just fits it multiplied them (551 to 8096 over h100-gpt-bf16-train's steady iterations;
+  benchmarks/results/sim-2026-11-28b), giving back what the next iteration maps again.
 - Compaction's first form (commit 18c1168) kept the rules under cap pressure, applying past the
   budget, compacted the chunks with the most free pages first, and until the request's size was
   freed whatever the cap had left: the physical bound at the minimum capacity held on 10 of 13
