@@ -39,7 +39,7 @@ PLAN = "NPU_POOL_PLAN"
 CONFIG_FILE = "NPU_POOL_CONFIG"
 COMPACT = "NPU_POOL_COMPACT"
 POLICY_NAMES: tuple[str, ...] = ("torch", "npu_pool", "expandable", "planned")  # the keys of npu_pool.pool.POLICIES
-COMPACTING_POLICIES: tuple[str, ...] = ("npu_pool", "planned")  # those whose core policy compacts (policy.h: compacts)
+COMPACTING_POLICIES: tuple[str, ...] = ("npu_pool", "planned")  # those whose core policy compacts (policy.h: its compact hook)
 _KEYS = (ENABLE, FRACTION, POLICY, PLAN, COMPACT)
 # Every NPU_POOL_* variable something reads: these settings, the ones read where they apply
 # (cpp_hooks.CACHE_ENV, oom.ENV, mindspeed_patch.megatron's LOG_EVERY and REPORT_DIR), and the

@@ -620,3 +620,23 @@ def test_a_snapshot_s_device_trace_keeps_the_tensors_a_compaction_moved(by: str)
                 on_device.remove(e["addr"])
         assert p.stats()["compactions"] > 0
         assert on_device == {b["addr"] for b in p.blocks() if b["allocated"]}
+
+
+@pytest.mark.parametrize("backend", ["acl", "cuda"])
+def test_a_device_out_of_memory_in_compact_leaves_that_chunk_as_it_was(fakes: dict, backend: str) -> None:
+    """The device took a chunk back and then refuses, out of memory, the chunks over its live pages
+    (another process took the memory in between): the chunk maps again as it was, the others are
+    compacted, and compact() raises OutOfMemoryError (the vendor's out-of-memory code, not a
+    BackendError: docs/api.md, Compaction)."""
+    v = _vendor(fakes, backend)
+    with v.pool() as p:
+        live = _pinned(p, fill=True)
+        v.fail("create", count=2, code=207001 if backend == "acl" else 2)  # both tries of map_kept
+        with pytest.raises(OutOfMemoryError) as e:
+            p.compact()
+        assert not isinstance(e.value, BackendError)
+        st = p.stats()
+        assert st["compactions"] > 0 and st["total"]["reserved"]["current"] > _pages(live) and _intact(live)
+        _books_match(p, v)
+        _clear_faults(v)
+        assert p.compact() > 0 and p.stats()["total"]["reserved"]["current"] == _pages(live) and _intact(live)

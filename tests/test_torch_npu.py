@@ -221,12 +221,13 @@ print(json.dumps({"kept": kept}))
     assert out["kept"] == [True] * 4, err[-3000:]
 
 
-def test_compact_returns_what_empty_cache_cannot_and_waits_for_torch_npus_queue(torch_npu: TorchNpu) -> None:
+def test_compact_returns_what_empty_cache_cannot(torch_npu: TorchNpu) -> None:
     """npu_pool.compact() inside torch_npu: tensors freed among live ones keep their chunks mapped
     through torch.npu.empty_cache(); compact() gives those pages back (memory_reserved drops by
     what it returns, the fake device's used bytes with it) and the live tensors keep their bytes
-    and addresses, copies into them still in torch_npu's task queue when it starts included (its
-    synchronisation goes through the queue first, as pause's)."""
+    and addresses. (Its synchronisation is pause's, through torch_npu's task queue first:
+    test_pause_waits_for_work_still_in_torch_npus_queue guards it; copies queued here are drained
+    by the empty_cache before it.)"""
     out, err = torch_npu.results(FAKE + """
 import torch, torch_npu, npu_pool
 npu_pool.install()
@@ -234,7 +235,7 @@ H = [torch.full((25 << 20,), i, dtype=torch.uint8).pin_memory() for i in range(1
 T = [torch.empty(25 << 20, dtype=torch.uint8, device="npu") for _ in range(10)]
 live = list(range(1, 10, 2))
 for i in live:
-    T[i].copy_(H[i], non_blocking=True)     # still queued when compact starts
+    T[i].copy_(H[i], non_blocking=True)
 ptrs = [T[i].data_ptr() for i in live]
 for i in range(0, 10, 2):
     T[i] = None
