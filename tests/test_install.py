@@ -530,7 +530,11 @@ def test_compaction_asked_in_the_environment_serves_what_pinned_pages_refused(fa
     monkeypatch.setenv("NPU_POOL_COMPACT", "1")
     npu_pool.install(device_type="cuda", lib_path=_vendor(fakes, "cuda").path)
 
-    def pinned() -> list[int]:  # ten 25 MiB blocks on the 256 MiB device, every other one freed
+    def pinned(held: list[int]) -> list[int]:
+        """``held`` freed, then ten 25 MiB blocks on the 256 MiB device, every other one freed."""
+        for x in held:
+            free(x)
+        so.npu_pool_empty_cache()
         ptrs = [malloc(25 * MiB) for _ in range(10)]
         assert all(ptrs)
         for x in ptrs[::2]:
@@ -538,25 +542,19 @@ def test_compaction_asked_in_the_environment_serves_what_pinned_pages_refused(fa
         so.npu_pool_empty_cache()
         return ptrs[1::2]
 
-    live = pinned()
+    live = pinned([])
     big = malloc(75 * MiB)
     assert big and npu_pool.installed()[0].stats()["compactions"] > 0
-    for x in [*live, big]:
-        free(x)
-    so.npu_pool_empty_cache()
     npu_pool.set_compaction(False)
-    live = pinned()
+    live = pinned([*live, big])
     assert malloc(75 * MiB) == 0  # the pinned pages refuse it without compaction
     npu_pool.set_compaction(True, device=0)
     big = malloc(75 * MiB)
     assert big != 0
     with pytest.raises(InvalidArgumentError, match="no npu_pool allocator installed on device 5"):
         npu_pool.set_compaction(True, device=5)
-    for x in [*live, big]:
-        free(x)
-    so.npu_pool_empty_cache()
     npu_pool.set_compaction(False)
-    live = pinned()
+    live = pinned([*live, big])
     assert malloc(75 * MiB) == 0
     # compact() at a moment the caller chooses, the setting off: every device, a device that
     # served nothing giving back nothing (and getting no context for it)
