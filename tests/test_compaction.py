@@ -640,3 +640,59 @@ def test_a_device_out_of_memory_in_compact_leaves_that_chunk_as_it_was(fakes: di
         _books_match(p, v)
         _clear_faults(v)
         assert p.compact() > 0 and p.stats()["total"]["reserved"]["current"] == _pages(live) and _intact(live)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_snapshot_s_device_trace_shows_on_the_device_what_is_mapped_under_it(seed: int) -> None:
+    """Random requests, frees, pauses, resumes, compactions (at a request and by compact()) and
+    empty_caches: replaying the snapshot's device trace leaves on the device exactly the allocated
+    blocks whose every byte is mapped (a paused tag's are not), whatever chunks they span."""
+    from npu_pool.snapshot import pool_snapshot
+
+    rng = random.Random(seed)
+    with Pool("npu_pool", capacity=160 * MiB, compact=rng.random() < 0.5) as p:
+        p.set_history(1 << 20)
+        mine: dict[str | None, list[int]] = {None: [], "A": [], "B": []}
+        for _ in range(300):
+            tag = rng.choice([None, None, "A", "B"])
+            paused = {t for t, v in p.tags().items() if v["is_paused"]}
+            r = rng.random()
+            if r < 0.5 and tag not in paused:
+                try:
+                    if tag is None:
+                        mine[tag].append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 25 * MiB])))
+                    else:
+                        with p.region(tag):
+                            mine[tag].append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 25 * MiB])))
+                except OutOfMemoryError:
+                    pass
+            elif r < 0.8 and mine[tag]:
+                p.free(mine[tag].pop(rng.randrange(len(mine[tag]))))
+            elif r < 0.86 and tag is not None:
+                try:
+                    p.resume(tag) if tag in paused else p.pause(tag)
+                except PoolError:  # (a tag with nothing allocated yet, or no room to resume)
+                    pass
+            elif r < 0.93:
+                p.compact()
+            else:
+                p.empty_cache()
+        ranges = sorted(p.mapped_ranges())
+
+        def mapped(lo: int, hi: int) -> bool:
+            for start, size in ranges:
+                if start <= lo < start + size:
+                    lo = start + size
+                if lo >= hi:
+                    return True
+            return False
+
+        on_device: set[int] = set()
+        for e in pool_snapshot({0: p})["device_traces"][0]:
+            if e["action"] == "alloc":
+                on_device.add(e["addr"])
+            elif e["action"] == "free_completed":
+                on_device.discard(e["addr"])
+        want = {b["addr"] for b in p.blocks() if b["allocated"] and mapped(b["addr"], b["addr"] + b["size"])}
+        assert on_device == want
+        p.check()
