@@ -195,16 +195,24 @@ def test_set_compaction_says_where_it_cannot_apply() -> None:
 
 def test_without_compaction_nothing_changes() -> None:
     """Off (the default) the arena is the one without the feature: no compaction; the
-    out-of-memory message says what compaction would return. On, a request past the cap even so
-    does not say it."""
+    out-of-memory message says how much compaction would give back (what compact() then gives
+    back). On, a request past the cap even so does not say it; nor does a pool that cannot
+    compact."""
     with Pool("npu_pool", capacity=256 * MiB) as p:
         _pinned(p, fill=False)
-        with pytest.raises(OutOfMemoryError, match="compaction would return the free pages that live tensors' "
-                                                   r"chunks keep mapped \(Pool.compact\(\) where no other thread "
-                                                   r"queues device work, or at every out-of-memory: "
-                                                   r"Pool.set_compaction, NPU_POOL_COMPACT=1"):
+        with pytest.raises(OutOfMemoryError, match=r"compaction would give back ([0-9.]+) MiB, the free pages live "
+                                                   r"tensors' chunks keep mapped \(Pool.compact\(\) where no other "
+                                                   r"thread queues device work, or at every out-of-memory: "
+                                                   r"Pool.set_compaction, NPU_POOL_COMPACT=1") as e:
             p.malloc(3 * BLOCK)
         assert p.stats()["compactions"] == 0 == p.stats()["compacted"]
+        said = float(str(e.value).split("compaction would give back ")[1].split(" MiB")[0])
+        assert p.compact() == said * MiB > 0
+    with Pool("npu_pool", capacity=256 * MiB, vmm=False) as p:
+        _pinned(p, fill=False)
+        with pytest.raises(OutOfMemoryError) as e:
+            p.malloc(3 * BLOCK)
+        assert "compaction would" not in str(e.value)
     with Pool("npu_pool", capacity=256 * MiB, compact=True) as p:
         _pinned(p, fill=False)
         with pytest.raises(OutOfMemoryError) as e:

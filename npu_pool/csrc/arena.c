@@ -681,6 +681,48 @@ static bool merge_apart(np_ctx *ctx, np_arena *a) {
 /* A chunk holding live blocks and free pages: its first page, its pages, its free pages. */
 typedef struct part_free { uint64_t first, n, idle; } part_free;
 
+/* The chunks of a (VMM, a segment) that hold live blocks and free pages: *parts, *n of them, and
+ * *live, which pages live blocks touch (1), both the caller's to free. False, and nothing to free,
+ * where the host has no memory for the two tables. O(blocks + mapped pages). */
+static bool pinning(np_ctx *ctx, np_arena *a, uint8_t **live, part_free **parts, uint64_t *n_parts) {
+  uint64_t g = a->page, pages = a->page_hwm;
+  *n_parts = 0;
+  *live = pages ? calloc(pages, 1) : NULL;
+  *parts = pages ? malloc(pages * sizeof **parts) : NULL;
+  if (!*live || !*parts) {
+    free(*live);
+    free(*parts);
+    return false;
+  }
+  for (np_block *b = a->seg->head; b; b = b->next)
+    if (b->allocated) {
+      uint64_t off = b->addr - a->seg->addr;
+      for (uint64_t p = off / g; p < (off + b->size + g - 1) / g && p < pages; p++) (*live)[p] = 1;
+    }
+  for (uint64_t p = 0, first, n; p < pages; p = first + n) {
+    first = p;
+    n = 1;
+    if (!a->seg->pages[p]) continue;
+    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+    uint64_t used = 0;
+    for (uint64_t q = first; q < first + n; q++) used += (*live)[q];
+    if (used && used < n) (*parts)[(*n_parts)++] = (part_free){first, n, n - used};
+  }
+  return true;
+}
+
+/* The bytes a compaction of a would give back: the free pages of its chunks that hold live blocks. */
+static uint64_t pinned_bytes(np_ctx *ctx, np_arena *a) {
+  uint8_t *live;
+  part_free *parts;
+  uint64_t n = 0, idle = 0;
+  if (!a->vmm || !a->seg || !pinning(ctx, a, &live, &parts, &n)) return 0;
+  for (uint64_t i = 0; i < n; i++) idle += parts[i].idle;
+  free(live);
+  free(parts);
+  return idle * a->page;
+}
+
 /* The cheapest first: most free pages per live page copied (a/(n-a) > b/(m-b), cross-multiplied;
  * page counts stay far below 2^32), then most free pages, then the lowest. */
 static int cheapest_first(const void *x, const void *y) {
@@ -700,28 +742,10 @@ static int cheapest_first(const void *x, const void *y) {
  * let go stays as it was, its error saved in *refused (the first). O(blocks + mapped pages): a
  * request that would fail pays it, no other. */
 static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc, np_saved_error *refused) {
-  uint64_t g = a->page, pages = a->page_hwm, n_parts = 0, freed = 0;
-  uint8_t *live = pages ? calloc(pages, 1) : NULL;
-  part_free *parts = pages ? malloc(pages * sizeof *parts) : NULL;
-  if (!live || !parts) { /* host out of memory: the request fails as it would without compaction */
-    free(live);
-    free(parts);
-    return false;
-  }
-  for (np_block *b = a->seg->head; b; b = b->next)
-    if (b->allocated) {
-      uint64_t off = b->addr - a->seg->addr;
-      for (uint64_t p = off / g; p < (off + b->size + g - 1) / g && p < pages; p++) live[p] = 1;
-    }
-  for (uint64_t p = 0, first, n; p < pages; p = first + n) {
-    first = p;
-    n = 1;
-    if (!a->seg->pages[p]) continue;
-    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
-    uint64_t used = 0;
-    for (uint64_t q = first; q < first + n; q++) used += live[q];
-    if (used && used < n) parts[n_parts++] = (part_free){first, n, n - used};
-  }
+  uint64_t g = a->page, n_parts, freed = 0;
+  uint8_t *live;
+  part_free *parts;
+  if (!pinning(ctx, a, &live, &parts, &n_parts)) return false; /* (the request fails as it would without) */
   qsort(parts, n_parts, sizeof *parts, cheapest_first);
   /* What the budget must have free for the request: its whole pages (a placement maps whole pages,
    * so `size` alone stops short when the budget's room is not a multiple of a page, and the second
@@ -779,6 +803,7 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
       if (freed) rc = try_place(ctx, a, size, stream, long_lived, out);
     }
     if (rc == NP_ERR_OOM) explain(ctx, a, size);
+    if (rc == NP_ERR_OOM && !ctx->compact) ctx->fail.pinned = pinned_bytes(ctx, a); /* (the message's advice) */
   }
   return rc;
 }

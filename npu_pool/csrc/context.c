@@ -80,12 +80,13 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name
                      : ctx->policy->memory ? ctx->policy->memory : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[640], held[320] = "";
-  /* free pages that live tensors' chunks pin: what compaction would return, were it on */
-  const char *hint = !ctx->compact && np_ctx_compaction_refused(ctx) == NULL
-                     ? "; compaction would return the free pages that live tensors' chunks keep mapped "
-                       "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "
-                       "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)" : "";
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], pn[32], what[768],
+      held[320] = "", hint[320] = "";
+  /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
+  if (!ctx->compact && f->pinned && np_ctx_compaction_refused(ctx) == NULL)
+    snprintf(hint, sizeof hint, "; compaction would give back %s, the free pages live tensors' chunks keep mapped "
+             "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "
+             "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(f->pinned, pn));
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "
