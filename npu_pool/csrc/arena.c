@@ -711,16 +711,35 @@ static bool pinning(np_ctx *ctx, np_arena *a, uint8_t **live, part_free **parts,
   return true;
 }
 
-/* The bytes a compaction of a would give back: the free pages of its chunks that hold live blocks. */
+/* The bytes a compaction of a would give back (pinning's chunks' free pages), from the free blocks
+ * only, as a refused request's other steps (free_list): the pages wholly inside a run of touching
+ * free blocks are the free ones, and each chunk they fall in counts them unless they are all of it.
+ * O(f log f + the mapped pages in free runs) for f free blocks: no walk of the live ones. */
 static uint64_t pinned_bytes(np_ctx *ctx, np_arena *a) {
-  uint8_t *live;
-  part_free *parts;
-  uint64_t n = 0, idle = 0;
-  if (!a->vmm || !a->seg || !pinning(ctx, a, &live, &parts, &n)) return 0;
-  for (uint64_t i = 0; i < n; i++) idle += parts[i].idle;
-  free(live);
-  free(parts);
-  return idle * a->page;
+  if (!a->vmm || !a->seg) return 0;
+  uint64_t g = a->page, base = a->seg->addr, total = 0, chunk = UINT64_MAX, chunk_n = 0, idle = 0;
+  for (np_block *b = free_list(ctx, a, false); b;) {
+    uintptr_t s = b->addr, e = b->addr + b->size;
+    for (b = b->hnext; b && b->addr == e; b = b->hnext) e = b->addr + b->size; /* touching: one run */
+    uint64_t p = (s - base + g - 1) / g, stop = np_min_u64((e - base) / g, a->page_hwm);
+    while (p < stop) {
+      if (!a->seg->pages[p]) {
+        p++;
+        continue;
+      }
+      uint64_t first, n;
+      np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+      if (first != chunk) { /* the chunks come in address order: the last one is done */
+        total += idle < chunk_n ? idle : 0;
+        chunk = first, chunk_n = n, idle = 0;
+      }
+      uint64_t upto = np_min_u64(first + n, stop);
+      idle += upto - p;
+      p = upto;
+    }
+  }
+  total += idle < chunk_n ? idle : 0;
+  return total * g;
 }
 
 /* The cheapest first: most free pages per live page copied (a/(n-a) > b/(m-b), cross-multiplied;
