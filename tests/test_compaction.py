@@ -704,3 +704,38 @@ def test_a_snapshot_s_device_trace_shows_on_the_device_what_is_mapped_under_it(s
         want = {b["addr"] for b in p.blocks() if b["allocated"] and mapped(b["addr"], b["addr"] + b["size"])}
         assert on_device == want
         p.check()
+
+
+def test_the_out_of_memory_message_s_compaction_figure_is_what_compact_gives_back() -> None:
+    """Random fills freed by half, then a request the pool cannot serve: where the message says what
+    a compaction would give back (fragmentation, compaction off), compact() after an empty_cache
+    gives back exactly that; a fragmentation failure that names no figure is one compaction could
+    not help."""
+    import re
+
+    units = {"bytes": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": 1 << 30}
+    named = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        with Pool("npu_pool", capacity=rng.choice([128, 256, 384]) * MiB, rules=rng.choice(["npu", "cuda"])) as p:
+            ptrs = []
+            with pytest.raises(OutOfMemoryError):
+                while True:
+                    ptrs.append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 25 * MiB, 40 * MiB])))
+            rng.shuffle(ptrs)
+            for x in ptrs[: len(ptrs) // 2]:
+                p.free(x)
+            try:
+                p.free(p.malloc(int(p.stats()["limit"] * rng.choice([0.1, 0.2, 0.3]))))
+                continue
+            except OutOfMemoryError as e:
+                said = re.search(r"compaction would give back ([0-9.]+) (bytes|KiB|MiB|GiB)", str(e))
+                fragmentation = "; fragmentation:" in str(e)
+            p.empty_cache()
+            got = p.compact()
+            if said:
+                named += 1
+                assert abs(float(said.group(1)) * units[said.group(2)] - got) < 0.01 * MiB, (seed, said.group(0), got)
+            elif fragmentation:
+                assert got == 0, seed
+    assert named >= 3
