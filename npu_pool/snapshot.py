@@ -105,7 +105,7 @@ def device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) 
     return list(iter_device_trace(events, frames))
 
 
-_BUCKET = 21  # alloc entries indexed by their first byte >> _BUCKET (2 MiB), to find those a range holds
+_BUCKET = 21  # alloc entries indexed by their first byte >> _BUCKET (2 MiB) at least (_Index)
 
 
 def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> Iterator[dict[str, Any]]:
@@ -117,21 +117,19 @@ def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRA
     the unmap of any of its bytes, and allocated again at the map that leaves none of them
     unmapped, as an allocator that offloads it shows it. (What the history unmapped is known from
     its own events: memory mapped before its first one counts as mapped.)"""
-    live: _Index = {}    # on the device
-    paused: _Index = {}  # allocated, some of its bytes unmapped
+    live = _Index()    # on the device
+    paused = _Index()  # allocated, some of its bytes unmapped
     unmapped = _Ranges()
-    longest = 1  # the largest entry seen: how far below a range an entry that reaches into it may start
     for e in events:
         kind = e["kind"]
         base = {"addr": int(e["addr"]), "size": int(e["size"]), "stream": device_stream(int(e["stream"])),
                 "time_us": int(e["time"])}
         if kind == "alloc":
             entry = dict(base, action="alloc", frames=frames(e))
-            _index(live, entry)
-            longest = max(longest, entry["size"])
+            live.add(entry)
             yield entry
         elif kind == "free":
-            if _drop(live, base) or not _drop(paused, base):  # (one off the device left it at the unmap)
+            if live.drop(base["addr"]) or not paused.drop(base["addr"]):  # (one off the device left it at the unmap)
                 fr = frames(e)
                 yield dict(base, action="free_requested", frames=fr)
                 yield dict(base, action="free_completed", frames=fr)
@@ -139,8 +137,8 @@ def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRA
             entry = dict(base, action=kind, stream=_segment_stream(e), frames=[])
             if kind == "segment_unmap":
                 unmapped.add(base["addr"], base["size"])
-                for b in _take(live, base["addr"], base["size"], longest):
-                    _index(paused, b)
+                for b in live.take(base["addr"], base["size"]):
+                    paused.add(b)
                     left = {k: b[k] for k in ("addr", "size", "stream", "frames")}
                     yield dict(left, action="free_requested", time_us=base["time_us"])
                     yield dict(left, action="free_completed", time_us=base["time_us"])
@@ -150,9 +148,8 @@ def iter_device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRA
                 unmapped.remove(base["addr"], base["size"])
             yield entry
             if kind == "segment_map":
-                for b in _take(paused, base["addr"], base["size"], longest,
-                               lambda b: not unmapped.overlaps(b["addr"], _end(b))):
-                    _index(live, b)
+                for b in paused.take(base["addr"], base["size"], lambda b: not unmapped.overlaps(b["addr"], _end(b))):
+                    live.add(b)
                     yield dict(b, time_us=base["time_us"])
         elif kind == "oom":
             free = int(e["device_free"])  # (UINT64_MAX: the device did not say)
@@ -163,38 +160,56 @@ def _end(b: dict[str, Any]) -> int:
     return b["addr"] + max(b["size"], 1)
 
 
-_Index = dict  # bucket (an entry's first byte >> _BUCKET) -> addr -> alloc entry
+class _Index:
+    """Alloc entries by their first byte, in tiers by size: tier ``s`` holds those of at most
+    ``2**s`` bytes (``s >= _BUCKET``) in buckets of ``2**s`` bytes, so that one reaching into a
+    range from below starts at most one bucket of its tier before the range's first. (Bucketed by
+    first byte alone, a range had to look back as far as the longest entry the history held: one
+    large tensor, and every unmap walked the entries of gigabytes below it.)"""
 
+    def __init__(self) -> None:
+        self.tiers: dict[int, dict[int, dict[int, dict[str, Any]]]] = {}  # s -> bucket -> addr -> entry
+        self.tier_of: dict[int, int] = {}  # addr -> s
 
-def _index(index: _Index, entry: dict[str, Any]) -> None:
-    index.setdefault(entry["addr"] >> _BUCKET, {})[entry["addr"]] = entry
+    def add(self, entry: dict[str, Any]) -> None:
+        a = entry["addr"]
+        s = max(_BUCKET, (max(entry["size"], 1) - 1).bit_length())
+        self.tiers.setdefault(s, {}).setdefault(a >> s, {})[a] = entry
+        self.tier_of[a] = s
 
+    def drop(self, addr: int) -> bool:
+        """Remove the entry at ``addr``; whether it was there."""
+        s = self.tier_of.pop(addr, None)
+        if s is None:
+            return False
+        tier = self.tiers[s]
+        held = tier[addr >> s]
+        del held[addr]
+        if not held:
+            del tier[addr >> s]
+            if not tier:
+                del self.tiers[s]
+        return True
 
-def _drop(index: _Index, freed: dict[str, Any]) -> bool:
-    """Remove the entry at ``freed``'s address from ``index``; whether it was there."""
-    bucket = freed["addr"] >> _BUCKET
-    held = index.get(bucket)
-    if held is None or held.pop(freed["addr"], None) is None:
-        return False
-    if not held:
-        del index[bucket]
-    return True
-
-
-def _take(index: _Index, addr: int, size: int, longest: int,
-          keep: Callable[[dict[str, Any]], bool] = lambda b: True) -> list[dict[str, Any]]:
-    """Remove and return (in address order) the entries of ``index`` that share a byte with
-    [addr, addr + size) and pass ``keep``; none is longer than ``longest``."""
-    lo, hi = max(0, addr - longest + 1) >> _BUCKET, (addr + max(size, 1) - 1) >> _BUCKET
-    buckets = range(lo, hi + 1) if hi - lo < len(index) else sorted(k for k in index if lo <= k <= hi)
-    out = []
-    for bucket in buckets:
-        held = index.get(bucket)
-        for a in [a for a, b in held.items() if a < addr + max(size, 1) and _end(b) > addr and keep(b)] if held else ():
-            out.append(held.pop(a))
-        if held is not None and not held:
-            del index[bucket]
-    return sorted(out, key=lambda b: b["addr"])
+    def take(self, addr: int, size: int,
+             keep: Callable[[dict[str, Any]], bool] = lambda b: True) -> list[dict[str, Any]]:
+        """Remove and return (in address order) the entries that share a byte with
+        [addr, addr + size) and pass ``keep``."""
+        end = addr + max(size, 1)
+        out = []
+        for s, tier in list(self.tiers.items()):
+            lo, hi = max(0, addr - (1 << s) + 1) >> s, (end - 1) >> s
+            buckets = range(lo, hi + 1) if hi - lo < len(tier) else sorted(k for k in tier if lo <= k <= hi)
+            for bucket in buckets:
+                held = tier.get(bucket)
+                for a in [a for a, b in held.items() if a < end and _end(b) > addr and keep(b)] if held else ():
+                    out.append(held.pop(a))
+                    del self.tier_of[a]
+                if held is not None and not held:
+                    del tier[bucket]
+            if not tier:
+                del self.tiers[s]
+        return sorted(out, key=lambda b: b["addr"])
 
 
 class _Ranges:
