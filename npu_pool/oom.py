@@ -193,7 +193,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
         else:
             tips.append("plan the steady iteration (`npu-pool plan TRACE`, then NPU_POOL_POLICY=planned): every "
                         "tensor at a fixed offset, the free memory in one piece (docs/planner.md)")
-        if st["vmm"] and not st["compaction"]:  # (on, the failed request compacted already)
+        if st["compactable"] and not st["compaction"]:  # (on, the failed request compacted already)
             tips.append("or move live tensors' bytes to give back the free pages their chunks keep mapped: "
                         "npu_pool.compact() where no other thread queues device work, or NPU_POOL_COMPACT=1 at "
                         "every out-of-memory (docs/api.md, Compaction)")

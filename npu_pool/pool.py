@@ -436,6 +436,7 @@ class Pool:
         d["policy"] = self.policy
         d["vmm"] = bool(d["vmm"])
         d["compaction"] = bool(d["compaction"])
+        d["compactable"] = bool(d["compactable"])
         d["calls"] = _calls(d["calls"])
         return d
 

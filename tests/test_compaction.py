@@ -775,3 +775,31 @@ def test_a_snapshot_s_device_trace_does_not_look_back_as_far_as_its_largest_tens
     small = _unmaps_under_live_seconds(64 << 10)
     large = _unmaps_under_live_seconds(4 << 30)
     assert large < 3 * small, f"{large / small:.1f}x the time with one 4 GiB tensor in the history"
+
+
+def test_the_oom_advice_names_no_compaction_a_backend_refuses(builds: dict) -> None:  # noqa: F811
+    """npu_pool.oom.explain advised npu_pool.compact() and NPU_POOL_COMPACT=1 wherever the pool maps
+    page by page and compaction is off, also on a backend that cannot copy device memory (the plain
+    fake ACL has no aclrtMemcpy), where compact() refuses and the out-of-memory message itself names
+    no compaction. There it names none; where compact() works it still does."""
+    from npu_pool import oom
+
+    for path, copies in ((builds[("acl", "full")], False), (builds[("cuda", "full")], True)):
+        v = Vendor("acl" if not copies else "cuda", path, ctypes.CDLL(path))
+        v.lib.fake_set_capacity(64 * MiB)
+        with v.pool() as p:
+            ptrs = []
+            with pytest.raises(OutOfMemoryError):
+                while True:
+                    ptrs.append(p.malloc(3 * MiB))
+            for x in ptrs[::2]:
+                p.free(x)
+            with pytest.raises(OutOfMemoryError) as e:
+                p.malloc(12 * MiB)
+            x = oom.explain(p)
+            assert x.kind == "fragmentation" and p.stats()["vmm"] and not p.stats()["compaction"]
+            advised = any("compact" in s for s in x.suggestions)
+            assert advised == copies == ("compaction would give back" in str(e.value)), (path, x.suggestions)
+            if not copies:
+                with pytest.raises(PoolError, match="cannot copy device memory"):
+                    p.compact()

@@ -376,6 +376,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   np_stats_fill_active(out);
   out->device_total = ctx->be->total;
   out->compaction = ctx->compact;
+  out->compactable = np_ctx_compaction_refused(ctx) == NULL;
   out->limit = ctx->limit;
   out->policy = ctx->cfg.policy;
   out->largest_free = 0;

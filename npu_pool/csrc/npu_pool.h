@@ -178,6 +178,8 @@ typedef struct np_stats {
   uint64_t compacted;       /* bytes those moved through host memory: copied out and back */
   int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
   int compaction;           /* 1 while a request compacts before it fails (np_set_compaction) */
+  int compactable;          /* 1 where the pool can compact (its policy, the virtual-memory API, a backend
+                               that copies): np_compact and np_set_compaction do not refuse */
   int policy;
   uint64_t paused;          /* bytes of paused tags' allocated blocks, unmapped until np_resume */
   uint64_t backup;          /* host bytes holding paused tags' contents (np_pause with backup) */
