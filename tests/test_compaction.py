@@ -58,6 +58,15 @@ def _intact(live: dict[int, int]) -> bool:
     return all(ctypes.string_at(x, BLOCK) == bytes([byte]) * BLOCK for x, byte in live.items())
 
 
+def _fill(p: Pool, size: Callable[[], int]) -> list[int]:
+    """Requests of ``size()`` bytes until one fails; the addresses served."""
+    ptrs: list[int] = []
+    with pytest.raises(OutOfMemoryError):
+        while True:
+            ptrs.append(p.malloc(size()))
+    return ptrs
+
+
 def _books_match(p: Pool, v) -> None:
     p.check()
     assert p.stats()["total"]["reserved"]["current"] == v.lib.fake_used()
@@ -435,10 +444,7 @@ def test_a_compaction_frees_the_request_s_whole_pages_first_time() -> None:
     the request's pages, not its bytes (it stopped a page short, and the second round compacted
     every chunk)."""
     with Pool("npu_pool", capacity=257 * MiB, host_backed=True, compact=True) as p:
-        ptrs = []
-        with pytest.raises(OutOfMemoryError):
-            while True:
-                ptrs.append(p.malloc(4 * MiB))
+        ptrs = _fill(p, lambda: 4 * MiB)
         for x in ptrs[::2]:
             p.free(x)
         p.empty_cache()
@@ -718,10 +724,7 @@ def test_the_out_of_memory_message_s_compaction_figure_is_what_compact_gives_bac
     for seed in range(60):
         rng = random.Random(seed)
         with Pool("npu_pool", capacity=rng.choice([128, 256, 384]) * MiB, rules=rng.choice(["npu", "cuda"])) as p:
-            ptrs = []
-            with pytest.raises(OutOfMemoryError):
-                while True:
-                    ptrs.append(p.malloc(rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 25 * MiB, 40 * MiB])))
+            ptrs = _fill(p, lambda: rng.choice([300_000, 3 * MiB + 5, 9 * MiB, 25 * MiB, 40 * MiB]))
             rng.shuffle(ptrs)
             for x in ptrs[: len(ptrs) // 2]:
                 p.free(x)
@@ -788,10 +791,7 @@ def test_the_oom_advice_names_no_compaction_a_backend_refuses(builds: dict) -> N
         v = Vendor("acl" if not copies else "cuda", path, ctypes.CDLL(path))
         v.lib.fake_set_capacity(64 * MiB)
         with v.pool() as p:
-            ptrs = []
-            with pytest.raises(OutOfMemoryError):
-                while True:
-                    ptrs.append(p.malloc(3 * MiB))
+            ptrs = _fill(p, lambda: 3 * MiB)
             for x in ptrs[::2]:
                 p.free(x)
             with pytest.raises(OutOfMemoryError) as e:
