@@ -681,37 +681,7 @@ static bool merge_apart(np_ctx *ctx, np_arena *a) {
 /* A chunk holding live blocks and free pages: its first page, its pages, its free pages. */
 typedef struct part_free { uint64_t first, n, idle; } part_free;
 
-/* The chunks of a (VMM, a segment) that hold live blocks and free pages: *parts, *n of them, and
- * *live, which pages live blocks touch (1), both the caller's to free. False, and nothing to free,
- * where the host has no memory for the two tables. O(blocks + mapped pages). */
-static bool pinning(np_ctx *ctx, np_arena *a, uint8_t **live, part_free **parts, uint64_t *n_parts) {
-  uint64_t g = a->page, pages = a->page_hwm;
-  *n_parts = 0;
-  *live = pages ? calloc(pages, 1) : NULL;
-  *parts = pages ? malloc(pages * sizeof **parts) : NULL;
-  if (!*live || !*parts) {
-    free(*live);
-    free(*parts);
-    return false;
-  }
-  for (np_block *b = a->seg->head; b; b = b->next)
-    if (b->allocated) {
-      uint64_t off = b->addr - a->seg->addr;
-      for (uint64_t p = off / g; p < (off + b->size + g - 1) / g && p < pages; p++) (*live)[p] = 1;
-    }
-  for (uint64_t p = 0, first, n; p < pages; p = first + n) {
-    first = p;
-    n = 1;
-    if (!a->seg->pages[p]) continue;
-    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
-    uint64_t used = 0;
-    for (uint64_t q = first; q < first + n; q++) used += (*live)[q];
-    if (used && used < n) (*parts)[(*n_parts)++] = (part_free){first, n, n - used};
-  }
-  return true;
-}
-
-/* The bytes a compaction of a would give back (pinning's chunks' free pages), from the free blocks
+/* The bytes a compaction of a would give back (compact's chunks' free pages), from the free blocks
  * only, as a refused request's other steps (free_list): the pages wholly inside a run of touching
  * free blocks are the free ones, and each chunk they fall in counts them unless they are all of it.
  * O(f log f + the mapped pages in free runs) for f free blocks: no walk of the live ones. */
@@ -761,10 +731,28 @@ static int cheapest_first(const void *x, const void *y) {
  * let go stays as it was, its error saved in *refused (the first). O(blocks + mapped pages): a
  * request that would fail pays it, no other. */
 static bool compact(np_ctx *ctx, np_arena *a, uint64_t size, int round, int *rc, np_saved_error *refused) {
-  uint64_t g = a->page, n_parts, freed = 0;
-  uint8_t *live;
-  part_free *parts;
-  if (!pinning(ctx, a, &live, &parts, &n_parts)) return false; /* (the request fails as it would without) */
+  uint64_t g = a->page, pages = a->page_hwm, n_parts = 0, freed = 0;
+  uint8_t *live = pages ? calloc(pages, 1) : NULL;
+  part_free *parts = pages ? malloc(pages * sizeof *parts) : NULL;
+  if (!live || !parts) { /* host out of memory: the request fails as it would without compaction */
+    free(live);
+    free(parts);
+    return false;
+  }
+  for (np_block *b = a->seg->head; b; b = b->next)
+    if (b->allocated) {
+      uint64_t off = b->addr - a->seg->addr;
+      for (uint64_t p = off / g; p < (off + b->size + g - 1) / g && p < pages; p++) live[p] = 1;
+    }
+  for (uint64_t p = 0, first, n; p < pages; p = first + n) {
+    first = p;
+    n = 1;
+    if (!a->seg->pages[p]) continue;
+    np_vmm_chunk_at(ctx->be, a->seg, p, &first, &n);
+    uint64_t used = 0;
+    for (uint64_t q = first; q < first + n; q++) used += live[q];
+    if (used && used < n) parts[n_parts++] = (part_free){first, n, n - used};
+  }
   qsort(parts, n_parts, sizeof *parts, cheapest_first);
   /* What the budget must have free for the request: its whole pages (a placement maps whole pages,
    * so `size` alone stops short when the budget's room is not a multiple of a page, and the second
