@@ -681,11 +681,10 @@ static bool merge_apart(np_ctx *ctx, np_arena *a) {
 /* A chunk holding live blocks and free pages: its first page, its pages, its free pages. */
 typedef struct part_free { uint64_t first, n, idle; } part_free;
 
-/* The bytes a compaction of a would give back (compact's chunks' free pages), from the free blocks
- * only, as a refused request's other steps (free_list): the pages wholly inside a run of touching
- * free blocks are the free ones, and each chunk they fall in counts them unless they are all of it.
- * O(f log f + the mapped pages in free runs) for f free blocks: no walk of the live ones. */
-static uint64_t pinned_bytes(np_ctx *ctx, np_arena *a) {
+/* (arena.h) From the free blocks only, as a refused request's other steps (free_list): the pages
+ * wholly inside a run of touching free blocks are the free ones, and each chunk they fall in counts
+ * them unless they are all of it. O(f log f + the mapped pages in free runs) for f free blocks. */
+uint64_t np_arena_pinned(np_ctx *ctx, np_arena *a) {
   if (!a->vmm || !a->seg) return 0;
   uint64_t g = a->page, base = a->seg->addr, total = 0, chunk = UINT64_MAX, chunk_n = 0, idle = 0;
   for (np_block *b = free_list(ctx, a, false); b;) {
@@ -810,7 +809,6 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
       if (freed) rc = try_place(ctx, a, size, stream, long_lived, out);
     }
     if (rc == NP_ERR_OOM) explain(ctx, a, size);
-    if (rc == NP_ERR_OOM && !ctx->compact) ctx->fail.pinned = pinned_bytes(ctx, a); /* (the message's advice) */
   }
   return rc;
 }

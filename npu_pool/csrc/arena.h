@@ -106,6 +106,9 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bo
  * Returns whether any memory went back; *rc NP_ERR_STATE when live bytes were lost (ctx->lost), else
  * the first refusal of a chunk the device would not let go (it stays as it was). */
 bool np_arena_compact(np_ctx *ctx, np_arena *a, int *rc);
+/* The bytes a compaction of a would give back: the free pages of its chunks that hold live blocks
+ * (np_compact's figure for a), walking no live block. */
+uint64_t np_arena_pinned(np_ctx *ctx, np_arena *a);
 void np_arena_free(np_ctx *ctx, np_arena *a, np_block *b);
 void np_arena_record_stream(np_arena *a, intptr_t stream);
 /* The device was synchronised: clear the tags, return free pages (or the whole empty fixed arena). */

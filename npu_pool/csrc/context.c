@@ -83,10 +83,12 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], pn[32], what[768],
       held[320] = "", hint[320] = "";
   /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
-  if (!ctx->compact && f->pinned && np_ctx_compaction_refused(ctx) == NULL)
+  uint64_t pinned = why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL &&
+                    ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
+  if (pinned)
     snprintf(hint, sizeof hint, "; compaction would give back %s, the free pages live tensors' chunks keep mapped "
              "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "
-             "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(f->pinned, pn));
+             "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(pinned, pn));
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "

@@ -71,8 +71,6 @@ typedef struct np_fail {
   bool refused;              /* the device refused physical memory the cap allowed (memory.c) */
   uint64_t elsewhere;        /* free bytes mapped in the other arenas (tagged regions), which their live
                                 blocks keep mapped: counted against the cap, usable by none of this pool */
-  uint64_t pinned;           /* free pages of the arena's chunks that hold live blocks: what a compaction
-                                of it would give back (set where compaction is off) */
 } np_fail;
 
 struct np_ctx {

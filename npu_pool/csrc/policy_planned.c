@@ -603,6 +603,8 @@ static int planned_compact(np_ctx *ctx) {
   return rc;
 }
 
+static uint64_t planned_pinned(np_ctx *ctx) { return np_arena_pinned(ctx, &state(ctx)->fb); }
+
 static int planned_set_limit(np_ctx *ctx, uint64_t limit) {
   planned_state *st = state(ctx);
   if (st->seg && st->seg->size > limit && st->live == 0) region_drop(ctx, st); /* idle: the cap takes it back */
@@ -664,6 +666,7 @@ const np_policy np_policy_planned = {
     .free = planned_free,
     .empty_cache = planned_empty_cache,
     .compact = planned_compact,
+    .pinned = planned_pinned,
     .set_limit = planned_set_limit,
     .fill_stats = planned_fill_stats,
     .check = planned_check,

@@ -49,6 +49,10 @@ void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a) {
   a->set_aside = a->outside = others; /* the cap less the others' bytes; its own reserved bytes */
 }
 
+np_arena *np_tags_current(np_tagset *t, np_arena *main) {
+  return t->current >= 0 ? &t->at[t->current]->arena : main;
+}
+
 np_arena *np_tags_owner(np_tagset *t, const np_block *b) {
   for (int i = 0; i < t->n; i++)
     if (np_arena_owns(&t->at[i]->arena, b)) return &t->at[i]->arena;

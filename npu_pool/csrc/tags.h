@@ -63,6 +63,8 @@ void np_tags_drop(np_ctx *ctx, np_tagset *t);
 void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a);
 /* The tag arena that owns b, or NULL (the main arena's, or no arena's). */
 np_arena *np_tags_owner(np_tagset *t, const np_block *b);
+/* The arena requests go to now: the current region's tag's, else main. */
+np_arena *np_tags_current(np_tagset *t, np_arena *main);
 /* Place a request in the current region's arena (or main); on failure, return the other
  * arenas' idle pages and retry once. */
 int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, intptr_t stream, bool long_lived,
