@@ -6,7 +6,8 @@ ask of the device in every iteration on a full device (docs/gpu.md, "A full devi
     python benchmarks/gpu_probe.py record TRACE CAP_MIB OUT.pickle      # on a GPU (CAP_MIB 0: no cap)
     python benchmarks/gpu_probe.py order SNAPSHOT.pickle...             # anywhere
     python benchmarks/gpu_probe.py steady TRACE ALLOCATOR [--cap-mib N] [--repeat 3] [--device cuda] [--compact]
-    python benchmarks/gpu_probe.py threads ALLOCATOR [--threads 4] [--rounds 3] [--simulated]
+    python benchmarks/gpu_probe.py threads ALLOCATOR [--threads 4] [--rounds 3] [--simulated] [--json FILE]
+    python benchmarks/gpu_probe.py compact ALLOCATOR [--gib 8] [--rounds 3] [--seed 0] [--json FILE]  # on a GPU
 
 ``fits`` plays the trace (.npt or .pickle) as tensors once with room to spare, then once under
 each cap (``torch.cuda.set_per_process_memory_fraction`` of exactly CAP_MIB MiB, as
@@ -41,6 +42,15 @@ num_device_free). About one free in 32 of each thread's first round checks the t
 its thread's value (a block handed to two threads at once would show). It prints one JSON line.
 ``--simulated`` plays the same requests on the simulator, no GPU needed, the threads taking turns
 (tests/test_device_calls.py holds it to no device call after warm-up).
+
+``compact`` measures ``npu_pool.compact()`` on the device (docs/api.md, "Compaction"). Each round
+fills the device with tensors of random sizes (4 KiB to 96 MiB) and random contents up to ``--gib``
+GiB, frees a random half, then times ``torch.cuda.empty_cache()`` and (npu_pool) ``compact()``,
+with a write to the largest tensor still queued behind 40 bf16 matrix products when it compacts;
+each reads the reserved bytes after, the bytes copied and the device calls, and checks every
+tensor's contents. Then, capped at what is reserved, a request of 3/4 of the free bytes: does it
+fit without compaction, and (npu_pool) with ``set_compaction(True)``; the contents checked again,
+and once more after a last fill. It prints one JSON line (native: ``empty_cache`` alone).
 """
 from __future__ import annotations
 
@@ -356,6 +366,116 @@ def simulate_capped(trace: Any, allocator: str, cap: int, total: int, rules: str
     return sim.ok, [{k: d[k] for k in kinds if d.get(k)} for d in sim.iteration_calls or []], sim.stats["compactions"]
 
 
+_COMPACT_SIZES = (4096, 300_000, MiB + 4096, 5 * MiB + 12_288, 17 * MiB, 33 * MiB + 4096, 96 * MiB)
+
+
+def compact(allocator: str, gib: float, rounds: int, seed: int, device: str = "cuda") -> dict[str, Any]:
+    """``compact`` on the GPU (see the module doc): what ``empty_cache`` and ``npu_pool.compact()``
+    give back once half the tensors are freed, how long each takes, and whether every tensor kept
+    its contents."""
+    import random
+
+    pool = None
+    if allocator == "npu_pool":  # before the framework's own allocator serves anything
+        from npu_pool.install import install
+
+        pool = install("cuda").get(0)
+    import torch
+
+    from npu_pool.live import cap_fraction
+
+    cuda = torch.cuda
+    cuda.set_device(0)
+    rng = random.Random(seed)
+    held: dict[int, tuple[Any, int]] = {}  # key -> (tensor, the seed of its contents)
+    made = [seed * 1_000_003]
+
+    def contents(size: int, s: int) -> Any:
+        g = torch.Generator(device=device)
+        g.manual_seed(s)
+        return torch.randint(0, 256, (size,), dtype=torch.uint8, device=device, generator=g)
+
+    def fill(live: int) -> None:  # tensors of random sizes and contents up to ``live`` bytes held
+        while sum(t.numel() for t, _ in held.values()) < live:
+            made[0] += 1
+            held[made[0]] = (contents(rng.choice(_COMPACT_SIZES), made[0]), made[0])
+
+    def free_half() -> None:
+        for k in rng.sample(sorted(held), len(held) // 2):
+            del held[k]
+
+    def changed() -> int:  # the tensors whose contents are not what they were given
+        return sum(not torch.equal(t, contents(t.numel(), s)) for t, s in held.values())
+
+    def calls() -> dict[str, int]:
+        if pool is not None:
+            return {k: int(v) for k, v in pool.stats()["calls"].items()}
+        st = cuda.memory_stats(0)
+        return {"malloc": int(st.get("num_device_alloc", 0)), "free": int(st.get("num_device_free", 0))}
+
+    def timed(f: Any) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        out = f()
+        cuda.synchronize()
+        return out, round(time.perf_counter() - t0, 6)
+
+    out: dict[str, Any] = {"allocator": allocator, "gib": gib, "seed": seed, "rounds": []}
+    for _ in range(rounds):
+        fill(int(gib * (1 << 30)))
+        free_half()
+        cuda.synchronize()
+        row: dict[str, Any] = {"tensors": len(held), "allocated": int(cuda.memory_allocated(0)),
+                               "reserved": int(cuda.memory_reserved(0))}
+        c0 = calls()
+        _, row["empty_cache_s"] = timed(cuda.empty_cache)
+        row["after_empty_cache"] = int(cuda.memory_reserved(0))
+        # a write still queued behind a long kernel when the pool compacts: it must land, and stay
+        k = max(held, key=lambda k: held[k][0].numel())
+        m = torch.ones(8192, 8192, dtype=torch.bfloat16, device=device)
+        for _ in range(40):
+            m = m @ m
+        made[0] += 1
+        held[k][0].copy_(contents(held[k][0].numel(), made[0]))
+        held[k] = (held[k][0], made[0])
+        del m
+        if pool is not None:
+            copied = int(pool.stats()["compacted"])
+            row["returned"], row["compact_s"] = timed(pool.compact)
+            row["copied"] = int(pool.stats()["compacted"]) - copied
+        row["after_compact"] = int(cuda.memory_reserved(0))
+        row["calls"] = _grown(c0, calls())
+        row["changed"] = changed()
+        out["rounds"].append(row)
+    # At an out-of-memory: capped at what is reserved now, a request of 3/4 of what it does not hold.
+    free_half()
+    cuda.empty_cache()
+    reserved, allocated = int(cuda.memory_reserved(0)), int(cuda.memory_allocated(0))
+    ask = (reserved - allocated) * 3 // 4 // (2 * MiB) * (2 * MiB)
+    cuda.set_per_process_memory_fraction(cap_fraction(reserved, cuda.get_device_properties(0).total_memory), 0)
+    oom: dict[str, Any] = {"cap": reserved, "allocated": allocated, "ask": ask}
+
+    def fits() -> bool:
+        try:
+            t = torch.empty(ask, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            return False
+        del t
+        return True
+
+    oom["fits"] = fits()
+    if pool is not None:
+        pool.set_compaction(True)
+        oom["fits_compacting"], oom["seconds"] = timed(fits)
+        oom["compactions"] = int(pool.stats()["compactions"])
+        pool.set_compaction(False)
+    cuda.set_per_process_memory_fraction(1.0, 0)
+    oom["changed"] = changed()
+    out["oom"] = oom
+    fill(int(gib * (1 << 30)))  # the pool serves on after all this
+    out["changed_at_end"] = changed()
+    return out
+
+
 def order(snapshots: list[str]) -> None:
     for path in snapshots:
         with open(path, "rb") as f:
@@ -372,6 +492,14 @@ def order(snapshots: list[str]) -> None:
             elif e["action"] == "segment_free":
                 live.discard(e["addr"])
         print(json.dumps({"snapshot": Path(path).name, "below_all": below, "above_all": above, "between": between}))
+
+
+def _emit(result: dict[str, Any], path: str | None) -> None:
+    """Print the result as one JSON line, and write it to ``path`` too (when given)."""
+    line = json.dumps(result)
+    print(line)
+    if path:
+        Path(path).write_text(line + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,14 +528,26 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--simulated", action="store_true",
                    help="on the simulator (no GPU): a stream id per thread, one request of each in turn")
     h.add_argument("--capacity-mib", type=int, default=80 << 10, help="the simulated device (default 80 GiB)")
+    c = sub.add_parser("compact")
+    c.add_argument("allocator", choices=("native", "npu_pool"))
+    c.add_argument("--gib", type=float, default=8.0, help="the live bytes each round fills up to (GiB)")
+    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--seed", type=int, default=0)
+    for p in (h, c):
+        p.add_argument("--json", help="write the JSON line to this file too")
     args = ap.parse_args(argv)
+    if args.mode == "compact":
+        if not 0 < args.gib <= 1024 or args.rounds < 1 or args.seed < 0:
+            ap.error("--gib takes a size in (0, 1024], --rounds a positive number, --seed one of 0 or more")
+        _emit(compact(args.allocator, args.gib, args.rounds, args.seed), args.json)
+        return 0
     if args.mode == "threads":
         if args.threads < 1 or args.rounds < 1 or args.capacity_mib < 1:
             ap.error("--threads, --rounds and --capacity-mib take a positive number")
         if args.simulated:
-            print(json.dumps(threads_simulated(args.allocator, args.threads, args.rounds, args.capacity_mib << 20)))
+            _emit(threads_simulated(args.allocator, args.threads, args.rounds, args.capacity_mib << 20), args.json)
         else:
-            print(json.dumps(threads(args.allocator, args.threads, args.rounds)))
+            _emit(threads(args.allocator, args.threads, args.rounds), args.json)
         return 0
     if args.mode == "order":
         order(args.snapshots)

@@ -8,7 +8,7 @@
 # checkout (default ../shared/clients/megatron-lm). Each step has a time limit and its own log in
 # OUTDIR, and a failing step does not stop the others; BUDGET (seconds, default 420) skips steps
 # that would start too late; STEPS="smoke live ..." runs only the steps named (default: all of
-# smoke apis costs live steady gpt_small full record gpt_large mcore); PACK=FILE.tgz packs OUTDIR into FILE.tgz after each step (what a time
+# smoke apis costs compact threads live steady gpt_small full record gpt_large mcore); PACK=FILE.tgz packs OUTDIR into FILE.tgz after each step (what a time
 # limit cuts short still leaves the steps before it).
 set -u
 OUT=${1:?usage: gpu_session.sh OUTDIR TRACES_DIR [MEGATRON_LM_DIR]}
@@ -24,7 +24,7 @@ START=$SECONDS
 step() {  # step NAME LIMIT_S NEED_S COMMAND...: run when NEED_S seconds of the budget are left
   local name=$1 limit=$2 need=$3
   shift 3
-  [[ " ${STEPS:-$name} " == *" ${name%%[0-9]*} "* ]] || return 0
+  [[ " ${STEPS:-$name} " == *" ${name%%[0-9-]*} "* ]] || return 0
   if (( SECONDS - START + need > BUDGET )); then
     echo "== $name: skipped ($(( SECONDS - START )) s of $BUDGET used)" | tee -a "$OUT/steps.txt"
     return
@@ -57,6 +57,17 @@ step apis 120 60 $PY "$HERE/benchmarks/gpu_apis.py" --json "$OUT/apis.json"
 step costs 60 20 $PY "$HERE/benchmarks/cuda_call_costs.py" --sizes 2,20,512 --repeat 5 --count 32 \
   --json "$OUT/costs.json"
 
+# npu_pool.compact() on the device: what it gives back, its copies' time, every tensor's contents
+# (and empty_cache alone under the caching allocator); then four threads on their own streams, the
+# two allocators alternating.
+for a in native npu_pool; do
+  step "compact-$a" 100 40 $PY "$HERE/benchmarks/gpu_probe.py" compact $a --gib 8 --rounds 3 --json "$OUT/compact_$a.json"
+done
+for i in 1 2; do for a in native npu_pool; do
+  step "threads-$a-$i" 90 30 $PY "$HERE/benchmarks/gpu_probe.py" threads $a --threads 4 --rounds 3 \
+    --json "$OUT/threads_${a}_$i.json"
+done; done
+
 LANE='for t in "$@"; do n=$(basename "$t"); $PY -m npu_pool.cli replay "$t" --live --validate --device cuda \
   --json "$OUT/live_${n%%.*}.json"; done'
 mapfile -t ALL < <(ls -S "$TRACES"/*.npt "$TRACES"/*.pickle 2>/dev/null)
@@ -68,8 +79,9 @@ for lane in 0 1 2; do
 done
 wait
 
-# Each trace that repeats, capped at the torch model's minimum capacity: calls and time per iteration.
-STEADY='for t in "$@"; do for a in native npu_pool; do $PY "$HERE/benchmarks/gpu_probe.py" steady "$t" $a; done; done'
+# Each trace that repeats, capped at the torch model's minimum capacity: calls and time per iteration
+# (npu_pool with and without compaction).
+STEADY='for t in "$@"; do for a in native npu_pool "npu_pool --compact"; do $PY "$HERE/benchmarks/gpu_probe.py" steady "$t" $a; done; done'
 step steady 120 30 bash -c "$STEADY" _ "${ALL[@]}" "$HERE/benchmarks/traces/h100-gpt-bf16-train.pickle"
 
 step gpt_small 120 60 $PY "$HERE/benchmarks/gpu_check.py" --steps 200 --dtype bf16 --json "$OUT/gpt_small.json"
