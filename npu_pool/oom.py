@@ -157,9 +157,11 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     paused = int(st["paused"])
     names = list(st["pools"])
     at_failure: Optional[int] = None
+    compactable: Optional[int] = None  # what a compaction would give back, where the failure said it
     room: Optional[int]
     if ev is not None and (request is None or request == ev["size"]):
         request, kind = int(ev["size"]), OOM_REASONS[ev["detail"]]
+        compactable = int(ev["compactable"])
         room, pool_name = int(ev["device_free"]), names[ev["pool"]] if ev["pool"] < len(names) else "arena"
         at_failure = int(ev["addr"])
         if room == _UNKNOWN:
@@ -193,8 +195,10 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
         else:
             tips.append("plan the steady iteration (`npu-pool plan TRACE`, then NPU_POOL_POLICY=planned): every "
                         "tensor at a fixed offset, the free memory in one piece (docs/planner.md)")
-        if st["compactable"] and not st["compaction"]:  # (on, the failed request compacted already)
-            tips.append("or move live tensors' bytes to give back the free pages their chunks keep mapped: "
+        # (on, the failed request compacted already; the failure's own figure 0: nothing to give back)
+        if st["compactable"] and not st["compaction"] and compactable != 0:
+            figure = f"{fmt_bytes(compactable)} of " if compactable else ""
+            tips.append(f"or move live tensors' bytes to give back the {figure}free pages their chunks keep mapped: "
                         "npu_pool.compact() where no other thread queues device work, or NPU_POOL_COMPACT=1 at "
                         "every out-of-memory (docs/api.md, Compaction)")
         tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])

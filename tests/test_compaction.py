@@ -716,11 +716,14 @@ def test_the_out_of_memory_message_s_compaction_figure_is_what_compact_gives_bac
     """Random fills freed by half, then a request the pool cannot serve: where the message says what
     a compaction would give back (fragmentation, compaction off), compact() after an empty_cache
     gives back exactly that; a fragmentation failure that names no figure is one compaction could
-    not help."""
+    not help. npu_pool.oom.explain advises compaction, with the same figure, exactly where the
+    message names one (its figure: the failure's oom event, np_event_info.compactable)."""
     import re
 
+    from npu_pool import oom
+
     units = {"bytes": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": 1 << 30}
-    named = 0
+    named = unhelped = 0
     for seed in range(60):
         rng = random.Random(seed)
         with Pool("npu_pool", capacity=rng.choice([128, 256, 384]) * MiB, rules=rng.choice(["npu", "cuda"])) as p:
@@ -734,14 +737,30 @@ def test_the_out_of_memory_message_s_compaction_figure_is_what_compact_gives_bac
             except OutOfMemoryError as e:
                 said = re.search(r"compaction would give back ([0-9.]+) (bytes|KiB|MiB|GiB)", str(e))
                 fragmentation = "; fragmentation:" in str(e)
+            # npu_pool.oom.explain (OOM snapshots, the CLI) advises it where the message does, with its figure
+            advice = [s for s in oom.explain(p).suggestions if "compact" in s]
+            assert len(advice) == bool(said) and (not said or f"give back the {said.group(1)} {said.group(2)} of "
+                                                  in advice[0]), (seed, advice, said)
             p.empty_cache()
             got = p.compact()
             if said:
                 named += 1
                 assert abs(float(said.group(1)) * units[said.group(2)] - got) < 0.01 * MiB, (seed, said.group(0), got)
             elif fragmentation:
+                unhelped += 1
                 assert got == 0, seed
-    assert named >= 3
+    for rules in ("npu", "cuda"):  # one a compaction cannot help: a live block on every page, the rest free
+        with Pool("npu_pool", capacity=64 * MiB, rules=rules) as p:
+            ptrs = _fill(p, lambda: MiB)
+            for x in ptrs[::2]:
+                p.free(x)
+            with pytest.raises(OutOfMemoryError, match="; fragmentation:") as e:
+                p.malloc(3 * MiB)
+            assert "compaction" not in str(e.value) and not any("compact" in s for s in oom.explain(p).suggestions)
+            unhelped += 1
+            p.empty_cache()
+            assert p.compact() == 0
+    assert named >= 3 and unhelped >= 2, (named, unhelped)
 
 
 def _unmaps_under_live_seconds(first: int, live: int = 4000, unmaps: int = 2000) -> float:

@@ -42,14 +42,18 @@ static int classify(const np_ctx *ctx, uint64_t size) {
 }
 
 int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
-                     bool *known) {
+                     bool *known, uint64_t *compactable) {
   ctx->st.ooms++;
   int why = classify(ctx, size);
   uint64_t reserved = ctx->st.total.reserved.current;
   *free_bytes = ctx->limit > reserved ? ctx->limit - reserved : 0;
   *known = why != NP_OOM_DEVICE || (ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, free_bytes) == NP_OK);
   if (!*known) *free_bytes = UINT64_MAX;
-  np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, *free_bytes);
+  /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
+  uint64_t pinned = compactable && why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL &&
+                    ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
+  if (compactable) *compactable = pinned;
+  np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, *free_bytes, pinned);
   return why;
 }
 
@@ -72,9 +76,9 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size);
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
   char cause[1024];
   np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
-  uint64_t room;
+  uint64_t room, pinned;
   bool known;
-  int why = np_ctx_oom_event(ctx, size, stream, site, lifetime, &room, &known);
+  int why = np_ctx_oom_event(ctx, size, stream, site, lifetime, &room, &known, &pinned);
   np_stats st;
   np_get_stats_locked(ctx, &st);
   const np_fail *f = &ctx->fail;
@@ -82,9 +86,6 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
                      : ctx->policy->memory ? ctx->policy->memory : "the arena";
   char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], pn[32], what[768],
       held[320] = "", hint[320] = "";
-  /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
-  uint64_t pinned = why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL &&
-                    ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
   if (pinned)
     snprintf(hint, sizeof hint, "; compaction would give back %s, the free pages live tensors' chunks keep mapped "
              "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "

@@ -234,13 +234,15 @@ static inline void np_ctx_record(np_ctx *ctx, int kind, uintptr_t addr, uint64_t
   e->detail = kind == NP_EV_SEGMENT_UNMAP && ctx->trimming; /* a trim */
 }
 void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
-                       uint64_t device_free);
+                       uint64_t device_free, uint64_t compactable);
 /* A failure to get `size` bytes: counted (stats.ooms), explained and recorded as an oom event of
  * ctx->fail's pool. Returns why (NP_OOM_*, from ctx->fail) and, in *free_bytes, the free bytes that
  * go with it: the cap's room, or for NP_OOM_DEVICE what the device says it has free (a call; *known
- * false and UINT64_MAX when it did not say). One account for malloc's and resume's failures. */
+ * false and UINT64_MAX when it did not say); in *compactable, where the caller asks (not NULL: a
+ * request's failure, not a resume's), what a compaction would give back (np_event_info.compactable,
+ * recorded 0 where it does not ask). One account for malloc's and resume's failures. */
 int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
-                     bool *known);
+                     bool *known, uint64_t *compactable);
 /* "the device refused memory the cap allows: ..." for an NP_OOM_DEVICE failure, into buf. */
 void np_ctx_device_refusal(const np_ctx *ctx, uint64_t free_bytes, bool known, char *buf, size_t cap);
 int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries);

@@ -51,7 +51,7 @@ np_event_info *np_ctx_event(np_ctx *ctx, int kind) {
 }
 
 void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, int pool, int why,
-                       uint64_t device_free) {
+                       uint64_t device_free, uint64_t compactable) {
   np_event_info *e = np_ctx_event(ctx, NP_EV_OOM);
   if (!e) return;
   e->size = size;
@@ -61,6 +61,7 @@ void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site
   e->lifetime = (uint8_t)lifetime;
   e->detail = (uint8_t)why;
   e->device_free = device_free;
+  e->compactable = compactable;
   e->addr = ctx->st.total.reserved.current; /* (what held_outside is computed against) */
 }
 

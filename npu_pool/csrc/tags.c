@@ -434,7 +434,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
       uint64_t free_bytes;
       bool known;
       ctx->fail.refused = true;
-      np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known);
+      np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known, NULL);
     }
     for (size_t j = 0; j < n; j++) np_vmm_unmap(ctx, g->arena.seg, r[2 * j], r[2 * j + 1], true);
     free(r);
@@ -449,7 +449,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
     if (rc == NP_ERR_OOM) { /* an out-of-memory of its own, in the history as a malloc's is (oom.explain) */
       uint64_t free_bytes;
       bool known;
-      if (np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known) == NP_OOM_DEVICE) {
+      if (np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known, NULL) == NP_OOM_DEVICE) {
         why[0] = ';';
         why[1] = ' ';
         np_ctx_device_refusal(ctx, free_bytes, known, why + 2, sizeof why - 2);
