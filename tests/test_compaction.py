@@ -463,7 +463,7 @@ def _pages(live: dict[int, int], page: int = 2 * MiB) -> int:
 def test_compact_returns_what_live_tensors_pin_with_the_setting_off(fakes: dict, backend: str) -> None:
     """empty_cache cannot return the free pages of a chunk a live block holds; compact() can: the
     pool then maps the pages its live blocks touch and no more, the bytes where they were, the
-    books and the calls matching the device's."""
+    books and the calls matching the device's; its history has a compact event per chunk replaced."""
     v = _vendor(fakes, backend)
     with v.pool() as p:
         live = _pinned(p, fill=True)
@@ -476,6 +476,11 @@ def test_compact_returns_what_live_tensors_pin_with_the_setting_off(fakes: dict,
         assert returned == before - st["total"]["reserved"]["current"] > 0
         assert st["total"]["reserved"]["current"] == _pages(live)
         assert _intact(live) and st["compactions"] > 0 and st["compacted"] > 0
+        # the history says so: a compact event per chunk replaced, after that chunk's unmap, the bytes moved
+        h = p.history()
+        moved = [(i, e) for i, e in enumerate(h) if e["kind"] == "compact"]
+        assert len(moved) == st["compactions"] and sum(e["size"] for _, e in moved) == st["compacted"]
+        assert all(any(u["kind"] == "segment_unmap" and u["addr"] == e["addr"] for u in h[:i]) for i, e in moved)
         _books_match(p, v)
         assert {k: st["calls"][k] for k in KINDS} == {k: v.lib.fake_calls(vocab.CALL_VENDOR[backend][k].encode())
                                                      for k in KINDS}

@@ -520,6 +520,7 @@ int np_vmm_compact(np_ctx *ctx, np_segment *seg, uint64_t first, uint64_t n, con
   ctx->st.compactions++;
   ctx->st.compacted += kept * g;
   *freed = (n - kept) * g;
+  np_ctx_record(ctx, NP_EV_COMPACT, addr, kept * g, NP_STREAM_ANY, -1, -1, 0); /* (after its unmap and maps) */
   return NP_OK;
 }
 

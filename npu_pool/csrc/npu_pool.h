@@ -74,11 +74,13 @@ enum { NP_HINTS_NONE = 0, NP_HINTS_SITES = 1, NP_HINTS_ORACLE = 2, NP_HINTS_MARK
 /* Event history kinds (np_history), PyTorch's TraceEntry actions where they exist. HOLD / UNHOLD:
  * device memory the pool keeps mapped nowhere (a spare chunk, or memory the device refused to
  * take back) comes / goes, so that the reserved bytes are the sum of the segment_alloc/map and
- * hold events less the segment_free/unmap and unhold ones. */
+ * hold events less the segment_free/unmap and unhold ones. COMPACT: a chunk (at addr) was replaced
+ * by chunks over its live pages (a compaction), after that chunk's segment_unmap and their
+ * segment_map events; size: the live bytes moved (copied out and back). */
 enum {
   NP_EV_ALLOC = 0, NP_EV_FREE = 1, NP_EV_SEGMENT_ALLOC = 2, NP_EV_SEGMENT_FREE = 3, NP_EV_SEGMENT_MAP = 4,
   NP_EV_SEGMENT_UNMAP = 5, NP_EV_EMPTY_CACHE = 6, NP_EV_OOM = 7, NP_EV_MARK = 8, NP_EV_HOLD = 9, NP_EV_UNHOLD = 10,
-  NP_EV_COUNT = 11
+  NP_EV_COMPACT = 11, NP_EV_COUNT = 12
 };
 /* Why a request failed (np_event_info.detail of an NP_EV_OOM). NP_OOM_DEVICE: the device refused
  * memory the pool's cap allowed (other processes, collective-communication buffers or another

@@ -17,7 +17,7 @@ static const char *const hints[NP_HINTS_COUNT] = {"none", "sites", "oracle", "ma
 static const char *const events[NP_EV_COUNT] = {"alloc",         "free",          "segment_alloc",
                                                 "segment_free",  "segment_map",   "segment_unmap",
                                                 "empty_cache",   "oom",           "mark",
-                                                "hold",          "unhold"};
+                                                "hold",          "unhold",        "compact"};
 static const char *const errors[] = {"ok",      "out_of_memory", "invalid", "double_free",
                                      "unknown_pointer", "backend", "host", "state"};
 
