@@ -68,7 +68,7 @@ def _forked() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
-_UNKNOWN = (1 << 64) - 1  # an oom event's device_free when the device did not say (UINT64_MAX)
+_UNKNOWN = (1 << 64) - 1  # UINT64_MAX: an oom event's device_free the device did not say, its compactable not counted
 _SHORTAGE_LEVERS = (
     "lower the micro-batch size and raise gradient accumulation (same global batch, fewer activations)",
     "recompute activations (full or selective, e.g. --recompute-granularity full --recompute-method block)",
@@ -161,7 +161,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     room: Optional[int]
     if ev is not None and (request is None or request == ev["size"]):
         request, kind = int(ev["size"]), OOM_REASONS[ev["detail"]]
-        compactable = int(ev["compactable"])
+        compactable = None if ev["compactable"] == _UNKNOWN else int(ev["compactable"])  # (a resume's: not counted)
         room, pool_name = int(ev["device_free"]), names[ev["pool"]] if ev["pool"] < len(names) else "arena"
         at_failure = int(ev["addr"])
         if room == _UNKNOWN:

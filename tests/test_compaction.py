@@ -425,6 +425,24 @@ def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
         p.check()
 
 
+def test_a_resume_s_out_of_memory_event_leaves_the_compaction_figure_uncounted() -> None:
+    """The oom event of a resume that fails records no compaction figure of the request's arena
+    (np_event_info.compactable UINT64_MAX: not counted, where a request's failure records it), and
+    npu_pool.oom.explain names no figure for it."""
+    from npu_pool import oom
+
+    with Pool("npu_pool", capacity=256 * MiB, host_backed=True) as p:
+        with p.region("A"):
+            p.malloc(64 * MiB)
+        p.pause("A", backup=True)
+        for x in _fill(p, lambda: 5 * MiB)[::2]:
+            p.free(x)
+        with pytest.raises(OutOfMemoryError, match="resume of tag 'A' failed"):
+            p.resume("A")
+        assert [e["compactable"] for e in p.history() if e["kind"] == "oom"][-1] == (1 << 64) - 1
+        assert not any("give back the " in s and " of free pages" in s for s in oom.explain(p).suggestions)
+
+
 def test_compaction_brings_a_pool_held_past_a_lowered_cap_back_under_it() -> None:
     """A fraction lowered below what is mapped: each chunk's live pages map again within what the
     device just took back (before, the cap refused them, every compaction was undone after its

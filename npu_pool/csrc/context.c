@@ -49,9 +49,11 @@ int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, 
   *free_bytes = ctx->limit > reserved ? ctx->limit - reserved : 0;
   *known = why != NP_OOM_DEVICE || (ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, free_bytes) == NP_OK);
   if (!*known) *free_bytes = UINT64_MAX;
-  /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
-  uint64_t pinned = compactable && why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL &&
-                    ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
+  /* free pages that live tensors' chunks pin: what compaction would give back, were it on (not
+   * counted for a resume: UINT64_MAX) */
+  uint64_t pinned = !compactable ? UINT64_MAX
+                    : why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL &&
+                            ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
   if (compactable) *compactable = pinned;
   np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, *free_bytes, pinned);
   return why;

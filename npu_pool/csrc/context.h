@@ -240,7 +240,7 @@ void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site
  * go with it: the cap's room, or for NP_OOM_DEVICE what the device says it has free (a call; *known
  * false and UINT64_MAX when it did not say); in *compactable, where the caller asks (not NULL: a
  * request's failure, not a resume's), what a compaction would give back (np_event_info.compactable,
- * recorded 0 where it does not ask). One account for malloc's and resume's failures. */
+ * recorded UINT64_MAX, not counted, where it does not ask). One account for malloc's and resume's failures. */
 int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
                      bool *known, uint64_t *compactable);
 /* "the device refused memory the cap allows: ..." for an NP_OOM_DEVICE failure, into buf. */

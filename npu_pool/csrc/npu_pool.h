@@ -253,7 +253,7 @@ typedef struct np_event_info {
                                (UINT64_MAX: the device did not say) */
   uint64_t compactable;     /* oom: bytes a compaction would give back, the free pages live blocks' chunks keep
                                mapped in the arena the request went to (a request's NP_OOM_FRAGMENTED where the
-                               pool could compact and compaction was off; else 0, and for a resume's failure) */
+                               pool could compact and compaction was off; else 0; UINT64_MAX: not counted, a resume's) */
   int64_t stream;           /* mark: the marker's argument */
   int32_t site;             /* mark: the marker code */
   uint8_t kind;             /* NP_EV_* */
