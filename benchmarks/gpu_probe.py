@@ -45,12 +45,14 @@ its thread's value (a block handed to two threads at once would show). It prints
 
 ``compact`` measures ``npu_pool.compact()`` on the device (docs/api.md, "Compaction"). Each round
 fills the device with tensors of random sizes (4 KiB to 96 MiB) and random contents up to ``--gib``
-GiB, frees a random half, then times ``torch.cuda.empty_cache()`` and (npu_pool) ``compact()``,
-with a write to the largest tensor still queued behind 40 bf16 matrix products when it compacts;
-each reads the reserved bytes after, the bytes copied and the device calls, and checks every
-tensor's contents. Then, capped at what is reserved, a request of 3/4 of the free bytes: does it
-fit without compaction, and (npu_pool) with ``set_compaction(True)``; the contents checked again,
-and once more after a last fill. It prints one JSON line (native: ``empty_cache`` alone).
+GiB, frees a random half, then times ``torch.cuda.empty_cache()`` and (npu_pool) ``compact()`` on
+an idle device; each reads the reserved bytes after, the bytes copied and the device calls, and
+checks every tensor's contents. Then once more with work still queued when it compacts: every held
+tensor inverted in place behind 40 bf16 matrix products (the compactions it made, the tensors
+whose contents changed). Then, capped at what is reserved, a request of 3/4 of the free bytes:
+does it fit without compaction, and (npu_pool) with ``set_compaction(True)`` (the compactions
+that request made); the contents checked again, and once more after a last fill. It prints one
+JSON line (native: ``empty_cache`` alone).
 """
 from __future__ import annotations
 
@@ -420,7 +422,7 @@ def compact(allocator: str, gib: float, rounds: int, seed: int, device: str = "c
         return out, round(time.perf_counter() - t0, 6)
 
     out: dict[str, Any] = {"allocator": allocator, "gib": gib, "seed": seed, "rounds": []}
-    for _ in range(rounds):
+    for _ in range(rounds):  # on an idle device: the copies' time alone
         fill(int(gib * (1 << 30)))
         free_half()
         cuda.synchronize()
@@ -429,23 +431,37 @@ def compact(allocator: str, gib: float, rounds: int, seed: int, device: str = "c
         c0 = calls()
         _, row["empty_cache_s"] = timed(cuda.empty_cache)
         row["after_empty_cache"] = int(cuda.memory_reserved(0))
-        # a write still queued behind a long kernel when the pool compacts: it must land, and stay
-        k = max(held, key=lambda k: held[k][0].numel())
-        m = torch.ones(8192, 8192, dtype=torch.bfloat16, device=device)
-        for _ in range(40):
-            m = m @ m
-        made[0] += 1
-        held[k][0].copy_(contents(held[k][0].numel(), made[0]))
-        held[k] = (held[k][0], made[0])
-        del m
         if pool is not None:
             copied = int(pool.stats()["compacted"])
             row["returned"], row["compact_s"] = timed(pool.compact)
             row["copied"] = int(pool.stats()["compacted"]) - copied
-        row["after_compact"] = int(cuda.memory_reserved(0))
+            row["after_compact"] = int(cuda.memory_reserved(0))
         row["calls"] = _grown(c0, calls())
         row["changed"] = changed()
         out["rounds"].append(row)
+    # Work still queued when the pool compacts: every held tensor inverted in place (no allocation)
+    # behind 40 matrix products on buffers taken before the half is freed; each inversion must land.
+    fill(int(gib * (1 << 30)))
+    a = torch.ones(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    free_half()
+    cuda.empty_cache()
+    for _ in range(20):
+        torch.matmul(a, a, out=b)
+        torch.matmul(b, b, out=a)
+    for t, _s in held.values():
+        t.bitwise_not_()
+    queued: dict[str, Any] = {"tensors": len(held)}
+    if pool is not None:
+        before = int(pool.stats()["compactions"])
+        queued["returned"] = pool.compact()  # (it synchronises the device first)
+        queued["compactions"] = int(pool.stats()["compactions"]) - before
+    cuda.synchronize()
+    for t, _s in held.values():
+        t.bitwise_not_()  # back to the contents given, for changed()
+    del a, b
+    queued["changed"] = changed()
+    out["queued"] = queued
     # At an out-of-memory: capped at what is reserved now, a request of 3/4 of what it does not hold.
     free_half()
     cuda.empty_cache()
@@ -465,8 +481,9 @@ def compact(allocator: str, gib: float, rounds: int, seed: int, device: str = "c
     oom["fits"] = fits()
     if pool is not None:
         pool.set_compaction(True)
+        before = int(pool.stats()["compactions"])
         oom["fits_compacting"], oom["seconds"] = timed(fits)
-        oom["compactions"] = int(pool.stats()["compactions"])
+        oom["compactions"] = int(pool.stats()["compactions"]) - before
         pool.set_compaction(False)
     cuda.set_per_process_memory_fraction(1.0, 0)
     oom["changed"] = changed()

@@ -24,7 +24,7 @@ START=$SECONDS
 step() {  # step NAME LIMIT_S NEED_S COMMAND...: run when NEED_S seconds of the budget are left
   local name=$1 limit=$2 need=$3
   shift 3
-  [[ " ${STEPS:-$name} " == *" ${name%%[0-9-]*} "* ]] || return 0
+  [[ -z ${STEPS:-} || " $STEPS " == *" ${name%%[0-9-]*} "* ]] || return 0
   if (( SECONDS - START + need > BUDGET )); then
     echo "== $name: skipped ($(( SECONDS - START )) s of $BUDGET used)" | tee -a "$OUT/steps.txt"
     return
@@ -82,7 +82,7 @@ wait
 # Each trace that repeats, capped at the torch model's minimum capacity: calls and time per iteration
 # (npu_pool with and without compaction).
 STEADY='for t in "$@"; do for a in native npu_pool "npu_pool --compact"; do $PY "$HERE/benchmarks/gpu_probe.py" steady "$t" $a; done; done'
-step steady 120 30 bash -c "$STEADY" _ "${ALL[@]}" "$HERE/benchmarks/traces/h100-gpt-bf16-train.pickle"
+step steady 180 40 bash -c "$STEADY" _ "${ALL[@]}" "$HERE/benchmarks/traces/h100-gpt-bf16-train.pickle"
 
 step gpt_small 120 60 $PY "$HERE/benchmarks/gpu_check.py" --steps 200 --dtype bf16 --json "$OUT/gpt_small.json"
 # The small model on a full device: both allocators capped at what the native one reserves (the
