@@ -47,7 +47,7 @@ ENABLE = "OOM_SNAPSHOT_ENABLE"   # MindSpeed-MM's switch ...
 PATH = "OOM_SNAPSHOT_PATH"       # ... and directory
 MAX_SNAPSHOTS = 20               # per process: an OOM caught in a loop must not fill the disk
 HISTORY_WRITTEN = 1 << 15        # latest events a snapshot's pickle holds: bounds the time a failure takes
-HISTORY_WHEN_ENABLED = HISTORY_WRITTEN  # events kept per device when OOM snapshots are on (56 bytes each)
+HISTORY_WHEN_ENABLED = HISTORY_WRITTEN  # events kept per device when OOM snapshots are on (64 bytes each)
 HISTORY_IN_JSON = 64             # the events around the failure, in the .json
 # the core's tags of free memory as the .json writes a block's or an event's stream: no stream, and no integer
 # a JSON reader would round (JavaScript's numbers hold 53 bits)
@@ -248,8 +248,10 @@ def snapshot_setting(environ: Optional[Mapping[str, str]] = None) -> Optional[tu
 
 
 def _named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Blocks or events with the core's tags of free memory named (:data:`_STREAM_NAMES`)."""
-    return [dict(r, stream=_STREAM_NAMES.get(r["stream"], r["stream"])) for r in rows]
+    """Blocks or events with the core's tags of free memory named (:data:`_STREAM_NAMES`), and an
+    event's figures the core did not count (UINT64_MAX) null."""
+    return [dict(r, stream=_STREAM_NAMES.get(r["stream"], r["stream"]),
+                 **{k: None for k in ("device_free", "compactable") if r.get(k) == _UNKNOWN}) for r in rows]
 
 
 def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
@@ -270,7 +272,7 @@ def write_snapshot(pool: Any, directory: str | Path, *, device: int = 0,
     view = pool.view(HISTORY_WRITTEN)  # the pickle and the .json: one reading (other threads may allocate)
     pickle_path = snapshot.write(snapshot.pool_snapshot({device: pool}, views={device: view}), d / f"{stem}.pickle")
     history = _named(view.history[-HISTORY_IN_JSON:])
-    doc = {"format": "npu_pool.oom/5", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+    doc = {"format": "npu_pool.oom/6", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
            "device": device, "snapshot": pickle_path.name, "explanation": exp.as_dict(), "stats": view.stats,
            "blocks": _named(view.blocks[:BLOCKS_IN_JSON]), "blocks_total": len(view.blocks), "history": history}
     try:

@@ -465,8 +465,9 @@ class Pool:
 
     def history(self, limit: Optional[int] = None) -> list[dict[str, Any]]:
         """The pool's latest events (at most the bound of :meth:`set_history`), oldest first:
-        ``kind`` alloc, free, segment_alloc/free/map/unmap, empty_cache, oom, mark, or hold/unhold
-        (device memory kept mapped nowhere: spare chunks, memory the device refused to take back)."""
+        ``kind`` alloc, free, segment_alloc/free/map/unmap, empty_cache, oom, mark, hold/unhold
+        (device memory kept mapped nowhere: spare chunks, memory the device refused to take back),
+        or compact (a chunk replaced by chunks over its live pages; size: the bytes moved)."""
         from .vocab import EVENT_NAMES
 
         want = _uint(limit, "limit", HISTORY_MAX) if limit is not None else None

@@ -267,7 +267,7 @@ def run(trace: Trace, policy: str, capacity: int = UNLIMITED, *, fidelity: bool 
 
 class _EventLog(Sequence):
     """A pool's whole history as :meth:`Pool.history` gives it, kept as the core's compact
-    records (56 bytes an event); each event becomes a dict only when read, so a long replay's
+    records (64 bytes an event); each event becomes a dict only when read, so a long replay's
     history costs no more than its records."""
 
     def __init__(self, pool: Pool, expected: int) -> None:

@@ -101,7 +101,8 @@ def segment_streams(events: Iterable[dict[str, Any]]) -> dict[int, int]:
 
 
 def device_trace(events: Iterable[dict[str, Any]], frames: Frames = _NO_FRAMES) -> list[dict[str, Any]]:
-    """PyTorch TraceEntry dicts for a pool's history (markers and cache releases are left out)."""
+    """PyTorch TraceEntry dicts for a pool's history (markers, cache releases, holds and compact
+    events are left out: PyTorch's trace has no action for them)."""
     return list(iter_device_trace(events, frames))
 
 

@@ -427,10 +427,7 @@ def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
 
 def test_a_resume_s_out_of_memory_event_leaves_the_compaction_figure_uncounted() -> None:
     """The oom event of a resume that fails records no compaction figure of the request's arena
-    (np_event_info.compactable UINT64_MAX: not counted, where a request's failure records it), and
-    npu_pool.oom.explain names no figure for it."""
-    from npu_pool import oom
-
+    (np_event_info.compactable UINT64_MAX: not counted, where a request's failure records it)."""
     with Pool("npu_pool", capacity=256 * MiB, host_backed=True) as p:
         with p.region("A"):
             p.malloc(64 * MiB)
@@ -440,7 +437,6 @@ def test_a_resume_s_out_of_memory_event_leaves_the_compaction_figure_uncounted()
         with pytest.raises(OutOfMemoryError, match="resume of tag 'A' failed"):
             p.resume("A")
         assert [e["compactable"] for e in p.history() if e["kind"] == "oom"][-1] == (1 << 64) - 1
-        assert not any("give back the " in s and " of free pages" in s for s in oom.explain(p).suggestions)
 
 
 def test_compaction_brings_a_pool_held_past_a_lowered_cap_back_under_it() -> None:
@@ -498,7 +494,7 @@ def test_compact_returns_what_live_tensors_pin_with_the_setting_off(fakes: dict,
         h = p.history()
         moved = [(i, e) for i, e in enumerate(h) if e["kind"] == "compact"]
         assert len(moved) == st["compactions"] and sum(e["size"] for _, e in moved) == st["compacted"]
-        assert all(any(u["kind"] == "segment_unmap" and u["addr"] == e["addr"] for u in h[:i]) for i, e in moved)
+        assert all([u for u in h[:i] if u["kind"] == "segment_unmap"][-1]["addr"] == e["addr"] for i, e in moved)
         _books_match(p, v)
         assert {k: st["calls"][k] for k in KINDS} == {k: v.lib.fake_calls(vocab.CALL_VENDOR[backend][k].encode())
                                                      for k in KINDS}

@@ -497,8 +497,9 @@ def test_api_arguments_of_the_wrong_kind_are_named() -> None:
     """A fraction whose cap is 0 bytes (1e-300) was taken and every allocation then failed;
     lib_path as bytes raised AttributeError and one with a NUL was cut; set_fraction(device=[0])
     raised 'unhashable type'; oom.explain(pool, 'x') a bare int() error and -1 'request -1 B';
-    history(limit=19634136210) a MemoryError with no message."""
+    history(limit=19634136210), then the largest bound, a MemoryError with no message."""
     from npu_pool import oom
+    from npu_pool.vocab import HISTORY_MAX
     from npu_pool.install import set_fraction
 
     with pytest.raises(InvalidArgumentError, match="is a cap of 0 bytes, less than the smallest block"):
@@ -513,7 +514,7 @@ def test_api_arguments_of_the_wrong_kind_are_named() -> None:
         p.set_history(16)
         for _ in range(20):
             p.free(p.malloc(MiB))
-        assert len(p.history(limit=19634136210)) == 16
+        assert len(p.history(limit=HISTORY_MAX)) == 16  # (the largest bound the core takes, 2^40 bytes of events)
     for path in (b"/x", "/x\0y"):
         with pytest.raises(InvalidArgumentError, match="lib_path must be a path"):
             Pool(backend="acl", lib_path=path)
