@@ -161,7 +161,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     room: Optional[int]
     if ev is not None and (request is None or request == ev["size"]):
         request, kind = int(ev["size"]), OOM_REASONS[ev["detail"]]
-        compactable = None if ev["compactable"] == _UNKNOWN else int(ev["compactable"])  # (a resume's: not counted)
+        compactable = None if ev["compactable"] == _UNKNOWN else int(ev["compactable"])  # (not counted: a restore's)
         room, pool_name = int(ev["device_free"]), names[ev["pool"]] if ev["pool"] < len(names) else "arena"
         at_failure = int(ev["addr"])
         if room == _UNKNOWN:

@@ -3,6 +3,7 @@ host-memory fakes in tests/fake_vendor (built here with the system C compiler)."
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -227,7 +228,8 @@ def test_a_granule_the_device_cannot_give_is_not_a_failure(vendor: Vendor) -> No
         p.free(keep)
 
 
-def test_a_device_that_does_not_say_what_it_has_free(builds: dict) -> None:
+def test_a_device_that_does_not_say_what_it_has_free(builds: dict, tmp_path) -> None:
+    """... and the OOM snapshot's .json writes the free bytes it did not say as null, not 2^64-1."""
     v = _vendor(builds, "cuda")
     with v.pool() as p:
         p.malloc(8 * MiB)
@@ -238,6 +240,8 @@ def test_a_device_that_does_not_say_what_it_has_free(builds: dict) -> None:
         x = oom.explain(p)
         assert (x.kind, x.room, x.held_outside) == ("device", None, None) and "did not say" in x.summary()
         assert x.as_dict()["held_outside"] is None
+        doc = json.loads(oom.write_snapshot(p, tmp_path).with_suffix(".json").read_text())
+        assert [e["device_free"] for e in doc["history"] if e["kind"] == "oom"][-1] is None
         v.lib.fake_set_used(0)
 
 

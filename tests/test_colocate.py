@@ -465,7 +465,7 @@ def test_a_tags_pinned_buffer_serves_every_pause_until_close(builds: dict) -> No
     assert pinned()[0] == pinned()[1]  # close gives back every buffer
 
 
-def test_a_restore_the_device_refuses_is_an_out_of_memory_event(builds: dict) -> None:  # noqa: F811
+def test_a_restore_the_device_refuses_is_an_out_of_memory_event(builds: dict, tmp_path) -> None:  # noqa: F811
     v = _vendor(builds, "cuda", capacity=128 * MiB)
     with v.pool() as p:
         with p.region("train"):
@@ -479,6 +479,10 @@ def test_a_restore_the_device_refuses_is_an_out_of_memory_event(builds: dict) ->
         x = oom.explain(p)
         assert p.stats()["ooms"] == ooms + 1 and (x.kind, x.request) == ("device", p.tags()["train"]["paused"])
         assert p.tags()["train"]["is_paused"] and p.stats()["backup"] > 0
+        # its compaction figure is not counted (UINT64_MAX), which the OOM snapshot's .json writes as null
+        assert [e["compactable"] for e in p.history() if e["kind"] == "oom"][-1] == (1 << 64) - 1
+        doc = json.loads(oom.write_snapshot(p, tmp_path).with_suffix(".json").read_text())
+        assert [e["compactable"] for e in doc["history"] if e["kind"] == "oom"][-1] is None
         p.check()
         p.resume("train")
         assert _holds(w, 6 * MiB, 4)

@@ -425,18 +425,38 @@ def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
         p.check()
 
 
-def test_a_resume_s_out_of_memory_event_leaves_the_compaction_figure_uncounted() -> None:
-    """The oom event of a resume that fails records no compaction figure of the request's arena
-    (np_event_info.compactable UINT64_MAX: not counted, where a request's failure records it)."""
+@pytest.mark.parametrize("block", [5 * MiB, MiB])
+def test_a_resume_s_out_of_memory_names_what_compacting_the_other_arenas_gives_back(block: int) -> None:
+    """A resume that fails for the free pages the other arenas' live blocks keep mapped is
+    fragmentation (its blocks go back at fixed addresses: any room under the cap serves them),
+    not a shortage: the message, its oom event and npu_pool.oom.explain name what a compaction
+    would give back, which compact() then gives back, where it is not 0 (5 MiB blocks: enough for
+    the resume after it); a live block on every page (1 MiB blocks) names none."""
+    import re
+
+    from npu_pool import oom
+
     with Pool("npu_pool", capacity=256 * MiB, host_backed=True) as p:
         with p.region("A"):
             p.malloc(64 * MiB)
         p.pause("A", backup=True)
-        for x in _fill(p, lambda: 5 * MiB)[::2]:
+        for x in _fill(p, lambda: block)[::2]:
             p.free(x)
-        with pytest.raises(OutOfMemoryError, match="resume of tag 'A' failed"):
+        with pytest.raises(OutOfMemoryError, match="resume of tag 'A' failed") as e:
             p.resume("A")
-        assert [e["compactable"] for e in p.history() if e["kind"] == "oom"][-1] == (1 << 64) - 1
+        said = re.search(r"compaction would give back ([0-9.]+) MiB", str(e.value))
+        event = [e for e in p.history() if e["kind"] == "oom"][-1]
+        x = oom.explain(p)
+        advice = [s for s in x.suggestions if "compact" in s]
+        assert x.kind == "fragmentation" and len(advice) == bool(said) == (block == 5 * MiB)
+        returned = p.compact()
+        assert event["compactable"] == returned and (not said or float(said.group(1)) * MiB == returned)
+        if said:
+            assert f"give back the {said.group(1)} MiB of " in advice[0]
+            p.resume("A")
+        else:
+            assert returned == 0
+        p.check()
 
 
 def test_compaction_brings_a_pool_held_past_a_lowered_cap_back_under_it() -> None:

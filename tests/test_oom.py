@@ -121,27 +121,6 @@ def test_the_json_names_the_cores_tags_of_free_memory(tmp_path: Path) -> None:
     assert all(isinstance(x, str) or abs(x) < 1 << 53 for x in [b["stream"] for b in doc["blocks"]] + list(streams.values()))
 
 
-def test_the_json_writes_a_figure_the_core_did_not_count_as_null(tmp_path: Path) -> None:
-    """A failed resume's oom event counts no compaction figure (UINT64_MAX in the core): the .json
-    writes null there, not 2^64-1, which JavaScript's numbers round; a request's failure writes its
-    figure."""
-    with Pool("npu_pool", capacity=256 * MiB, host_backed=True) as pool:
-        with pool.region("A"):
-            pool.malloc(64 * MiB)
-        pool.pause("A", backup=True)
-        ptrs = []
-        with pytest.raises(OutOfMemoryError):
-            while True:
-                ptrs.append(pool.malloc(5 * MiB))
-        for x in ptrs[::2]:
-            pool.free(x)
-        with pytest.raises(OutOfMemoryError, match="resume of tag 'A' failed"):
-            pool.resume("A")
-        doc = json.loads(oom.write_snapshot(pool, tmp_path).with_suffix(".json").read_text())
-        ooms = [e for e in doc["history"] if e["kind"] == "oom"]
-        assert ooms[-1]["compactable"] is None and all(isinstance(e["compactable"], int) for e in ooms[:-1])
-
-
 def test_write_snapshot(tmp_path: Path) -> None:
     pool, live = _fragmented()
     _fails(pool, 12 * MiB)

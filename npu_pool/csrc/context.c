@@ -49,12 +49,14 @@ int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, 
   *free_bytes = ctx->limit > reserved ? ctx->limit - reserved : 0;
   *known = why != NP_OOM_DEVICE || (ctx->be->free_bytes && ctx->be->free_bytes(ctx->be, free_bytes) == NP_OK);
   if (!*known) *free_bytes = UINT64_MAX;
-  /* free pages that live tensors' chunks pin: what compaction would give back, were it on (not
-   * counted for a resume: UINT64_MAX) */
-  uint64_t pinned = !compactable ? UINT64_MAX
-                    : why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL &&
-                            ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
-  if (compactable) *compactable = pinned;
+  /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
+  uint64_t pinned = UINT64_MAX; /* (not counted) */
+  if (compactable) {
+    bool applies = why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL;
+    pinned = !applies ? 0 : *compactable != NP_COUNT_BY_POLICY ? *compactable
+             : ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
+    *compactable = pinned;
+  }
   np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, *free_bytes, pinned);
   return why;
 }
@@ -78,7 +80,7 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size);
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
   char cause[1024];
   np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
-  uint64_t room, pinned;
+  uint64_t room, pinned = NP_COUNT_BY_POLICY;
   bool known;
   int why = np_ctx_oom_event(ctx, size, stream, site, lifetime, &room, &known, &pinned);
   np_stats st;

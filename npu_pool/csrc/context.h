@@ -238,9 +238,12 @@ void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site
 /* A failure to get `size` bytes: counted (stats.ooms), explained and recorded as an oom event of
  * ctx->fail's pool. Returns why (NP_OOM_*, from ctx->fail) and, in *free_bytes, the free bytes that
  * go with it: the cap's room, or for NP_OOM_DEVICE what the device says it has free (a call; *known
- * false and UINT64_MAX when it did not say); in *compactable, where the caller asks (not NULL: a
- * request's failure, not a resume's), what a compaction would give back (np_event_info.compactable,
- * recorded UINT64_MAX, not counted, where it does not ask). One account for malloc's and resume's failures. */
+ * false and UINT64_MAX when it did not say). *compactable: what a compaction would give back
+ * (np_event_info.compactable), in: the caller's own count, or NP_COUNT_BY_POLICY for the policy's
+ * pinned hook to count it (a request's failure); out: the figure recorded, 0 where compaction
+ * would not apply (no fragmentation, compaction on or refused). NULL: not counted (UINT64_MAX
+ * recorded). One account for malloc's and resume's failures. */
+#define NP_COUNT_BY_POLICY (UINT64_MAX - 1)
 int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
                      bool *known, uint64_t *compactable);
 /* "the device refused memory the cap allows: ..." for an NP_OOM_DEVICE failure, into buf. */

@@ -74,6 +74,17 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
 
 static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a); /* (below, with blocks_of) */
 
+/* What a compaction of the arenas other than `skip` would give back: their free pages that live
+ * blocks' chunks keep mapped (a paused tag's arena has none mapped). */
+static uint64_t pinned_elsewhere(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip) {
+  uint64_t sum = 0;
+  for (int i = -1; i < t->n; i++) {
+    np_arena *o = i < 0 ? main : &t->at[i]->arena;
+    if (o != skip && !(i >= 0 && t->at[i]->paused)) sum += np_arena_pinned(ctx, o);
+  }
+  return sum;
+}
+
 int np_tags_compact(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip) {
   np_saved_error first = {.code = NP_OK};
   for (int i = -1; i < t->n; i++) {
@@ -444,16 +455,25 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   }
   free(r);
   if (rc != NP_OK) {
-    char x[32], y[32], z[32], cause[1024], why[400] = "";
+    char x[32], y[32], z[32], pn[32], cause[1024], why[400] = "";
     np_copy_text(cause, sizeof cause, np_last_error());
     if (rc == NP_ERR_OOM) { /* an out-of-memory of its own, in the history as a malloc's is (oom.explain) */
-      uint64_t free_bytes;
+      uint64_t free_bytes, reserved = ctx->st.total.reserved.current;
       bool known;
-      if (np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known, NULL) == NP_OOM_DEVICE) {
+      /* at fixed addresses any room under the cap serves it: what it lacked is held in the other
+       * arenas' chunks around their live blocks (fragmentation, where that would have been enough) */
+      ctx->fail.usable = ctx->limit > reserved ? ctx->limit - reserved : 0;
+      ctx->fail.elsewhere = idle_elsewhere(t, main, &g->arena);
+      uint64_t pinned = pinned_elsewhere(ctx, t, main, &g->arena);
+      int kind = np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known, &pinned);
+      if (kind == NP_OOM_DEVICE) {
         why[0] = ';';
         why[1] = ' ';
         np_ctx_device_refusal(ctx, free_bytes, known, why + 2, sizeof why - 2);
-      }
+      } else if (pinned)
+        snprintf(why, sizeof why, "; compaction would give back %s, the free pages the other arenas' live tensors "
+                 "keep mapped (Pool.compact() where no other thread queues device work, or at every "
+                 "out-of-memory: Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(pinned, pn));
     }
     return np_error(rc, "resume of tag '%s' failed: its blocks need %s mapped again at their addresses; the pool "
                     "holds %s of the %s cap%s%s; nothing was mapped, the tag stays paused [%s]%s", name,
