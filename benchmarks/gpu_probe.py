@@ -153,7 +153,7 @@ def steady(path: str, allocator: str, cap_mib: int | None, repeat: int, device: 
     live = [_grown(a[1], b[1]) for a, b in zip(first, first[1:])][:len(bounds) + 1]
     seconds = [[round(b[0] - a[0], 6) for a, b in zip(p, p[1:])][:len(bounds) + 1] for p in plays]
     sim_ok, simulated, sim_compactions = simulate_capped(trace, allocator, cap, player.total(), rules, bounds, compact)
-    return {"trace": Path(path).name, "allocator": allocator, "device": device, "cap_bytes": cap,
+    return {"trace": Path(path).name, "allocator": allocator, "compact": compact, "device": device, "cap_bytes": cap,
             "ok": failed is None, "fail": failed, "sim_ok": sim_ok, "iteration_calls": live,
             "simulated_calls": simulated, "same": live == simulated, "seconds": seconds,
             "compactions": compactions, "simulated_compactions": sim_compactions}

@@ -6,7 +6,8 @@ RESULTS_DIR holds a session's files (``live_*.json``, ``gpt_small.json``, ``gpt_
 ``mcore.json``, ``costs.json``, ``repeat_*.json``, ``apis.json`` (``benchmarks/gpu_apis.py``),
 ``machine.txt``; on a full device
 ``steady.log`` and ``full_*.json``, the steps ``steady`` and ``full``, or ``ab*_*.json``, runs of
-``gpu_check.py --cap-mib`` named by hand; ``threads_*.json``, runs of ``gpu_probe.py threads``):
+``gpu_check.py --cap-mib`` named by hand; ``threads_*.json``, runs of ``gpu_probe.py threads``;
+``compact_*.json``, runs of ``gpu_probe.py compact``):
 the GPU's figures are read
 from there, and the simulator's are computed now, on this machine, with this checkout (each live
 trace beside the simulation of its allocator under CUDA's rules, as ``replay --live --validate``
@@ -142,9 +143,11 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
         d = json.loads(line)
         trace = traces.get(d["trace"].split(".")[0])
         bounds = iteration_bounds(trace) if trace is not None else []
+        compact = bool(d.get("compact"))  # (npu_pool with compaction: gpu_probe.py steady --compact)
         if bounds and len(bounds) + 1 == len(d["simulated_calls"]):
             rules = "npu" if d["device"] == "npu" else "cuda"
-            _, d["simulated_calls"], _ = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds)
+            _, d["simulated_calls"], _ = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds,
+                                                         compact)
             d["same"] = d["simulated_calls"] == d["iteration_calls"]
         else:
             as_then.append(f"{d['trace'].split('.')[0]} {d['allocator']}")
@@ -152,7 +155,8 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
         sim = ", ".join(str(sum(c.values())) for c in d["simulated_calls"])
         ms = [statistics.median(c) * 1e3 for c in zip(*d["seconds"])]
         after = ", ".join(f"{x:.2f}" for x in ms[2:]) if d["ok"] else f"failed at event {d['fail']}"
-        rows.append(f"| {d['trace'].split('.')[0]} | {d['allocator']} | {d['cap_bytes']} | {live} | {sim} | "
+        allocator = d["allocator"] + (", compacting" if compact else "")
+        rows.append(f"| {d['trace'].split('.')[0]} | {allocator} | {d['cap_bytes']} | {live} | {sim} | "
                     f"{'yes' if d['same'] else 'no'} | {after} |")
     if as_then:
         rows += ["", "Simulated as the probe computed them on the device, not now (this checkout cuts the trace "
@@ -210,6 +214,43 @@ def _threads(results: Path) -> list[str]:
     return rows
 
 
+def _compaction(results: Path) -> list[str]:
+    """``gpu_probe.py compact`` runs (``compact_ALLOCATOR.json``): per round what empty_cache and
+    compact() gave back, the bytes compact() copied and its time; then the queued-work round and the
+    request at an out-of-memory."""
+    files = sorted(results.glob("compact_*.json"))
+    if not files:
+        return []
+    mib = 1 << 20
+    rows = ["| allocator | round | tensors | allocated (bytes) | reserved (bytes) | after empty_cache | after compact() "
+            "| copied (MiB) | empty_cache (s) | compact() (s) | GiB copied per s | contents |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    notes = []
+    for f in files:
+        d = json.loads(f.read_text())
+        a = d["allocator"]
+        for k, r in enumerate(d["rounds"], 1):
+            copied, s = r.get("copied"), r.get("compact_s")
+            rate = f"{copied / (1 << 30) / s:.2f}" if copied and s else "-"
+            rows.append(f"| {a} | {k} | {r['tensors']} | {r['allocated']} | {r['reserved']} | {r['after_empty_cache']} | "
+                        f"{r.get('after_compact', '-')} | {f'{copied / mib:.0f}' if copied is not None else '-'} | "
+                        f"{r['empty_cache_s']:.3f} | {f'{s:.3f}' if s is not None else '-'} | {rate} | "
+                        f"{'intact' if r['changed'] == 0 else str(r['changed']) + ' changed'} |")
+        q, o = d.get("queued", {}), d.get("oom", {})
+        if q:
+            notes.append(f"- {a}, work queued when it compacts: {q['tensors']} tensors inverted in place behind the "
+                         f"matrix products, {q.get('compactions', 0)} compactions, "
+                         f"{'every tensor intact' if q['changed'] == 0 else str(q['changed']) + ' changed'}.")
+        if o:
+            with_it = (f"; with set_compaction(True) {'it fits' if o['fits_compacting'] else 'it does not fit'} "
+                       f"({o['compactions']} compactions, {o['seconds']:.3f} s)") if "fits_compacting" in o else ""
+            notes.append(f"- {a}, capped at {o['cap']} bytes with {o['allocated']} allocated, a request of {o['ask']}: "
+                         f"{'fits' if o['fits'] else 'does not fit'} without compaction{with_it}; "
+                         f"{'every tensor intact' if o['changed'] == 0 else str(o['changed']) + ' changed'}, "
+                         f"{'intact' if d.get('changed_at_end') == 0 else 'changed'} after a last fill.")
+    return rows + ([""] + notes if notes else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
@@ -238,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             out += ["## torch.cuda's memory APIs", "", report(json.loads(apis.read_text())["runs"])[0], ""]
         except (ValueError, KeyError, TypeError) as e:
             ap.error(f"cannot read {apis}: {e}")
+    moved = _compaction(args.results)
+    if moved:
+        out += ["## compact() on the device", ""] + moved + [""]
     four = _threads(args.results)
     if four:
         out += ["## Four threads, a stream each", ""] + four + [""]

@@ -310,3 +310,45 @@ def test_a_live_row_that_differs_is_no_unless_npu_pool_changed_since(shared_trac
     for r in rows:  # and the saved simulation with it: the simulator of that day agreed
         r["simulated"]["peak_reserved_bytes"] += 2 << 20
     assert same_column(rows) == {"native": "NO |", "npu_pool": "changed since |"}
+
+
+def test_the_report_reads_compaction_runs_of_the_probe(tmp_path: Path) -> None:
+    """benchmarks/gpu_probe.py compact's JSON (no GPU has run it yet: these files are made here, in
+    its format): a row per round with the copies' rate (GiB copied per second of compact()), the
+    queued-work round and the out-of-memory request as notes, tensors whose contents changed named;
+    and a steady run with compaction is labelled so and simulated with compaction (the recording
+    capped at its npu_pool minimum capacity, where the policy compacts)."""
+    gpu_probe = _benchmark("gpu_probe")
+    row = {"tensors": 180, "allocated": 4 << 30, "reserved": 8 << 30, "empty_cache_s": 0.002,
+           "after_empty_cache": 7 << 30, "calls": {}, "changed": 0}
+    (tmp_path / "compact_native.json").write_text(json.dumps(
+        {"allocator": "native", "rounds": [row], "queued": {"tensors": 180, "changed": 0},
+         "oom": {"cap": 7 << 30, "allocated": 4 << 30, "ask": 2 << 30, "fits": False, "changed": 0},
+         "changed_at_end": 0}))
+    (tmp_path / "compact_npu_pool.json").write_text(json.dumps(
+        {"allocator": "npu_pool", "rounds": [dict(row, returned=2 << 30, compact_s=0.25, copied=1 << 29,
+                                                  after_compact=5 << 30, changed=3)],
+         "queued": {"tensors": 180, "compactions": 12, "returned": 1 << 30, "changed": 0},
+         "oom": {"cap": 5 << 30, "allocated": 4 << 30, "ask": 768 << 20, "fits": False, "fits_compacting": True,
+                 "compactions": 4, "seconds": 0.1, "changed": 0}, "changed_at_end": 0}))
+    from npu_pool.replay import iteration_bounds, min_capacity
+    from npu_pool.trace.files import open_traces
+
+    (_, trace), *_ = open_traces(ROOT / "benchmarks" / "traces" / "h100-gpt-bf16-train.pickle")
+    bounds, cap = iteration_bounds(trace), min_capacity(trace, "npu_pool", device="cuda", compact=True)[0]
+    plain, compacting = (gpu_probe.simulate_capped(trace, "npu_pool", cap, 1 << 40, "cuda", bounds, c)
+                         for c in (False, True))
+    assert plain[2] == 0 < compacting[2] and plain[1] != compacting[1]  # (only the second compacts)
+    (tmp_path / "steady.log").write_text(json.dumps(
+        {"trace": "h100-gpt-bf16-train.pickle", "allocator": "npu_pool", "compact": True, "device": "cuda",
+         "cap_bytes": cap, "ok": True, "fail": None, "iteration_calls": compacting[1],
+         "simulated_calls": compacting[1], "same": True, "seconds": [[0.001] * len(compacting[1])]}) + "\n")
+    text = _report(tmp_path / "no-traces", tmp_path)
+    assert ("| npu_pool | 1 | 180 | 4294967296 | 8589934592 | 7516192768 | 5368709120 | 512 | 0.002 | 0.250 | 2.00 | "
+            "3 changed |") in text
+    assert "| native | 1 | 180 | 4294967296 | 8589934592 | 7516192768 | - | - | 0.002 | - | - | intact |" in text
+    assert "- npu_pool, work queued when it compacts: 180 tensors inverted in place behind the matrix products, " \
+           "12 compactions, every tensor intact." in text
+    assert "does not fit without compaction; with set_compaction(True) it fits (4 compactions, 0.100 s)" in text
+    steady = [line for line in text.splitlines() if line.startswith("| h100-gpt-bf16-train | npu_pool, compacting |")]
+    assert len(steady) == 1 and "| yes |" in steady[0], steady
