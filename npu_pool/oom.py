@@ -100,6 +100,7 @@ class OomExplanation:
     suggestions: list[str] = field(default_factory=list)
     reserved_at_failure: Optional[int] = None  # the pool's reserved bytes when it failed (from its event)
     paused: int = 0          # of the allocated, bytes in paused regions (no memory behind them)
+    resume: bool = False     # a paused region's resume failed (its blocks go back at their own addresses)
 
     @property
     def cached_free(self) -> int:
@@ -127,7 +128,11 @@ class OomExplanation:
                 f"{fmt_bytes(self.device_total)}. ")
         why = {"too_large": "The request alone needs more than the whole cap.",
                "fragmentation": (f"Fragmentation: {fmt_bytes(self.cached_free)} cached free in the pool and "
-                                 f"{fmt_bytes(self.room or 0)} more under the cap, but no free block fits the request."),
+                                 f"{fmt_bytes(self.room or 0)} more under the cap, but no free block fits the request."
+                                 if not self.resume else
+                                 f"Fragmentation: the resume maps its blocks again at their own addresses and the "
+                                 f"cap had room for {fmt_bytes(self.room or 0)} of them; {fmt_bytes(self.cached_free)} "
+                                 "is free in the pool's other arenas, kept mapped by their live tensors."),
                "shortage": "A real shortage: the pool cannot hold it even without fragmentation.",
                "device": (f"The device refused memory the cap allows: it had {fmt_bytes(self.room)} free, and "
                           f"{fmt_bytes(self.held_outside or 0)} of it is held outside this pool (other processes, "
@@ -157,10 +162,12 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     paused = int(st["paused"])
     names = list(st["pools"])
     at_failure: Optional[int] = None
+    resume = False  # (a resume's failure: its event's stream is the tag no request may use)
     compactable: Optional[int] = None  # what a compaction would give back, where the failure said it
     room: Optional[int]
     if ev is not None and (request is None or request == ev["size"]):
         request, kind = int(ev["size"]), OOM_REASONS[ev["detail"]]
+        resume = ev["stream"] == STREAM_TAGS[0]
         compactable = None if ev["compactable"] == _UNKNOWN else int(ev["compactable"])  # (not counted: a restore's)
         room, pool_name = int(ev["device_free"]), names[ev["pool"]] if ev["pool"] < len(names) else "arena"
         at_failure = int(ev["addr"])
@@ -178,11 +185,11 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
                     "collective-communication buffer sizes)")
         tips.append("or hold less at once: " + _SHORTAGE_LEVERS[0])
         return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
-                              at_failure, paused)
+                              at_failure, paused, resume)
     if total and limit < total:  # first: the one lever that needs no change to the model (and may be cut last)
         tips.append(f"raise the memory fraction cap ({limit / total:.0%} of the device) if the rest is not "
                     "needed, e.g. by collective-communication buffers")
-    idle = _idle_elsewhere(pool, st) if policy == "npu_pool" and kind == "fragmentation" else {}
+    idle = _idle_elsewhere(pool, st, resume) if policy == "npu_pool" and kind == "fragmentation" else {}
     if idle:  # (each arena keeps its chunks around its live tensors)
         tips.append("free the tensors that keep the pool's other arenas mapped, or pause those regions: empty_cache "
                     "cannot return their free memory (" + ", ".join(f"{t}: {fmt_bytes(b)}" for t, b in
@@ -192,7 +199,7 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
         if policy == "planned":
             tips.append("plan again from a trace of this run (`npu-pool plan TRACE`): what the plan does not place "
                         "goes to its npu_pool fallback (docs/planner.md)")
-        else:
+        elif not pool.tags():  # (the planned policy has no regions to pause)
             tips.append("plan the steady iteration (`npu-pool plan TRACE`, then NPU_POOL_POLICY=planned): every "
                         "tensor at a fixed offset, the free memory in one piece (docs/planner.md)")
         # (on, the failed request compacted already; the failure's own figure 0: nothing to give back)
@@ -209,20 +216,21 @@ def explain(pool: Any, request: Optional[int] = None) -> OomExplanation:
     else:
         tips.extend(_SHORTAGE_LEVERS)
     return OomExplanation(policy, pool_name, request, reserved, allocated, largest, limit, total, room, kind, tips,
-                          at_failure, paused)
+                          at_failure, paused, resume)
 
 
-def _idle_elsewhere(pool: Any, st: dict[str, Any]) -> dict[str, int]:
-    """Free bytes mapped in the arenas other than the current region's, by name ("untagged": the
-    main arena's), where some are; {} when the pool has no tags."""
+def _idle_elsewhere(pool: Any, st: dict[str, Any], resume: bool = False) -> dict[str, int]:
+    """Free bytes mapped in the arenas other than the current region's (a resume's failure: in
+    every arena, the current one too), by name ("untagged": the main arena's), where some are; {}
+    when the pool has no tags."""
     tags = pool.tags()
     if not tags:
         return {}
-    current = [t for t, v in tags.items() if v["current"]]
+    current = [t for t, v in tags.items() if v["current"] and not resume]
     idle = {t: v["mapped"] - v["allocated"] for t, v in tags.items() if t not in current}
     untagged = (int(st["total"]["reserved"]["current"]) - sum(v["mapped"] for v in tags.values())) - \
         (int(st["total"]["allocated"]["current"]) - sum(v["allocated"] for v in tags.values()))
-    if current:  # (a request outside every region is the main arena's own: not elsewhere)
+    if current or resume:  # (a request outside every region is the main arena's own: not elsewhere)
         idle["untagged"] = untagged
     return {t: b for t, b in idle.items() if b > 0}
 

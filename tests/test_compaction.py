@@ -4,6 +4,7 @@ the same addresses; what the device refuses half-way leaves the books matching t
 the bytes where they were, or says plainly that they are lost (docs/api.md)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import random
@@ -425,13 +426,17 @@ def test_a_resume_has_the_other_arenas_compacted_before_it_fails() -> None:
         p.check()
 
 
-@pytest.mark.parametrize("block", [5 * MiB, MiB])
-def test_a_resume_s_out_of_memory_names_what_compacting_the_other_arenas_gives_back(block: int) -> None:
-    """A resume that fails for the free pages the other arenas' live blocks keep mapped is
-    fragmentation (its blocks go back at fixed addresses: any room under the cap serves them),
-    not a shortage: the message, its oom event and npu_pool.oom.explain name what a compaction
-    would give back, which compact() then gives back, where it is not 0 (5 MiB blocks: enough for
-    the resume after it); a live block on every page (1 MiB blocks) names none."""
+@pytest.mark.parametrize("block,where,inside", [(5 * MiB, None, False), (5 * MiB, "B", False), (5 * MiB, "B", True),
+                                               (MiB, None, False)])
+def test_a_resume_s_out_of_memory_names_what_compacting_the_other_arenas_gives_back(block: int, where: str | None,
+                                                                                    inside: bool) -> None:
+    """A resume that fails for the free pages the other arenas' live blocks keep mapped (the
+    untagged arena's or region B's; the resume called inside B or outside every region) is
+    fragmentation (its blocks go back at fixed addresses: any room under the cap serves them), not a
+    shortage: the message, its oom event and npu_pool.oom.explain name what a compaction would give
+    back, which compact() then gives back, where it is not 0 (5 MiB blocks: enough for the resume
+    after it); a live block on every page (1 MiB blocks) names none. explain() says it is a resume's,
+    names the arena whose free memory it lacked, and no planned policy (which has no regions)."""
     import re
 
     from npu_pool import oom
@@ -440,15 +445,31 @@ def test_a_resume_s_out_of_memory_names_what_compacting_the_other_arenas_gives_b
         with p.region("A"):
             p.malloc(64 * MiB)
         p.pause("A", backup=True)
-        for x in _fill(p, lambda: block)[::2]:
+        with p.region("B"):
+            pass
+
+        ptrs: list[int] = []
+        with pytest.raises(OutOfMemoryError):  # (the region's blocks, or the untagged arena's, up to the cap)
+            with contextlib.ExitStack() as region:
+                if where is not None:
+                    region.enter_context(p.region(where))
+                while True:
+                    ptrs.append(p.malloc(block))
+        for x in ptrs[::2]:
             p.free(x)
         with pytest.raises(OutOfMemoryError, match="resume of tag 'A' failed") as e:
-            p.resume("A")
+            if inside:
+                with p.region("B"):
+                    p.resume("A")
+            else:
+                p.resume("A")
         said = re.search(r"compaction would give back ([0-9.]+) MiB", str(e.value))
         event = [e for e in p.history() if e["kind"] == "oom"][-1]
         x = oom.explain(p)
         advice = [s for s in x.suggestions if "compact" in s]
-        assert x.kind == "fragmentation" and len(advice) == bool(said) == (block == 5 * MiB)
+        assert x.kind == "fragmentation" and x.resume and len(advice) == bool(said) == (block == 5 * MiB)
+        assert not any("planned" in s for s in x.suggestions) and "the resume maps its blocks again" in x.summary()
+        assert any(f"({where or 'untagged'}: " in s for s in x.suggestions), x.suggestions
         returned = p.compact()
         assert event["compactable"] == returned and (not said or float(said.group(1)) * MiB == returned)
         if said:

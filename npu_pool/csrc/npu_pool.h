@@ -255,7 +255,8 @@ typedef struct np_event_info {
                                mapped in the arena the request went to (a resume's: in the other arenas), for
                                NP_OOM_FRAGMENTED where the pool could compact and compaction was off; else 0;
                                UINT64_MAX: not counted (a backup's restore the device refused) */
-  int64_t stream;           /* mark: the marker's argument */
+  int64_t stream;           /* the request's or block's stream; mark: the marker's argument; oom: INTPTR_MIN (a
+                               stream no request may name) for a paused region's resume */
   int32_t site;             /* mark: the marker code */
   uint8_t kind;             /* NP_EV_* */
   uint8_t pool;             /* pool of the block or segment; NP_POOLS when the memory is shared */
