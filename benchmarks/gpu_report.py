@@ -150,7 +150,7 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
                                                          compact)
             d["same"] = d["simulated_calls"] == d["iteration_calls"]
         else:
-            as_then.append(f"{d['trace'].split('.')[0]} {d['allocator']}")
+            as_then.append(f"{d['trace'].split('.')[0]} {d['allocator']}{', compacting' if compact else ''}")
         live = ", ".join(str(sum(c.values())) for c in d["iteration_calls"])
         sim = ", ".join(str(sum(c.values())) for c in d["simulated_calls"])
         ms = [statistics.median(c) * 1e3 for c in zip(*d["seconds"])]
@@ -216,14 +216,15 @@ def _threads(results: Path) -> list[str]:
 
 def _compaction(results: Path) -> list[str]:
     """``gpu_probe.py compact`` runs (``compact_ALLOCATOR.json``): per round what empty_cache and
-    compact() gave back, the bytes compact() copied and its time; then the queued-work round and the
-    request at an out-of-memory."""
+    compact() gave back, the live bytes compact() moved (each copied out to the host and back: twice
+    that crosses the bus) and its time; then the queued-work round and the request at an
+    out-of-memory."""
     files = sorted(results.glob("compact_*.json"))
     if not files:
         return []
     mib = 1 << 20
     rows = ["| allocator | round | tensors | allocated (bytes) | reserved (bytes) | after empty_cache | after compact() "
-            "| copied (MiB) | empty_cache (s) | compact() (s) | GiB copied per s | contents |",
+            "| moved (MiB) | empty_cache (s) | compact() (s) | GiB moved per s | contents |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     notes = []
     for f in files:
@@ -238,8 +239,9 @@ def _compaction(results: Path) -> list[str]:
                         f"{'intact' if r['changed'] == 0 else str(r['changed']) + ' changed'} |")
         q, o = d.get("queued", {}), d.get("oom", {})
         if q:
+            moves = f"{q['compactions']} compactions, " if "compactions" in q else ""
             notes.append(f"- {a}, work queued when it compacts: {q['tensors']} tensors inverted in place behind the "
-                         f"matrix products, {q.get('compactions', 0)} compactions, "
+                         f"matrix products, {moves}"
                          f"{'every tensor intact' if q['changed'] == 0 else str(q['changed']) + ' changed'}.")
         if o:
             with_it = (f"; with set_compaction(True) {'it fits' if o['fits_compacting'] else 'it does not fit'} "
@@ -279,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             out += ["## torch.cuda's memory APIs", "", report(json.loads(apis.read_text())["runs"])[0], ""]
         except (ValueError, KeyError, TypeError) as e:
             ap.error(f"cannot read {apis}: {e}")
-    moved = _compaction(args.results)
+    try:
+        moved = _compaction(args.results)
+    except (ValueError, KeyError, TypeError) as e:
+        ap.error(f"cannot read the compact_*.json files of {args.results}: {e}")
     if moved:
         out += ["## compact() on the device", ""] + moved + [""]
     four = _threads(args.results)

@@ -314,7 +314,7 @@ def test_a_live_row_that_differs_is_no_unless_npu_pool_changed_since(shared_trac
 
 def test_the_report_reads_compaction_runs_of_the_probe(tmp_path: Path) -> None:
     """benchmarks/gpu_probe.py compact's JSON (no GPU has run it yet: these files are made here, in
-    its format): a row per round with the copies' rate (GiB copied per second of compact()), the
+    its format): a row per round with the copies' rate (live GiB moved per second of compact()), the
     queued-work round and the out-of-memory request as notes, tensors whose contents changed named;
     and a steady run with compaction is labelled so and simulated with compaction (the recording
     capped at its npu_pool minimum capacity, where the policy compacts)."""
@@ -349,6 +349,8 @@ def test_the_report_reads_compaction_runs_of_the_probe(tmp_path: Path) -> None:
     assert "| native | 1 | 180 | 4294967296 | 8589934592 | 7516192768 | - | - | 0.002 | - | - | intact |" in text
     assert "- npu_pool, work queued when it compacts: 180 tensors inverted in place behind the matrix products, " \
            "12 compactions, every tensor intact." in text
+    assert "- native, work queued when it compacts: 180 tensors inverted in place behind the matrix products, " \
+           "every tensor intact." in text
     assert "does not fit without compaction; with set_compaction(True) it fits (4 compactions, 0.100 s)" in text
     steady = [line for line in text.splitlines() if line.startswith("| h100-gpt-bf16-train | npu_pool, compacting |")]
     assert len(steady) == 1 and "| yes |" in steady[0], steady
