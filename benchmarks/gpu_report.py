@@ -146,9 +146,11 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
         compact = bool(d.get("compact"))  # (npu_pool with compaction: gpu_probe.py steady --compact)
         if bounds and len(bounds) + 1 == len(d["simulated_calls"]):
             rules = "npu" if d["device"] == "npu" else "cuda"
-            _, d["simulated_calls"], _ = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40, rules, bounds,
-                                                         compact)
-            d["same"] = d["simulated_calls"] == d["iteration_calls"]
+            _, d["simulated_calls"], compactions = simulate_capped(trace, d["allocator"], d["cap_bytes"], 1 << 40,
+                                                                   rules, bounds, compact)
+            # (compacting: the chunks the first play compacted are the simulator's too)
+            d["same"] = d["simulated_calls"] == d["iteration_calls"] and (
+                not compact or d.get("compactions") == compactions)
         else:
             as_then.append(f"{d['trace'].split('.')[0]} {d['allocator']}{', compacting' if compact else ''}")
         live = ", ".join(str(sum(c.values())) for c in d["iteration_calls"])

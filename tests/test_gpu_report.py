@@ -339,10 +339,12 @@ def test_the_report_reads_compaction_runs_of_the_probe(tmp_path: Path) -> None:
     plain, compacting = (gpu_probe.simulate_capped(trace, "npu_pool", cap, 1 << 40, "cuda", bounds, c)
                          for c in (False, True))
     assert plain[2] == 0 < compacting[2] and plain[1] != compacting[1]  # (only the second compacts)
-    (tmp_path / "steady.log").write_text(json.dumps(
-        {"trace": "h100-gpt-bf16-train.pickle", "allocator": "npu_pool", "compact": True, "device": "cuda",
-         "cap_bytes": cap, "ok": True, "fail": None, "iteration_calls": compacting[1],
-         "simulated_calls": compacting[1], "same": True, "seconds": [[0.001] * len(compacting[1])]}) + "\n")
+    run = {"trace": "h100-gpt-bf16-train.pickle", "allocator": "npu_pool", "compact": True, "device": "cuda",
+           "cap_bytes": cap, "ok": True, "fail": None, "iteration_calls": compacting[1],
+           "simulated_calls": compacting[1], "same": True, "seconds": [[0.001] * len(compacting[1])],
+           "compactions": compacting[2]}
+    # the same run, then one whose device compacted a chunk more than the simulator says (not the same)
+    (tmp_path / "steady.log").write_text(json.dumps(run) + "\n" + json.dumps(dict(run, compactions=compacting[2] + 1)) + "\n")
     text = _report(tmp_path / "no-traces", tmp_path)
     assert ("| npu_pool | 1 | 180 | 4294967296 | 8589934592 | 7516192768 | 5368709120 | 512 | 0.002 | 0.250 | 2.00 | "
             "3 changed |") in text
@@ -353,4 +355,4 @@ def test_the_report_reads_compaction_runs_of_the_probe(tmp_path: Path) -> None:
            "every tensor intact." in text
     assert "does not fit without compaction; with set_compaction(True) it fits (4 compactions, 0.100 s)" in text
     steady = [line for line in text.splitlines() if line.startswith("| h100-gpt-bf16-train | npu_pool, compacting |")]
-    assert len(steady) == 1 and "| yes |" in steady[0], steady
+    assert len(steady) == 2 and "| yes |" in steady[0] and "| no |" in steady[1], steady
