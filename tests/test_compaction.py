@@ -480,6 +480,26 @@ def test_a_resume_s_out_of_memory_names_what_compacting_the_other_arenas_gives_b
         p.check()
 
 
+def test_a_region_s_out_of_memory_names_what_compacting_every_arena_gives_back() -> None:
+    """A request in region B that fails for the free pages the untagged arena's live blocks keep
+    mapped: the figure its message names is what compact() gives back, every arena's (B's own holds
+    none), as a resume's is."""
+    import re
+
+    with Pool("npu_pool", capacity=256 * MiB, host_backed=True) as p:
+        for x in _fill(p, lambda: 5 * MiB)[::2]:
+            p.free(x)
+        with pytest.raises(OutOfMemoryError) as e:
+            with p.region("B"):
+                p.malloc(100 * MiB)
+        said = re.search(r"compaction would give back ([0-9.]+) MiB", str(e.value))
+        assert said, str(e.value)
+        returned = p.compact()
+        assert returned > 0 and float(said.group(1)) * MiB == returned
+        assert [e["compactable"] for e in p.history() if e["kind"] == "oom"][-1] == returned
+        p.check()
+
+
 def test_compaction_brings_a_pool_held_past_a_lowered_cap_back_under_it() -> None:
     """A fraction lowered below what is mapped: each chunk's live pages map again within what the
     device just took back (before, the cap refused them, every compaction was undone after its

@@ -53,12 +53,22 @@ int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, 
   uint64_t pinned = UINT64_MAX; /* (not counted) */
   if (compactable) {
     bool applies = why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL;
-    pinned = !applies ? 0 : *compactable != NP_COUNT_BY_POLICY ? *compactable
-             : ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
+    pinned = applies && ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
     *compactable = pinned;
   }
   np_ctx_record_oom(ctx, size, stream, site, lifetime, ctx->fail.pool, why, *free_bytes, pinned);
   return why;
+}
+
+void np_ctx_compaction_hint(uint64_t pinned, char *buf, size_t cap) {
+  char pn[32];
+  if (!pinned) {
+    *buf = 0;
+    return;
+  }
+  snprintf(buf, cap, "; compaction would give back %s, the free pages live tensors' chunks keep mapped "
+           "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "
+           "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(pinned, pn));
 }
 
 void np_ctx_device_refusal(const np_ctx *ctx, uint64_t free_bytes, bool known, char *buf, size_t cap) {
@@ -80,7 +90,7 @@ static uint64_t device_size(const np_ctx *ctx, uint64_t size);
 static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime) {
   char cause[1024];
   np_copy_text(cause, sizeof cause, np_last_error()); /* the policy's reason; the buffer is rewritten below */
-  uint64_t room, pinned = NP_COUNT_BY_POLICY;
+  uint64_t room, pinned;
   bool known;
   int why = np_ctx_oom_event(ctx, size, stream, site, lifetime, &room, &known, &pinned);
   np_stats st;
@@ -88,12 +98,9 @@ static int oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int li
   const np_fail *f = &ctx->fail;
   const char *pool = f->pool >= 0 && f->pool < NP_POOLS ? st.pool[f->pool].name
                      : ctx->policy->memory ? ctx->policy->memory : "the arena";
-  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], pn[32], what[768],
+  char a[32], n[32], r[32], l[32], al[32], lf[32], t[32], u[32], h[32], ps[32], el[32], what[768],
       held[320] = "", hint[320] = "";
-  if (pinned)
-    snprintf(hint, sizeof hint, "; compaction would give back %s, the free pages live tensors' chunks keep mapped "
-             "(Pool.compact() where no other thread queues device work, or at every out-of-memory: "
-             "Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(pinned, pn));
+  np_ctx_compaction_hint(pinned, hint, sizeof hint);
   int at = 0;
   if (ctx->st.unreleased)
     at = snprintf(held, sizeof held, "; of the reserved, %s is memory the device refused to take back (retried at "

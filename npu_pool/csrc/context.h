@@ -238,14 +238,14 @@ void np_ctx_record_oom(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site
 /* A failure to get `size` bytes: counted (stats.ooms), explained and recorded as an oom event of
  * ctx->fail's pool. Returns why (NP_OOM_*, from ctx->fail) and, in *free_bytes, the free bytes that
  * go with it: the cap's room, or for NP_OOM_DEVICE what the device says it has free (a call; *known
- * false and UINT64_MAX when it did not say). *compactable: what a compaction would give back
- * (np_event_info.compactable), in: the caller's own count, or NP_COUNT_BY_POLICY for the policy's
- * pinned hook to count it (a request's failure); out: the figure recorded, 0 where compaction
- * would not apply (no fragmentation, compaction on or refused). NULL: not counted (UINT64_MAX
- * recorded). One account for malloc's and resume's failures. */
-#define NP_COUNT_BY_POLICY (UINT64_MAX - 1)
+ * false and UINT64_MAX when it did not say); in *compactable (where not NULL) what a compaction
+ * would give back (the policy's pinned hook; np_event_info.compactable), 0 where compaction would
+ * not apply (no fragmentation, compaction on or refused). NULL: not counted (UINT64_MAX recorded).
+ * One account for malloc's and resume's failures. */
 int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, int lifetime, uint64_t *free_bytes,
                      bool *known, uint64_t *compactable);
+/* "; compaction would give back ..." for an out-of-memory message, into buf ("" for 0 bytes). */
+void np_ctx_compaction_hint(uint64_t pinned, char *buf, size_t cap);
 /* "the device refused memory the cap allows: ..." for an NP_OOM_DEVICE failure, into buf. */
 void np_ctx_device_refusal(const np_ctx *ctx, uint64_t free_bytes, bool known, char *buf, size_t cap);
 int np_ctx_set_history(np_ctx *ctx, uint64_t max_entries);

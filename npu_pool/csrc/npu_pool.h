@@ -251,10 +251,10 @@ typedef struct np_event_info {
   uint64_t size;            /* requested bytes (alloc, free, oom), segment or mapped bytes */
   uint64_t device_free;     /* oom: bytes the pool's cap still allowed; NP_OOM_DEVICE: the device's free bytes
                                (UINT64_MAX: the device did not say) */
-  uint64_t compactable;     /* oom: bytes a compaction would give back, the free pages live blocks' chunks keep
-                               mapped in the arena the request went to (a resume's: in the other arenas), for
-                               NP_OOM_FRAGMENTED where the pool could compact and compaction was off; else 0;
-                               UINT64_MAX: not counted (a backup's restore the device refused) */
+  uint64_t compactable;     /* oom: bytes a compaction would give back (np_compact's figure: the free pages live
+                               blocks' chunks keep mapped, in every arena it compacts), for NP_OOM_FRAGMENTED
+                               where the pool could compact and compaction was off; else 0; UINT64_MAX: not
+                               counted (a backup's restore the device refused) */
   int64_t stream;           /* the request's or block's stream; mark: the marker's argument; oom: INTPTR_MIN (a
                                stream no request may name) for a paused region's resume */
   int32_t site;             /* mark: the marker code */

@@ -36,8 +36,8 @@ struct np_policy {
    * pages by chunks over their live pages (np_compact). A policy that has it also compacts at an
    * out-of-memory when np_set_compaction asks it to (arena.h). */
   int (*compact)(np_ctx *ctx);
-  /* optional, with compact: the bytes a compaction of the arena a failed request went to would give
-   * back (np_arena_pinned), for its out-of-memory message: asked only as the message is written. */
+  /* optional, with compact: the bytes compact would give back now (np_arena_pinned of its arenas),
+   * for an out-of-memory message: asked only as the message is written. */
   uint64_t (*pinned)(np_ctx *ctx);
   int (*set_limit)(np_ctx *ctx, uint64_t limit); /* optional; may refuse a new limit */
   void (*fill_stats)(np_ctx *ctx, np_stats *st); /* optional: largest_free, arena figures */

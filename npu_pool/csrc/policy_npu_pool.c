@@ -49,7 +49,7 @@ static int npu_pool_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int life
 static void npu_pool_free(np_ctx *ctx, np_block *b) { np_arena_free(ctx, owner(ctx, b), b); }
 static int npu_pool_empty_cache(np_ctx *ctx) { return np_tags_empty_cache(ctx, tags(ctx), arena(ctx)); }
 static int npu_pool_compact(np_ctx *ctx) { return np_tags_compact(ctx, tags(ctx), arena(ctx), NULL); }
-static uint64_t npu_pool_pinned(np_ctx *ctx) { return np_arena_pinned(ctx, np_tags_current(tags(ctx), arena(ctx))); }
+static uint64_t npu_pool_pinned(np_ctx *ctx) { return np_tags_pinned(ctx, tags(ctx), arena(ctx)); }
 static int npu_pool_set_limit(np_ctx *ctx, uint64_t limit) { (void)limit; return np_arena_set_limit(ctx, arena(ctx)); }
 static void npu_pool_fill_stats(np_ctx *ctx, np_stats *st) { np_tags_fill_stats(ctx, tags(ctx), arena(ctx), st); }
 static int npu_pool_check(np_ctx *ctx) { return np_tags_check(ctx, tags(ctx), arena(ctx)); }

@@ -49,10 +49,6 @@ void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a) {
   a->set_aside = a->outside = others; /* the cap less the others' bytes; its own reserved bytes */
 }
 
-np_arena *np_tags_current(np_tagset *t, np_arena *main) {
-  return t->current >= 0 ? &t->at[t->current]->arena : main;
-}
-
 np_arena *np_tags_owner(np_tagset *t, const np_block *b) {
   for (int i = 0; i < t->n; i++)
     if (np_arena_owns(&t->at[i]->arena, b)) return &t->at[i]->arena;
@@ -74,14 +70,10 @@ void np_tags_release_idle(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *s
 
 static uint64_t idle_elsewhere(np_tagset *t, np_arena *main, np_arena *a); /* (below, with blocks_of) */
 
-/* What a compaction of the arenas other than `skip` would give back: their free pages that live
- * blocks' chunks keep mapped (a paused tag's arena has none mapped). */
-static uint64_t pinned_elsewhere(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip) {
-  uint64_t sum = 0;
-  for (int i = -1; i < t->n; i++) {
-    np_arena *o = i < 0 ? main : &t->at[i]->arena;
-    if (o != skip && !(i >= 0 && t->at[i]->paused)) sum += np_arena_pinned(ctx, o);
-  }
+uint64_t np_tags_pinned(np_ctx *ctx, np_tagset *t, np_arena *main) {
+  uint64_t sum = np_arena_pinned(ctx, main);
+  for (int i = 0; i < t->n; i++)
+    if (!t->at[i]->paused) sum += np_arena_pinned(ctx, &t->at[i]->arena);
   return sum;
 }
 
@@ -455,7 +447,7 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
   }
   free(r);
   if (rc != NP_OK) {
-    char x[32], y[32], z[32], pn[32], cause[1024], why[400] = "";
+    char x[32], y[32], z[32], cause[1024], why[400] = "";
     np_copy_text(cause, sizeof cause, np_last_error());
     if (rc == NP_ERR_OOM) { /* an out-of-memory of its own, in the history as a malloc's is (oom.explain) */
       uint64_t free_bytes, reserved = ctx->st.total.reserved.current;
@@ -464,16 +456,13 @@ int np_tags_resume(np_ctx *ctx, np_tagset *t, np_arena *main, const char *name, 
        * arenas' chunks around their live blocks (fragmentation, where that would have been enough) */
       ctx->fail.usable = ctx->limit > reserved ? ctx->limit - reserved : 0;
       ctx->fail.elsewhere = idle_elsewhere(t, main, &g->arena);
-      uint64_t pinned = pinned_elsewhere(ctx, t, main, &g->arena);
-      int kind = np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known, &pinned);
-      if (kind == NP_OOM_DEVICE) {
+      uint64_t pinned; /* (the tag's own arena is paused: all of it is the other arenas') */
+      if (np_ctx_oom_event(ctx, need, NP_STREAM_ANY, -1, NP_LIFE_LONG, &free_bytes, &known, &pinned) == NP_OOM_DEVICE) {
         why[0] = ';';
         why[1] = ' ';
         np_ctx_device_refusal(ctx, free_bytes, known, why + 2, sizeof why - 2);
-      } else if (pinned)
-        snprintf(why, sizeof why, "; compaction would give back %s, the free pages the other arenas' live tensors "
-                 "keep mapped (Pool.compact() where no other thread queues device work, or at every "
-                 "out-of-memory: Pool.set_compaction, NPU_POOL_COMPACT=1; docs/api.md)", np_fmt_bytes(pinned, pn));
+      } else
+        np_ctx_compaction_hint(pinned, why, sizeof why);
     }
     return np_error(rc, "resume of tag '%s' failed: its blocks need %s mapped again at their addresses; the pool "
                     "holds %s of the %s cap%s%s; nothing was mapped, the tag stays paused [%s]%s", name,

@@ -63,8 +63,6 @@ void np_tags_drop(np_ctx *ctx, np_tagset *t);
 void np_tags_budget(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *a);
 /* The tag arena that owns b, or NULL (the main arena's, or no arena's). */
 np_arena *np_tags_owner(np_tagset *t, const np_block *b);
-/* The arena requests go to now: the current region's tag's, else main. */
-np_arena *np_tags_current(np_tagset *t, np_arena *main);
 /* Place a request in the current region's arena (or main); on failure, return the other
  * arenas' idle pages and retry once. */
 int np_tags_malloc(np_ctx *ctx, np_tagset *t, np_arena *main, uint64_t size, intptr_t stream, bool long_lived,
@@ -81,6 +79,9 @@ int np_tags_empty_cache(np_ctx *ctx, np_tagset *t, np_arena *main);
  * of the cap (np_arena_compact). NP_ERR_STATE if live bytes were lost (ctx->lost: np_vmm_compact's
  * message), else the first refusal of a chunk the device would not let go (it stays as it was). */
 int np_tags_compact(np_ctx *ctx, np_tagset *t, np_arena *main, np_arena *skip);
+/* What np_tags_compact of every arena would give back: the free pages that live blocks' chunks keep
+ * mapped in the main arena and the unpaused tags' (np_arena_pinned; a paused tag has none mapped). */
+uint64_t np_tags_pinned(np_ctx *ctx, np_tagset *t, np_arena *main);
 /* Bound the host bytes backups may hold; buffers holding no backup go back if the pool holds more. */
 void np_tags_set_backup_limit(np_ctx *ctx, np_tagset *t, uint64_t bytes);
 void np_tags_fill_stats(np_ctx *ctx, np_tagset *t, np_arena *main, np_stats *st);
