@@ -661,9 +661,9 @@ def test_compact_says_where_it_cannot_apply() -> None:
         p.compact()
 
 
-def test_threads_allocating_while_another_compacts_keep_the_books() -> None:
-    """compact() takes the pool's lock as a request does: three threads allocating and freeing (and
-    touching no memory: the contract) while a fourth compacts leave every invariant whole."""
+def _churn_while_compacting(seed: int) -> int:
+    """Three threads allocating and freeing while a fourth calls compact() in a loop; every
+    invariant and the books checked after. Returns the chunks compacted."""
     with Pool("npu_pool", capacity=256 * MiB) as p:
         errors: list[BaseException] = []
         done = threading.Event()
@@ -675,7 +675,7 @@ def test_threads_allocating_while_another_compacts_keep_the_books() -> None:
             except BaseException as ex:  # noqa: BLE001 - reported below
                 errors.append(ex)
 
-        threads = [threading.Thread(target=_churn, args=(p, s, 12, errors)) for s in range(3)]
+        threads = [threading.Thread(target=_churn, args=(p, seed + s, 12, errors)) for s in range(3)]
         c = threading.Thread(target=compactor)
         c.start()
         for t in threads:
@@ -687,9 +687,18 @@ def test_threads_allocating_while_another_compacts_keep_the_books() -> None:
         assert not errors, errors
         p.check()
         st = p.stats()
-        assert st["total"]["allocated"]["current"] == 0 and st["compactions"] > 0
+        assert st["total"]["allocated"]["current"] == 0
         p.compact()
         assert p.stats()["total"]["reserved"]["current"] == 0
+        return st["compactions"]
+
+
+def test_threads_allocating_while_another_compacts_keep_the_books() -> None:
+    """compact() takes the pool's lock as a request does: three threads allocating and freeing (and
+    touching no memory: the contract) while a fourth compacts leave every invariant whole. Whether
+    a compaction finds pages to give back while the others run is up to the scheduler (on a loaded
+    machine the churn can end first): the run is repeated, with new seeds, until one did."""
+    assert any(_churn_while_compacting(seed) > 0 for seed in range(0, 50, 10))
 
 
 @pytest.mark.parametrize("by", ["a request", "compact()"])
