@@ -573,6 +573,31 @@ def test_npu_pool_site_learning_routes_short_lived_sites():
             p.free(ptr)
 
 
+def test_the_lifetime_table_is_bounded_and_learns_after_it_starts_over():
+    """A run whose requests never repeat (a new size each time, in one phase with no end) would add
+    a site per request: the table keeps 2^18 at most (stats()["learned_sites"]), then starts over,
+    and what is learned after that still routes requests."""
+    cap = 1 << 18
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        p.set_history(0)
+        p.set_phase(1)
+        most = 0
+        for i in range(cap + 1000):
+            p.free(p.malloc(512 * (i + 1)))  # a derived site per size: each seen once
+            if i % 4096 == 0 or i >= cap - 2:
+                most = max(most, p.stats()["learned_sites"])
+        # it started over at the cap (a little later than request cap: a few derived sites coincide)
+        assert most == cap and 0 < p.stats()["learned_sites"] <= 1000
+        for phase in range(2, 6):
+            p.set_phase(phase)
+            p.free(p.malloc(MiB, site=7))  # site 7's blocks die inside their phase
+        x = p.malloc(MiB, site=7)
+        assert p.stats()["pools"]["short"]["allocated"]["current"] == MiB
+        p.free(x)
+        p.forget()
+        assert p.stats()["learned_sites"] == 0
+
+
 # -- expandable policy ---------------------------------------------------------------------------
 def test_expandable_maps_pages():
     with Pool("expandable", capacity=4 * GiB) as p:

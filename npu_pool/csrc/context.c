@@ -393,6 +393,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   out->compactable = np_ctx_compaction_refused(ctx) == NULL;
   out->limit = ctx->limit;
   out->policy = ctx->cfg.policy;
+  out->learned_sites = ctx->life.count;
   out->largest_free = 0;
   /* the spares and what the device refused to take back (empty_cache gives back and retries
    * them); the policy's fill_stats adds what its empty_cache returns */

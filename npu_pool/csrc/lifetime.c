@@ -52,9 +52,16 @@ int np_lifetime_predict(const np_lifetime *lt, int32_t site) {
 
 void np_lifetime_learn(np_lifetime *lt, int32_t site, bool lived_long) {
   if (site < 0) return;
-  if ((lt->count + 1) * 4 > (lt->mask + 1) * 3 && !grow(lt)) return; /* learning is best effort */
   np_site_entry *e = lookup(lt, site);
   if (e->site == -1) {
+    if (lt->count == NP_LIFE_MAX_SITES) { /* full: start over (the table keeps its memory) */
+      for (size_t i = 0; i <= lt->mask; i++) lt->tab[i] = (np_site_entry){-1, 0, 0};
+      lt->count = 0;
+      e = lookup(lt, site);
+    } else if ((lt->count + 1) * 4 > (lt->mask + 1) * 3) {
+      if (!grow(lt)) return; /* learning is best effort */
+      e = lookup(lt, site);
+    }
     e->site = site;
     lt->count++;
   }

@@ -178,6 +178,8 @@ typedef struct np_stats {
                                again (counted in reserved; given back at empty_cache) */
   uint64_t compactions;     /* chunks replaced by chunks over their live pages only (np_set_compaction) */
   uint64_t compacted;       /* bytes those moved through host memory: copied out and back */
+  uint64_t learned_sites;   /* allocation sites whose lifetimes the pool keeps (at most 2^18: a full table
+                               starts over) */
   int vmm;                  /* 1 if memory is mapped page by page through the virtual-memory API */
   int compaction;           /* 1 while a request compacts before it fails (np_set_compaction) */
   int compactable;          /* 1 where the pool can compact (its policy, the virtual-memory API, a backend
