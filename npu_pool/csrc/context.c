@@ -52,7 +52,7 @@ int np_ctx_oom_event(np_ctx *ctx, uint64_t size, intptr_t stream, int32_t site, 
   /* free pages that live tensors' chunks pin: what compaction would give back, were it on */
   uint64_t pinned = UINT64_MAX; /* (not counted) */
   if (compactable) {
-    bool applies = why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_compaction_refused(ctx) == NULL;
+    bool applies = why == NP_OOM_FRAGMENTED && !ctx->compact && np_ctx_can_compact(ctx);
     pinned = applies && ctx->policy->pinned ? ctx->policy->pinned(ctx) : 0;
     *compactable = pinned;
   }
@@ -351,17 +351,28 @@ int np_ctx_empty_cache(np_ctx *ctx) {
   return rc != NP_OK ? rc : held != NP_OK ? np_restore_error(&s) : NP_OK;
 }
 
+/* What stops this pool from compacting: 0 nothing, else the first of its policy, the
+ * virtual-memory API and a backend that copies (np_ctx_compaction_refused says it). */
+static int compaction_obstacle(const np_ctx *ctx) {
+  if (!ctx->policy->compact) return 1;
+  if (!ctx->be->granularity || !ctx->cfg.vmm) return 2;
+  if (!ctx->be->copy && !ctx->be->simulated) return 3;
+  return 0;
+}
+
+bool np_ctx_can_compact(const np_ctx *ctx) { return compaction_obstacle(ctx) == 0; }
+
 const char *np_ctx_compaction_refused(const np_ctx *ctx) {
   static _Thread_local char why[160];
-  if (!ctx->policy->compact)
-    snprintf(why, sizeof why, "policy %s does not compact (npu_pool and planned do)", ctx->policy->name);
-  else if (!ctx->be->granularity || !ctx->cfg.vmm)
-    snprintf(why, sizeof why, "compaction replaces physical chunks under live blocks: it needs the virtual-memory "
-             "API, which %s", ctx->cfg.vmm ? "this backend does not have" : "this pool was made without (vmm off)");
-  else if (!ctx->be->copy && !ctx->be->simulated)
-    snprintf(why, sizeof why, "backend %s cannot copy device memory to the host: no compaction", ctx->be->name);
-  else
-    return NULL;
+  switch (compaction_obstacle(ctx)) {
+    case 1: snprintf(why, sizeof why, "policy %s does not compact (npu_pool and planned do)", ctx->policy->name); break;
+    case 2:
+      snprintf(why, sizeof why, "compaction replaces physical chunks under live blocks: it needs the virtual-memory "
+               "API, which %s", ctx->cfg.vmm ? "this backend does not have" : "this pool was made without (vmm off)");
+      break;
+    case 3: snprintf(why, sizeof why, "backend %s cannot copy device memory to the host: no compaction", ctx->be->name); break;
+    default: return NULL;
+  }
   return why;
 }
 
@@ -390,7 +401,7 @@ void np_get_stats_locked(np_ctx *ctx, np_stats *out) {
   np_stats_fill_active(out);
   out->device_total = ctx->be->total;
   out->compaction = ctx->compact;
-  out->compactable = np_ctx_compaction_refused(ctx) == NULL;
+  out->compactable = np_ctx_can_compact(ctx);
   out->limit = ctx->limit;
   out->policy = ctx->cfg.policy;
   out->learned_sites = ctx->life.count;

@@ -157,6 +157,8 @@ int np_ctx_free(np_ctx *ctx, void *ptr);
 int np_ctx_empty_cache(np_ctx *ctx);
 /* Why this pool cannot compact (policy, backend or vmm), or NULL where it can (a per-thread text). */
 const char *np_ctx_compaction_refused(const np_ctx *ctx);
+/* Whether it can (the same rules, no text: stats() and every out-of-memory ask it). */
+bool np_ctx_can_compact(const np_ctx *ctx);
 /* np_compact, under the lock. */
 int np_ctx_compact(np_ctx *ctx, uint64_t *returned);
 void np_ctx_set_phase(np_ctx *ctx, uint32_t phase, int default_life);
