@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import os
 import threading
+import weakref
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from . import oom
@@ -587,6 +588,30 @@ def _tag(tag: object) -> bytes:
 
 
 _REGIONS_LOCK = ForkSafeLock()  # a pool's open regions change whole: entered or left with its core region
+_REGION_POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()  # pools a region was entered on (the fork hook's)
+
+
+def _leave_other_threads_regions() -> None:
+    """In a forked child only the thread that forked runs: the regions other threads held open
+    would never be left (every untagged request would go to them), so the child leaves them; the
+    innermost region of the forking thread, if it is in one, is the pool's again."""
+    me = threading.get_ident()
+    for pool in list(_REGION_POOLS):
+        with _REGIONS_LOCK:
+            open_ = pool.__dict__.get("_regions") or []
+            mine = [r for r in open_ if r.thread == me]
+            if len(mine) == len(open_):
+                continue
+            pool.__dict__["_regions"] = mine
+            try:
+                ctx = pool.ctx
+            except PoolError:  # closed: nothing to leave
+                continue
+            lib.np_region(ctx, mine[-1].tag if mine else ffi.NULL)  # (its tag exists: entered before)
+
+
+if hasattr(os, "register_at_fork"):  # (after _REGIONS_LOCK's own hook: the child's lock is a new one)
+    os.register_at_fork(after_in_child=_leave_other_threads_regions)
 
 
 class _Region:
@@ -610,6 +635,7 @@ class _Region:
             other = next((r for r in open_ if r.thread != self.thread and r.tag != self.tag), None)
             _check(lib.np_region(self.pool.ctx, self.tag))
             open_.append(self)
+            _REGION_POOLS.add(self.pool)
             warn = other is not None and not self.pool.__dict__.get("_warned_regions")
             if warn:
                 self.pool.__dict__["_warned_regions"] = True
