@@ -1078,11 +1078,19 @@ def test_a_fake_capture_too_large_to_hold_is_refused_before_it_is_built(capsys, 
     """Fake captures grew without a bound (`--colocated 100000000` took 14 GB in two minutes): their
     counts are now checked against the most events a capture holds before anything is built."""
     for args, words in ((["--colocated", "100000000"], "100000000 colocated cycles of 32 layers"),
-                        (["--layers", "1000000"], "of 1000000 layers"), (["--steps", "100000"], "100000 steps")):
+                        (["--layers", "1000", "--steps", "1000"], "of 1000 layers"), (["--steps", "100000"], "100000 steps")):
         t0 = time.monotonic()
         assert main(["capture", "--shape", "7b", "--no-progress", *args]) == 1
         err = capsys.readouterr().err
         assert words in err and "more than the 16,777,216 a capture holds" in err and err.count("\n") == 1, err
+        assert time.monotonic() - t0 < 30
+    # a depth under that bound for one step still took hours (100,000 layers: 1.2 GB and growing
+    # after two minutes): the layers have a bound of their own
+    for layers in ("100000", "1025"):
+        t0 = time.monotonic()
+        assert main(["capture", "--shape", "7b", "--no-progress", "--layers", layers]) == 1
+        err = capsys.readouterr().err
+        assert f"layers={layers}: at most 1024" in err and err.count("\n") == 1, err
         assert time.monotonic() - t0 < 30
     # the estimates are low ones (an MoE step records more): past the bound, the capture stops itself
     import npu_pool.capture.fake as fake

@@ -55,6 +55,9 @@ _DEFAULT_CAT = {"backward": CAT_AUTOGRAD_DETAIL, "optimizer": CAT_TEMPORARY}
 # estimates below are low ones: a flavour, precision or recompute records more), and a capture
 # stops once it has recorded it.
 MAX_EVENTS = 1 << 24
+# The most layers a fake model has: each is modules and fake tensors in host memory and about 0.05 s
+# of tracing a micro-batch, so 100,000 layers (under MAX_EVENTS for one step) ran for hours.
+MAX_LAYERS = 1024
 
 
 def check_events(estimate: int, what: str) -> None:
@@ -204,6 +207,8 @@ def fake_capture(model_name: str = "llama", shape: str = "7b", steps: int = 1, b
     if layers is None and pp > cfg.n_layers:
         raise ValueError(f"pp={pp} stages for the {cfg.n_layers} layers of {model_name}-{shape}: a stage would hold none")
     n_layers = layers if layers is not None else max(1, cfg.n_layers // pp)
+    if n_layers > MAX_LAYERS:
+        raise ValueError(f"layers={n_layers}: at most {MAX_LAYERS} (published models have up to ~130)")
     check_events(120 * n_layers * steps * grad_accum,  # gpt's 124 a layer and micro-batch (llama 241, moe 790)
                  f"{steps} steps x {grad_accum} micro-batches of {n_layers} layers")
     cfg = make_config(model_name, shape, tp=tp, n_layers=n_layers, max_seq=max(seq, cfg.max_seq))
