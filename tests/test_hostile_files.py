@@ -1440,6 +1440,10 @@ def test_an_option_given_an_empty_value_is_refused(tmp_path, capsys) -> None:
     t.meta["expandable_segments"] = "no"  # not false: would have read as true
     t.save(tmp_path / "x.npt")
     _one_line(capsys, ["replay", "--validate", str(tmp_path / "x.npt")], "meta['expandable_segments'] is 'no'")
+    t = small_trace()
+    t.meta["device_type"] = "tpu"  # a runtime of none of ours: replays applied CUDA's rules, saying nothing
+    t.save(tmp_path / "x.npt")
+    _one_line(capsys, ["replay", str(tmp_path / "x.npt"), "--policy", "torch"], "meta['device_type'] is 'tpu'")
     assert not list(Path.cwd().glob("a.dev*.npt")) and sorted(p.name for p in tmp_path.iterdir()) == ["a.npt", "x.npt"]
 
 

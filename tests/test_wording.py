@@ -113,6 +113,12 @@ def test_version_and_validate_of_an_npu_pool_export(tmp_path: Path, capsys: pyte
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("npu-pool ")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "npu_pool", "--version"], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and r.stdout.startswith("npu-pool "), r.stderr[-500:]  # (no __main__ before)
     t = Trace(meta={"n_ids": 1, "expandable_segments": True, "allocator_settings": {"npu_pool_policy": "npu_pool"}})
     t.append(OP_ALLOC, id=0, size=MiB)
     t.append(OP_FREE, id=0, size=MiB)

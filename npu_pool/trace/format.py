@@ -206,7 +206,8 @@ class Trace:
         first bad event: column lengths, ops, categories and markers in range, ids dense and each
         allocated once and freed once while live (at its alloc's size), sizes of allocations
         1..2^48, ``init_*`` events first, sites indexing ``meta["sites"]``, ``n_ids`` no more than
-        the allocations, ``meta["ooms"]`` well formed (:meth:`ooms`)."""
+        the allocations, ``meta["device_type"]`` a known runtime or absent, ``meta["ooms"]`` well
+        formed (:meth:`ooms`)."""
         n = len(self.op)
         for col, _ in COLUMNS:
             if len(getattr(self, col)) != n:
@@ -222,6 +223,10 @@ class Trace:
         expandable = self.meta.get("expandable_segments", False)
         if not isinstance(expandable, bool):  # ("no" would read as true)
             raise TraceError(f"{name}: meta['expandable_segments'] is {expandable!r:.40}; it must be true or false")
+        device = self.meta.get("device_type")
+        if device is not None and device not in DEVICE_TYPES:  # (replays would apply CUDA's rules, saying nothing)
+            raise TraceError(f"{name}: meta['device_type'] is {device!r:.40}; it must be one of "
+                             f"{', '.join(map(repr, DEVICE_TYPES))}, or absent when unknown")
         try:
             self.ooms()
             inp, keep = self.c_columns()

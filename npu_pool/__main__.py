@@ -1,0 +1,6 @@
+"""``python -m npu_pool``: the ``npu-pool`` command (npu_pool.cli)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
