@@ -203,6 +203,8 @@ class Config:
     plan: Optional[str] = None  # plan file for the planned policy
     plan_source: str = PLAN  # where the plan was named: the variable, or the key in the YAML file
     compact: bool = False  # compaction at an out-of-memory (Pool.set_compaction)
+    # where the policy and the fraction were set, as written: ((POLICY, "NPU_POOL_POLICY='x'"), ...)
+    origin: tuple[tuple[str, str], ...] = ()
 
 
 _BLANK = " \t\n\r\f\v"  # ASCII white space, what a shell or a YAML file leaves around a value
@@ -350,7 +352,8 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     values = {key: _PARSERS[key](value, source) for key, (value, source) in raw.items()}
     cfg = Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
                  policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN),
-                 plan_source=raw[PLAN][1] if PLAN in raw else PLAN, compact=values.get(COMPACT, False))
+                 plan_source=raw[PLAN][1] if PLAN in raw else PLAN, compact=values.get(COMPACT, False),
+                 origin=tuple((k, f"{raw[k][1]}={show(raw[k][0])}") for k in (POLICY, FRACTION) if k in raw))
     if cfg.policy == "planned" and not cfg.plan:
         raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
     if cfg.compact:

@@ -195,6 +195,37 @@ print(json.dumps({{"vmm": npu_pool.install.installed()[0].stats()["vmm"], "reser
             assert "one allocation of the whole cap (1.00 GiB" in said[0] and "NPU_POOL_FRACTION" in said[0]
 
 
+def test_a_device_pool_that_cannot_be_made_names_the_settings_that_configured_it(torch_npu: TorchNpu) -> None:
+    """A setting that only the device can refuse is refused at the first tensor (import torch
+    cannot ask the device): NPU_POOL_POLICY=expandable on a runtime without the virtual-memory API,
+    a fraction of the device smaller than a block. The error named neither variable (a review of
+    the switch, 2026-11-28); it now says what configured the pool. Set through install(), nothing
+    is named."""
+    for env, vmm, words in ((dict(NPU_POOL_POLICY="expandable"), 0, "configured by NPU_POOL_POLICY='expandable'"),
+                            (dict(NPU_POOL_FRACTION="1e-9"), 1, "configured by NPU_POOL_FRACTION='1e-9'")):
+        out, err = torch_npu.results(FAKE + f"""
+fake.fake_set_vmm({vmm})
+import torch, torch_npu
+try:
+    torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+    print(json.dumps({{"error": None}}))
+except RuntimeError as e:
+    print(json.dumps({{"error": str(e)}}))
+""", MEMORY_FRAGMENTATION="1", **env)
+        assert out["error"] and words in out["error"], (out, err[-1000:])
+    out, err = torch_npu.results(FAKE + """
+fake.fake_set_vmm(0)
+import torch, torch_npu, npu_pool
+npu_pool.install(policy="expandable")
+try:
+    torch.empty(1 << 20, dtype=torch.uint8, device="npu")
+    print(json.dumps({"error": None}))
+except RuntimeError as e:
+    print(json.dumps({"error": str(e)}))
+""")
+    assert "needs a backend with a virtual-memory API" in out["error"] and "configured by" not in out["error"]
+
+
 def test_pause_waits_for_work_still_in_torch_npus_task_queue(torch_npu: TorchNpu) -> None:
     """torch_npu queues an op's work on its task queue, launched on the device by its own thread:
     pause synchronised with aclrtSynchronizeDevice, which does not wait for work still queued, so

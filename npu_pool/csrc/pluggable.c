@@ -22,6 +22,7 @@ static struct {
   bool configured;
   np_config cfg;
   char lib_path[PATH_MAX];
+  char origin[512];          /* where the configuration came from ("NPU_POOL_POLICY=..."), named in a creation's failure */
   double fraction[NP_MAX_DEVICES];
   int64_t history[NP_MAX_DEVICES];
   bool compact[NP_MAX_DEVICES];
@@ -173,7 +174,15 @@ static np_ctx *create_locked(int device) {
   cfg.device = device;
   if (table.fraction[device] > 0) cfg.fraction = table.fraction[device];
   cfg.lib_path = table.lib_path[0] ? table.lib_path : NULL;
-  if (np_create(&cfg, &ctx) != NP_OK) return NULL;
+  if (np_create(&cfg, &ctx) != NP_OK) {
+    if (table.origin[0]) { /* a setting the user made may be what fails: name them */
+      char why[3072];
+      int code = np_last_code();
+      np_copy_text(why, sizeof why, np_last_error());
+      np_error(code, "%s (npu_pool was configured by %s)", why, table.origin);
+    }
+    return NULL;
+  }
   /* a fraction the caller set before this device's first request is set, as if set now (a framework
    * model caps itself from then on, even at 1.0); it was accepted then, for this device's cap */
   if (table.fraction[device] > 0) np_set_fraction(ctx, table.fraction[device]);
@@ -301,6 +310,12 @@ void npu_pool_note_error(int device, const char *note) {
 
 void npu_pool_set_quiet(int quiet) { atomic_store(&table.quiet, quiet != 0); }
 
+void npu_pool_set_origin(const char *settings) {
+  lock_table();
+  np_copy_text(table.origin, sizeof table.origin, settings ? settings : "");
+  pthread_mutex_unlock(&table.lock);
+}
+
 void npu_pool_set_oom_handler(void (*handler)(int device, uint64_t size, void *stream)) {
   atomic_store(&table.on_oom, handler);
 }
@@ -328,7 +343,7 @@ void npu_pool_shutdown(void) {
   }
   clear_pending_locked();
   table.configured = false;
-  table.lib_path[0] = '\0';
+  table.lib_path[0] = table.origin[0] = '\0';
   atomic_store(&table.quiet, 0);
   atomic_store(&table.devices, 0);
   atomic_store(&table.on_oom, NULL);
