@@ -339,6 +339,12 @@ def switched_on(environ: Optional[Mapping[str, str]] = None) -> bool:
     return parse_enabled(value, source)
 
 
+def _written(value: Any, source: str) -> str:
+    """A setting as the user wrote it: ``NPU_POOL_POLICY='x'``, or ``key='x' (in FILE)`` from the YAML file."""
+    key, _, path = source.partition(" in ")  # (a key has no blank; _read_file's source is "key in path")
+    return f"{key}={show(value)}" + (f" (in {path})" if path else "")
+
+
 def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Read the settings (``environ`` defaults to ``os.environ``)."""
     env = os.environ if environ is None else environ
@@ -353,7 +359,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     cfg = Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
                  policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN),
                  plan_source=raw[PLAN][1] if PLAN in raw else PLAN, compact=values.get(COMPACT, False),
-                 origin=tuple((k, f"{raw[k][1]}={show(raw[k][0])}") for k in (POLICY, FRACTION) if k in raw))
+                 origin=tuple((k, _written(*raw[k])) for k in (POLICY, FRACTION) if k in raw))
     if cfg.policy == "planned" and not cfg.plan:
         raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
     if cfg.compact:

@@ -546,9 +546,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
             raise _too_late(kind)
         # (taken before _prepare routes torch's memory APIs: a later swap is refused, torch_memory.route)
         change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
-        origin = ", ".join(text for key, text in settings.origin  # the settings in effect (mindspeed_patch passes them)
-                           if (key == config.POLICY and policy == settings.policy)
-                           or (key == config.FRACTION and fraction == settings.fraction))
+        origin = dict(settings.origin)  # where the settings in effect were set (mindspeed_patch passes them)
+        origin = (origin.get(config.POLICY, "") if policy == settings.policy else "",
+                  origin.get(config.FRACTION, "") if fraction == settings.fraction else "")
         inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path, settings.compact, origin)
         inst.lib_path = lib_path
         try:  # the swap comes last: every failure before it left torch untouched
@@ -590,7 +590,7 @@ def _already(current: _Installation) -> InstallError:
 
 
 def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional[float], plan: Any,
-             lib_path: Optional[str], compact: bool = False, origin: str = "") -> _Installation:
+             lib_path: Optional[str], compact: bool = False, origin: tuple[str, str] = ("", "")) -> _Installation:
     """Everything install() does but the swap: the core's device table configured, torch's
     allocator object built with its hooks, the plan installed on every device, compaction asked
     for, torch's memory APIs routed. On any failure all of it is undone and the error raised
@@ -601,7 +601,7 @@ def _prepare(kind: str, module: Any, torch: Any, policy: str, fraction: Optional
                                 _lib_path(path) if path else ffi.NULL)
     if rc:
         raise InstallError(f"npu_pool could not be configured: {last_error()}")
-    lib.npu_pool_set_origin(origin.encode() if origin else ffi.NULL)  # (named where a device's pool fails for it)
+    lib.npu_pool_set_origin(*(text.encode() for text in origin))  # (named where a device's pool fails)
     inst: Optional[_Installation] = None
     try:
         devices = int(module.device_count())

@@ -602,12 +602,13 @@ def _leave_other_threads_regions() -> None:
             mine = [r for r in open_ if r.thread == me]
             if len(mine) == len(open_):
                 continue
-            pool.__dict__["_regions"] = mine
             try:
                 ctx = pool.ctx
             except PoolError:  # closed: nothing to leave
                 continue
-            lib.np_region(ctx, mine[-1].tag if mine else ffi.NULL)  # (its tag exists: entered before)
+            # (a real device's pool refuses every region call in a child, this one too: it stays as it was)
+            if lib.np_region(ctx, mine[-1].tag if mine else ffi.NULL) == lib.NP_OK:
+                pool.__dict__["_regions"] = mine
 
 
 if hasattr(os, "register_at_fork"):  # (after _REGIONS_LOCK's own hook: the child's lock is a new one)

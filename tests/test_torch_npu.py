@@ -195,17 +195,27 @@ print(json.dumps({{"vmm": npu_pool.install.installed()[0].stats()["vmm"], "reser
             assert "one allocation of the whole cap (1.00 GiB" in said[0] and "NPU_POOL_FRACTION" in said[0]
 
 
-def test_a_device_pool_that_cannot_be_made_names_the_settings_that_configured_it(torch_npu: TorchNpu) -> None:
+def test_a_device_pool_that_cannot_be_made_names_the_settings_that_configured_it(torch_npu: TorchNpu,
+                                                                                  tmp_path: Path) -> None:
     """A setting that only the device can refuse is refused at the first tensor (import torch
     cannot ask the device): NPU_POOL_POLICY=expandable on a runtime without the virtual-memory API,
     a fraction of the device smaller than a block. The error named neither variable (a review of
     the switch, 2026-11-28); it now says what configured the pool. Set through install(), nothing
     is named."""
-    for env, vmm, words in ((dict(NPU_POOL_POLICY="expandable"), 0, "configured by NPU_POOL_POLICY='expandable'"),
-                            (dict(NPU_POOL_FRACTION="1e-9"), 1, "configured by NPU_POOL_FRACTION='1e-9'")):
+    config = tmp_path / "names.yaml"
+    config.write_text("npu_pool_policy: expandable\n")
+    for env, vmm, cap, words, never in (
+            (dict(NPU_POOL_POLICY="expandable"), 0, None, "configured by NPU_POOL_POLICY='expandable')", None),
+            (dict(NPU_POOL_FRACTION="1e-9"), 1, None, "configured by NPU_POOL_FRACTION='1e-9')", None),
+            (dict(NPU_POOL_CONFIG=str(config)), 0, None, f"configured by npu_pool_policy='expandable' (in {config}))",
+             None),
+            # the cap torch set since is what fails: the variable's is not named
+            (dict(NPU_POOL_FRACTION="0.5"), 1, 1e-9, "memory fraction 1e-09", "NPU_POOL_FRACTION")):
         out, err = torch_npu.results(FAKE + f"""
 fake.fake_set_vmm({vmm})
 import torch, torch_npu
+if {cap!r} is not None:
+    torch.npu.set_per_process_memory_fraction({cap!r}, 0)
 try:
     torch.empty(1 << 20, dtype=torch.uint8, device="npu")
     print(json.dumps({{"error": None}}))
@@ -213,6 +223,7 @@ except RuntimeError as e:
     print(json.dumps({{"error": str(e)}}))
 """, MEMORY_FRAGMENTATION="1", **env)
         assert out["error"] and words in out["error"], (out, err[-1000:])
+        assert never is None or never not in out["error"], out
     out, err = torch_npu.results(FAKE + """
 fake.fake_set_vmm(0)
 import torch, torch_npu, npu_pool

@@ -22,7 +22,8 @@ static struct {
   bool configured;
   np_config cfg;
   char lib_path[PATH_MAX];
-  char origin[512];          /* where the configuration came from ("NPU_POOL_POLICY=..."), named in a creation's failure */
+  char origin_policy[512];   /* where the policy and the fraction came from ("NPU_POOL_POLICY='x'"), */
+  char origin_fraction[512]; /* named in a creation's failure ("": nowhere to name) */
   double fraction[NP_MAX_DEVICES];
   int64_t history[NP_MAX_DEVICES];
   bool compact[NP_MAX_DEVICES];
@@ -175,11 +176,15 @@ static np_ctx *create_locked(int device) {
   if (table.fraction[device] > 0) cfg.fraction = table.fraction[device];
   cfg.lib_path = table.lib_path[0] ? table.lib_path : NULL;
   if (np_create(&cfg, &ctx) != NP_OK) {
-    if (table.origin[0]) { /* a setting the user made may be what fails: name them */
+    /* a setting the user made may be what fails: name them (the fraction's only where no other
+     * cap was set for this device since: torch's set_per_process_memory_fraction, a repeated install) */
+    const char *fraction = table.fraction[device] > 0 ? "" : table.origin_fraction;
+    if (table.origin_policy[0] || fraction[0]) {
       char why[3072];
       int code = np_last_code();
       np_copy_text(why, sizeof why, np_last_error());
-      np_error(code, "%s (npu_pool was configured by %s)", why, table.origin);
+      np_error(code, "%s (npu_pool was configured by %s%s%s)", why, table.origin_policy,
+               table.origin_policy[0] && fraction[0] ? ", " : "", fraction);
     }
     return NULL;
   }
@@ -310,9 +315,10 @@ void npu_pool_note_error(int device, const char *note) {
 
 void npu_pool_set_quiet(int quiet) { atomic_store(&table.quiet, quiet != 0); }
 
-void npu_pool_set_origin(const char *settings) {
+void npu_pool_set_origin(const char *policy, const char *fraction) {
   lock_table();
-  np_copy_text(table.origin, sizeof table.origin, settings ? settings : "");
+  np_copy_text(table.origin_policy, sizeof table.origin_policy, policy ? policy : "");
+  np_copy_text(table.origin_fraction, sizeof table.origin_fraction, fraction ? fraction : "");
   pthread_mutex_unlock(&table.lock);
 }
 
@@ -343,7 +349,7 @@ void npu_pool_shutdown(void) {
   }
   clear_pending_locked();
   table.configured = false;
-  table.lib_path[0] = table.origin[0] = '\0';
+  table.lib_path[0] = table.origin_policy[0] = table.origin_fraction[0] = '\0';
   atomic_store(&table.quiet, 0);
   atomic_store(&table.devices, 0);
   atomic_store(&table.on_oom, NULL);

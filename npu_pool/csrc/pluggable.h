@@ -53,9 +53,10 @@ int npu_pool_last_code(void);
 void npu_pool_note_error(int device, const char *note);
 /* 1: failed mallocs are not printed (the caller reports them). */
 void npu_pool_set_quiet(int quiet);
-/* Where the configuration came from, e.g. "NPU_POOL_POLICY=expandable" (NULL or "": nowhere to name):
- * a context whose creation fails says "(npu_pool was configured by ...)". */
-void npu_pool_set_origin(const char *settings);
+/* Where the policy and the fraction came from, e.g. "NPU_POOL_POLICY='expandable'" (NULL or "":
+ * nowhere to name): a context whose creation fails says "(npu_pool was configured by ...)", the
+ * fraction's only where no other cap was set for that device (npu_pool_set_fraction). */
+void npu_pool_set_origin(const char *policy, const char *fraction);
 /* Called after a request failed for lack of memory (NULL: none). */
 void npu_pool_set_oom_handler(void (*handler)(int device, uint64_t size, void *stream));
 /* The number of devices torch sees (npu_pool.install() and the init hook set it): statistics of
