@@ -27,7 +27,7 @@ import re
 import stat
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from .inputs import NotRegularFile, kind_of, open_regular
@@ -203,8 +203,9 @@ class Config:
     plan: Optional[str] = None  # plan file for the planned policy
     plan_source: str = PLAN  # where the plan was named: the variable, or the key in the YAML file
     compact: bool = False  # compaction at an out-of-memory (Pool.set_compaction)
-    # where the policy and the fraction were set, as written: ((POLICY, "NPU_POOL_POLICY='x'"), ...)
-    origin: tuple[tuple[str, str], ...] = ()
+    # where the policy and the fraction were set, as written: ((POLICY, "NPU_POOL_POLICY='x'"), ...);
+    # not a setting: two configurations that ask for the same are equal wherever they were written
+    origin: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 _BLANK = " \t\n\r\f\v"  # ASCII white space, what a shell or a YAML file leaves around a value
