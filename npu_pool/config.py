@@ -203,9 +203,9 @@ class Config:
     plan: Optional[str] = None  # plan file for the planned policy
     plan_source: str = PLAN  # where the plan was named: the variable, or the key in the YAML file
     compact: bool = False  # compaction at an out-of-memory (Pool.set_compaction)
-    # where the policy and the fraction were set, as written: ((POLICY, "NPU_POOL_POLICY='x'"), ...);
+    # where the policy and the fraction were set, as written: {POLICY: "NPU_POOL_POLICY='x'", ...};
     # not a setting: two configurations that ask for the same are equal wherever they were written
-    origin: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    origin: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 _BLANK = " \t\n\r\f\v"  # ASCII white space, what a shell or a YAML file leaves around a value
@@ -360,7 +360,7 @@ def load(environ: Optional[Mapping[str, str]] = None) -> Config:
     cfg = Config(enabled=values.get(ENABLE, False), fraction=values.get(FRACTION),
                  policy=values.get(POLICY, "npu_pool"), plan=values.get(PLAN),
                  plan_source=raw[PLAN][1] if PLAN in raw else PLAN, compact=values.get(COMPACT, False),
-                 origin=tuple((k, _written(*raw[k])) for k in (POLICY, FRACTION) if k in raw))
+                 origin={k: _written(*raw[k]) for k in (POLICY, FRACTION) if k in raw})
     if cfg.policy == "planned" and not cfg.plan:
         raise ConfigError(f"{POLICY}=planned needs {PLAN}: the plan file to serve (write one with `npu-pool plan`)")
     if cfg.compact:

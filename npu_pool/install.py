@@ -546,9 +546,9 @@ def install(device_type: str = "auto", policy: Optional[str] = None, fraction: O
             raise _too_late(kind)
         # (taken before _prepare routes torch's memory APIs: a later swap is refused, torch_memory.route)
         change = module.memory.change_current_allocator if kind == "npu" else torch.cuda.memory.change_current_allocator
-        origin = dict(settings.origin)  # where the settings in effect were set (mindspeed_patch passes them)
-        origin = (origin.get(config.POLICY, "") if policy == settings.policy else "",
-                  origin.get(config.FRACTION, "") if fraction == settings.fraction else "")
+        written = settings.origin  # where the settings in effect were set (mindspeed_patch passes them)
+        origin = (written.get(config.POLICY, "") if policy == settings.policy else "",
+                  written.get(config.FRACTION, "") if fraction == settings.fraction else "")
         inst = _prepare(kind, module, torch, policy, fraction, plan, lib_path, settings.compact, origin)
         inst.lib_path = lib_path
         try:  # the swap comes last: every failure before it left torch untouched

@@ -80,7 +80,7 @@ def test_yaml_file_with_environment_overrides(tmp_path: Path) -> None:
     env = {"NPU_POOL_CONFIG": str(f), "NPU_POOL_FRACTION": "0.9", "MEMORY_FRAGMENTATION": "0"}
     assert config.load(env) == config.Config(False, 0.9, "expandable")
     # where each setting in effect was written (named where a device's pool cannot be made)
-    assert dict(config.load(env).origin) == {"NPU_POOL_POLICY": f"npu_pool_policy='expandable' (in {f})",
+    assert config.load(env).origin == {"NPU_POOL_POLICY": f"npu_pool_policy='expandable' (in {f})",
                                              "NPU_POOL_FRACTION": "NPU_POOL_FRACTION='0.9'"}
 
 

@@ -5,10 +5,13 @@
 
 static size_t slot(int32_t site, size_t mask) { return ((uint32_t)site * 2654435761u) & mask; }
 
+static void empty_slots(np_site_entry *t, size_t n) {
+  for (size_t i = 0; i < n; i++) t[i] = (np_site_entry){-1, 0, 0};
+}
+
 static np_site_entry *alloc_table(size_t n) {
   np_site_entry *t = malloc(n * sizeof *t);
-  if (t)
-    for (size_t i = 0; i < n; i++) t[i] = (np_site_entry){-1, 0, 0};
+  if (t) empty_slots(t, n);
   return t;
 }
 
@@ -55,7 +58,7 @@ void np_lifetime_learn(np_lifetime *lt, int32_t site, bool lived_long) {
   np_site_entry *e = lookup(lt, site);
   if (e->site == -1) {
     if (lt->count == NP_LIFE_MAX_SITES) { /* full: start over (the table keeps its memory) */
-      for (size_t i = 0; i <= lt->mask; i++) lt->tab[i] = (np_site_entry){-1, 0, 0};
+      empty_slots(lt->tab, lt->mask + 1);
       lt->count = 0;
       e = lookup(lt, site);
     } else if ((lt->count + 1) * 4 > (lt->mask + 1) * 3) {
