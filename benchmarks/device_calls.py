@@ -329,6 +329,24 @@ NOTES = """
   "Never worse than the online pool"), and four of the six whole-trace plans here run online: the
   planned rows of those traces are the npu_pool policy's, and the planned policy's
   minimum-capacity waste below rose with them (those plans held in the recorded step only).
+- From the first optimizer step on (phase markers: the layout that repeats holds the optimizer's
+  states), a request goes back to the place the last block of its place
+  key had (its site in its layer and micro-batch, `lifetime.c`), when that block lay against an
+  allocated block that is still there and the free block beside it still starts or ends where
+  that block did and fits (`arena.c`, `placed_again`; before 2026-11-28 best fit alone): a loop
+  that repeats then repeats its layout, which fitted in what is mapped. Best fit alone chose
+  otherwise where lifetime classes settle late: the H100 recording's only markers are the
+  optimizer's, so its second iteration's requests are all of sites first seen, 753 of them
+  change class in the third, and four 128 MiB blocks went elsewhere there, the last one past the
+  mapped top (a 24 MiB chunk: a creation, a map and CUDA's set_access). With places it maps
+  nothing after its second iteration, given room to spare or on the device the torch model just
+  fits with compaction (tests/test_device_calls.py), and on that device without compaction it
+  makes 5 calls in its steady iterations where it made 551. Over the 13 traces here places took
+  npu_pool's minimum-capacity waste from 113.1 to 111.1 MiB and its physical calls at the
+  minimum capacity from 8107 to 8022 (the waste table's rows of this checkout, before and after;
+  compacting: 143.1 MiB either way, 2622 calls to 2464; under torch_npu's rules, compacting,
+  `RULES=npu python benchmarks/results/sim-2026-11-28/frontier.py`: 427.1 to 423.1 MiB, 2938 to
+  2845 calls).
 - The current device is kept per thread (as torch_npu keeps it): chunk calls, stream queries,
   event waits and the copies of a paused tag's backup make no `aclrtGetDevice`; the rarer calls
   that would go to the wrong device if a caller changed it behind the pool's back (malloc, free,
@@ -358,21 +376,21 @@ NOTES = """
   loop and its autograd thread), and the pool cannot tell. `Pool.compact()` (docs/api.md) runs
   the same compaction, over every chunk, at a moment the caller chooses and vouches for; not a
   remedy for steady calls: at every iteration boundary of the runs on the device the torch model
-  just fits it multiplied them (551 to 8096 over h100-gpt-bf16-train's steady iterations;
-  benchmarks/results/sim-2026-11-28b), giving back what the next iteration maps again.
+  just fits it multiplied them (551 to 8096 over h100-gpt-bf16-train's steady iterations, before
+  a request went back to its place; benchmarks/results/sim-2026-11-28b), giving back what the
+  next iteration maps again.
 - Compaction's first form (commit 18c1168) kept the rules under cap pressure, applying past the
   budget, compacted the chunks with the most free pages first, and until the request's size was
   freed whatever the cap had left: the physical bound at the minimum capacity held on 10 of 13
-  traces, no steady call on the full device on 4 of 7, for 145.1 MiB of waste (now 13, 6 and
+  traces, no steady call on the full device on 4 of 7, for 145.1 MiB of waste (now 13, 7 and
   143.1), and it moved 5.6 GiB on the full device over the 13 traces (now 2.1).
   benchmarks/results/sim-2026-11-28 has a patch with a switch for each change and the figures
   of each combination: the calls came from the carves' unmaps of free chunks (`unpin`).
-- What is still over the bounds with compaction: under each trace's own (CUDA's) rules,
-  h100-gpt-bf16-train's one chunk in its third iteration (24 MiB; a creation, a map and CUDA's
-  set_access) given room to spare and on the full device, as without compaction (Known limits,
-  below). Under torch_npu's rules (the section Bounds) that iteration maps nothing, and two traces
+- What is still over the bounds with compaction: under each trace's own (CUDA's) rules, nothing
+  (until 2026-11-28 h100-gpt-bf16-train's one chunk in its third iteration, given room to spare
+  and on the full device: above, places). Under torch_npu's rules (the section Bounds) two traces
   miss the bound at the minimum capacity: cnn-adam-train (19 chunks against 7 segments) and
-  h100-gpt-bf16-train (265 against 51). torch_npu's allocator makes no more calls at its minimum
+  h100-gpt-bf16-train (182 against 51). torch_npu's allocator makes no more calls at its minimum
   capacity than given room to spare there (it needs about what it holds given room: 122 MiB for
   cnn-adam-train's 103 MiB live, 2268 for h100-gpt-bf16-train's 2089), where npu_pool at its own
   (106 and 2114 MiB) compacts and trims to fit; on the device torch_npu's allocator just fits it
@@ -414,13 +432,14 @@ NOTES = """
 - On a full device the arena moves chunks in steady iterations where the torch model's cached
   segments make few calls or none (the table "Steady iterations there": 2260 calls over the
   iterations after the first of cs336-medium-ctx1024-infer, all steady, where the torch model
-  makes 9 in the second and none after; 551 in the steady iterations of h100-gpt-bf16-train, where
-  the torch model, on the device it just fits, frees and mallocs segments every iteration too,
-  180 calls): with the mapped memory at the cap, a request larger than every free mapped range
-  unmaps free chunks to map their memory where it goes, and the layout each iteration leaves is
-  not the one the next needs, so it does so again. With room to spare it maps new memory instead,
-  and the same two traces made 0 and 9 calls in their iterations after the first then (0 and 3 in
-  their steady ones; CUDA's cuMemSetAccess after each map counted since 2026-11-26, ninth session).
+  makes 9 in the second and none after; 551 in the steady iterations of h100-gpt-bf16-train until
+  a request went back to its place, 5 since, where the torch model, on the device it just fits,
+  frees and mallocs segments every iteration too, 180 calls): with the mapped memory at the cap,
+  a request larger than every free mapped range unmaps free chunks to map their memory where it
+  goes, and the layout each iteration leaves is not the one the next needs, so it does so again.
+  With room to spare it maps new memory instead, and the same two traces made 0 and 6 calls in
+  their iterations after the first then, none in their steady ones (CUDA's cuMemSetAccess after
+  each map counted since 2026-11-26, ninth session).
   What brings the mapped memory to the cap there is the rules under cap pressure, not the
   memory: given room to spare the arena's layout holds no more than the full device on most
   traces (the table "On a full device" says which: 2.734 GiB on ctx1024-infer's device of 2.924),
@@ -471,12 +490,10 @@ NOTES = """
   traces and not on others. So the steady column leaves out an iteration that needs more live
   memory than every one before it (the second, on the four traces that show it: their
   `iteration_peak_live`; `replay.steady_stretches`). Given room to spare npu_pool then makes no
-  call in steady iterations but on h100-gpt-bf16-train, where the third iteration maps one more
-  chunk (24 MiB: a creation, a map and CUDA's set_access, the column's 3) and later ones none: the layout the
-  second leaves is not quite the one the third needs (the same without lifetime hints). Growing
-  by an eighth of what the arena holds far from the cap, freed holes or not, leaves it room there
-  (7 of 7, at no cost in minimum-capacity waste) but holds 3.5% more at the peak given room to
-  spare over these traces (benchmarks/results/sim-2026-11-26, `NP_HD=8`): not adopted.
+  call in steady iterations (on h100-gpt-bf16-train's third iteration one chunk until a request
+  went back to its place, above; growing by an eighth of what the arena holds far from the cap
+  had left it room there too, but held 3.5% more at the peak given room to spare over these
+  traces: benchmarks/results/sim-2026-11-26, `NP_HD=8`, not adopted).
 - Four threads allocating concurrently make no device call once warm (tests/test_device_calls.py),
   where warm means the pool has held the most the threads can hold at once (each at its own live
   peak together). How threads interleave decides their live peak: after a warm-up of a few rounds

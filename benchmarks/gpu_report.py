@@ -137,10 +137,12 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
     rows = ["| trace | allocator | cap (bytes) | calls per iteration: live | simulated | same | "
             "ms per iteration after the first (live, median of the plays) |", "|---|---|---:|---|---|---|---|"]
     as_then: list[str] = []
+    changed: list[str] = []
     for line in f.read_text().splitlines():
         if not line.startswith("{"):
             continue
         d = json.loads(line)
+        then = d["simulated_calls"]  # (the probe's simulation, saved with the run)
         trace = traces.get(d["trace"].split(".")[0])
         bounds = iteration_bounds(trace) if trace is not None else []
         compact = bool(d.get("compact"))  # (npu_pool with compaction: gpu_probe.py steady --compact)
@@ -158,8 +160,17 @@ def _steady(results: Path, traces: dict[str, Any]) -> list[str]:
         ms = [statistics.median(c) * 1e3 for c in zip(*d["seconds"])]
         after = ", ".join(f"{x:.2f}" for x in ms[2:]) if d["ok"] else f"failed at event {d['fail']}"
         allocator = d["allocator"] + (", compacting" if compact else "")
+        # npu_pool's own change since the run, as in the live table: the live calls equal the
+        # simulation saved with the run, and this checkout's differs from that one
+        since = not d["same"] and d["allocator"] == "npu_pool" and then == d["iteration_calls"] != d["simulated_calls"]
+        if since:
+            changed.append(f"{d['trace'].split('.')[0]} {allocator}")
         rows.append(f"| {d['trace'].split('.')[0]} | {allocator} | {d['cap_bytes']} | {live} | {sim} | "
-                    f"{'yes' if d['same'] else 'no'} | {after} |")
+                    f"{'yes' if d['same'] else 'changed since' if since else 'no'} | {after} |")
+    if changed:
+        rows += ["", "Changed since: the live calls equal the simulation saved with the run, and npu_pool places "
+                 "differently since (this checkout's calls in the simulated column, not measured on a GPU): "
+                 + ", ".join(changed) + "."]
     if as_then:
         rows += ["", "Simulated as the probe computed them on the device, not now (this checkout cuts the trace "
                  "into other iterations, or the trace is not at hand): " + ", ".join(as_then) + "."]

@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import io
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,25 @@ LATEST = RESULTS.parent / "h100-2026-11-26b"  # the torch model with cudaMalloc'
 # npu_pool's own changes since a run: rows whose live figures equal the simulation saved with the
 # run and differ from this checkout's npu_pool policy. Since 2026-11-27 free memory of two streams
 # merges only under cap pressure (arena.c): given room, the one trace of several streams places
-# differently.
-CHANGED_SINCE = ["llama7b-offload-infer"]
+# differently. Since 2026-11-28 a request goes back to the last place of its place key (arena.c,
+# placed_again): the H100 recording, the one trace of these runs with markers, places differently.
+CHANGED_SINCE = ["h100-gpt-bf16-train", "llama7b-offload-infer"]
 
 
 def _agrees(text: str, rows: int) -> bool:
-    """The live table's summary: every row equal, but npu_pool's rows of CHANGED_SINCE."""
-    k = len(CHANGED_SINCE)
-    return (f"on {rows - k} of {rows} rows; on {k} more (npu_pool: {', '.join(CHANGED_SINCE)}) the live run "
+    """The live table's summary: every row equal, but npu_pool's rows of CHANGED_SINCE (those of the
+    traces the run replayed)."""
+    changed = [n for n in CHANGED_SINCE if re.search(rf"^\| {n} \| npu_pool \| \d+ / \d+ \|", text, re.M)]
+    k = len(changed)
+    return (f"on {rows - k} of {rows} rows; on {k} more (npu_pool: {', '.join(changed)}) the live run "
             f"equals the simulation saved with it" in text and "| NO |" not in text)
+
+
+def _steady_agrees(rows: list[str]) -> bool:
+    """The per-iteration table: every row the same, but npu_pool's rows of CHANGED_SINCE, which may
+    say "changed since" (the live calls equal the probe's simulation saved with them)."""
+    return all("| yes |" in line or "| changed since |" in line and
+               any(line.startswith(f"| {n} | npu_pool") for n in CHANGED_SINCE) for line in rows)
 
 
 def _report(shared: Path, results: Path = RESULTS) -> str:
@@ -84,7 +95,7 @@ def test_on_a_full_device_each_iteration_made_the_calls_the_simulator_says(share
     text = _report(shared_traces, RESULTS.parent / "h100-2026-11-26")
     assert _agrees(text, 18)
     steady = [line for line in text.splitlines() if line.startswith("| ") and "| npu_pool | " in line and ", " in line]
-    assert len(steady) == 4 and all("| yes |" in line for line in steady), steady
+    assert len(steady) == 4 and _steady_agrees(steady), steady
     page = (ROOT / "docs" / "gpu.md").read_text()
     for results, shared in ((RESULTS.parent / "h100-2026-11-26", shared_traces),
                             (RESULTS.parent / "h200-2026-11-26" / "ab", Path("/nonexistent")),
@@ -122,7 +133,7 @@ def test_the_torch_model_places_segments_as_the_cuda_driver_did(shared_traces: P
         "2317352960 / 2317352960 | 71 / 71 | yes |" in text
     steady = [line for line in text.splitlines()
               if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line) and ", " in line]
-    assert len(steady) == 8 and all("| yes |" in line for line in steady), steady
+    assert len(steady) == 8 and _steady_agrees(steady), steady
     page = (ROOT / "docs" / "gpu.md").read_text()
     missing = [line for line in text.splitlines() if line.startswith("|") and line not in page]
     assert not missing, f"docs/gpu.md lacks {len(missing)} rows of the report, e.g. {missing[0]}"
@@ -239,7 +250,7 @@ def test_this_checkout_on_the_h100_and_torchs_memory_apis(shared_traces: Path) -
     assert _agrees(text, 20)
     steady = [line for line in text.splitlines()
               if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line) and ", " in line]
-    assert len(steady) == 8 and all("| yes |" in line for line in steady), steady
+    assert len(steady) == 8 and _steady_agrees(steady), steady
     _three_repeats_hold(folder)
     res = json.loads((folder / "apis.json").read_text())["runs"]
     table, agree = gpu_apis.report(res)
@@ -273,7 +284,7 @@ def test_four_threads_on_their_own_streams(shared_traces: Path) -> None:
     assert _agrees(text, 20)
     steady = [line for line in text.split("### Traces, iteration by iteration")[1].splitlines()
               if line.startswith("| ") and ("| native | " in line or "| npu_pool | " in line)]
-    assert len(steady) == 8 and all("| yes |" in line for line in steady), steady
+    assert len(steady) == 8 and _steady_agrees(steady), steady
     _three_repeats_hold(folder)
     gpu = {f.stem: json.loads(f.read_text()) for f in folder.glob("threads_*.json")}
     assert len(gpu) == 4 and all(r["ok"] and r["requests_timed"] == 47808 for r in gpu.values())

@@ -573,6 +573,41 @@ def test_npu_pool_site_learning_routes_short_lived_sites():
             p.free(ptr)
 
 
+def test_npu_pool_a_sites_request_goes_back_where_its_last_block_was():
+    """A request whose site's last block lay against an allocated block still there takes the free
+    memory beside it again where it fits, although best fit would take another hole: a loop that
+    repeats keeps its layout (docs/device_calls.md). Anywhere else, best fit; and before the first
+    optimizer step, whose states the layout that repeats holds, best fit too."""
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        p.set_phase(1)
+        a = p.malloc(4 * MiB, site=2, lifetime="long")
+        p.malloc(MiB, site=3)
+        b = p.malloc(4 * MiB, site=4, lifetime="long")
+        p.malloc(MiB, site=5)
+        p.free(a)
+        p.free(b)
+        assert p.malloc(4 * MiB, site=4) == a  # no place kept yet: best fit, the lower hole
+    with Pool("npu_pool", capacity=4 * GiB) as p:
+        p.mark("optimizer_begin")  # (the first step's states live from here on)
+        p.set_phase(1)
+        p.malloc(MiB, site=1)
+        x = p.malloc(4 * MiB, site=2, lifetime="long")
+        l1 = p.malloc(MiB, site=3)
+        y = p.malloc(4 * MiB, site=4, lifetime="long")
+        p.malloc(MiB, site=5)
+        p.free(x)
+        p.free(y)  # two holes of 4 MiB: best fit takes the lower one
+        y2 = p.malloc(4 * MiB, site=4)
+        assert y2 == y  # site 4's place, above l1
+        assert p.malloc(4 * MiB, site=6) == x  # a site seen for the first time: best fit
+        p.free(y2)
+        assert p.malloc(2 * MiB, site=4, lifetime="long") == y  # a smaller request of it: the same place
+        p.free(y)
+        p.free(l1)  # site 4's anchor is gone: a 5 MiB hole from l1 up
+        assert p.malloc(4 * MiB, site=4, lifetime="long") == l1  # best fit, at the hole's low end
+        p.check()
+
+
 def test_the_lifetime_table_is_bounded_and_learns_after_it_starts_over():
     """A run whose requests never repeat (a new size each time, in one phase with no end) would add
     a site per request: the table keeps 2^18 at most (stats()["learned_sites"]), then starts over,

@@ -120,7 +120,7 @@ int np_create(const np_config *cfg, np_ctx **out) {
   ctx->replay_time = -1;
   names(ctx);
   pthread_mutex_init(&ctx->lock, NULL);
-  if (!np_ptrmap_init(&ctx->live) || !np_lifetime_init(&ctx->life)) {
+  if (!np_ptrmap_init(&ctx->live) || !np_lifetime_init(&ctx->life) || !np_lifetime_init(&ctx->places)) {
     rc = np_error(NP_ERR_HOST, "host out of memory creating a context");
     goto fail;
   }
@@ -150,6 +150,7 @@ fail:
   }
   np_ctx_history_free(ctx);
   np_lifetime_destroy(&ctx->life);
+  np_lifetime_destroy(&ctx->places);
   np_ptrmap_destroy(&ctx->live);
   pthread_mutex_destroy(&ctx->lock);
   free(ctx);
@@ -202,6 +203,7 @@ static int close_locked(np_ctx *ctx) {
     free(ctx->spare);
     np_block_cache_destroy(&ctx->blocks);
     np_lifetime_destroy(&ctx->life);
+    np_lifetime_destroy(&ctx->places);
     np_ptrmap_destroy(&ctx->live);
   } /* else: the books are dropped (host memory of the child, freed with the process) */
   ctx->be = NULL;
@@ -362,19 +364,28 @@ void np_reset_accumulated(np_ctx *ctx) {
 }
 
 int np_forget(np_ctx *ctx) {
-  np_lifetime fresh;
+  np_lifetime fresh, fresh_places;
   if (!np_lifetime_init(&fresh)) return np_error(NP_ERR_HOST, "host out of memory for a lifetime table");
+  if (!np_lifetime_init(&fresh_places)) {
+    np_lifetime_destroy(&fresh);
+    return np_error(NP_ERR_HOST, "host out of memory for a lifetime table");
+  }
   np_ctx_lock(ctx);
   int rc = np_ctx_usable(ctx, "forget");
   if (rc == NP_OK) {
     np_lifetime_destroy(&ctx->life);
+    np_lifetime_destroy(&ctx->places);
     ctx->life = fresh;
+    ctx->places = fresh_places;
     ctx->marks = (np_marks){0};
     ctx->phase = 0;
     ctx->default_life = ctx->base_life = NP_LIFE_LONG; /* as np_create leaves them */
   }
   np_ctx_unlock(ctx);
-  if (rc != NP_OK) np_lifetime_destroy(&fresh);
+  if (rc != NP_OK) {
+    np_lifetime_destroy(&fresh);
+    np_lifetime_destroy(&fresh_places);
+  }
   return rc;
 }
 

@@ -559,15 +559,63 @@ static np_block *align_top(np_ctx *ctx, np_arena *a, np_block *t, uint64_t size)
   return rest;
 }
 
-static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
+/* The free block beside the allocated block that the last block of the request's place key was
+ * placed against (ctx->again: np_lifetime keeps it), when it fits `size` and may serve `stream`: the
+ * request goes back there, at the end that touches the anchor (*high: the free block's high end).
+ * In a loop that repeats, every request then takes the place its predecessor had, and an iteration
+ * repeats the layout of the one before, which fitted in what is mapped; a best fit may choose
+ * otherwise once requests change lifetime class or the free memory differs by a block, and a
+ * request larger than every hole left then maps more at the top (docs/device_calls.md). The place is a carve from an end of a free block, never from its middle, and only where
+ * the anchor ends (ABOVE) or the request ends (BELOW) where the last block's neighbour and the last
+ * block did; the pointer map finds the anchor in O(1), a block of this arena or not, allocated at
+ * that address now. */
+static np_block *placed_again(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool *high) {
+  const np_place *p = &ctx->again;
+  if (p->side == NP_PLACE_NONE || !a->seg) return NULL;
+  np_block *f = NULL;
+  if (p->anchor) {
+    np_block *n = np_ptrmap_find(&ctx->live, p->anchor);
+    if (!n || n->seg != a->seg) return NULL;
+    f = p->side == NP_PLACE_ABOVE ? n->next : n->prev;
+  } else if (p->side == NP_PLACE_ABOVE) {
+    f = a->seg->head;
+  }
+  if (!f || f->allocated || f->size < size || !compatible(f->stream, stream) || (!f->in_tree && f != a->top))
+    return NULL;
+  if (p->side == NP_PLACE_ABOVE ? f->addr != p->at : f->addr + f->size != p->at + size) return NULL;
+  *high = p->side == NP_PLACE_BELOW;
+  return f;
+}
+
+/* Where block b, just carved, lies: against the allocated block below it or the segment's start,
+ * else against the allocated block above it (placed_again, for its place key's next request). */
+static void note_place(np_block *b) {
+  const np_block *p = b->prev, *n = b->next;
+  b->side = !p || p->allocated ? NP_PLACE_ABOVE : n && n->allocated ? NP_PLACE_BELOW : NP_PLACE_NONE;
+  b->anchor = b->side == NP_PLACE_ABOVE ? (p ? p->addr : 0) : b->side == NP_PLACE_BELOW ? n->addr : 0;
+}
+
+/* Best fit (best_hole) with the end to carve (*long_lived: the low end), under cap pressure moved
+ * so as not to pin a free chunk (avoid_pin); NULL when no hole fits. */
+static np_block *best_fit(np_ctx *ctx, np_arena *a, intptr_t stream, uint64_t size, bool *long_lived) {
   np_block *h = best_hole(ctx, a, stream, size);
   /* A short-lived block takes its hole's high end, except in the hole just below the top: there
    * the low end, so that the rest of the hole stays next to the top, where a request larger
    * than every hole starts (absorb, below) instead of mapping above it. */
-  if (h && !long_lived && h->next && h->next == a->top) long_lived = true;
-  h = avoid_pin(ctx, a, h, stream, size, &long_lived);
+  if (h && !*long_lived && h->next && h->next == a->top) *long_lived = true;
+  return avoid_pin(ctx, a, h, stream, size, long_lived);
+}
+
+static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
+  bool high;
+  np_block *h = placed_again(ctx, a, size, stream, &high);
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
+    long_lived = !high; /* (the end to carve, whatever its class) */
+    if (h == a->top) a->top = NULL;
+    else np_tree_remove(&a->holes, h);
+    used_by = h->stream;
+  } else if ((h = best_fit(ctx, a, stream, size, &long_lived))) {
     np_tree_remove(&a->holes, h);
     used_by = h->stream;
   } else {
@@ -609,6 +657,7 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
   b->stream = stream;
   uint64_t end = b->addr + b->size - a->seg->addr;
   if (a->counts_hwm && end > ctx->st.arena_hwm.peak) ctx->st.arena_hwm.peak = end;
+  if (ctx->marks.any) note_place(b); /* (sites are known, and their places kept, only then) */
   *out = b;
   return NP_OK;
 }

@@ -16,6 +16,16 @@
 
 struct np_segment;
 
+/* Where a block at `at` was placed among its neighbours: just above the allocated block at
+ * `anchor` (NP_PLACE_ABOVE; anchor 0: at its segment's start) or just below it (NP_PLACE_BELOW);
+ * NP_PLACE_NONE: between free blocks, or by a policy that does not say. The next request of its
+ * place key may go back there (arena.c, placed_again). */
+enum { NP_PLACE_NONE = 0, NP_PLACE_ABOVE = 1, NP_PLACE_BELOW = 2 };
+typedef struct np_place {
+  uintptr_t at, anchor;
+  uint8_t side;
+} np_place;
+
 typedef struct np_block {
   uintptr_t addr;
   uint64_t size;
@@ -30,12 +40,14 @@ typedef struct np_block {
   uint32_t prio;                 /* treap priority */
   uint32_t phase;                /* phase counter when allocated */
   int32_t site;                  /* allocation site, -1 if unknown */
+  uintptr_t anchor;              /* allocated: where the arena placed it (np_place, with side) */
   uint8_t allocated;
   uint8_t pool;                  /* index into the context's pool stats */
   uint8_t in_tree;
   uint8_t mapped;                /* expandable: backed by physical pages */
   uint8_t shared;                /* allocated, and used on another stream too (record_stream) */
   uint8_t life;                  /* allocated: the NP_LIFE_* class it was placed as */
+  uint8_t side;                  /* allocated: NP_PLACE_*, with anchor (NONE once freed) */
   uint8_t orphan;                /* allocated, its free refused (the device could not synchronise for another
                                   * stream's use): freed by the next empty_cache whose synchronisation succeeds */
   uint8_t aside;                 /* allocated by the planned policy's fallback as a small request off the plan

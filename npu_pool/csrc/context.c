@@ -167,6 +167,13 @@ static int32_t derived_site(const np_marks *m, uint64_t size) {
   return (int32_t)(0x40000000u | (uint32_t)(x & 0x3FFFFFFFu));
 }
 
+/* A place key: the site in its layer and micro-batch, where the site alone is the same in every
+ * layer (a place is where one tensor of one iteration lay, for the same tensor of the next). */
+static int32_t place_key(const np_marks *m, int32_t site) {
+  uint64_t x = mix64((uint64_t)(uint32_t)site << 32 ^ (uint64_t)m->layer * 0x9E3779B97F4A7C15u ^ (uint64_t)m->micro);
+  return (int32_t)(x & 0x7FFFFFFFu);
+}
+
 /* The vendor's rule for request sizes (Ascend: round to 32 bytes, add 32). */
 static uint64_t device_size(const np_ctx *ctx, uint64_t size) {
   const np_backend *be = ctx->be;
@@ -193,6 +200,8 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   if (lifetime < NP_LIFE_AUTO || lifetime > NP_LIFE_SHORT)
     return np_error(NP_ERR_INVALID, "lifetime must be NP_LIFE_AUTO, NP_LIFE_LONG or NP_LIFE_SHORT, got %d", lifetime);
   if (np_ctx_check_stream(stream) != NP_OK) return NP_ERR_INVALID;
+  np_site_entry *place = NULL; /* where the request's place key's last block went (np_lifetime) */
+  ctx->again = (np_place){.side = NP_PLACE_NONE};
   if (ctx->marks.any) {
     /* Without a caller's site, a request is known by where it comes in its phase: the
      * k-th allocation of this size after a layer-enter marker is the same tensor in
@@ -200,6 +209,14 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
     if (site < 0) site = derived_site(&ctx->marks, size);
     ctx->marks.pos++;
     if (lifetime == NP_LIFE_AUTO) lifetime = np_lifetime_predict(&ctx->life, site);
+    /* Places from the first optimizer step on: before it (set-up, the first forward and
+     * backward) the layout is not yet the one that repeats, which holds the optimizer's states
+     * (going back to the first step's places, a recompute model's second step needed a second
+     * 20 MiB chunk where best fit fitted in one). */
+    if (ctx->policy->keeps_places && ctx->marks.optimizer_steps > 0) {
+      place = np_lifetime_place(&ctx->places, place_key(&ctx->marks, site));
+      if (place) ctx->again = (np_place){place->at, place->anchor, place->side};
+    }
   }
   if (lifetime == NP_LIFE_AUTO) lifetime = ctx->default_life;
   np_block *b = NULL;
@@ -222,6 +239,11 @@ int np_ctx_malloc(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, int
   b->life = (uint8_t)lifetime;
   rc = adopt(ctx, b, size, site, out);
   if (rc == NP_OK) {
+    if (place) { /* (the table had no new key since: the entry is still the key's) */
+      place->side = b->side;
+      place->at = b->addr;
+      place->anchor = b->anchor;
+    }
     np_ctx_record(ctx, NP_EV_ALLOC, b->addr, size, stream, site, b->pool, lifetime);
     ctx->last_life = lifetime;
   }
@@ -306,6 +328,7 @@ int np_ctx_free(np_ctx *ctx, void *ptr) {
   account(ctx, b, false);
   np_ctx_record(ctx, NP_EV_FREE, b->addr, b->requested, b->stream, b->site, b->pool, b->life);
   if (ctx->marks.any) np_lifetime_learn(&ctx->life, b->site, ctx->phase != b->phase); /* outlived its phase? */
+  b->side = NP_PLACE_NONE; /* (the struct may serve another policy's block next) */
   b->allocated = 0;
   b->requested = 0;
   ctx->policy->free(ctx, b);

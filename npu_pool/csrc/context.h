@@ -37,6 +37,8 @@ typedef struct np_marks {
   bool eval;
   bool later_micro;
   uint32_t pos;              /* allocations since the latest marker */
+  int64_t layer;             /* the latest layer marker's argument inside the stage, else -1 */
+  int64_t micro;             /* the latest forward or backward begin's argument (its micro-batch) */
   uint32_t optimizer_steps;  /* optimizer stages begun, less those that ended skipped (NP_OPTIMIZER_SKIPPED) */
 } np_marks;
 
@@ -85,6 +87,8 @@ struct np_ctx {
   uint64_t limit;            /* fraction * device total */
   np_stats st;
   np_lifetime life;          /* per-site lifetime history */
+  np_lifetime places;        /* per place key (a site in its layer and micro-batch): where its last block lay */
+  np_place again;            /* the request being placed: where its key's last block lay (side NONE: unknown) */
   uint32_t phase;            /* advanced by np_set_phase and np_mark */
   np_marks marks;
   int last_life;             /* class the latest successful malloc was placed as */

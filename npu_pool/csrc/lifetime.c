@@ -1,4 +1,4 @@
-/* lifetime.c -- per-site lifetime counts (see lifetime.h). */
+/* lifetime.c -- per-site lifetime counts and per-key places (see lifetime.h). */
 #include <stdlib.h>
 
 #include "lifetime.h"
@@ -6,7 +6,7 @@
 static size_t slot(int32_t site, size_t mask) { return ((uint32_t)site * 2654435761u) & mask; }
 
 static void empty_slots(np_site_entry *t, size_t n) {
-  for (size_t i = 0; i < n; i++) t[i] = (np_site_entry){-1, 0, 0};
+  for (size_t i = 0; i < n; i++) t[i] = (np_site_entry){.site = -1};
 }
 
 static np_site_entry *alloc_table(size_t n) {
@@ -46,6 +46,24 @@ static bool grow(np_lifetime *lt) {
   return true;
 }
 
+/* The entry of `key`, made if new; NULL when the host has no memory for a larger table (what is
+ * learned is best effort). */
+static np_site_entry *entry(np_lifetime *lt, int32_t key) {
+  np_site_entry *e = lookup(lt, key);
+  if (e->site != -1) return e;
+  if (lt->count == NP_LIFE_MAX_SITES) { /* full: start over (the table keeps its memory) */
+    empty_slots(lt->tab, lt->mask + 1);
+    lt->count = 0;
+    e = lookup(lt, key);
+  } else if ((lt->count + 1) * 4 > (lt->mask + 1) * 3) {
+    if (!grow(lt)) return NULL;
+    e = lookup(lt, key);
+  }
+  e->site = key;
+  lt->count++;
+  return e;
+}
+
 int np_lifetime_predict(const np_lifetime *lt, int32_t site) {
   if (site < 0) return NP_LIFE_AUTO;
   const np_site_entry *e = lookup(lt, site);
@@ -54,20 +72,8 @@ int np_lifetime_predict(const np_lifetime *lt, int32_t site) {
 }
 
 void np_lifetime_learn(np_lifetime *lt, int32_t site, bool lived_long) {
-  if (site < 0) return;
-  np_site_entry *e = lookup(lt, site);
-  if (e->site == -1) {
-    if (lt->count == NP_LIFE_MAX_SITES) { /* full: start over (the table keeps its memory) */
-      empty_slots(lt->tab, lt->mask + 1);
-      lt->count = 0;
-      e = lookup(lt, site);
-    } else if ((lt->count + 1) * 4 > (lt->mask + 1) * 3) {
-      if (!grow(lt)) return; /* learning is best effort */
-      e = lookup(lt, site);
-    }
-    e->site = site;
-    lt->count++;
-  }
+  np_site_entry *e = site < 0 ? NULL : entry(lt, site);
+  if (!e) return;
   uint8_t *c = lived_long ? &e->n_long : &e->n_short;
   if (*c == UINT8_MAX) {
     e->n_long /= 2;
@@ -75,3 +81,5 @@ void np_lifetime_learn(np_lifetime *lt, int32_t site, bool lived_long) {
   }
   (*c)++;
 }
+
+np_site_entry *np_lifetime_place(np_lifetime *lt, int32_t key) { return key < 0 ? NULL : entry(lt, key); }

@@ -38,7 +38,12 @@ int np_ctx_mark(np_ctx *ctx, int code, int64_t arg) {
   np_ctx_record(ctx, NP_EV_MARK, 0, 0, (intptr_t)arg, code, -1, 0);
   m->code = code;
   int stage = stage_of[code].opens;
-  if (stage < 0) return NP_OK; /* layer markers stay in the stage */
+  if (stage < 0) { /* layer markers stay in the stage */
+    m->layer = arg;
+    return NP_OK;
+  }
+  m->layer = -1;
+  if (code == NP_MARK_FORWARD_BEGIN || code == NP_MARK_BACKWARD_BEGIN) m->micro = arg;
   m->later_micro = (code == NP_MARK_FORWARD_BEGIN || code == NP_MARK_BACKWARD_BEGIN) && arg > 0;
   ctx->phase++; /* every other marker ends the stage */
   if (code == NP_MARK_OPTIMIZER_END && arg == NP_OPTIMIZER_SKIPPED && m->stage == NP_STAGE_OPTIMIZER && m->optimizer_steps)

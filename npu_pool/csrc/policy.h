@@ -27,6 +27,9 @@ struct np_policy {
    * keeps each thread's current device without asking (the simulated device counts no lookup:
    * torch_npu's allocator made none, measured live). */
   bool framework;
+  /* It places a request where its place key's last block lay (ctx->again; the arena's
+   * placed_again): the context keeps places for it (np_lifetime), for no other. */
+  bool keeps_places;
   int (*init)(np_ctx *ctx);
   void (*destroy)(np_ctx *ctx);       /* return every segment */
   int (*malloc)(np_ctx *ctx, uint64_t size, intptr_t stream, int lifetime, np_block **out);

@@ -79,6 +79,7 @@ const np_policy np_policy_npu_pool = {
     .pool_meaning = {"long-lived tensors: weights, gradients, optimizer states, activations kept for backward",
                      "short-lived tensors: temporaries that die inside the stage that made them"},
     .orders_streams = true,
+    .keeps_places = true,
     .init = npu_pool_init,
     .destroy = npu_pool_destroy,
     .malloc = npu_pool_malloc,

@@ -660,6 +660,7 @@ const np_policy np_policy_planned = {
                      "requests the plan does not cover, placed in the fallback arena"},
     .memory = "the pool (the plan's region and the fallback arena)",
     .orders_streams = true,
+    .keeps_places = true, /* (its fallback arena) */
     .init = planned_init,
     .destroy = planned_destroy,
     .malloc = planned_malloc,
