@@ -330,11 +330,13 @@ NOTES = """
   planned rows of those traces are the npu_pool policy's, and the planned policy's
   minimum-capacity waste below rose with them (those plans held in the recorded step only).
 - From the first optimizer step on (phase markers: the layout that repeats holds the optimizer's
-  states), a request goes back to the place the last block of its place
-  key had (its site in its layer and micro-batch, `lifetime.c`), when that block lay against an
-  allocated block that is still there and the free block beside it still starts or ends where
-  that block did and fits (`arena.c`, `placed_again`; before 2026-11-28 best fit alone): a loop
-  that repeats then repeats its layout, which fitted in what is mapped. Best fit alone chose
+  states), a request goes back to the place the last block of its place key had (its site in its
+  layer and micro-batch, `context.c`, `place_key`), when that block lay against an allocated
+  block that is still there and the free block beside it fits, starting where that block did
+  (above the neighbour) or ending at the neighbour (below it) (`arena.c`, `placed_again`; before
+  2026-11-28 best fit alone): a loop that repeats then repeats its layout, which fitted in what is
+  mapped. Far from the cap a place that would map memory (after `empty_cache`) yields to a hole
+  best fit carves without mapping, and a request a place would fail goes by best fit. Best fit alone chose
   otherwise where lifetime classes settle late: the H100 recording's only markers are the
   optimizer's, so its second iteration's requests are all of sites first seen, 753 of them
   change class in the third, and four 128 MiB blocks went elsewhere there, the last one past the

@@ -233,14 +233,15 @@ training iteration not at all.
 
 Since 2026-11-28 a request of the npu_pool policy goes back to its place key's last place from
 the first optimizer step on (docs/policies.md): per request a hash of its key, a lookup (or an
-insert) in the table of places, a pointer-map lookup of the anchor and the new place written back
-(`np_lifetime_place`, `entry`, `np_ptrmap_find`, `placed_again` in `try_place`), where best fit's
+insert) in the table of places, a pointer-map lookup of the anchor, a check that the place's
+carve maps nothing and the new place written back (`np_lifetime_place`, `entry`,
+`np_ptrmap_find`, `placed_again` and `carve_mapped` in `try_place`), where best fit's
 tree searches go when the place is there (`np_tree_lower_bound`, `np_tree_best_fit`). Against the
 build before it (b8ddbdc), in the same runs: on this trace, whose one optimizer step comes late
-and meets new keys only, 819 -> 857 instructions per op; on the H100 recording (ten steps,
-`--trace benchmarks/traces/h100-gpt-bf16-train.pickle`) 867 -> 903, 1.02x the ops per second;
+and meets new keys only, 819 -> 874 instructions per op; on the H100 recording (ten steps,
+`--trace benchmarks/traces/h100-gpt-bf16-train.pickle`) 867 -> 912, 1.01x the ops per second;
 on a CPU capture of 200 steps with layer markers (`capture(model_name="gpt", steps=200, dim=128,
-seq=128, batch=4)` saved as a trace, `--trace` it) 799 -> 844, 0.91x: about 45 instructions
+seq=128, batch=4)` saved as a trace, `--trace` it) 799 -> 851, 0.94x: about 50 instructions
 per op where places are kept, about 11 (the context's bookkeeping) for the torch model, which
 keeps none. Kept at that price: on a full device it took the H100 recording's steady iterations
 from 551 device calls to 5 (docs/device_calls.md), each a stall of microseconds where an op costs

@@ -608,6 +608,31 @@ def test_npu_pool_a_sites_request_goes_back_where_its_last_block_was():
         p.check()
 
 
+@pytest.mark.parametrize("fraction", [None, 20 / 1024])
+def test_npu_pool_a_place_that_would_map_yields_to_a_mapped_hole_and_never_fails_a_request(fraction):
+    """After empty_cache unmapped a site's place, its next request does not map memory for it where
+    a mapped hole fits (far from the cap), and a place that would pass the cap never fails a
+    request best fit serves (found by a review: the place mapped a chunk, and at a cap of what was
+    mapped the request ran out of memory, retry and all)."""
+    with Pool("npu_pool", capacity=GiB) as p:
+        p.mark("optimizer_begin")
+        x = p.malloc(4 * MiB, site=10, lifetime="long")
+        p.malloc(MiB, site=11, lifetime="long")
+        p.malloc(15 * MiB, site=1, lifetime="long")  # the first 20 MiB chunk is full
+        k = p.malloc(4 * MiB, site=2, lifetime="long")  # a second chunk; its place: above the 15 MiB
+        p.free(k)
+        p.empty_cache()  # the second chunk goes back: site 2's place is unmapped
+        p.free(x)  # a mapped 4 MiB hole
+        if fraction:
+            p.set_fraction(fraction)  # a cap of what is mapped: under pressure, the place is tried first
+        created = p.stats()["calls"]["phys_create"]
+        assert p.malloc(4 * MiB, site=2, lifetime="long") == x
+        st = p.stats()
+        assert st["total"]["reserved"]["current"] == 20 * MiB and st["retries"] == 0  # (no device-wide retry)
+        assert st["calls"]["phys_create"] == created
+        p.check()
+
+
 def test_the_lifetime_table_is_bounded_and_learns_after_it_starts_over():
     """A run whose requests never repeat (a new size each time, in one phase with no end) would add
     a site per request: the table keeps 2^18 at most (stats()["learned_sites"]), then starts over,

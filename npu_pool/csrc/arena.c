@@ -544,6 +544,15 @@ static bool surely_mapped(const np_arena *a, const np_block *b) {
   return a->seg->mapped == hwm && b->addr + b->size - a->seg->addr <= hwm;
 }
 
+/* Whether carving `size` bytes from free block h at its high (else low) end maps nothing: O(1) in
+ * the common case (surely_mapped's test, inline), else a walk of the carve's pages. */
+static inline bool carve_mapped(const np_ctx *ctx, const np_arena *a, const np_block *h, uint64_t size, bool high) {
+  if (!a->vmm) return true;
+  uintptr_t lo = high ? h->addr + h->size - size : h->addr;
+  uint64_t hwm = a->page_hwm * a->page;
+  return (a->seg->mapped == hwm && lo + size - a->seg->addr <= hwm) || np_vmm_unmapped(ctx, a->seg, lo, size) == 0;
+}
+
 /* Near the cap, a request of whole pages that grows the top from inside a page starts on the next
  * page boundary: its growth is then one chunk (its own pages) instead of two or three (the pages it
  * covers whole, and the page it would share with each neighbour). The skipped piece of the page
@@ -565,10 +574,11 @@ static np_block *align_top(np_ctx *ctx, np_arena *a, np_block *t, uint64_t size)
  * In a loop that repeats, every request then takes the place its predecessor had, and an iteration
  * repeats the layout of the one before, which fitted in what is mapped; a best fit may choose
  * otherwise once requests change lifetime class or the free memory differs by a block, and a
- * request larger than every hole left then maps more at the top (docs/device_calls.md). The place is a carve from an end of a free block, never from its middle, and only where
- * the anchor ends (ABOVE) or the request ends (BELOW) where the last block's neighbour and the last
- * block did; the pointer map finds the anchor in O(1), a block of this arena or not, allocated at
- * that address now. */
+ * request larger than every hole left then maps more at the top (docs/device_calls.md). The place
+ * is a carve from an end of a free block, never from its middle: ABOVE, at the anchor's end, only
+ * where the last block started there (the anchor kept its size); BELOW, ending at the anchor. The
+ * pointer map finds the anchor in O(1), a block of this arena or not, allocated at that address
+ * now. */
 static np_block *placed_again(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool *high) {
   const np_place *p = &ctx->again;
   if (p->side == NP_PLACE_NONE || !a->seg) return NULL;
@@ -582,7 +592,7 @@ static np_block *placed_again(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t 
   }
   if (!f || f->allocated || f->size < size || !compatible(f->stream, stream) || (!f->in_tree && f != a->top))
     return NULL;
-  if (p->side == NP_PLACE_ABOVE ? f->addr != p->at : f->addr + f->size != p->at + size) return NULL;
+  if (p->side == NP_PLACE_ABOVE && f->addr != p->at) return NULL;
   *high = p->side == NP_PLACE_BELOW;
   return f;
 }
@@ -609,6 +619,16 @@ static np_block *best_fit(np_ctx *ctx, np_arena *a, intptr_t stream, uint64_t si
 static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
   bool high;
   np_block *h = placed_again(ctx, a, size, stream, &high);
+  if (h && !carve_mapped(ctx, a, h, size, high) && !pressed(ctx, a)) {
+    /* Far from the cap, a place that would map memory (empty_cache unmapped it) yields to a hole
+     * best fit carves without mapping: a place must not grow the arena where best fit would not.
+     * Under cap pressure it stays (a trim unmaps places every iteration there, and best fit's
+     * holes were no better: h100-gpt-bf16-train's steady calls on a full device went from 11 to
+     * 161 under torch_npu's rules); a request it would fail goes by best fit (np_arena_malloc). */
+    bool end = long_lived;
+    np_block *fit = best_fit(ctx, a, stream, size, &end);
+    if (fit && carve_mapped(ctx, a, fit, size, !end)) h = NULL;
+  }
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
     long_lived = !high; /* (the end to carve, whatever its class) */
@@ -838,6 +858,10 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
   }
   np_streams_note(&a->streams, stream);
   rc = try_place(ctx, a, size, stream, long_lived, out);
+  if (rc == NP_ERR_OOM && ctx->again.side != NP_PLACE_NONE) { /* (a place never fails a request best fit serves) */
+    ctx->again.side = NP_PLACE_NONE;
+    rc = try_place(ctx, a, size, stream, long_lived, out);
+  }
   if (rc == NP_ERR_OOM && cross(ctx, a) && pressed(ctx, a) && merge_apart(ctx, a))
     rc = try_place(ctx, a, size, stream, long_lived, out);
   if (rc == NP_ERR_OOM) {

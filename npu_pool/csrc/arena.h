@@ -11,8 +11,10 @@
  *  - a request whose place key's last block lay against an allocated block that is still there
  *    (np_place: just above or below it, kept per key by np_lifetime from the first optimizer step
  *    on: context.c, place_key) goes back there when the free block beside it, of its stream or
- *    untagged, still starts (or ends) where that block did and fits: a loop that repeats repeats
- *    its layout, which fitted in what is mapped (arena.c, placed_again); otherwise:
+ *    untagged, fits and starts where that block did (above the neighbour) or ends at the
+ *    neighbour (below it): a loop that repeats repeats its layout, which fitted in what is mapped
+ *    (arena.c, placed_again). Far from the cap not where that maps memory and a best fit would
+ *    not; a request a place would fail goes by best fit (np_arena_malloc). Otherwise:
  *  - a request takes the smallest hole that fits (O(log n) tree by stream, size, address),
  *    long-lived at the hole's low end, short-lived at its high end, so short-lived churn
  *    stays away from long-lived neighbours and the hole that remains is contiguous with

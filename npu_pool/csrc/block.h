@@ -17,7 +17,8 @@
 struct np_segment;
 
 /* Where a block at `at` was placed among its neighbours: just above the allocated block at
- * `anchor` (NP_PLACE_ABOVE; anchor 0: at its segment's start) or just below it (NP_PLACE_BELOW);
+ * `anchor` (NP_PLACE_ABOVE, `at` its end; anchor 0: at its segment's start) or just below it
+ * (NP_PLACE_BELOW, ending at `anchor`);
  * NP_PLACE_NONE: between free blocks, or by a policy that does not say. The next request of its
  * place key may go back there (arena.c, placed_again). */
 enum { NP_PLACE_NONE = 0, NP_PLACE_ABOVE = 1, NP_PLACE_BELOW = 2 };
