@@ -617,6 +617,7 @@ static np_block *best_fit(np_ctx *ctx, np_arena *a, intptr_t stream, uint64_t si
 }
 
 static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, bool long_lived, np_block **out) {
+  const bool lifetime_class = long_lived; /* (long_lived below: the end to carve) */
   bool high;
   np_block *h = placed_again(ctx, a, size, stream, &high);
   if (h && !carve_mapped(ctx, a, h, size, high) && !pressed(ctx, a)) {
@@ -624,11 +625,12 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
      * best fit carves without mapping: a place must not grow the arena where best fit would not.
      * Under cap pressure it stays (a trim unmaps places every iteration there, and best fit's
      * holes were no better: h100-gpt-bf16-train's steady calls on a full device went from 11 to
-     * 161 under torch_npu's rules); a request it would fail goes by best fit (np_arena_malloc). */
+     * 161 under torch_npu's rules); a request it would fail goes by best fit (below). */
     bool end = long_lived;
     np_block *fit = best_fit(ctx, a, stream, size, &end);
     if (fit && carve_mapped(ctx, a, fit, size, !end)) h = NULL;
   }
+  bool placed = h != NULL;
   intptr_t used_by; /* who used the memory before: whom the request must be ordered after */
   if (h) {
     long_lived = !high; /* (the end to carve, whatever its class) */
@@ -672,6 +674,10 @@ static int try_place(np_ctx *ctx, np_arena *a, uint64_t size, intptr_t stream, b
   if (rc != NP_OK) {
     b->stream = np_tag_merge(b->stream, used_by);
     put_free(ctx, a, b);
+    if (rc == NP_ERR_OOM && placed) { /* a place never fails a request that best fit serves */
+      ctx->again.side = NP_PLACE_NONE;
+      return try_place(ctx, a, size, stream, lifetime_class, out);
+    }
     return rc;
   }
   b->stream = stream;
@@ -858,10 +864,6 @@ int np_arena_malloc(np_ctx *ctx, np_arena *a, uint64_t req, intptr_t stream, boo
   }
   np_streams_note(&a->streams, stream);
   rc = try_place(ctx, a, size, stream, long_lived, out);
-  if (rc == NP_ERR_OOM && ctx->again.side != NP_PLACE_NONE) { /* (a place never fails a request best fit serves) */
-    ctx->again.side = NP_PLACE_NONE;
-    rc = try_place(ctx, a, size, stream, long_lived, out);
-  }
   if (rc == NP_ERR_OOM && cross(ctx, a) && pressed(ctx, a) && merge_apart(ctx, a))
     rc = try_place(ctx, a, size, stream, long_lived, out);
   if (rc == NP_ERR_OOM) {

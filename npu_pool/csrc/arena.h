@@ -14,7 +14,7 @@
  *    untagged, fits and starts where that block did (above the neighbour) or ends at the
  *    neighbour (below it): a loop that repeats repeats its layout, which fitted in what is mapped
  *    (arena.c, placed_again). Far from the cap not where that maps memory and a best fit would
- *    not; a request a place would fail goes by best fit (np_arena_malloc). Otherwise:
+ *    not; a request a place would fail goes by best fit (arena.c, try_place). Otherwise:
  *  - a request takes the smallest hole that fits (O(log n) tree by stream, size, address),
  *    long-lived at the hole's low end, short-lived at its high end, so short-lived churn
  *    stays away from long-lived neighbours and the hole that remains is contiguous with
